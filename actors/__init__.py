@@ -1,0 +1,1 @@
+"""Ray actor roles (plain classes; ``ray.remote`` is applied in :mod:`t1async.launch`)."""

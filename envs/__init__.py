@@ -1,0 +1,1 @@
+"""Terminal environments: task loading, sandboxes, verifiers and the shipped tasks."""

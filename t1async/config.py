@@ -1,0 +1,298 @@
+"""Typed configuration: one dataclass per component, defaults in code, YAML only overrides.
+
+A config file (``configs/*.yaml``) and ``key=value`` overrides on the command line are merged
+onto :class:`Config` with OmegaConf's structured-config mode, so an unknown key or a value of
+the wrong type is refused with :class:`ConfigError` naming the key and where it came from.
+Each component receives only its own section (``cfg.learner`` for the learner, and so on).
+
+Source of the merge semantics: OmegaConf 2.x structured configs
+(https://omegaconf.readthedocs.io/en/latest/structured_config.html).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    """A config file is missing, unreadable, or holds an unknown key or a wrongly typed value."""
+
+
+@dataclass
+class RunConfig:
+    """Where the run writes and how it is seeded."""
+
+    dir: str = "runs/{now}"
+    """Run directory (log, metrics.jsonl, checkpoints, resolved config). ``{now}`` is replaced
+    by a UTC timestamp ``YYYYmmdd-HHMMSS`` at launch."""
+    seed: int = 0
+    """Seed for the learner's model init and every sampler's RNG (sampler i uses seed + i)."""
+    torch_threads: int = 1
+    """Intra-op threads each actor process gives torch (keep actors x threads <= cores)."""
+
+
+@dataclass
+class RayConfig:
+    """How ``launch`` reaches Ray."""
+
+    address: Optional[str] = None
+    """Address of an existing Ray cluster (``auto`` or ``host:port``); None starts a local one."""
+    num_cpus: Optional[int] = None
+    """CPUs a locally started Ray advertises; None lets Ray count them."""
+
+
+@dataclass
+class ModelConfig:
+    """Policy architecture: Qwen3-MoE, with Hugging Face ``Qwen3MoeConfig`` field names.
+
+    Written verbatim (plus ``architectures`` and ``model_type``) as a checkpoint's config.json.
+    """
+
+    vocab_size: int = 4096
+    """Rows of the embedding and of the LM head; must be >= the tokenizer's vocabulary."""
+    hidden_size: int = 128
+    """Residual stream width."""
+    num_hidden_layers: int = 4
+    """Decoder layers; every layer is an MoE layer (``decoder_sparse_step`` = 1)."""
+    num_attention_heads: int = 4
+    """Query heads."""
+    num_key_value_heads: int = 2
+    """Key/value heads (grouped-query attention); must divide ``num_attention_heads``."""
+    head_dim: int = 32
+    """Width of one attention head."""
+    num_experts: int = 8
+    """Routed experts per MoE layer."""
+    num_experts_per_tok: int = 2
+    """Experts each token is routed to (top-k)."""
+    moe_intermediate_size: int = 256
+    """Hidden width of one expert's SwiGLU MLP."""
+    norm_topk_prob: bool = True
+    """Renormalise the top-k gate probabilities to sum to 1 (Qwen3-MoE default)."""
+    rms_norm_eps: float = 1e-6
+    """Epsilon of every RMSNorm."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency."""
+    max_position_embeddings: int = 8192
+    """Longest sequence (tokens) the model is configured for."""
+    tie_word_embeddings: bool = False
+    """Share the embedding matrix with the LM head."""
+    initializer_range: float = 0.02
+    """Std of the normal init of linear and embedding weights."""
+
+
+@dataclass
+class SamplerConfig:
+    """Samplers: embedded PyTorch engines speaking SGLang's HTTP protocol (or SGLang servers)."""
+
+    backend: str = "embedded"
+    """``embedded`` (PyTorch engine in a Ray actor) or ``sglang`` (external servers in ``urls``)."""
+    num_samplers: int = 1
+    """Embedded samplers to start (M)."""
+    urls: list[str] = field(default_factory=list)
+    """Base URLs of external SGLang servers (backend ``sglang`` only)."""
+    host: str = "127.0.0.1"
+    """Interface the embedded HTTP servers listen on."""
+    dtype: str = "float32"
+    """Weights/activation dtype of the embedded engine: float32 or bfloat16."""
+    request_timeout_s: float = 300.0
+    """HTTP timeout of one /generate call, seconds."""
+
+
+@dataclass
+class GenerationConfig:
+    """Sampling parameters of one assistant turn (SGLang ``sampling_params``)."""
+
+    max_new_tokens: int = 48
+    """Most tokens sampled in one turn."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy."""
+    top_p: float = 1.0
+    """Nucleus mass kept (1.0 keeps all)."""
+    top_k: int = -1
+    """Keep only the k most likely tokens (-1 keeps all)."""
+
+
+@dataclass
+class EnvConfig:
+    """Terminal environment: where tasks come from and how the sandboxed shell behaves."""
+
+    tasks_dir: str = ""
+    """Folder of task folders (Terminal-Bench 2 layout). Empty means the shipped envs/tasks."""
+    tasks: list[str] = field(default_factory=list)
+    """Names of tasks to use (empty: every task in ``tasks_dir``)."""
+    sandbox: str = "local"
+    """Sandbox backend (``local`` = bubblewrap)."""
+    max_turns: int = 4
+    """Assistant turns per episode before it is ended."""
+    episode_timeout_s: float = 120.0
+    """Wall-clock budget of the agent part of an episode, seconds."""
+    command_timeout_s: float = 10.0
+    """Per-command timeout; on expiry every process the command started is killed."""
+    max_output_bytes: int = 2048
+    """Longest command output shown to the model; longer output keeps head and tail around a
+    visible truncation marker."""
+    verifier_timeout_s: float = 60.0
+    """Budget of the task's verifier (tests/test.sh), seconds, unless the task sets its own."""
+    end_signal: str = "exit"
+    """An assistant message equal to this (after stripping whitespace) ends the episode."""
+    system_prompt: str = (
+        "You operate a Linux shell to finish the task. Reply with exactly one shell command per "
+        "message; its output comes back as the next message. The working directory is /app. "
+        "Reply with `exit` when the task is done."
+    )
+    """System message that opens every episode."""
+
+
+@dataclass
+class RolloutConfig:
+    """Rollout actors: each runs episodes one after another and streams trajectories."""
+
+    num_actors: int = 2
+    """Rollout actors to start (N); tunable live through the controller."""
+    max_restarts: int = 100
+    """Crashed rollout actors the controller replaces before it gives up on the run."""
+    crash_after_episodes: int = 0
+    """Fault injection for tests: the first rollout actor raises after this many episodes
+    (0 = off). Its replacement runs without it."""
+
+
+@dataclass
+class TransportConfig:
+    """Trajectory transport: ZeroMQ PUSH (rollout actors) -> PULL (learner)."""
+
+    scheme: str = "tcp"
+    """``tcp`` (between machines) or ``ipc`` (one machine)."""
+    host: str = "127.0.0.1"
+    """Interface the learner binds (tcp) and actors connect to."""
+    port: int = 0
+    """TCP port the learner binds; 0 picks a free one."""
+    rcvhwm: int = 64
+    """Learner receive high-water mark, messages."""
+    sndhwm: int = 8
+    """Rollout actor send high-water mark, messages (a full queue blocks the actor)."""
+
+
+@dataclass
+class WeightSyncConfig:
+    """Weight broadcast from the learner (rank 0) to every sampler."""
+
+    backend: str = "gloo"
+    """torch.distributed backend: ``gloo`` (CPU) or ``nccl`` (GPUs)."""
+    master_address: str = "127.0.0.1"
+    """Address of the learner's rendezvous TCPStore."""
+    master_port: int = 0
+    """Port of the rendezvous TCPStore; 0 picks a free one."""
+    timeout_s: float = 120.0
+    """Timeout of the group's rendezvous and of each broadcast, seconds."""
+
+
+@dataclass
+class LearnerConfig:
+    """Actor-critic learner: decoupled PPO with truncated importance weights and GAE."""
+
+    max_steps: int = 8
+    """Learner steps after which the run stops."""
+    batch_size: int = 4
+    """Trajectories per learner step (also ``rollouts_per_step`` for admission control)."""
+    max_staleness: int = 1
+    """Largest allowed (learner version - oldest token version) of a trajectory trained on."""
+    publish_every: int = 1
+    """Publish new weights to every sampler after this many learner steps (K)."""
+    checkpoint_every: int = 0
+    """Write a checkpoint every this many steps (0: only the final one)."""
+    lr: float = 1e-4
+    """AdamW learning rate of the policy."""
+    critic_lr: float = 1e-4
+    """AdamW learning rate of the critic."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    max_grad_norm: float = 1.0
+    """Global gradient-norm clip."""
+    ppo_epochs: int = 1
+    """Optimisation passes over each batch."""
+    clip_eps: float = 0.2
+    """PPO ratio clip epsilon (ratio against the proximal policy)."""
+    is_cap: float = 2.0
+    """Cap C of the truncated behaviour importance weight min(pi_prox / mu, C)."""
+    value_clip: float = 0.2
+    """Clip range of the value loss around the old values."""
+    value_coef: float = 0.5
+    """Weight of the value loss."""
+    gamma: float = 1.0
+    """GAE discount over sampled tokens."""
+    lam: float = 0.95
+    """GAE lambda."""
+    critic_warmup_steps: int = 0
+    """Initial steps that train only the critic (policy frozen)."""
+    routing_replay: bool = True
+    """Replay the sampler's routed experts in every MoE layer (R3)."""
+    init_checkpoint: str = ""
+    """Folder with model.safetensors + config.json to warm-start the policy from ('' = random init)."""
+    batch_timeout_s: float = 600.0
+    """Longest wait for one batch before the learner reports it is starved and stops."""
+
+
+@dataclass
+class Config:
+    """The whole run. Each component receives only its own section."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Merge a YAML file and ``key=value`` overrides onto the defaults of :class:`Config`.
+
+    Args:
+        path: YAML file whose keys override the defaults, or None for defaults only.
+        overrides: dotted ``section.key=value`` strings applied after the file.
+
+    Returns:
+        A :class:`Config` instance (a typed dataclass, not a DictConfig).
+
+    Raises:
+        ConfigError: the file is missing or not YAML, or a key is unknown or a value has the
+            wrong type; the message names the key and the file (or "command line").
+    """
+    base = OmegaConf.structured(Config)
+    layers = []
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist; pass a YAML file such as configs/local.yaml")
+        try:
+            layers.append((str(p), OmegaConf.load(p)))
+        except Exception as e:  # yaml.YAMLError and friends
+            raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise ConfigError(f"override {bad[0]!r} on the command line is not key=value (for example learner.max_steps=4)")
+    if overrides:
+        layers.append(("command line", OmegaConf.from_dotlist(list(overrides))))
+    merged = base
+    for source, layer in layers:
+        try:
+            merged = OmegaConf.merge(merged, layer)
+        except OmegaConfBaseException as e:
+            key = getattr(e, "full_key", None) or "?"
+            reason = str(e).splitlines()[0]
+            raise ConfigError(f"{source}: bad key {key!r}: {reason}") from None
+    return OmegaConf.to_object(merged)  # type: ignore[return-value]
+
+
+def to_yaml(cfg: Any) -> str:
+    """Render a config (or one section of it) as YAML, for saving in the run directory."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
