@@ -1,1 +1,15 @@
 """Ray actor roles (plain classes; ``ray.remote`` is applied in :mod:`t1async.launch`)."""
+
+from typing import Any
+
+
+def call(method: Any, *args: Any) -> Any:
+    """Call a plain method or a Ray actor method alike (one config, two runtimes).
+
+    A Ray actor method has ``.remote``; its result is waited for with ``ray.get``.
+    """
+    if hasattr(method, "remote"):
+        import ray
+
+        return ray.get(method.remote(*args))
+    return method(*args)

@@ -227,6 +227,8 @@ class LearnerConfig:
     """GAE discount over sampled tokens."""
     lam: float = 0.95
     """GAE lambda."""
+    normalize_advantages: bool = True
+    """Whiten advantages over the batch's loss tokens (mean 0, std 1)."""
     critic_warmup_steps: int = 0
     """Initial steps that train only the critic (policy frozen)."""
     routing_replay: bool = True

@@ -1,0 +1,164 @@
+"""Controller role: admission control (bounded staleness), task assignment, rollout supervision and scaling.
+
+Admission follows AReaL's rule: a rollout may start only while
+
+    started_rollouts < (learner_version + max_staleness + 1) * rollouts_per_step
+
+so that actors never run far ahead of the learner and the learner rarely has to drop stale
+trajectories (DESIGN.md section 4). Episodes that fail return their slot.
+
+Supervision: :meth:`run` watches every rollout actor's ``run`` call; an actor that crashes is
+logged and replaced (up to ``max_restarts``), and the actor count follows :meth:`scale`.
+:meth:`stop` ends admission, waits a grace period, then kills what is still running.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from typing import Any, Callable
+
+from loguru import logger
+
+from t1async.config import RolloutConfig
+
+
+class Controller:
+    """The controller actor (a plain class; ``ray.remote`` with ``max_concurrency`` > actors is applied in launch).
+
+    Args:
+        cfg: rollout section (actor count, restarts, fault injection).
+        task_names: tasks to draw episodes from (shuffled round robin).
+        rollouts_per_step: trajectories the learner consumes per step (its batch size).
+        max_staleness: eta, the staleness bound.
+        make_rollout: ``(actor_id, crash_after_episodes) -> Ray actor handle`` of a RolloutActor.
+        seed: seed of the task order.
+    """
+
+    def __init__(self, cfg: RolloutConfig, task_names: list[str], *, rollouts_per_step: int, max_staleness: int,
+                 make_rollout: Callable[[int, int], Any], seed: int = 0):
+        if not task_names:
+            raise ValueError("the controller needs at least one task")
+        self.cfg = cfg
+        self.rollouts_per_step, self.max_staleness = rollouts_per_step, max_staleness
+        self.make_rollout = make_rollout
+        self.version = 0
+        self.started = 0
+        self.failed_episodes = 0
+        self.crashes = 0
+        self.target = cfg.num_actors
+        self._tasks = list(task_names)
+        self._rng = random.Random(seed)
+        self._order: list[str] = []
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._actors: dict[int, tuple[Any, Any]] = {}  # actor_id -> (handle, run ObjectRef)
+        self._retired: set[int] = set()
+        self._next_id = 0
+
+    # ---- called by rollout actors and the learner (concurrently) ------------------------
+    def acquire(self, actor_id: int) -> str | None:
+        """Admit one episode: a task name, ``""`` (not yet: ask again), or None (stop).
+
+        Waits up to 1 s for the learner's version to rise before answering ``""``.
+        """
+        with self._cond:
+            deadline = time.monotonic() + 1.0
+            while True:
+                if self._stopping or actor_id in self._retired:
+                    return None
+                if self.started < (self.version + self.max_staleness + 1) * self.rollouts_per_step:
+                    self.started += 1
+                    if not self._order:
+                        self._order = self._rng.sample(self._tasks, len(self._tasks))
+                    return self._order.pop()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return ""
+                self._cond.wait(left)
+
+    def episode_failed(self, actor_id: int, reason: str) -> None:
+        """An admitted episode produced no trajectory: count it and return its admission slot."""
+        with self._cond:
+            self.started -= 1
+            self.failed_episodes += 1
+            self._cond.notify_all()
+        logger.warning("rollout {} lost an episode: {}", actor_id, reason)
+
+    def set_version(self, version: int) -> None:
+        """The learner published ``version``; admit more rollouts accordingly."""
+        with self._cond:
+            self.version = version
+            self._cond.notify_all()
+
+    def scale(self, num_actors: int) -> None:
+        """Set the number of rollout actors; the supervision loop starts or retires actors to match."""
+        if num_actors < 0:
+            raise ValueError(f"num_actors must be >= 0, got {num_actors}")
+        with self._cond:
+            self.target = num_actors
+        logger.info("rollout actors scaled to {}", num_actors)
+
+    def status(self) -> dict[str, Any]:
+        """Actor count, admissions, failures, crashes and the version admission follows."""
+        return {"actors": len(self._actors), "target": self.target, "started": self.started, "version": self.version,
+                "failed_episodes": self.failed_episodes, "crashes": self.crashes}
+
+    # ---- supervision loop ---------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        """Start rollout actors, replace crashed ones, follow :meth:`scale`; returns when stopped."""
+        import ray
+
+        me = ray.get_runtime_context().current_actor
+        while not self._stopping:
+            self._reconcile(me)
+            refs = {ref: aid for aid, (_, ref) in self._actors.items()}
+            if not refs:
+                time.sleep(0.5)
+                continue
+            ready, _ = ray.wait(list(refs), num_returns=1, timeout=1.0)
+            for ref in ready:
+                aid = refs[ref]
+                self._actors.pop(aid, None)
+                try:
+                    result = ray.get(ref)
+                    logger.info("rollout {} finished: {}", aid, result)
+                except Exception as e:
+                    if self._stopping:
+                        continue
+                    self.crashes += 1
+                    logger.error("rollout actor {} crashed ({} of {} restarts): {}", aid, self.crashes,
+                                 self.cfg.max_restarts, str(e).splitlines()[0] if str(e) else type(e).__name__)
+                    if self.crashes > self.cfg.max_restarts:
+                        logger.error("too many rollout crashes; the controller stops admitting episodes")
+                        self.stop(grace_s=0)
+        return self.status()
+
+    def _reconcile(self, me: Any) -> None:
+        with self._cond:
+            live = sorted(a for a in self._actors if a not in self._retired)
+            for aid in live[self.target:]:
+                self._retired.add(aid)  # finishes its current episode, then acquire() says stop
+            missing = self.target - min(len(live), self.target)
+        for _ in range(missing):
+            aid = self._next_id
+            self._next_id += 1
+            crash = self.cfg.crash_after_episodes if aid == 0 else 0
+            handle = self.make_rollout(aid, crash)
+            self._actors[aid] = (handle, handle.run.remote(me))
+            logger.info("started rollout actor {}", aid)
+
+    def stop(self, grace_s: float = 5.0) -> dict[str, Any]:
+        """End admission, wait up to ``grace_s`` for actors to finish their episode, kill the rest."""
+        import ray
+
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        actors = list(self._actors.values())
+        if actors and grace_s > 0:
+            ray.wait([ref for _, ref in actors], num_returns=len(actors), timeout=grace_s)
+        for handle, _ in actors:
+            ray.kill(handle, no_restart=True)
+        return self.status()

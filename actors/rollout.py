@@ -1,0 +1,216 @@
+"""Rollout role: run multi-turn terminal episodes against a sampler and stream trajectories to the learner.
+
+Data path of one episode (TITO: token in, token out; see DESIGN.md section 4):
+
+    task --reset--> sandbox with /app; prompt ids = chat template(system, instruction)
+    loop over turns:
+        ids --/generate--> sampled ids, log-probs, routed experts (rows from the first
+                           position not yet recorded), weight version
+        append the sampled ids exactly (loss mask 1); if the turn did not end with the
+        end-of-turn id, append it with loss mask 0 (drift repair)
+        decoded text == end signal -> stop; else run it in the sandbox shell and append the
+        observation, rendered on its own (loss mask 0)
+    verifier -> per-test results, reward = tests passed
+    trim the stream after the last sampled token; encode; PUSH to the learner
+
+Nothing already in the stream is ever re-tokenized. The rollout actor waits for admission from
+the controller before each episode (staleness control) and stops when admission says so.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from loguru import logger
+
+from t1async.actors import call
+from t1async.config import EnvConfig, GenerationConfig, ModelConfig, TransportConfig
+from t1async.envs.task import Task, discover_tasks
+from t1async.envs.terminal import TerminalEnv
+from t1async.sampler_client import HttpSampler, Sampler
+from t1async.tokenizer import ChatTokenizer
+from t1async.trajectory import Trajectory, encode
+from t1async.transport import ZmqSender
+
+
+class EpisodeBuilder:
+    """Accumulates one episode's token stream; every list stays aligned token by token."""
+
+    def __init__(self, prompt_ids: list[int]):
+        self.ids: list[int] = list(prompt_ids)
+        self.mask: list[int] = [0] * len(prompt_ids)
+        self.logprobs: list[float] = [0.0] * len(prompt_ids)
+        self.versions: list[int] = [-1] * len(prompt_ids)
+        self.turns: list[tuple[int, int]] = []
+        self.routing: list[np.ndarray] = []
+        self.routing_rows = 0
+
+    def add_sampled(self, ids: list[int], logprobs: list[float], version: int, routing: np.ndarray) -> None:
+        """Append one turn's sampled ids (loss mask 1) and the routing rows of this request."""
+        start = len(self.ids)
+        self.ids += ids
+        self.mask += [1] * len(ids)
+        self.logprobs += logprobs
+        self.versions += [version] * len(ids)
+        self.turns.append((start, len(self.ids)))
+        self.routing.append(routing)
+        self.routing_rows += routing.shape[0]
+
+    def add_context(self, ids: list[int]) -> None:
+        """Append ids the policy did not sample (repair, observation): loss mask 0."""
+        self.ids += ids
+        self.mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [-1] * len(ids)
+
+    def finish(self, **kw: Any) -> Trajectory:
+        """The trajectory, trimmed to end at the last sampled token (later ids were never fed back)."""
+        end = self.turns[-1][1]
+        routing = np.concatenate(self.routing, axis=0)
+        if routing.shape[0] != end - 1:
+            raise RuntimeError(f"routed experts cover {routing.shape[0]} positions, the stream has {end - 1} fed back")
+        return Trajectory(
+            token_ids=np.asarray(self.ids[:end], dtype=np.uint32),
+            loss_mask=np.asarray(self.mask[:end], dtype=np.uint8),
+            logprobs=np.asarray(self.logprobs[:end], dtype=np.float32),
+            versions=np.asarray(self.versions[:end], dtype=np.int32),
+            turn_offsets=np.asarray(self.turns, dtype=np.int32),
+            routed_experts=routing,
+            **kw,
+        )
+
+
+def run_episode(task: Task, env: TerminalEnv, sampler: Sampler, tokenizer: ChatTokenizer, env_cfg: EnvConfig,
+                gen_cfg: GenerationConfig, model_cfg: ModelConfig, actor_id: int) -> Trajectory:
+    """Run one episode of ``task`` to its end and return its trajectory (the env is reset here, closed by the caller).
+
+    The episode ends on the end signal, after ``env_cfg.max_turns`` turns, when the agent's time
+    budget (the smaller of the task's and ``env_cfg.episode_timeout_s``) is spent, or when the
+    next turn would not fit the model's context.
+
+    Raises:
+        SamplerError, SandboxError: the episode could not run (the caller logs and counts it).
+    """
+    started = time.time()
+    instruction = env.reset()
+    budget = min(task.agent_timeout_s, env_cfg.episode_timeout_s)
+    ep = EpisodeBuilder(tokenizer.render_prompt(env_cfg.system_prompt, instruction))
+    eot = tokenizer.end_of_turn_ids
+    params = {"max_new_tokens": gen_cfg.max_new_tokens, "temperature": gen_cfg.temperature, "top_p": gen_cfg.top_p,
+              "top_k": gen_cfg.top_k, "stop_token_ids": [tokenizer.im_end_id, tokenizer.eos_id]}
+    finish = "max_turns"
+    for _ in range(env_cfg.max_turns):
+        if time.time() - started > budget:
+            finish = "timeout"
+            break
+        if len(ep.ids) + gen_cfg.max_new_tokens > model_cfg.max_position_embeddings:
+            finish = "context_full"
+            break
+        resp = sampler.generate(ep.ids, params, routed_experts_start_len=ep.routing_rows)
+        ep.add_sampled(resp.output_ids, resp.logprobs, resp.weight_version, resp.routed_experts)
+        ended = bool(resp.output_ids) and resp.output_ids[-1] == tokenizer.im_end_id
+        body = resp.output_ids[:-1] if ended else resp.output_ids
+        command = tokenizer.decode(body).replace("\x00", "").strip()
+        if command == env_cfg.end_signal:
+            finish = "end_signal"
+            break
+        if not ended:
+            ep.add_context(eot)  # drift repair: close the turn as the template would
+        result = env.step(command)
+        ep.add_context(tokenizer.render_observation(result.output))
+    verdict = env.verify()
+    return ep.finish(
+        task=task.name, actor_id=actor_id, num_experts=model_cfg.num_experts, reward=float(verdict.reward),
+        passed=verdict.passed, total=verdict.total, resolved=verdict.resolved, finish_reason=finish,
+        tests=[(t.name, t.passed) for t in verdict.tests], verifier_error=verdict.error,
+        started_at=started, finished_at=time.time(),
+    )
+
+
+class RolloutActor:
+    """One rollout actor: episodes one after another, trajectories pushed over ZeroMQ.
+
+    Args:
+        actor_id: this actor's number (also picks its sampler: ``sampler_urls[actor_id % M]``).
+        env_cfg, gen_cfg, model_cfg, transport: config sections.
+        sampler_urls: base URLs of the samplers.
+        endpoint: the learner's ZeroMQ address.
+        crash_after_episodes: fault injection for tests (0 = off).
+    """
+
+    def __init__(self, actor_id: int, env_cfg: EnvConfig, gen_cfg: GenerationConfig, model_cfg: ModelConfig,
+                 transport: TransportConfig, sampler_urls: list[str], endpoint: str, *, crash_after_episodes: int = 0,
+                 request_timeout_s: float = 300.0):
+        self.actor_id = actor_id
+        self.env_cfg, self.gen_cfg, self.model_cfg = env_cfg, gen_cfg, model_cfg
+        self.tasks = {t.name: t for t in discover_tasks(_tasks_dir(env_cfg), env_cfg.tasks)}
+        self.tokenizer = ChatTokenizer.load()
+        url = sampler_urls[actor_id % len(sampler_urls)]
+        self.sampler = HttpSampler(url, num_layers=model_cfg.num_hidden_layers, top_k=model_cfg.num_experts_per_tok,
+                                   timeout_s=request_timeout_s)
+        self.sender = ZmqSender(endpoint, sndhwm=transport.sndhwm)
+        self.crash_after = crash_after_episodes
+        self.episodes = 0
+        self.failed = 0
+        self.workdir = Path(tempfile.mkdtemp(prefix=f"t1async-rollout{actor_id}-"))
+
+    def run(self, controller: Any) -> dict[str, int]:
+        """Loop: admission -> episode -> send, until the controller answers None.
+
+        Consumes admissions from ``controller.acquire(actor_id)`` (a task name, ``""`` = wait and
+        ask again, None = stop); produces one ZeroMQ frame per finished episode. An episode that
+        fails (sampler or sandbox error) is logged, counted and reported with
+        ``controller.episode_failed`` so its admission slot is returned.
+        """
+        try:
+            while True:
+                name = call(controller.acquire, self.actor_id)
+                if name is None:
+                    break
+                if name == "":
+                    continue
+                try:
+                    traj = self.run_one(name)
+                except Exception as e:  # one bad episode must not end the actor
+                    self.failed += 1
+                    logger.opt(exception=e).error("rollout {} episode of {} failed", self.actor_id, name)
+                    call(controller.episode_failed, self.actor_id, f"{type(e).__name__}: {e}")
+                    continue
+                self.sender.send(encode(traj))
+                self.episodes += 1
+                logger.info("rollout {} sent {}: {} tokens, {} turns, {}/{} tests, versions {}", self.actor_id, name,
+                            traj.num_tokens, len(traj.turn_offsets), traj.passed, traj.total,
+                            sorted(set(traj.versions[traj.loss_mask.astype(bool)].tolist())))
+                if self.crash_after and self.episodes >= self.crash_after:
+                    raise RuntimeError(f"fault injection: rollout {self.actor_id} crashes after {self.episodes} episodes")
+        finally:
+            self.sender.close()
+            shutil.rmtree(self.workdir, ignore_errors=True)
+        return {"episodes": self.episodes, "failed": self.failed}
+
+    def run_one(self, task_name: str) -> Trajectory:
+        """Run one episode of the named task in a fresh sandbox and return its trajectory."""
+        task = self.tasks[task_name]
+        env = TerminalEnv(task, root=self.workdir, sandbox=self.env_cfg.sandbox,
+                          command_timeout_s=self.env_cfg.command_timeout_s,
+                          max_output_bytes=self.env_cfg.max_output_bytes,
+                          verifier_timeout_s=self.env_cfg.verifier_timeout_s)
+        try:
+            return run_episode(task, env, self.sampler, self.tokenizer, self.env_cfg, self.gen_cfg, self.model_cfg,
+                               self.actor_id)
+        finally:
+            env.close()
+
+
+def _tasks_dir(env_cfg: EnvConfig) -> Path:
+    """The configured task folder, or the shipped ``envs/tasks``."""
+    if env_cfg.tasks_dir:
+        return Path(env_cfg.tasks_dir)
+    import t1async.envs
+
+    return Path(t1async.envs.__file__).parent / "tasks"

@@ -1,0 +1,3 @@
+#!/bin/bash
+cd /app
+find logs -type f -name '*.log' | sort | tar -czf logs_backup.tar.gz -T -

@@ -1,0 +1,3 @@
+#!/bin/bash
+mkdir -p /app/extracted
+tar -xzf /app/bundle.tar.gz -C /app/extracted

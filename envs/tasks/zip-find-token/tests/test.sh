@@ -1,0 +1,3 @@
+#!/bin/bash
+cd /app
+python3 -m pytest -rA -q /tests/test_outputs.py

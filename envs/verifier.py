@@ -1,0 +1,182 @@
+"""Verifier results: per-test outcomes parsed from pytest's ``-rA`` short test summary.
+
+A task's ``tests/test.sh`` runs pytest with ``-rA``, which ends with a section like::
+
+    =========================== short test summary info ============================
+    PASSED tests/test_outputs.py::test_file_exists
+    FAILED tests/test_outputs.py::test_content[case - 1] - AssertionError: ...
+    SKIPPED [2] tests/test_outputs.py:12: needs a GPU
+    ERROR tests/test_outputs.py - ModuleNotFoundError: ...      (a collection error)
+
+PASSED, SKIPPED and XFAIL count as passed; FAILED, ERROR and XPASS as failed. ``SKIPPED [N]``
+stands for N tests. A missing summary is a parse error; zero parsed tests never resolve.
+The reward is dense: the absolute number of passed tests.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+OUTCOMES = ("PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL", "XPASS")
+"""Outcome words of pytest's short test summary."""
+
+PASSING = frozenset({"PASSED", "SKIPPED", "XFAIL"})
+"""Outcomes that count as a passed test."""
+
+MAX_OUTPUT_CHARS = 64 * 1024
+"""Bound on :attr:`VerifierResult.output` (head and tail kept)."""
+
+_HEADER = re.compile(r"^=+ short test summary info =+\s*$")
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+_SKIPPED = re.compile(r"^\[(\d+)\]\s+(.*?)(?::\s(.*))?$")
+_SECTION_END = re.compile(r"^(=|!|-{3,}|\d+ (passed|failed|error|errors|skipped|deselected|xfailed|xpassed)\b|no tests ran)")
+
+
+@dataclass
+class TestResult:
+    """One test's outcome.
+
+    Attributes:
+        name: pytest node id (``path::test[params]``), or ``path:line`` for a folded skip, or the
+            file for a collection error.
+        outcome: one of :data:`OUTCOMES`.
+        passed: True for PASSED, SKIPPED, XFAIL.
+    """
+
+    __test__ = False  # not a pytest test class
+
+    name: str
+    outcome: str
+    passed: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.outcome not in OUTCOMES:
+            raise ValueError(f"unknown pytest outcome {self.outcome!r}: expected one of {OUTCOMES}")
+        self.passed = self.outcome in PASSING
+
+
+@dataclass
+class VerifierResult:
+    """The verdict of one run of a task's verifier.
+
+    Attributes:
+        tests: parsed per-test results, in summary order.
+        passed: number of passed tests.
+        total: number of parsed tests.
+        resolved: ``total > 0 and passed == total`` and no ``error``.
+        reward: dense reward = ``passed`` (absolute count of passed tests), as a float.
+        error: why the result is not trustworthy (parse error, timeout), else None.
+        output: raw verifier output, truncated to about 64 KiB (head and tail).
+        seconds: wall time of the verifier run, seconds.
+        exit_code: exit status of ``tests/test.sh`` (None when unknown, e.g. a timeout).
+    """
+
+    tests: list[TestResult]
+    passed: int
+    total: int
+    resolved: bool
+    reward: float
+    error: str | None
+    output: str
+    seconds: float
+    exit_code: int | None = None
+
+
+class VerifierParseError(ValueError):
+    """The verifier output has no pytest short test summary to read."""
+
+
+def _split_nodeid(rest: str) -> tuple[str, str]:
+    """Split ``nodeid[ - message]``; a node id may hold spaces, ``]`` and `` - `` in its params."""
+    first = rest.find("::")
+    bracket = rest.find("[", max(first, 0))
+    if first >= 0 and bracket >= 0 and " " not in rest[first:bracket]:
+        for i in range(bracket, len(rest)):
+            if rest[i] == "]" and (i + 1 == len(rest) or rest.startswith(" - ", i + 1)):
+                return rest[: i + 1], rest[i + 4 :]
+    name, _, message = rest.partition(" - ")
+    return name.strip(), message
+
+
+def parse_pytest_summary(text: str) -> list[TestResult]:
+    """Parse every ``short test summary info`` section of pytest ``-rA`` output.
+
+    Args:
+        text: the verifier's output (ANSI colour codes are ignored).
+
+    Returns:
+        One :class:`TestResult` per test (``SKIPPED [N]`` expands to N results); may be empty
+        when a summary exists but lists nothing.
+
+    Raises:
+        VerifierParseError: no ``short test summary info`` section (pytest did not run, crashed,
+            or ran without ``-rA``).
+    """
+    results: list[TestResult] = []
+    found = False
+    in_section = False
+    for raw in _ANSI.sub("", text).splitlines():
+        line = raw.rstrip()
+        if _HEADER.match(line):
+            found = in_section = True
+            continue
+        if not in_section:
+            continue
+        word, _, rest = line.partition(" ")
+        if word in OUTCOMES:
+            if word == "SKIPPED" and (m := _SKIPPED.match(rest)):
+                results += [TestResult(m.group(2), "SKIPPED") for _ in range(int(m.group(1)))]
+            else:
+                results.append(TestResult(_split_nodeid(rest)[0], word))
+        elif _SECTION_END.match(line):
+            in_section = False
+    if not found:
+        raise VerifierParseError(
+            "no pytest 'short test summary info' section in the verifier output: the tests did not "
+            "run (see the output), or tests/test.sh does not call pytest with -rA"
+        )
+    return results
+
+
+def truncate_middle(text: str, limit: int = MAX_OUTPUT_CHARS) -> str:
+    """Keep the first eighth and the last seven eighths of ``limit`` characters of ``text``."""
+    if len(text) <= limit:
+        return text
+    head = limit // 8
+    tail = limit - head
+    return f"{text[:head]}\n[... truncated {len(text) - head - tail} chars ...]\n{text[-tail:]}"
+
+
+def verifier_result(
+    output: str, *, seconds: float, exit_code: int | None = None, timed_out_after_s: float | None = None
+) -> VerifierResult:
+    """Build a :class:`VerifierResult` from a verifier's raw output.
+
+    Args:
+        output: everything ``tests/test.sh`` printed.
+        seconds: wall time of the run, seconds.
+        exit_code: the script's exit status, if known.
+        timed_out_after_s: set when the run was killed at this timeout (seconds): ``error`` says
+            so and the result is not resolved, whatever was parsed.
+    """
+    error: str | None = None
+    try:
+        tests = parse_pytest_summary(output)
+    except VerifierParseError as exc:
+        tests, error = [], str(exc)
+    if timed_out_after_s is not None:
+        error = f"the verifier timed out after {timed_out_after_s:g} s" + (f"; {error}" if error else "")
+    passed = sum(t.passed for t in tests)
+    total = len(tests)
+    return VerifierResult(
+        tests=tests,
+        passed=passed,
+        total=total,
+        resolved=error is None and total > 0 and passed == total,
+        reward=float(passed),
+        error=error,
+        output=truncate_middle(output),
+        seconds=seconds,
+        exit_code=exit_code,
+    )

@@ -1,0 +1,192 @@
+"""Embedded sampling engine: one request at a time, KV-cached decoding, SGLang-shaped output.
+
+Speaks the shape of SGLang's ``/generate`` (DESIGN.md section 3) so that the HTTP sampler in
+front of it is indistinguishable from an SGLang server: ``output_ids`` include a matched stop
+token, ``finish_reason`` is ``{"type": "stop", "matched": id}`` or ``{"type": "length",
+"length": n}``, and ``routed_experts`` has one row per token fed through the model,
+``[prompt_len + output_len - 1 - start_len, num_hidden_layers, num_experts_per_tok]`` int32
+(the last sampled token is never fed back, so it has no row).
+
+Log-probs: ``output_logprobs[i]`` is ``log_softmax(logits)[output_ids[i]]`` of the *plain* model
+(temperature 1, no top-k/top-p truncation), computed in float32. That is the quantity the learner
+recomputes for its importance weights (behaviour log mu vs proximal log pi_prox), so the two
+agree up to numerics whatever sampling parameters were used. (With temperature != 1 or top-p,
+the distribution actually sampled from differs from this; SGLang likewise reports the
+unprocessed log-probs by default.)
+
+Sampling: temperature 0 is greedy (argmax); otherwise logits / temperature, then top-k (Fan et
+al. 2018), then nucleus / top-p (Holtzman et al. 2019, "The Curious Case of Neural Text
+Degeneration"), then one multinomial draw from the engine's own ``torch.Generator``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from t1async.model import KVCache, Qwen3MoeForCausalLM
+
+__all__ = ["Engine", "GenerateOutput", "SamplingParams"]
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling parameters (SGLang ``sampling_params`` names)."""
+
+    max_new_tokens: int = 48
+    """Most tokens to sample (>= 1); the stop token, when matched, counts as one of them."""
+    temperature: float = 1.0
+    """Softmax temperature (>= 0); 0 means greedy."""
+    top_p: float = 1.0
+    """Nucleus mass kept, in (0, 1]; 1.0 keeps all tokens."""
+    top_k: int = -1
+    """Keep only the k most likely tokens; -1 (or 0) keeps all."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Sampling one of these ends the request (it is included in ``output_ids``). The engine has
+    no tokenizer: pass the end-of-turn / end-of-text ids here."""
+
+    def validate(self) -> None:
+        """Raises ValueError naming the first out-of-range parameter."""
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (all) or >= 1, got {self.top_k}")
+
+
+@dataclass
+class GenerateOutput:
+    """Result of one :meth:`Engine.generate` call (SGLang ``/generate`` fields).
+
+    Attributes:
+        output_ids: sampled ids, a matched stop token included as the last id.
+        output_logprobs: float log-prob (nats) of each output id under the plain model
+            distribution ``log_softmax(logits)`` (see module docstring).
+        routed_experts: int32 [prompt_len + len(output_ids) - 1 - start_len, L, K]: expert ids of
+            every token fed through the model (prompt, then each sampled token but the last),
+            rows from ``routed_experts_start_len`` on.
+        finish_reason: ``{"type": "stop", "matched": id}`` or ``{"type": "length", "length": n}``.
+        prompt_tokens: prompt length in tokens.
+    """
+
+    output_ids: list[int]
+    output_logprobs: list[float]
+    routed_experts: np.ndarray
+    finish_reason: dict
+    prompt_tokens: int
+
+
+def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """Draw one id from a float32 logits row [V] under ``params`` (greedy if temperature 0).
+
+    Filters apply in order temperature, top-k, top-p; the most likely token always survives.
+    """
+    if params.temperature == 0 or params.top_k == 1:
+        return int(torch.argmax(logits))
+    x = logits / params.temperature
+    V = x.shape[-1]
+    if 0 < params.top_k < V:
+        kth = torch.topk(x, params.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_x, order = torch.sort(x, descending=True)
+        p = torch.softmax(sorted_x, dim=-1)
+        drop = (torch.cumsum(p, dim=-1) - p) >= params.top_p  # mass before it already >= top_p
+        drop[0] = False
+        x = x.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class Engine:
+    """Single-sequence sampler over a :class:`Qwen3MoeForCausalLM` with a KV cache.
+
+    Args:
+        model: the policy. :attr:`model` may have its weights replaced (``load_state_dict``)
+            between calls (weight sync); each call reads whatever weights it holds then.
+        seed: seed of the engine's private ``torch.Generator`` (CPU); two engines with the same
+            seed, weights and requests sample the same ids.
+
+    Not thread-safe: one :meth:`generate` at a time (the HTTP front serialises requests).
+    """
+
+    def __init__(self, model: Qwen3MoeForCausalLM, *, seed: int = 0) -> None:
+        self.model = model
+        self.generator = torch.Generator().manual_seed(int(seed))
+
+    @torch.inference_mode()
+    def generate(self, input_ids: Sequence[int], params: SamplingParams, *,
+                 routed_experts_start_len: int = 0) -> GenerateOutput:
+        """Prefill ``input_ids`` in one forward, then decode token by token until a stop token
+        is sampled or ``max_new_tokens`` are reached.
+
+        Args:
+            input_ids: prompt ids (the whole episode stream so far), each in [0, vocab_size).
+            params: sampling parameters.
+            routed_experts_start_len: first prompt position whose routing row is returned
+                (rows of an already-known prefix can be skipped); in [0, len(input_ids)].
+
+        Returns:
+            :class:`GenerateOutput`.
+
+        Raises:
+            ValueError: empty prompt, ids out of range, invalid ``params``, a start length out
+                of range, or a prompt longer than ``max_position_embeddings - max_new_tokens``.
+        """
+        params.validate()
+        cfg = self.model.cfg
+        ids = [int(i) for i in input_ids]
+        P = len(ids)
+        if P == 0:
+            raise ValueError("input_ids is empty; the prompt needs at least one token")
+        if min(ids) < 0 or max(ids) >= cfg.vocab_size:
+            raise ValueError(f"input_ids must be in [0, vocab_size={cfg.vocab_size}), got range "
+                             f"[{min(ids)}, {max(ids)}]")
+        limit = cfg.max_position_embeddings - params.max_new_tokens
+        if P > limit:
+            raise ValueError(f"prompt of {P} tokens is too long: at most max_position_embeddings "
+                             f"({cfg.max_position_embeddings}) - max_new_tokens ({params.max_new_tokens})"
+                             f" = {limit} tokens")
+        if not 0 <= routed_experts_start_len <= P:
+            raise ValueError(f"routed_experts_start_len must be in [0, prompt length {P}], got "
+                             f"{routed_experts_start_len}")
+        stop = set(int(s) for s in params.stop_token_ids)
+        device = next(self.model.parameters()).device
+        cache = KVCache(capacity=P + params.max_new_tokens)
+
+        out = self.model(torch.tensor([ids], device=device), kv_cache=cache, return_routing=True)
+        routing = [out.routed_experts[0]]  # [T, L, K] per forward
+        out_ids: list[int] = []
+        logprobs: list[float] = []
+        finish: dict = {}
+        step = torch.empty(1, 1, dtype=torch.long, device=device)
+        while True:
+            logits = out.logits[0, -1].float().cpu()
+            tok = sample_token(logits, params, self.generator)
+            logprobs.append(float(torch.log_softmax(logits, dim=-1)[tok]))
+            out_ids.append(tok)
+            if tok in stop:
+                finish = {"type": "stop", "matched": tok}
+                break
+            if len(out_ids) >= params.max_new_tokens:
+                finish = {"type": "length", "length": len(out_ids)}
+                break
+            step.fill_(tok)
+            out = self.model(step, kv_cache=cache, return_routing=True)
+            routing.append(out.routed_experts[0])
+
+        rows = torch.cat(routing, 0)[routed_experts_start_len:]
+        assert rows.shape[0] == P + len(out_ids) - 1 - routed_experts_start_len
+        return GenerateOutput(
+            output_ids=out_ids,
+            output_logprobs=logprobs,
+            routed_experts=rows.to(torch.int32).cpu().numpy(),
+            finish_reason=finish,
+            prompt_tokens=P,
+        )

@@ -1,0 +1,184 @@
+"""``t1async launch``: the table of contents of the whole system.
+
+    config -> run directory -> tasks + sandbox check -> Ray
+           -> samplers (HTTP, SGLang protocol) -> learner (ZeroMQ PULL, weight group, version 0)
+           -> controller (admission, supervision) -> rollout actors (episodes -> ZeroMQ PUSH)
+           -> wait for the learner's max_steps (or Ctrl-C) -> stop everything -> summary
+
+This is the only core module that touches Ray and the environment layer; the roles are plain
+classes in ``t1async.actors`` and get ``ray.remote`` here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from loguru import logger
+
+from t1async.config import Config, load_config, to_yaml
+
+ACTOR_MAX_CONCURRENCY = 64  # threads of the controller/learner/sampler actors (acquire() waits block one each)
+
+
+def launch(config_path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+    """Run the asynchronous RL loop described by ``config_path`` and ``overrides`` to completion.
+
+    Returns:
+        The run summary (also written to ``RUN_DIR/summary.json``).
+
+    Raises:
+        ConfigError, TaskError, SandboxUnavailable: bad input, before anything is started.
+    """
+    import ray
+
+    from t1async.actors.controller import Controller
+    from t1async.actors.learner import Learner
+    from t1async.actors.rollout import RolloutActor, _tasks_dir
+    from t1async.actors.sampler import EmbeddedSampler
+    from t1async.envs.sandbox import check_sandbox_available
+    from t1async.envs.task import discover_tasks
+
+    cfg = load_config(config_path, overrides)
+    tasks = discover_tasks(_tasks_dir(cfg.env), cfg.env.tasks)
+    check_sandbox_available(cfg.env.sandbox)
+    run_dir = prepare_run_dir(cfg)
+    logger.info("run directory: {}", run_dir)
+    logger.info("{} tasks, {} rollout actors, {} samplers, {} learner steps", len(tasks), cfg.rollout.num_actors,
+                cfg.sampler.num_samplers, cfg.learner.max_steps)
+    t_start = time.time()
+    ray.init(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=False, log_to_driver=False,
+             logging_level="WARNING")
+    actor = _actor_factory(run_dir)
+    summary: dict[str, Any] = {"run_dir": str(run_dir)}
+    samplers: list[Any] = []
+    controller = learner = None
+    try:
+        samplers = [actor(EmbeddedSampler, f"sampler{i}").remote(cfg.model, cfg.sampler, seed=cfg.run.seed + i,
+                                                           torch_threads=cfg.run.torch_threads)
+                    for i in range(cfg.sampler.num_samplers)]
+        urls = ray.get([s.url.remote() for s in samplers])
+        learner = actor(Learner, "learner").remote(cfg.learner, cfg.model, cfg.transport, cfg.weight_sync, str(run_dir),
+                                            seed=cfg.run.seed, torch_threads=cfg.run.torch_threads)
+        endpoint = ray.get(learner.endpoint.remote())
+        ray.get(learner.connect_samplers.remote(urls))
+
+        rollout_cls = actor(RolloutActor, "rollout")
+
+        def make_rollout(actor_id: int, crash_after: int) -> Any:
+            return rollout_cls.remote(actor_id, cfg.env, cfg.generation, cfg.model, cfg.transport, urls,
+                                                  endpoint, crash_after_episodes=crash_after,
+                                                  request_timeout_s=cfg.sampler.request_timeout_s, log_name=f"rollout{actor_id}")
+
+        controller = actor(Controller, "controller").remote(cfg.rollout, [t.name for t in tasks],
+                                                     rollouts_per_step=cfg.learner.batch_size,
+                                                     max_staleness=cfg.learner.max_staleness, make_rollout=make_rollout,
+                                                     seed=cfg.run.seed)
+        controller.run.remote()
+        summary["learner"] = _wait_for_learner(learner, learner.run.remote(controller))
+    finally:
+        if controller is not None:
+            summary["controller"] = _try(lambda: ray.get(controller.stop.remote(), timeout=30))
+        if samplers:
+            summary["samplers"] = _try(lambda: ray.get([s.stats.remote() for s in samplers], timeout=30))
+        if learner is not None:
+            _try(lambda: ray.get(learner.close.remote(), timeout=30))
+        summary["wall_s"] = round(time.time() - t_start, 1)
+        summary.update(_metrics_summary(run_dir / "metrics.jsonl"))
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        ray.shutdown()
+    logger.info("done: {}", json.dumps({k: v for k, v in summary.items() if k not in ("samplers",)}, default=str))
+    return summary
+
+
+def prepare_run_dir(cfg: Config) -> Path:
+    """Create the run directory, save the resolved config, and log there (``t1async.log``)."""
+    now = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    run_dir = Path(cfg.run.dir.format(now=now)).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg.run.dir = str(run_dir)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    add_log_sink(run_dir, "t1async", keep_stderr=True)
+    return run_dir
+
+
+def add_log_sink(run_dir: Path, name: str, *, keep_stderr: bool = False) -> None:
+    """Send this process's loguru records to ``RUN_DIR/logs/NAME.log`` (and stderr if asked)."""
+    logger.remove()
+    if keep_stderr:
+        logger.add(sys.stderr, level="INFO", format="<green>{time:HH:mm:ss}</green> <level>{level: <7}</level> {message}")
+    (run_dir / "logs").mkdir(exist_ok=True)
+    logger.add(run_dir / "logs" / f"{name}.log", level="DEBUG", enqueue=False)
+
+
+def _actor_factory(run_dir: Path):
+    """``actor(cls, log_name)`` -> a Ray actor class whose instances log to ``RUN_DIR/logs/``.
+
+    Actors take no CPU reservation: on a 2-core machine all roles share the cores, and each
+    limits torch to ``run.torch_threads`` threads.
+    """
+    import ray
+
+    def actor(cls: type, default_log_name: str):
+        class Logged(cls):  # type: ignore[misc, valid-type]
+            def __init__(self, *args: Any, log_name: str = default_log_name, **kwargs: Any):
+                add_log_sink(run_dir, log_name)
+                os.environ.setdefault("OMP_NUM_THREADS", "1")
+                super().__init__(*args, **kwargs)
+
+        Logged.__name__ = Logged.__qualname__ = cls.__name__
+        return ray.remote(num_cpus=0, max_concurrency=ACTOR_MAX_CONCURRENCY, max_restarts=0)(Logged)
+
+    return actor
+
+
+def _wait_for_learner(learner: Any, run_ref: Any) -> dict[str, Any]:
+    """Wait for the learner's run, printing progress; on Ctrl-C ask it to stop and write its final checkpoint."""
+    import ray
+
+    last_step = -1
+    try:
+        while True:
+            ready, _ = ray.wait([run_ref], timeout=5.0)
+            if ready:
+                return ray.get(run_ref)
+            st = ray.get(learner.status.remote())
+            if st["step"] != last_step:
+                last_step = st["step"]
+                logger.info("learner step {step}, version {version}, received {received}, queue {queue_depth}", **st)
+    except KeyboardInterrupt:
+        logger.warning("Ctrl-C: stopping the learner after its current step (final checkpoint follows)")
+        ray.get(learner.stop.remote())
+        return ray.get(run_ref)
+
+
+def _metrics_summary(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        return {"steps": 0}
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not rows:
+        return {"steps": 0}
+    n = sum(r["trajectories"] for r in rows)
+    return {
+        "steps": rows[-1]["step"],
+        "final_version": rows[-1]["version"],
+        "trajectories": n,
+        "dropped_stale": rows[-1]["dropped_stale"],
+        "reward_mean": sum(r["reward_mean"] * r["trajectories"] for r in rows) / n,
+        "resolved_rate": sum(r["resolved_rate"] * r["trajectories"] for r in rows) / n,
+        "staleness_max": max(r["staleness_max"] for r in rows),
+    }
+
+
+def _try(fn: Any) -> Any:
+    try:
+        return fn()
+    except Exception as e:  # shutdown must go on even if one role is already gone
+        logger.warning("shutdown step failed: {}", e)
+        return {"error": str(e)}
+

@@ -1,0 +1,47 @@
+"""Typed config: YAML and command line override defaults; unknown keys and wrong types are refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from t1async.config import Config, ConfigError, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_shipped_configs_load():
+    for path in sorted((REPO / "configs").glob("*.yaml")):
+        assert isinstance(load_config(path), Config)
+
+
+def test_yaml_then_command_line_override_defaults(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("learner:\n  max_steps: 7\n  lr: 0.5\n")
+    cfg = load_config(p, ["learner.lr=0.25"])
+    assert cfg.learner.max_steps == 7 and cfg.learner.lr == 0.25
+    assert cfg.learner.batch_size == Config().learner.batch_size
+
+
+def test_unknown_key_in_file_names_key_and_file(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("learner:\n  max_stepz: 3\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    assert "learner.max_stepz" in str(e.value) and "bad.yaml" in str(e.value)
+
+
+def test_wrong_type_on_command_line_is_refused():
+    with pytest.raises(ConfigError, match="learner.batch_size.*command line|command line.*learner.batch_size"):
+        load_config(None, ["learner.batch_size=many"])
+
+
+def test_missing_file_says_what_to_do(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_override_without_equals_is_refused():
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config(None, ["learner.max_steps"])

@@ -1,0 +1,72 @@
+"""Embedded samplers over real HTTP + a real gloo weight broadcast from a learner-side model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from t1async.actors.sampler import EmbeddedSampler
+from t1async.config import ModelConfig, SamplerConfig
+from t1async.model import Qwen3MoeForCausalLM
+from t1async.rl import token_logprobs
+from t1async.sampler_client import HttpSampler, SamplerError, post_json
+from t1async.weight_sync import DistributedWeightSync
+
+CFG = ModelConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                  head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
+PARAMS = {"max_new_tokens": 8, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "stop_token_ids": [3]}
+
+
+@pytest.fixture()
+def samplers():
+    ss = [EmbeddedSampler(CFG, SamplerConfig(), seed=i) for i in range(2)]
+    yield ss
+    for s in ss:
+        s.shutdown()
+
+
+def test_broadcast_reaches_every_sampler_and_answers_match_learner(samplers):
+    clients = [HttpSampler(s.url(), num_layers=CFG.num_hidden_layers, top_k=CFG.num_experts_per_tok) for s in samplers]
+    with pytest.raises(SamplerError, match="503"):
+        clients[0].generate([5, 6, 7], PARAMS)  # no weights yet: refused, not served from random init
+
+    torch.manual_seed(123)
+    policy = Qwen3MoeForCausalLM(CFG).eval()
+    sync = DistributedWeightSync("gloo", timeout_s=30)
+    sync.connect([s.url() for s in samplers])
+    sync.publish(policy.named_parameters(), 0)
+    for s in samplers:
+        for name, p in policy.named_parameters():
+            assert torch.equal(p, s.engine.model.get_parameter(name)), name
+        assert post_json(s.url(), "/get_weight_version", method="GET")["weight_version"] == "0"
+
+    prompt = [11, 12, 13, 14, 15]
+    r = clients[1].generate(prompt, PARAMS)
+    assert r.weight_version == 0
+    n = len(r.output_ids)
+    assert r.routed_experts.shape == (len(prompt) + n - 1, CFG.num_hidden_layers, CFG.num_experts_per_tok)
+    # the learner, teacher-forcing the same ids, sees the sampler's log-probs and routing
+    ids = torch.tensor([prompt + r.output_ids])
+    with torch.no_grad():
+        out = policy(ids[:, :-1], return_routing=True)
+    lp = token_logprobs(out.logits, ids[:, 1:])[0, len(prompt) - 1:]
+    torch.testing.assert_close(lp, torch.tensor(r.logprobs), atol=1e-4, rtol=0)
+    assert torch.equal(out.routed_experts[0].sort(-1).values, torch.tensor(r.routed_experts).long().sort(-1).values)
+
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.01)
+    sync.publish(policy.named_parameters(), 1)
+    assert all(c.generate(prompt, PARAMS).weight_version == 1 for c in clients)
+    assert all(torch.equal(policy.lm_head.weight, s.engine.model.lm_head.weight) for s in samplers)
+    sync.close()
+
+
+def test_bad_generate_requests_get_400_with_reason(samplers):
+    url = samplers[0].url()
+    with pytest.raises(SamplerError, match="400.*input_ids"):
+        post_json(url, "/generate", {"text": "hello"})
+    with pytest.raises(SamplerError, match="400.*sampling_params"):
+        post_json(url, "/generate", {"input_ids": [1, 2], "sampling_params": {"frequency_penalty": 1.0}})
+    with pytest.raises(SamplerError, match="404"):
+        post_json(url, "/nope", {})

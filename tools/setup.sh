@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Set up t1async on a fresh clone: Debian packages (bubblewrap for the sandbox), a virtual
+# environment in .venv with a CPU build of torch, and the package with its test extras.
+# Idempotent: re-running installs only what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! command -v bwrap >/dev/null 2>&1; then
+  echo "setup: installing bubblewrap (the local sandbox)"
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq bubblewrap >/dev/null
+fi
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv with $($PY --version)"
+  $PY -m venv .venv
+fi
+# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
+.venv/bin/pip install -q --disable-pip-version-check torch==2.13.0
+.venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
+echo "setup: done (.venv/bin/t1async)"
