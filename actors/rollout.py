@@ -199,7 +199,7 @@ class RolloutActor:
         env = TerminalEnv(task, root=self.workdir, sandbox=self.env_cfg.sandbox,
                           command_timeout_s=self.env_cfg.command_timeout_s,
                           max_output_bytes=self.env_cfg.max_output_bytes,
-                          verifier_timeout_s=self.env_cfg.verifier_timeout_s)
+                          verifier_timeout_s=self.env_cfg.verifier_timeout_s or None)
         try:
             return run_episode(task, env, self.sampler, self.tokenizer, self.env_cfg, self.gen_cfg, self.model_cfg,
                                self.actor_id)

@@ -136,8 +136,9 @@ class EnvConfig:
     max_output_bytes: int = 2048
     """Longest command output shown to the model; longer output keeps head and tail around a
     visible truncation marker."""
-    verifier_timeout_s: float = 60.0
-    """Budget of the task's verifier (tests/test.sh), seconds, unless the task sets its own."""
+    verifier_timeout_s: float = 0.0
+    """Budget of the task's verifier (tests/test.sh), seconds; 0 uses the task's own
+    ``[verifier] timeout_sec``."""
     end_signal: str = "exit"
     """An assistant message equal to this (after stripping whitespace) ends the episode."""
     system_prompt: str = (

@@ -160,7 +160,8 @@ class Engine:
         device = next(self.model.parameters()).device
         cache = KVCache(capacity=P + params.max_new_tokens)
 
-        out = self.model(torch.tensor([ids], device=device), kv_cache=cache, return_routing=True)
+        out = self.model(torch.tensor([ids], device=device), kv_cache=cache, return_routing=True,
+                         logits_to_keep=1)
         routing = [out.routed_experts[0]]  # [T, L, K] per forward
         out_ids: list[int] = []
         logprobs: list[float] = []

@@ -390,7 +390,7 @@ class Qwen3MoeForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, *, position_ids: torch.Tensor | None = None,
                 routed_experts: torch.Tensor | None = None, kv_cache: KVCache | None = None,
-                return_routing: bool = False) -> ModelOutput:
+                return_routing: bool = False, logits_to_keep: int = 0) -> ModelOutput:
         """Run the decoder on right-padded token ids.
 
         Args:
@@ -401,9 +401,13 @@ class Qwen3MoeForCausalLM(nn.Module):
                 each MoE layer uses these instead of its own top-k, with gate weights = its own
                 softmax probabilities gathered at them (renormalised if ``norm_topk_prob``), so
                 the router still receives gradients. Any integer dtype (int32 from the sampler is
-                fine). Expert 0 is an ordinary expert (no padding sentinel).
+                fine). Expert 0 is an ordinary expert (no padding sentinel); at padded positions
+                pass any in-range ids (e.g. zeros).
             kv_cache: cache to read and extend (incremental decoding); advanced by T.
             return_routing: also return the expert ids used, [B, T, L, K] int64.
+            logits_to_keep: if > 0, compute logits only for the last this many positions
+                (``logits`` is then [B, logits_to_keep, V]; ``hidden`` stays full); the engine's
+                prefill uses 1. 0 keeps all (HF's name and meaning).
 
         Returns:
             :class:`ModelOutput` (logits float32).
@@ -423,7 +427,7 @@ class Qwen3MoeForCausalLM(nn.Module):
         if routed_experts is not None:
             routed_experts = self._check_replay(routed_experts, B, T)
         hidden, routing = self.model(input_ids, position_ids, routed_experts, kv_cache)
-        logits = self.lm_head(hidden).float()
+        logits = self.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep > 0 else hidden).float()
         return ModelOutput(logits=logits, hidden=hidden,
                            routed_experts=routing if return_routing else None, kv_cache=kv_cache)
 

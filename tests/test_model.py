@@ -220,6 +220,15 @@ def test_kv_cache_incremental_decode_matches_full_forward():
     assert torch.equal(torch.cat([p.routed_experts for p in parts], 1), full.routed_experts)
 
 
+def test_logits_to_keep_returns_the_last_positions():
+    m = _model()
+    ids = _ids()
+    with torch.no_grad():
+        full, last = m(ids), m(ids, logits_to_keep=3)
+    assert last.logits.shape == (2, 3, CFG.vocab_size) and last.hidden.shape == full.hidden.shape
+    torch.testing.assert_close(last.logits, full.logits[:, -3:], rtol=0, atol=1e-6)
+
+
 def test_right_padded_batch_needs_no_mask():
     m = _model()
     a, b = _ids(B=1, T=12, seed=8), _ids(B=1, T=7, seed=9)

@@ -2,7 +2,10 @@ import subprocess
 from pathlib import Path
 
 REPO = "/app/repo"
-MAIN_TIP = Path("/app/.main_tip").read_text().strip()
+
+
+def _main_tip():
+    return Path("/app/.main_tip").read_text().strip()
 
 
 def _git(*args):
@@ -22,9 +25,9 @@ def test_branch_has_greeting_file():
 
 
 def test_branch_starts_from_main():
-    rc, out = _git("rev-list", "--count", f"{MAIN_TIP}..feature/greeting")
+    rc, out = _git("rev-list", "--count", f"{_main_tip()}..feature/greeting")
     assert rc == 0 and out == "1", f"expected exactly one commit on top of main, got {out}"
-    rc, _ = _git("merge-base", "--is-ancestor", MAIN_TIP, "feature/greeting")
+    rc, _ = _git("merge-base", "--is-ancestor", _main_tip(), "feature/greeting")
     assert rc == 0
 
 
@@ -35,7 +38,7 @@ def _branch_exists():
 def test_main_unchanged():
     assert _branch_exists(), "branch feature/greeting does not exist"
     rc, out = _git("rev-parse", "refs/heads/main")
-    assert rc == 0 and out == MAIN_TIP, "main was modified"
+    assert rc == 0 and out == _main_tip(), "main was modified"
 
 
 def test_back_on_main():

@@ -1,0 +1,96 @@
+"""The learner with a real ZeroMQ socket, a real embedded sampler and a real gloo weight group."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import numpy as np
+import torch
+
+from t1async.actors.learner import Learner
+from t1async.actors.sampler import EmbeddedSampler
+from t1async.config import LearnerConfig, ModelConfig, SamplerConfig, TransportConfig, WeightSyncConfig
+from t1async.model import Qwen3MoeForCausalLM
+from t1async.trajectory import Trajectory, encode
+from t1async.transport import ZmqSender
+
+MODEL = ModelConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                    head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+
+
+def synthetic(version: int, seed: int, reward: float = 1.0) -> Trajectory:
+    rng = np.random.default_rng(seed)
+    T = 40
+    mask = np.zeros(T, np.uint8)
+    mask[10:20] = 1
+    mask[28:40] = 1
+    return Trajectory(
+        task="synthetic", actor_id=0, token_ids=rng.integers(0, 256, T).astype(np.uint32), loss_mask=mask,
+        logprobs=np.where(mask == 1, -5.5, 0.0).astype(np.float32), versions=np.where(mask == 1, version, -1).astype(np.int32),
+        turn_offsets=np.array([[10, 20], [28, 40]], np.int32),
+        routed_experts=rng.integers(0, 4, (T - 1, 2, 2)).astype(np.uint8), num_experts=4,
+        reward=reward, passed=int(reward), total=2, resolved=reward == 2, finish_reason="max_turns",
+        tests=[("a", reward >= 1), ("b", reward >= 2)],
+    )
+
+
+def test_learner_trains_publishes_drops_stale_and_quarantines(tmp_path):
+    sampler = EmbeddedSampler(MODEL, SamplerConfig(), seed=0)
+    cfg = LearnerConfig(max_steps=2, batch_size=2, publish_every=1, max_staleness=0, batch_timeout_s=60, lr=1e-3)
+    learner = Learner(cfg, MODEL, TransportConfig(), WeightSyncConfig(timeout_s=30), str(tmp_path), seed=0)
+    try:
+        assert learner.connect_samplers([sampler.url()]) == 0 and sampler.version == 0
+        before = {n: p.detach().clone() for n, p in learner.policy.named_parameters()}
+        tx = ZmqSender(learner.endpoint())
+        tx.send(b"\x93not a trajectory")
+        tx.send(encode(synthetic(version=0, seed=1, reward=2.0)))
+        tx.send(encode(synthetic(version=0, seed=2, reward=0.0)))
+        result: dict = {}
+        th = threading.Thread(target=lambda: result.update(learner.run()))
+        th.start()
+        deadline = time.monotonic() + 60
+        while learner.version < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert learner.version == 1
+        tx.send(encode(synthetic(version=0, seed=3)))  # now staleness 1 > 0: dropped and counted
+        tx.send(encode(synthetic(version=1, seed=4, reward=2.0)))
+        tx.send(encode(synthetic(version=1, seed=5, reward=1.0)))
+        th.join(timeout=60)
+        assert not th.is_alive()
+        tx.close()
+
+        rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == [1, 2] and [r["version"] for r in rows] == [1, 2]
+        for key in ("trajectories", "dropped_stale", "reward_mean", "resolved_rate", "staleness_max", "staleness_mean",
+                    "logprob_diff_mean", "tokens_per_s", "queue_depth"):
+            assert key in rows[0]
+        assert rows[0]["reward_mean"] == 1.0 and rows[0]["resolved_rate"] == 0.5
+        assert rows[1]["dropped_stale"] == 1 and rows[1]["staleness_max"] == 0
+        assert rows[0]["logprob_diff_mean"] > 0  # the synthetic behaviour log-probs are not the model's
+        assert result["rejected"] == 1 and (tmp_path / "quarantine" / "000001.txt").exists()
+        assert sampler.version == 2
+        assert torch.equal(sampler.engine.model.lm_head.weight, learner.policy.lm_head.weight)
+        assert any(not torch.equal(before[n], p) for n, p in learner.policy.named_parameters())
+        ckpt = tmp_path / "checkpoints" / "step_000002"
+        loaded = Qwen3MoeForCausalLM.from_pretrained(ckpt)
+        assert all(torch.equal(p, learner.policy.get_parameter(n)) for n, p in loaded.named_parameters())
+        assert json.loads((ckpt / "trainer_state.json").read_text())["version"] == 2
+    finally:
+        learner.close()
+        sampler.shutdown()
+
+
+def test_critic_warmup_freezes_policy(tmp_path):
+    cfg = LearnerConfig(max_steps=1, batch_size=1, critic_warmup_steps=1, batch_timeout_s=30)
+    learner = Learner(cfg, MODEL, TransportConfig(), WeightSyncConfig(), str(tmp_path), seed=0)
+    try:
+        before = {n: p.detach().clone() for n, p in learner.policy.named_parameters()}
+        critic_before = learner.critic.head.weight.detach().clone()
+        metrics = learner._train_step([synthetic(0, 1, reward=2.0)])
+        assert metrics["train_policy"] is False
+        assert all(torch.equal(before[n], p) for n, p in learner.policy.named_parameters())
+        assert not torch.equal(critic_before, learner.critic.head.weight)
+    finally:
+        learner.close()

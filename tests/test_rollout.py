@@ -1,0 +1,112 @@
+"""A real episode: shipped task, bubblewrap sandbox, embedded sampler over HTTP, shipped tokenizer.
+
+Checks TITO (the stream is exactly prompt + sampled ids + repair + observations, nothing
+re-tokenized), alignment of every per-token field, routing rows, and the wire round trip.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from t1async.actors.rollout import RolloutActor, _tasks_dir, run_episode
+from t1async.actors.sampler import EmbeddedSampler
+from t1async.config import EnvConfig, GenerationConfig, ModelConfig, SamplerConfig, TransportConfig
+from t1async.envs.task import discover_tasks
+from t1async.envs.terminal import TerminalEnv
+from t1async.model import Qwen3MoeForCausalLM
+from t1async.sampler_client import HttpSampler
+from t1async.tokenizer import ChatTokenizer
+from t1async.trajectory import decode, encode
+from t1async.transport import ZmqReceiver
+from t1async.weight_sync import DistributedWeightSync
+
+MODEL = ModelConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
+
+
+class RecordingSampler:
+    """Passes every request to the real HTTP sampler and keeps what it answered."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, []
+
+    def generate(self, input_ids, sampling_params, *, routed_experts_start_len=0):
+        r = self.inner.generate(input_ids, sampling_params, routed_experts_start_len=routed_experts_start_len)
+        self.calls.append((list(input_ids), r))
+        return r
+
+
+@pytest.fixture(scope="module")
+def sampler_url():
+    s = EmbeddedSampler(MODEL, SamplerConfig(), seed=0)
+    sync = DistributedWeightSync("gloo", timeout_s=30)
+    sync.connect([s.url()])
+    torch.manual_seed(0)
+    sync.publish(Qwen3MoeForCausalLM(MODEL).named_parameters(), 0)
+    yield s.url()
+    sync.close()
+    s.shutdown()
+
+
+def test_episode_stream_is_exact_and_aligned(sampler_url, tmp_path):
+    tok = ChatTokenizer.load()
+    task = discover_tasks(_tasks_dir(EnvConfig()), ["create-hello-file"])[0]
+    env_cfg = EnvConfig(max_turns=3, command_timeout_s=5)
+    gen = GenerationConfig(max_new_tokens=12)
+    sampler = RecordingSampler(HttpSampler(sampler_url, num_layers=2, top_k=2))
+    env = TerminalEnv(task, root=tmp_path, command_timeout_s=5)
+    try:
+        traj = run_episode(task, env, sampler, tok, env_cfg, gen, MODEL, actor_id=7)
+    finally:
+        env.close()
+
+    T = traj.num_tokens
+    ids = traj.token_ids.tolist()
+    prompt = tok.render_prompt(env_cfg.system_prompt, task.instruction)
+    assert ids[:len(prompt)] == prompt
+    assert len(sampler.calls) == len(traj.turn_offsets) >= 1
+    for (req_ids, resp), (s, e) in zip(sampler.calls, traj.turn_offsets):
+        assert req_ids == ids[:s]  # each turn's prompt is exactly the stream so far
+        assert ids[s:e] == resp.output_ids  # sampled ids kept bit for bit (TITO)
+        np.testing.assert_allclose(traj.logprobs[s:e], resp.logprobs, rtol=0, atol=0)
+        assert set(traj.versions[s:e].tolist()) == {resp.weight_version}
+    mask = traj.loss_mask.astype(bool)
+    assert mask.sum() == sum(e - s for s, e in traj.turn_offsets)
+    # between turns: repair (only when the turn did not end with <|im_end|>) then the observation
+    for k in range(len(traj.turn_offsets) - 1):
+        e, s_next = traj.turn_offsets[k][1], traj.turn_offsets[k + 1][0]
+        between = ids[e:s_next]
+        ended = ids[e - 1] == tok.im_end_id
+        obs_start = 0 if ended else len(tok.end_of_turn_ids)
+        if not ended:
+            assert between[:obs_start] == tok.end_of_turn_ids
+        assert between[obs_start:obs_start + 4] == tok.render_observation("")[:4]  # "\n<|im_start|>tool\n"
+        assert between[-3:] == tok.render_observation("")[-3:]  # "...<|im_start|>assistant\n"
+    assert traj.routed_experts.shape == (T - 1, 2, 2)
+    assert traj.total >= 1 and traj.reward == traj.passed and traj.resolved == (traj.passed == traj.total)
+    d = decode(encode(traj), num_experts=4, num_layers=2, top_k=2, max_version=0)
+    assert d.token_ids.tolist() == ids and d.actor_id == 7
+
+
+def test_rollout_actor_streams_over_zeromq(sampler_url, tmp_path):
+    rx = ZmqReceiver("tcp://127.0.0.1:*")
+
+    class Admission:
+        def __init__(self):
+            self.left = 2
+
+        def acquire(self, actor_id):
+            self.left -= 1
+            return "create-hello-file" if self.left >= 0 else None
+
+        def episode_failed(self, actor_id, reason):
+            raise AssertionError(reason)
+
+    actor = RolloutActor(0, EnvConfig(max_turns=2, tasks=["create-hello-file"]), GenerationConfig(max_new_tokens=8),
+                         MODEL, TransportConfig(), [sampler_url], rx.endpoint)
+    assert actor.run(Admission()) == {"episodes": 2, "failed": 0}
+    got = [decode(rx.recv(5.0), num_experts=4) for _ in range(2)]
+    assert {g.task for g in got} == {"create-hello-file"} and got[0].trajectory_id != got[1].trajectory_id
+    rx.close()
