@@ -141,6 +141,10 @@ class Learner:
                 self._quarantine(frame, e)
                 continue
             self.counters["received"] += 1
+            if self.counters["received"] <= self.cfg.dump_trajectories:
+                tdir = self.run_dir / "trajectories"
+                tdir.mkdir(exist_ok=True)
+                (tdir / f"{traj.trajectory_id}.msgpack").write_bytes(frame)
             while not self._stop.is_set():
                 try:
                     self._queue.put(traj, timeout=0.5)

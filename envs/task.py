@@ -330,6 +330,7 @@ def discover_tasks(root: str | Path, names: Sequence[str] = ()) -> list[Task]:
     """
     wanted = set(names)
     tasks: list[Task] = []
+    available: list[str] = []
     for folder in task_folders(root):
         try:
             task = load_task(folder)
@@ -338,6 +339,7 @@ def discover_tasks(root: str | Path, names: Sequence[str] = ()) -> list[Task]:
                 raise
             logger.warning("skipping invalid task folder: {}", exc)
             continue
+        available.append(task.name)
         if wanted and folder.name not in wanted and task.name not in wanted:
             continue
         tasks.append(task)
@@ -348,7 +350,7 @@ def discover_tasks(root: str | Path, names: Sequence[str] = ()) -> list[Task]:
         seen[task.name] = task.path
     missing = sorted(wanted - {t.name for t in tasks} - {t.path.name for t in tasks})
     if missing:
-        raise TaskError(f"task(s) {missing} not found under {root}; available: {sorted(seen)} ({LAYOUT_HINT})")
+        raise TaskError(f"task(s) {missing} not found under {root}; available: {sorted(available)} ({LAYOUT_HINT})")
     if not tasks:
         raise TaskError(f"no valid task under {root} ({LAYOUT_HINT})")
     return sorted(tasks, key=lambda t: t.name)

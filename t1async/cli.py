@@ -37,7 +37,13 @@ def main(argv: list[str] | None = None) -> int:
             from t1async.launch import launch
 
             summary = launch(args.config, args.overrides)
-            return 0 if summary.get("steps", 0) > 0 else 1
+            if summary.get("interrupted"):
+                return 130
+            if summary.get("steps", 0) < summary["max_steps"]:
+                print(f"t1async: error: the learner stopped after {summary.get('steps', 0)} of {summary['max_steps']} "
+                      f"steps; see {summary['run_dir']}/logs/learner.log", file=sys.stderr)
+                return 1
+            return 0
     except user_errors as e:
         print(f"t1async: error: {e}", file=sys.stderr)
         return 2

@@ -236,6 +236,9 @@ class LearnerConfig:
     """Replay the sampler's routed experts in every MoE layer (R3)."""
     init_checkpoint: str = ""
     """Folder with model.safetensors + config.json to warm-start the policy from ('' = random init)."""
+    dump_trajectories: int = 0
+    """Write the first N received trajectory frames to RUN_DIR/trajectories/ (msgpack; read them
+    with ``t1async.trajectory.decode``) for inspection."""
     batch_timeout_s: float = 600.0
     """Longest wait for one batch before the learner reports it is starved and stops."""
 

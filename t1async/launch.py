@@ -55,7 +55,7 @@ def launch(config_path: str | None, overrides: list[str] | tuple[str, ...] = ())
     ray.init(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=False, log_to_driver=False,
              logging_level="WARNING")
     actor = _actor_factory(run_dir)
-    summary: dict[str, Any] = {"run_dir": str(run_dir)}
+    summary: dict[str, Any] = {"run_dir": str(run_dir), "max_steps": cfg.learner.max_steps}
     samplers: list[Any] = []
     controller = learner = None
     try:
@@ -80,7 +80,7 @@ def launch(config_path: str | None, overrides: list[str] | tuple[str, ...] = ())
                                                      max_staleness=cfg.learner.max_staleness, make_rollout=make_rollout,
                                                      seed=cfg.run.seed)
         controller.run.remote()
-        summary["learner"] = _wait_for_learner(learner, learner.run.remote(controller))
+        summary["learner"], summary["interrupted"] = _wait_for_learner(learner, learner.run.remote(controller))
     finally:
         if controller is not None:
             summary["controller"] = _try(lambda: ray.get(controller.stop.remote(), timeout=30))
@@ -137,8 +137,12 @@ def _actor_factory(run_dir: Path):
     return actor
 
 
-def _wait_for_learner(learner: Any, run_ref: Any) -> dict[str, Any]:
-    """Wait for the learner's run, printing progress; on Ctrl-C ask it to stop and write its final checkpoint."""
+def _wait_for_learner(learner: Any, run_ref: Any) -> tuple[dict[str, Any], bool]:
+    """Wait for the learner's run, printing progress; on Ctrl-C ask it to stop and write its final checkpoint.
+
+    Returns:
+        ``(learner status, interrupted)``.
+    """
     import ray
 
     last_step = -1
@@ -146,7 +150,7 @@ def _wait_for_learner(learner: Any, run_ref: Any) -> dict[str, Any]:
         while True:
             ready, _ = ray.wait([run_ref], timeout=5.0)
             if ready:
-                return ray.get(run_ref)
+                return ray.get(run_ref), False
             st = ray.get(learner.status.remote())
             if st["step"] != last_step:
                 last_step = st["step"]
@@ -154,7 +158,7 @@ def _wait_for_learner(learner: Any, run_ref: Any) -> dict[str, Any]:
     except KeyboardInterrupt:
         logger.warning("Ctrl-C: stopping the learner after its current step (final checkpoint follows)")
         ray.get(learner.stop.remote())
-        return ray.get(run_ref)
+        return ray.get(run_ref), True
 
 
 def _metrics_summary(path: Path) -> dict[str, Any]:

@@ -105,7 +105,7 @@ def test_save_pretrained_loads_in_transformers_auto_model(tmp_path):
     m.save_pretrained(tmp_path)
     cfg_json = json.loads((tmp_path / "config.json").read_text())
     assert cfg_json["torch_dtype"] == "float32" and cfg_json["model_type"] == "qwen3_moe"
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).float().eval()
     assert type(hf).__name__ == "Qwen3MoeForCausalLM"
     ids = _ids(seed=4)
     with torch.no_grad():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import resource
 import statistics
 import sys
@@ -92,14 +93,21 @@ def test_bash_quote_round_trips(sb):
     assert "\n" not in bash_quote("a\nb")
 
 
+def unique_seconds() -> list[str]:
+    """Sleep durations no concurrent test run will use, to find our own processes on the host."""
+    base = random.randrange(10**6, 10**7)
+    return [str(base + i) for i in range(3)]
+
+
 def test_timeout_kills_setsid_and_double_forked_children_and_shell_survives(sb):
     sb.exec("cd /tmp && export KEEP=yes")
+    a, b, c = unique_seconds()
     started = time.monotonic()
-    result = sb.exec("setsid sleep 311 & (setsid sh -c 'sleep 312 &' &); sleep 313", timeout_s=1.0)
+    result = sb.exec(f"setsid sleep {a} & (setsid sh -c 'sleep {b} &' &); sleep {c}", timeout_s=1.0)
     assert result.timed_out and result.exit_code == 124
     assert "timed out after 1 s" in result.output
     assert time.monotonic() - started < 4.0
-    for marker in ("sleep 311", "sleep 312", "sleep 313"):
+    for marker in (f"sleep {a}", f"sleep {b}", f"sleep {c}"):
         assert host_pids_with_cmdline(marker) == [], f"{marker} survived the timeout"
     after = sb.exec("pwd; echo $KEEP")
     assert after.output == "/tmp\nyes\n" and not after.timed_out
@@ -174,10 +182,14 @@ def test_host_files_are_invisible(sb):
 
 
 def test_system_is_read_only_and_capabilities_dropped(sb):
-    assert sb.exec("touch /usr/t1async-probe").exit_code != 0
+    probe = f"/usr/t1async-probe-{os.getpid()}"
+    try:
+        assert sb.exec(f"touch {probe}").exit_code != 0
+        assert not Path(probe).exists()
+    finally:
+        Path(probe).unlink(missing_ok=True)
     assert sb.exec("touch /etc/passwd").exit_code != 0
     assert sb.exec("touch /tests/x").exit_code != 0
-    assert not Path("/usr/t1async-probe").exists()
     mount = sb.exec("mount -t tmpfs none /tmp")
     assert mount.exit_code != 0, mount.output
     assert sb.exec("grep CapEff /proc/self/status").output.split()[1] == "0000000000000000"
@@ -201,15 +213,15 @@ def test_host_python_and_pytest_work_inside(sb):
 def test_close_leaves_no_process_on_the_host(tmp_path):
     box = make_sandbox(tmp_path)
     box.start()
-    box.exec("setsid sleep 1001 & (setsid sh -c 'sleep 1002 &' &); nohup sleep 1003 >/dev/null 2>&1 &")
+    a, b, c = unique_seconds()
+    box.exec(f"setsid sleep {a} & (setsid sh -c 'sleep {b} &' &); nohup sleep {c} >/dev/null 2>&1 &")
     time.sleep(0.2)
-    assert len(host_pids_with_cmdline("sleep 100")) == 3
+    assert all(len(host_pids_with_cmdline(f"sleep {s}")) == 1 for s in (a, b, c))
     started = time.monotonic()
     box.close()
     assert time.monotonic() - started < 2.0
-    assert host_pids_with_cmdline("sleep 1001") == []
-    assert host_pids_with_cmdline("sleep 1002") == []
-    assert host_pids_with_cmdline("sleep 1003") == []
+    for s in (a, b, c):
+        assert host_pids_with_cmdline(f"sleep {s}") == [], f"sleep {s} survived close()"
     box.close()  # idempotent
     with pytest.raises(SandboxError):
         box.exec("true")
@@ -246,3 +258,16 @@ def test_round_trip_latency(sb):
     median_ms = statistics.median(times) * 1000
     print(f"median round trip of `true`: {median_ms:.3f} ms")
     assert median_ms < 20
+
+
+def test_allow_network_shares_the_host_interfaces(tmp_path):
+    host = sorted(line.split(":")[0].strip() for line in Path("/proc/net/dev").read_text().splitlines()[2:])
+    box = make_sandbox(tmp_path, allow_network=True)
+    box.start()
+    try:
+        inside = sorted(box.exec("tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' '").output.split())
+        resolv = box.exec("test -e /etc/resolv.conf").exit_code == 0
+    finally:
+        box.close()
+    assert inside == host
+    assert resolv == Path("/etc/resolv.conf").exists()

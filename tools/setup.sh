@@ -5,10 +5,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if ! command -v bwrap >/dev/null 2>&1; then
-  echo "setup: installing bubblewrap (the local sandbox)"
+# command -> Debian package: the sandbox (bwrap) and the host tools the shipped tasks' setups,
+# tests and oracle solutions use.
+missing=()
+for pair in bwrap:bubblewrap git:git sqlite3:sqlite3 zip:zip unzip:unzip pgrep:procps tar:tar gzip:gzip; do
+  command -v "${pair%%:*}" >/dev/null 2>&1 || missing+=("${pair#*:}")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing Debian packages: ${missing[*]}"
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
-  $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq bubblewrap >/dev/null
+  $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 
 PY=${PYTHON:-python3}

@@ -17,8 +17,11 @@ Sources (all present on a Debian machine with Python, no downloads), biased towa
 4. Plain-text docs under /usr/share/doc (``*.md``, ``*.txt``, ``*.rst``, ``README*``), capped.
 
 Each source is read in sorted path order and capped in bytes, so reruns on the same machine
-give the same corpus; the BPE merges are then deterministic up to tie-breaking inside the
-``tokenizers`` trainer ("deterministic-ish"). Training takes about a minute on 2 cores.
+give the same corpus. The output is deterministic only up to tie-breaking inside the
+``tokenizers`` BPE trainer (equally frequent pairs are ordered by a randomly seeded hash map,
+even single-threaded): two runs share ~99% of tokens but assign many ids differently. The
+shipped asset is therefore the reference: regenerating it changes token ids and invalidates
+every checkpoint trained with the old one. Training takes 15-30 s on 2 cores.
 
 Tokenizer: byte-level BPE (Radford et al. 2019, GPT-2 pre-tokenizer regex, no prefix space)
 trained with the ``tokenizers`` library; vocabulary ``--vocab-size`` including the four special

@@ -1,0 +1,50 @@
+"""Every shipped task under envs/tasks: the oracle resolves it (>= 1 test, all passed) and an agent
+that does nothing does not. One test per task folder; the folders are validated once, in parallel."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+import t1async.envs
+from t1async.envs.task import TaskError, load_task, task_folders
+from t1async.envs.terminal import TaskValidation, validate_task
+
+TASKS_DIR = Path(t1async.envs.__file__).parent / "tasks"
+FOLDERS = task_folders(TASKS_DIR) if TASKS_DIR.is_dir() else []
+JOBS = 2
+
+
+def _validate(folder: Path, root: Path) -> TaskValidation:
+    try:
+        task = load_task(folder)
+    except TaskError as exc:
+        return TaskValidation(folder.name, error=str(exc))
+    return validate_task(task, root)
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory) -> dict[str, TaskValidation]:
+    root = tmp_path_factory.mktemp("shipped-episodes")
+    with ThreadPoolExecutor(max_workers=JOBS) as pool:
+        return dict(zip((f.name for f in FOLDERS), pool.map(lambda f: _validate(f, root), FOLDERS)))
+
+
+def test_tasks_are_shipped():
+    assert FOLDERS, f"no task folders under {TASKS_DIR}"
+
+
+@pytest.mark.parametrize("folder", FOLDERS, ids=[f.name for f in FOLDERS])
+def test_oracle_resolves_and_noop_does_not(folder, reports):
+    report = reports[folder.name]
+    assert report.error is None, report.error
+    oracle, noop = report.oracle, report.noop
+    failed = [t.name for t in oracle.tests if not t.passed]
+    assert oracle.total >= 1 and oracle.resolved, (
+        f"oracle {oracle.passed}/{oracle.total}, error={oracle.error}, failed={failed}\n{oracle.output[-3000:]}"
+    )
+    assert report.oracle_exit_code == 0, f"solution/solve.sh exited with {report.oracle_exit_code}"
+    assert not noop.resolved, f"a no-op agent resolves {folder.name}: its tests do not check the work"
+    assert noop.total == oracle.total, "the no-op and oracle runs collected different tests"

@@ -1,0 +1,172 @@
+"""Parsing pytest's -rA short test summary into per-test results and a dense reward."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from t1async.envs.verifier import (
+    MAX_OUTPUT_CHARS,
+    TestResult,
+    VerifierParseError,
+    parse_pytest_summary,
+    truncate_middle,
+    verifier_result,
+)
+
+SUMMARY = textwrap.dedent(
+    """\
+    ============================= test session starts ==============================
+    collected 11 items
+
+    ../tests/test_outputs.py .F.sxX.E                                          [100%]
+    PASSED lines above the summary are not results: PASSED fake::line
+    =========================== short test summary info ============================
+    PASSED ../tests/test_outputs.py::test_exists
+    PASSED ../tests/test_outputs.py::test_param[with space]
+    PASSED ../tests/test_outputs.py::test_param[x]y]
+    PASSED ../tests/test_outputs.py::TestGroup::test_method[[nested]]
+    SKIPPED [2] ../tests/test_outputs.py:40: needs a GPU
+    XFAIL ../tests/test_outputs.py::test_known_bug - reason: tracked upstream
+    XPASS ../tests/test_outputs.py::test_unexpected - should have failed
+    ERROR ../tests/test_outputs.py::test_fixture - RuntimeError: fixture broke
+    FAILED ../tests/test_outputs.py::test_param[a - b] - AssertionError: assert 'a - b' == 'c'
+    FAILED ../tests/test_outputs.py::test_content - assert 1 == 2 - with a dash
+    ============== 2 failed, 5 passed, 2 skipped, 1 xfailed, 1 xpassed, 1 error in 0.12s ==============
+    PASSED after the section is ignored
+    """
+)
+
+
+def test_all_outcomes_and_names():
+    tests = parse_pytest_summary(SUMMARY)
+    assert [(t.name, t.outcome, t.passed) for t in tests] == [
+        ("../tests/test_outputs.py::test_exists", "PASSED", True),
+        ("../tests/test_outputs.py::test_param[with space]", "PASSED", True),
+        ("../tests/test_outputs.py::test_param[x]y]", "PASSED", True),
+        ("../tests/test_outputs.py::TestGroup::test_method[[nested]]", "PASSED", True),
+        ("../tests/test_outputs.py:40", "SKIPPED", True),
+        ("../tests/test_outputs.py:40", "SKIPPED", True),
+        ("../tests/test_outputs.py::test_known_bug", "XFAIL", True),
+        ("../tests/test_outputs.py::test_unexpected", "XPASS", False),
+        ("../tests/test_outputs.py::test_fixture", "ERROR", False),
+        ("../tests/test_outputs.py::test_param[a - b]", "FAILED", False),
+        ("../tests/test_outputs.py::test_content", "FAILED", False),
+    ]
+
+
+def test_dense_reward_counts_passed_tests():
+    result = verifier_result(SUMMARY, seconds=0.5, exit_code=1)
+    assert (result.passed, result.total) == (7, 11)
+    assert result.reward == 7.0
+    assert not result.resolved and result.error is None
+    assert result.exit_code == 1 and result.seconds == 0.5
+
+
+def test_all_passed_resolves():
+    text = "=== short test summary info ===\nPASSED t.py::a\nSKIPPED [1] t.py:3: later\nXFAIL t.py::b\n1 passed in 0.01s\n"
+    result = verifier_result(text, seconds=0.1)
+    assert result.resolved and result.passed == result.total == 3 and result.reward == 3.0
+
+
+def test_missing_summary_is_a_parse_error_and_not_resolved():
+    text = "bash: python3: command not found\n"
+    with pytest.raises(VerifierParseError, match="short test summary info"):
+        parse_pytest_summary(text)
+    result = verifier_result(text, seconds=0.1, exit_code=127)
+    assert result.error is not None and "-rA" in result.error
+    assert not result.resolved and result.total == 0 and result.reward == 0.0
+    assert result.output == text
+
+
+def test_zero_tests_never_resolve():
+    text = "=========================== short test summary info ============================\n1 deselected in 0.01s\n"
+    assert parse_pytest_summary(text) == []
+    result = verifier_result(text, seconds=0.1)
+    assert result.total == 0 and result.passed == 0 and not result.resolved and result.error is None
+
+
+def test_collection_error_counts_as_a_failed_test():
+    text = "==== short test summary info ====\nERROR ../tests/test_outputs.py - ModuleNotFoundError: No module named 'x'\n!!!! Interrupted !!!!\n"
+    [test] = parse_pytest_summary(text)
+    assert (test.name, test.outcome, test.passed) == ("../tests/test_outputs.py", "ERROR", False)
+
+
+def test_ansi_colours_and_several_sections():
+    text = (
+        "\x1b[1m==== short test summary info ====\x1b[0m\n\x1b[32mPASSED\x1b[0m a.py::one\n== 1 passed ==\n"
+        "noise\n==== short test summary info ====\nFAILED b.py::two - boom\n"
+    )
+    assert [(t.name, t.outcome) for t in parse_pytest_summary(text)] == [("a.py::one", "PASSED"), ("b.py::two", "FAILED")]
+
+
+def test_timeout_is_an_error_even_with_all_passed():
+    text = "==== short test summary info ====\nPASSED a.py::one\n"
+    result = verifier_result(text, seconds=60.0, timed_out_after_s=60)
+    assert result.error == "the verifier timed out after 60 s" and not result.resolved
+    assert result.passed == 1 and result.reward == 1.0
+
+
+def test_unknown_outcome_rejected():
+    with pytest.raises(ValueError, match="unknown pytest outcome"):
+        TestResult("a", "WEIRD")
+
+
+def test_output_is_truncated_keeping_the_tail():
+    text = "x" * (MAX_OUTPUT_CHARS * 2) + "\nEND"
+    short = truncate_middle(text)
+    assert len(short) < MAX_OUTPUT_CHARS + 100
+    assert short.endswith("\nEND") and "[... truncated" in short
+    assert truncate_middle("small") == "small"
+
+
+def test_real_pytest_output(tmp_path):
+    """Guard against pytest format drift: run the installed pytest on a small suite."""
+    (tmp_path / "test_sample.py").write_text(
+        textwrap.dedent(
+            """\
+            import pytest
+
+            def test_ok():
+                pass
+
+            @pytest.mark.parametrize("p", ["with space", "a - b", "x]y"])
+            def test_param(p):
+                assert p != "a - b", "dash - message"
+
+            @pytest.mark.skip(reason="later")
+            def test_skip():
+                pass
+
+            @pytest.mark.xfail(reason="known")
+            def test_xfail():
+                assert False
+
+            @pytest.fixture
+            def broken():
+                raise RuntimeError("fixture - broke")
+
+            def test_error(broken):
+                pass
+            """
+        )
+    )
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-rA", "-q", "-p", "no:cacheprovider", "test_sample.py"],
+        cwd=tmp_path, capture_output=True, text=True, env={"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", "PATH": "/usr/bin:/bin"},
+    )
+    outcomes = {t.name: t.outcome for t in parse_pytest_summary(run.stdout)}
+    assert outcomes == {
+        "test_sample.py::test_ok": "PASSED",
+        "test_sample.py::test_param[with space]": "PASSED",
+        "test_sample.py::test_param[x]y]": "PASSED",
+        "test_sample.py::test_param[a - b]": "FAILED",
+        "test_sample.py:10": "SKIPPED",
+        "test_sample.py::test_xfail": "XFAIL",
+        "test_sample.py::test_error": "ERROR",
+    }
+    result = verifier_result(run.stdout, seconds=0.0, exit_code=run.returncode)
+    assert (result.passed, result.total, result.resolved) == (5, 7, False)
