@@ -2,10 +2,12 @@
 
 Admission follows AReaL's rule: a rollout may start only while
 
-    started_rollouts < (learner_version + max_staleness + 1) * rollouts_per_step
+    started_rollouts < (learner_version + max_staleness + 1) * rollouts_per_version
 
-so that actors never run far ahead of the learner and the learner rarely has to drop stale
-trajectories (DESIGN.md section 4). Episodes that fail return their slot.
+where ``rollouts_per_version`` = batch size x steps per published version, so that actors never
+run far ahead of the learner and the learner rarely has to drop stale trajectories (DESIGN.md
+section 4). Episodes that fail, and trajectories the learner drops or rejects, return their slot:
+otherwise the learner could wait for data that admission will never allow (a deadlock).
 
 Supervision: :meth:`run` watches every rollout actor's ``run`` call; an actor that crashes is
 logged and replaced (up to ``max_restarts``), and the actor count follows :meth:`scale`.
@@ -30,22 +32,24 @@ class Controller:
     Args:
         cfg: rollout section (actor count, restarts, fault injection).
         task_names: tasks to draw episodes from (shuffled round robin).
-        rollouts_per_step: trajectories the learner consumes per step (its batch size).
+        rollouts_per_version: trajectories the learner consumes per published weight version
+            (batch size x ``publish_every``).
         max_staleness: eta, the staleness bound.
         make_rollout: ``(actor_id, crash_after_episodes) -> Ray actor handle`` of a RolloutActor.
         seed: seed of the task order.
     """
 
-    def __init__(self, cfg: RolloutConfig, task_names: list[str], *, rollouts_per_step: int, max_staleness: int,
+    def __init__(self, cfg: RolloutConfig, task_names: list[str], *, rollouts_per_version: int, max_staleness: int,
                  make_rollout: Callable[[int, int], Any], seed: int = 0):
         if not task_names:
             raise ValueError("the controller needs at least one task")
         self.cfg = cfg
-        self.rollouts_per_step, self.max_staleness = rollouts_per_step, max_staleness
+        self.rollouts_per_version, self.max_staleness = rollouts_per_version, max_staleness
         self.make_rollout = make_rollout
         self.version = 0
         self.started = 0
         self.failed_episodes = 0
+        self.discarded = 0
         self.crashes = 0
         self.target = cfg.num_actors
         self._tasks = list(task_names)
@@ -68,7 +72,7 @@ class Controller:
             while True:
                 if self._stopping or actor_id in self._retired:
                     return None
-                if self.started < (self.version + self.max_staleness + 1) * self.rollouts_per_step:
+                if self.started < (self.version + self.max_staleness + 1) * self.rollouts_per_version:
                     self.started += 1
                     if not self._order:
                         self._order = self._rng.sample(self._tasks, len(self._tasks))
@@ -85,6 +89,14 @@ class Controller:
             self.failed_episodes += 1
             self._cond.notify_all()
         logger.warning("rollout {} lost an episode: {}", actor_id, reason)
+
+    def trajectory_discarded(self, reason: str) -> None:
+        """The learner dropped (too stale) or rejected (invalid) a trajectory: return its admission slot."""
+        with self._cond:
+            self.started -= 1
+            self.discarded += 1
+            self._cond.notify_all()
+        logger.debug("learner discarded a trajectory: {}", reason)
 
     def set_version(self, version: int) -> None:
         """The learner published ``version``; admit more rollouts accordingly."""
@@ -103,7 +115,7 @@ class Controller:
     def status(self) -> dict[str, Any]:
         """Actor count, admissions, failures, crashes and the version admission follows."""
         return {"actors": len(self._actors), "target": self.target, "started": self.started, "version": self.version,
-                "failed_episodes": self.failed_episodes, "crashes": self.crashes}
+                "failed_episodes": self.failed_episodes, "discarded": self.discarded, "crashes": self.crashes}
 
     # ---- supervision loop ---------------------------------------------------------------
     def run(self) -> dict[str, Any]:

@@ -93,6 +93,9 @@ class Learner:
         self.counters = {"received": 0, "rejected": 0, "dropped_stale": 0, "trained": 0}
         self._queue: queue.Queue[Trajectory] = queue.Queue(maxsize=max(4 * cfg.batch_size, 8))
         self._stop = threading.Event()
+        self._controller: Any = None
+        self._pending_discards: list[str] = []
+        self._discard_lock = threading.Lock()
         self._receiver = ZmqReceiver(make_endpoint(transport.scheme, transport.host, transport.port), rcvhwm=transport.rcvhwm)
         self._sync = DistributedWeightSync(weight_sync.backend, weight_sync.master_address, weight_sync.master_port,
                                            weight_sync.timeout_s)
@@ -152,7 +155,22 @@ class Learner:
                 except queue.Full:
                     continue
 
+    def _discard(self, reason: str) -> None:
+        """Give a dropped or rejected trajectory's admission slot back to the controller
+        (held until :meth:`run` receives the controller)."""
+        with self._discard_lock:
+            self._pending_discards.append(reason)
+            if self._controller is None:
+                return
+            pending, self._pending_discards = self._pending_discards, []
+        for r in pending:
+            try:
+                call(self._controller.trajectory_discarded, r)
+            except Exception as e:  # the controller may be gone at shutdown; never crash the learner
+                logger.warning("could not tell the controller about a discarded trajectory: {}", e)
+
     def _quarantine(self, frame: bytes, err: Exception) -> None:
+        self._discard(f"rejected: {err}")
         self.counters["rejected"] += 1
         n = self.counters["rejected"]
         logger.warning("rejected trajectory #{}: {}", n, err)
@@ -173,6 +191,12 @@ class Learner:
         Returns:
             Final :meth:`status`.
         """
+        with self._discard_lock:
+            self._controller = controller
+            pending, self._pending_discards = self._pending_discards, []
+        if controller is not None:
+            for reason in pending:
+                call(controller.trajectory_discarded, reason)
         try:
             while self.step < self.cfg.max_steps and not self._stop.is_set():
                 batch = self._collect_batch()
@@ -215,6 +239,7 @@ class Learner:
             staleness = self.version - traj.min_version
             if staleness > self.cfg.max_staleness:
                 self.counters["dropped_stale"] += 1
+                self._discard(f"stale: {staleness} > {self.cfg.max_staleness}")
                 logger.warning("dropped trajectory {} of {}: staleness {} > {}", traj.trajectory_id, traj.task,
                                staleness, self.cfg.max_staleness)
                 continue

@@ -33,6 +33,9 @@ namespace too); the shell then prints the sentinel and the result has ``exit_cod
 exits (``exit``, ``kill $$``, ``set -e`` and a failure), the whole sandbox is restarted: a NEW
 shell in ``/app`` with the sandbox's starting environment; exported variables, the working
 directory and background processes are lost, and the output says so.
+
+Not enforced (yet): CPU, memory, disk and process-count limits (``/tmp`` and ``/`` are tmpfs in
+host memory; RLIMIT_NPROC does nothing for host uid 0; cgroups would be the way).
 """
 
 from __future__ import annotations
@@ -401,12 +404,12 @@ class LocalSandbox:
         """SIGKILL the namespace's init (the kernel then kills every process in the namespace)
         and bwrap itself; reap; close pipes."""
         proc, self._proc = self._proc, None
-        if self._init_pid is not None:
-            try:
-                os.kill(self._init_pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self._init_pid = None
+        init, self._init_pid = self._init_pid, None
+        try:  # only if that pid is still our namespace's init (never a recycled pid)
+            if init is not None and os.readlink(f"/proc/{init}/ns/pid") == self._pidns:
+                os.kill(init, signal.SIGKILL)
+        except OSError:
+            pass
         if proc is None:
             return
         try:
@@ -436,6 +439,7 @@ class LocalSandbox:
         self.close()
 
     def _restart(self) -> None:
+        logger.info("restarting the sandbox shell for {} (restart #{})", self.workspace, self.restarts + 1)
         self._kill()
         self.restarts += 1
         self._spawn()
@@ -608,8 +612,7 @@ def check_sandbox_available(backend: str = "local") -> None:
             raise SandboxUnavailable("bubblewrap (bwrap) not found: install it with `apt-get install bubblewrap`")
         probe = subprocess.run(
             ["bwrap", "--unshare-all", "--die-with-parent", "--cap-drop", "ALL", "--ro-bind", "/usr", "/usr",
-             "--symlink", "usr/bin", "/bin", "--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64",
-             "--", "/usr/bin/true"],
+             "--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64", "--", "/usr/bin/true"],
             capture_output=True, text=True, timeout=30,
         )
         if probe.returncode != 0:

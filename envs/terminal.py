@@ -237,6 +237,9 @@ class TerminalEnv:
         elif verifier_logs.exists():
             shutil.rmtree(verifier_logs)  # the agent may have planted files or symlinks there
         verifier_logs.mkdir(parents=True)
+        # A shell the agent left unable to answer (e.g. `exec >/dev/null`) is restarted here,
+        # within seconds, instead of costing the whole verifier timeout.
+        self.sandbox.exec("true", timeout_s=3.0)
         output_name = f"test_output.{secrets.token_hex(6)}.txt"
         assignments = " ".join(shlex.quote(f"{k}={v}") for k, v in self.env.items())
         command = f"cd /app && env -i {assignments} bash /tests/test.sh > /logs/verifier/{output_name} 2>&1"

@@ -11,15 +11,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from t1async.config import ConfigError
-
-
-def _user_errors() -> tuple[type[BaseException], ...]:
-    """Exception types that mean bad input, reported in one line."""
-    from t1async.envs.sandbox import SandboxUnavailable
-    from t1async.envs.task import TaskError
-
-    return ConfigError, TaskError, SandboxUnavailable
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,10 +22,10 @@ def main(argv: list[str] | None = None) -> int:
     p_launch.add_argument("overrides", nargs="*", help="key=value overrides, e.g. learner.max_steps=4")
     args = parser.parse_args(argv)
 
-    user_errors = _user_errors()
+    from t1async.launch import launch, user_errors
+
     try:
         if args.command == "launch":
-            from t1async.launch import launch
 
             summary = launch(args.config, args.overrides)
             if summary.get("interrupted"):
@@ -44,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"steps; see {summary['run_dir']}/logs/learner.log", file=sys.stderr)
                 return 1
             return 0
-    except user_errors as e:
+    except user_errors() as e:
         print(f"t1async: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

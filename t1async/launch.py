@@ -76,7 +76,7 @@ def launch(config_path: str | None, overrides: list[str] | tuple[str, ...] = ())
                                                   request_timeout_s=cfg.sampler.request_timeout_s, log_name=f"rollout{actor_id}")
 
         controller = actor(Controller, "controller").remote(cfg.rollout, [t.name for t in tasks],
-                                                     rollouts_per_step=cfg.learner.batch_size,
+                                                     rollouts_per_version=cfg.learner.batch_size * cfg.learner.publish_every,
                                                      max_staleness=cfg.learner.max_staleness, make_rollout=make_rollout,
                                                      seed=cfg.run.seed)
         controller.run.remote()
@@ -94,6 +94,15 @@ def launch(config_path: str | None, overrides: list[str] | tuple[str, ...] = ())
         ray.shutdown()
     logger.info("done: {}", json.dumps({k: v for k, v in summary.items() if k not in ("samplers",)}, default=str))
     return summary
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Exception types that mean bad input (reported by the CLI in one line, without a traceback)."""
+    from t1async.config import ConfigError
+    from t1async.envs.sandbox import SandboxUnavailable
+    from t1async.envs.task import TaskError
+
+    return ConfigError, TaskError, SandboxUnavailable
 
 
 def prepare_run_dir(cfg: Config) -> Path:

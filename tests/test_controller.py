@@ -7,7 +7,7 @@ from t1async.config import RolloutConfig
 
 
 def make(batch=2, eta=1):
-    return Controller(RolloutConfig(num_actors=1), ["a", "b", "c"], rollouts_per_step=batch, max_staleness=eta,
+    return Controller(RolloutConfig(num_actors=1), ["a", "b", "c"], rollouts_per_version=batch, max_staleness=eta,
                       make_rollout=lambda aid, crash: None, seed=0)
 
 
@@ -27,6 +27,14 @@ def test_failed_episode_returns_its_slot():
     assert c.acquire(0) == ""
     c.episode_failed(0, "sandbox died")
     assert c.acquire(0) and c.failed_episodes == 1
+
+
+def test_discarded_trajectory_returns_its_slot():
+    c = make(batch=1, eta=0)
+    assert c.acquire(0)
+    assert c.acquire(0) == ""
+    c.trajectory_discarded("stale")
+    assert c.acquire(0) and c.discarded == 1
 
 
 def test_tasks_are_drawn_round_robin_over_shuffles():

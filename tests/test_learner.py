@@ -48,7 +48,19 @@ def test_learner_trains_publishes_drops_stale_and_quarantines(tmp_path):
         tx.send(encode(synthetic(version=0, seed=1, reward=2.0)))
         tx.send(encode(synthetic(version=0, seed=2, reward=0.0)))
         result: dict = {}
-        th = threading.Thread(target=lambda: result.update(learner.run()))
+
+        class Controller:  # records what the learner tells admission control
+            versions: list[int] = []
+            discarded: list[str] = []
+
+            def set_version(self, v):
+                self.versions.append(v)
+
+            def trajectory_discarded(self, reason):
+                self.discarded.append(reason)
+
+        ctl = Controller()
+        th = threading.Thread(target=lambda: result.update(learner.run(ctl)))
         th.start()
         deadline = time.monotonic() + 60
         while learner.version < 1 and time.monotonic() < deadline:
@@ -71,6 +83,7 @@ def test_learner_trains_publishes_drops_stale_and_quarantines(tmp_path):
         assert rows[0]["logprob_diff_mean"] > 0  # the synthetic behaviour log-probs are not the model's
         assert result["rejected"] == 1 and (tmp_path / "quarantine" / "000001.txt").exists()
         assert sampler.version == 2
+        assert ctl.versions == [1, 2] and sorted(d.split(":")[0] for d in ctl.discarded) == ["rejected", "stale"]
         assert torch.equal(sampler.engine.model.lm_head.weight, learner.policy.lm_head.weight)
         assert any(not torch.equal(before[n], p) for n, p in learner.policy.named_parameters())
         ckpt = tmp_path / "checkpoints" / "step_000002"

@@ -213,3 +213,12 @@ def test_validation_flags_a_noop_that_resolves(tmp_path):
     (folder / "tests" / "test_outputs.py").write_text("def test_nothing():\n    pass\n")
     report = validate_task(load_task(folder), tmp_path / "episodes")
     assert report.error is None and report.noop.resolved and not report.ok
+
+
+def test_verify_survives_a_shell_the_agent_broke(tmp_path):
+    task = load_task(FIXTURES / "count-words")
+    with TerminalEnv(task, root=tmp_path, command_timeout_s=1.0, verifier_timeout_s=20) as env:
+        env.reset()
+        env.step("echo 5 > count.txt; exec >/dev/null 2>&1")
+        result = env.verify()
+    assert result.resolved and result.seconds < 10, result

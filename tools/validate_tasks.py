@@ -37,7 +37,9 @@ def validate_folder(folder: Path, root: Path) -> TaskValidation:
         task = load_task(folder)
     except TaskError as exc:
         return TaskValidation(folder.name, error=str(exc))
-    return validate_task(task, root)
+    report = validate_task(task, root)
+    report.name = folder.name  # rows are named by folder, as on the command line
+    return report
 
 
 def _score(result) -> str:

@@ -1,0 +1,39 @@
+"""Dependency direction: the core package never imports Ray, the roles or the environment layer.
+
+Only ``t1async/launch.py`` (and the CLI through it) wires roles, Ray and environments together,
+so every core module stays usable in one process (tests) and on a cluster alike.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+CORE = Path(__file__).resolve().parents[1] / "t1async"
+ALLOWED = {"launch.py", "cli.py"}
+FORBIDDEN = ("ray", "t1async.actors", "t1async.envs")
+
+
+def imported_modules(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_core_modules_do_not_import_ray_roles_or_envs():
+    offenders = {}
+    for path in sorted(CORE.glob("*.py")):
+        if path.name in ALLOWED:
+            continue
+        bad = [m for m in imported_modules(path) if any(m == f or m.startswith(f + ".") for f in FORBIDDEN)]
+        if bad:
+            offenders[path.name] = bad
+    assert offenders == {}
+
+
+def test_the_check_sees_imports():
+    assert "ray" in imported_modules(CORE / "launch.py")
