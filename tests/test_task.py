@@ -189,7 +189,7 @@ def test_verify_gives_dense_reward_and_ignores_agent_env(tmp_path):
             "test_input_untouched", "test_count_file_exists", "test_count_value[5]",
         ]
         assert list((env.episode_dir / "tests").iterdir())  # the tests were staged
-        assert env.step("ls /tests").output.split() == ["test.sh", "test_outputs.py"]
+        assert env.step("ls /tests").output.split() == ["outputs_check.py", "test.sh"]
 
 
 def test_verifier_timeout_is_reported(tmp_path):
@@ -210,7 +210,7 @@ def test_oracle_and_noop_validation(tmp_path):
 
 def test_validation_flags_a_noop_that_resolves(tmp_path):
     folder = copy_task(tmp_path)
-    (folder / "tests" / "test_outputs.py").write_text("def test_nothing():\n    pass\n")
+    (folder / "tests" / "outputs_check.py").write_text("def test_nothing():\n    pass\n")
     report = validate_task(load_task(folder), tmp_path / "episodes")
     assert report.error is None and report.noop.resolved and not report.ok
 
