@@ -318,15 +318,15 @@ def task_folders(root: str | Path) -> list[Path]:
     return sorted(p for p in base.iterdir() if p.is_dir() and not p.name.startswith((".", "_")))
 
 
-def discover_tasks(root: str | Path, names: Sequence[str] = ()) -> list[Task]:
+def discover_tasks(root: str | Path, names: Sequence[str] = (), *, skip_invalid: bool = False) -> list[Task]:
     """Load the tasks under ``root`` (all, or those in ``names``), sorted by name.
 
-    Invalid folders are skipped with a warning unless named in ``names``. A name matches a
-    folder name or a ``[task] name``.
+    An invalid folder raises, unless ``skip_invalid`` is set (then it is skipped with a warning,
+    except when named in ``names``). A name matches a folder name or a ``[task] name``.
 
     Raises:
-        TaskError: ``root`` is missing or holds no valid task, a named task is missing or
-            invalid, or two tasks share a name.
+        TaskError: ``root`` is missing or holds no valid task, a folder is invalid (and not
+            skipped), a named task is missing or invalid, or two tasks share a name.
     """
     wanted = set(names)
     tasks: list[Task] = []
@@ -335,7 +335,7 @@ def discover_tasks(root: str | Path, names: Sequence[str] = ()) -> list[Task]:
         try:
             task = load_task(folder)
         except TaskError as exc:
-            if folder.name in wanted:
+            if folder.name in wanted or not skip_invalid:
                 raise
             logger.warning("skipping invalid task folder: {}", exc)
             continue

@@ -242,7 +242,10 @@ class TerminalEnv:
         self.sandbox.exec("true", timeout_s=3.0)
         output_name = f"test_output.{secrets.token_hex(6)}.txt"
         assignments = " ".join(shlex.quote(f"{k}={v}") for k, v in self.env.items())
-        command = f"cd /app && env -i {assignments} bash /tests/test.sh > /logs/verifier/{output_name} 2>&1"
+        # PYTHONSAFEPATH: `python3 -m pytest` run from /app must not import an agent-planted
+        # /app/pytest.py or sitecustomize.py (reward hacking); the host's pytest runs.
+        command = (f"cd /app && env -i {assignments} PYTHONSAFEPATH=1 bash /tests/test.sh "
+                   f"> /logs/verifier/{output_name} 2>&1")
         started = time.monotonic()
         run = self.sandbox.exec(command, timeout_s=self.verifier_timeout_s)
         seconds = time.monotonic() - started

@@ -10,7 +10,7 @@ import pytest
 
 import t1async.envs
 from t1async.envs.task import TaskError, load_task, task_folders
-from t1async.envs.terminal import TaskValidation, validate_task
+from t1async.envs.terminal import TaskValidation, TerminalEnv, validate_task
 
 TASKS_DIR = Path(t1async.envs.__file__).parent / "tasks"
 FOLDERS = task_folders(TASKS_DIR) if TASKS_DIR.is_dir() else []
@@ -48,3 +48,14 @@ def test_oracle_resolves_and_noop_does_not(folder, reports):
     assert report.oracle_exit_code == 0, f"solution/solve.sh exited with {report.oracle_exit_code}"
     assert not noop.resolved, f"a no-op agent resolves {folder.name}: its tests do not check the work"
     assert noop.total == oracle.total, "the no-op and oracle runs collected different tests"
+
+
+def test_agent_cannot_fake_pytest_from_app(tmp_path):
+    """A /app/pytest.py planted by the agent must not replace the host's pytest in the verifier."""
+    task = load_task(TASKS_DIR / "create-hello-file")
+    with TerminalEnv(task, root=tmp_path) as env:
+        env.reset()
+        fake = "print('PASSED /tests/test_outputs.py::test_fake')"
+        env.step(f"printf '%s\\n' \"{fake}\" > /app/pytest.py && printf 'import sys\\n' > /app/sitecustomize.py")
+        result = env.verify()
+    assert result.passed == 0 and result.total == 3 and not result.resolved

@@ -131,12 +131,14 @@ def test_discover_tasks(tmp_path):
     copy_task(tmp_path, "hello-env")
     (tmp_path / "tasks" / "broken").mkdir()
     (tmp_path / "tasks" / ".hidden").mkdir()
-    assert [t.name for t in discover_tasks(tmp_path / "tasks")] == ["count-words", "hello-env"]
-    assert [t.name for t in discover_tasks(tmp_path / "tasks", ["hello-env"])] == ["hello-env"]
+    with pytest.raises(TaskError, match="broken.*missing task.toml"):
+        discover_tasks(tmp_path / "tasks")  # strict by default: a broken folder is named, not skipped
+    assert [t.name for t in discover_tasks(tmp_path / "tasks", skip_invalid=True)] == ["count-words", "hello-env"]
+    assert [t.name for t in discover_tasks(tmp_path / "tasks", ["hello-env"], skip_invalid=True)] == ["hello-env"]
     with pytest.raises(TaskError, match=r"\['nope'\] not found .*available: \['count-words', 'hello-env'\]"):
-        discover_tasks(tmp_path / "tasks", ["nope"])
+        discover_tasks(tmp_path / "tasks", ["nope"], skip_invalid=True)
     with pytest.raises(TaskError, match="missing task.toml"):
-        discover_tasks(tmp_path / "tasks", ["broken"])
+        discover_tasks(tmp_path / "tasks", ["broken"], skip_invalid=True)
     with pytest.raises(TaskError, match="no valid task"):
         discover_tasks(tmp_path / "tasks" / "broken")
     with pytest.raises(TaskError, match="does not exist"):
