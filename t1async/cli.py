@@ -18,6 +18,7 @@ import sys
 
 SUBCOMMANDS = [
     "t1async.cli:register_launch",
+    "t1async.cli:register_bench",
 ]
 
 
@@ -40,6 +41,34 @@ def run_launch(args: argparse.Namespace) -> int:
         print(f"t1async: error: the learner stopped after {summary.get('steps', 0)} of {summary['max_steps']} "
               f"steps; see {summary['run_dir']}/logs/learner.log", file=sys.stderr)
         return 1
+    return 0
+
+
+def register_bench(sub: argparse._SubParsersAction) -> None:
+    """``t1async bench NAME [ARGS ...]``: run ``tools/bench_NAME.py`` of a source checkout."""
+    p = sub.add_parser("bench", help="run a benchmark from tools/ (tools/bench_NAME.py); prints one JSON object")
+    p.add_argument("name", help="benchmark name, e.g. transport or sandbox")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
+    p.set_defaults(func=run_bench)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Run ``tools/bench_NAME.py`` as ``__main__`` with ``args``; its exit status is returned."""
+    import runpy
+    from pathlib import Path
+
+    tools = Path(__file__).resolve().parents[1] / "tools"
+    script = tools / f"bench_{args.name}.py"
+    if not script.is_file():
+        known = sorted(p.stem.removeprefix("bench_") for p in tools.glob("bench_*.py")) if tools.is_dir() else []
+        print(f"t1async: error: no benchmark {args.name!r} (tools/bench_{args.name}.py); known: {known}. "
+              "Benchmarks run from a source checkout (pip install -e .)", file=sys.stderr)
+        return 2
+    sys.argv = [str(script), *args.args]
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as e:
+        return int(e.code or 0) if not isinstance(e.code, str) else 1
     return 0
 
 
