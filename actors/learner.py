@@ -2,14 +2,19 @@
 
 Data path (one process):
 
-    ZeroMQ PULL --(receive thread: decode + validate; bad frames counted and quarantined)-->
-    bounded queue --(run loop: staleness filter, batch of ``batch_size``)--> critic values, GAE
-    --> decoupled-PPO update with routing replay --> every ``publish_every`` steps: version + 1,
-    broadcast to every sampler --> metrics.jsonl, checkpoints.
+    ZeroMQ ROUTER --(receive thread: de-duplicate by trajectory id; decode + validate, bad
+    frames counted, quarantined and REJected; append to the durable receive log, then ACK)-->
+    bounded queue (messages and bytes) --(run loop: staleness filter, batch of ``batch_size``)
+    --> critic values, GAE --> decoupled-PPO update with routing replay --> every
+    ``publish_every`` steps: version + 1, broadcast to every sampler --> metrics.jsonl,
+    checkpoints (weights + the ids they consumed, renamed into place atomically).
 
-The receive thread blocks on the bounded queue when training falls behind, so ZeroMQ's
-high-water marks push back on the rollout actors. ``run`` returns after ``max_steps`` or when
-:meth:`stop` is called (Ctrl-C); either way a final checkpoint is written.
+The receive thread stops reading the socket while the queue is full, so the actors' send
+windows and spools fill and their ``send`` waits (backpressure). ``run`` returns after
+``max_steps`` or when :meth:`stop` is called (Ctrl-C); either way a final checkpoint is written.
+With ``learner.resume`` the learner restarts from its latest checkpoint and first re-queues the
+receive log's trajectories that checkpoint had not consumed: nothing lost, nothing trained twice
+(the exact guarantee is in t1async/delivery.py).
 """
 
 from __future__ import annotations
@@ -26,14 +31,16 @@ import numpy as np
 import torch
 import torch.nn as nn
 from loguru import logger
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from t1async.actors import call
 from t1async.config import LearnerConfig, ModelConfig, TransportConfig, WeightSyncConfig
+from t1async.delivery import (ByteQueue, ReceiveLog, commit, latest_checkpoint, read_consumed, staging_dir,
+                              write_consumed)
 from t1async.model import Qwen3MoeForCausalLM
-from t1async.rl import gae, policy_loss, token_logprobs, value_loss
+from t1async.rl import gae, k3, policy_loss, routing_differs, token_logprobs, value_loss
 from t1async.trajectory import Trajectory, TrajectoryError, decode
-from t1async.transport import ZmqReceiver, make_endpoint
+from t1async.transport import Delivery, ZmqReceiver
 from t1async.weight_sync import DistributedWeightSync
 
 MAX_QUARANTINED_FILES = 100
@@ -66,9 +73,9 @@ class Learner:
     Args:
         cfg: learner settings (steps, batch, staleness bound, PPO and GAE constants).
         model_cfg: policy architecture.
-        transport: where to bind the trajectory socket.
+        transport: where to bind the trajectory socket, queue bounds, receive-log fsync, CURVE keys.
         weight_sync: how to broadcast weights.
-        run_dir: run directory (metrics.jsonl, checkpoints/, quarantine/).
+        run_dir: run directory (metrics.jsonl, checkpoints/, quarantine/, receive_log/).
         seed: seed of the model init.
         torch_threads: intra-op threads of this process.
     """
@@ -79,10 +86,11 @@ class Learner:
         torch.manual_seed(seed)
         self.cfg, self.model_cfg = cfg, model_cfg
         self.run_dir = Path(run_dir)
-        if cfg.init_checkpoint:
-            self.policy = Qwen3MoeForCausalLM.from_pretrained(cfg.init_checkpoint)
+        resume_from = latest_checkpoint(self.run_dir / "checkpoints") if cfg.resume else None
+        if resume_from or cfg.init_checkpoint:
+            self.policy = Qwen3MoeForCausalLM.from_pretrained(resume_from or cfg.init_checkpoint)
             if self.policy.cfg != model_cfg:
-                raise ValueError(f"learner.init_checkpoint {cfg.init_checkpoint} has a model config that differs from `model`")
+                raise ValueError(f"checkpoint {resume_from or cfg.init_checkpoint} has a model config that differs from `model`")
         else:
             self.policy = Qwen3MoeForCausalLM(model_cfg)
         self.critic = ValueModel(self.policy)
@@ -90,13 +98,18 @@ class Learner:
         self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=cfg.critic_lr, weight_decay=cfg.weight_decay)
         self.version = 0
         self.step = 0
-        self.counters = {"received": 0, "rejected": 0, "dropped_stale": 0, "trained": 0}
-        self._queue: queue.Queue[Trajectory] = queue.Queue(maxsize=max(4 * cfg.batch_size, 8))
+        self.counters = {"received": 0, "rejected": 0, "dropped_stale": 0, "trained": 0, "duplicates": 0, "replayed": 0}
+        self._consumed: dict[str, int] = {}  # trajectory id -> step that trained it (-1: dropped as stale)
+        self._log = ReceiveLog(self.run_dir / "receive_log", fsync=transport.log_fsync, reset=not cfg.resume)
+        if cfg.resume:
+            self._resume(resume_from)
+        self._backlog = [k for k in self._log.keys() if k not in self._consumed]  # replayed before the socket
+        self._queue = ByteQueue(transport.recv_queue_messages or max(4 * cfg.batch_size, 8), transport.recv_queue_bytes)
         self._stop = threading.Event()
         self._controller: Any = None
         self._pending_discards: list[str] = []
         self._discard_lock = threading.Lock()
-        self._receiver = ZmqReceiver(make_endpoint(transport.scheme, transport.host, transport.port), rcvhwm=transport.rcvhwm)
+        self._receiver = ZmqReceiver.from_config(transport)
         self._sync = DistributedWeightSync(weight_sync.backend, weight_sync.master_address, weight_sync.master_port,
                                            weight_sync.timeout_s)
         self._recv_thread = threading.Thread(target=self._receive_loop, name="learner-recv", daemon=True)
@@ -123,37 +136,107 @@ class Learner:
 
     def status(self) -> dict[str, Any]:
         """Step, version, queue depth and counters."""
-        return {"step": self.step, "version": self.version, "queue_depth": self._queue.qsize(), **self.counters}
+        return {"step": self.step, "version": self.version, "queue_depth": self._queue.qsize(),
+                "queue_bytes": self._queue.nbytes, **self.counters}
+
+    # ---- resume -------------------------------------------------------------------------
+    def _resume(self, path: Path | None) -> None:
+        """Restore checkpoint ``path`` (critic, optimisers, step, version, counters, consumed ids;
+        the policy was loaded in ``__init__``); None: no checkpoint yet, start at step 0 and replay
+        the whole receive log. metrics.jsonl rows past the restored step are dropped."""
+        if path is not None:
+            self.critic.load_state_dict(load_file(str(path / "critic.safetensors")))
+            opt = torch.load(path / "optimizers.pt", weights_only=True)
+            self.policy_opt.load_state_dict(opt["policy"])
+            self.critic_opt.load_state_dict(opt["critic"])
+            state = json.loads((path / "trainer_state.json").read_text())
+            self.step, self.version = int(state["step"]), int(state["version"])
+            self.counters.update({k: int(state[k]) for k in self.counters if k in state})
+            self._consumed = read_consumed(path / "consumed.json")
+        # Weights published after that checkpoint are lost: the next publication takes a new,
+        # higher number (see _publish), so versions never repeat.
+        self.version = max(self.version, self._log.published_version)
+        metrics = self.run_dir / "metrics.jsonl"
+        if metrics.exists():
+            rows = [r for r in metrics.read_text().splitlines() if r.strip() and json.loads(r)["step"] <= self.step]
+            metrics.write_text("".join(r + "\n" for r in rows))
+        logger.info("resumed from {} at step {}, version {}: {} trajectories consumed, {} in the receive log",
+                    path or "no checkpoint", self.step, self.version, len(self._consumed), len(self._log))
 
     # ---- receive thread -----------------------------------------------------------------
     def _receive_loop(self) -> None:
-        """Consumes ZeroMQ frames; produces validated trajectories on the bounded queue.
+        """Consumes the receive log's backlog (resume), then ZeroMQ deliveries; produces validated
+        trajectories on the bounded queue, each stored in the receive log and ACKed first.
 
-        Blocks on the queue when it is full (backpressure). A frame that fails validation is
-        counted, logged and written to ``quarantine/`` (first 100), never trained on.
+        Stops reading while the queue is full (backpressure). A frame that fails validation is
+        counted, logged, written to ``quarantine/`` (first 100) and REJected, never trained on;
+        a trajectory id already stored or consumed is ACKed again and dropped (de-duplication).
+        Stopped by :meth:`stop` / :meth:`close`.
         """
-        mc = self.model_cfg
-        while not self._stop.is_set():
-            frame = self._receiver.recv(timeout_s=0.5)
-            if frame is None:
-                continue
+        for key in self._backlog:
+            if self._stop.is_set():
+                return
+            frame = self._log.read(key)
             try:
-                traj = decode(frame, num_experts=mc.num_experts, num_layers=mc.num_hidden_layers,
-                              top_k=mc.num_experts_per_tok, max_version=self.version)
+                traj = self._decode(frame, max_version=None)  # validated at receipt; re-checked
             except TrajectoryError as e:
                 self._quarantine(frame, e)
                 continue
-            self.counters["received"] += 1
-            if self.counters["received"] <= self.cfg.dump_trajectories:
-                tdir = self.run_dir / "trajectories"
-                tdir.mkdir(exist_ok=True)
-                (tdir / f"{traj.trajectory_id}.msgpack").write_bytes(frame)
-            while not self._stop.is_set():
-                try:
-                    self._queue.put(traj, timeout=0.5)
-                    break
-                except queue.Full:
-                    continue
+            self.counters["replayed"] += 1
+            self._enqueue(traj, len(frame))
+        while not self._stop.is_set():
+            d = self._receiver.recv(timeout_s=0.5)
+            if d is not None:
+                self._on_delivery(d)
+
+    def _decode(self, frame: Any, max_version: int | None) -> Trajectory:
+        mc = self.model_cfg
+        try:
+            return decode(frame, num_experts=mc.num_experts, num_layers=mc.num_hidden_layers,
+                          top_k=mc.num_experts_per_tok, max_version=max_version)
+        except TrajectoryError:
+            raise
+        except Exception as e:  # a decoder bug must not kill the receive thread
+            logger.opt(exception=e).error("decoder failed unexpectedly")
+            raise TrajectoryError("<decoder>", f"{type(e).__name__}: {e}") from None
+
+    def _on_delivery(self, d: Delivery) -> None:
+        if d.error is not None:
+            self._quarantine(d.frame, TrajectoryError("<envelope>", d.error))
+            self._receiver.ack(d, False, d.error)
+            return
+        if d.key in self._log or d.key in self._consumed:
+            self.counters["duplicates"] += 1
+            self._receiver.ack(d, True, "duplicate")
+            return
+        try:
+            traj = self._decode(d.frame, max_version=self.version)
+            if traj.trajectory_id != d.key:
+                raise TrajectoryError("trajectory_id", f"{traj.trajectory_id!r} differs from the envelope key {d.key!r}")
+        except TrajectoryError as e:
+            self._quarantine(d.frame, e)
+            self._receiver.ack(d, False, str(e))
+            return
+        try:
+            self._log.append(d.key, d.frame)
+        except OSError as e:  # not stored: no ACK, the actor keeps it and resends
+            logger.error("receive log append failed ({}); trajectory {} not acknowledged", e, d.key)
+            return
+        self._receiver.ack(d, True)
+        self.counters["received"] += 1
+        if self.counters["received"] <= self.cfg.dump_trajectories:
+            tdir = self.run_dir / "trajectories"
+            tdir.mkdir(exist_ok=True)
+            (tdir / f"{traj.trajectory_id}.traj").write_bytes(d.frame)
+        self._enqueue(traj, len(d.frame))
+
+    def _enqueue(self, traj: Trajectory, nbytes: int) -> None:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(traj, nbytes, timeout=0.5)
+                return
+            except queue.Full:
+                continue
 
     def _discard(self, reason: str) -> None:
         """Give a dropped or rejected trajectory's admission slot back to the controller
@@ -169,7 +252,8 @@ class Learner:
             except Exception as e:  # the controller may be gone at shutdown; never crash the learner
                 logger.warning("could not tell the controller about a discarded trajectory: {}", e)
 
-    def _quarantine(self, frame: bytes, err: Exception) -> None:
+    def _quarantine(self, frame: bytes | memoryview, err: Exception) -> None:
+        """Count, log and (first 100) keep a rejected frame with its error in ``quarantine/``."""
         self._discard(f"rejected: {err}")
         self.counters["rejected"] += 1
         n = self.counters["rejected"]
@@ -177,7 +261,7 @@ class Learner:
         if n <= MAX_QUARANTINED_FILES:
             qdir = self.run_dir / "quarantine"
             qdir.mkdir(exist_ok=True)
-            (qdir / f"{n:06d}.msgpack").write_bytes(frame)
+            (qdir / f"{n:06d}.traj").write_bytes(frame)
             (qdir / f"{n:06d}.txt").write_text(f"{err}\n")
 
     # ---- main loop ----------------------------------------------------------------------
@@ -195,6 +279,8 @@ class Learner:
             self._controller = controller
             pending, self._pending_discards = self._pending_discards, []
         if controller is not None:
+            if self.version > 0:  # resumed: admission must follow the restored version
+                call(controller.set_version, self.version)
             for reason in pending:
                 call(controller.trajectory_discarded, reason)
         try:
@@ -206,6 +292,7 @@ class Learner:
                 t0 = time.perf_counter()
                 metrics = self._train_step(batch)
                 self.step += 1
+                self._consumed.update((t.trajectory_id, self.step) for t in batch)
                 if self.step % self.cfg.publish_every == 0:
                     self._publish()
                     if controller is not None:
@@ -217,7 +304,8 @@ class Learner:
                 if self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0:
                     self.save_checkpoint()
         finally:
-            self.save_checkpoint()
+            if getattr(self, "_saved_step", None) != self.step:
+                self.save_checkpoint()
             self._stop.set()
         return self.status()
 
@@ -239,6 +327,7 @@ class Learner:
             staleness = self.version - traj.min_version
             if staleness > self.cfg.max_staleness:
                 self.counters["dropped_stale"] += 1
+                self._consumed[traj.trajectory_id] = -1
                 self._discard(f"stale: {staleness} > {self.cfg.max_staleness}")
                 logger.warning("dropped trajectory {} of {}: staleness {} > {}", traj.trajectory_id, traj.task,
                                staleness, self.cfg.max_staleness)
@@ -255,7 +344,8 @@ class Learner:
             inp, tgt = ids[:-1].unsqueeze(0), ids[1:].unsqueeze(0)
             mask = torch.from_numpy(traj.loss_mask[1:].astype(np.float32)).unsqueeze(0)
             mu = torch.from_numpy(traj.logprobs[1:].astype(np.float32)).unsqueeze(0)
-            replay = torch.from_numpy(traj.routed_experts.astype(np.int64)).unsqueeze(0) if cfg.routing_replay else None
+            recorded = torch.from_numpy(traj.routed_experts.astype(np.int64)).unsqueeze(0)  # [1, T-1, L, K]
+            replay = recorded if cfg.routing_replay else None
             with torch.no_grad():
                 old_v = self.critic(inp)
             idx = mask[0].nonzero().squeeze(-1)
@@ -264,7 +354,8 @@ class Learner:
             adv_s, ret_s = gae(rewards, old_v[0, idx].numpy(), cfg.gamma, cfg.lam)
             adv, ret = torch.zeros_like(mask), torch.zeros_like(mask)
             adv[0, idx], ret[0, idx] = torch.from_numpy(adv_s), torch.from_numpy(ret_s)
-            items.append({"inp": inp, "tgt": tgt, "mask": mask, "mu": mu, "replay": replay, "old_v": old_v, "adv": adv, "ret": ret})
+            items.append({"inp": inp, "tgt": tgt, "mask": mask, "mu": mu, "replay": replay, "recorded": recorded,
+                          "old_v": old_v, "adv": adv, "ret": ret})
         n_tokens = float(sum(it["mask"].sum() for it in items))
         if cfg.normalize_advantages:
             flat = torch.cat([it["adv"][it["mask"].bool()] for it in items])
@@ -274,16 +365,23 @@ class Learner:
         train_policy = self.step >= cfg.critic_warmup_steps
         sums = {"policy_loss": 0.0, "value_loss": 0.0, "clip_frac": 0.0, "is_weight_mean": 0.0, "is_truncated_frac": 0.0}
         diff_sum, is_max = 0.0, 0.0
+        k3_sum, routed_pos, used_diff, own_diff = 0.0, 0, 0, 0
         for epoch in range(cfg.ppo_epochs):
             self.policy_opt.zero_grad(set_to_none=True)
             self.critic_opt.zero_grad(set_to_none=True)
             for it in items:
                 with torch.set_grad_enabled(train_policy):
-                    out = self.policy(it["inp"], routed_experts=it["replay"])
+                    out = self.policy(it["inp"], routed_experts=it["replay"], return_routing=epoch == 0)
                     logp = token_logprobs(out.logits, it["tgt"])
                 if epoch == 0:
                     it["prox"] = logp.detach()  # proximal policy = the weights before this update
                     diff_sum += float(((it["prox"] - it["mu"]).abs() * it["mask"]).sum())
+                    k3_sum += float((k3(it["prox"], it["mu"]) * it["mask"]).sum())
+                    # routing vs the sampler's rows: the experts used (0 under replay) and the
+                    # router's own top-k from this same forward (what no replay would use)
+                    routed_pos += it["recorded"].shape[1]
+                    used_diff += int(routing_differs(out.routed_experts, it["recorded"]).sum())
+                    own_diff += int(routing_differs(out.router_experts, it["recorded"]).sum())
                 pl = policy_loss(logp, it["prox"], it["mu"], it["adv"], it["mask"], clip_eps=cfg.clip_eps,
                                  is_cap=cfg.is_cap, denom=n_tokens)
                 vl = value_loss(self.critic(it["inp"]), it["old_v"], it["ret"], it["mask"], clip=cfg.value_clip, denom=n_tokens)
@@ -303,6 +401,10 @@ class Learner:
                 sums["grad_norm"] = float(gn)
                 self.policy_opt.step()
         return {**sums, "is_weight_max": is_max, "logprob_diff_mean": diff_sum / max(n_tokens, 1.0),
+                "kl_k3": k3_sum / max(n_tokens, 1.0),
+                "routing_diff_frac": used_diff / max(routed_pos, 1), "router_diff_frac": own_diff / max(routed_pos, 1),
+                "drift_tokens": int(sum(t.drift_tokens for t in batch)),
+                "template_mismatches": int(sum(t.template_mismatches for t in batch)),
                 "train_policy": train_policy, "trained_tokens": n_tokens}
 
     def _batch_metrics(self, batch: list[Trajectory], stale: list[int]) -> dict[str, Any]:
@@ -326,8 +428,9 @@ class Learner:
 
     def _publish(self) -> None:
         """Broadcast the policy to every sampler as the next version (version 0 at start)."""
-        if self.step > 0:
+        if self.step > 0 or self.version > 0:  # (version > 0 at step 0: resumed before the first checkpoint)
             self.version += 1
+        self._log.note_published(self.version)
         t0 = time.perf_counter()
         self._sync.publish(self.policy.named_parameters(), self.version)
         logger.info("published weight version {} in {:.2f} s", self.version, time.perf_counter() - t0)
@@ -339,12 +442,19 @@ class Learner:
                     "staleness max {staleness_max} |dlogp| {logprob_diff_mean:.4f} {tokens_per_s:.0f} tok/s", **metrics)
 
     def save_checkpoint(self) -> Path:
-        """Write ``checkpoints/step_NNNNNN/`` (policy safetensors + config.json, critic, state)."""
-        path = self.run_dir / "checkpoints" / f"step_{self.step:06d}"
-        path.mkdir(parents=True, exist_ok=True)
-        self.policy.save_pretrained(path)
-        save_file({k: v.detach().contiguous() for k, v in self.critic.state_dict().items()}, str(path / "critic.safetensors"))
-        (path / "trainer_state.json").write_text(json.dumps({"step": self.step, "version": self.version, **self.counters}))
+        """Write ``checkpoints/step_NNNNNN/`` atomically: policy safetensors + config.json, critic,
+        optimisers, trainer state, and ``consumed.json`` (every trajectory id this model state
+        trained on or dropped), staged in a hidden folder and renamed into place."""
+        root = self.run_dir / "checkpoints"
+        tmp = staging_dir(root, self.step)
+        self.policy.save_pretrained(tmp)
+        save_file({k: v.detach().contiguous() for k, v in self.critic.state_dict().items()}, str(tmp / "critic.safetensors"))
+        torch.save({"policy": self.policy_opt.state_dict(), "critic": self.critic_opt.state_dict()}, tmp / "optimizers.pt")
+        write_consumed(tmp / "consumed.json", self._consumed)
+        (tmp / "trainer_state.json").write_text(json.dumps({"step": self.step, "version": self.version, **self.counters}))
+        path = commit(tmp, root / f"step_{self.step:06d}", fsync=self._log.fsync)
+        self._log.drop_consumed(self._consumed)
+        self._saved_step = self.step
         logger.info("checkpoint written to {}", path)
         return path
 
@@ -353,5 +463,6 @@ class Learner:
         self._stop.set()
         self._recv_thread.join(timeout=2)
         self._receiver.close()
+        self._log.close()
         self._sync.close()
 

@@ -11,9 +11,26 @@ Data path of one episode (TITO: token in, token out; see DESIGN.md section 4):
         decoded text == end signal -> stop; else run it in the sandbox shell and append the
         observation, rendered on its own (loss mask 0)
     verifier -> per-test results, reward = tests passed
-    trim the stream after the last sampled token; encode; PUSH to the learner
+    trim the stream after the last sampled token; encode; hand to the sender (it spools,
+    sends and resends until the learner acknowledges; see t1async/transport.py)
 
-Nothing already in the stream is ever re-tokenized. The rollout actor waits for admission from
+Nothing already in the stream is ever re-tokenized. Turn boundaries, case by case (tested in
+tests/test_tito.py):
+
+- ended with ``<|im_end|>`` (sampled, loss mask 1): nothing to repair;
+- ended on ``<|endoftext|>`` (also a stop id): the eos stays in the stream as sampled (mask 1),
+  the command is the text before it, ``<|im_end|>`` is appended with mask 0;
+- length limit / the model ran on without a stop id: ``<|im_end|>`` appended with mask 0;
+- empty command (only whitespace before the stop): not run; the observation is empty;
+- unparseable text (special-token ids sampled mid-turn, bytes that are not UTF-8): the command is
+  the decoded text as is; the ids stay exactly as sampled.
+
+Two per-trajectory counters travel with the trajectory: ``drift_tokens`` (loss-mask-1 positions
+whose id differs from the id the sampler returned; 0 by construction, checked at ``finish``) and
+``template_mismatches`` (turns where rendering the history through the chat template,
+``render_turn("assistant", text)``, gives other ids than the stream holds for that turn: BPE merges
+across the header or inside the decoded text, a sampled eos or special token, invalid UTF-8; the
+stream wins, the count is a metric). The rollout actor waits for admission from
 the controller before each episode (staleness control) and stops when admission says so.
 """
 
@@ -35,11 +52,16 @@ from t1async.envs.terminal import TerminalEnv
 from t1async.sampler_client import HttpSampler, Sampler
 from t1async.tokenizer import ChatTokenizer
 from t1async.trajectory import Trajectory, encode
-from t1async.transport import ZmqSender
+from t1async.transport import TrajectorySender, ZmqSender
 
 
 class EpisodeBuilder:
-    """Accumulates one episode's token stream; every list stays aligned token by token."""
+    """Accumulates one episode's token stream; every list stays aligned token by token.
+
+    Routing rows: request k returns rows from ``routing_rows`` (the first position not yet
+    recorded) to the end of what it fed, so the concatenated rows cover positions
+    0 .. len(stream) - 2 exactly once, in order; the last sampled token has no row.
+    """
 
     def __init__(self, prompt_ids: list[int]):
         self.ids: list[int] = list(prompt_ids)
@@ -47,11 +69,25 @@ class EpisodeBuilder:
         self.logprobs: list[float] = [0.0] * len(prompt_ids)
         self.versions: list[int] = [-1] * len(prompt_ids)
         self.turns: list[tuple[int, int]] = []
+        self.sampled: list[list[int]] = []  # what the sampler returned, per turn, kept apart to measure drift
         self.routing: list[np.ndarray] = []
         self.routing_rows = 0
+        self.template_mismatches = 0
 
     def add_sampled(self, ids: list[int], logprobs: list[float], version: int, routing: np.ndarray) -> None:
-        """Append one turn's sampled ids (loss mask 1) and the routing rows of this request."""
+        """Append one turn's sampled ids (loss mask 1) and the routing rows of this request.
+
+        Raises:
+            ValueError: ``logprobs`` not aligned with ``ids``, or ``routing`` rows that do not
+                cover exactly the positions fed since the last request (a stale or shifted row).
+        """
+        if len(logprobs) != len(ids):
+            raise ValueError(f"{len(logprobs)} log-probs for {len(ids)} sampled ids")
+        fed = len(self.ids) + len(ids) - 1 - self.routing_rows
+        if routing.shape[0] != fed:
+            raise ValueError(f"sampler returned {routing.shape[0]} routing rows, expected {fed} (positions "
+                             f"{self.routing_rows} .. {len(self.ids) + len(ids) - 2})")
+        self.sampled.append([int(i) for i in ids])
         start = len(self.ids)
         self.ids += ids
         self.mask += [1] * len(ids)
@@ -68,12 +104,20 @@ class EpisodeBuilder:
         self.logprobs += [0.0] * len(ids)
         self.versions += [-1] * len(ids)
 
+    def drift_tokens(self) -> int:
+        """Loss-region positions whose id differs from the id the sampler returned (0 under TITO)."""
+        return sum(int(np.count_nonzero(np.asarray(self.ids[s:e]) != np.asarray(sampled)))
+                   for (s, e), sampled in zip(self.turns, self.sampled))
+
     def finish(self, **kw: Any) -> Trajectory:
         """The trajectory, trimmed to end at the last sampled token (later ids were never fed back)."""
         end = self.turns[-1][1]
         routing = np.concatenate(self.routing, axis=0)
         if routing.shape[0] != end - 1:
             raise RuntimeError(f"routed experts cover {routing.shape[0]} positions, the stream has {end - 1} fed back")
+        drift = self.drift_tokens()
+        if drift:
+            logger.error("TITO drift: {} loss-region tokens differ from the sampled ids", drift)
         return Trajectory(
             token_ids=np.asarray(self.ids[:end], dtype=np.uint32),
             loss_mask=np.asarray(self.mask[:end], dtype=np.uint8),
@@ -81,8 +125,34 @@ class EpisodeBuilder:
             versions=np.asarray(self.versions[:end], dtype=np.int32),
             turn_offsets=np.asarray(self.turns, dtype=np.int32),
             routed_experts=routing,
+            drift_tokens=drift,
+            template_mismatches=self.template_mismatches,
             **kw,
         )
+
+
+def split_turn(output_ids: list[int], stop_ids: tuple[int, ...]) -> tuple[list[int], bool]:
+    """(body, stopped): a turn's sampled ids without their final stop id, and whether there was one."""
+    if output_ids and output_ids[-1] in stop_ids:
+        return output_ids[:-1], True
+    return list(output_ids), False
+
+
+def template_renders_differently(tokenizer: ChatTokenizer, turn_ids: list[int]) -> bool:
+    """Would the chat template render this assistant turn with other ids than the stream holds?
+
+    ``turn_ids`` are the turn's sampled ids (a final ``<|im_end|>`` or ``<|endoftext|>`` included).
+    The stream holds ``header + sampled ids (+ <|im_end|> repair when the turn did not end with
+    it)``; the template renders the message text, ``render_turn("assistant", decode(body))``.
+    They differ when re-encoding the decoded text merges or splits tokens (inside it or across
+    the ``assistant\n`` header), when the turn holds a special id (eos, ``<|im_start|>``) or
+    bytes that are not UTF-8.
+    """
+    body, _ = split_turn(turn_ids, (tokenizer.im_end_id, tokenizer.eos_id))
+    ended = bool(turn_ids) and turn_ids[-1] == tokenizer.im_end_id
+    stream = [tokenizer.im_start_id, *tokenizer.encode("assistant\n"), *turn_ids,
+              *([] if ended else tokenizer.end_of_turn_ids)]
+    return stream != tokenizer.render_turn("assistant", tokenizer.decode(body))
 
 
 def run_episode(task: Task, env: TerminalEnv, sampler: Sampler, tokenizer: ChatTokenizer, env_cfg: EnvConfig,
@@ -113,17 +183,21 @@ def run_episode(task: Task, env: TerminalEnv, sampler: Sampler, tokenizer: ChatT
             break
         resp = sampler.generate(ep.ids, params, routed_experts_start_len=ep.routing_rows)
         ep.add_sampled(resp.output_ids, resp.logprobs, resp.weight_version, resp.routed_experts)
+        ep.template_mismatches += template_renders_differently(tokenizer, resp.output_ids)
         ended = bool(resp.output_ids) and resp.output_ids[-1] == tokenizer.im_end_id
-        body = resp.output_ids[:-1] if ended else resp.output_ids
+        body, _ = split_turn(resp.output_ids, (tokenizer.im_end_id, tokenizer.eos_id))
         command = tokenizer.decode(body).replace("\x00", "").strip()
         if command == env_cfg.end_signal:
             finish = "end_signal"
             break
         if not ended:
             ep.add_context(eot)  # drift repair: close the turn as the template would
-        result = env.step(command)
-        ep.add_context(tokenizer.render_observation(result.output))
+        output = env.step(command).output if command else ""
+        ep.add_context(tokenizer.render_observation(output))
     verdict = env.verify()
+    if verdict.error:  # keep the evidence: the trajectory carries only the error line
+        logger.warning("verifier of {} failed: {}\n--- verifier output (tail) ---\n{}", task.name, verdict.error,
+                       verdict.output[-4000:])
     return ep.finish(
         task=task.name, actor_id=actor_id, num_experts=model_cfg.num_experts, reward=float(verdict.reward),
         passed=verdict.passed, total=verdict.total, resolved=verdict.resolved, finish_reason=finish,
@@ -148,12 +222,12 @@ class RolloutActor:
                  request_timeout_s: float = 300.0):
         self.actor_id = actor_id
         self.env_cfg, self.gen_cfg, self.model_cfg = env_cfg, gen_cfg, model_cfg
-        self.tasks = {t.name: t for t in discover_tasks(_tasks_dir(env_cfg), env_cfg.tasks)}
+        self.tasks = {t.name: t for t in discover_tasks(_tasks_dir(env_cfg), env_cfg.tasks, sandbox=env_cfg.sandbox)}
         self.tokenizer = ChatTokenizer.load()
         url = sampler_urls[actor_id % len(sampler_urls)]
         self.sampler = HttpSampler(url, num_layers=model_cfg.num_hidden_layers, top_k=model_cfg.num_experts_per_tok,
-                                   timeout_s=request_timeout_s)
-        self.sender = ZmqSender(endpoint, sndhwm=transport.sndhwm)
+                                   num_experts=model_cfg.num_experts, timeout_s=request_timeout_s)
+        self.sender: TrajectorySender = ZmqSender.from_config(endpoint, transport)
         self.crash_after = crash_after_episodes
         self.episodes = 0
         self.failed = 0
@@ -181,7 +255,7 @@ class RolloutActor:
                     logger.opt(exception=e).error("rollout {} episode of {} failed", self.actor_id, name)
                     call(controller.episode_failed, self.actor_id, f"{type(e).__name__}: {e}")
                     continue
-                self.sender.send(encode(traj))
+                self.sender.send(traj.trajectory_id, encode(traj))
                 self.episodes += 1
                 logger.info("rollout {} sent {}: {} tokens, {} turns, {}/{} tests, versions {}", self.actor_id, name,
                             traj.num_tokens, len(traj.turn_offsets), traj.passed, traj.total,
@@ -196,10 +270,7 @@ class RolloutActor:
     def run_one(self, task_name: str) -> Trajectory:
         """Run one episode of the named task in a fresh sandbox and return its trajectory."""
         task = self.tasks[task_name]
-        env = TerminalEnv(task, root=self.workdir, sandbox=self.env_cfg.sandbox,
-                          command_timeout_s=self.env_cfg.command_timeout_s,
-                          max_output_bytes=self.env_cfg.max_output_bytes,
-                          verifier_timeout_s=self.env_cfg.verifier_timeout_s or None)
+        env = TerminalEnv.from_config(task, self.workdir, self.env_cfg)
         try:
             return run_episode(task, env, self.sampler, self.tokenizer, self.env_cfg, self.gen_cfg, self.model_cfg,
                                self.actor_id)

@@ -7,7 +7,7 @@ Endpoints (the subset of SGLang 0.5.x that t1async uses; bodies and answers are 
 - ``POST /init_weights_update_group``: join the learner's torch.distributed broadcast group.
 - ``POST /update_weights_from_distributed``: receive every tensor the learner broadcasts into
   staging buffers, then swap them in between two requests and take the new version.
-- ``GET /get_weight_version``, ``GET /health``, ``POST /flush_cache`` (no prefix cache here).
+- ``GET /get_weight_version``, ``GET /health``, ``POST /flush_cache`` (drops the engine's prefix cache).
 
 Data path: rollout actors call /generate (each request holds the engine lock for its whole
 generation); the learner calls /update_weights_from_distributed (the broadcast runs outside the
@@ -55,7 +55,7 @@ class EmbeddedSampler:
             raise ValueError(f"sampler.dtype {cfg.dtype!r} is not one of {sorted(_DTYPES)}")
         self.model_cfg = model_cfg
         model = Qwen3MoeForCausalLM(model_cfg).to(_DTYPES[cfg.dtype]).eval()
-        self.engine = Engine(model, seed=seed)
+        self.engine = Engine(model, seed=seed, prefix_cache=cfg.prefix_cache, prefill_chunk=cfg.prefill_chunk)
         self.version = -1
         self.requests = 0
         self.generated_tokens = 0
@@ -90,7 +90,7 @@ class EmbeddedSampler:
                     "/generate": sampler.handle_generate,
                     "/init_weights_update_group": sampler.handle_init_group,
                     "/update_weights_from_distributed": sampler.handle_update_weights,
-                    "/flush_cache": lambda body: {"success": True},
+                    "/flush_cache": sampler.handle_flush_cache,
                 }
                 n = int(self.headers.get("Content-Length") or 0)
                 try:
@@ -120,8 +120,29 @@ class EmbeddedSampler:
         return self._url
 
     def stats(self) -> dict[str, int]:
-        """Weight version held, requests served, tokens generated."""
-        return {"weight_version": self.version, "requests": self.requests, "generated_tokens": self.generated_tokens}
+        """Weight version held, requests served, tokens generated, prefix-cache hits and the
+        prompt tokens they did not recompute."""
+        return {"weight_version": self.version, "requests": self.requests, "generated_tokens": self.generated_tokens,
+                "prefix_cache_hits": self.engine.cache_hits, "prefix_cached_tokens": self.engine.cached_tokens}
+
+    def handle_flush_cache(self, body: dict) -> dict:
+        """SGLang ``/flush_cache``: drop every cached prefix (between requests)."""
+        with self._lock:
+            self.engine.flush_cache()
+        return {"success": True}
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """In-process weight swap (tools and tests that run without a broadcast group): copy
+        ``state_dict`` (HF names; cast to the sampler's dtype) between requests, flush the prefix
+        cache and take ``version``.
+
+        Raises:
+            RuntimeError: missing or unexpected parameter names (strict load).
+        """
+        with self._lock, torch.no_grad():
+            self.engine.model.load_state_dict(state_dict, strict=True)
+            self.engine.flush_cache()
+            self.version = int(version)
 
     def handle_generate(self, body: dict) -> dict:
         """SGLang ``/generate`` (single request, ``input_ids`` form).
@@ -192,6 +213,7 @@ class EmbeddedSampler:
         with self._lock, torch.no_grad():
             for name, buf in staged:
                 params[name].copy_(buf)
+            self.engine.flush_cache()  # cached prefixes hold the old weights' KV and routing
             self.version = int(body.get("weight_version", self.version + 1))
         logger.info("sampler {} now holds weight version {}", self._url, self.version)
         return {"success": True, "message": f"version {self.version}"}

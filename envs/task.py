@@ -1,19 +1,32 @@
-"""Terminal tasks: loading and validating a task folder (a subset of the Terminal-Bench 2 layout).
+"""Terminal tasks: loading a task folder in either Terminal-Bench layout.
 
-A task folder holds::
+Terminal-Bench 2 / Harbor layout::
 
     task.toml               [task] name; [metadata] difficulty, category, tags; [verifier] timeout_sec;
                             [agent] timeout_sec; [environment] docker_image, cpus, memory_mb,
                             storage_mb, allow_internet
     instruction.md          what the agent is asked to do
-    environment/Dockerfile  optional; the subset FROM, WORKDIR, ENV, COPY, ADD, RUN (see
-                            :func:`parse_dockerfile`); missing means an empty /app
-    environment/...         files that COPY/ADD refer to
-    tests/test.sh           the verifier, run as ``bash /tests/test.sh`` from /app
+    environment/Dockerfile  optional (missing means an empty /app); files that COPY/ADD refer to
+    tests/test.sh           the verifier, run as ``bash /tests/test.sh``; it may also write the task's
+                            own reward to /logs/verifier/reward.txt or reward.json
     tests/...               e.g. test_outputs.py
     solution/solve.sh       optional oracle solution
 
-The shipped tasks live in ``envs/tasks/*``.
+Terminal-Bench 1 layout (:func:`load_tb1_task`)::
+
+    task.yaml               instruction, difficulty, max_agent_timeout_sec (360),
+                            max_test_timeout_sec (60), parser_name (pytest), run_tests_in_same_shell
+    Dockerfile, docker-compose.yaml   the image (build context: the task folder); one service only
+    run-tests.sh            the verifier, staged as /tests/run-tests.sh with tests/ (TEST_DIR=/tests)
+    tests/...               e.g. test_outputs.py
+    solution.sh             optional oracle; solution.yaml (tmux keystrokes) is refused for the oracle
+
+Loading never depends on the backend: what only the ``local`` backend cannot do (a Dockerfile
+instruction outside the supported subset, packages the host lacks, network at build or test time,
+several containers) is recorded in :attr:`Task.local_refusal` (see :mod:`t1async.envs.adapt`), and
+the local backend refuses such a task with that reason instead of running it wrong. A folder that
+is invalid in itself (missing files, bad TOML/YAML, a Dockerfile that names missing files) raises
+:class:`TaskError`. The shipped tasks live in ``envs/tasks/*``.
 """
 
 from __future__ import annotations
@@ -34,7 +47,12 @@ from loguru import logger
 LAYOUT_HINT = "see envs/tasks/* for the layout"
 DEFAULT_AGENT_TIMEOUT_S = 600.0
 DEFAULT_VERIFIER_TIMEOUT_S = 60.0
-SUPPORTED_INSTRUCTIONS = ("FROM", "WORKDIR", "ENV", "COPY", "ADD", "RUN")
+DEFAULT_TB1_AGENT_TIMEOUT_S = 360.0
+DEFAULT_TB1_TEST_TIMEOUT_S = 60.0
+SUPPORTED_INSTRUCTIONS = ("FROM", "WORKDIR", "ENV", "ARG", "COPY", "ADD", "RUN")
+IGNORED_INSTRUCTIONS = ("CMD", "ENTRYPOINT", "EXPOSE", "LABEL", "MAINTAINER", "STOPSIGNAL", "HEALTHCHECK",
+                        "VOLUME", "ONBUILD")
+"""Instructions that do not change the image's files or the shell's environment: accepted, ignored."""
 APP = "/app"
 
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -46,13 +64,18 @@ class TaskError(ValueError):
     """A task folder is invalid; the message names the folder, what is wrong and what to do."""
 
 
+class TaskRefused(TaskError):
+    """The task is valid but the chosen backend cannot run it faithfully; the message says why."""
+
+
 @dataclass
 class DockerStep:
     """One instruction of the supported Dockerfile subset, parsed.
 
     Attributes:
-        instruction: ``FROM``, ``WORKDIR``, ``ENV``, ``COPY`` (``ADD`` is read as ``COPY``) or ``RUN``.
-        args: per instruction: FROM ``(image,)``; WORKDIR ``(absolute path,)``; ENV
+        instruction: ``FROM``, ``WORKDIR``, ``ENV``, ``ARG``, ``COPY`` (``ADD`` is read as
+            ``COPY``) or ``RUN``.
+        args: per instruction: FROM ``(image,)``; WORKDIR ``(absolute path,)``; ENV and ARG
             ``(key, value, key, value, ...)`` with values unexpanded (``$VAR`` is expanded when
             applied); COPY ``(source, ..., destination)`` with sources relative to
             ``environment/`` (globs allowed) and an absolute destination under /app (a trailing
@@ -78,9 +101,27 @@ class Task:
         agent_timeout_s: ``[agent] timeout_sec``, seconds (default 600).
         verifier_timeout_s: ``[verifier] timeout_sec``, seconds (default 60).
         allow_internet: ``[environment] allow_internet`` (default False).
-        steps: the parsed Dockerfile subset, in order (empty without a Dockerfile).
-        docker_image: ``[environment] docker_image`` or the Dockerfile's FROM (recorded only).
+        steps: the parsed Dockerfile subset, in order (empty without a Dockerfile, or when the
+            local backend refuses the Dockerfile).
+        docker_image: ``[environment] docker_image`` or the Dockerfile's FROM.
         metadata: the ``[metadata]`` table (difficulty, category, tags, ...).
+        layout: ``"tb2"`` (task.toml) or ``"tb1"`` (task.yaml).
+        dockerfile: the Dockerfile (absolute), or None.
+        context_dir: the Dockerfile's build context (COPY sources): ``environment/`` (TB2) or the
+            task folder (TB1).
+        test_script: the verifier script: ``tests/test.sh`` (TB2) or ``run-tests.sh`` (TB1); it
+            is staged as ``/tests/<its name>`` and run with bash.
+        solution: the oracle script (``solution/solve.sh`` or ``solution.sh``), or None.
+        solution_refusal: why there is no runnable oracle although the task ships one
+            (``solution.yaml``), else None.
+        cpus, memory_mb, storage_mb: ``[environment]`` resources (None when not given).
+        run_tests_in_same_shell: TB1: run the tests in the agent's shell (its cwd and exported
+            variables) instead of a clean one.
+        compose_env: variables from docker-compose.yaml's service ``environment`` (TB1/TB2).
+        local_refusal: why the ``local`` backend cannot run this task faithfully, else None.
+        local_test_script: the test script as the local backend runs it (test-runner downloads
+            replaced by the host's pytest; see :mod:`t1async.envs.adapt`), or None if unchanged.
+        notes: what the local adaptation changed (for reports).
     """
 
     name: str
@@ -92,11 +133,35 @@ class Task:
     steps: list[DockerStep]
     docker_image: str = ""
     metadata: dict[str, Any] = field(default_factory=dict)
+    layout: str = "tb2"
+    dockerfile: Path | None = None
+    context_dir: Path | None = None
+    test_script: Path | None = None
+    solution: Path | None = None
+    solution_refusal: str | None = None
+    cpus: float | None = None
+    memory_mb: int | None = None
+    storage_mb: int | None = None
+    run_tests_in_same_shell: bool = False
+    compose_env: dict[str, str] = field(default_factory=dict)
+    local_refusal: str | None = None
+    local_test_script: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.context_dir is None:
+            self.context_dir = self.path / "environment"
+        if self.test_script is None:
+            self.test_script = self.path / "tests" / "test.sh"
+        if self.solution is None and self.solution_refusal is None:
+            solve = self.path / "solution" / "solve.sh"
+            self.solution = solve if solve.is_file() else None
 
     @property
     def environment_dir(self) -> Path:
-        """Build context of COPY/ADD sources: ``<task>/environment``."""
-        return self.path / "environment"
+        """Build context of COPY/ADD sources (``environment/`` for TB2, the task folder for TB1)."""
+        assert self.context_dir is not None
+        return self.context_dir
 
     @property
     def tests_dir(self) -> Path:
@@ -105,9 +170,8 @@ class Task:
 
     @property
     def solution_path(self) -> Path | None:
-        """``<task>/solution/solve.sh`` if it exists, else None."""
-        solve = self.path / "solution" / "solve.sh"
-        return solve if solve.is_file() else None
+        """The oracle script, or None (see :attr:`solution_refusal`)."""
+        return self.solution
 
 
 def _error(path: Path, what: str, todo: str) -> TaskError:
@@ -156,13 +220,18 @@ def parse_dockerfile(text: str, context_dir: Path, *, where: str = "Dockerfile")
     """Parse the supported Dockerfile subset and check it against ``context_dir``.
 
     Supported: ``FROM`` (recorded, ignored locally); ``WORKDIR`` (must be /app or under it;
-    relative to the current one); ``ENV K=V ...`` and ``ENV K V``; ``COPY``/``ADD <src>... <dst>``
-    (sources inside ``context_dir``, globs allowed; destination under /app, relative to WORKDIR;
-    ``--chown``/``--chmod``/``--link`` flags ignored; no URLs or archives for ADD); ``RUN`` in
-    shell or JSON form (no heredocs). Line continuations and comments as in Docker.
+    relative to the current one); ``ENV K=V ...`` and ``ENV K V``; ``ARG K[=default]`` (seen by
+    later RUN steps only); ``COPY``/``ADD <src>... <dst>`` (sources inside ``context_dir``, globs
+    allowed; destination under /app, relative to WORKDIR; ``--chown``/``--chmod``/``--link`` flags
+    ignored; no URLs or archives for ADD); ``RUN`` in shell or JSON form (no heredocs); ``USER
+    root``. :data:`IGNORED_INSTRUCTIONS` are accepted and ignored. Line continuations and comments
+    as in Docker.
 
     Raises:
-        TaskError: naming ``where``, the line and what to change, for anything else.
+        TaskRefused: a valid instruction the local sandbox cannot reproduce (another USER or
+            SHELL, WORKDIR or COPY outside /app, multi-stage COPY, ADD from a URL or of an
+            archive, RUN heredocs); the message names ``where``, the line and the reason.
+        TaskError: the Dockerfile is malformed or names missing files.
     """
     steps: list[DockerStep] = []
     workdir = APP
@@ -170,11 +239,17 @@ def parse_dockerfile(text: str, context_dir: Path, *, where: str = "Dockerfile")
         word, _, rest = logical.strip().partition(" ")
         instruction, rest = word.upper(), rest.strip()
         at = f"{where}:{line}"
+        if instruction in IGNORED_INSTRUCTIONS:
+            continue
+        if instruction == "USER":
+            if rest.split(":")[0] in ("root", "0"):
+                continue
+            raise TaskRefused(f"{at}: USER {rest} is not supported by the local sandbox (it has one unprivileged user)")
         if instruction not in SUPPORTED_INSTRUCTIONS:
-            raise TaskError(
+            raise TaskRefused(
                 f"{at}: unsupported Dockerfile instruction {word!r} in {logical!r}; the local sandbox "
-                f"supports only {', '.join(SUPPORTED_INSTRUCTIONS)}: remove it or express it with RUN "
-                f"({LAYOUT_HINT})"
+                f"supports only {', '.join(SUPPORTED_INSTRUCTIONS + ('USER root',))} (and ignores "
+                f"{', '.join(IGNORED_INSTRUCTIONS)}): remove it or express it with RUN ({LAYOUT_HINT})"
             )
         if not rest:
             raise TaskError(f"{at}: {instruction} needs arguments ({LAYOUT_HINT})")
@@ -184,16 +259,21 @@ def parse_dockerfile(text: str, context_dir: Path, *, where: str = "Dockerfile")
         elif instruction == "WORKDIR":
             target = posixpath.normpath(posixpath.join(workdir, rest.strip("\"'")))
             if not _under_app(target):
-                raise TaskError(f"{at}: WORKDIR {target} is outside /app; use /app or a folder under it ({LAYOUT_HINT})")
+                raise TaskRefused(f"{at}: WORKDIR {target} is outside /app; the local sandbox has only /app writable ({LAYOUT_HINT})")
             workdir = target
             steps.append(DockerStep("WORKDIR", (target,), line, workdir))
         elif instruction == "ENV":
             steps.append(DockerStep("ENV", _parse_env(rest, at), line, workdir))
+        elif instruction == "ARG":
+            key, _, default = rest.partition("=")
+            if not _ENV_KEY.match(key.strip()):
+                raise TaskError(f"{at}: ARG expects NAME or NAME=default, got {rest!r} ({LAYOUT_HINT})")
+            steps.append(DockerStep("ARG", (key.strip(), default.strip().strip("\"'")), line, workdir))
         elif instruction in ("COPY", "ADD"):
             steps.append(DockerStep("COPY", _parse_copy(instruction, rest, at, workdir, context_dir), line, workdir))
         else:  # RUN
             if _HEREDOC.search(rest):
-                raise TaskError(f"{at}: heredocs in RUN are not supported; put the script in environment/ and COPY it ({LAYOUT_HINT})")
+                raise TaskRefused(f"{at}: heredocs in RUN are not supported locally; put the script in the build context and COPY it ({LAYOUT_HINT})")
             words = _json_or_shell_words(rest) if rest.startswith("[") else None
             if rest.startswith("[") and words is None:
                 raise TaskError(f"{at}: RUN in JSON form must be a list of strings ({LAYOUT_HINT})")
@@ -232,23 +312,23 @@ def _parse_copy(instruction: str, rest: str, at: str, workdir: str, context_dir:
     words = [w for w in words if not w.startswith("--")]
     for flag in flags:
         if flag.split("=", 1)[0] not in ("--chown", "--chmod", "--link"):
-            raise TaskError(f"{at}: {instruction} flag {flag!r} is not supported (no multi-stage builds) ({LAYOUT_HINT})")
+            raise TaskRefused(f"{at}: {instruction} flag {flag!r} is not supported locally (no multi-stage builds) ({LAYOUT_HINT})")
     if len(words) < 2:
         raise TaskError(f"{at}: {instruction} needs at least one source and a destination ({LAYOUT_HINT})")
     sources, dest = words[:-1], words[-1]
     for source in sources:
         if instruction == "ADD" and (re.match(r"^[a-z]+://", source) or source.startswith("git@")):
-            raise TaskError(f"{at}: ADD from a URL ({source}) is not supported; vendor the file into environment/ ({LAYOUT_HINT})")
+            raise TaskRefused(f"{at}: ADD from a URL ({source}) needs network at build time; vendor the file into the build context ({LAYOUT_HINT})")
         if instruction == "ADD" and _ARCHIVE.search(source):
-            raise TaskError(f"{at}: ADD of an archive ({source}) would unpack it in Docker; use COPY and RUN tar ({LAYOUT_HINT})")
+            raise TaskRefused(f"{at}: ADD of an archive ({source}) would unpack it in Docker; not reproduced locally: use COPY and RUN tar ({LAYOUT_HINT})")
         norm = posixpath.normpath(source)
         if posixpath.isabs(norm) or norm == ".." or norm.startswith("../"):
-            raise TaskError(f"{at}: {instruction} source {source!r} must be relative to environment/ and stay inside it ({LAYOUT_HINT})")
+            raise TaskError(f"{at}: {instruction} source {source!r} must be relative to the build context and stay inside it ({LAYOUT_HINT})")
         if not glob.glob(str(context_dir / norm)):
             raise TaskError(f"{at}: {instruction} source {source!r} not found in {context_dir}; add the file or fix the path ({LAYOUT_HINT})")
     target = posixpath.normpath(posixpath.join(workdir, dest))
     if not _under_app(target):
-        raise TaskError(f"{at}: {instruction} destination {target} is outside /app; copy into /app ({LAYOUT_HINT})")
+        raise TaskRefused(f"{at}: {instruction} destination {target} is outside /app; the local sandbox has only /app writable ({LAYOUT_HINT})")
     if dest.endswith("/") or dest in (".", "./"):
         target += "/"
     if len(sources) > 1 and not target.endswith("/"):
@@ -259,20 +339,24 @@ def _parse_copy(instruction: str, rest: str, at: str, workdir: str, context_dir:
 def _number(table: dict, key: str, default: float, path: Path, section: str) -> float:
     value = table.get(key, default)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise _error(path, f"task.toml [{section}] {key} = {value!r} is not a positive number", "fix task.toml")
+        where = "task.yaml" if section == "task.yaml" else f"task.toml [{section}]"
+        raise _error(path, f"{where} {key} = {value!r} is not a positive number", f"fix {where.split()[0]}")
     return float(value)
 
 
 def load_task(path: str | Path) -> Task:
-    """Load and validate one task folder.
+    """Load and validate one task folder, either layout (``task.toml``: TB2; ``task.yaml``: TB1).
 
     Raises:
-        TaskError: the folder is missing, lacks task.toml, instruction.md or tests/test.sh, has
-            invalid TOML or fields, or an unsupported/inconsistent Dockerfile.
+        TaskError: the folder is missing, lacks its required files, has invalid TOML/YAML or
+            fields, or a Dockerfile that is malformed or names missing files. (What only the
+            local backend cannot run is recorded in :attr:`Task.local_refusal` instead.)
     """
     folder = Path(path).resolve()
     if not folder.is_dir():
         raise _error(folder, "not a folder", "pass the path of a task folder")
+    if not (folder / "task.toml").is_file() and (folder / "task.yaml").is_file():
+        return load_tb1_task(folder)
     for required in ("task.toml", "instruction.md", "tests/test.sh"):
         if not (folder / required).is_file():
             raise _error(folder, f"missing {required}", "add it")
@@ -291,23 +375,145 @@ def load_task(path: str | Path) -> Task:
     name = sections["task"].get("name", folder.name)
     if not isinstance(name, str) or not name.strip():
         raise _error(folder, f"task.toml [task] name = {name!r} is not a non-empty string", "fix task.toml")
-    allow_internet = sections["environment"].get("allow_internet", False)
+    environment = sections["environment"]
+    allow_internet = environment.get("allow_internet", False)
     if not isinstance(allow_internet, bool):
         raise _error(folder, f"task.toml [environment] allow_internet = {allow_internet!r} is not a boolean", "use true or false")
-    dockerfile = folder / "environment" / "Dockerfile"
-    steps = parse_dockerfile(dockerfile.read_text(), folder / "environment", where=str(dockerfile)) if dockerfile.is_file() else []
-    image = sections["environment"].get("docker_image") or next((s.args[0] for s in steps if s.instruction == "FROM"), "")
-    return Task(
+    resources = {key: _optional_number(environment, key, folder) for key in ("cpus", "memory_mb", "storage_mb")}
+    task = Task(
         name=name.strip(),
         path=folder,
         instruction=instruction,
         agent_timeout_s=_number(sections["agent"], "timeout_sec", DEFAULT_AGENT_TIMEOUT_S, folder, "agent"),
         verifier_timeout_s=_number(sections["verifier"], "timeout_sec", DEFAULT_VERIFIER_TIMEOUT_S, folder, "verifier"),
         allow_internet=allow_internet,
-        steps=steps,
-        docker_image=str(image),
+        steps=[],
+        docker_image=str(environment.get("docker_image") or ""),
         metadata=dict(sections["metadata"]),
+        layout="tb2",
+        context_dir=folder / "environment",
+        test_script=folder / "tests" / "test.sh",
+        cpus=resources["cpus"],
+        memory_mb=None if resources["memory_mb"] is None else int(resources["memory_mb"]),
+        storage_mb=None if resources["storage_mb"] is None else int(resources["storage_mb"]),
     )
+    dockerfile = folder / "environment" / "Dockerfile"
+    return _finish(task, dockerfile if dockerfile.is_file() else None, folder / "environment" / "docker-compose.yaml")
+
+
+def load_tb1_task(folder: Path) -> Task:
+    """Load a Terminal-Bench 1 task folder (``task.yaml``; see the module docstring).
+
+    Raises:
+        TaskError: missing files, invalid YAML, a missing or empty instruction, bad timeouts.
+    """
+    import yaml
+
+    for required in ("task.yaml", "run-tests.sh"):
+        if not (folder / required).is_file():
+            raise _error(folder, f"missing {required}", "add it (Terminal-Bench 1 layout)")
+    try:
+        config = yaml.safe_load((folder / "task.yaml").read_text()) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise _error(folder, f"task.yaml is not valid YAML ({str(exc).splitlines()[0]})", "fix its syntax") from None
+    if not isinstance(config, dict):
+        raise _error(folder, "task.yaml must be a mapping", "fix task.yaml")
+    instruction = config.get("instruction")
+    if instruction is None and isinstance(config.get("descriptions"), list):  # early TB1 form
+        base = [d for d in config["descriptions"] if isinstance(d, dict) and d.get("key", "base") == "base"]
+        instruction = base[0].get("description") if base else None
+    if not isinstance(instruction, str) or not instruction.strip():
+        raise _error(folder, "task.yaml has no non-empty `instruction`", "write the task's instruction in it")
+    parser = config.get("parser_name", "pytest")
+    same_shell = config.get("run_tests_in_same_shell", False)
+    if not isinstance(same_shell, bool):
+        raise _error(folder, f"task.yaml run_tests_in_same_shell = {same_shell!r} is not a boolean", "use true or false")
+    metadata = {k: config[k] for k in ("difficulty", "category", "tags", "author_email", "author_name") if k in config}
+    solution, solution_refusal = None, None
+    if (folder / "solution.sh").is_file():
+        solution = folder / "solution.sh"
+    elif (folder / "solution.yaml").is_file():
+        solution_refusal = (
+            f"task {folder}: solution.yaml (tmux keystroke steps) is not supported: t1async's shell is not a "
+            "terminal, so keystrokes cannot be replayed faithfully; add an equivalent solution.sh"
+        )
+    task = Task(
+        name=folder.name,
+        path=folder,
+        instruction=instruction,
+        agent_timeout_s=_number(config, "max_agent_timeout_sec", DEFAULT_TB1_AGENT_TIMEOUT_S, folder, "task.yaml"),
+        verifier_timeout_s=_number(config, "max_test_timeout_sec", DEFAULT_TB1_TEST_TIMEOUT_S, folder, "task.yaml"),
+        allow_internet=False,
+        steps=[],
+        metadata=metadata,
+        layout="tb1",
+        context_dir=folder,
+        test_script=folder / "run-tests.sh",
+        solution=solution,
+        solution_refusal=solution_refusal,
+        run_tests_in_same_shell=same_shell,
+    )
+    if parser != "pytest":
+        task.local_refusal = f"task.yaml parser_name {parser!r} is not supported: only pytest results are read"
+    dockerfile = folder / "Dockerfile"
+    return _finish(task, dockerfile if dockerfile.is_file() else None, folder / "docker-compose.yaml")
+
+
+def _optional_number(table: dict, key: str, path: Path) -> float | None:
+    if key not in table:
+        return None
+    return _number(table, key, 1.0, path, "environment")
+
+
+def _finish(task: Task, dockerfile: Path | None, compose: Path) -> Task:
+    """Parse the Dockerfile and compose file, then plan the local adaptation (refusals)."""
+    from .adapt import plan_local
+
+    task.dockerfile = dockerfile
+    if compose.is_file():
+        _read_compose(task, compose)
+    if dockerfile is not None:
+        try:
+            task.steps = parse_dockerfile(dockerfile.read_text(), task.environment_dir, where=str(dockerfile))
+        except TaskRefused as exc:
+            task.local_refusal = task.local_refusal or str(exc)
+            task.steps = []
+        except TaskError as exc:
+            raise TaskError(f"task {task.path}: {exc}") from None
+    if not task.docker_image:
+        task.docker_image = next((s.args[0] for s in task.steps if s.instruction == "FROM"), "")
+    plan_local(task)
+    return task
+
+
+def _read_compose(task: Task, compose: Path) -> None:
+    """docker-compose.yaml: one service only (else a local refusal); its ``environment`` entries
+    (except the harness's ``${T_BENCH_...}`` ones) become :attr:`Task.compose_env`."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(compose.read_text()) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise _error(task.path, f"{compose.name} is not valid YAML ({str(exc).splitlines()[0]})", "fix its syntax") from None
+    services = data.get("services") if isinstance(data, dict) else None
+    if not isinstance(services, dict) or not services:
+        return
+    if len(services) > 1:
+        task.local_refusal = task.local_refusal or (
+            f"{compose.name} defines {len(services)} services ({', '.join(sorted(services))}): a multi-container "
+            "task needs Docker Compose, which the local sandbox does not reproduce"
+        )
+        return
+    service = next(iter(services.values())) or {}
+    if isinstance(service, dict):
+        if service.get("image") and not service.get("build") and not task.docker_image:
+            task.docker_image = str(service["image"])
+        env = service.get("environment") or {}
+        pairs = env.items() if isinstance(env, dict) else (str(e).partition("=")[::2] for e in env)
+        for key, value in pairs:
+            value = "" if value is None else str(value)
+            if "${" not in value and _ENV_KEY.match(str(key)):
+                task.compose_env[str(key)] = value
 
 
 def task_folders(root: str | Path) -> list[Path]:
@@ -318,15 +524,18 @@ def task_folders(root: str | Path) -> list[Path]:
     return sorted(p for p in base.iterdir() if p.is_dir() and not p.name.startswith((".", "_")))
 
 
-def discover_tasks(root: str | Path, names: Sequence[str] = (), *, skip_invalid: bool = False) -> list[Task]:
+def discover_tasks(root: str | Path, names: Sequence[str] = (), *, skip_invalid: bool = False,
+                   sandbox: str = "local") -> list[Task]:
     """Load the tasks under ``root`` (all, or those in ``names``), sorted by name.
 
-    An invalid folder raises, unless ``skip_invalid`` is set (then it is skipped with a warning,
-    except when named in ``names``). A name matches a folder name or a ``[task] name``.
+    An invalid folder, or with ``sandbox="local"`` a task that backend refuses, raises unless
+    ``skip_invalid`` is set (then it is skipped with a warning, except when named in ``names``).
+    A name matches a folder name or a ``[task] name``.
 
     Raises:
         TaskError: ``root`` is missing or holds no valid task, a folder is invalid (and not
             skipped), a named task is missing or invalid, or two tasks share a name.
+        TaskRefused: a task the local backend cannot run (and not skipped).
     """
     wanted = set(names)
     tasks: list[Task] = []
@@ -334,6 +543,8 @@ def discover_tasks(root: str | Path, names: Sequence[str] = (), *, skip_invalid:
     for folder in task_folders(root):
         try:
             task = load_task(folder)
+            if sandbox == "local" and task.local_refusal:
+                raise TaskRefused(f"task {folder}: refused by the local sandbox: {task.local_refusal}")
         except TaskError as exc:
             if folder.name in wanted or not skip_invalid:
                 raise

@@ -1,45 +1,52 @@
 """TerminalEnv: one task plus one sandbox for one episode (reset, step, verify, close).
 
-Episode layout on the host, under ``root``: ``<task>-<random>/`` holding ``app/`` (bound at /app),
-``tests/`` (bound read-only at /tests; empty until :meth:`TerminalEnv.verify`) and ``logs/``
-(bound at /logs). :meth:`TerminalEnv.close` removes it.
+The env talks to its sandbox only through the :class:`~t1async.envs.protocol.Sandbox` Protocol
+(backend chosen by name in :data:`~t1async.envs.sandbox.SANDBOXES`), so the same episode runs on
+bubblewrap here or on Modal. Episode scratch space on the host: ``<root>/<task>-<random>/``
+(the local backend keeps ``app/``, ``tests/``, ``logs/`` there); :meth:`TerminalEnv.close`
+removes it.
 
-Environment build (:meth:`TerminalEnv.reset`), following the task's Dockerfile subset in order:
-WORKDIR creates the folder; ENV values are expanded (``$VAR``/``${VAR}``) against the environment
-so far; COPY copies from ``environment/`` into the workspace on the host side (a folder source
-copies its contents); RUN runs ``/bin/sh -c`` in the sandbox from the current WORKDIR with exactly
-the environment so far (``env -i``), as Docker does. The agent's shell then starts with every
-ENV applied, in the last WORKDIR.
+Environment build (:meth:`TerminalEnv.reset`). A backend that builds images (Modal) gets the
+task's Dockerfile or image and does it all. Otherwise (local) the task must not be refused
+(:attr:`Task.local_refusal`, see :mod:`t1async.envs.adapt`) and its Dockerfile subset is applied
+in order: WORKDIR creates the folder; ENV (and ARG, for the build only) values are expanded
+(``$VAR``/``${VAR}``) against the environment so far; COPY goes through :meth:`Sandbox.put`
+(a folder source copies its contents); RUN runs ``/bin/sh -c`` in the sandbox from the current
+WORKDIR with exactly the environment so far (``env -i``), as Docker does, with package installs
+the host satisfies already replaced. The agent's shell then starts with every ENV applied (and
+docker-compose ``environment`` entries), in the last WORKDIR.
 
-Oracle (:meth:`TerminalEnv.run_solution`): the task's ``solution/`` folder is staged in the
-otherwise empty /tests folder and ``bash /tests/solve.sh`` runs in the agent's shell from /app
-(stdin /dev/null) with the task's agent timeout. The script's text never appears in a process's
-command line (a solution that runs ``pgrep -f`` would otherwise find itself), and sibling files
-are at ``$(dirname "$0")``. :meth:`TerminalEnv.verify` empties the staging folder first.
+Oracle (:meth:`TerminalEnv.run_solution`): the task's solution (``solution/`` folder, or TB1's
+``solution.sh``) is staged in the otherwise empty /tests folder and ``bash /tests/<script>`` runs in
+the agent's shell from the WORKDIR (stdin /dev/null) with the task's agent timeout. The script's
+text never appears in a process's command line, and sibling files are at ``$(dirname "$0")``.
 
-Verification (:meth:`TerminalEnv.verify`): ``tests/`` is copied into the /tests staging folder,
-``/logs/verifier`` is recreated, and ``bash /tests/test.sh`` runs from /app in a clean
-environment (the sandbox's starting one, so the agent's exported variables do not leak in) with
-output to a fresh, unpredictable file in /logs/verifier that the host then reads (bounded).
+Verification (:meth:`TerminalEnv.verify`): ``tests/`` (and TB1's ``run-tests.sh``) are staged in
+/tests (the local backend stages its adapted test script, see :mod:`t1async.envs.adapt`),
+``/logs/verifier`` is emptied, and ``bash /tests/<script>`` runs from the WORKDIR in a clean
+environment (the shell's starting one, so the agent's exported variables do not leak in; TB1
+tasks with ``run_tests_in_same_shell`` run in the agent's shell as it is) with output to a fresh,
+unpredictable file in /logs/verifier that the host then reads (bounded), with
+``reward.txt``/``reward.json``. A verifier timeout kills every process the tests (or the agent)
+started.
 """
 
 from __future__ import annotations
 
 import glob
-import os
 import re
 import secrets
 import shlex
 import shutil
-import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from loguru import logger
 
-from .sandbox import SANDBOXES, CommandResult, Sandbox, SandboxError, check_sandbox_available, sandbox_environment
-from .task import APP, Task, TaskError
+from .protocol import CommandResult, Sandbox, SandboxError, SandboxLimits, SandboxSpec, sandbox_environment
+from .sandbox import SANDBOXES, check_sandbox_available, make_sandbox
+from .task import APP, Task, TaskError, TaskRefused
 from .verifier import VerifierResult, verifier_result
 
 SETUP_STEP_TIMEOUT_S = 300.0
@@ -47,6 +54,9 @@ SETUP_STEP_TIMEOUT_S = 300.0
 
 MAX_VERIFIER_READ_BYTES = 8 * 1024 * 1024
 """The verifier output file is read up to its last 8 MiB (the summary is at the end)."""
+
+DEFAULT_LIMITS = SandboxLimits()
+"""Limits of a task that states no ``[environment]`` resources."""
 
 _VAR = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*))")
 
@@ -56,26 +66,18 @@ def expand_vars(value: str, env: dict[str, str]) -> str:
     return _VAR.sub(lambda m: env.get(m.group(1) or m.group(2), ""), value)
 
 
-def _host_path(workspace: Path, sandbox_path: str) -> Path:
-    """Host path of ``sandbox_path`` (absolute, /app or under it) inside ``workspace``."""
-    relative = sandbox_path.rstrip("/")[len(APP) :].lstrip("/")
-    return workspace / relative if relative else workspace
-
-
-def copy_into_workspace(sources: list[Path], dest: str, workspace: Path) -> None:
-    """Docker COPY semantics on the host: a file goes to ``dest`` (or into it when ``dest`` ends in
-    ``/`` or is an existing folder); a folder's contents are merged into ``dest``."""
-    target = _host_path(workspace, dest)
-    into_folder = dest.endswith("/") or target.is_dir() or len(sources) > 1
-    for source in sources:
-        if source.is_dir():
-            shutil.copytree(source, target, symlinks=True, dirs_exist_ok=True)
-        elif into_folder:
-            target.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(source, target / source.name)
-        else:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(source, target)
+def task_limits(task: Task, base: SandboxLimits | None = None) -> SandboxLimits:
+    """``base`` (default :data:`DEFAULT_LIMITS`) with the task's own cpus, memory_mb and
+    storage_mb where it states them."""
+    base = base or DEFAULT_LIMITS
+    return SandboxLimits(
+        cpus=task.cpus or base.cpus,
+        memory_mb=task.memory_mb or base.memory_mb,
+        max_processes=base.max_processes,
+        cpu_time_s=base.cpu_time_s,
+        max_file_mb=base.max_file_mb,
+        disk_mb=task.storage_mb or base.disk_mb,
+    )
 
 
 class TerminalEnv:
@@ -87,10 +89,13 @@ class TerminalEnv:
         sandbox: backend name in :data:`~t1async.envs.sandbox.SANDBOXES`.
         command_timeout_s: per-command timeout of :meth:`step`, seconds.
         max_output_bytes: longest output per command, bytes (head and tail kept).
-        verifier_timeout_s: overrides the task's ``[verifier] timeout_sec`` when not None, seconds.
+        verifier_timeout_s: overrides the task's verifier timeout when not None, seconds.
+        limits: resource limits (default: :func:`task_limits` of the task).
 
     Raises:
         SandboxUnavailable: at construction, when the backend cannot run here.
+        TaskRefused: at construction, when the local backend refuses the task (the reason is
+            :attr:`Task.local_refusal`).
     """
 
     def __init__(
@@ -102,28 +107,44 @@ class TerminalEnv:
         command_timeout_s: float = 10.0,
         max_output_bytes: int = 2048,
         verifier_timeout_s: float | None = None,
+        limits: SandboxLimits | None = None,
     ):
         check_sandbox_available(sandbox)
+        if not SANDBOXES[sandbox].builds_image and task.local_refusal:
+            raise TaskRefused(f"task {task.path}: refused by the {sandbox} sandbox: {task.local_refusal}")
         self.task = task
         self.root = Path(root)
         self.sandbox_name = sandbox
         self.command_timeout_s = command_timeout_s
         self.max_output_bytes = max_output_bytes
         self.verifier_timeout_s = task.verifier_timeout_s if verifier_timeout_s is None else verifier_timeout_s
+        self.limits = limits or task_limits(task)
         self.episode_dir: Path | None = None
         self.sandbox: Sandbox | None = None
+        self.workdir = APP
+        """The shell's starting folder: the Dockerfile's last WORKDIR (set by reset())."""
         self.env: dict[str, str] = {}
         """The shell's starting environment (the sandbox's plus the task's ENV), set by reset()."""
 
+    @classmethod
+    def from_config(cls, task: Task, root: Path, env_cfg) -> TerminalEnv:
+        """A TerminalEnv configured by an :class:`~t1async.config.EnvConfig` section (its sandbox
+        backend, timeouts, output bound and limits)."""
+        base = SandboxLimits(cpus=env_cfg.cpus, memory_mb=env_cfg.memory_mb, max_processes=env_cfg.max_processes,
+                             cpu_time_s=env_cfg.cpu_time_s, max_file_mb=env_cfg.max_file_mb, disk_mb=env_cfg.disk_mb)
+        return cls(task, root=root, sandbox=env_cfg.sandbox, command_timeout_s=env_cfg.command_timeout_s,
+                   max_output_bytes=env_cfg.max_output_bytes, verifier_timeout_s=env_cfg.verifier_timeout_s or None,
+                   limits=task_limits(task, base))
+
     @property
     def workspace(self) -> Path:
-        """Host folder bound at /app (valid after :meth:`reset`)."""
+        """Host folder bound at /app by the local backend (valid after :meth:`reset`)."""
         if self.episode_dir is None:
             raise SandboxError("no episode: call reset() first")
         return self.episode_dir / "app"
 
     def reset(self) -> str:
-        """Start a fresh episode: new workspace, the task's environment built, the shell started.
+        """Start a fresh episode: new sandbox, the task's environment built, the shell started.
 
         Returns:
             The task's instruction text.
@@ -136,63 +157,70 @@ class TerminalEnv:
         self.root.mkdir(parents=True, exist_ok=True)
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", self.task.name)[:60]
         self.episode_dir = self.root / f"{safe}-{secrets.token_hex(4)}"
-        for sub in ("app", "tests", "logs/verifier", "logs/agent"):
-            (self.episode_dir / sub).mkdir(parents=True)
+        self.episode_dir.mkdir(parents=True)
         base = sandbox_environment()
         env = dict(base)
+        workdir = APP
         for step in self.task.steps:
             if step.instruction == "ENV":
                 for key, value in zip(step.args[::2], step.args[1::2]):
                     env[key] = expand_vars(value, env)
+            elif step.instruction == "WORKDIR":
+                workdir = step.args[0]
+        env.update(self.task.compose_env)
+        builds = SANDBOXES[self.sandbox_name].builds_image
         self.env = env
-        task_env = {k: v for k, v in env.items() if base.get(k) != v}
-        self.sandbox = SANDBOXES[self.sandbox_name](
-            self.workspace,
-            tests_dir=self.episode_dir / "tests",
-            logs_dir=self.episode_dir / "logs",
-            allow_network=self.task.allow_internet,
-            command_timeout_s=self.command_timeout_s,
-            max_output_bytes=self.max_output_bytes,
-            env=task_env,
+        self.workdir = workdir
+        task_env = {k: v for k, v in env.items() if base.get(k) != v} if not builds else dict(self.task.compose_env)
+        spec = SandboxSpec(
+            episode_dir=self.episode_dir, allow_network=self.task.allow_internet,
+            command_timeout_s=self.command_timeout_s, max_output_bytes=self.max_output_bytes, env=task_env,
+            limits=self.limits, workdir=workdir if not builds else "/app", dockerfile=self.task.dockerfile,
+            context_dir=self.task.context_dir, docker_image=self.task.docker_image, name=self.task.name,
         )
+        self.sandbox = make_sandbox(self.sandbox_name, spec)
         try:
             self.sandbox.start()
-            workdir = self._build_environment(base)
-            if workdir != APP:
-                self.sandbox.exec(f"cd {shlex.quote(workdir)}")
+            if builds:  # the image's own WORKDIR (Docker semantics): ask the shell
+                self.workdir = self.sandbox.exec("pwd", timeout_s=30).output.strip() or APP
+                self.sandbox.exec(f"cd {shlex.quote(self.workdir)}")
+            else:
+                self._build_environment(base)
         except BaseException:
             self.close()
             raise
         return self.task.instruction
 
-    def _build_environment(self, base: dict[str, str]) -> str:
-        """Apply the Dockerfile subset in order; returns the final WORKDIR."""
+    def _build_environment(self, base: dict[str, str]) -> None:
+        """Apply the Dockerfile subset in order through the sandbox (local backend)."""
         assert self.sandbox is not None
         env = dict(base)
-        workdir = APP
+        build_args: dict[str, str] = {}
         for step in self.task.steps:
             if step.instruction == "WORKDIR":
-                workdir = step.args[0]
-                _host_path(self.workspace, workdir).mkdir(parents=True, exist_ok=True)
+                self.sandbox.exec(f"mkdir -p {shlex.quote(step.args[0])}")
             elif step.instruction == "ENV":
                 for key, value in zip(step.args[::2], step.args[1::2]):
-                    env[key] = expand_vars(value, env)
+                    env[key] = expand_vars(value, {**build_args, **env})
+            elif step.instruction == "ARG":
+                build_args[step.args[0]] = expand_vars(step.args[1], {**build_args, **env})
             elif step.instruction == "COPY":
-                sources = sorted(Path(p) for s in step.args[:-1] for p in glob.glob(str(self.task.environment_dir / s)))
-                copy_into_workspace(sources, step.args[-1], self.workspace)
+                context = str(self.task.environment_dir)
+                sources = sorted(Path(p) for s in step.args[:-1] for p in glob.glob(f"{context}/{s}"))
+                self.sandbox.put(sources, step.args[-1])
             elif step.instruction == "RUN":
-                _host_path(self.workspace, step.workdir).mkdir(parents=True, exist_ok=True)
-                assignments = " ".join(shlex.quote(f"{k}={v}") for k, v in env.items())
-                command = f"cd {shlex.quote(step.workdir)} && env -i {assignments} /bin/sh -c {shlex.quote(step.args[0])}"
+                assignments = " ".join(shlex.quote(f"{k}={v}") for k, v in {**build_args, **env}.items())
+                command = (f"mkdir -p {shlex.quote(step.workdir)} && cd {shlex.quote(step.workdir)} && "
+                           f"env -i {assignments} /bin/sh -c {shlex.quote(step.args[0])}")
                 result = self.sandbox.exec(command, timeout_s=SETUP_STEP_TIMEOUT_S)
                 if result.exit_code != 0:
                     raise TaskError(
-                        f"task {self.task.path}: environment/Dockerfile:{step.line} `RUN {step.args[0][:200]}` "
-                        f"failed with exit code {result.exit_code}{' (timed out)' if result.timed_out else ''}: "
-                        f"{result.output[-1500:]!r}; fix the step (the local sandbox has no network unless "
-                        "allow_internet = true, and /usr is read-only)"
+                        f"task {self.task.path}: {self.task.dockerfile.name if self.task.dockerfile else 'Dockerfile'}:"
+                        f"{step.line} `RUN {step.args[0][:200]}` failed with exit code {result.exit_code}"
+                        f"{' (timed out)' if result.timed_out else ''}: {result.output[-1500:]!r}; fix the step (the "
+                        "local sandbox runs it as an unprivileged user without network unless allow_internet = "
+                        "true, and only /app, /tmp and HOME are writable)"
                     )
-        return workdir
 
     def step(self, command: str) -> CommandResult:
         """Run one agent command in the episode's shell (see :meth:`Sandbox.exec`)."""
@@ -201,21 +229,24 @@ class TerminalEnv:
         return self.sandbox.exec(command)
 
     def run_solution(self) -> CommandResult:
-        """Run the task's oracle ``solution/solve.sh`` (see the module docstring).
+        """Run the task's oracle solution (see the module docstring).
 
         Raises:
-            TaskError: the task has no solution/solve.sh.
+            TaskError: the task has no runnable solution (none, or TB1's solution.yaml).
         """
         if self.sandbox is None:
             raise SandboxError("no episode: call reset() before run_solution()")
         solve = self.task.solution_path
         if solve is None:
-            raise TaskError(f"task {self.task.path}: missing solution/solve.sh; add an oracle solution to validate the task")
-        assert self.episode_dir is not None
-        staging = self.episode_dir / "tests"
-        _empty_folder(staging)
-        shutil.copytree(solve.parent, staging, symlinks=True, dirs_exist_ok=True)
-        return self.sandbox.exec("cd /app && bash /tests/solve.sh", timeout_s=self.task.agent_timeout_s)
+            raise TaskError(self.task.solution_refusal or
+                            f"task {self.task.path}: missing solution/solve.sh; add an oracle solution to validate the task")
+        self.sandbox.clear("/tests")
+        if self.task.layout == "tb2":
+            self.sandbox.put([solve.parent], "/tests/")
+        else:
+            self.sandbox.put([solve], "/tests/")
+        return self.sandbox.exec(f"cd {shlex.quote(self.workdir)} && bash /tests/{shlex.quote(solve.name)}",
+                                 timeout_s=self.task.agent_timeout_s)
 
     def verify(self) -> VerifierResult:
         """Run the task's verifier against the current state of the sandbox.
@@ -228,37 +259,55 @@ class TerminalEnv:
         """
         if self.sandbox is None or self.episode_dir is None:
             raise SandboxError("no episode: call reset() before verify()")
-        staging = self.episode_dir / "tests"
-        _empty_folder(staging)
-        shutil.copytree(self.task.tests_dir, staging, symlinks=True, dirs_exist_ok=True)
-        verifier_logs = self.episode_dir / "logs" / "verifier"
-        if verifier_logs.is_symlink() or verifier_logs.is_file():
-            verifier_logs.unlink()
-        elif verifier_logs.exists():
-            shutil.rmtree(verifier_logs)  # the agent may have planted files or symlinks there
-        verifier_logs.mkdir(parents=True)
+        task = self.task
+        assert task.test_script is not None
+        script = task.test_script.name
+        self.sandbox.clear("/tests")
+        if task.tests_dir.is_dir():
+            self.sandbox.put([task.tests_dir], "/tests/")
+        if task.layout == "tb1":
+            self.sandbox.put([task.test_script], "/tests/")
+        if task.local_test_script is not None and not self.sandbox.builds_image:
+            adapted = self.episode_dir / "adapted" / script
+            adapted.parent.mkdir(exist_ok=True)
+            adapted.write_text(task.local_test_script)
+            self.sandbox.put([adapted], f"/tests/{script}")
+        self.sandbox.clear("/logs/verifier")  # the agent may have planted files or symlinks there
         # A shell the agent left unable to answer (e.g. `exec >/dev/null`) is restarted here,
         # within seconds, instead of costing the whole verifier timeout.
         self.sandbox.exec("true", timeout_s=3.0)
         output_name = f"test_output.{secrets.token_hex(6)}.txt"
-        assignments = " ".join(shlex.quote(f"{k}={v}") for k, v in self.env.items())
+        run_script = f"bash /tests/{shlex.quote(script)} > /logs/verifier/{output_name} 2>&1"
+        cd = f"cd {shlex.quote(self.workdir)}"
         # PYTHONSAFEPATH: `python3 -m pytest` run from /app must not import an agent-planted
         # /app/pytest.py or sitecustomize.py (reward hacking); the host's pytest runs.
-        command = (f"cd /app && env -i {assignments} PYTHONSAFEPATH=1 bash /tests/test.sh "
-                   f"> /logs/verifier/{output_name} 2>&1")
+        if task.run_tests_in_same_shell:
+            command = f"{cd} && PYTHONSAFEPATH=1 TEST_DIR=/tests {run_script}"
+        elif self.sandbox.builds_image:  # the image's environment, as pid 1 (the container) has it
+            command = (f"{cd} && xargs -0 -a /proc/1/environ sh -c 'exec env -i \"$@\" TEST_DIR=/tests "
+                       f"PYTHONSAFEPATH=1 bash /tests/{shlex.quote(script)}' sh > /logs/verifier/{output_name} 2>&1")
+        else:
+            assignments = " ".join(shlex.quote(f"{k}={v}") for k, v in self.env.items())
+            command = f"{cd} && env -i {assignments} PYTHONSAFEPATH=1 {run_script}"
         started = time.monotonic()
         run = self.sandbox.exec(command, timeout_s=self.verifier_timeout_s)
         seconds = time.monotonic() - started
-        output = _read_tail(verifier_logs / output_name, MAX_VERIFIER_READ_BYTES)
+        output = self.sandbox.read(f"/logs/verifier/{output_name}", MAX_VERIFIER_READ_BYTES).decode("utf-8", "replace")
         if run.output.strip():  # a failure of the wrapper itself (cd, env, a restart note)
             output += ("\n" if output and not output.endswith("\n") else "") + run.output
+        rewards = {}
+        for name in ("reward.txt", "reward.json"):
+            data = self.sandbox.read(f"/logs/verifier/{name}", 64 * 1024)
+            rewards[name] = data.decode("utf-8", "replace") if data else None
         result = verifier_result(
             output,
             seconds=seconds,
             exit_code=None if run.timed_out else run.exit_code,
             timed_out_after_s=self.verifier_timeout_s if run.timed_out else None,
+            reward_txt=rewards["reward.txt"],
+            reward_json=rewards["reward.json"],
         )
-        logger.debug("verified {}: {}/{} passed, error={}", self.task.name, result.passed, result.total, result.error)
+        logger.debug("verified {}: {}/{} passed, error={}", task.name, result.passed, result.total, result.error)
         return result
 
     def close(self) -> None:
@@ -275,35 +324,6 @@ class TerminalEnv:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _empty_folder(folder: Path) -> None:
-    """Remove everything inside ``folder`` (symlinks are removed, never followed)."""
-    for entry in folder.iterdir():
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry)
-        else:
-            entry.unlink()
-
-
-def _read_tail(path: Path, limit: int) -> str:
-    """Read a regular file's last ``limit`` bytes without following symlinks ('' if absent)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError:
-        return ""
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            return ""
-        if info.st_size > limit:
-            os.lseek(fd, info.st_size - limit, os.SEEK_SET)
-        chunks = []
-        while chunk := os.read(fd, 1 << 20):
-            chunks.append(chunk)
-        return b"".join(chunks)[-limit:].decode("utf-8", errors="replace")
-    finally:
-        os.close(fd)
 
 
 @dataclass
@@ -341,6 +361,9 @@ def validate_task(task: Task, root: Path, *, sandbox: str = "local") -> TaskVali
     ``task``, each in a fresh episode under ``root``. Never raises for a broken task: the problem
     is in :attr:`TaskValidation.error`."""
     report = TaskValidation(task.name)
+    if task.solution_path is None and task.solution_refusal:
+        report.error = task.solution_refusal
+        return report
     try:
         with TerminalEnv(task, root=root, sandbox=sandbox, command_timeout_s=task.agent_timeout_s) as env:
             env.reset()

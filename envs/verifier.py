@@ -11,10 +11,19 @@ A task's ``tests/test.sh`` runs pytest with ``-rA``, which ends with a section l
 PASSED, SKIPPED and XFAIL count as passed; FAILED, ERROR and XPASS as failed. ``SKIPPED [N]``
 stands for N tests. A missing summary is a parse error; zero parsed tests never resolve.
 The reward is dense: the absolute number of passed tests.
+
+A Terminal-Bench 2 / Harbor verifier may also write the task's own reward to
+``/logs/verifier/reward.txt`` (a number) or ``reward.json`` (a number, or an object with a numeric
+``reward``). It is recorded as :attr:`VerifierResult.task_reward`. When there is no pytest
+summary at all, that reward stands in as the one test (passed when it is >= 1); when there is a
+summary and the task's own reward says < 1 although every test passed, the run is not resolved
+and ``error`` says why (the two verdicts disagree).
 """
 
 from __future__ import annotations
 
+import json
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -70,6 +79,7 @@ class VerifierResult:
         output: raw verifier output, truncated to about 64 KiB (head and tail).
         seconds: wall time of the verifier run, seconds.
         exit_code: exit status of ``tests/test.sh`` (None when unknown, e.g. a timeout).
+        task_reward: the task's own reward from reward.txt / reward.json, else None.
     """
 
     tests: list[TestResult]
@@ -81,6 +91,7 @@ class VerifierResult:
     output: str
     seconds: float
     exit_code: int | None = None
+    task_reward: float | None = None
 
 
 class VerifierParseError(ValueError):
@@ -148,8 +159,38 @@ def truncate_middle(text: str, limit: int = MAX_OUTPUT_CHARS) -> str:
     return f"{text[:head]}\n[... truncated {len(text) - head - tail} chars ...]\n{text[-tail:]}"
 
 
+def parse_task_reward(reward_txt: str | None, reward_json: str | None) -> tuple[float | None, str | None]:
+    """The task's own reward from the contents of reward.txt (preferred) or reward.json.
+
+    Returns:
+        (reward or None when neither file exists, error text when a file exists but holds no
+        finite number).
+    """
+    if reward_txt is not None:
+        try:
+            value = float(reward_txt.strip())
+        except ValueError:
+            return None, f"reward.txt holds {reward_txt.strip()[:80]!r}, not a number"
+    elif reward_json is not None:
+        try:
+            data = json.loads(reward_json)
+        except json.JSONDecodeError as exc:
+            return None, f"reward.json is not JSON ({exc})"
+        if isinstance(data, dict):
+            data = data.get("reward")
+        if isinstance(data, bool) or not isinstance(data, (int, float)):
+            return None, "reward.json holds no number (expected a number or {\"reward\": number})"
+        value = float(data)
+    else:
+        return None, None
+    if not math.isfinite(value):
+        return None, f"the task reward {value} is not finite"
+    return value, None
+
+
 def verifier_result(
-    output: str, *, seconds: float, exit_code: int | None = None, timed_out_after_s: float | None = None
+    output: str, *, seconds: float, exit_code: int | None = None, timed_out_after_s: float | None = None,
+    reward_txt: str | None = None, reward_json: str | None = None,
 ) -> VerifierResult:
     """Build a :class:`VerifierResult` from a verifier's raw output.
 
@@ -159,12 +200,21 @@ def verifier_result(
         exit_code: the script's exit status, if known.
         timed_out_after_s: set when the run was killed at this timeout (seconds): ``error`` says
             so and the result is not resolved, whatever was parsed.
+        reward_txt, reward_json: contents of /logs/verifier/reward.txt / reward.json, if written.
     """
     error: str | None = None
+    task_reward, reward_error = parse_task_reward(reward_txt, reward_json)
     try:
         tests = parse_pytest_summary(output)
     except VerifierParseError as exc:
         tests, error = [], str(exc)
+        if task_reward is not None:  # a non-pytest verifier: its own reward is the one test
+            tests, error = [TestResult("reward.txt" if reward_txt is not None else "reward.json",
+                                       "PASSED" if task_reward >= 1.0 else "FAILED")], None
+    if reward_error and error is None:
+        error = reward_error
+    if error is None and task_reward is not None and task_reward < 1.0 and tests and all(t.passed for t in tests):
+        error = f"the task's own reward is {task_reward:g} although all {len(tests)} tests passed"
     if timed_out_after_s is not None:
         error = f"the verifier timed out after {timed_out_after_s:g} s" + (f"; {error}" if error else "")
     passed = sum(t.passed for t in tests)
@@ -179,4 +229,5 @@ def verifier_result(
         output=truncate_middle(output),
         seconds=seconds,
         exit_code=exit_code,
+        task_reward=task_reward,
     )

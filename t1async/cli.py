@@ -19,6 +19,9 @@ import sys
 SUBCOMMANDS = [
     "t1async.cli:register_launch",
     "t1async.cli:register_bench",
+    "t1async.mismatch:register",
+    "t1async.keys:register_keys",
+    "t1async.envs.cli:register",  # eval, synth, decontam
 ]
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 
 class ConfigError(ValueError):
@@ -99,6 +99,12 @@ class SamplerConfig:
     """Interface the embedded HTTP servers listen on."""
     dtype: str = "float32"
     """Weights/activation dtype of the embedded engine: float32 or bfloat16."""
+    prefix_cache: int = 8
+    """Sequences whose KV cache and routing rows the embedded engine keeps for reuse by the
+    next turn of the same episode (LRU; 0 = off). Keeps each position's routing row the one
+    that shaped later tokens (see t1async/engine.py)."""
+    prefill_chunk: int = 0
+    """Embedded engine: feed prompts in chunks of at most this many tokens (0 = one forward)."""
     request_timeout_s: float = 300.0
     """HTTP timeout of one /generate call, seconds."""
 
@@ -122,11 +128,11 @@ class EnvConfig:
     """Terminal environment: where tasks come from and how the sandboxed shell behaves."""
 
     tasks_dir: str = ""
-    """Folder of task folders (Terminal-Bench 2 layout). Empty means the shipped envs/tasks."""
+    """Folder of task folders (Terminal-Bench 2 or 1 layout). Empty means the shipped envs/tasks."""
     tasks: list[str] = field(default_factory=list)
     """Names of tasks to use (empty: every task in ``tasks_dir``)."""
     sandbox: str = "local"
-    """Sandbox backend (``local`` = bubblewrap)."""
+    """Sandbox backend: ``local`` (bubblewrap) or ``modal`` (Modal cloud; needs credentials)."""
     max_turns: int = 4
     """Assistant turns per episode before it is ended."""
     episode_timeout_s: float = 120.0
@@ -147,6 +153,25 @@ class EnvConfig:
         "Reply with `exit` when the task is done."
     )
     """System message that opens every episode."""
+    cpus: float = 1.0
+    """Sandbox CPU share, cores, unless the task's ``[environment] cpus`` says otherwise."""
+    memory_mb: int = 2048
+    """Sandbox memory (processes plus files in its tmpfs folders), MiB, unless the task's
+    ``[environment] memory_mb`` says otherwise; 0 = unlimited."""
+    disk_mb: int = 1024
+    """Size of the sandbox's /app (and /tmp, HOME, /logs each), MiB, unless the task's
+    ``[environment] storage_mb`` says otherwise; 0 = unlimited."""
+    max_processes: int = 256
+    """Processes and threads alive at once in one sandbox (fork bombs stop here); 0 = unlimited."""
+    cpu_time_s: int = 600
+    """CPU seconds any one sandboxed process may use; 0 = unlimited."""
+    max_file_mb: int = 512
+    """Largest file a sandboxed process may write, MiB; 0 = unlimited."""
+    decontam_ngram: int = 8
+    """``t1async decontam``: n-gram length, in words, of the instruction/solution overlap check."""
+    decontam_threshold: float = 0.2
+    """``t1async decontam``: a training task whose instruction or solution shares at least this
+    fraction of its n-grams with any benchmark task is flagged (and dropped with --drop)."""
 
 
 @dataclass
@@ -164,7 +189,12 @@ class RolloutConfig:
 
 @dataclass
 class TransportConfig:
-    """Trajectory transport: ZeroMQ PUSH (rollout actors) -> PULL (learner)."""
+    """Trajectory transport: ZeroMQ DEALER (rollout actors) -> ROUTER (learner), acknowledged.
+
+    Delivery is at least once, de-duplicated by trajectory id (see t1async/transport.py): an actor
+    spools each trajectory to disk, sends it, and deletes it when the learner acknowledges it
+    after appending it to its durable receive log (RUN_DIR/receive_log).
+    """
 
     scheme: str = "tcp"
     """``tcp`` (between machines) or ``ipc`` (one machine)."""
@@ -173,9 +203,42 @@ class TransportConfig:
     port: int = 0
     """TCP port the learner binds; 0 picks a free one."""
     rcvhwm: int = 64
-    """Learner receive high-water mark, messages."""
+    """Learner ZeroMQ receive high-water mark, messages (ZeroMQ counts messages, not bytes; the
+    byte bound is ``window_bytes`` per actor and ``recv_queue_bytes``)."""
     sndhwm: int = 8
-    """Rollout actor send high-water mark, messages (a full queue blocks the actor)."""
+    """Rollout actor ZeroMQ send high-water mark, messages."""
+    recv_queue_messages: int = 0
+    """Decoded trajectories the learner holds in memory waiting for a batch (0: 4 x batch size,
+    at least 8). When full, the learner stops reading the socket (backpressure)."""
+    recv_queue_bytes: int = 2 << 30
+    """Bytes of decoded trajectories the learner holds in memory (one larger trajectory is still
+    admitted into an empty queue)."""
+    window_messages: int = 64
+    """Trajectories one actor has sent and not yet had acknowledged (in flight)."""
+    window_bytes: int = 256 << 20
+    """Bytes one actor has in flight; more waits in its on-disk spool."""
+    spool_dir: str = ""
+    """Folder of the actors' on-disk spools of unacknowledged trajectories. Empty: launch uses
+    RUN_DIR/spool; an actor built without one uses a private temporary folder. A new actor
+    adopts (and resends) the spool of an actor that died."""
+    spool_max_bytes: int = 4 << 30
+    """Bytes one actor may keep spooled; ``send`` waits (backpressure) while the spool is fuller."""
+    spool_max_messages: int = 256
+    """Trajectories one actor may keep spooled; ``send`` waits while the spool holds more."""
+    send_timeout_s: float = 3600.0
+    """Longest ``send`` waits for spool room before it raises TransportError."""
+    ack_timeout_s: float = 300.0
+    """Resend a trajectory not acknowledged this long after it was sent (reconnects resend at once)."""
+    log_fsync: str = "always"
+    """Receive-log durability before an acknowledgement: ``always`` (fsync each record: survives
+    power loss) or ``never`` (page cache: survives a learner crash or SIGKILL, not the machine)."""
+    max_message_bytes: int = 4 << 30
+    """Largest trajectory frame the learner accepts (ZeroMQ drops the peer's connection beyond)."""
+    curve: bool = False
+    """Authenticate and encrypt with CurveZMQ; keys come from ``keys_dir``."""
+    keys_dir: str = ""
+    """Folder written by ``t1async keys DIR``: learner.key(_secret), rollout.key(_secret) and
+    authorized/ (public keys of the actors the learner accepts)."""
 
 
 @dataclass
@@ -237,10 +300,41 @@ class LearnerConfig:
     init_checkpoint: str = ""
     """Folder with model.safetensors + config.json to warm-start the policy from ('' = random init)."""
     dump_trajectories: int = 0
-    """Write the first N received trajectory frames to RUN_DIR/trajectories/ (msgpack; read them
-    with ``t1async.trajectory.decode``) for inspection."""
+    """Write the first N received trajectory frames to RUN_DIR/trajectories/ (``ID.traj``; read
+    them with ``t1async.trajectory.decode``) for inspection."""
     batch_timeout_s: float = 600.0
     """Longest wait for one batch before the learner reports it is starved and stops."""
+    resume: bool = False
+    """Resume in ``run.dir`` (give the killed run's directory): restore the latest checkpoint
+    (weights, optimisers, step, version, the ids it consumed), then train on every trajectory in
+    the receive log that checkpoint had not consumed. No checkpoint: start at step 0 and replay
+    the whole log. Off: a receive log left in ``run.dir`` is discarded."""
+
+
+@dataclass
+class MismatchConfig:
+    """``t1async mismatch``: training-vs-inference mismatch of one set of rollouts (t1async/mismatch.py)."""
+
+    episodes: int = 8
+    """Episodes to roll out (tasks taken in turn from ``env.tasks`` or every shipped task)."""
+    learner_dtype: str = "float32"
+    """dtype of the learner-side model that re-scores the rollouts: float32 or bfloat16."""
+    init_checkpoint: str = ""
+    """Folder with model.safetensors + config.json for the policy ('' = random init, seeded)."""
+    pretrain_steps: int = 0
+    """Train the policy this many steps on text (the shipped tasks rendered as episodes, plus
+    Python standard-library sources) before the rollouts, so that its experts specialise."""
+    pretrain_seq_len: int = 128
+    """Tokens per pretraining window."""
+    pretrain_batch: int = 8
+    """Windows per pretraining step."""
+    pretrain_lr: float = 2e-3
+    """AdamW learning rate of the pretraining."""
+    aux_loss_coef: float = 0.01
+    """Weight of the load-balancing loss during pretraining (Switch Transformer's
+    ``E * sum_e f_e * P_e``, Fedus et al. 2021), which keeps every expert in use."""
+    save_checkpoint: str = ""
+    """Write the (pretrained) policy here before the rollouts ('' = do not)."""
 
 
 @dataclass
@@ -257,6 +351,8 @@ class Config:
     transport: TransportConfig = field(default_factory=TransportConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
+    mismatch: MismatchConfig = field(default_factory=MismatchConfig)
+    """Only ``t1async mismatch`` reads this section."""
 
 
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
@@ -295,8 +391,59 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         except OmegaConfBaseException as e:
             key = getattr(e, "full_key", None) or "?"
             reason = str(e).splitlines()[0]
-            raise ConfigError(f"{source}: bad key {key!r}: {reason}") from None
-    return OmegaConf.to_object(merged)  # type: ignore[return-value]
+            hint = _valid_keys_hint(key) if isinstance(e, ConfigKeyError) else ""
+            raise ConfigError(f"{source}: bad key {key!r}: {reason}{hint}") from None
+    cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    check_values(cfg, source=" / ".join(s for s, _ in layers) or "defaults")
+    return cfg
+
+
+# (dotted key, predicate, what a valid value is): checked after merging, so a value that would
+# make the run hang or do nothing is refused up front.
+_VALUE_RULES: list[tuple[str, Any, str]] = [
+    ("learner.max_steps", lambda v: v >= 1, "an integer >= 1"),
+    ("learner.batch_size", lambda v: v >= 1, "an integer >= 1"),
+    ("learner.publish_every", lambda v: v >= 1, "an integer >= 1"),
+    ("learner.max_staleness", lambda v: v >= 0, "an integer >= 0"),
+    ("learner.ppo_epochs", lambda v: v >= 1, "an integer >= 1"),
+    ("learner.checkpoint_every", lambda v: v >= 0, "an integer >= 0 (0: final checkpoint only)"),
+    ("learner.lr", lambda v: v > 0, "a positive float"),
+    ("learner.is_cap", lambda v: v >= 1, "a float >= 1"),
+    ("learner.clip_eps", lambda v: 0 < v < 1, "a float in (0, 1)"),
+    ("learner.gamma", lambda v: 0 <= v <= 1, "a float in [0, 1]"),
+    ("learner.lam", lambda v: 0 <= v <= 1, "a float in [0, 1]"),
+    ("rollout.num_actors", lambda v: v >= 1, "an integer >= 1 (scale live through the controller)"),
+    ("sampler.num_samplers", lambda v: v >= 1, "an integer >= 1"),
+    ("env.max_turns", lambda v: v >= 1, "an integer >= 1"),
+    ("generation.max_new_tokens", lambda v: v >= 1, "an integer >= 1"),
+    ("generation.temperature", lambda v: v >= 0, "a float >= 0 (0: greedy)"),
+    ("generation.top_p", lambda v: 0 < v <= 1, "a float in (0, 1]"),
+]
+
+
+def check_values(cfg: Config, source: str = "config") -> None:
+    """Refuse values that are well typed but meaningless (a run of -1 steps, zero rollout actors).
+
+    Raises:
+        ConfigError: naming the key, the value, what is valid, and where the config came from.
+    """
+    for key, ok, valid in _VALUE_RULES:
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if not ok(value):
+            raise ConfigError(f"{source}: {key}={value!r} is invalid: use {valid}")
+
+
+def _valid_keys_hint(key: str) -> str:
+    """``"; valid keys of learner: a, b, ..."`` for the section of ``key`` (empty if unknown)."""
+    parts = key.split(".")
+    node: Any = Config()
+    for part in parts[:-1]:
+        node = getattr(node, part, None)
+        if node is None or not hasattr(node, "__dataclass_fields__"):
+            return ""
+    where = ".".join(parts[:-1]) or "the top level"
+    return f"; valid keys of {where}: {', '.join(node.__dataclass_fields__)}"
 
 
 def to_yaml(cfg: Any) -> str:

@@ -17,10 +17,29 @@ unprocessed log-probs by default.)
 Sampling: temperature 0 is greedy (argmax); otherwise logits / temperature, then top-k (Fan et
 al. 2018), then nucleus / top-p (Holtzman et al. 2019, "The Curious Case of Neural Text
 Degeneration"), then one multinomial draw from the engine's own ``torch.Generator``.
+
+Prefix cache (exact routing rows across turns): an episode's next prompt is its previous prompt
+plus the previous turn's output plus new context, so the engine keeps, per recent sequence, the
+KV cache *and the routing rows* of every position it fed. A request whose ids start with a
+cached sequence reuses both and prefills only the new suffix. Every position of an episode is
+then computed once per weight version, and the routing row the engine returns for it is the one
+that actually shaped every later token's KV and log-prob (recomputing the prefix, in bf16
+especially, can flip near-tie routing, so re-prefilled rows would disagree with the rows the
+rollout already holds). The cache is emptied when the weights change (:meth:`Engine.flush_cache`,
+as SGLang flushes its radix cache on a weight update). On a miss (another episode evicted it,
+or new weights) the prefix is recomputed and its rows are the new ones; rows before
+``routed_experts_start_len`` are then not returned, so a caller that already holds rows from an
+older computation keeps those (documented limit: the recomputed prefix after a mid-episode
+weight update has no single routing that matches both versions).
+
+Chunked prefill: ``prefill_chunk`` > 0 feeds the new suffix in chunks of that many tokens through
+the KV cache; routing rows are concatenated in position order, so a row is never shifted or
+duplicated by chunking (tested against one-shot prefill).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -104,27 +123,92 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+@dataclass
+class _Cached:
+    """One prefix-cache entry: the ids fed, their KV (``kv.seq_len == len(ids)``) and their
+    routing rows, int64 [len(ids), L, K]."""
+
+    ids: list[int]
+    kv: KVCache
+    rows: torch.Tensor
+
+
 class Engine:
     """Single-sequence sampler over a :class:`Qwen3MoeForCausalLM` with a KV cache.
 
     Args:
-        model: the policy. :attr:`model` may have its weights replaced (``load_state_dict``)
-            between calls (weight sync); each call reads whatever weights it holds then.
+        model: the policy. :attr:`model` may have its weights replaced (``load_state_dict``,
+            ``copy_``) between calls (weight sync); the engine notices any in-place write to a
+            parameter (torch's per-tensor version counters) and flushes its prefix cache, so a
+            cached prefix never carries the old weights' keys, values or routing.
         seed: seed of the engine's private ``torch.Generator`` (CPU); two engines with the same
             seed, weights and requests sample the same ids.
+        prefix_cache: most sequences whose KV and routing rows are kept for reuse (LRU); 0
+            disables the cache. About ``2 * layers * kv_heads * head_dim * tokens`` values each.
+        prefill_chunk: feed prompts in chunks of at most this many tokens (0: one forward).
 
     Not thread-safe: one :meth:`generate` at a time (the HTTP front serialises requests).
+
+    Attributes:
+        cache_hits, cached_tokens: requests that reused a prefix, and prompt tokens not recomputed.
     """
 
-    def __init__(self, model: Qwen3MoeForCausalLM, *, seed: int = 0) -> None:
+    def __init__(self, model: Qwen3MoeForCausalLM, *, seed: int = 0, prefix_cache: int = 8,
+                 prefill_chunk: int = 0) -> None:
+        if prefix_cache < 0 or prefill_chunk < 0:
+            raise ValueError(f"prefix_cache ({prefix_cache}) and prefill_chunk ({prefill_chunk}) must be >= 0")
         self.model = model
         self.generator = torch.Generator().manual_seed(int(seed))
+        self.prefix_cache = int(prefix_cache)
+        self.prefill_chunk = int(prefill_chunk)
+        self._cache: OrderedDict[int, _Cached] = OrderedDict()
+        self._next_key = 0
+        self._stamp = self._weights_stamp()
+        self.cache_hits = 0
+        self.cached_tokens = 0
+
+    def flush_cache(self) -> None:
+        """Forget every cached prefix (done automatically when the weights change)."""
+        self._cache.clear()
+
+    def _weights_stamp(self) -> tuple[int, ...]:
+        """Identity and in-place-write counter of every parameter: changes on any weight update."""
+        return tuple(x for p in self.model.parameters() for x in (id(p), p._version))
+
+    def _take_prefix(self, ids: list[int]) -> tuple[KVCache | None, torch.Tensor | None, int]:
+        """Remove and return the cached entry sharing the longest prefix with ``ids`` (at least
+        one token, at most ``len(ids) - 1`` so the last prompt token is always fed), truncated
+        to that prefix: (kv, rows [m, L, K], m), or (None, None, 0)."""
+        best, best_m = None, 0
+        for key, c in self._cache.items():
+            n = min(len(c.ids), len(ids) - 1)
+            m = 0
+            if n > 0 and c.ids[0] == ids[0]:
+                a, b = np.asarray(c.ids[:n]), np.asarray(ids[:n])
+                neq = np.flatnonzero(a != b)
+                m = int(neq[0]) if neq.size else n
+            if m > best_m:
+                best, best_m = key, m
+        if best is None:
+            return None, None, 0
+        c = self._cache.pop(best)
+        c.kv.seq_len = best_m  # later positions are overwritten by the next write
+        return c.kv, c.rows[:best_m], best_m
+
+    def _put(self, ids: list[int], kv: KVCache, rows: torch.Tensor) -> None:
+        if self.prefix_cache == 0:
+            return
+        self._cache[self._next_key] = _Cached(ids, kv, rows)
+        self._next_key += 1
+        while len(self._cache) > self.prefix_cache:
+            self._cache.popitem(last=False)
 
     @torch.inference_mode()
     def generate(self, input_ids: Sequence[int], params: SamplingParams, *,
                  routed_experts_start_len: int = 0) -> GenerateOutput:
-        """Prefill ``input_ids`` in one forward, then decode token by token until a stop token
-        is sampled or ``max_new_tokens`` are reached.
+        """Prefill ``input_ids`` (reusing the longest cached prefix, then ``prefill_chunk``-sized
+        forwards, see the module docstring), then decode token by token until a stop token is
+        sampled or ``max_new_tokens`` are reached.
 
         Args:
             input_ids: prompt ids (the whole episode stream so far), each in [0, vocab_size).
@@ -158,11 +242,24 @@ class Engine:
                              f"{routed_experts_start_len}")
         stop = set(int(s) for s in params.stop_token_ids)
         device = next(self.model.parameters()).device
-        cache = KVCache(capacity=P + params.max_new_tokens)
-
-        out = self.model(torch.tensor([ids], device=device), kv_cache=cache, return_routing=True,
-                         logits_to_keep=1)
-        routing = [out.routed_experts[0]]  # [T, L, K] per forward
+        stamp = self._weights_stamp()
+        if stamp != self._stamp:
+            self.flush_cache()
+            self._stamp = stamp
+        cache, prefix_rows, m = self._take_prefix(ids) if self.prefix_cache else (None, None, 0)
+        routing: list[torch.Tensor] = []  # [T, L, K] per forward, in position order
+        if cache is None:
+            cache = KVCache(capacity=P + params.max_new_tokens)
+        else:
+            routing.append(prefix_rows)
+            self.cache_hits += 1
+            self.cached_tokens += m
+        chunk = self.prefill_chunk or P
+        for a in range(m, P, chunk):
+            b = min(P, a + chunk)
+            out = self.model(torch.tensor([ids[a:b]], device=device), kv_cache=cache, return_routing=True,
+                             logits_to_keep=1)
+            routing.append(out.routed_experts[0])
         out_ids: list[int] = []
         logprobs: list[float] = []
         finish: dict = {}
@@ -182,8 +279,10 @@ class Engine:
             out = self.model(step, kv_cache=cache, return_routing=True)
             routing.append(out.routed_experts[0])
 
-        rows = torch.cat(routing, 0)[routed_experts_start_len:]
-        assert rows.shape[0] == P + len(out_ids) - 1 - routed_experts_start_len
+        all_rows = torch.cat(routing, 0)
+        assert all_rows.shape[0] == cache.seq_len == P + len(out_ids) - 1
+        self._put(ids + out_ids[:-1], cache, all_rows)
+        rows = all_rows[routed_experts_start_len:]
         return GenerateOutput(
             output_ids=out_ids,
             output_logprobs=logprobs,

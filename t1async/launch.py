@@ -45,9 +45,14 @@ def launch(config_path: str | None, overrides: list[str] | tuple[str, ...] = ())
     from t1async.envs.task import discover_tasks
 
     cfg = load_config(config_path, overrides)
-    tasks = discover_tasks(_tasks_dir(cfg.env), cfg.env.tasks)
+    tasks = discover_tasks(_tasks_dir(cfg.env), cfg.env.tasks, sandbox=cfg.env.sandbox)
     check_sandbox_available(cfg.env.sandbox)
+    if cfg.transport.curve:  # missing keys: one line now, not a traceback from inside an actor
+        from t1async.keys import client_keys, server_keys
+
+        server_keys(cfg.transport.keys_dir), client_keys(cfg.transport.keys_dir)
     run_dir = prepare_run_dir(cfg)
+    cfg.transport.spool_dir = cfg.transport.spool_dir or str(run_dir / "spool")  # resent by a resumed run
     logger.info("run directory: {}", run_dir)
     logger.info("{} tasks, {} rollout actors, {} samplers, {} learner steps", len(tasks), cfg.rollout.num_actors,
                 cfg.sampler.num_samplers, cfg.learner.max_steps)
@@ -102,7 +107,9 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from t1async.envs.sandbox import SandboxUnavailable
     from t1async.envs.task import TaskError
 
-    return ConfigError, TaskError, SandboxUnavailable
+    from t1async.keys import KeysError
+
+    return ConfigError, TaskError, SandboxUnavailable, KeysError
 
 
 def prepare_run_dir(cfg: Config) -> Path:
@@ -147,13 +154,19 @@ def _actor_factory(run_dir: Path):
 
 
 def _wait_for_learner(learner: Any, run_ref: Any) -> tuple[dict[str, Any], bool]:
-    """Wait for the learner's run, printing progress; on Ctrl-C ask it to stop and write its final checkpoint.
+    """Wait for the learner's run, printing progress; on Ctrl-C or SIGTERM ask it to stop and write its final checkpoint.
 
     Returns:
         ``(learner status, interrupted)``.
     """
+    import signal
+
     import ray
 
+    def _terminate(signum: int, frame: Any) -> None:  # SIGTERM (a service manager's stop) acts as Ctrl-C
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, _terminate)
     last_step = -1
     try:
         while True:
@@ -165,9 +178,11 @@ def _wait_for_learner(learner: Any, run_ref: Any) -> tuple[dict[str, Any], bool]
                 last_step = st["step"]
                 logger.info("learner step {step}, version {version}, received {received}, queue {queue_depth}", **st)
     except KeyboardInterrupt:
-        logger.warning("Ctrl-C: stopping the learner after its current step (final checkpoint follows)")
+        logger.warning("Ctrl-C/SIGTERM: stopping the learner after its current step (final checkpoint follows)")
         ray.get(learner.stop.remote())
         return ray.get(run_ref), True
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _metrics_summary(path: Path) -> dict[str, Any]:

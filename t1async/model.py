@@ -183,12 +183,18 @@ class ModelOutput:
         routed_experts: [B, T, L, K] int64 expert ids used at each MoE layer (the replayed ones
             under replay), or None unless ``return_routing``.
         kv_cache: the cache passed in (now advanced by T), or None.
+        router_experts: [B, T, L, K] int64: the router's OWN top-k at each layer, computed from
+            the same forward (so under replay it is what this model would have chosen given the
+            replayed history; without replay it equals ``routed_experts``), or None unless
+            ``return_routing``. Ordered by descending probability, like ``routed_experts``
+            without replay. Compare expert *sets* (sort over K), not orders.
     """
 
     logits: torch.Tensor
     hidden: torch.Tensor
     routed_experts: torch.Tensor | None
     kv_cache: KVCache | None
+    router_experts: torch.Tensor | None = None
 
 
 class RMSNorm(nn.Module):
@@ -291,21 +297,29 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         self.experts = nn.ModuleList(
             Qwen3MoeMLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
 
-    def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, H]; replay [N, K] int64 expert ids or None. Returns (out [N, H], ids [N, K])."""
+    def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None, own_topk: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """x [N, H]; replay [N, K] int64 expert ids or None.
+
+        Returns (out [N, H], ids used [N, K] int64, the router's own top-k [N, K] int64 or None):
+        the third is computed only when ``own_topk`` (under replay it costs one extra top-k over
+        [N, E]; without replay it is ``ids``)."""
         probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # [N, E]
+        own = None
         if replay is None:
             weights, ids = torch.topk(probs, self.top_k, dim=-1)
+            own = ids if own_topk else None
         else:  # R3: the sampler's experts, this router's probabilities (gradient flows to gate)
             ids = replay
             weights = probs.gather(1, ids)
+            if own_topk:
+                own = torch.topk(probs.detach(), self.top_k, dim=-1).indices
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         weights = weights.to(x.dtype)
 
         if x.shape[0] == 0:
-            return x.new_zeros(x.shape), ids
+            return x.new_zeros(x.shape), ids, own
         flat = ids.reshape(-1)  # [N*K], pair p belongs to token p // K
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
@@ -317,7 +331,7 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
                 outs.append(self.experts[e](xs[start:start + n]))
                 start += n
         ys = torch.cat(outs, 0) * weights.reshape(-1)[order, None]
-        return x.new_zeros(x.shape).index_add(0, token_of, ys), ids
+        return x.new_zeros(x.shape).index_add(0, token_of, ys), ids, own
 
 
 class Qwen3MoeDecoderLayer(nn.Module):
@@ -330,11 +344,11 @@ class Qwen3MoeDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, kv_cache, replay):
+    def forward(self, x, cos, sin, kv_cache, replay, own_topk=False):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache)
         B, T, H = x.shape
-        y, ids = self.mlp(self.post_attention_layernorm(x).reshape(B * T, H), replay)
-        return x + y.view(B, T, H), ids.view(B, T, -1)
+        y, ids, own = self.mlp(self.post_attention_layernorm(x).reshape(B * T, H), replay, own_topk)
+        return x + y.view(B, T, H), ids.view(B, T, -1), None if own is None else own.view(B, T, -1)
 
 
 class Qwen3MoeModel(nn.Module):
@@ -347,19 +361,21 @@ class Qwen3MoeModel(nn.Module):
         self.layers = nn.ModuleList(Qwen3MoeDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, input_ids, position_ids, routed_experts, kv_cache):
-        """Returns (final-norm hidden [B, T, H], expert ids [B, T, L, K] int64)."""
+    def forward(self, input_ids, position_ids, routed_experts, kv_cache, own_topk=False):
+        """Returns (final-norm hidden [B, T, H], expert ids used [B, T, L, K] int64, the routers'
+        own top-k [B, T, L, K] int64 or None unless ``own_topk``)."""
         x = self.embed_tokens(input_ids)
         cos, sin = _rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
         B, T = input_ids.shape
-        routing = []
+        routing, owns = [], []
         for i, layer in enumerate(self.layers):
             replay = None if routed_experts is None else routed_experts[:, :, i].reshape(B * T, -1)
-            x, ids = layer(x, cos, sin, kv_cache, replay)
+            x, ids, own = layer(x, cos, sin, kv_cache, replay, own_topk)
             routing.append(ids)
+            owns.append(own)
         if kv_cache is not None:
             kv_cache.seq_len += T
-        return self.norm(x), torch.stack(routing, dim=2)
+        return self.norm(x), torch.stack(routing, dim=2), torch.stack(owns, dim=2) if own_topk else None
 
 
 class Qwen3MoeForCausalLM(nn.Module):
@@ -404,7 +420,9 @@ class Qwen3MoeForCausalLM(nn.Module):
                 fine). Expert 0 is an ordinary expert (no padding sentinel); at padded positions
                 pass any in-range ids (e.g. zeros).
             kv_cache: cache to read and extend (incremental decoding); advanced by T.
-            return_routing: also return the expert ids used, [B, T, L, K] int64.
+            return_routing: also return the expert ids used, [B, T, L, K] int64, and the
+                routers' own top-k from the same forward (``router_experts``; differs from the
+                used ids only under replay).
             logits_to_keep: if > 0, compute logits only for the last this many positions
                 (``logits`` is then [B, logits_to_keep, V]; ``hidden`` stays full); the engine's
                 prefill uses 1. 0 keeps all (HF's name and meaning).
@@ -426,10 +444,12 @@ class Qwen3MoeForCausalLM(nn.Module):
             raise ValueError(f"position_ids must have shape [B, T] = {(B, T)}, got {tuple(position_ids.shape)}")
         if routed_experts is not None:
             routed_experts = self._check_replay(routed_experts, B, T)
-        hidden, routing = self.model(input_ids, position_ids, routed_experts, kv_cache)
+        hidden, routing, own = self.model(input_ids, position_ids, routed_experts, kv_cache,
+                                          own_topk=return_routing)
         logits = self.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep > 0 else hidden).float()
         return ModelOutput(logits=logits, hidden=hidden,
-                           routed_experts=routing if return_routing else None, kv_cache=kv_cache)
+                           routed_experts=routing if return_routing else None, kv_cache=kv_cache,
+                           router_experts=own)
 
     def _check_replay(self, r: torch.Tensor, B: int, T: int) -> torch.Tensor:
         L, K, E = self.cfg.num_hidden_layers, self.cfg.num_experts_per_tok, self.cfg.num_experts

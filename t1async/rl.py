@@ -120,3 +120,36 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     err = torch.maximum((values - returns) ** 2, (v_clip - returns) ** 2)
     d = denom if denom is not None else mask.sum().clamp(min=1.0)
     return 0.5 * (err * mask).sum() / d
+
+
+def k3(logp: torch.Tensor, logp_behavior: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(mu || pi) from tokens sampled from mu (Schulman 2020,
+    "Approximating KL divergence"): with log r = log pi - log mu, ``k3 = (r - 1) - log r``.
+
+    Unbiased for KL(mu || pi) when the tokens were drawn from mu (temperature 1, no top-k/top-p
+    truncation), and never negative.
+
+    Args:
+        logp: float ``[...]`` learner log-probs log pi of the sampled tokens.
+        logp_behavior: float, same shape, the sampler's log mu of the same tokens.
+
+    Returns:
+        float ``[...]``, >= 0 (mask and average it yourself).
+    """
+    log_r = (logp - logp_behavior).double()
+    return (torch.expm1(log_r) - log_r).to(logp.dtype)
+
+
+def routing_differs(experts: torch.Tensor, recorded: torch.Tensor) -> torch.Tensor:
+    """Which positions route to a different expert set than recorded, in any layer.
+
+    Args:
+        experts, recorded: integer ``[..., L, K]`` expert ids (e.g. ``[B, T, L, K]``); the order
+            within the K chosen experts does not matter (the MoE output depends on the set).
+
+    Returns:
+        bool ``[...]`` (e.g. ``[B, T]``): True where some layer's set of K experts differs.
+    """
+    a = experts.long().sort(dim=-1).values
+    b = recorded.long().sort(dim=-1).values
+    return (a != b).any(dim=-1).any(dim=-1)

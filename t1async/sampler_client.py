@@ -12,7 +12,6 @@ Source: SGLang 0.5.x HTTP API (``python/sglang/srt/entrypoints/http_server.py`` 
 
 from __future__ import annotations
 
-import base64
 import http.client
 import json
 import threading
@@ -21,6 +20,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
 import numpy as np
+
+from t1async.trajectory import TrajectoryError, routed_experts_from_sglang
 
 
 class SamplerError(RuntimeError):
@@ -58,19 +59,6 @@ def _request(conn: http.client.HTTPConnection, method: str, path: str, body: dic
         raise SamplerError(f"sampler {url}{path} answered a body that is not JSON: {raw[:200]!r}") from None
 
 
-def decode_routed_experts(b64: str, layers: int, top_k: int, rows: int) -> np.ndarray:
-    """Decode SGLang's ``meta_info["routed_experts"]`` (base64 of int32) to ``[rows, layers, top_k]`` int32.
-
-    Raises:
-        SamplerError: the payload does not hold exactly ``rows * layers * top_k`` int32 values.
-    """
-    raw = base64.b64decode(b64)
-    flat = np.frombuffer(raw, dtype="<i4")
-    if flat.size != rows * layers * top_k:
-        raise SamplerError(f"routed_experts holds {flat.size} ids, expected {rows} rows x {layers} layers x {top_k}")
-    return flat.reshape(rows, layers, top_k)
-
-
 @dataclass
 class SamplerResponse:
     """One ``/generate`` answer, decoded.
@@ -78,7 +66,9 @@ class SamplerResponse:
     Attributes:
         output_ids: sampled ids (a matched stop token included as the last id).
         logprobs: float log-prob of each output id under the sampling weights.
-        routed_experts: int32 ``[prompt_len + len(output_ids) - 1 - start_len, layers, top_k]``.
+        routed_experts: ``[prompt_len + len(output_ids) - 1 - start_len, layers, top_k]``, int32 or the
+            smallest unsigned dtype holding ``num_experts`` (decoded by
+            :func:`t1async.trajectory.routed_experts_from_sglang`).
         finish_reason: ``"stop"``, ``"length"`` or ``"abort"``.
         weight_version: the weight version that produced every token of this answer.
     """
@@ -103,12 +93,15 @@ class HttpSampler:
     Args:
         url: base URL such as ``http://127.0.0.1:30000``.
         num_layers, top_k: the model's MoE shape, to decode routed experts.
+        num_experts: when given, routed experts are range-checked and returned in the wire dtype
+            (:func:`t1async.trajectory.experts_dtype`); otherwise as int32.
         timeout_s: per-request timeout, seconds.
     """
 
-    def __init__(self, url: str, *, num_layers: int, top_k: int, timeout_s: float = 300.0):
+    def __init__(self, url: str, *, num_layers: int, top_k: int, num_experts: int | None = None,
+                 timeout_s: float = 300.0):
         self.url = url.rstrip("/")
-        self.num_layers, self.top_k, self.timeout_s = num_layers, top_k, timeout_s
+        self.num_layers, self.top_k, self.num_experts, self.timeout_s = num_layers, top_k, num_experts, timeout_s
         self._local = threading.local()
 
     def _conn(self) -> http.client.HTTPConnection:
@@ -149,7 +142,11 @@ class HttpSampler:
                 f"sampler {self.url} returned no routed_experts; start SGLang with --enable-return-routed-experts"
             )
         rows = len(input_ids) + len(ids) - 1 - routed_experts_start_len
-        experts = decode_routed_experts(meta["routed_experts"], self.num_layers, self.top_k, rows)
+        try:
+            experts = routed_experts_from_sglang(meta["routed_experts"], rows=rows, layers=self.num_layers,
+                                                 top_k=self.top_k, num_experts=self.num_experts)
+        except TrajectoryError as e:
+            raise SamplerError(f"sampler {self.url} answered bad routed experts: {e}") from None
         fr = meta.get("finish_reason") or {}
         version = meta.get("weight_version")
         try:

@@ -45,3 +45,15 @@ def test_missing_file_says_what_to_do(tmp_path):
 def test_override_without_equals_is_refused():
     with pytest.raises(ConfigError, match="key=value"):
         load_config(None, ["learner.max_steps"])
+
+
+def test_unknown_key_lists_the_valid_keys_of_its_section():
+    with pytest.raises(ConfigError, match="valid keys of learner: max_steps, batch_size"):
+        load_config(None, ["learner.max_stepz=3"])
+
+
+@pytest.mark.parametrize("override", ["learner.max_steps=-1", "learner.max_steps=0", "rollout.num_actors=0",
+                                      "learner.batch_size=0", "learner.publish_every=0", "generation.top_p=1.5"])
+def test_meaningless_values_are_refused(override):
+    with pytest.raises(ConfigError, match=override.split("=")[0] + ".*invalid"):
+        load_config(None, [override])

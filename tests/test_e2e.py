@@ -53,7 +53,7 @@ def test_launch_runs_the_whole_loop(tmp_path):
     assert summary["controller"]["crashes"] >= 1
     assert "crashed" in (run_dir / "logs" / "controller.log").read_text()
     # trajectories crossed ZeroMQ intact, with routed experts [T-1, layers, top_k]
-    dumped = sorted((run_dir / "trajectories").glob("*.msgpack"))
+    dumped = sorted((run_dir / "trajectories").glob("*.traj"))
     assert len(dumped) == 3
     for f in dumped:
         t = decode(f.read_bytes())

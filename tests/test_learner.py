@@ -36,6 +36,10 @@ def synthetic(version: int, seed: int, reward: float = 1.0) -> Trajectory:
     )
 
 
+def _send(tx, traj):
+    tx.send(traj.trajectory_id, encode(traj))
+
+
 def test_learner_trains_publishes_drops_stale_and_quarantines(tmp_path):
     sampler = EmbeddedSampler(MODEL, SamplerConfig(), seed=0)
     cfg = LearnerConfig(max_steps=2, batch_size=2, publish_every=1, max_staleness=0, batch_timeout_s=60, lr=1e-3)
@@ -44,9 +48,9 @@ def test_learner_trains_publishes_drops_stale_and_quarantines(tmp_path):
         assert learner.connect_samplers([sampler.url()]) == 0 and sampler.version == 0
         before = {n: p.detach().clone() for n, p in learner.policy.named_parameters()}
         tx = ZmqSender(learner.endpoint())
-        tx.send(b"\x93not a trajectory")
-        tx.send(encode(synthetic(version=0, seed=1, reward=2.0)))
-        tx.send(encode(synthetic(version=0, seed=2, reward=0.0)))
+        tx.send("not-a-trajectory", b"\x93not a trajectory")
+        _send(tx, synthetic(version=0, seed=1, reward=2.0))
+        _send(tx, synthetic(version=0, seed=2, reward=0.0))
         result: dict = {}
 
         class Controller:  # records what the learner tells admission control
@@ -66,9 +70,9 @@ def test_learner_trains_publishes_drops_stale_and_quarantines(tmp_path):
         while learner.version < 1 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert learner.version == 1
-        tx.send(encode(synthetic(version=0, seed=3)))  # now staleness 1 > 0: dropped and counted
-        tx.send(encode(synthetic(version=1, seed=4, reward=2.0)))
-        tx.send(encode(synthetic(version=1, seed=5, reward=1.0)))
+        _send(tx, synthetic(version=0, seed=3))  # now staleness 1 > 0: dropped and counted
+        _send(tx, synthetic(version=1, seed=4, reward=2.0))
+        _send(tx, synthetic(version=1, seed=5, reward=1.0))
         th.join(timeout=60)
         assert not th.is_alive()
         tx.close()

@@ -40,7 +40,7 @@ def test_policy_loss_on_policy_equals_negative_mean_advantage_and_gradient():
     adv = torch.tensor([[1.0, -1.0, 2.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0]])
     out = policy_loss(logp, logp.detach(), logp.detach(), adv, mask, clip_eps=0.2, is_cap=2.0)
-    assert abs(float(out.loss) - (-(1.0 - 1.0) / 2)) < 1e-6
+    assert abs(float(out.loss.detach()) - (-(1.0 - 1.0) / 2)) < 1e-6
     out.loss.backward()
     # d/dlogp of -w*r*A/n at r=1, w=1 is -A/n on loss tokens, 0 elsewhere
     torch.testing.assert_close(logp.grad, torch.tensor([[-0.5, 0.5, 0.0]]))

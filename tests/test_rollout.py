@@ -6,6 +6,8 @@ re-tokenized), alignment of every per-token field, routing rows, and the wire ro
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -104,9 +106,23 @@ def test_rollout_actor_streams_over_zeromq(sampler_url, tmp_path):
         def episode_failed(self, actor_id, reason):
             raise AssertionError(reason)
 
+    got, stop = [], threading.Event()
+
+    def learner_side():  # acknowledges each trajectory, as the learner does after logging it
+        while not stop.is_set():
+            d = rx.recv(0.1)
+            if d is not None:
+                got.append(decode(bytes(d.frame), num_experts=4))
+                rx.ack(d, True)
+
+    th = threading.Thread(target=learner_side)
+    th.start()
     actor = RolloutActor(0, EnvConfig(max_turns=2, tasks=["create-hello-file"]), GenerationConfig(max_new_tokens=8),
                          MODEL, TransportConfig(), [sampler_url], rx.endpoint)
     assert actor.run(Admission()) == {"episodes": 2, "failed": 0}
-    got = [decode(rx.recv(5.0), num_experts=4) for _ in range(2)]
+    assert actor.sender.unacknowledged() == 0  # run() flushed: every trajectory was acknowledged
+    stop.set()
+    th.join()
+    assert len(got) == 2
     assert {g.task for g in got} == {"create-hello-file"} and got[0].trajectory_id != got[1].trajectory_id
     rx.close()

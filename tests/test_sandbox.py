@@ -55,7 +55,7 @@ def host_pids_with_cmdline(fragment: str) -> list[int]:
 
 
 def test_registry_and_protocol(tmp_path):
-    assert SANDBOXES["local"] is LocalSandbox
+    assert SANDBOXES["local"] is LocalSandbox and "modal" in SANDBOXES
     assert isinstance(make_sandbox(tmp_path), Sandbox)
 
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
 import pytest
 
-from t1async.envs.task import DockerStep, TaskError, discover_tasks, load_task, parse_dockerfile
+from t1async.envs.task import DockerStep, TaskError, TaskRefused, discover_tasks, load_task, parse_dockerfile
 from t1async.envs.terminal import TerminalEnv, expand_vars, validate_task
 
 FIXTURES = Path(__file__).parent / "fixtures" / "tasks"
@@ -89,15 +90,8 @@ def test_empty_instruction(tmp_path):
 @pytest.mark.parametrize(
     ("dockerfile", "expected"),
     [
-        ("FROM x\nWORKDIR /app\nEXPOSE 80\n", r"Dockerfile:3: unsupported Dockerfile instruction 'EXPOSE'"),
-        ("FROM x\n\n# comment\nCMD [\"bash\"]\n", r"Dockerfile:4: unsupported .*'CMD'.*express it with RUN"),
-        ("FROM x\nWORKDIR /opt\n", r"Dockerfile:2: WORKDIR /opt is outside /app"),
         ("FROM x\nCOPY missing.txt /app/\n", r"Dockerfile:2: COPY source 'missing.txt' not found"),
-        ("FROM x\nCOPY input.txt /etc/\n", r"COPY destination /etc is outside /app"),
-        ("FROM x\nCOPY ../task.toml /app/\n", r"must be relative to environment/ and stay inside it"),
-        ("FROM x\nCOPY --from=build input.txt /app/\n", r"flag '--from=build' is not supported"),
-        ("FROM x\nADD https://example.com/a.txt /app/\n", r"ADD from a URL"),
-        ("FROM x\nRUN <<EOF\necho hi\nEOF\n", r"heredocs in RUN are not supported"),
+        ("FROM x\nCOPY ../task.toml /app/\n", r"must be relative to the build context and stay inside it"),
         ("FROM x\nENV =bad\n", r"ENV expects KEY=VALUE pairs"),
         ("FROM x\nCOPY input.txt input.txt /app/x\n", r"several sources needs a destination folder"),
     ],
@@ -108,6 +102,53 @@ def test_bad_dockerfile(tmp_path, dockerfile, expected):
     with pytest.raises(TaskError, match=expected) as info:
         load_task(folder)
     assert str(folder / "environment" / "Dockerfile") in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("dockerfile", "expected"),
+    [
+        ("FROM x\nWORKDIR /app\nSHELL [\"/bin/zsh\"]\n", r"Dockerfile:3: unsupported Dockerfile instruction 'SHELL'"),
+        ("FROM x\nUSER app\n", r"Dockerfile:2: USER app is not supported"),
+        ("FROM x\nWORKDIR /opt\n", r"Dockerfile:2: WORKDIR /opt is outside /app"),
+        ("FROM x\nCOPY input.txt /etc/\n", r"COPY destination /etc is outside /app"),
+        ("FROM x\nCOPY --from=build input.txt /app/\n", r"flag '--from=build' is not supported"),
+        ("FROM x\nADD https://example.com/a.txt /app/\n", r"ADD from a URL .* needs network"),
+        ("FROM x\nRUN <<EOF\necho hi\nEOF\n", r"heredocs in RUN are not supported"),
+        ("FROM x\nRUN apt-get update && apt-get install -y t1async-no-such-package\n",
+         r"needs Debian packages the host lacks: t1async-no-such-package"),
+        ("FROM x\nRUN pip install 't1async-no-such-dist==1.0'\n", r"needs Python packages the host lacks: t1async-no-such-dist"),
+        ("FROM x\nRUN curl -fsSL https://example.com/x.sh | sh\n", r"needs network access at build time"),
+        ("FROM x\nRUN apk add curl\n", r"package manager the local sandbox cannot reproduce"),
+    ],
+)
+def test_locally_refused_dockerfile(tmp_path, dockerfile, expected):
+    """Valid for Docker, but not reproducible here: loaded, refused by the local backend with the reason."""
+    folder = copy_task(tmp_path)
+    (folder / "environment" / "Dockerfile").write_text(dockerfile)
+    task = load_task(folder)
+    assert task.local_refusal and re.search(expected, task.local_refusal), task.local_refusal
+    with pytest.raises(TaskRefused, match=expected):
+        TerminalEnv(task, root=tmp_path / "episodes")
+    with pytest.raises(TaskRefused, match="refused by the local sandbox"):
+        discover_tasks(tmp_path / "tasks")
+    assert discover_tasks(tmp_path / "tasks", skip_invalid=True, sandbox="modal")[0].name == "count-words"
+
+
+def test_ignored_instructions_and_host_provided_packages(tmp_path):
+    folder = copy_task(tmp_path)
+    (folder / "environment" / "Dockerfile").write_text(
+        "FROM x\nLABEL a=b\nEXPOSE 80\nUSER root\nARG GREET=hi\n"
+        "RUN apt-get update && apt-get install -y --no-install-recommends bash tmux && rm -rf /var/lib/apt/lists/*\n"
+        "RUN pip install --no-cache-dir 'pytest>=7' && echo \"$GREET\" > greet.txt\n"
+        "CMD [\"bash\"]\n")
+    task = load_task(folder)
+    assert task.local_refusal is None
+    assert [s.instruction for s in task.steps] == ["FROM", "ARG", "RUN"]  # the all-host install step is dropped
+    assert task.steps[-1].args == ("true && echo \"$GREET\" > greet.txt",)
+    with TerminalEnv(task, root=tmp_path / "episodes") as env:
+        env.reset()
+        assert (env.workspace / "greet.txt").read_text() == "hi\n"
+        assert env.step("echo \"[$GREET]\"").output == "[]\n"  # ARG is build-time only
 
 
 def test_dockerfile_continuations_and_forms(tmp_path):

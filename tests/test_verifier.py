@@ -170,3 +170,31 @@ def test_real_pytest_output(tmp_path):
     }
     result = verifier_result(run.stdout, seconds=0.0, exit_code=run.returncode)
     assert (result.passed, result.total, result.resolved) == (5, 7, False)
+
+
+def test_task_reward_files():
+    from t1async.envs.verifier import parse_task_reward
+
+    assert parse_task_reward("1\n", None) == (1.0, None)
+    assert parse_task_reward(None, '{"reward": 0.5}') == (0.5, None)
+    assert parse_task_reward(None, "0.25") == (0.25, None)
+    assert parse_task_reward(None, None) == (None, None)
+    assert parse_task_reward("yes", None)[1].startswith("reward.txt holds")
+    assert "no number" in parse_task_reward(None, '{"score": 1}')[1]
+    both = verifier_result(SUMMARY, seconds=0.1, reward_txt="1")
+    assert both.task_reward == 1.0 and both.passed == 7 and not both.resolved
+
+
+def test_reward_file_without_pytest_is_the_one_test():
+    ok = verifier_result("custom checker: all good\n", seconds=0.1, reward_txt="1\n")
+    assert (ok.passed, ok.total, ok.resolved, ok.error, ok.task_reward) == (1, 1, True, None, 1.0)
+    bad = verifier_result("custom checker: nope\n", seconds=0.1, reward_json='{"reward": 0}')
+    assert (bad.passed, bad.total, bad.resolved) == (0, 1, False)
+    missing = verifier_result("no summary, no reward\n", seconds=0.1)
+    assert missing.error and "short test summary" in missing.error and not missing.resolved
+
+
+def test_task_reward_disagreeing_with_tests_is_not_resolved():
+    text = "=== short test summary info ===\nPASSED t.py::a\nPASSED t.py::b\n"
+    result = verifier_result(text, seconds=0.1, reward_txt="0")
+    assert result.passed == 2 and not result.resolved and "own reward is 0" in result.error

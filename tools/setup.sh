@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 # command -> Debian package: the sandbox (bwrap) and the host tools the shipped tasks' setups,
 # tests and oracle solutions use.
 missing=()
-for pair in bwrap:bubblewrap git:git sqlite3:sqlite3 zip:zip unzip:unzip pgrep:procps tar:tar gzip:gzip; do
+for pair in bwrap:bubblewrap setpriv:util-linux nsenter:util-linux git:git sqlite3:sqlite3 zip:zip unzip:unzip pgrep:procps tar:tar gzip:gzip; do
   command -v "${pair%%:*}" >/dev/null 2>&1 || missing+=("${pair#*:}")
 done
 if [ ${#missing[@]} -gt 0 ]; then

@@ -1,0 +1,368 @@
+"""Adapting a task to the ``local`` backend: what the host provides, what it replaces, what it refuses.
+
+The local sandbox has no image: it runs the host's ``/usr`` and the host's Python. A task's
+Dockerfile RUN steps and test script are read command by command (quote-aware split on ``&&``,
+``||``, ``;`` and newlines; a pipeline stays one command) and each command is classified:
+
+* **package installs** (``apt-get install``, ``pip install``, ``uv pip install``, ...): satisfied
+  when the host already provides every package (Debian packages by ``dpkg-query``, Python
+  distributions by ``importlib.metadata`` of the Python the sandbox runs, version specifiers
+  checked; ``pytest`` and runner plugins in a test script need only be present); the command is
+  then replaced by ``true``. Otherwise the task is refused, naming the missing packages.
+  ``apt-get update``/``clean``, ``rm -rf /var/lib/apt/lists/*`` become ``true`` too. Other
+  package managers (apk, yum, dnf, conda, npm install -g, ...) are refused.
+* **test-runner bootstraps** in test scripts (``curl ... astral.sh/uv ... | sh``, ``source
+  $HOME/.local/bin/env``, ``uv venv``, ``source .../bin/activate``): replaced by ``true``; the
+  runner itself (``uv run pytest``, ``uvx ... pytest``, ``pytest``) becomes ``python3 -m pytest``
+  (the host's pytest), with ``-rA`` added when missing (the reward is read from its summary) and
+  options of absent report-only plugins (``--ctrf FILE``, ``--json-report...``) dropped.
+* **network use** (``curl``, ``wget``, ``git clone``, a URL) at build or test time: refused
+  unless the task allows internet access.
+
+Everything else runs as written. The result is stored on the task: :attr:`Task.steps` (RUN steps
+rewritten or dropped), :attr:`Task.local_test_script` and :attr:`Task.local_refusal`.
+Terminal-Bench's harness-only packages (:data:`HARNESS_PACKAGES`) are not needed here.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import re
+import shlex
+import subprocess
+from dataclasses import replace
+
+from .task import DockerStep, Task
+
+HARNESS_PACKAGES = frozenset({"tmux", "asciinema"})
+"""Debian packages Terminal-Bench images install for its own harness (tmux sessions, recordings)."""
+
+RUNNER_PACKAGES = frozenset({"pytest", "uv"})
+"""Test-runner packages: the host's own are used, whatever version a script pins."""
+
+REPORT_PLUGINS = ("pytest-json-ctrf", "pytest-json-report")
+"""Report-only pytest plugins: when absent, their options are dropped from the pytest command."""
+
+OTHER_PACKAGE_MANAGERS = ("apk", "yum", "dnf", "zypper", "pacman", "conda", "mamba", "brew", "snap")
+
+_NETWORK_WORDS = ("curl", "wget", "ssh", "scp", "rsync", "nc", "ncat", "telnet", "ftp")
+_URL = re.compile(r"\b(https?|ftp|git)://")
+_SEPARATORS = ("&&", "||", ";", "\n")
+_KEYWORDS = re.compile(r"^\s*(?:(?:if|elif|while|until|then|else|do|!|\{|\()\s+)*")
+
+
+class Refusal(Exception):
+    """Raised inside the planner with the reason the local backend refuses the task."""
+
+
+@functools.lru_cache(maxsize=512)
+def host_has_deb(package: str) -> bool:
+    """Whether the Debian package ``package`` (``name[:arch][=version]``, version ignored) is
+    installed on the host (``dpkg-query``); False without dpkg."""
+    name = package.split("=", 1)[0].split(":", 1)[0]
+    try:
+        out = subprocess.run(["dpkg-query", "-W", "-f=${Status}", name], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return out.returncode == 0 and out.stdout.strip().endswith("install ok installed")
+
+
+@functools.lru_cache(maxsize=512)
+def host_python_lacks(requirement: str, runner: bool = False) -> str | None:
+    """Why the sandbox's Python (the host's, the one running t1async) does not satisfy
+    ``requirement`` (a PEP 508 string), or None when it does. With ``runner``, a test-runner
+    package only needs to be present (its version pin is ignored)."""
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    try:
+        req = Requirement(requirement)
+    except InvalidRequirement:
+        return f"{requirement!r} (not a package requirement t1async can check)"
+    try:
+        version = importlib.metadata.version(req.name)
+    except importlib.metadata.PackageNotFoundError:
+        return f"{req.name} (not installed)"
+    if runner or not req.specifier or req.specifier.contains(version, prereleases=True):
+        return None
+    return f"{req}: the host has {version}"
+
+
+def split_commands(text: str) -> list[tuple[int, int]]:
+    """Spans ``(start, end)`` of the commands of shell ``text`` between top-level ``&&``, ``||``,
+    ``;`` and newlines (quotes, ``$(...)`` and backslash escapes respected; pipelines stay whole)."""
+    spans: list[tuple[int, int]] = []
+    start = i = 0
+    quote = ""
+    depth = 0
+    while i < len(text):
+        ch = text[i]
+        if quote:
+            if ch == "\\" and quote == '"':
+                i += 2
+                continue
+            if ch == quote:
+                quote = ""
+        elif ch == "\\":
+            i += 2
+            continue
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "#" and (i == 0 or text[i - 1] in " \t\n;&|") and depth == 0:
+            end = text.find("\n", i)
+            spans.append((start, i))
+            i = len(text) if end < 0 else end
+            start = i
+            continue
+        elif text.startswith("$(", i):
+            depth += 1
+        elif ch == ")" and depth:
+            depth -= 1
+        elif depth == 0:
+            for sep in _SEPARATORS:
+                if text.startswith(sep, i):
+                    spans.append((start, i))
+                    i += len(sep)
+                    start = i
+                    break
+            else:
+                i += 1
+                continue
+            continue
+        i += 1
+    spans.append((start, len(text)))
+    return [(a, b) for a, b in spans if text[a:b].strip()]
+
+
+def _words(command: str) -> list[str]:
+    try:
+        words = shlex.split(command, comments=False)
+    except ValueError:
+        return command.split()
+    while words and ("=" in words[0] and re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", words[0]) or words[0] in ("sudo", "exec", "command")):
+        words = words[1:]
+    return words
+
+
+def _pip_requirements(words: list[str]) -> list[str]:
+    """Requirement strings after ``install`` in a pip command (options and their values skipped)."""
+    takes_value = {"-r", "--requirement", "-c", "--constraint", "-i", "--index-url", "--extra-index-url",
+                   "-f", "--find-links", "--python", "-p", "--target", "-t", "--prefix", "--root"}
+    reqs, skip = [], False
+    after = words[words.index("install") + 1:]
+    for word in after:
+        if skip:
+            skip = False
+            continue
+        if word in takes_value:
+            if word in ("-r", "--requirement"):
+                raise Refusal("pip install -r <file>: requirements files are not read by the local sandbox")
+            skip = True
+            continue
+        if word.startswith("-"):
+            if word.startswith(("-e", "--editable")) or word == ".":
+                raise Refusal(f"pip install {word}: installing a local project is not reproduced locally")
+            continue
+        reqs.append(word)
+    return reqs
+
+
+def classify(command: str, *, test_script: bool, allow_internet: bool) -> str | None:
+    """The replacement of one command for the local sandbox (None: run it as written).
+
+    Raises:
+        Refusal: the command needs what the host lacks (packages, another package manager,
+            network).
+    """
+    words = _words(command)
+    if not words:
+        return None
+    head = words[0].rsplit("/", 1)[-1]
+    text = " ".join(words)
+    if head in ("apt-get", "apt", "aptitude"):
+        sub = next((w for w in words[1:] if not w.startswith("-")), "")
+        if sub in ("update", "clean", "autoclean", "autoremove", "upgrade", "dist-upgrade"):
+            return "true"
+        if sub == "install":
+            packages = [w for w in words[words.index("install") + 1:] if not w.startswith("-")]
+            missing = [p for p in packages if p.split("=")[0] not in HARNESS_PACKAGES and not host_has_deb(p)]
+            if missing:
+                raise Refusal(f"needs Debian packages the host lacks: {', '.join(missing)} (`{command.strip()[:160]}`)")
+            return "true"
+        raise Refusal(f"`{command.strip()[:160]}`: apt operations other than install/update are not reproduced locally")
+    if head in ("rm",) and "/var/lib/apt/lists" in text:
+        return "true"
+    if head in OTHER_PACKAGE_MANAGERS or (head == "npm" and "-g" in words):
+        raise Refusal(f"uses a package manager the local sandbox cannot reproduce: `{command.strip()[:160]}`")
+    pip = (head in ("pip", "pip3") or (head.startswith("python") and words[1:3] == ["-m", "pip"])
+           or (head == "uv" and words[1:3] == ["pip", "install"]))
+    if pip and "install" in words:
+        reqs = _pip_requirements(words)
+        lacking = [why for r in reqs if (why := host_python_lacks(r, runner=_is_runner(r, test_script)))]
+        lacking = [w for w in lacking if not (test_script and w.split()[0].split(":")[0] in REPORT_PLUGINS)]
+        if lacking:
+            raise Refusal(f"needs Python packages the host lacks: {'; '.join(lacking)} (`{command.strip()[:160]}`)")
+        return "true"
+    if test_script:
+        if "astral.sh/uv" in text or re.search(r"\buv/[^ ]*install\.sh", text):
+            return "true"  # downloads the uv installer: the host's pytest replaces uv
+        if head in ("source", ".") and len(words) == 2 and (words[1].endswith("/bin/activate")
+                                                            or words[1].endswith(".local/bin/env")):
+            return "true"
+        if head == "uv" and len(words) > 1 and words[1] in ("venv", "init", "sync", "lock"):
+            return "true"
+        runner = _pytest_command(command)
+        if runner is not None:
+            return runner
+    network = head in _NETWORK_WORDS or (head == "git" and len(words) > 1 and words[1] in ("clone", "fetch", "pull", "ls-remote")) \
+        or bool(_URL.search(command))
+    if network and not allow_internet:
+        when = "test" if test_script else "build"
+        raise Refusal(f"needs network access at {when} time, which the task does not allow: `{command.strip()[:160]}`")
+    return None
+
+
+def _is_runner(requirement: str, test_script: bool) -> bool:
+    name = re.split(r"[<>=!~\[; ]", requirement, maxsplit=1)[0].lower()
+    return test_script and (name in RUNNER_PACKAGES or name.startswith("pytest"))
+
+
+_PLUGIN_OPTIONS = {
+    "pytest-json-ctrf": re.compile(r"\s--ctrf(?:=\S+|\s+\S+)"),
+    "pytest-json-report": re.compile(r"\s--json-report-file(?:=\S+|\s+\S+)|\s--json-report\b"),
+}
+_UV_VALUE_OPTIONS = ("-w", "--with", "--from", "-p", "--python", "--directory", "--project", "--index-url",
+                     "--with-requirements", "--extra-index-url")
+_PYTEST_WORD = re.compile(r"^(?:\S*/)?pytest(?:[<>=!~]=?\S*)?$")
+
+
+def _raw_words(text: str) -> list[tuple[str, int]]:
+    """(word, end offset) of each unquoted-whitespace-separated word of ``text`` (quotes kept)."""
+    words, start, quote, i = [], None, "", 0
+    while i < len(text):
+        ch = text[i]
+        if quote:
+            if ch == quote:
+                quote = ""
+        elif ch in "'\"":
+            quote = ch
+            start = i if start is None else start
+        elif ch.isspace():
+            if start is not None:
+                words.append((text[start:i], i))
+                start = None
+        else:
+            start = i if start is None else start
+        i += 1
+    if start is not None:
+        words.append((text[start:], len(text)))
+    return words
+
+
+def _pytest_command(command: str) -> str | None:
+    """``python3 -m pytest ARGS`` for a pytest invocation through uv/uvx/pytest/python -m pytest,
+    ARGS kept as written (expansions intact), ``-rA`` added when missing, options of absent
+    report plugins dropped. None if ``command`` is not one, or is already fine as written."""
+    text = command.strip()
+    words = _raw_words(text)
+    if not words:
+        return None
+    head = words[0][0].rsplit("/", 1)[-1]
+    index = None
+    if head in ("uvx", "uv"):
+        i = 1
+        if head == "uv":
+            if [w for w, _ in words[1:3]] == ["tool", "run"]:
+                i = 3
+            elif words[1:2] and words[1][0] == "run":
+                i = 2
+            else:
+                return None
+        withs = []
+        while i < len(words):
+            word = words[i][0]
+            if _PYTEST_WORD.match(word):
+                index = i
+                break
+            if word in _UV_VALUE_OPTIONS:
+                if word in ("-w", "--with", "--from") and i + 1 < len(words):
+                    withs.append(words[i + 1][0].strip("'\""))
+                i += 2
+                continue
+            if not word.startswith("-"):
+                return None  # runs something else than pytest
+            i += 1
+        for req in withs:
+            name = re.split(r"[<>=!~\[; ]", req, maxsplit=1)[0].lower()
+            if name not in REPORT_PLUGINS and (why := host_python_lacks(req, runner=_is_runner(req, True))):
+                raise Refusal(f"the test runner needs Python packages the host lacks: {why}")
+    elif _PYTEST_WORD.match(words[0][0]):
+        index = 0
+    elif re.match(r"^python3?(?:\.\d+)?$", head) and [w for w, _ in words[1:3]] == ["-m", "pytest"]:
+        index = 2
+    if index is None:
+        return None
+    rest = text[words[index][1]:]
+    changed = not (index == 2 and head.startswith("python"))
+    for package, pattern in _PLUGIN_OPTIONS.items():
+        if pattern.search(rest) and host_python_lacks(package) is not None:
+            rest = pattern.sub("", rest)
+            changed = True
+    if not re.search(r"(?:^|\s)-r\w*A", rest):
+        rest = " -rA" + rest
+        changed = True
+    return "python3 -m pytest" + rest if changed else None
+
+
+def adapt_script(text: str, *, test_script: bool, allow_internet: bool) -> str:
+    """``text`` with each command replaced per :func:`classify` (unchanged text if nothing applies).
+
+    Raises:
+        Refusal: a command the local sandbox cannot run faithfully.
+    """
+    joined = re.sub(r"\\\n", " ", text)  # line continuations, as the shell reads them
+    out: list[str] = []
+    last = 0
+    for start, end in split_commands(joined):
+        command = joined[start:end]
+        keywords = _KEYWORDS.match(command)
+        lead = keywords.end() if keywords else 0
+        replacement = classify(command[lead:], test_script=test_script, allow_internet=allow_internet)
+        if replacement is None:
+            continue
+        out.append(joined[last:start + lead])
+        out.append(replacement)
+        last = end - (len(command) - len(command.rstrip()))
+    if not out:
+        return text
+    out.append(joined[last:])
+    return "".join(out)
+
+
+def plan_local(task: Task) -> None:
+    """Fill :attr:`Task.steps` (RUN steps adapted), :attr:`Task.local_test_script` and
+    :attr:`Task.local_refusal` (kept if already set) for the local backend."""
+    notes: list[str] = []
+    try:
+        steps: list[DockerStep] = []
+        for step in task.steps:
+            if step.instruction != "RUN":
+                steps.append(step)
+                continue
+            adapted = adapt_script(step.args[0], test_script=False, allow_internet=task.allow_internet)
+            if adapted != step.args[0]:
+                notes.append(f"Dockerfile:{step.line}: host-provided packages: `{step.args[0][:120]}` -> `{adapted[:120]}`")
+            if adapted.replace("true", "").strip(" &;|\n") == "":
+                continue
+            steps.append(replace(step, args=(adapted,)))
+        task.steps = steps
+        assert task.test_script is not None
+        if task.test_script.is_file():
+            original = task.test_script.read_text()
+            adapted = adapt_script(original, test_script=True, allow_internet=task.allow_internet)
+            if adapted != original:
+                task.local_test_script = adapted
+                notes.append(f"{task.test_script.name}: test runner downloads replaced by the host's pytest")
+    except Refusal as exc:
+        task.local_refusal = task.local_refusal or str(exc)
+    task.notes = notes

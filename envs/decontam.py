@@ -1,0 +1,118 @@
+"""``t1async decontam``: flag (and optionally drop) training tasks that overlap a benchmark.
+
+Training tasks must stay disjoint from the benchmark results are reported on. For every
+training task, its instruction and its oracle solution are each compared with every benchmark
+task's instruction and solution by word n-gram overlap:
+
+    overlap(train_text, bench) = |ngrams(train_text) & ngrams(bench)| / |ngrams(train_text)|
+
+with ``ngrams`` the set of n consecutive lower-cased word tokens (``[a-z0-9_]+``; n =
+``env.decontam_ngram``). A text shorter than n words is compared as one n-gram of all its words.
+A training task is flagged when its instruction's or its solution's overlap with any single
+benchmark task reaches ``env.decontam_threshold``; the report names the closest benchmark task.
+With ``drop``, flagged task folders are deleted from the training folder.
+
+Source of the method: n-gram overlap decontamination as used for LLM benchmarks (GPT-3's 13-gram
+filter, Brown et al. 2020); n and the threshold are configurable because short shell tasks share
+few long n-grams.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from .task import Task, TaskError, load_task, task_folders
+
+_TOKEN = re.compile(r"[a-z0-9_]+")
+
+
+def ngrams(text: str, n: int) -> set[tuple[str, ...]]:
+    """The set of word n-grams of ``text`` (lower-cased ``[a-z0-9_]+`` tokens)."""
+    words = _TOKEN.findall(text.lower())
+    if not words:
+        return set()
+    if len(words) < n:
+        return {tuple(words)}
+    return {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
+
+
+def task_texts(task: Task) -> dict[str, str]:
+    """``{"instruction": ..., "solution": ...}`` of a task (solution empty when it has none)."""
+    solution = task.solution_path.read_text(errors="replace") if task.solution_path else ""
+    return {"instruction": task.instruction, "solution": solution}
+
+
+@dataclass
+class Overlap:
+    """One training task's worst overlap with the benchmark.
+
+    Attributes:
+        task: the training task's folder name.
+        overlap: the highest overlap fraction found (instruction or solution), 0..1.
+        field: ``instruction`` or ``solution`` (which text of the training task).
+        benchmark_task: the benchmark task it overlaps most.
+        flagged: ``overlap >= threshold``.
+        dropped: the folder was deleted.
+    """
+
+    task: str
+    overlap: float
+    field: str
+    benchmark_task: str
+    flagged: bool
+    dropped: bool = False
+
+
+def _load_all(root: Path) -> list[tuple[Path, Task]]:
+    loaded = []
+    for folder in task_folders(root):
+        try:
+            loaded.append((folder, load_task(folder)))
+        except TaskError:
+            continue  # an invalid folder has nothing to compare; eval/validate report it
+    return loaded
+
+
+def decontaminate(train_dir: str | Path, benchmark_dir: str | Path, *, n: int = 8, threshold: float = 0.2,
+                  drop: bool = False) -> list[Overlap]:
+    """Compare every training task with every benchmark task (see the module docstring).
+
+    Raises:
+        TaskError: a folder is missing or holds no task; ValueError: bad ``n``/``threshold``.
+    """
+    if n < 1 or not 0 < threshold <= 1:
+        raise ValueError(f"need n >= 1 and 0 < threshold <= 1, got n={n}, threshold={threshold}")
+    bench = [(t.path.name, {k: ngrams(v, n) for k, v in task_texts(t).items()}) for _, t in _load_all(Path(benchmark_dir))]
+    if not bench:
+        raise TaskError(f"no benchmark task under {benchmark_dir}")
+    bench_all = [(name, grams["instruction"] | grams["solution"]) for name, grams in bench]
+    results = []
+    for folder, task in _load_all(Path(train_dir)):
+        best = Overlap(folder.name, 0.0, "instruction", "", False)
+        for field_name, text in task_texts(task).items():
+            grams = ngrams(text, n)
+            if not grams:
+                continue
+            for name, other in bench_all:
+                frac = len(grams & other) / len(grams)
+                if frac > best.overlap:
+                    best = Overlap(folder.name, round(frac, 4), field_name, name, False)
+        best.flagged = best.overlap >= threshold
+        if best.flagged and drop:
+            shutil.rmtree(folder)
+            best.dropped = True
+        results.append(best)
+    return results
+
+
+def format_report(rows: list[Overlap], threshold: float, n: int) -> str:
+    """Fixed-width report of the flagged tasks (and a count of the clean ones)."""
+    flagged = [r for r in rows if r.flagged]
+    lines = [f"{len(flagged)}/{len(rows)} training tasks overlap the benchmark ({n}-grams, threshold {threshold:g})"]
+    for r in sorted(flagged, key=lambda r: -r.overlap):
+        lines.append(f"  {r.task}: {r.overlap:.0%} of its {r.field} n-grams in {r.benchmark_task}"
+                     f"{' (dropped)' if r.dropped else ''}")
+    return "\n".join(lines)

@@ -1,0 +1,178 @@
+"""``t1async eval``: run every task of a folder with one agent and report tests passed per task.
+
+Agents:
+
+* ``oracle``: the task's own solution (``solution/solve.sh`` or TB1 ``solution.sh``);
+* ``noop``: does nothing (the environment is built, then verified);
+* ``policy:CHECKPOINT``: real multi-turn episodes of a trained policy: the checkpoint
+  (``config.json`` + ``model.safetensors``) is loaded into an in-process
+  :class:`~t1async.actors.sampler.EmbeddedSampler` and reached through
+  :class:`~t1async.sampler_client.HttpSampler`, and each episode is the rollout actor's own
+  :func:`~t1async.actors.rollout.run_episode` (the same loop training uses, not a copy).
+
+Each task yields one :class:`EvalRow`; a task that cannot be loaded, is refused by the backend,
+has no oracle, or fails to build is a row with ``error`` set (and counts as unresolved). Tasks
+run ``concurrency`` at a time, each in its own sandbox.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from .protocol import SandboxError
+from .task import Task, TaskError, load_task, task_folders
+from .terminal import TerminalEnv
+
+
+@dataclass
+class EvalRow:
+    """One task's outcome.
+
+    Attributes:
+        task: the task's folder name.
+        passed: verifier tests passed (0 on error).
+        total: verifier tests found (0 on error).
+        resolved: every test passed and there was at least one.
+        seconds: wall time of the episode including build and verification, seconds.
+        error: why the task could not be run or verified (refusal, build failure, parse error,
+            verifier timeout), else None.
+    """
+
+    task: str
+    passed: int = 0
+    total: int = 0
+    resolved: bool = False
+    seconds: float = 0.0
+    error: str | None = None
+
+
+class PolicyAgent:
+    """A checkpoint served in-process for :func:`~t1async.actors.rollout.run_episode`.
+
+    Args:
+        checkpoint: folder with ``config.json`` and ``model.safetensors``.
+        config: optional YAML whose ``env``, ``generation`` and ``sampler`` sections are used
+            (defaults otherwise).
+
+    Raises:
+        TaskError: the checkpoint folder is missing or incomplete (a user error).
+    """
+
+    def __init__(self, checkpoint: str | Path, config: str | None = None):
+        from t1async.actors.sampler import EmbeddedSampler
+        from t1async.config import load_config
+        from t1async.model import Qwen3MoeForCausalLM, model_config_from_hf
+        from t1async.sampler_client import HttpSampler
+        from t1async.tokenizer import ChatTokenizer
+
+        path = Path(checkpoint)
+        if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+            raise TaskError(f"policy checkpoint {path} needs config.json and model.safetensors "
+                            "(e.g. RUN_DIR/checkpoints/step_000004)")
+        self.cfg = load_config(config)
+        self.model_cfg = model_config_from_hf(json.loads((path / "config.json").read_text()))
+        model = Qwen3MoeForCausalLM.from_pretrained(path)
+        self.sampler = EmbeddedSampler(self.model_cfg, self.cfg.sampler, seed=self.cfg.run.seed)
+        self.sampler.load_weights(model.state_dict(), version=0)
+        url = self.sampler.url() if callable(self.sampler.url) else self.sampler.url
+        self.client = HttpSampler(url, num_layers=self.model_cfg.num_hidden_layers,
+                                  top_k=self.model_cfg.num_experts_per_tok)
+        self.tokenizer = ChatTokenizer.load()
+
+    def episode(self, task: Task, env: TerminalEnv) -> tuple[int, int, bool, str | None]:
+        """One episode; returns (passed, total, resolved, verifier error)."""
+        from t1async.actors.rollout import run_episode
+
+        traj = run_episode(task, env, self.client, self.tokenizer, self.cfg.env, self.cfg.generation,
+                           self.model_cfg, actor_id=0)
+        return traj.passed, traj.total, traj.resolved, traj.verifier_error
+
+    def close(self) -> None:
+        """Stop the in-process sampler."""
+        self.sampler.shutdown()
+
+
+def run_task(folder: Path, agent: str, root: Path, *, sandbox: str = "local", policy: PolicyAgent | None = None,
+             env_factory: Callable[[Task, Path], TerminalEnv] | None = None) -> EvalRow:
+    """Evaluate one task folder with ``agent`` (``oracle``, ``noop`` or ``policy:...``). Never raises
+    for a task's own problems: they become the row's ``error``."""
+    started = time.monotonic()
+    row = EvalRow(folder.name)
+    try:
+        task = load_task(folder)
+        make = env_factory or (lambda t, r: TerminalEnv(t, root=r, sandbox=sandbox, command_timeout_s=t.agent_timeout_s))
+        with make(task, root) as env:
+            if agent.startswith("policy:"):
+                assert policy is not None
+                row.passed, row.total, row.resolved, row.error = policy.episode(task, env)
+            else:
+                env.reset()
+                if agent == "oracle":
+                    run = env.run_solution()
+                    if run.timed_out:
+                        raise TaskError(f"the oracle timed out after {task.agent_timeout_s:g} s")
+                verdict = env.verify()
+                row.passed, row.total, row.resolved, row.error = verdict.passed, verdict.total, verdict.resolved, verdict.error
+    except (TaskError, SandboxError) as exc:
+        row.error = str(exc).splitlines()[0][:500] if str(exc) else type(exc).__name__
+    except Exception as exc:  # a bug or an engine failure: keep evaluating the other tasks
+        row.error = f"{type(exc).__name__}: {exc}"[:500]
+    row.seconds = round(time.monotonic() - started, 3)
+    return row
+
+
+def evaluate(tasks_dir: str | Path, agent: str, *, concurrency: int = 1, sandbox: str = "local",
+             config: str | None = None) -> list[EvalRow]:
+    """Evaluate every task folder under ``tasks_dir`` (either layout), ``concurrency`` at a time.
+
+    Raises:
+        TaskError: ``tasks_dir`` is not a folder, or the agent name is unknown.
+    """
+    if agent not in ("oracle", "noop") and not (agent.startswith("policy:") and len(agent) > len("policy:")):
+        raise TaskError(f"unknown agent {agent!r}: use oracle, noop or policy:CHECKPOINT")
+    folders = task_folders(tasks_dir)
+    policy = PolicyAgent(agent.split(":", 1)[1], config) if agent.startswith("policy:") else None
+    try:
+        with tempfile.TemporaryDirectory(prefix="t1async-eval-") as tmp:
+            with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
+                return list(pool.map(lambda f: run_task(f, agent, Path(tmp), sandbox=sandbox, policy=policy), folders))
+    finally:
+        if policy is not None:
+            policy.close()
+
+
+def summary(rows: list[EvalRow]) -> dict[str, Any]:
+    """``{"resolved_rate", "tasks", "errors", "resolved", "passed", "total"}`` over ``rows``."""
+    resolved = sum(r.resolved for r in rows)
+    return {
+        "resolved_rate": round(resolved / len(rows), 4) if rows else 0.0,
+        "tasks": len(rows),
+        "errors": sum(r.error is not None for r in rows),
+        "resolved": resolved,
+        "passed": sum(r.passed for r in rows),
+        "total": sum(r.total for r in rows),
+    }
+
+
+def report_json(rows: list[EvalRow], agent: str) -> dict[str, Any]:
+    """The ``--out`` document: ``{"agent", "tasks": [row...], "summary": {...}}``."""
+    return {"agent": agent, "tasks": [asdict(r) for r in rows], "summary": summary(rows)}
+
+
+def format_table(rows: list[EvalRow]) -> str:
+    """Fixed-width table (task, passed/total, resolved, seconds, error) and a summary line."""
+    width = max([len("task")] + [len(r.task) for r in rows])
+    lines = [f"{'task':<{width}}  tests   resolved  seconds  error"]
+    for r in rows:
+        lines.append(f"{r.task:<{width}}  {f'{r.passed}/{r.total}':<6}  {'yes' if r.resolved else 'no':<8}  "
+                     f"{r.seconds:7.1f}  {r.error or ''}")
+    s = summary(rows)
+    lines.append(f"resolved {s['resolved']}/{s['tasks']} = {s['resolved_rate']:.1%}; tests passed "
+                 f"{s['passed']}/{s['total']}; errors {s['errors']}")
+    return "\n".join(lines)

@@ -1,0 +1,296 @@
+"""The learner's side of lossless delivery: durable receive log, bounded byte queue, atomic checkpoints.
+
+Guarantee (with t1async/transport.py and t1async/spool.py): every trajectory a rollout actor
+finished is trained on exactly once by the model state that survives, or dropped and counted as
+stale, even if the learner is killed with SIGKILL at any instant and restarted with
+``learner.resume=true``:
+
+1. The learner ACKs a trajectory only after :meth:`ReceiveLog.append` returned (and, with
+   ``log_fsync="always"``, after fsync); until then the actor keeps it in its spool and resends
+   it after reconnecting. A key already in the log (or already consumed) is ACKed and not
+   stored twice: the log holds each trajectory id at most once.
+2. A checkpoint records, atomically with the weights (one directory renamed into place), the id
+   of every trajectory its model state consumed (trained on, or dropped as stale) and the step.
+3. On resume the learner loads its latest checkpoint and re-queues every log record that
+   checkpoint had not consumed, before reading the socket. Steps trained after that checkpoint
+   are lost with the process; their trajectories are in the log and train again, once, in the
+   resumed model. Rows of metrics.jsonl past the checkpoint's step are dropped on resume.
+
+Log format (``RUN_DIR/receive_log/seg_NNNNNN.log``; a new segment per learner life and per
+``segment_bytes``): records of ``<4sHQI`` (magic b"T1RL", key length, payload length, crc32 of
+that header's first 14 bytes and the key), the key (utf-8), the payload (a trajectory frame) and
+the 4-byte trailer b"T1OK". A record cut short by a crash (no trailer) ends the segment's
+readable part and is never ACKed, so its sender still has it. The payload carries no checksum
+(crc32 of 13 MB costs 10 ms); replayed frames are validated again by the decoder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import shutil
+import struct
+import threading
+import uuid
+import zlib
+from pathlib import Path
+from typing import Any
+
+from loguru import logger
+
+_REC = struct.Struct("<4sHQI")
+_MAGIC, _TRAILER = b"T1RL", b"T1OK"
+FSYNC_POLICIES = ("always", "never")
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class ReceiveLog:
+    """Append-only, segmented log of received trajectory frames, keyed by trajectory id.
+
+    Args:
+        directory: the log folder (created).
+        fsync: ``always`` (fsync each record before :meth:`append` returns) or ``never``.
+        reset: discard an existing log (a new run in an old directory).
+        segment_bytes: start a new segment file beyond this size.
+
+    Raises:
+        ValueError: unknown ``fsync`` policy.
+    """
+
+    def __init__(self, directory: str | Path, *, fsync: str = "always", reset: bool = False,
+                 segment_bytes: int = 1 << 30):
+        if fsync not in FSYNC_POLICIES:
+            raise ValueError(f"transport.log_fsync {fsync!r} is not one of {FSYNC_POLICIES}")
+        self.dir = Path(directory)
+        if reset and self.dir.exists():
+            logger.info("receive log {}: discarding the log of an earlier run (learner.resume is off)", self.dir)
+            shutil.rmtree(self.dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.fsync, self.segment_bytes = fsync == "always", segment_bytes
+        self._index: dict[str, tuple[int, int, int]] = {}  # key -> (segment, payload offset, length)
+        self._segment_keys: dict[int, list[str]] = {}
+        self.torn = 0
+        for path in sorted(self.dir.glob("seg_*.log")):
+            self._scan(int(path.stem[4:]), path)
+        self._seg = max(self._segment_keys, default=0)
+        self._file = None
+        self._lock = threading.Lock()
+        self._roll()
+
+    @property
+    def published_version(self) -> int:
+        """Highest weight version this learner ever started to publish (-1: none)."""
+        p = self.dir / "published_version"
+        return int(p.read_text()) if p.exists() else -1
+
+    def note_published(self, version: int) -> None:
+        """Record (durably, before the broadcast) that ``version`` is being published."""
+        tmp = self.dir / "published_version.tmp"
+        with open(tmp, "w") as f:
+            f.write(str(version))
+            if self.fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, self.dir / "published_version")
+
+    def _scan(self, seg: int, path: Path) -> None:
+        keys = self._segment_keys.setdefault(seg, [])
+        size, pos = path.stat().st_size, 0
+        with open(path, "rb") as f:
+            while pos + _REC.size <= size:
+                f.seek(pos)
+                magic, klen, plen, crc = _REC.unpack(f.read(_REC.size))
+                key_b = f.read(klen)
+                end = pos + _REC.size + klen + plen + len(_TRAILER)
+                if magic != _MAGIC or zlib.crc32(_REC.pack(magic, klen, plen, 0)[:14] + key_b) != crc or end > size:
+                    break
+                f.seek(end - len(_TRAILER))
+                if f.read(len(_TRAILER)) != _TRAILER:
+                    break
+                key = key_b.decode()
+                if key not in self._index:
+                    self._index[key] = (seg, pos + _REC.size + klen, plen)
+                    keys.append(key)
+                pos = end
+        if pos < size:
+            self.torn += 1
+            logger.warning("receive log {}: ignored a torn record at byte {} (never acknowledged)", path, pos)
+
+    def _path(self, seg: int) -> Path:
+        return self.dir / f"seg_{seg:06d}.log"
+
+    def _roll(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        self._seg += 1
+        self._segment_keys[self._seg] = []
+        self._file = open(self._path(self._seg), "ab")
+        if self.fsync:
+            _fsync_dir(self.dir)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._index
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def keys(self) -> list[str]:
+        """Every key in the log, in the order received."""
+        return [k for seg in sorted(self._segment_keys) for k in self._segment_keys[seg]]
+
+    def append(self, key: str, frame: bytes | memoryview) -> None:
+        """Store one frame under ``key``; durable per the fsync policy when this returns.
+
+        Raises:
+            KeyError: ``key`` is already in the log (callers check :meth:`__contains__`).
+            OSError: the disk refused the write (the caller must not ACK).
+        """
+        with self._lock:
+            if key in self._index:
+                raise KeyError(f"trajectory {key} is already in the receive log")
+            assert self._file is not None
+            if self._file.tell() > self.segment_bytes:
+                self._roll()
+            kb = key.encode()
+            head = _REC.pack(_MAGIC, len(kb), len(frame), 0)[:14]
+            pos = self._file.tell()
+            self._file.write(_REC.pack(_MAGIC, len(kb), len(frame), zlib.crc32(head + kb)))
+            self._file.write(kb)
+            self._file.write(frame)
+            self._file.write(_TRAILER)
+            self._file.flush()
+            if self.fsync:
+                os.fsync(self._file.fileno())
+            self._index[key] = (self._seg, pos + _REC.size + len(kb), len(frame))
+            self._segment_keys[self._seg].append(key)
+
+    def read(self, key: str) -> bytes:
+        """The frame stored under ``key``."""
+        seg, off, n = self._index[key]
+        with open(self._path(seg), "rb") as f:
+            f.seek(off)
+            return f.read(n)
+
+    def drop_consumed(self, consumed: dict[str, int]) -> int:
+        """Delete closed segments whose every key is in ``consumed``; returns segments deleted.
+
+        Their keys leave the log's index; de-duplication then relies on ``consumed``.
+        """
+        gone = 0
+        with self._lock:
+            for seg in sorted(self._segment_keys):
+                keys = self._segment_keys[seg]
+                if seg == self._seg or not all(k in consumed for k in keys):
+                    continue
+                self._path(seg).unlink(missing_ok=True)
+                for k in keys:
+                    self._index.pop(k, None)
+                del self._segment_keys[seg]
+                gone += 1
+        return gone
+
+    def close(self) -> None:
+        """Close the open segment."""
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+
+class ByteQueue:
+    """FIFO bounded in items and in bytes (one item larger than ``max_bytes`` fits an empty queue).
+
+    ``put`` raises ``queue.Full`` and ``get`` raises ``queue.Empty`` on timeout, like ``queue.Queue``.
+    """
+
+    def __init__(self, max_items: int, max_bytes: int):
+        self.max_items, self.max_bytes = max(1, max_items), max_bytes
+        self._items: list[tuple[Any, int]] = []
+        self.nbytes = 0
+        self._cond = threading.Condition()
+
+    def put(self, item: Any, nbytes: int, timeout: float) -> None:
+        """Append, waiting up to ``timeout`` seconds for room."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: not self._items or (
+                    len(self._items) < self.max_items and self.nbytes + nbytes <= self.max_bytes), timeout):
+                raise queue.Full
+            self._items.append((item, nbytes))
+            self.nbytes += nbytes
+            self._cond.notify_all()
+
+    def get(self, timeout: float) -> Any:
+        """Pop the oldest item, waiting up to ``timeout`` seconds."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: bool(self._items), timeout):
+                raise queue.Empty
+            item, n = self._items.pop(0)
+            self.nbytes -= n
+            self._cond.notify_all()
+            return item
+
+    def qsize(self) -> int:
+        return len(self._items)
+
+
+# ---- checkpoints: one directory renamed into place ------------------------------------------
+_STEP_DIR = re.compile(r"^step_(\d{6,})$")
+
+
+def staging_dir(root: Path, step: int) -> Path:
+    """A fresh hidden folder to write checkpoint ``step`` into before :func:`commit`."""
+    path = root / f".step_{step:06d}.tmp-{uuid.uuid4().hex[:8]}"
+    path.mkdir(parents=True)
+    return path
+
+
+def commit(staged: Path, final: Path, *, fsync: bool = True) -> Path:
+    """Move a fully written ``staged`` folder to ``final`` atomically (replacing an older one).
+
+    With ``fsync``, every file is fsync-ed first, so a power loss leaves either the old or the new
+    checkpoint, never a mix. Between the two renames of a replacement a crash leaves no ``final``;
+    :func:`latest_checkpoint` then takes the previous step (still consistent).
+    """
+    if fsync:
+        for f in staged.rglob("*"):
+            if f.is_file():
+                with open(f, "rb+") as fh:
+                    os.fsync(fh.fileno())
+    old = None
+    if final.exists():
+        old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
+        os.rename(final, old)
+    os.rename(staged, final)
+    if fsync:
+        _fsync_dir(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The committed ``step_N`` folder with the largest N (that has ``trainer_state.json``), or None."""
+    if not root.is_dir():
+        return None
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name))
+             and (p / "trainer_state.json").is_file()]
+    return max(found)[1] if found else None
+
+
+def write_consumed(path: Path, consumed: dict[str, int]) -> None:
+    """Write the consumed-id ledger: ``{trajectory id: step trained in, or -1 if dropped stale}``."""
+    path.write_text(json.dumps(consumed))
+
+
+def read_consumed(path: Path) -> dict[str, int]:
+    """Read a ledger written by :func:`write_consumed` ({} if the file is absent)."""
+    return json.loads(path.read_text()) if path.exists() else {}

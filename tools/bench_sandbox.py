@@ -1,0 +1,118 @@
+"""Benchmark the local sandbox: command round-trip latency and episodes started per second.
+
+Run: ``t1async bench sandbox [--commands N] [--episodes M]``. Prints ONE JSON object:
+
+* ``raw_bash_c_median_ms``: median wall time of ``bash -c true`` spawned on the host
+  (``subprocess.run``), the baseline a one-shot runner pays per command;
+* ``sandbox_round_trip_median_ms``: median wall time of ``exec("true")`` in the persistent,
+  sandboxed shell (bubblewrap, unprivileged uid, cgroups), measured side by side with the raw
+  runs (alternating, after a warm-up);
+* ``host_persistent_shell_median_ms``: the same sentinel protocol against a plain, unsandboxed
+  persistent ``bash`` (what the protocol itself costs);
+* ``added_median_ms``: sandbox round trip minus raw ``bash -c`` (median of the paired
+  differences); target < 2 ms (``target_added_ms``, ``meets_target``);
+* ``added_vs_plain_shell_median_ms``: sandbox round trip minus the unsandboxed persistent shell's
+  (what bubblewrap, the uid switch and the per-command limit checks add);
+* ``episodes_started_per_s``: sandboxes started (limits, tmpfs, bwrap, shell handshake) and
+  closed per second, sequentially; ``episode_start_median_ms`` the median start alone;
+* ``mechanisms``: what enforced the limits in the measured sandbox.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from loguru import logger
+
+from t1async.envs.local import LocalSandbox
+from t1async.envs.shell_io import OutputBuffer, Sentinel
+
+TARGET_ADDED_MS = 2.0
+
+
+def _plain_shell_round_trips(n: int) -> list[float]:
+    """Round trips of the sentinel protocol against an unsandboxed persistent bash, seconds."""
+    sentinel = Sentinel()
+    proc = subprocess.Popen(["bash", "--noprofile", "--norc"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    assert proc.stdin is not None and proc.stdout is not None
+    times = []
+    try:
+        for _ in range(n):
+            started = time.perf_counter()
+            os.write(proc.stdin.fileno(), sentinel.line("true"))
+            buf = OutputBuffer(2048, sentinel.marker)
+            while buf.feed(os.read(proc.stdout.fileno(), 65536)) is None:
+                pass
+            times.append(time.perf_counter() - started)
+    finally:
+        proc.kill()
+        proc.wait()
+    return times
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--commands", type=int, default=300, help="round trips measured (each way)")
+    parser.add_argument("--episodes", type=int, default=20, help="sandboxes started and closed")
+    args = parser.parse_args(argv)
+    logger.remove()
+    logger.add(sys.stderr, level="WARNING")
+    with tempfile.TemporaryDirectory(prefix="t1async-bench-") as tmp:
+        root = Path(tmp)
+        box = LocalSandbox(root / "app", tests_dir=root / "tests", logs_dir=root / "logs")
+        box.start()
+        try:
+            for _ in range(20):  # warm-up
+                box.exec("true")
+                subprocess.run(["bash", "-c", "true"], check=True)
+            raw, boxed = [], []
+            for _ in range(args.commands):
+                started = time.perf_counter()
+                subprocess.run(["bash", "-c", "true"], check=True)
+                raw.append(time.perf_counter() - started)
+                started = time.perf_counter()
+                box.exec("true")
+                boxed.append(time.perf_counter() - started)
+            mechanisms = box.mechanisms()
+        finally:
+            box.close()
+        plain = _plain_shell_round_trips(args.commands)
+        starts, cycles = [], []
+        for i in range(args.episodes):
+            ep = root / f"ep{i}"
+            begun = time.perf_counter()
+            sb = LocalSandbox(ep / "app", tests_dir=ep / "tests", logs_dir=ep / "logs")
+            sb.start()
+            starts.append(time.perf_counter() - begun)
+            sb.close()
+            cycles.append(time.perf_counter() - begun)
+    added = statistics.median(b - r for b, r in zip(boxed, raw)) * 1000
+    result = {
+        "raw_bash_c_median_ms": round(statistics.median(raw) * 1000, 3),
+        "sandbox_round_trip_median_ms": round(statistics.median(boxed) * 1000, 3),
+        "host_persistent_shell_median_ms": round(statistics.median(plain) * 1000, 3),
+        "added_median_ms": round(added, 3),
+        "added_vs_plain_shell_median_ms": round((statistics.median(boxed) - statistics.median(plain)) * 1000, 3),
+        "target_added_ms": TARGET_ADDED_MS,
+        "meets_target": added < TARGET_ADDED_MS,
+        "episodes_started_per_s": round(len(cycles) / sum(cycles), 2),
+        "episode_start_median_ms": round(statistics.median(starts) * 1000, 2),
+        "commands": args.commands,
+        "episodes": args.episodes,
+        "mechanisms": mechanisms,
+    }
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

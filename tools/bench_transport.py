@@ -1,0 +1,160 @@
+"""``t1async bench transport``: raw ZeroMQ throughput vs the full trajectory path, side by side.
+
+Prints ONE JSON object. For each case, rounds alternate (the machine is shared and noisy) between
+
+- raw: a DEALER process sends frames of the encoded trajectory's size to a ROUTER (zero-copy on
+  both ends), nothing else;
+- traj: a process encodes each trajectory and hands it to :class:`ZmqSender` (spool to disk,
+  window of unACKed frames) -> ROUTER -> :func:`decode` + validate -> ACK;
+- traj_log (case a only): as traj, and the receiver also appends each frame to a
+  :class:`ReceiveLog` (``log_fsync=never``) before the ACK, as the learner does.
+
+Throughput = bytes between the first and the last message received / that time; the median of
+the rounds is reported. ``decode_us`` is the median CPU time (thread time) to decode and
+validate one case-a frame already in memory (the copy off the socket excluded).
+
+Cases: (a) 32k tokens, 48 layers, top-8, 128 experts; (b) 4k tokens, 4 layers, top-2, 8 experts.
+Usage: ``t1async bench transport [--rounds 3]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import zmq
+
+from t1async.delivery import ReceiveLog
+from t1async.trajectory import Trajectory, decode, encode, experts_dtype
+from t1async.transport import PROTOCOL, ZmqReceiver, ZmqSender
+
+CASES = {"a": dict(T=32768, layers=48, top_k=8, experts=128, n=24), "b": dict(T=4096, layers=4, top_k=2, experts=8, n=600)}
+
+
+def make(T: int, layers: int, top_k: int, experts: int, turns: int = 100, seed: int = 0) -> Trajectory:
+    """A realistic trajectory: ``turns`` sampled spans between observations, random ids and experts."""
+    rng = np.random.default_rng(seed)
+    mask = np.zeros(T, np.uint8)
+    edges = np.linspace(T // 16, T, turns + 1).astype(int)
+    spans = [(int(edges[i]) + (edges[i + 1] - edges[i]) // 2, int(edges[i + 1])) for i in range(turns)]
+    for s, e in spans:
+        mask[s:e] = 1
+    return Trajectory(task="bench", actor_id=0, token_ids=rng.integers(0, 151_000, T).astype(np.uint32), loss_mask=mask,
+                      logprobs=np.where(mask == 1, -rng.random(T), 0).astype(np.float32),
+                      versions=np.where(mask == 1, 7, -1).astype(np.int32), turn_offsets=np.array(spans, np.int32),
+                      routed_experts=rng.integers(0, experts, (T - 1, layers, top_k)).astype(experts_dtype(experts)),
+                      num_experts=experts, reward=3.0, passed=3, total=4, resolved=False, finish_reason="end_signal",
+                      tests=[(f"test_{i}", i < 3) for i in range(4)], started_at=1.0, finished_at=2.0)
+
+
+def sender_main(kind: str, endpoint: str, case: str, n: int, spool: str) -> None:
+    """Child process: send ``n`` messages of ``case`` as ``kind`` (raw or traj), then wait for ACKs."""
+    c = CASES[case]
+    traj = make(c["T"], c["layers"], c["top_k"], c["experts"])
+    if kind == "raw":
+        frame = encode(traj)
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.SNDHWM, 8)
+        sock.connect(endpoint)
+        for i in range(n):
+            sock.send_multipart([PROTOCOL, f"raw-{i}".encode(), frame], copy=False)
+        sock.recv()  # the receiver's "done"
+        sock.close(linger=0)
+        return
+    tx = ZmqSender(endpoint, spool_dir=spool, window_messages=64, window_bytes=256 << 20, spool_max_messages=256)
+    for i in range(n):
+        traj.trajectory_id = f"traj-{i}"
+        tx.send(traj.trajectory_id, encode(traj))
+    tx.flush(600)
+    tx.close()
+
+
+def receive(kind: str, case: str, n: int, spool: str) -> float:
+    """Run one round; returns bytes per second between the first and the last message received."""
+    c = CASES[case]
+    rx = ZmqReceiver("tcp://127.0.0.1:*", rcvhwm=8)
+    log = ReceiveLog(Path(spool) / f"log-{time.monotonic_ns()}", fsync="never") if kind == "traj_log" else None
+    child = subprocess.Popen([sys.executable, __file__, "--sender", "raw" if kind == "raw" else "traj", rx.endpoint,
+                              case, str(n), spool])
+    nbytes, t_first = 0, None
+    try:
+        for _ in range(n):
+            d = None
+            while d is None:
+                d = rx.recv(60.0)
+                if d is None and child.poll() is not None:
+                    raise RuntimeError(f"sender exited with {child.returncode}")
+            if t_first is None:
+                t_first = time.perf_counter()
+            else:
+                nbytes += len(d.frame)
+            if kind != "raw":
+                decode(d.frame, num_experts=c["experts"], num_layers=c["layers"], top_k=c["top_k"], max_version=7)
+                if log is not None:
+                    log.append(d.key, d.frame)
+                rx.ack(d, True)
+        elapsed = time.perf_counter() - (t_first or 0.0)
+        if kind == "raw":
+            rx._sock.send_multipart([d.peer, b"done"])  # noqa: SLF001 (bench-only release of the raw sender)
+        child.wait(timeout=120)
+    finally:
+        if child.poll() is None:
+            child.kill()
+        rx.close()
+        if log is not None:
+            log.close()
+    return nbytes / elapsed
+
+
+def decode_cpu_us(case: str, reps: int = 40) -> float:
+    c = CASES[case]
+    frame = encode(make(c["T"], c["layers"], c["top_k"], c["experts"]))
+    times = []
+    for _ in range(reps):
+        t0 = time.thread_time()
+        decode(frame, num_experts=c["experts"], num_layers=c["layers"], top_k=c["top_k"], max_version=7)
+        times.append(time.thread_time() - t0)
+    return statistics.median(times) * 1e6
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--sender", nargs=5, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.sender:
+        kind, endpoint, case, n, spool = args.sender
+        sender_main(kind, endpoint, case, int(n), spool)
+        return
+    out: dict = {}
+    with tempfile.TemporaryDirectory(prefix="t1async-bench-") as spool:
+        for case in ("a", "b"):
+            kinds = ["raw", "traj"] + (["traj_log"] if case == "a" else [])
+            rates: dict[str, list[float]] = {k: [] for k in kinds}
+            for _ in range(args.rounds):
+                for k in kinds:
+                    rates[k].append(receive(k, case, CASES[case]["n"], spool))
+            med = {k: statistics.median(v) for k, v in rates.items()}
+            suffix = "" if case == "a" else "_b"
+            out[f"raw_bytes_per_s{suffix}"] = round(med["raw"])
+            out[f"traj_bytes_per_s{suffix}"] = round(med["traj"])
+            out[f"ratio{suffix}"] = round(med["traj"] / med["raw"], 3)
+            if "traj_log" in med:
+                out["traj_with_log_bytes_per_s"] = round(med["traj_log"])
+                out["ratio_with_log"] = round(med["traj_log"] / med["raw"], 3)
+            out[f"decode_us{suffix}"] = round(decode_cpu_us(case), 1)
+            c = CASES[case]
+            out[f"frame_bytes{suffix}"] = len(encode(make(c["T"], c["layers"], c["top_k"], c["experts"])))
+            out[f"rounds{suffix}"] = {k: [round(x) for x in v] for k, v in rates.items()}
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
