@@ -262,7 +262,8 @@ class LearnerConfig:
     max_steps: int = 8
     """Learner steps after which the run stops."""
     batch_size: int = 4
-    """Trajectories per learner step (also ``rollouts_per_step`` for admission control)."""
+    """Trajectories per learner step; admission control lets ``batch_size x publish_every``
+    rollouts start per published weight version."""
     max_staleness: int = 1
     """Largest allowed (learner version - oldest token version) of a trajectory trained on."""
     publish_every: int = 1
