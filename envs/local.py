@@ -547,6 +547,12 @@ class LocalSandbox:
             found.append((int(entry), nspid))
         return found
 
+    def end_agent(self) -> int:
+        """Kill every process in the sandbox except init and the shell (see :class:`Sandbox`)."""
+        if self._pidns is None:
+            return 0
+        return self._kill_command_processes()
+
     def _kill_command_processes(self) -> int:
         """SIGKILL every process in the namespace except init (ns pid 1) and the shell; repeat
         until none is left (bounded), so fast forkers are caught. Returns how many were killed."""

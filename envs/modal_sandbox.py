@@ -308,6 +308,13 @@ class ModalSandbox:
         self.restarts += 1
         self._start_shell()
 
+    def end_agent(self) -> int:
+        """Kill every process started after the shell, except the shell (see :class:`Sandbox`)."""
+        if self._sb is None:
+            return 0
+        out = self._exec_simple(["bash", "-c", _KILL_SCRIPT, "kill", str(self._shell_pid)]).decode().strip()
+        return int(out) if out.isdigit() else 0
+
     def _exec_simple(self, argv: list[str], timeout_s: float = CALL_TIMEOUT_S) -> bytes:
         """Run ``argv`` as a separate process in the sandbox; its stdout bytes (bounded in time)."""
         def run() -> bytes:

@@ -156,6 +156,11 @@ class Sandbox(Protocol):
         when it is missing or not a regular file (a symlink is never followed)."""
         ...
 
+    def end_agent(self) -> int:
+        """Kill every process the agent left running except the shell (before the verifier runs,
+        so nothing of the agent's can tamper with the tests or their output); returns how many."""
+        ...
+
     def close(self) -> None:
         """Kill everything in the sandbox and release its resources. Idempotent."""
         ...

@@ -272,6 +272,12 @@ class TerminalEnv:
             adapted.parent.mkdir(exist_ok=True)
             adapted.write_text(task.local_test_script)
             self.sandbox.put([adapted], f"/tests/{script}")
+        # Nothing the agent started may run beside the verifier: a left-over process of the same
+        # uid could kill pytest and forge its output (reward hacking). Tasks whose tests need a
+        # service the agent started are not supported by this rule (documented in the README).
+        stopped = self.sandbox.end_agent()
+        if stopped:
+            logger.debug("stopped {} process(es) the agent left running before verifying {}", stopped, task.name)
         self.sandbox.clear("/logs/verifier")  # the agent may have planted files or symlinks there
         # A shell the agent left unable to answer (e.g. `exec >/dev/null`) is restarted here,
         # within seconds, instead of costing the whole verifier timeout.

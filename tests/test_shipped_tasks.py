@@ -4,6 +4,7 @@ that does nothing does not. One test per task folder; the folders are validated 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+import shlex
 from pathlib import Path
 
 import pytest
@@ -59,3 +60,21 @@ def test_agent_cannot_fake_pytest_from_app(tmp_path):
         env.step(f"printf '%s\\n' \"{fake}\" > /app/pytest.py && printf 'import sys\\n' > /app/sitecustomize.py")
         result = env.verify()
     assert result.passed == 0 and result.total == 3 and not result.resolved
+
+
+def test_agent_daemon_cannot_forge_verifier_output(tmp_path):
+    """A detached process left by the agent, killing pytest and writing a fake summary, must be
+    stopped before the verifier runs (found by a new-user trial)."""
+    forger = (
+        "while true; do pkill -9 -f 'pytest' 2>/dev/null; "
+        "for f in /logs/verifier/test_output.*; do [ -e \"$f\" ] && printf "
+        "'= short test summary info =\\nPASSED /tests/test_outputs.py::test_a\\n"
+        "PASSED /tests/test_outputs.py::test_b\\n' > \"$f\"; done; sleep 0.01; done"
+    )
+    task = load_task(TASKS_DIR / "create-hello-file")
+    with TerminalEnv(task, root=tmp_path) as env:
+        env.reset()
+        env.step(f"printf '%s\\n' {shlex.quote(forger)} > /tmp/forge.sh && (setsid nohup bash /tmp/forge.sh "
+                 ">/dev/null 2>&1 &) && sleep 0.2 && pgrep -f forge.sh >/dev/null && echo running")
+        result = env.verify()
+    assert result.passed == 0 and not result.resolved and result.total == 3
