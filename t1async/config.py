@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 
@@ -387,6 +387,9 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         layers.append(("command line", OmegaConf.from_dotlist(list(overrides))))
     merged = base
     for source, layer in layers:
+        if not isinstance(layer, DictConfig):
+            raise ConfigError(f"{source}: the top level must be a mapping of sections (run:, learner:, ...), "
+                              f"not a {type(layer).__name__}")
         try:
             merged = OmegaConf.merge(merged, layer)
         except OmegaConfBaseException as e:
@@ -419,6 +422,23 @@ _VALUE_RULES: list[tuple[str, Any, str]] = [
     ("generation.max_new_tokens", lambda v: v >= 1, "an integer >= 1"),
     ("generation.temperature", lambda v: v >= 0, "a float >= 0 (0: greedy)"),
     ("generation.top_p", lambda v: 0 < v <= 1, "a float in (0, 1]"),
+    ("transport.scheme", lambda v: v in ("tcp", "ipc"), "'tcp' (between machines) or 'ipc' (one machine)"),
+    ("sampler.backend", lambda v: v == "embedded",
+     "'embedded' (SGLang servers are not wired into launch yet; their protocol is spoken by t1async.sampler_client)"),
+    ("sampler.dtype", lambda v: v in ("float32", "bfloat16", "float16"), "float32, bfloat16 or float16"),
+    ("weight_sync.backend", lambda v: v in ("gloo", "nccl"), "'gloo' (CPU) or 'nccl' (GPUs)"),
+    ("mismatch.learner_dtype", lambda v: v in ("float32", "bfloat16"), "float32 or bfloat16"),
+    ("mismatch.episodes", lambda v: v >= 1, "an integer >= 1"),
+    ("model.num_experts", lambda v: v >= 1, "an integer >= 1"),
+    ("model.num_hidden_layers", lambda v: v >= 1, "an integer >= 1"),
+]
+
+# (rule over the whole config, the keys it concerns, what must hold)
+_CROSS_RULES: list[tuple[Any, str, str]] = [
+    (lambda c: 1 <= c.model.num_experts_per_tok <= c.model.num_experts, "model.num_experts_per_tok",
+     "between 1 and model.num_experts"),
+    (lambda c: c.model.num_key_value_heads >= 1 and c.model.num_attention_heads % c.model.num_key_value_heads == 0,
+     "model.num_key_value_heads", "a divisor of model.num_attention_heads"),
 ]
 
 
@@ -433,6 +453,11 @@ def check_values(cfg: Config, source: str = "config") -> None:
         value = getattr(getattr(cfg, section), name)
         if not ok(value):
             raise ConfigError(f"{source}: {key}={value!r} is invalid: use {valid}")
+    for ok, key, valid in _CROSS_RULES:
+        if not ok(cfg):
+            section, name = key.split(".")
+            value = getattr(getattr(cfg, section), name)
+            raise ConfigError(f"{source}: {key}={value!r} is invalid: it must be {valid}")
 
 
 def _valid_keys_hint(key: str) -> str:

@@ -21,7 +21,8 @@ from typing import Any
 
 from loguru import logger
 
-from t1async.config import Config, load_config, to_yaml
+from t1async.config import Config, ConfigError, load_config, to_yaml
+from t1async.tokenizer import ChatTokenizer
 
 ACTOR_MAX_CONCURRENCY = 64  # threads of the controller/learner/sampler actors (acquire() waits block one each)
 
@@ -45,6 +46,10 @@ def launch(config_path: str | None, overrides: list[str] | tuple[str, ...] = ())
     from t1async.envs.task import discover_tasks
 
     cfg = load_config(config_path, overrides)
+    vocab = ChatTokenizer.load().vocab_size
+    if cfg.model.vocab_size < vocab:
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {vocab} ids; "
+                          f"use model.vocab_size >= {vocab}")
     tasks = discover_tasks(_tasks_dir(cfg.env), cfg.env.tasks, sandbox=cfg.env.sandbox)
     check_sandbox_available(cfg.env.sandbox)
     if cfg.transport.curve:  # missing keys: one line now, not a traceback from inside an actor
@@ -116,7 +121,10 @@ def prepare_run_dir(cfg: Config) -> Path:
     """Create the run directory, save the resolved config, and log there (``t1async.log``)."""
     now = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     run_dir = Path(cfg.run.dir.format(now=now)).resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"run.dir {run_dir} cannot be created ({e.strerror}); pick a writable folder") from None
     cfg.run.dir = str(run_dir)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     add_log_sink(run_dir, "t1async", keep_stderr=True)

@@ -409,7 +409,7 @@ class ZmqReceiver:
             self._sock.bind(endpoint)
         except zmq.ZMQError as e:
             self.close()
-            raise TransportError(f"cannot bind the trajectory socket at {endpoint}: {e}; pick another transport.port") from None
+            raise TransportError(f"cannot bind the trajectory socket at {endpoint}: {e}; set transport.host to an address of this machine and transport.port to a free port (0: any)") from None
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)

@@ -52,3 +52,11 @@ def test_unknown_task_name():
 def test_missing_bubblewrap(tmp_path):
     env = dict(os.environ, PATH=str(tmp_path))  # no bwrap on PATH
     assert_one_line_error(run_cli(LOCAL, env=env), "bwrap", "apt-get install bubblewrap")
+
+
+def test_unwritable_run_dir():
+    assert_one_line_error(run_cli(LOCAL, "run.dir=/proc/t1async-run"), "run.dir", "writable")
+
+
+def test_model_vocab_smaller_than_tokenizer():
+    assert_one_line_error(run_cli(LOCAL, "model.vocab_size=100"), "model.vocab_size", "tokenizer")

@@ -53,7 +53,17 @@ def test_unknown_key_lists_the_valid_keys_of_its_section():
 
 
 @pytest.mark.parametrize("override", ["learner.max_steps=-1", "learner.max_steps=0", "rollout.num_actors=0",
-                                      "learner.batch_size=0", "learner.publish_every=0", "generation.top_p=1.5"])
+                                      "learner.batch_size=0", "learner.publish_every=0", "generation.top_p=1.5",
+                                      "transport.scheme=udp", "sampler.dtype=float99", "weight_sync.backend=mpi",
+                                      "model.num_experts_per_tok=999", "model.num_key_value_heads=3",
+                                      "mismatch.learner_dtype=int8"])
 def test_meaningless_values_are_refused(override):
     with pytest.raises(ConfigError, match=override.split("=")[0] + ".*invalid"):
         load_config(None, [override])
+
+
+def test_yaml_whose_top_level_is_a_list_is_refused(tmp_path):
+    p = tmp_path / "list.yaml"
+    p.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(p)
