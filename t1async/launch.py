@@ -1,9 +1,9 @@
 """``t1async launch``: the table of contents of the whole system.
 
-    config -> run directory -> tasks + sandbox check -> Ray
-           -> samplers (HTTP, SGLang protocol) -> learner (ZeroMQ PULL, weight group, version 0)
-           -> controller (admission, supervision) -> rollout actors (episodes -> ZeroMQ PUSH)
-           -> wait for the learner's max_steps (or Ctrl-C) -> stop everything -> summary
+    config -> input checks (tokenizer, tasks, sandbox, keys) -> run directory -> Ray
+           -> samplers (HTTP, SGLang protocol) -> learner (ZeroMQ ROUTER, weight group, version 0)
+           -> controller (admission, supervision) -> rollout actors (episodes -> ZeroMQ DEALER, ACKed)
+           -> wait for the learner's max_steps (or Ctrl-C / SIGTERM) -> stop everything -> summary
 
 This is the only core module that touches Ray and the environment layer; the roles are plain
 classes in ``t1async.actors`` and get ``ray.remote`` here.
@@ -34,70 +34,30 @@ def launch(config_path: str | None, overrides: list[str] | tuple[str, ...] = ())
         The run summary (also written to ``RUN_DIR/summary.json``).
 
     Raises:
-        ConfigError, TaskError, SandboxUnavailable: bad input, before anything is started.
+        ConfigError, TaskError, SandboxUnavailable, KeysError: bad input, before anything is started.
     """
     import ray
 
-    from t1async.actors.controller import Controller
-    from t1async.actors.learner import Learner
-    from t1async.actors.rollout import RolloutActor, _tasks_dir
-    from t1async.actors.sampler import EmbeddedSampler
-    from t1async.envs.sandbox import check_sandbox_available
-    from t1async.envs.task import discover_tasks
-
     cfg = load_config(config_path, overrides)
-    vocab = ChatTokenizer.load().vocab_size
-    if cfg.model.vocab_size < vocab:
-        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {vocab} ids; "
-                          f"use model.vocab_size >= {vocab}")
-    tasks = discover_tasks(_tasks_dir(cfg.env), cfg.env.tasks, sandbox=cfg.env.sandbox)
-    check_sandbox_available(cfg.env.sandbox)
-    if cfg.transport.curve:  # missing keys: one line now, not a traceback from inside an actor
-        from t1async.keys import client_keys, server_keys
-
-        server_keys(cfg.transport.keys_dir), client_keys(cfg.transport.keys_dir)
+    task_names = check_inputs(cfg)  # every bad-input error happens here, before any process starts
     run_dir = prepare_run_dir(cfg)
     cfg.transport.spool_dir = cfg.transport.spool_dir or str(run_dir / "spool")  # resent by a resumed run
     logger.info("run directory: {}", run_dir)
-    logger.info("{} tasks, {} rollout actors, {} samplers, {} learner steps", len(tasks), cfg.rollout.num_actors,
+    logger.info("{} tasks, {} rollout actors, {} samplers, {} learner steps", len(task_names), cfg.rollout.num_actors,
                 cfg.sampler.num_samplers, cfg.learner.max_steps)
     t_start = time.time()
     ray.init(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=False, log_to_driver=False,
              logging_level="WARNING")
     actor = _actor_factory(run_dir)
     summary: dict[str, Any] = {"run_dir": str(run_dir), "max_steps": cfg.learner.max_steps}
-    samplers: list[Any] = []
-    controller = learner = None
+    roles: dict[str, Any] = {}
     try:
-        samplers = [actor(EmbeddedSampler, f"sampler{i}").remote(cfg.model, cfg.sampler, seed=cfg.run.seed + i,
-                                                           torch_threads=cfg.run.torch_threads)
-                    for i in range(cfg.sampler.num_samplers)]
-        urls = ray.get([s.url.remote() for s in samplers])
-        learner = actor(Learner, "learner").remote(cfg.learner, cfg.model, cfg.transport, cfg.weight_sync, str(run_dir),
-                                            seed=cfg.run.seed, torch_threads=cfg.run.torch_threads)
-        endpoint = ray.get(learner.endpoint.remote())
-        ray.get(learner.connect_samplers.remote(urls))
-
-        rollout_cls = actor(RolloutActor, "rollout")
-
-        def make_rollout(actor_id: int, crash_after: int) -> Any:
-            return rollout_cls.remote(actor_id, cfg.env, cfg.generation, cfg.model, cfg.transport, urls,
-                                                  endpoint, crash_after_episodes=crash_after,
-                                                  request_timeout_s=cfg.sampler.request_timeout_s, log_name=f"rollout{actor_id}")
-
-        controller = actor(Controller, "controller").remote(cfg.rollout, [t.name for t in tasks],
-                                                     rollouts_per_version=cfg.learner.batch_size * cfg.learner.publish_every,
-                                                     max_staleness=cfg.learner.max_staleness, make_rollout=make_rollout,
-                                                     seed=cfg.run.seed)
-        controller.run.remote()
-        summary["learner"], summary["interrupted"] = _wait_for_learner(learner, learner.run.remote(controller))
+        roles["samplers"], urls = start_samplers(cfg, actor)
+        roles["learner"], endpoint = start_learner(cfg, actor, run_dir, urls)  # publishes weight version 0
+        roles["controller"] = start_controller(cfg, actor, task_names, urls, endpoint)  # starts the rollout actors
+        summary["learner"], summary["interrupted"] = _wait_for_learner(roles["learner"], roles["controller"])
     finally:
-        if controller is not None:
-            summary["controller"] = _try(lambda: ray.get(controller.stop.remote(), timeout=30))
-        if samplers:
-            summary["samplers"] = _try(lambda: ray.get([s.stats.remote() for s in samplers], timeout=30))
-        if learner is not None:
-            _try(lambda: ray.get(learner.close.remote(), timeout=30))
+        summary.update(shutdown(roles))
         summary["wall_s"] = round(time.time() - t_start, 1)
         summary.update(_metrics_summary(run_dir / "metrics.jsonl"))
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
@@ -106,12 +66,92 @@ def launch(config_path: str | None, overrides: list[str] | tuple[str, ...] = ())
     return summary
 
 
+def check_inputs(cfg: Config) -> list[str]:
+    """Check what the config points at (tokenizer, tasks, sandbox, CURVE keys); returns the task names.
+
+    Raises:
+        ConfigError, TaskError, SandboxUnavailable, KeysError: with a one-line message.
+    """
+    from t1async.actors.rollout import _tasks_dir
+    from t1async.envs.sandbox import check_sandbox_available
+    from t1async.envs.task import discover_tasks
+
+    vocab = ChatTokenizer.load().vocab_size
+    if cfg.model.vocab_size < vocab:
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {vocab} ids; "
+                          f"use model.vocab_size >= {vocab}")
+    tasks = discover_tasks(_tasks_dir(cfg.env), cfg.env.tasks, sandbox=cfg.env.sandbox)
+    check_sandbox_available(cfg.env.sandbox)
+    if cfg.transport.curve:
+        from t1async.keys import client_keys, server_keys
+
+        server_keys(cfg.transport.keys_dir)
+        client_keys(cfg.transport.keys_dir)
+    return [t.name for t in tasks]
+
+
+def start_samplers(cfg: Config, actor: Any) -> tuple[list[Any], list[str]]:
+    """M embedded samplers (HTTP, SGLang protocol; no weights until the learner publishes); their URLs."""
+    import ray
+
+    from t1async.actors.sampler import EmbeddedSampler
+
+    samplers = [actor(EmbeddedSampler, f"sampler{i}").remote(cfg.model, cfg.sampler, seed=cfg.run.seed + i,
+                                                             torch_threads=cfg.run.torch_threads)
+                for i in range(cfg.sampler.num_samplers)]
+    return samplers, ray.get([s.url.remote() for s in samplers])
+
+
+def start_learner(cfg: Config, actor: Any, run_dir: Path, urls: list[str]) -> tuple[Any, str]:
+    """The learner, joined to every sampler's weight group with version 0 published; its ZeroMQ endpoint."""
+    import ray
+
+    from t1async.actors.learner import Learner
+
+    learner = actor(Learner, "learner").remote(cfg.learner, cfg.model, cfg.transport, cfg.weight_sync, str(run_dir),
+                                               seed=cfg.run.seed, torch_threads=cfg.run.torch_threads)
+    endpoint = ray.get(learner.endpoint.remote())
+    ray.get(learner.connect_samplers.remote(urls))
+    return learner, endpoint
+
+
+def start_controller(cfg: Config, actor: Any, task_names: list[str], urls: list[str], endpoint: str) -> Any:
+    """The controller, running its supervision loop, which starts and replaces the rollout actors."""
+    from t1async.actors.controller import Controller
+    from t1async.actors.rollout import RolloutActor
+
+    rollout_cls = actor(RolloutActor, "rollout")
+
+    def make_rollout(actor_id: int, crash_after: int) -> Any:
+        return rollout_cls.remote(actor_id, cfg.env, cfg.generation, cfg.model, cfg.transport, urls, endpoint,
+                                  crash_after_episodes=crash_after, request_timeout_s=cfg.sampler.request_timeout_s,
+                                  log_name=f"rollout{actor_id}")
+
+    controller = actor(Controller, "controller").remote(
+        cfg.rollout, task_names, rollouts_per_version=cfg.learner.batch_size * cfg.learner.publish_every,
+        max_staleness=cfg.learner.max_staleness, make_rollout=make_rollout, seed=cfg.run.seed)
+    controller.run.remote()
+    return controller
+
+
+def shutdown(roles: dict[str, Any]) -> dict[str, Any]:
+    """Stop admission and the rollout actors, read the samplers' versions, close the learner."""
+    import ray
+
+    out: dict[str, Any] = {}
+    if roles.get("controller") is not None:
+        out["controller"] = _try(lambda: ray.get(roles["controller"].stop.remote(), timeout=30))
+    if roles.get("samplers"):
+        out["samplers"] = _try(lambda: ray.get([s.stats.remote() for s in roles["samplers"]], timeout=30))
+    if roles.get("learner") is not None:
+        _try(lambda: ray.get(roles["learner"].close.remote(), timeout=30))
+    return out
+
+
 def user_errors() -> tuple[type[BaseException], ...]:
     """Exception types that mean bad input (reported by the CLI in one line, without a traceback)."""
-    from t1async.config import ConfigError
     from t1async.envs.sandbox import SandboxUnavailable
     from t1async.envs.task import TaskError
-
     from t1async.keys import KeysError
 
     return ConfigError, TaskError, SandboxUnavailable, KeysError
@@ -161,7 +201,7 @@ def _actor_factory(run_dir: Path):
     return actor
 
 
-def _wait_for_learner(learner: Any, run_ref: Any) -> tuple[dict[str, Any], bool]:
+def _wait_for_learner(learner: Any, controller: Any) -> tuple[dict[str, Any], bool]:
     """Wait for the learner's run, printing progress; on Ctrl-C or SIGTERM ask it to stop and write its final checkpoint.
 
     Returns:
@@ -174,6 +214,7 @@ def _wait_for_learner(learner: Any, run_ref: Any) -> tuple[dict[str, Any], bool]
     def _terminate(signum: int, frame: Any) -> None:  # SIGTERM (a service manager's stop) acts as Ctrl-C
         raise KeyboardInterrupt
 
+    run_ref = learner.run.remote(controller)
     previous = signal.signal(signal.SIGTERM, _terminate)
     last_step = -1
     try:
