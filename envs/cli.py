@@ -9,50 +9,112 @@ reaches the environment layer only through this registrar (see tests/test_archit
     t1async decontam --train DIR --benchmark DIR [--config YAML] [--ngram N] [--threshold F] [--drop]
                      [--out FILE.json]
 
-Exit status: 0 on success; ``eval`` 0 even when tasks fail (the table says so), ``synth`` 1 when a
-generated task does not validate, ``decontam`` 1 when training tasks were flagged and kept (not
-dropped); 2 for bad input (one ``t1async: error:`` line).
+Exit status: 0 on success; ``eval`` 1 when any task errored (could not be loaded, was refused,
+failed to build or to verify; an unresolved task is not an error), ``synth`` 1 when a generated
+task does not validate, ``decontam`` 1 when training tasks were flagged and kept (not dropped) or
+could not be read; 2 for bad input (one ``t1async: error:`` line, checked before any work starts,
+including that ``--out`` can be written).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import math
 import sys
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
+from typing import Callable
+
+EVAL_EPILOG = ("exit status: 0 when every task ran (resolved or not), 1 when any task errored (see the error "
+               "column), 2 for bad input")
+SYNTH_EPILOG = "exit status: 0 on success, 1 when a generated task does not validate, 2 for bad input"
+DECONTAM_EPILOG = ("exit status: 0 when no training task overlaps the benchmark (or every flagged one was dropped "
+                   "with --drop), 1 when a training task is flagged and not dropped or could not be read (so was "
+                   "not checked), 2 for bad input")
+
+
+class UsageError(Exception):
+    """Bad command-line input; reported as one ``t1async: error:`` line with exit status 2."""
+
+
+def _guard(func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    @functools.wraps(func)
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return func(args)
+        except UsageError as exc:
+            print(f"t1async: error: {exc}", file=sys.stderr)
+            return 2
+    return run
+
+
+def check_out_file(path: str, flag: str = "--out") -> Path:
+    """Check up front that the report file ``path`` can be written (before any work is done).
+
+    The file is created (and removed again) when it does not exist; an existing file is opened
+    for appending without changing it.
+
+    Raises:
+        UsageError: ``path`` is a folder, its folder does not exist, or it cannot be written.
+    """
+    p = Path(path)
+    if p.is_dir():
+        raise UsageError(f"{flag} {p} is a folder; pass a file path such as {p / 'report.json'}")
+    if not p.parent.is_dir():
+        raise UsageError(f"{flag} {p}: folder {p.parent} does not exist; create it first or pass another path")
+    existed = p.exists()
+    try:
+        with open(p, "a"):
+            pass
+    except OSError as exc:
+        raise UsageError(f"{flag} {p} cannot be written ({exc.strerror or exc}); pass a writable file path") from None
+    if not existed:
+        p.unlink(missing_ok=True)
+    return p
+
+
+def _positive_int(value: int, flag: str) -> int:
+    if value < 1:
+        raise UsageError(f"{flag} must be >= 1, got {value}")
+    return value
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``eval``, ``synth`` and ``decontam`` parsers."""
-    p = sub.add_parser("eval", help="run every task under a folder with an agent; per-task tests passed")
-    p.add_argument("--tasks", required=True, help="folder of task folders (Terminal-Bench 2 or 1 layout)")
+    p = sub.add_parser("eval", help="run every task under a folder with an agent; per-task tests passed",
+                       epilog=EVAL_EPILOG)
+    p.add_argument("--tasks", required=True,
+                   help="folder of task folders (Terminal-Bench 2 or 1 layout), or one task folder")
     p.add_argument("--agent", required=True, help="oracle, noop or policy:CHECKPOINT_DIR")
-    p.add_argument("--concurrency", type=int, default=1, help="tasks run at once (each in its own sandbox)")
+    p.add_argument("--concurrency", type=int, default=1, help="tasks run at once (each in its own sandbox; >= 1)")
     p.add_argument("--out", help="write the JSON report here")
     p.add_argument("--sandbox", default="local", help="sandbox backend: local or modal")
     p.add_argument("--config", help="YAML config (env/generation/sampler sections for policy:)")
-    p.set_defaults(func=run_eval)
+    p.set_defaults(func=_guard(run_eval))
 
-    p = sub.add_parser("synth", help="generate training tasks from a parametrized family")
+    p = sub.add_parser("synth", help="generate training tasks from a parametrized family", epilog=SYNTH_EPILOG)
     p.add_argument("--family", required=True, help="task family (see t1async.envs.synth.FAMILIES)")
     p.add_argument("--n", type=int, required=True, help="number of tasks")
     p.add_argument("--out", required=True, help="folder to write the task folders into")
     p.add_argument("--seed", type=int, default=0, help="seed (the same seed gives the same tasks)")
     p.add_argument("--no-validate", action="store_true", help="skip the oracle/no-op validation")
-    p.add_argument("--jobs", type=int, default=2, help="tasks validated in parallel")
-    p.set_defaults(func=run_synth)
+    p.add_argument("--jobs", type=int, default=2, help="tasks validated in parallel (>= 1)")
+    p.set_defaults(func=_guard(run_synth))
 
-    p = sub.add_parser("decontam", help="flag training tasks whose text overlaps a benchmark (n-grams)")
+    p = sub.add_parser("decontam", help="flag training tasks whose text overlaps a benchmark (n-grams)",
+                       epilog=DECONTAM_EPILOG)
     p.add_argument("--train", required=True, help="folder of training task folders")
     p.add_argument("--benchmark", required=True, help="folder of benchmark task folders")
     p.add_argument("--config", help="YAML config whose env.decontam_ngram / env.decontam_threshold apply")
-    p.add_argument("--ngram", type=int, help="override env.decontam_ngram")
-    p.add_argument("--threshold", type=float, help="override env.decontam_threshold")
-    p.add_argument("--drop", action="store_true", help="delete the flagged training task folders")
+    p.add_argument("--ngram", type=int, help="override env.decontam_ngram (>= 1)")
+    p.add_argument("--threshold", type=float, help="override env.decontam_threshold (0 < F <= 1)")
+    p.add_argument("--drop", action="store_true",
+                   help="delete the flagged training task folders (refused when --train and --benchmark overlap)")
     p.add_argument("--out", help="write the JSON report here")
-    p.set_defaults(func=run_decontam)
+    p.set_defaults(func=_guard(run_decontam))
 
 
 def _quiet() -> None:
@@ -64,15 +126,24 @@ def _quiet() -> None:
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    """``t1async eval``: print the table; write the JSON report with ``--out``."""
+    """``t1async eval``: print the table; write the JSON report with ``--out``. 1 when a task errored."""
     from .evaluate import evaluate, format_table, report_json
 
     _quiet()
+    _positive_int(args.concurrency, "--concurrency")
+    out = check_out_file(args.out) if args.out else None
     rows = evaluate(args.tasks, args.agent, concurrency=args.concurrency, sandbox=args.sandbox, config=args.config)
     print(format_table(rows))
-    if args.out:
-        Path(args.out).write_text(json.dumps(report_json(rows, args.agent), indent=2) + "\n")
-        print(f"report written to {args.out}")
+    if out is not None:
+        try:
+            out.write_text(json.dumps(report_json(rows, args.agent), indent=2) + "\n")
+        except OSError as exc:
+            raise UsageError(f"--out {out} could not be written ({exc.strerror or exc}); the table above has the results") from None
+        print(f"report written to {out}")
+    errors = sum(r.error is not None for r in rows)
+    if errors:
+        print(f"t1async: {errors} of {len(rows)} tasks errored (see the error column); exit status 1", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -85,6 +156,7 @@ def run_synth(args: argparse.Namespace) -> int:
     from .terminal import validate_task
 
     _quiet()
+    _positive_int(args.jobs, "--jobs")
     try:
         paths = synthesize(args.family, args.n, args.out, seed=args.seed)
     except ValueError as exc:
@@ -94,7 +166,7 @@ def run_synth(args: argparse.Namespace) -> int:
     if args.no_validate:
         return 0
     with tempfile.TemporaryDirectory(prefix="t1async-synth-") as tmp:
-        with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
             reports = list(pool.map(lambda p: validate_task(load_task(p), Path(tmp)), paths))
     bad = [r for r in reports if not r.ok]
     for r in bad:
@@ -104,19 +176,34 @@ def run_synth(args: argparse.Namespace) -> int:
 
 
 def run_decontam(args: argparse.Namespace) -> int:
-    """``t1async decontam``: report (and with ``--drop`` delete) overlapping training tasks."""
+    """``t1async decontam``: report (and with ``--drop`` delete) overlapping training tasks.
+
+    Returns 1 when a training task is flagged and kept, or could not be read (not checked)."""
     from t1async.config import load_config
 
-    from .decontam import decontaminate, format_report
+    from .decontam import check_drop_folders, decontaminate, format_report
 
     _quiet()
     env = load_config(args.config).env
-    n = args.ngram or env.decontam_ngram
+    source = f"env.decontam_ngram in {args.config}" if args.config else "env.decontam_ngram"
+    n = args.ngram if args.ngram is not None else env.decontam_ngram
+    if n < 1:
+        raise UsageError(f"{'--ngram' if args.ngram is not None else source} must be >= 1, got {n}")
     threshold = args.threshold if args.threshold is not None else env.decontam_threshold
+    if math.isnan(threshold) or not 0 < threshold <= 1:
+        where = "--threshold" if args.threshold is not None else source.replace("ngram", "threshold")
+        raise UsageError(f"{where} must be a fraction with 0 < F <= 1, got {threshold}")
+    out = check_out_file(args.out) if args.out else None
+    if args.drop:
+        check_drop_folders(args.train, args.benchmark)
     rows = decontaminate(args.train, args.benchmark, n=n, threshold=threshold, drop=args.drop)
     print(format_report(rows, threshold, n))
-    if args.out:
+    if out is not None:
         doc = {"ngram": n, "threshold": threshold, "tasks": [asdict(r) for r in rows],
-               "flagged": sum(r.flagged for r in rows), "dropped": sum(r.dropped for r in rows)}
-        Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
-    return 1 if any(r.flagged and not r.dropped for r in rows) else 0
+               "flagged": sum(r.flagged for r in rows), "dropped": sum(r.dropped for r in rows),
+               "unreadable": sum(r.error is not None for r in rows)}
+        try:
+            out.write_text(json.dumps(doc, indent=2) + "\n")
+        except OSError as exc:
+            raise UsageError(f"--out {out} could not be written ({exc.strerror or exc}); the report above has the results") from None
+    return 1 if any((r.flagged and not r.dropped) or r.error is not None for r in rows) else 0

@@ -11,8 +11,10 @@ Agents:
   :func:`~t1async.actors.rollout.run_episode` (the same loop training uses, not a copy).
 
 Each task yields one :class:`EvalRow`; a task that cannot be loaded, is refused by the backend,
-has no oracle, or fails to build is a row with ``error`` set (and counts as unresolved). Tasks
-run ``concurrency`` at a time, each in its own sandbox.
+has no oracle, or fails to build is a row with ``error`` set (and counts as unresolved; the CLI
+exits 1 when any row has one). Tasks run ``concurrency`` at a time, each in its own sandbox. Bad
+input (unknown agent or sandbox, missing ``--config``, an empty tasks folder, an unloadable
+checkpoint) raises before any task runs.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .protocol import SandboxError
-from .task import Task, TaskError, load_task, task_folders
+from .sandbox import check_sandbox_available
+from .task import LAYOUT_HINT, Task, TaskError, load_task, task_folders
 from .terminal import TerminalEnv
 
 
@@ -76,8 +79,18 @@ class PolicyAgent:
             raise TaskError(f"policy checkpoint {path} needs config.json and model.safetensors "
                             "(e.g. RUN_DIR/checkpoints/step_000004)")
         self.cfg = load_config(config)
-        self.model_cfg = model_config_from_hf(json.loads((path / "config.json").read_text()))
-        model = Qwen3MoeForCausalLM.from_pretrained(path)
+        stage = "config.json"
+        try:  # garbage config.json or weights: a user error, reported in one line
+            hf = json.loads((path / "config.json").read_text())
+            if not isinstance(hf, dict):
+                raise ValueError("not a JSON object")
+            self.model_cfg = model_config_from_hf(hf)
+            stage = "model.safetensors"
+            model = Qwen3MoeForCausalLM.from_pretrained(path)
+        except Exception as exc:
+            first = (str(exc).splitlines() or [""])[0][:300]
+            raise TaskError(f"policy checkpoint {path}: {stage} cannot be loaded ({type(exc).__name__}: {first}); "
+                            "pass a checkpoint folder written by the learner (RUN_DIR/checkpoints/step_N)") from None
         self.sampler = EmbeddedSampler(self.model_cfg, self.cfg.sampler, seed=self.cfg.run.seed)
         self.sampler.load_weights(model.state_dict(), version=0)
         url = self.sampler.url() if callable(self.sampler.url) else self.sampler.url
@@ -127,20 +140,40 @@ def run_task(folder: Path, agent: str, root: Path, *, sandbox: str = "local", po
     return row
 
 
+def is_task_folder(path: str | Path) -> bool:
+    """Whether ``path`` is itself one task folder (it holds ``task.toml`` or ``task.yaml``)."""
+    p = Path(path)
+    return (p / "task.toml").is_file() or (p / "task.yaml").is_file()
+
+
 def evaluate(tasks_dir: str | Path, agent: str, *, concurrency: int = 1, sandbox: str = "local",
              config: str | None = None) -> list[EvalRow]:
     """Evaluate every task folder under ``tasks_dir`` (either layout), ``concurrency`` at a time.
+    ``tasks_dir`` may also be one task folder (it holds ``task.toml`` or ``task.yaml``): that task
+    alone is evaluated.
 
     Raises:
-        TaskError: ``tasks_dir`` is not a folder, or the agent name is unknown.
+        TaskError: ``tasks_dir`` is not a folder or holds no task folder, the agent name is
+            unknown, ``concurrency`` < 1, or the policy checkpoint cannot be loaded.
+        ConfigError: ``config`` is given but missing or invalid (checked for every agent).
+        SandboxUnavailable: ``sandbox`` is unknown or cannot run here.
     """
+    from t1async.config import load_config
+
     if agent not in ("oracle", "noop") and not (agent.startswith("policy:") and len(agent) > len("policy:")):
         raise TaskError(f"unknown agent {agent!r}: use oracle, noop or policy:CHECKPOINT")
-    folders = task_folders(tasks_dir)
+    if concurrency < 1:
+        raise TaskError(f"concurrency must be >= 1, got {concurrency}")
+    load_config(config)  # a missing or invalid --config is an error even when the agent does not use it
+    check_sandbox_available(sandbox)
+    folders = [Path(tasks_dir).resolve()] if is_task_folder(tasks_dir) else task_folders(tasks_dir)
+    if not folders:
+        raise TaskError(f"no task folders under {tasks_dir}; pass a folder of task folders or one task folder "
+                        f"({LAYOUT_HINT})")
     policy = PolicyAgent(agent.split(":", 1)[1], config) if agent.startswith("policy:") else None
     try:
         with tempfile.TemporaryDirectory(prefix="t1async-eval-") as tmp:
-            with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
+            with ThreadPoolExecutor(max_workers=concurrency) as pool:
                 return list(pool.map(lambda f: run_task(f, agent, Path(tmp), sandbox=sandbox, policy=policy), folders))
     finally:
         if policy is not None:

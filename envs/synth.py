@@ -15,6 +15,7 @@ benchmark; run ``t1async decontam`` against a benchmark before training on them.
 from __future__ import annotations
 
 import json
+import os
 import random
 import textwrap
 from dataclasses import dataclass, field
@@ -271,19 +272,28 @@ def synthesize(family: str, n: int, out: str | Path, *, seed: int = 0) -> list[P
     """Write ``n`` tasks of ``family`` under ``out`` (named ``<family>-<seed>-<i>``).
 
     Raises:
-        ValueError: unknown family, n < 1, or a task folder that already exists.
+        ValueError: unknown family, n < 1, ``out`` is a file or cannot be created, or a task
+            folder that already exists.
     """
     if family not in FAMILIES:
         raise ValueError(f"unknown task family {family!r}: choose one of {sorted(FAMILIES)}")
     if n < 1:
         raise ValueError(f"--n must be >= 1, got {n}")
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} exists and is not a folder; pass a folder path (it is created if missing)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--out {out}: cannot create the folder ({exc.strerror or exc}); pass a writable folder path") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {out} is not writable; pass a writable folder path")
+    names = [f"{family}-{seed}-{i:04d}" for i in range(n)]
+    taken = [name for name in names if (out / name).exists()]
+    if taken:  # checked before writing any, so nothing is half written
+        raise ValueError(f"{out / taken[0]} already exists; use another --out or --seed")
     paths = []
-    for i in range(n):
-        name = f"{family}-{seed}-{i:04d}"
-        if (out / name).exists():
-            raise ValueError(f"{out / name} already exists; use another --out or --seed")
+    for i, name in enumerate(names):
         rng = random.Random(f"{family}/{seed}/{i}")
         paths.append(write_task(out, name, family, FAMILIES[family](rng)))
     return paths

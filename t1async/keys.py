@@ -14,6 +14,7 @@ Source: ZeroMQ RFC 26 (CurveZMQ), RFC 27 (ZAP) and pyzmq's ``zmq.auth`` helpers.
 from __future__ import annotations
 
 import argparse
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,10 +24,27 @@ import zmq.auth
 
 LEARNER = "learner"
 DEFAULT_CLIENT = "rollout"
+CLIENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+"""An actor key name: a letter or digit, then letters, digits, ``_``, ``.``, ``-`` (no path separators)."""
 
 
 class KeysError(ValueError):
-    """A key file is missing or unreadable; the message names it and what to run."""
+    """A key file is missing or unreadable, or a keys folder or client name is unusable; the message
+    names it and what to do."""
+
+
+def check_client_name(name: str) -> str:
+    """Return ``name`` if it can name an actor key pair.
+
+    Raises:
+        KeysError: empty, not a plain file name (path separators, ``..``), or ``learner``.
+    """
+    if name == LEARNER:
+        raise KeysError(f"--client {name!r} is the learner's own key name; pick another name, e.g. rollout-1")
+    if not CLIENT_NAME.fullmatch(name):
+        raise KeysError(f"--client {name!r} is not a valid key name; use letters, digits, '_', '.', '-' "
+                        "(starting with a letter or digit, at most 64 characters, no '/'), e.g. rollout-1")
+    return name
 
 
 @dataclass
@@ -52,18 +70,33 @@ def write_keys(directory: str | Path, clients: list[str] | tuple[str, ...] = (DE
 
     Returns:
         The files written. Existing key pairs are kept, never overwritten.
+
+    Raises:
+        KeysError: a client name is invalid (see :func:`check_client_name`), or ``directory`` is
+            a file or cannot be created.
     """
+    for name in clients:
+        check_client_name(name)
     d = Path(directory)
-    (d / "authorized").mkdir(parents=True, exist_ok=True)
+    if d.exists() and not d.is_dir():
+        raise KeysError(f"keys folder {d} exists and is not a folder; pass a folder path (it is created if missing)")
+    try:
+        (d / "authorized").mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise KeysError(f"keys folder {d} cannot be created ({e.strerror or e}); pass a writable folder path") from None
     written: list[Path] = []
-    for name in (LEARNER, *clients):
-        if not (d / f"{name}.key_secret").exists():
-            pub, sec = zmq.auth.create_certificates(str(d), name)
-            (Path(sec)).chmod(0o600)
-            written += [Path(pub), Path(sec)]
-        if name != LEARNER and not (d / "authorized" / f"{name}.key").exists():
-            shutil.copy(d / f"{name}.key", d / "authorized" / f"{name}.key")
-            written.append(d / "authorized" / f"{name}.key")
+    try:
+        for name in (LEARNER, *clients):
+            if not (d / f"{name}.key_secret").exists():
+                pub, sec = zmq.auth.create_certificates(str(d), name)
+                (Path(sec)).chmod(0o600)
+                written += [Path(pub), Path(sec)]
+            if name != LEARNER and not (d / "authorized" / f"{name}.key").exists():
+                shutil.copy(d / f"{name}.key", d / "authorized" / f"{name}.key")
+                written.append(d / "authorized" / f"{name}.key")
+    except OSError as e:
+        raise KeysError(f"cannot write keys to {d} ({e.strerror or e}); pass a writable folder path "
+                        f"(written so far: {[str(f) for f in written]})") from None
     return written
 
 
@@ -109,7 +142,8 @@ def register_keys(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("keys", help="write CurveZMQ key pairs for transport.curve (learner + rollout actors)")
     p.add_argument("dir", help="folder to write the keys to (transport.keys_dir)")
     p.add_argument("--client", action="append", default=None,
-                   help=f"name of an actor key pair to create (repeatable; default {DEFAULT_CLIENT})")
+                   help=f"name of an actor key pair to create (repeatable; default {DEFAULT_CLIENT}; letters, "
+                        f"digits, '_', '.', '-'; not {LEARNER})")
     p.set_defaults(func=run_keys)
 
 

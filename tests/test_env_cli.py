@@ -6,6 +6,8 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
+
 from t1async.cli import main
 from t1async.envs.synth import FAMILIES
 
@@ -17,8 +19,11 @@ def test_eval_oracle_table_and_json(tmp_path, capsys):
     shutil.copytree(FIXTURES / "layouts", tasks)
     shutil.copytree(FIXTURES / "tasks" / "count-words", tasks / "count-words")
     out = tmp_path / "report.json"
-    assert main(["eval", "--tasks", str(tasks), "--agent", "oracle", "--concurrency", "2", "--out", str(out)]) == 0
-    table = capsys.readouterr().out
+    # exit 1: some tasks errored (refused, unparsable, missing toolchain); the report is still written
+    assert main(["eval", "--tasks", str(tasks), "--agent", "oracle", "--concurrency", "2", "--out", str(out)]) == 1
+    captured = capsys.readouterr()
+    assert "3 of 6 tasks errored" in captured.err
+    table = captured.out
     assert "tb1-reverse-lines" in table and "resolved 3/6 = 50.0%" in table
     doc = json.loads(out.read_text())
     rows = {r["task"]: r for r in doc["tasks"]}
@@ -83,3 +88,113 @@ def test_decontam_reports_and_drops(tmp_path, capsys):
     assert main(["decontam", "--train", str(train), "--benchmark", str(bench), "--threshold", "0.99", "--drop"]) == 0
     assert not (train / "json-filter-0-0001").exists() and (train / "json-filter-0-0000").exists()
     assert "dropped" in capsys.readouterr().out
+
+
+def _one_line_error(capsys, *needles: str) -> str:
+    """The captured stderr is one ``t1async: error:`` line containing every needle; stdout is empty."""
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("t1async: error: "), captured.err
+    assert "Traceback" not in captured.err and captured.out == "", captured
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    return lines[0]
+
+
+def test_eval_refuses_bad_input_before_running(tmp_path, capsys):
+    tasks = str(FIXTURES / "tasks")
+    eval_ = ["eval", "--tasks", tasks, "--agent", "noop"]
+    assert main([*eval_, "--out", str(tmp_path / "missing" / "o.json")]) == 2
+    _one_line_error(capsys, "--out", "does not exist")
+    assert main([*eval_, "--out", str(tmp_path)]) == 2
+    _one_line_error(capsys, "--out", "is a folder")
+    for n in ("0", "-3"):
+        assert main([*eval_, "--concurrency", n]) == 2
+        _one_line_error(capsys, "--concurrency must be >= 1")
+    assert main([*eval_, "--sandbox", "nope"]) == 2
+    _one_line_error(capsys, "unknown sandbox backend 'nope'")
+    assert main([*eval_, "--config", str(tmp_path / "nope.yaml")]) == 2
+    _one_line_error(capsys, "nope.yaml does not exist")
+    (tmp_path / "empty").mkdir()
+    assert main(["eval", "--tasks", str(tmp_path / "empty"), "--agent", "noop"]) == 2
+    _one_line_error(capsys, "no task folders under")
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("garbage{")
+    (ckpt / "model.safetensors").write_bytes(b"garbage")
+    assert main([*eval_[:-1], f"policy:{ckpt}"]) == 2
+    _one_line_error(capsys, "config.json cannot be loaded")
+    (ckpt / "config.json").write_text("{}")
+    assert main([*eval_[:-1], f"policy:{ckpt}"]) == 2
+    _one_line_error(capsys, "model.safetensors cannot be loaded")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "empty"]  # the --out probe left nothing
+
+
+def test_eval_of_one_task_folder_evaluates_that_task(tmp_path, capsys):
+    out = tmp_path / "o.json"
+    assert main(["eval", "--tasks", str(FIXTURES / "tasks" / "count-words"), "--agent", "oracle", "--out", str(out)]) == 0
+    assert "resolved 1/1" in capsys.readouterr().out
+    assert [r["task"] for r in json.loads(out.read_text())["tasks"]] == ["count-words"]
+
+
+def test_synth_refuses_bad_input(tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("keep me\n")
+    synth = ["synth", "--family", "sum-column", "--n", "1", "--no-validate"]
+    assert main([*synth, "--out", str(afile)]) == 2
+    _one_line_error(capsys, "not a folder")
+    assert afile.read_text() == "keep me\n"
+    assert main([*synth, "--out", "/proc/t1async-test/x"]) == 2
+    _one_line_error(capsys, "cannot create the folder")
+    for jobs in ("0", "-1"):
+        assert main([*synth, "--out", str(tmp_path / "t"), "--jobs", jobs]) == 2
+        _one_line_error(capsys, "--jobs must be >= 1")
+    assert not (tmp_path / "t").exists()  # refused before writing anything
+
+
+def test_decontam_refuses_bad_input_and_reports_unreadable(tmp_path, capsys):
+    train, bench = tmp_path / "train", tmp_path / "bench"
+    main(["synth", "--family", "json-filter", "--n", "2", "--out", str(train), "--no-validate"])
+    shutil.copytree(train / "json-filter-0-0001", bench / "leaked")
+    capsys.readouterr()
+    dec = ["decontam", "--train", str(train), "--benchmark", str(bench)]
+    assert main([*dec, "--out", str(tmp_path / "missing" / "d.json")]) == 2
+    _one_line_error(capsys, "--out", "does not exist")
+    assert main([*dec, "--out", str(tmp_path)]) == 2
+    _one_line_error(capsys, "--out", "is a folder")
+    for n in ("-1", "0"):  # 0 is refused, not silently replaced by the config default
+        assert main([*dec, "--ngram", n]) == 2
+        _one_line_error(capsys, f"--ngram must be >= 1, got {n}")
+    for t in ("2", "-1", "nan"):
+        assert main([*dec, "--threshold", t]) == 2
+        _one_line_error(capsys, "--threshold must be a fraction")
+    cfg = tmp_path / "d.yaml"
+    cfg.write_text("env:\n  decontam_ngram: 0\n")
+    assert main([*dec, "--config", str(cfg)]) == 2
+    _one_line_error(capsys, "env.decontam_ngram", "d.yaml")
+    for other in (train, tmp_path):  # the same folder, or one containing the other: would delete everything
+        assert main(["decontam", "--train", str(train), "--benchmark", str(other), "--drop"]) == 2
+        _one_line_error(capsys, "--drop refused")
+    assert sorted(p.name for p in train.iterdir()) == ["json-filter-0-0000", "json-filter-0-0001"]
+    (train / "broken").mkdir()
+    report = tmp_path / "d.json"
+    assert main([*dec, "--threshold", "0.99", "--drop", "--out", str(report)]) == 1  # an unreadable task was not checked
+    out = capsys.readouterr().out
+    assert "broken: " in out and "missing task.toml" in out and "could not be read" in out
+    doc = json.loads(report.read_text())
+    assert doc["unreadable"] == 1 and doc["dropped"] == 1
+    assert (train / "broken").is_dir() and not (train / "json-filter-0-0001").exists()
+    with pytest.raises(SystemExit):
+        main(["decontam", "--help"])
+    assert "1 when a training task is flagged and not dropped" in " ".join(capsys.readouterr().out.split())
+
+
+def test_bench_sandbox_refuses_bad_counts_and_targets_the_fair_figure(capsys):
+    for args in (["--commands", "0"], ["--commands", "-5"], ["--episodes", "0"]):
+        assert main(["bench", "sandbox", *args]) == 2
+        _one_line_error(capsys, "must be an integer >= 1")
+    assert main(["bench", "sandbox", "--commands", "3", "--episodes", "1"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["target_basis"] == "added_vs_plain_shell_median_ms"
+    assert doc["meets_target"] == (doc["added_vs_plain_shell_median_ms"] < doc["target_added_ms"])
+    assert "added_median_ms" in doc  # kept, for reference

@@ -218,3 +218,24 @@ def test_ipc_endpoint_carries_trajectories(tmp_path):
     finally:
         tx.close()
         rx.close()
+
+
+def test_keys_refuses_a_file_and_bad_client_names(tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    assert cli_main(["keys", str(afile)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("t1async: error: ") and err.count("\n") == 1 and "not a folder" in err
+    for name in ("learner", "", "../evil", "a/b", ".hidden"):
+        assert cli_main(["keys", str(tmp_path / "k"), "--client", name]) == 2, name
+        err = capsys.readouterr().err
+        assert err.startswith("t1async: error: --client") and err.count("\n") == 1, err
+    assert not (tmp_path / "k").exists() and not (tmp_path / "evil.key").exists()
+    assert cli_main(["keys", str(tmp_path / "k"), "--client", "rollout-1"]) == 0
+    assert (tmp_path / "k" / "authorized" / "rollout-1.key").is_file()
+
+
+def test_bench_transport_refuses_zero_rounds(capsys):
+    assert cli_main(["bench", "transport", "--rounds", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("t1async: error: bench transport: argument --rounds") and err.count("\n") == 1

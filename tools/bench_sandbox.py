@@ -10,9 +10,12 @@ Run: ``t1async bench sandbox [--commands N] [--episodes M]``. Prints ONE JSON ob
 * ``host_persistent_shell_median_ms``: the same sentinel protocol against a plain, unsandboxed
   persistent ``bash`` (what the protocol itself costs);
 * ``added_median_ms``: sandbox round trip minus raw ``bash -c`` (median of the paired
-  differences); target < 2 ms (``target_added_ms``, ``meets_target``);
+  differences); usually negative, because a persistent shell skips the process spawn a fresh
+  ``bash -c`` pays, so it is kept for reference only;
 * ``added_vs_plain_shell_median_ms``: sandbox round trip minus the unsandboxed persistent shell's
-  (what bubblewrap, the uid switch and the per-command limit checks add);
+  (what bubblewrap, the uid switch and the per-command limit checks add): the fair, like-for-like
+  figure, and the one the target applies to: < 2 ms (``target_added_ms``, ``meets_target``;
+  ``target_basis`` names the key compared);
 * ``episodes_started_per_s``: sandboxes started (limits, tmpfs, bwrap, shell handshake) and
   closed per second, sequentially; ``episode_start_median_ms`` the median start alone;
 * ``mechanisms``: what enforced the limits in the measured sandbox.
@@ -36,6 +39,27 @@ from t1async.envs.local import LocalSandbox
 from t1async.envs.shell_io import OutputBuffer, Sentinel
 
 TARGET_ADDED_MS = 2.0
+TARGET_BASIS = "added_vs_plain_shell_median_ms"
+"""The key ``meets_target`` compares with ``target_added_ms``: sandboxed vs unsandboxed persistent shell."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """Bad arguments: one ``t1async: error:`` line and exit status 2 (no usage block)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        print(f"t1async: error: bench sandbox: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def at_least_one(value: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {n}")
+    return n
 
 
 def _plain_shell_round_trips(n: int) -> list[float]:
@@ -60,9 +84,9 @@ def _plain_shell_round_trips(n: int) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--commands", type=int, default=300, help="round trips measured (each way)")
-    parser.add_argument("--episodes", type=int, default=20, help="sandboxes started and closed")
+    parser = _Parser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--commands", type=at_least_one, default=300, help="round trips measured (each way; >= 1)")
+    parser.add_argument("--episodes", type=at_least_one, default=20, help="sandboxes started and closed (>= 1)")
     args = parser.parse_args(argv)
     logger.remove()
     logger.add(sys.stderr, level="WARNING")
@@ -96,14 +120,16 @@ def main(argv: list[str] | None = None) -> int:
             sb.close()
             cycles.append(time.perf_counter() - begun)
     added = statistics.median(b - r for b, r in zip(boxed, raw)) * 1000
+    added_vs_plain = round((statistics.median(boxed) - statistics.median(plain)) * 1000, 3)
     result = {
         "raw_bash_c_median_ms": round(statistics.median(raw) * 1000, 3),
         "sandbox_round_trip_median_ms": round(statistics.median(boxed) * 1000, 3),
         "host_persistent_shell_median_ms": round(statistics.median(plain) * 1000, 3),
         "added_median_ms": round(added, 3),
-        "added_vs_plain_shell_median_ms": round((statistics.median(boxed) - statistics.median(plain)) * 1000, 3),
+        "added_vs_plain_shell_median_ms": added_vs_plain,
         "target_added_ms": TARGET_ADDED_MS,
-        "meets_target": added < TARGET_ADDED_MS,
+        "target_basis": TARGET_BASIS,
+        "meets_target": added_vs_plain < TARGET_ADDED_MS,
         "episodes_started_per_s": round(len(cycles) / sum(cycles), 2),
         "episode_start_median_ms": round(statistics.median(starts) * 1000, 2),
         "commands": args.commands,
