@@ -29,7 +29,7 @@ def register_launch(sub: argparse._SubParsersAction) -> None:
     """``t1async launch CONFIG [key=value ...]``."""
     p = sub.add_parser("launch", help="run the asynchronous RL loop")
     p.add_argument("config", help="YAML config, e.g. configs/local.yaml")
-    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. learner.max_steps=4")
+    p.add_argument("overrides", nargs="*", default=[], help="key=value overrides, e.g. learner.max_steps=4")
     p.set_defaults(func=run_launch)
 
 
@@ -75,9 +75,16 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+class OneLineErrors(argparse.ArgumentParser):
+    """ArgumentParser whose usage errors are one line ``t1async: error: ...`` with exit status 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"t1async: error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``t1async`` console script; returns the exit status."""
-    parser = argparse.ArgumentParser(prog="t1async", description="Asynchronous RL for MoE terminal agents.")
+    parser = OneLineErrors(prog="t1async", description="Asynchronous RL for MoE terminal agents.")
     sub = parser.add_subparsers(dest="command", required=True)
     for spec in SUBCOMMANDS:
         module, func = spec.split(":")

@@ -71,7 +71,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("mismatch", help="measure the training-vs-inference mismatch (TITO x routing replay); "
                                         "prints one JSON object")
     p.add_argument("config", help="YAML config, e.g. configs/mismatch.yaml")
-    p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. mismatch.episodes=4 sampler.dtype=float32")
+    p.add_argument("overrides", nargs="*", default=[], help="key=value overrides, e.g. mismatch.episodes=4 sampler.dtype=float32")
     p.set_defaults(func=_run)
 
 

@@ -60,3 +60,9 @@ def test_unwritable_run_dir():
 
 def test_model_vocab_smaller_than_tokenizer():
     assert_one_line_error(run_cli(LOCAL, "model.vocab_size=100"), "model.vocab_size", "tokenizer")
+
+
+def test_usage_errors_are_one_line():
+    proc = subprocess.run([sys.executable, "-m", "t1async.cli", "launch"], capture_output=True, text=True, timeout=60)
+    assert_one_line_error(proc, "config", "--help")
+    assert "overrides" not in proc.stderr  # optional, not reported as required
