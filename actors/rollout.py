@@ -215,11 +215,14 @@ class RolloutActor:
         sampler_urls: base URLs of the samplers.
         endpoint: the learner's ZeroMQ address.
         crash_after_episodes: fault injection for tests (0 = off).
+        request_timeout_s: HTTP timeout of one /generate call, seconds.
+        work_root: folder for this actor's episode workspaces (launch uses ``RUN_DIR/workspaces``
+            and removes it at shutdown, also when the actor was killed); None: the system temp dir.
     """
 
     def __init__(self, actor_id: int, env_cfg: EnvConfig, gen_cfg: GenerationConfig, model_cfg: ModelConfig,
                  transport: TransportConfig, sampler_urls: list[str], endpoint: str, *, crash_after_episodes: int = 0,
-                 request_timeout_s: float = 300.0):
+                 request_timeout_s: float = 300.0, work_root: str | None = None):
         self.actor_id = actor_id
         self.env_cfg, self.gen_cfg, self.model_cfg = env_cfg, gen_cfg, model_cfg
         self.tasks = {t.name: t for t in discover_tasks(_tasks_dir(env_cfg), env_cfg.tasks, sandbox=env_cfg.sandbox)}
@@ -231,7 +234,9 @@ class RolloutActor:
         self.crash_after = crash_after_episodes
         self.episodes = 0
         self.failed = 0
-        self.workdir = Path(tempfile.mkdtemp(prefix=f"t1async-rollout{actor_id}-"))
+        if work_root:
+            Path(work_root).mkdir(parents=True, exist_ok=True)
+        self.workdir = Path(tempfile.mkdtemp(prefix=f"t1async-rollout{actor_id}-", dir=work_root))
 
     def run(self, controller: Any) -> dict[str, int]:
         """Loop: admission -> episode -> send, until the controller answers None.

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import time
 from datetime import datetime, timezone
@@ -58,6 +59,7 @@ def launch(config_path: str | None, overrides: list[str] | tuple[str, ...] = ())
         summary["learner"], summary["interrupted"] = _wait_for_learner(roles["learner"], roles["controller"])
     finally:
         summary.update(shutdown(roles))
+        shutil.rmtree(run_dir / "workspaces", ignore_errors=True)  # killed actors cannot clean up themselves
         summary["wall_s"] = round(time.time() - t_start, 1)
         summary.update(_metrics_summary(run_dir / "metrics.jsonl"))
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
@@ -121,11 +123,12 @@ def start_controller(cfg: Config, actor: Any, task_names: list[str], urls: list[
     from t1async.actors.rollout import RolloutActor
 
     rollout_cls = actor(RolloutActor, "rollout")
+    work_root = str(Path(cfg.run.dir) / "workspaces")
 
     def make_rollout(actor_id: int, crash_after: int) -> Any:
         return rollout_cls.remote(actor_id, cfg.env, cfg.generation, cfg.model, cfg.transport, urls, endpoint,
                                   crash_after_episodes=crash_after, request_timeout_s=cfg.sampler.request_timeout_s,
-                                  log_name=f"rollout{actor_id}")
+                                  work_root=work_root, log_name=f"rollout{actor_id}")
 
     controller = actor(Controller, "controller").remote(
         cfg.rollout, task_names, rollouts_per_version=cfg.learner.batch_size * cfg.learner.publish_every,

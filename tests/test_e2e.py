@@ -61,6 +61,7 @@ def test_launch_runs_the_whole_loop(tmp_path):
     ckpt = run_dir / "checkpoints" / "step_000004"
     assert (ckpt / "model.safetensors").exists() and json.loads((ckpt / "config.json").read_text())["model_type"] == "qwen3_moe"
     assert (run_dir / "config.yaml").read_text().count("max_steps: 4") == 1
+    assert not (run_dir / "workspaces").exists()  # episode workspaces removed, even of the crashed actor
 
 
 def test_ctrl_c_stops_cleanly_with_final_checkpoint(tmp_path):
