@@ -297,6 +297,11 @@ class ZmqSender:
             ev = recv_monitor_message(self._monitor)["event"]
             if ev == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.stats.connects += 1
+                if self.stats.connects > 1:
+                    # A reconnect. A frame sent after DISCONNECTED was handled but before ZeroMQ
+                    # dropped the dead pipe is lost without another event: resend everything still
+                    # in flight (at least once; the learner de-duplicates by trajectory id).
+                    self._requeue_inflight()
             elif ev == zmq.EVENT_DISCONNECTED:
                 # What was in flight on the dead connection may be lost (or stored with its ACK
                 # lost): resend it all once reconnected (IMMEDIATE: nothing leaves before that);

@@ -78,8 +78,9 @@ def test_ack_removes_from_spool_and_reconnect_resends_what_was_unacknowledged(tm
         second = AckingReceiver(endpoint)  # the restarted learner on the same address
         try:
             assert tx.flush(10.0), "unacknowledged trajectories were not resent after the reconnect"
-            assert sorted(second.keys) == ["k3", "k4"] and second.frames["k4"] == b"frame 4"
-            assert tx.stats.resent == 2 and tx.stats.connects == 2
+            # at least once: a frame may reach the new learner twice (it de-duplicates by id)
+            assert sorted(set(second.keys)) == ["k3", "k4"] and second.frames["k4"] == b"frame 4"
+            assert tx.stats.resent >= 2 and tx.stats.connects == 2
         finally:
             second.close()
     finally:
