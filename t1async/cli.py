@@ -79,7 +79,19 @@ class OneLineErrors(argparse.ArgumentParser):
     """ArgumentParser whose usage errors are one line ``t1async: error: ...`` with exit status 2."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"t1async: error: {self.prog}: {message} (see {self.prog} --help)\n")
+        where = self.prog.removeprefix("t1async").strip()
+        self.exit(2, f"t1async: error: {where + ': ' if where else ''}{message} (see {self.prog} --help)\n")
+
+
+def at_least_one(value: str) -> int:
+    """argparse ``type``: an integer >= 1 (counts of rounds, commands, workers)."""
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {n}")
+    return n
 
 
 def main(argv: list[str] | None = None) -> int:

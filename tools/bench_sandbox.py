@@ -23,7 +23,6 @@ Run: ``t1async bench sandbox [--commands N] [--episodes M]``. Prints ONE JSON ob
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -35,31 +34,13 @@ from pathlib import Path
 
 from loguru import logger
 
+from t1async.cli import OneLineErrors, at_least_one
 from t1async.envs.local import LocalSandbox
 from t1async.envs.shell_io import OutputBuffer, Sentinel
 
 TARGET_ADDED_MS = 2.0
 TARGET_BASIS = "added_vs_plain_shell_median_ms"
 """The key ``meets_target`` compares with ``target_added_ms``: sandboxed vs unsandboxed persistent shell."""
-
-
-class _Parser(argparse.ArgumentParser):
-    """Bad arguments: one ``t1async: error:`` line and exit status 2 (no usage block)."""
-
-    def error(self, message: str):  # type: ignore[override]
-        print(f"t1async: error: bench sandbox: {message} (see --help)", file=sys.stderr)
-        sys.exit(2)
-
-
-def at_least_one(value: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {n}")
-    return n
 
 
 def _plain_shell_round_trips(n: int) -> list[float]:
@@ -84,7 +65,7 @@ def _plain_shell_round_trips(n: int) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _Parser(description=__doc__.split("\n\n")[0])
+    parser = OneLineErrors(prog="t1async bench sandbox", description=__doc__.split("\n\n")[0])
     parser.add_argument("--commands", type=at_least_one, default=300, help="round trips measured (each way; >= 1)")
     parser.add_argument("--episodes", type=at_least_one, default=20, help="sandboxes started and closed (>= 1)")
     args = parser.parse_args(argv)

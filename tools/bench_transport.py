@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import zmq
 
+from t1async.cli import OneLineErrors, at_least_one
 from t1async.delivery import ReceiveLog
 from t1async.trajectory import Trajectory, decode, encode, experts_dtype
 from t1async.transport import PROTOCOL, ZmqReceiver, ZmqSender
@@ -124,27 +125,8 @@ def decode_cpu_us(case: str, reps: int = 40) -> float:
     return statistics.median(times) * 1e6
 
 
-class _Parser(argparse.ArgumentParser):
-    """Bad arguments: one ``t1async: error:`` line and exit status 2 (no usage block)."""
-
-    def error(self, message: str):  # type: ignore[override]
-        print(f"t1async: error: bench transport: {message} (see --help)", file=sys.stderr)
-        sys.exit(2)
-
-
-def at_least_one(value: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {n}")
-    return n
-
-
 def main() -> None:
-    p = _Parser(description=__doc__.splitlines()[0])
+    p = OneLineErrors(prog="t1async bench transport", description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=at_least_one, default=3, help="alternating rounds per case (>= 1)")
     p.add_argument("--sender", nargs=5, help=argparse.SUPPRESS)
     args = p.parse_args()
