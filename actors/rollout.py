@@ -225,7 +225,7 @@ class RolloutActor:
                  request_timeout_s: float = 300.0, work_root: str | None = None):
         self.actor_id = actor_id
         self.env_cfg, self.gen_cfg, self.model_cfg = env_cfg, gen_cfg, model_cfg
-        self.tasks = {t.name: t for t in discover_tasks(_tasks_dir(env_cfg), env_cfg.tasks, sandbox=env_cfg.sandbox)}
+        self.tasks = {t.name: t for t in discover_tasks(tasks_dir(env_cfg), env_cfg.tasks, sandbox=env_cfg.sandbox)}
         self.tokenizer = ChatTokenizer.load()
         url = sampler_urls[actor_id % len(sampler_urls)]
         self.sampler = HttpSampler(url, num_layers=model_cfg.num_hidden_layers, top_k=model_cfg.num_experts_per_tok,
@@ -283,7 +283,7 @@ class RolloutActor:
             env.close()
 
 
-def _tasks_dir(env_cfg: EnvConfig) -> Path:
+def tasks_dir(env_cfg: EnvConfig) -> Path:
     """The configured task folder, or the shipped ``envs/tasks``."""
     if env_cfg.tasks_dir:
         return Path(env_cfg.tasks_dir)

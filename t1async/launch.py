@@ -74,7 +74,7 @@ def check_inputs(cfg: Config) -> list[str]:
     Raises:
         ConfigError, TaskError, SandboxUnavailable, KeysError: with a one-line message.
     """
-    from t1async.actors.rollout import _tasks_dir
+    from t1async.actors.rollout import tasks_dir
     from t1async.envs.sandbox import check_sandbox_available
     from t1async.envs.task import discover_tasks
 
@@ -82,7 +82,7 @@ def check_inputs(cfg: Config) -> list[str]:
     if cfg.model.vocab_size < vocab:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {vocab} ids; "
                           f"use model.vocab_size >= {vocab}")
-    tasks = discover_tasks(_tasks_dir(cfg.env), cfg.env.tasks, sandbox=cfg.env.sandbox)
+    tasks = discover_tasks(tasks_dir(cfg.env), cfg.env.tasks, sandbox=cfg.env.sandbox)
     check_sandbox_available(cfg.env.sandbox)
     if cfg.transport.curve:
         from t1async.keys import client_keys, server_keys

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from t1async.actors.rollout import RolloutActor, _tasks_dir, run_episode
+from t1async.actors.rollout import RolloutActor, tasks_dir, run_episode
 from t1async.actors.sampler import EmbeddedSampler
 from t1async.config import EnvConfig, GenerationConfig, ModelConfig, SamplerConfig, TransportConfig
 from t1async.envs.task import discover_tasks
@@ -54,7 +54,7 @@ def sampler_url():
 
 def test_episode_stream_is_exact_and_aligned(sampler_url, tmp_path):
     tok = ChatTokenizer.load()
-    task = discover_tasks(_tasks_dir(EnvConfig()), ["create-hello-file"])[0]
+    task = discover_tasks(tasks_dir(EnvConfig()), ["create-hello-file"])[0]
     env_cfg = EnvConfig(max_turns=3, command_timeout_s=5)
     gen = GenerationConfig(max_new_tokens=12)
     sampler = RecordingSampler(HttpSampler(sampler_url, num_layers=2, top_k=2))

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from t1async.actors.rollout import EpisodeBuilder, _tasks_dir, run_episode, template_renders_differently
+from t1async.actors.rollout import EpisodeBuilder, tasks_dir, run_episode, template_renders_differently
 from t1async.actors.sampler import EmbeddedSampler
 from t1async.config import EnvConfig, GenerationConfig, ModelConfig, SamplerConfig
 from t1async.envs.task import discover_tasks
@@ -152,7 +152,7 @@ def real_trajectory(tmp_path_factory):
     s.load_weights(Qwen3MoeForCausalLM(MODEL).state_dict(), 0)
     from t1async.sampler_client import HttpSampler
 
-    task = discover_tasks(_tasks_dir(EnvConfig()), ["create-hello-file"])[0]
+    task = discover_tasks(tasks_dir(EnvConfig()), ["create-hello-file"])[0]
     env = TerminalEnv(task, root=tmp_path_factory.mktemp("ep"), command_timeout_s=5)
     try:
         traj = run_episode(task, env, HttpSampler(s.url(), num_layers=L, top_k=K), TOK, EnvConfig(max_turns=3),
