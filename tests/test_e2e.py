@@ -32,7 +32,7 @@ def _rows(run_dir: Path) -> list[dict]:
 
 def test_launch_runs_the_whole_loop(tmp_path):
     run_dir = tmp_path / "run"
-    overrides = [f"run.dir={run_dir}", "learner.max_steps=4", "learner.publish_every=2", "learner.batch_size=3",
+    overrides = [f"run.dir={run_dir}", "learner.max_steps=6", "learner.publish_every=2", "learner.batch_size=2",
                  f"learner.max_staleness={MAX_STALENESS}", "learner.dump_trajectories=3", "sampler.num_samplers=2",
                  "rollout.num_actors=2", "rollout.crash_after_episodes=1", "env.max_turns=2",
                  "generation.max_new_tokens=16", "learner.checkpoint_every=0"]
@@ -41,13 +41,16 @@ def test_launch_runs_the_whole_loop(tmp_path):
 
     summary = json.loads((run_dir / "summary.json").read_text())
     rows = _rows(run_dir)
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    assert summary["final_version"] == 2 and [r["version"] for r in rows] == [0, 1, 1, 2]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert summary["final_version"] == 3 and [r["version"] for r in rows] == [0, 1, 1, 2, 2, 3]
     # every sampler loaded the last published version
-    assert [s["weight_version"] for s in summary["samplers"]] == [2, 2]
-    # the staleness bound held at every step; trajectories sampled by more than one version were trained on
+    assert [s["weight_version"] for s in summary["samplers"]] == [3, 3]
+    # the staleness bound held at every step. Whatever the timing, trajectories of more than one version were
+    # trained on: admission allows (0 + 1 + 1) x 2 x 2 = 8 rollouts under version 0, steps 1-4 can train at most
+    # those, and steps 5-6 (learner at version 2, bound 1) must train version >= 1.
     assert all(r["staleness_max"] <= MAX_STALENESS for r in rows)
-    assert len({v for r in rows for v in r["versions_in_batch"]}) >= 2
+    assert set(rows[0]["versions_in_batch"]) == {0}
+    assert min(v for r in rows[4:] for v in r["versions_in_batch"]) >= 1
     assert sum(r["trajectories"] for r in rows) == 12 and summary["learner"]["rejected"] == 0
     # the injected crash was logged and the actor replaced; the run still finished
     assert summary["controller"]["crashes"] >= 1
@@ -58,9 +61,9 @@ def test_launch_runs_the_whole_loop(tmp_path):
     for f in dumped:
         t = decode(f.read_bytes())
         assert t.routed_experts.shape == (t.num_tokens - 1, 4, 2) and t.total >= 1
-    ckpt = run_dir / "checkpoints" / "step_000004"
+    ckpt = run_dir / "checkpoints" / "step_000006"
     assert (ckpt / "model.safetensors").exists() and json.loads((ckpt / "config.json").read_text())["model_type"] == "qwen3_moe"
-    assert (run_dir / "config.yaml").read_text().count("max_steps: 4") == 1
+    assert (run_dir / "config.yaml").read_text().count("max_steps: 6") == 1
     assert not (run_dir / "workspaces").exists()  # episode workspaces removed, even of the crashed actor
 
 
