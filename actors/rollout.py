@@ -51,7 +51,7 @@ from t1async.envs.task import Task, discover_tasks
 from t1async.envs.terminal import TerminalEnv
 from t1async.sampler_client import HttpSampler, Sampler
 from t1async.tokenizer import ChatTokenizer
-from t1async.trajectory import Trajectory, encode
+from t1async.trajectory import EncodedTrajectory, Trajectory
 from t1async.transport import TrajectorySender, ZmqSender
 
 
@@ -260,7 +260,7 @@ class RolloutActor:
                     logger.opt(exception=e).error("rollout {} episode of {} failed", self.actor_id, name)
                     call(controller.episode_failed, self.actor_id, f"{type(e).__name__}: {e}")
                     continue
-                self.sender.send(traj.trajectory_id, encode(traj))
+                self.sender.send(traj.trajectory_id, EncodedTrajectory(traj))
                 self.episodes += 1
                 logger.info("rollout {} sent {}: {} tokens, {} turns, {}/{} tests, versions {}", self.actor_id, name,
                             traj.num_tokens, len(traj.turn_offsets), traj.passed, traj.total,

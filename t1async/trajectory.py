@@ -1,7 +1,7 @@
 """The trajectory: one episode's exact token stream and everything the learner needs, and its wire format.
 
 All wire types live here. A rollout actor builds a :class:`Trajectory`, :func:`encode` turns it
-into one frame, the transport carries the frame to the learner, and :func:`decode` gives back
+into one frame (:class:`EncodedTrajectory` gives it as parts to write without a copy first), the transport carries the frame to the learner, and :func:`decode` gives back
 read-only numpy views over the received frame (zero-copy) after checking every invariant below.
 
 Frame layout (schema version 2; all integers little-endian)::
@@ -183,34 +183,59 @@ def _wire_arrays(traj: Trajectory) -> dict[str, np.ndarray]:
     return out
 
 
-def encode(traj: Trajectory) -> bytes:
-    """Serialise a trajectory to one frame (layout in the module docstring).
+class EncodedTrajectory:
+    """A trajectory laid out as one frame (layout in the module docstring), not yet copied anywhere.
 
-    Costs one copy of the arrays (about 1 ms for a 13 MB trajectory).
+    ``nbytes`` is the frame's size; :meth:`parts` gives it as buffers over the arrays themselves
+    (the sender writes them straight into its spool file, which it then sends from: one copy in
+    all) and :meth:`tobytes` joins them into new bytes. Building one costs the header only (a few
+    microseconds); writing it costs one copy of the arrays (about 1.5 ms for 13 MB).
 
     Raises:
         TrajectoryError: ``routed_experts`` holds ids that do not fit ``num_experts``.
     """
-    header: dict[str, Any] = {"schema_version": traj.schema_version}
-    for name in _SCALARS:
-        header[name] = getattr(traj, name)
-    header["verifier_error"] = traj.verifier_error
-    header["tests"] = [[str(n), bool(p)] for n, p in traj.tests]
-    arrays = _wire_arrays(traj)
-    specs, offset = {}, 0
-    for name, a in arrays.items():
-        specs[name] = {"dtype": a.dtype.str, "shape": list(a.shape), "offset": offset, "nbytes": a.nbytes}
-        offset += -(-a.nbytes // ALIGN) * ALIGN
-    header["arrays"] = specs
-    head = msgpack.packb(header, use_bin_type=True)
-    start = -(-(_PREAMBLE.size + len(head)) // ALIGN) * ALIGN
-    parts: list[Any] = [_PREAMBLE.pack(MAGIC, len(head)), head, bytes(start - _PREAMBLE.size - len(head))]
-    for a in arrays.values():
-        parts.append(a.data if a.ndim else a.tobytes())
-        pad = -a.nbytes % ALIGN
-        if pad:
-            parts.append(bytes(pad))
-    return b"".join(parts)
+
+    def __init__(self, traj: Trajectory):
+        header: dict[str, Any] = {"schema_version": traj.schema_version}
+        for name in _SCALARS:
+            header[name] = getattr(traj, name)
+        header["verifier_error"] = traj.verifier_error
+        header["tests"] = [[str(n), bool(p)] for n, p in traj.tests]
+        self._arrays = _wire_arrays(traj)
+        specs, offset = {}, 0
+        for name, a in self._arrays.items():
+            specs[name] = {"dtype": a.dtype.str, "shape": list(a.shape), "offset": offset, "nbytes": a.nbytes}
+            offset += -(-a.nbytes // ALIGN) * ALIGN
+        header["arrays"] = specs
+        head = msgpack.packb(header, use_bin_type=True)
+        self._data_start = -(-(_PREAMBLE.size + len(head)) // ALIGN) * ALIGN
+        self._head = _PREAMBLE.pack(MAGIC, len(head)) + head
+        self.nbytes = self._data_start + offset
+        """Size of the frame in bytes."""
+
+    def parts(self) -> list[Any]:
+        """The frame as buffers to write back to back (header, zero padding, each array and its
+        padding): the arrays themselves, not copies."""
+        out: list[Any] = [self._head, bytes(self._data_start - len(self._head))]
+        for a in self._arrays.values():
+            out.append(a.reshape(-1).view(np.uint8).data)
+            pad = -a.nbytes % ALIGN
+            if pad:
+                out.append(bytes(pad))
+        return out
+
+    def tobytes(self) -> bytes:
+        """The frame as new bytes (one copy of the arrays)."""
+        return b"".join(self.parts())
+
+
+def encode(traj: Trajectory) -> bytes:
+    """Serialise a trajectory to one frame (layout in the module docstring); see :class:`EncodedTrajectory`.
+
+    Raises:
+        TrajectoryError: ``routed_experts`` holds ids that do not fit ``num_experts``.
+    """
+    return EncodedTrajectory(traj).tobytes()
 
 
 def _read_header(frame: memoryview) -> tuple[dict, int]:

@@ -48,6 +48,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from t1async.keys import ClientKeys, ServerKeys, client_keys, server_keys
 from t1async.spool import Spool, SpoolEntry
+from t1async.trajectory import EncodedTrajectory
 
 PROTOCOL = b"t1async/1"
 ACK, REJECT = b"ACK", b"REJ"
@@ -91,7 +92,7 @@ class Delivery:
 class TrajectorySender(Protocol):
     """Rollout-actor side: hand over a finished trajectory; delivery is the sender's business."""
 
-    def send(self, key: str, frame: bytes) -> None: ...
+    def send(self, key: str, frame: bytes | memoryview | EncodedTrajectory) -> None: ...
     def flush(self, timeout_s: float) -> bool: ...
     def close(self) -> None: ...
 
@@ -109,9 +110,10 @@ class TrajectoryReceiver(Protocol):
 @dataclass
 class _Item:
     entry: SpoolEntry
-    frame: Any = None  # bytes in memory, or None: read from the spool when sent
+    frame: Any = None  # a view of the spool file's mapping, or None: mapped again when sent
     sent_at: float = 0.0
     sends: int = 0
+    tracker: Any = None  # zmq.MessageTracker of the last zero-copy send (None: copied, or not sent)
 
 
 @dataclass
@@ -154,7 +156,7 @@ class ZmqSender:
         self.spool_max_messages, self.spool_max_bytes = max(1, spool_max_messages), spool_max_bytes
         self.send_timeout_s, self.ack_timeout_s = send_timeout_s, ack_timeout_s
         self.stats = SenderStats()
-        self._spool = Spool(spool_dir)
+        self._spool = Spool(spool_dir, free_slots=self.window_messages, free_bytes=window_bytes)
         self._cond = threading.Condition()
         self._pending: collections.deque[_Item] = collections.deque(_Item(e) for e in self._spool.adopt_orphans())
         self.stats.adopted = len(self._pending)
@@ -189,37 +191,36 @@ class ZmqSender:
                    curve=client_keys(cfg.keys_dir, client) if cfg.curve else None)
 
     # ---- caller side --------------------------------------------------------------------
-    def send(self, key: str, frame: bytes) -> None:
-        """Spool ``frame`` under ``key`` (its trajectory id) and queue it; returns once it is on disk
-        (it may already be in flight: the spool write overlaps the send).
+    def send(self, key: str, frame: bytes | memoryview | EncodedTrajectory) -> None:
+        """Spool ``frame`` under ``key`` (its trajectory id) and queue it; returns once it is in the spool.
 
-        Blocks while the spool is full (the learner is slow or away).
+        ``frame`` is a frame's bytes, or an :class:`~t1async.trajectory.EncodedTrajectory`, whose
+        arrays are written straight into the spool file (one copy in all; the file's mapping is
+        what is sent, zero-copy). Blocks while the spool is full (the learner is slow or away).
 
         Raises:
             TransportError: no spool room within ``send_timeout_s``, or the sender is closed.
+            OSError: the disk has no room for the spool file.
         """
+        nbytes = frame.nbytes if isinstance(frame, EncodedTrajectory) else memoryview(frame).nbytes
         deadline = time.monotonic() + self.send_timeout_s
         with self._cond:
             while len(self._spool) and (len(self._spool) >= self.spool_max_messages
-                                        or self._spool.nbytes + len(frame) > self.spool_max_bytes):
+                                        or self._spool.nbytes + nbytes > self.spool_max_bytes):
                 left = deadline - time.monotonic()
                 if self._closing or left <= 0:
                     raise TransportError(f"learner at {self.endpoint} acknowledged nothing for {self.send_timeout_s} s;"
                                          f" {len(self._spool)} trajectories ({self._spool.nbytes} bytes) are spooled")
                 self._cond.wait(min(left, 1.0))
-        entry = self._spool.reserve(key, len(frame))
+        entry = self._spool.put(key, frame.parts() if isinstance(frame, EncodedTrajectory) else frame)
         with self._cond:
-            keep = self._mem_bytes + len(frame) <= self.window_bytes
-            if keep:  # sendable from memory at once; the disk write below overlaps the send
-                self._mem_bytes += len(frame)
-                self._pending.append(_Item(entry, frame))
-        if keep:
-            self._wake()
-        self._spool.write(entry, frame)
-        if not keep:  # only once its file exists: the I/O thread will read it from there
-            with self._cond:
-                self._pending.append(_Item(entry, None))
-            self._wake()
+            keep = self._mem_bytes + nbytes <= self.window_bytes
+            if keep:  # mapped until ACKed; beyond that the file waits unmapped and is mapped when sent
+                self._mem_bytes += nbytes
+            else:
+                self._spool.release(entry)
+            self._pending.append(_Item(entry, self._spool.frame(entry) if keep else None))
+        self._wake()
 
     def _wake(self) -> None:
         try:
@@ -288,7 +289,7 @@ class ZmqSender:
 
     def _requeue_inflight(self) -> None:
         with self._cond:
-            items = sorted(self._inflight.values(), key=lambda it: it.entry.path.name)
+            items = sorted(self._inflight.values(), key=lambda it: it.entry.seq)
             self._inflight.clear()
             self._pending.extendleft(reversed(items))
 
@@ -328,7 +329,10 @@ class ZmqSender:
             key = parts[1].decode("utf-8", "replace")
             with self._cond:
                 item = self._inflight.pop(key, None)
-                if not self._spool.remove(key):
+                # The file is overwritten later only if no send may still read it (a requeued
+                # item, or a zero-copy send ZeroMQ has not released: then it is unlinked instead).
+                reuse = item is not None and (item.tracker is None or item.tracker.done)
+                if not self._spool.remove(key, reuse=reuse):
                     continue  # a second ACK of a resent trajectory
                 if item is not None and item.frame is not None:
                     self._mem_bytes -= item.entry.nbytes
@@ -363,16 +367,18 @@ class ZmqSender:
                 if self._inflight and inflight_bytes + item.entry.nbytes > self.window_bytes:
                     return
             if item.frame is None:
-                item.frame = self._spool.read(item.entry)
+                item.frame = self._spool.frame(item.entry)
                 with self._cond:
                     self._mem_bytes += item.entry.nbytes
+            copy = item.entry.nbytes < 65536
             try:
-                self._sock.send_multipart([PROTOCOL, item.entry.key.encode(), item.frame], flags=zmq.NOBLOCK,
-                                          copy=len(item.frame) < 65536)
+                tracker = self._sock.send_multipart([PROTOCOL, item.entry.key.encode(), item.frame], flags=zmq.NOBLOCK,
+                                                    copy=copy, track=not copy)
             except zmq.Again:
                 return  # no live connection yet (IMMEDIATE) or its queue is full: try again later
             with self._cond:
                 self._pending.popleft()
+                item.tracker = tracker
                 item.sent_at, item.sends = time.monotonic(), item.sends + 1
                 self._inflight[item.entry.key] = item
                 self.stats.sent += 1
