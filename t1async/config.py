@@ -192,8 +192,8 @@ class TransportConfig:
     """Trajectory transport: ZeroMQ DEALER (rollout actors) -> ROUTER (learner), acknowledged.
 
     Delivery is at least once, de-duplicated by trajectory id (see t1async/transport.py): an actor
-    spools each trajectory to disk, sends it, and deletes it when the learner acknowledges it
-    after appending it to its durable receive log (RUN_DIR/receive_log).
+    spools each trajectory to disk, sends it, and frees its file (for reuse) when the learner
+    acknowledges it after appending it to its durable receive log (RUN_DIR/receive_log).
     """
 
     scheme: str = "tcp"
