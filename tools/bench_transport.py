@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -82,8 +83,15 @@ def sender_main(kind: str, endpoint: str, case: str, n: int, spool: str) -> None
     tx.close()
 
 
-def receive(kind: str, case: str, n: int, spool: str) -> float:
-    """Run one round; returns bytes per second between the first and the last message received."""
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far, all threads (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def receive(kind: str, case: str, n: int, spool: str) -> tuple[float, float]:
+    """Run one round; returns (bytes per second, CPU ms per message of sender + receiver) in the
+    steady state (after ``warmup`` messages)."""
     c = CASES[case]
     rx = ZmqReceiver("tcp://127.0.0.1:*", rcvhwm=8)
     log = ReceiveLog(Path(spool) / f"log-{time.monotonic_ns()}", fsync="never") if kind == "traj_log" else None
@@ -99,6 +107,7 @@ def receive(kind: str, case: str, n: int, spool: str) -> float:
                     raise RuntimeError(f"sender exited with {child.returncode}")
             if i == warmup:
                 t_first = time.perf_counter()
+                cpu0 = _cpu_s(child.pid) + _cpu_s(os.getpid())
             elif i > warmup:
                 nbytes += len(d.frame)
             if kind != "raw":
@@ -107,6 +116,7 @@ def receive(kind: str, case: str, n: int, spool: str) -> float:
                     log.append(d.key, d.frame)
                 rx.ack(d, True)
         elapsed = time.perf_counter() - (t_first or 0.0)
+        cpu = _cpu_s(child.pid) + _cpu_s(os.getpid()) - cpu0
         if kind == "raw":
             rx._sock.send_multipart([d.peer, b"done"])  # noqa: SLF001 (bench-only release of the raw sender)
         child.wait(timeout=120)
@@ -116,7 +126,7 @@ def receive(kind: str, case: str, n: int, spool: str) -> float:
         rx.close()
         if log is not None:
             log.close()
-    return nbytes / elapsed
+    return nbytes / elapsed, cpu / (n - 1 - warmup) * 1e3
 
 
 def decode_cpu_us(case: str, reps: int = 40) -> float:
@@ -144,9 +154,12 @@ def main() -> None:
         for case in ("a", "b"):
             kinds = ["raw", "traj"] + (["traj_log"] if case == "a" else [])
             rates: dict[str, list[float]] = {k: [] for k in kinds}
+            cpu: dict[str, list[float]] = {k: [] for k in kinds}
             for _ in range(args.rounds):
                 for k in kinds:
-                    rates[k].append(receive(k, case, CASES[case]["n"], spool))
+                    rate, ms = receive(k, case, CASES[case]["n"], spool)
+                    rates[k].append(rate)
+                    cpu[k].append(ms)
             med = {k: statistics.median(v) for k, v in rates.items()}
             paired = {k: statistics.median(t / r for t, r in zip(rates[k], rates["raw"])) for k in kinds}
             suffix = "" if case == "a" else "_b"
@@ -157,6 +170,8 @@ def main() -> None:
             if "traj_log" in med:
                 out["traj_with_log_bytes_per_s"] = round(med["traj_log"])
                 out["ratio_with_log"] = round(paired["traj_log"], 3)
+            out[f"cpu_ms_per_message{suffix}"] = {k: round(statistics.median(v), 2) for k, v in cpu.items()}
+            out[f"cpu_bound_ratio{suffix}"] = round(statistics.median(cpu["raw"]) / statistics.median(cpu["traj"]), 3)
             out[f"decode_us{suffix}"] = round(decode_cpu_us(case), 1)
             c = CASES[case]
             out[f"frame_bytes{suffix}"] = len(encode(make(c["T"], c["layers"], c["top_k"], c["experts"])))
