@@ -17,11 +17,18 @@ stale, even if the learner is killed with SIGKILL at any instant and restarted w
    resumed model. Rows of metrics.jsonl past the checkpoint's step are dropped on resume.
 
 Log format (``RUN_DIR/receive_log/seg_NNNNNN.log``; a new segment per learner life and per
-``segment_bytes``): records of ``<4sHQI`` (magic b"T1RL", key length, payload length, crc32 of
-that header's first 14 bytes and the key), the key (utf-8), the payload (a trajectory frame) and
-the 4-byte trailer b"T1OK". A record cut short by a crash (no trailer) ends the segment's
-readable part and is never ACKed, so its sender still has it. The payload carries no checksum
-(crc32 of 13 MB costs 10 ms); replayed frames are validated again by the decoder.
+``segment_bytes``): records of ``<4sIHQI`` (magic b"T1RL", segment number, key length, payload
+length, crc32 of that header's first 18 bytes and the key), the key (utf-8), the payload (a
+trajectory frame) and the 4-byte trailer b"T1OK"; after the last record, 4 zero bytes (written
+with each record, overwritten by the next). A record cut short by a crash (no trailer) ends the
+segment's readable part and is never ACKed, so its sender still has it. The payload carries no
+checksum (crc32 of 13 MB costs 10 ms); replayed frames are validated again by the decoder.
+
+Recycling: a segment whose every trajectory was consumed (and checkpointed) is renamed
+``free_N.log`` and a later segment is written over it from byte 0, so appends land in pages the
+page cache and the disk already hold. On this machine appending 13 MB to a new file costs about
+30 ms (fresh pages), overwriting a recycled one about 2 ms. The zero end mark and the segment
+number in every record keep an old segment's tail from being read as records of the new one.
 """
 
 from __future__ import annotations
@@ -40,8 +47,10 @@ from typing import Any
 
 from loguru import logger
 
-_REC = struct.Struct("<4sHQI")
-_MAGIC, _TRAILER = b"T1RL", b"T1OK"
+from t1async.fileio import pwrite_all
+
+_REC = struct.Struct("<4sIHQI")
+_MAGIC, _TRAILER, _END = b"T1RL", b"T1OK", b"\x00\x00\x00\x00"
 FSYNC_POLICIES = ("always", "never")
 
 
@@ -61,13 +70,14 @@ class ReceiveLog:
         fsync: ``always`` (fsync each record before :meth:`append` returns) or ``never``.
         reset: discard an existing log (a new run in an old directory).
         segment_bytes: start a new segment file beyond this size.
+        free_segments: consumed segments kept for reuse (beyond them, consumed segments are deleted).
 
     Raises:
         ValueError: unknown ``fsync`` policy.
     """
 
     def __init__(self, directory: str | Path, *, fsync: str = "always", reset: bool = False,
-                 segment_bytes: int = 1 << 30):
+                 segment_bytes: int = 1 << 30, free_segments: int = 2):
         if fsync not in FSYNC_POLICIES:
             raise ValueError(f"transport.log_fsync {fsync!r} is not one of {FSYNC_POLICIES}")
         self.dir = Path(directory)
@@ -75,14 +85,16 @@ class ReceiveLog:
             logger.info("receive log {}: discarding the log of an earlier run (learner.resume is off)", self.dir)
             shutil.rmtree(self.dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.fsync, self.segment_bytes = fsync == "always", segment_bytes
+        self.fsync, self.segment_bytes, self.free_segments = fsync == "always", segment_bytes, max(0, free_segments)
         self._index: dict[str, tuple[int, int, int]] = {}  # key -> (segment, payload offset, length)
         self._segment_keys: dict[int, list[str]] = {}
         self.torn = 0
         for path in sorted(self.dir.glob("seg_*.log")):
             self._scan(int(path.stem[4:]), path)
         self._seg = max(self._segment_keys, default=0)
-        self._file = None
+        self._free = sorted(self.dir.glob("free_*.log"))
+        self._fd: int | None = None
+        self._pos = 0
         self._lock = threading.Lock()
         self._roll()
 
@@ -103,15 +115,22 @@ class ReceiveLog:
         os.replace(tmp, self.dir / "published_version")
 
     def _scan(self, seg: int, path: Path) -> None:
+        """Index segment ``seg``'s records up to its end mark; anything else there is a torn record."""
         keys = self._segment_keys.setdefault(seg, [])
         size, pos = path.stat().st_size, 0
         with open(path, "rb") as f:
-            while pos + _REC.size <= size:
+            while pos < size:
                 f.seek(pos)
-                magic, klen, plen, crc = _REC.unpack(f.read(_REC.size))
+                raw = f.read(_REC.size)
+                if raw[:4] == _END:
+                    return  # the end mark: what follows is an older segment's tail, or nothing
+                if len(raw) < _REC.size:
+                    break
+                magic, rec_seg, klen, plen, crc = _REC.unpack(raw)
                 key_b = f.read(klen)
                 end = pos + _REC.size + klen + plen + len(_TRAILER)
-                if magic != _MAGIC or zlib.crc32(_REC.pack(magic, klen, plen, 0)[:14] + key_b) != crc or end > size:
+                if (magic != _MAGIC or rec_seg != seg or end > size
+                        or zlib.crc32(raw[:_REC.size - 4] + key_b) != crc):
                     break
                 f.seek(end - len(_TRAILER))
                 if f.read(len(_TRAILER)) != _TRAILER:
@@ -121,20 +140,28 @@ class ReceiveLog:
                     self._index[key] = (seg, pos + _REC.size + klen, plen)
                     keys.append(key)
                 pos = end
-        if pos < size:
-            self.torn += 1
-            logger.warning("receive log {}: ignored a torn record at byte {} (never acknowledged)", path, pos)
+            else:
+                return
+        self.torn += 1
+        logger.warning("receive log {}: ignored a torn record at byte {} (never acknowledged)", path, pos)
 
     def _path(self, seg: int) -> Path:
         return self.dir / f"seg_{seg:06d}.log"
 
     def _roll(self) -> None:
-        if self._file is not None:
-            self._file.close()
+        """Close the open segment and open the next, over a free (consumed) file when there is one."""
+        if self._fd is not None:
+            os.close(self._fd)
         self._seg += 1
         self._segment_keys[self._seg] = []
-        self._file = open(self._path(self._seg), "ab")
+        path = self._path(self._seg)
+        if self._free:
+            os.rename(self._free.pop(), path)
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+        self._pos = 0
+        os.pwrite(self._fd, _END, 0)  # an empty segment, even over an old file's records
         if self.fsync:
+            os.fdatasync(self._fd)
             _fsync_dir(self.dir)
 
     def __contains__(self, key: str) -> bool:
@@ -157,21 +184,18 @@ class ReceiveLog:
         with self._lock:
             if key in self._index:
                 raise KeyError(f"trajectory {key} is already in the receive log")
-            assert self._file is not None
-            if self._file.tell() > self.segment_bytes:
+            if self._pos > self.segment_bytes:
                 self._roll()
-            kb = key.encode()
-            head = _REC.pack(_MAGIC, len(kb), len(frame), 0)[:14]
-            pos = self._file.tell()
-            self._file.write(_REC.pack(_MAGIC, len(kb), len(frame), zlib.crc32(head + kb)))
-            self._file.write(kb)
-            self._file.write(frame)
-            self._file.write(_TRAILER)
-            self._file.flush()
+            assert self._fd is not None
+            kb, n = key.encode(), memoryview(frame).nbytes
+            head = _REC.pack(_MAGIC, self._seg, len(kb), n, 0)[:_REC.size - 4]
+            total = pwrite_all(self._fd, [_REC.pack(_MAGIC, self._seg, len(kb), n, zlib.crc32(head + kb)), kb, frame,
+                                          _TRAILER + _END], self._pos)
             if self.fsync:
-                os.fsync(self._file.fileno())
-            self._index[key] = (self._seg, pos + _REC.size + len(kb), len(frame))
+                os.fdatasync(self._fd)
+            self._index[key] = (self._seg, self._pos + _REC.size + len(kb), n)
             self._segment_keys[self._seg].append(key)
+            self._pos += total - len(_END)
 
     def read(self, key: str) -> bytes:
         """The frame stored under ``key``."""
@@ -181,7 +205,8 @@ class ReceiveLog:
             return f.read(n)
 
     def drop_consumed(self, consumed: dict[str, int]) -> int:
-        """Delete closed segments whose every key is in ``consumed``; returns segments deleted.
+        """Free closed segments whose every key is in ``consumed`` (kept for reuse, or deleted);
+        returns how many.
 
         Their keys leave the log's index; de-duplication then relies on ``consumed``.
         """
@@ -191,7 +216,12 @@ class ReceiveLog:
                 keys = self._segment_keys[seg]
                 if seg == self._seg or not all(k in consumed for k in keys):
                     continue
-                self._path(seg).unlink(missing_ok=True)
+                if len(self._free) < self.free_segments:
+                    free = self.dir / f"free_{seg:06d}.log"
+                    os.rename(self._path(seg), free)
+                    self._free.append(free)
+                else:
+                    self._path(seg).unlink(missing_ok=True)
                 for k in keys:
                     self._index.pop(k, None)
                 del self._segment_keys[seg]
@@ -201,9 +231,9 @@ class ReceiveLog:
     def close(self) -> None:
         """Close the open segment."""
         with self._lock:
-            if self._file is not None:
-                self._file.close()
-                self._file = None
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
 
 
 class ByteQueue:

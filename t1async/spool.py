@@ -37,8 +37,7 @@ from pathlib import Path
 
 from loguru import logger
 
-_IOV_MAX = 1024  # most buffers one pwritev takes (Linux UIO_MAXIOV)
-
+from t1async.fileio import pwrite_all
 
 def _capacity(nbytes: int) -> int:
     """Slot file size for a frame: at least 64 KiB, else rounded up to 1/16-1/8 of its power of two
@@ -215,16 +214,7 @@ class Spool:
                     slot.mm = None
                     os.posix_fallocate(fd, 0, need)
                     slot.capacity = need
-                done = 0
-                while done < nbytes:  # pwritev may write less than asked: go on from there
-                    skip, rest = done, []
-                    for p in parts:
-                        if skip >= len(p):
-                            skip -= len(p)
-                        else:
-                            rest.append(p[skip:])
-                            skip = 0
-                    done += os.pwritev(fd, rest[:_IOV_MAX], done)
+                pwrite_all(fd, parts, 0)
                 if self.fsync:
                     os.fsync(fd)
             finally:

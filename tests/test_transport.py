@@ -189,14 +189,33 @@ def test_receive_log_survives_a_torn_tail_and_keeps_each_key_once(tmp_path):
         log.append("a", b"again")
     log.close()
     seg = sorted((tmp_path / "log").glob("seg_*.log"))[-1]
-    with open(seg, "ab") as f:  # a record cut short by a crash mid-write
-        f.write(b"T1RL" + b"\x05\x00" + b"\x00" * 20)
+    with open(seg, "r+b") as f:  # a record cut short by a crash mid-write, over the end mark
+        f.seek(-4, os.SEEK_END)
+        f.write(b"T1RL" + b"\x01\x00\x00\x00\x05\x00" + b"\x00" * 20)
     log = ReceiveLog(tmp_path / "log", fsync="always")
     assert log.keys() == ["a", "b"] and log.read("a") == b"A" * 100 and log.torn == 1
     log.append("c", b"C")
     assert log.drop_consumed({"a": 1, "b": 1}) == 1 and "a" not in log and log.keys() == ["c"]
     log.close()
     assert ReceiveLog(tmp_path / "log", reset=True).keys() == []
+
+
+def test_consumed_receive_log_segments_are_reused_and_their_old_records_never_read(tmp_path):
+    log = ReceiveLog(tmp_path / "log", fsync="never", segment_bytes=1000, free_segments=1)
+    for i in range(4):  # 1500-byte frames: one segment each
+        log.append(f"k{i}", bytes([i]) * 1500)
+    first = tmp_path / "log" / "seg_000001.log"
+    inode = first.stat().st_ino
+    assert log.drop_consumed({"k0": 1, "k1": 1}) == 2  # one kept as a free file, one deleted
+    assert sorted(p.name for p in (tmp_path / "log").iterdir()) == ["free_000001.log", "seg_000003.log",
+                                                                     "seg_000004.log"]
+    log.append("k4", b"\x09" * 10)  # segment 4 is past segment_bytes: segment 5 reuses the free file
+    reused = tmp_path / "log" / "seg_000005.log"
+    assert reused.stat().st_ino == inode and reused.stat().st_size > 1500  # k0's bytes still lie behind k4
+    log.close()
+    again = ReceiveLog(tmp_path / "log", fsync="never")
+    assert again.keys() == ["k2", "k3", "k4"] and again.read("k4") == b"\x09" * 10 and again.torn == 0
+    again.close()
 
 
 def test_multinode_example_config_turns_curve_on():

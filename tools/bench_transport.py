@@ -7,7 +7,9 @@ Prints ONE JSON object. For each case, rounds alternate (the machine is shared a
 - traj: a process encodes each trajectory and hands it to :class:`ZmqSender` (spool to disk,
   window of unACKed frames) -> ROUTER -> :func:`decode` + validate -> ACK;
 - traj_log (case a only): as traj, and the receiver also appends each frame to a
-  :class:`ReceiveLog` (``log_fsync=never``) before the ACK, as the learner does.
+  :class:`ReceiveLog` (``log_fsync=never``, default 1 GiB segments, one log for the whole run)
+  before the ACK, as the learner does; between rounds everything logged counts as consumed (a
+  checkpoint), so from the second round on, segments are recycled as in a long run.
 
 Throughput = bytes received after the first ``warmup`` messages / the time from the arrival of
 message ``warmup`` to the last (steady state, as a service runs for days: the sender's spool
@@ -77,7 +79,7 @@ def sender_main(kind: str, endpoint: str, case: str, n: int, spool: str) -> None
         return
     tx = ZmqSender(endpoint, spool_dir=spool, window_messages=64, window_bytes=256 << 20, spool_max_messages=256)
     for i in range(n):
-        traj.trajectory_id = f"traj-{i}"
+        traj.trajectory_id = f"traj-{os.getpid()}-{i}"  # unique across rounds (one receive log for all)
         tx.send(traj.trajectory_id, EncodedTrajectory(traj))
     tx.flush(600)
     tx.close()
@@ -89,12 +91,11 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def receive(kind: str, case: str, n: int, spool: str) -> tuple[float, float]:
+def receive(kind: str, case: str, n: int, spool: str, log: ReceiveLog | None = None) -> tuple[float, float]:
     """Run one round; returns (bytes per second, CPU ms per message of sender + receiver) in the
-    steady state (after ``warmup`` messages)."""
+    steady state (after ``warmup`` messages). ``log``: append each frame to it before the ACK."""
     c = CASES[case]
     rx = ZmqReceiver("tcp://127.0.0.1:*", rcvhwm=8)
-    log = ReceiveLog(Path(spool) / f"log-{time.monotonic_ns()}", fsync="never") if kind == "traj_log" else None
     child = subprocess.Popen([sys.executable, __file__, "--sender", "raw" if kind == "raw" else "traj", rx.endpoint,
                               case, str(n), spool])
     nbytes, t_first, warmup = 0, None, c["warmup"]
@@ -124,8 +125,6 @@ def receive(kind: str, case: str, n: int, spool: str) -> tuple[float, float]:
         if child.poll() is None:
             child.kill()
         rx.close()
-        if log is not None:
-            log.close()
     return nbytes / elapsed, cpu / (n - 1 - warmup) * 1e3
 
 
@@ -155,11 +154,15 @@ def main() -> None:
             kinds = ["raw", "traj"] + (["traj_log"] if case == "a" else [])
             rates: dict[str, list[float]] = {k: [] for k in kinds}
             cpu: dict[str, list[float]] = {k: [] for k in kinds}
+            log = ReceiveLog(Path(spool) / f"log-{case}", fsync="never")  # one log for the run, as a learner has
             for _ in range(args.rounds):
                 for k in kinds:
-                    rate, ms = receive(k, case, CASES[case]["n"], spool)
+                    rate, ms = receive(k, case, CASES[case]["n"], spool, log if k == "traj_log" else None)
                     rates[k].append(rate)
                     cpu[k].append(ms)
+                    # a checkpoint between rounds: everything received was consumed, its segments are freed
+                    log.drop_consumed({key: 1 for key in log.keys()})
+            log.close()
             med = {k: statistics.median(v) for k, v in rates.items()}
             paired = {k: statistics.median(t / r for t, r in zip(rates[k], rates["raw"])) for k in kinds}
             suffix = "" if case == "a" else "_b"
