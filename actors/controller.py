@@ -7,7 +7,11 @@ Admission follows AReaL's rule: a rollout may start only while
 where ``rollouts_per_version`` = batch size x steps per published version, so that actors never
 run far ahead of the learner and the learner rarely has to drop stale trajectories (DESIGN.md
 section 4). Episodes that fail, and trajectories the learner drops or rejects, return their slot:
-otherwise the learner could wait for data that admission will never allow (a deadlock).
+otherwise the learner could wait for data that admission will never allow (a deadlock). Each is
+reported once, by the side that knows it was admitted: a failed episode and a rejected
+trajectory by the rollout actor that ran it (the learner cannot tell an actor's invalid
+trajectory from a stranger's garbage or a resent rejection), a stale drop by the learner (it
+drops each trajectory id at most once).
 
 Supervision: :meth:`run` watches every rollout actor's ``run`` call; an actor that crashes is
 logged and replaced (up to ``max_restarts``), and the actor count follows :meth:`scale`.
@@ -91,7 +95,8 @@ class Controller:
         logger.warning("rollout {} lost an episode: {}", actor_id, reason)
 
     def trajectory_discarded(self, reason: str) -> None:
-        """The learner dropped (too stale) or rejected (invalid) a trajectory: return its admission slot."""
+        """A trajectory was dropped (too stale: the learner says so) or rejected (invalid: its rollout
+        actor says so, once per trajectory): return its admission slot."""
         with self._cond:
             self.started -= 1
             self.discarded += 1

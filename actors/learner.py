@@ -239,7 +239,7 @@ class Learner:
                 continue
 
     def _discard(self, reason: str) -> None:
-        """Give a dropped or rejected trajectory's admission slot back to the controller
+        """Give a stale-dropped trajectory's admission slot back to the controller
         (held until :meth:`run` receives the controller)."""
         with self._discard_lock:
             self._pending_discards.append(reason)
@@ -253,8 +253,11 @@ class Learner:
                 logger.warning("could not tell the controller about a discarded trajectory: {}", e)
 
     def _quarantine(self, frame: bytes | memoryview, err: Exception) -> None:
-        """Count, log and (first 100) keep a rejected frame with its error in ``quarantine/``."""
-        self._discard(f"rejected: {err}")
+        """Count, log and (first 100) keep a rejected frame with its error in ``quarantine/``.
+
+        The admission slot is returned by the rollout actor that gets the REJ (once per trajectory),
+        not here: a garbage message or a resent rejected one must not free a slot.
+        """
         self.counters["rejected"] += 1
         n = self.counters["rejected"]
         logger.warning("rejected trajectory #{}: {}", n, err)

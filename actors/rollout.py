@@ -234,6 +234,7 @@ class RolloutActor:
         self.crash_after = crash_after_episodes
         self.episodes = 0
         self.failed = 0
+        self._rejections_reported = 0
         if work_root:
             Path(work_root).mkdir(parents=True, exist_ok=True)
         self.workdir = Path(tempfile.mkdtemp(prefix=f"t1async-rollout{actor_id}-", dir=work_root))
@@ -244,10 +245,12 @@ class RolloutActor:
         Consumes admissions from ``controller.acquire(actor_id)`` (a task name, ``""`` = wait and
         ask again, None = stop); produces one ZeroMQ frame per finished episode. An episode that
         fails (sampler or sandbox error) is logged, counted and reported with
-        ``controller.episode_failed`` so its admission slot is returned.
+        ``controller.episode_failed``, and each trajectory the learner rejects (REJ) with
+        ``controller.trajectory_discarded``, so that its admission slot is returned.
         """
         try:
             while True:
+                self._report_rejections(controller)
                 name = call(controller.acquire, self.actor_id)
                 if name is None:
                     break
@@ -270,7 +273,18 @@ class RolloutActor:
         finally:
             self.sender.close()
             shutil.rmtree(self.workdir, ignore_errors=True)
+            try:
+                self._report_rejections(controller)  # REJs that came during the final flush
+            except Exception as e:  # the controller may be gone at shutdown
+                logger.warning("rollout {} could not report rejected trajectories: {}", self.actor_id, e)
         return {"episodes": self.episodes, "failed": self.failed}
+
+    def _report_rejections(self, controller: Any) -> None:
+        """Return the admission slot of each trajectory the learner rejected since the last call."""
+        reasons = self.sender.stats.rejections[self._rejections_reported:]
+        for reason in reasons:
+            call(controller.trajectory_discarded, f"rejected: {reason}")
+        self._rejections_reported += len(reasons)
 
     def run_one(self, task_name: str) -> Trajectory:
         """Run one episode of the named task in a fresh sandbox and return its trajectory."""

@@ -90,7 +90,12 @@ class Delivery:
 
 
 class TrajectorySender(Protocol):
-    """Rollout-actor side: hand over a finished trajectory; delivery is the sender's business."""
+    """Rollout-actor side: hand over a finished trajectory; delivery is the sender's business.
+
+    ``stats.rejections`` lists, in order, the reason of each trajectory the learner rejected.
+    """
+
+    stats: SenderStats
 
     def send(self, key: str, frame: bytes | memoryview | EncodedTrajectory) -> None: ...
     def flush(self, timeout_s: float) -> bool: ...

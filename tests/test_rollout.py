@@ -97,7 +97,8 @@ def test_rollout_actor_streams_over_zeromq(sampler_url, tmp_path):
 
     class Admission:
         def __init__(self):
-            self.left = 2
+            self.left = 3
+            self.discarded: list[str] = []
 
         def acquire(self, actor_id):
             self.left -= 1
@@ -106,23 +107,33 @@ def test_rollout_actor_streams_over_zeromq(sampler_url, tmp_path):
         def episode_failed(self, actor_id, reason):
             raise AssertionError(reason)
 
+        def trajectory_discarded(self, reason):
+            self.discarded.append(reason)
+
     got, stop = [], threading.Event()
 
-    def learner_side():  # acknowledges each trajectory, as the learner does after logging it
+    def learner_side():  # rejects the first trajectory, twice (a resend); acknowledges the others
         while not stop.is_set():
             d = rx.recv(0.1)
             if d is not None:
                 got.append(decode(bytes(d.frame), num_experts=4))
-                rx.ack(d, True)
+                if len(got) == 1:
+                    rx.ack(d, False, "invalid for this test")
+                    rx.ack(d, False, "invalid for this test")
+                else:
+                    rx.ack(d, True)
 
     th = threading.Thread(target=learner_side)
     th.start()
     actor = RolloutActor(0, EnvConfig(max_turns=2, tasks=["create-hello-file"]), GenerationConfig(max_new_tokens=8),
                          MODEL, TransportConfig(), [sampler_url], rx.endpoint)
-    assert actor.run(Admission()) == {"episodes": 2, "failed": 0}
-    assert actor.sender.unacknowledged() == 0  # run() flushed: every trajectory was acknowledged
+    admission = Admission()
+    assert actor.run(admission) == {"episodes": 3, "failed": 0}
+    assert actor.sender.unacknowledged() == 0  # run() flushed: every trajectory was acknowledged or rejected
     stop.set()
     th.join()
+    assert admission.discarded == ["rejected: invalid for this test"]  # one slot back for one rejected trajectory
+    got = got[1:]
     assert len(got) == 2
     assert {g.task for g in got} == {"create-hello-file"} and got[0].trajectory_id != got[1].trajectory_id
     rx.close()
