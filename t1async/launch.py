@@ -218,7 +218,9 @@ def _wait_for_learner(learner: Any, controller: Any) -> tuple[dict[str, Any], bo
         raise KeyboardInterrupt
 
     run_ref = learner.run.remote(controller)
-    previous = signal.signal(signal.SIGTERM, _terminate)
+    # Both set explicitly: a launch started in the background by a script inherits SIGINT ignored
+    # (POSIX shells do that to `&` jobs), and Python then leaves it ignored; `kill -INT` must still stop it.
+    previous = {sig: signal.signal(sig, _terminate) for sig in (signal.SIGINT, signal.SIGTERM)}
     last_step = -1
     try:
         while True:
@@ -234,7 +236,8 @@ def _wait_for_learner(learner: Any, controller: Any) -> tuple[dict[str, Any], bo
         ray.get(learner.stop.remote())
         return ray.get(run_ref), True
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _metrics_summary(path: Path) -> dict[str, Any]:

@@ -56,7 +56,10 @@ def test_unknown_key_lists_the_valid_keys_of_its_section():
                                       "learner.batch_size=0", "learner.publish_every=0", "generation.top_p=1.5",
                                       "transport.scheme=udp", "sampler.dtype=float99", "weight_sync.backend=mpi",
                                       "model.num_experts_per_tok=999", "model.num_key_value_heads=3",
-                                      "mismatch.learner_dtype=int8"])
+                                      "mismatch.learner_dtype=int8", "transport.window_messages=0",
+                                      "transport.window_bytes=0", "transport.spool_max_messages=0",
+                                      "transport.log_fsync=sometimes", "transport.port=70000",
+                                      "transport.ack_timeout_s=0"])
 def test_meaningless_values_are_refused(override):
     with pytest.raises(ConfigError, match=override.split("=")[0] + ".*invalid"):
         load_config(None, [override])

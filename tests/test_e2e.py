@@ -1,6 +1,6 @@
 """End to end: the real ``t1async launch`` with Ray, ZeroMQ, bubblewrap and the gloo broadcast all real.
 
-Two runs of configs/local.yaml with a small step budget: one to completion (with an injected
+Runs of configs/local.yaml with a small step budget: one to completion (with an injected
 rollout-actor crash that must be replaced) and one stopped with Ctrl-C (SIGINT to the process
 group, as a terminal sends it), which must stop cleanly with a final checkpoint.
 """
@@ -67,12 +67,16 @@ def test_launch_runs_the_whole_loop(tmp_path):
     assert not (run_dir / "workspaces").exists()  # episode workspaces removed, even of the crashed actor
 
 
-def test_ctrl_c_stops_cleanly_with_final_checkpoint(tmp_path):
+@pytest.mark.parametrize("inherited", ["default", "ignored"])
+def test_ctrl_c_stops_cleanly_with_final_checkpoint(tmp_path, inherited):
+    """SIGINT to the process group stops the run with a final checkpoint, also when the launch
+    inherited SIGINT ignored (a background job of a shell script, where Python leaves it ignored)."""
     run_dir = tmp_path / "run"
     overrides = [f"run.dir={run_dir}", "learner.max_steps=1000", "learner.batch_size=2", "env.max_turns=2",
                  "generation.max_new_tokens=16"]
+    disposition = signal.SIG_IGN if inherited == "ignored" else signal.SIG_DFL
     proc = subprocess.Popen(CLI + overrides, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, disposition))
     try:
         deadline = time.monotonic() + 300
         while not _rows(run_dir) and time.monotonic() < deadline and proc.poll() is None:
