@@ -57,13 +57,15 @@ class ValueModel(nn.Module):
 
     def __init__(self, policy: Qwen3MoeForCausalLM):
         super().__init__()
-        self.backbone = copy.deepcopy(policy)
+        self.backbone = copy.deepcopy(policy.model)  # the trunk only: no LM head (vocab x hidden) to store or run
         self.head = nn.Linear(policy.cfg.hidden_size, 1)
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        hidden = self.backbone(input_ids).hidden
+        B, T = input_ids.shape
+        positions = torch.arange(T, device=input_ids.device).expand(B, T)
+        hidden, _, _ = self.backbone(input_ids, positions, None, None)
         return self.head(hidden.float()).squeeze(-1)
 
 

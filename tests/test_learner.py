@@ -113,3 +113,19 @@ def test_critic_warmup_freezes_policy(tmp_path):
         assert not torch.equal(critic_before, learner.critic.head.weight)
     finally:
         learner.close()
+
+
+def test_critic_is_the_policy_trunk_without_its_lm_head():
+    from t1async.actors.learner import ValueModel
+
+    torch.manual_seed(0)
+    policy = Qwen3MoeForCausalLM(MODEL)
+    critic = ValueModel(policy)
+    names = [n for n, _ in critic.named_parameters()]
+    assert not any("lm_head" in n for n in names)
+    trunk = dict(policy.model.named_parameters())
+    assert all(torch.equal(p, trunk[n.removeprefix("backbone.")]) for n, p in critic.named_parameters()
+               if n.startswith("backbone."))
+    assert sum(p.numel() for p in critic.parameters()) == sum(p.numel() for p in policy.model.parameters()) + 33
+    ids = torch.randint(0, MODEL.vocab_size, (2, 7))
+    assert torch.equal(critic(ids), torch.zeros(2, 7))  # zero-initialised head: no value before training
