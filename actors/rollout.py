@@ -36,6 +36,8 @@ the controller before each episode (staleness control) and stops when admission 
 
 from __future__ import annotations
 
+import fcntl
+import os
 import shutil
 import tempfile
 import time
@@ -47,6 +49,7 @@ from loguru import logger
 
 from t1async.actors import call
 from t1async.config import EnvConfig, GenerationConfig, ModelConfig, TransportConfig
+from t1async.envs.limits import unmount_all_under
 from t1async.envs.task import Task, discover_tasks
 from t1async.envs.terminal import TerminalEnv
 from t1async.sampler_client import HttpSampler, Sampler
@@ -235,9 +238,7 @@ class RolloutActor:
         self.episodes = 0
         self.failed = 0
         self._rejections_reported = 0
-        if work_root:
-            Path(work_root).mkdir(parents=True, exist_ok=True)
-        self.workdir = Path(tempfile.mkdtemp(prefix=f"t1async-rollout{actor_id}-", dir=work_root))
+        self.workdir, self._workdir_lock = claim_workdir(work_root, actor_id)
 
     def run(self, controller: Any) -> dict[str, int]:
         """Loop: admission -> episode -> send, until the controller answers None.
@@ -272,6 +273,7 @@ class RolloutActor:
                     raise RuntimeError(f"fault injection: rollout {self.actor_id} crashes after {self.episodes} episodes")
         finally:
             self.sender.close()
+            unmount_all_under(self.workdir)  # sandboxes unmount their own; this catches one that could not
             shutil.rmtree(self.workdir, ignore_errors=True)
             try:
                 self._report_rejections(controller)  # REJs that came during the final flush
@@ -295,6 +297,52 @@ class RolloutActor:
                                self.actor_id)
         finally:
             env.close()
+
+
+WORKDIR_LOCK = ".owner"
+"""File in a rollout actor's workspace folder that the actor holds ``flock``-ed for its life."""
+
+
+def claim_workdir(work_root: str | Path | None, actor_id: int) -> tuple[Path, int]:
+    """A new workspace folder ``t1async-rollout<id>-*`` under ``work_root`` (None: the system temp
+    dir), locked for this process's life; returns (folder, the lock's file descriptor).
+
+    First reclaims the folders of dead actors there (:func:`reclaim_dead_workdirs`). The folder is
+    created hidden and renamed once locked, so no one reclaims a live actor's new folder.
+    """
+    root = Path(work_root) if work_root else Path(tempfile.gettempdir())
+    root.mkdir(parents=True, exist_ok=True)
+    reclaim_dead_workdirs(root)
+    hidden = Path(tempfile.mkdtemp(prefix=f".t1async-rollout{actor_id}-", dir=root))
+    fd = os.open(hidden / WORKDIR_LOCK, os.O_CREAT | os.O_RDWR, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    folder = hidden.with_name(hidden.name[1:])
+    os.rename(hidden, folder)
+    return folder, fd
+
+
+def reclaim_dead_workdirs(root: Path) -> int:
+    """Unmount and remove every ``t1async-rollout*`` folder under ``root`` whose owner died (its
+    lock is free): an actor killed with SIGKILL leaves its sandboxes' tmpfs mounts and files
+    behind. Returns how many folders were reclaimed; live actors' folders are left alone."""
+    reclaimed = 0
+    for folder in sorted(root.glob("t1async-rollout*")):
+        try:
+            fd = os.open(folder / WORKDIR_LOCK, os.O_RDWR)
+        except OSError:
+            continue  # not a workspace folder of this version
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # its actor is alive
+            mounts = unmount_all_under(folder)
+            shutil.rmtree(folder, ignore_errors=True)
+            reclaimed += 1
+            logger.warning("reclaimed the workspace of a dead rollout actor: {} ({} mounts detached)", folder, mounts)
+        finally:
+            os.close(fd)
+    return reclaimed
 
 
 def tasks_dir(env_cfg: EnvConfig) -> Path:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import re
 import secrets
 import shlex
 import shutil
@@ -92,6 +93,36 @@ def _mount_tmpfs(target: Path, size_mb: int, uid: int, gid: int) -> bool:
 def _umount(target: Path) -> None:
     if _libc is not None and _libc.umount2(str(target).encode(), MNT_DETACH) != 0:
         logger.warning("could not unmount the sandbox tmpfs {}: {}", target, os.strerror(ctypes.get_errno()))
+
+
+def _mount_points() -> list[Path]:
+    """Mount points of this mount namespace (``/proc/self/mounts``, octal escapes decoded)."""
+    out = []
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        fields = line.split()
+        if len(fields) >= 2:
+            out.append(Path(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[1])))
+    return out
+
+
+def unmount_all_under(root: Path) -> int:
+    """Detach every mount at or below ``root`` (deepest first); returns how many.
+
+    For workspaces a dead process left mounted: a sandbox's disk tmpfs is mounted on the host
+    (so the verifier and the actor see /app), and an actor killed with SIGKILL cannot unmount it;
+    its files would hold memory and its folder could not be removed. Needs root, like the mount.
+    """
+    global _libc
+    root = Path(os.path.realpath(root))
+    found = sorted((m for m in _mount_points() if m == root or root in m.parents), key=lambda m: len(m.parts),
+                   reverse=True)
+    if not found:
+        return 0
+    if _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    for m in found:
+        _umount(m)
+    return len(found)
 
 
 @dataclass

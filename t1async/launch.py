@@ -23,6 +23,7 @@ from typing import Any
 from loguru import logger
 
 from t1async.config import Config, ConfigError, load_config, to_yaml
+from t1async.envs.limits import unmount_all_under
 from t1async.tokenizer import ChatTokenizer
 
 ACTOR_MAX_CONCURRENCY = 64  # threads of the controller/learner/sampler actors (acquire() waits block one each)
@@ -59,7 +60,8 @@ def launch(config_path: str | None, overrides: list[str] | tuple[str, ...] = ())
         summary["learner"], summary["interrupted"] = _wait_for_learner(roles["learner"], roles["controller"])
     finally:
         summary.update(shutdown(roles))
-        shutil.rmtree(run_dir / "workspaces", ignore_errors=True)  # killed actors cannot clean up themselves
+        unmount_all_under(run_dir / "workspaces")  # killed actors cannot clean up themselves
+        shutil.rmtree(run_dir / "workspaces", ignore_errors=True)
         summary["wall_s"] = round(time.time() - t_start, 1)
         summary.update(_metrics_summary(run_dir / "metrics.jsonl"))
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))

@@ -6,7 +6,11 @@ re-tokenized), alignment of every per-token field, routing rows, and the wire ro
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -137,3 +141,26 @@ def test_rollout_actor_streams_over_zeromq(sampler_url, tmp_path):
     assert len(got) == 2
     assert {g.task for g in got} == {"create-hello-file"} and got[0].trajectory_id != got[1].trajectory_id
     rx.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root, as the sandbox's disk limit does")
+def test_a_dead_actors_workspace_is_unmounted_and_removed_and_a_live_one_is_kept(tmp_path):
+    from t1async.actors.rollout import claim_workdir
+    from t1async.envs.limits import _mount_points, _mount_tmpfs
+
+    script = ("import sys, time; from t1async.actors.rollout import claim_workdir; from t1async.envs.limits import "
+              "_mount_tmpfs; d, _ = claim_workdir(sys.argv[1], 9); (d / 'app').mkdir(); "
+              "assert _mount_tmpfs(d / 'app', 8, 65534, 65534); (d / 'app' / 'f').write_text('x'); "
+              "print(d, flush=True); time.sleep(600)")
+    proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    dead = Path(proc.stdout.readline().strip())
+    live, fd = claim_workdir(tmp_path, 1)  # while the other actor lives, its folder is left alone
+    assert dead.is_dir() and dead / "app" in _mount_points()
+    proc.kill()  # SIGKILL: no cleanup of its own
+    proc.wait()
+    assert dead / "app" in _mount_points()
+    again, fd2 = claim_workdir(tmp_path, 2)  # a replacement actor reclaims it
+    assert not dead.exists() and dead / "app" not in _mount_points()
+    assert live.is_dir() and again.is_dir()  # the live actor's folder (lock held by fd) is kept
+    os.close(fd)
+    os.close(fd2)
