@@ -19,6 +19,7 @@ receive log's trajectories that checkpoint had not consumed: nothing lost, nothi
 
 from __future__ import annotations
 
+import collections
 import copy
 import json
 import queue
@@ -44,6 +45,7 @@ from t1async.transport import Delivery, ZmqReceiver
 from t1async.weight_sync import DistributedWeightSync
 
 MAX_QUARANTINED_FILES = 100
+MAX_REMEMBERED_REJECTIONS = 100_000  # ids of rejected messages kept to answer a resend without counting it again
 
 
 class ValueModel(nn.Module):
@@ -102,6 +104,7 @@ class Learner:
         self.step = 0
         self.counters = {"received": 0, "rejected": 0, "dropped_stale": 0, "trained": 0, "duplicates": 0, "replayed": 0}
         self._consumed: dict[str, int] = {}  # trajectory id -> step that trained it (-1: dropped as stale)
+        self._rejected_keys: collections.OrderedDict[str, str] = collections.OrderedDict()  # id -> reason, newest last
         self._log = ReceiveLog(self.run_dir / "receive_log", fsync=transport.log_fsync, reset=not cfg.resume)
         if cfg.resume:
             self._resume(resume_from)
@@ -211,12 +214,19 @@ class Learner:
             self.counters["duplicates"] += 1
             self._receiver.ack(d, True, "duplicate")
             return
+        if d.key in self._rejected_keys:  # resent after its REJ was lost: answer again, count it once
+            self.counters["duplicates"] += 1
+            self._receiver.ack(d, False, self._rejected_keys[d.key])
+            return
         try:
             traj = self._decode(d.frame, max_version=self.version)
             if traj.trajectory_id != d.key:
                 raise TrajectoryError("trajectory_id", f"{traj.trajectory_id!r} differs from the envelope key {d.key!r}")
         except TrajectoryError as e:
             self._quarantine(d.frame, e)
+            self._rejected_keys[d.key] = str(e)[:1000]
+            if len(self._rejected_keys) > MAX_REMEMBERED_REJECTIONS:
+                self._rejected_keys.popitem(last=False)
             self._receiver.ack(d, False, str(e))
             return
         try:

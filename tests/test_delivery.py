@@ -129,6 +129,15 @@ def test_fuzz_decoder_and_live_learner_socket(tmp_path):
         assert _wait(lambda: learner.status()["received"] == 1, 10)
         assert learner._queue.get(1.0).trajectory_id == good.trajectory_id
         assert learner.counters["rejected"] == len(invalid) + n_env  # exact: no double counting
+        # a rejected trajectory resent (its REJ was lost) is answered REJ again and not counted again
+        sock.send_multipart([PROTOCOL, b"fuzz-0", invalid[0]])
+        reply = None
+        while sock.poll(10_000):
+            reply = sock.recv_multipart()
+            if reply[1] == b"fuzz-0":  # (the good trajectory's ACK may come first)
+                break
+        assert reply is not None and reply[:2] == [REJECT, b"fuzz-0"]
+        assert learner.counters["rejected"] == len(invalid) + n_env and learner.counters["duplicates"] == 1
     finally:
         sock.close()
         learner.close()
