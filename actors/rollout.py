@@ -36,8 +36,6 @@ the controller before each episode (staleness control) and stops when admission 
 
 from __future__ import annotations
 
-import fcntl
-import os
 import shutil
 import tempfile
 import time
@@ -52,6 +50,7 @@ from t1async.config import EnvConfig, GenerationConfig, ModelConfig, TransportCo
 from t1async.envs.limits import unmount_all_under
 from t1async.envs.task import Task, discover_tasks
 from t1async.envs.terminal import TerminalEnv
+from t1async.fileio import claim_folder, dead_owner_folders
 from t1async.sampler_client import HttpSampler, Sampler
 from t1async.tokenizer import ChatTokenizer
 from t1async.trajectory import EncodedTrajectory, Trajectory
@@ -299,26 +298,15 @@ class RolloutActor:
             env.close()
 
 
-WORKDIR_LOCK = ".owner"
-"""File in a rollout actor's workspace folder that the actor holds ``flock``-ed for its life."""
-
-
 def claim_workdir(work_root: str | Path | None, actor_id: int) -> tuple[Path, int]:
     """A new workspace folder ``t1async-rollout<id>-*`` under ``work_root`` (None: the system temp
-    dir), locked for this process's life; returns (folder, the lock's file descriptor).
-
-    First reclaims the folders of dead actors there (:func:`reclaim_dead_workdirs`). The folder is
-    created hidden and renamed once locked, so no one reclaims a live actor's new folder.
+    dir), owned by this process (:func:`t1async.fileio.claim_folder`); returns (folder, the lock's
+    file descriptor). First reclaims the folders of dead actors there (:func:`reclaim_dead_workdirs`).
     """
     root = Path(work_root) if work_root else Path(tempfile.gettempdir())
     root.mkdir(parents=True, exist_ok=True)
     reclaim_dead_workdirs(root)
-    hidden = Path(tempfile.mkdtemp(prefix=f".t1async-rollout{actor_id}-", dir=root))
-    fd = os.open(hidden / WORKDIR_LOCK, os.O_CREAT | os.O_RDWR, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    folder = hidden.with_name(hidden.name[1:])
-    os.rename(hidden, folder)
-    return folder, fd
+    return claim_folder(root, f"t1async-rollout{actor_id}-")
 
 
 def reclaim_dead_workdirs(root: Path) -> int:
@@ -326,22 +314,11 @@ def reclaim_dead_workdirs(root: Path) -> int:
     lock is free): an actor killed with SIGKILL leaves its sandboxes' tmpfs mounts and files
     behind. Returns how many folders were reclaimed; live actors' folders are left alone."""
     reclaimed = 0
-    for folder in sorted(root.glob("t1async-rollout*")):
-        try:
-            fd = os.open(folder / WORKDIR_LOCK, os.O_RDWR)
-        except OSError:
-            continue  # not a workspace folder of this version
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                continue  # its actor is alive
-            mounts = unmount_all_under(folder)
-            shutil.rmtree(folder, ignore_errors=True)
-            reclaimed += 1
-            logger.warning("reclaimed the workspace of a dead rollout actor: {} ({} mounts detached)", folder, mounts)
-        finally:
-            os.close(fd)
+    for folder in dead_owner_folders(root, "t1async-rollout*"):
+        mounts = unmount_all_under(folder)
+        shutil.rmtree(folder, ignore_errors=True)
+        reclaimed += 1
+        logger.warning("reclaimed the workspace of a dead rollout actor: {} ({} mounts detached)", folder, mounts)
     return reclaimed
 
 

@@ -1,7 +1,7 @@
 """A rollout actor's on-disk spool: every trajectory it has sent and the learner has not yet acknowledged.
 
-Layout: ``SPOOL_DIR/<owner>/`` per live sender, holding ``lock`` (``flock``-ed for the owner's
-life) and one file per trajectory, ``<seq:012d>.<nbytes>.<key>.traj`` (seq keeps the send order;
+Layout: ``SPOOL_DIR/<owner>/`` per live sender (:func:`t1async.fileio.claim_folder`), holding
+``lock`` (``flock``-ed for the owner's life) and one file per trajectory, ``<seq:012d>.<nbytes>.<key>.traj`` (seq keeps the send order;
 the frame is the file's first ``nbytes`` bytes). A new spool adopts every owner folder whose lock
 it can take (its owner died: an actor killed with SIGKILL, a killed run), so trajectories a dead
 actor had finished are resent, not lost.
@@ -12,11 +12,11 @@ mapping of the file. A file gets its ``.traj`` name only once its frame is compl
 never leaves a half frame under a ``.traj`` name. When the learner acknowledges a trajectory its
 file is renamed ``free-<n>`` and a later frame overwrites it in place: its page-cache pages and
 disk blocks already exist. On this machine writing 13 MB into a new file costs 5-30 ms (fresh
-pages), into a reused one about 1.5 ms. At most
-``free_slots`` free files of ``free_bytes`` in all are kept (a sender keeps as many as it may
-have in flight); they are never adopted and are removed on :meth:`Spool.close`.
-Slot files are sized in coarse classes (:func:`_capacity`) and their blocks reserved with
-``posix_fallocate``, so a full disk is an ``OSError`` at :meth:`Spool.put`, never a SIGBUS while reading the mapping.
+pages), into a reused one about 1.5 ms. At most ``free_slots`` free files of ``free_bytes`` in
+all are kept (a sender keeps as many as it may have in flight); they are never adopted and are
+removed on :meth:`Spool.close`. Slot files are sized in coarse classes (:func:`_capacity`) and
+their blocks reserved with ``posix_fallocate``, so a full disk is an ``OSError`` at
+:meth:`Spool.put`, never a SIGBUS while reading the mapping.
 
 Durability: files are not fsync-ed (``fsync=False``): they survive the process, not a power
 loss of the actor's machine; pass ``fsync=True`` to survive that too.
@@ -24,20 +24,19 @@ loss of the actor's machine; pass ``fsync=True`` to survive that too.
 
 from __future__ import annotations
 
-import fcntl
 import mmap
 import os
 import shutil
 import tempfile
 import threading
-import uuid
-from dataclasses import dataclass, field
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from loguru import logger
 
-from t1async.fileio import pwrite_all
+from t1async.fileio import claim_folder, dead_owner_folders, pwrite_all
+
 
 def _capacity(nbytes: int) -> int:
     """Slot file size for a frame: at least 64 KiB, else rounded up to 1/16-1/8 of its power of two
@@ -77,10 +76,6 @@ class SpoolEntry:
     def path(self) -> Path:
         return self.slot.path
 
-    @property
-    def frame(self) -> memoryview:
-        """The frame's ``nbytes`` bytes: a read-only view of the file's mapping (mapped again if released)."""
-        return memoryview(self.slot.map())[:self.nbytes] if self.nbytes else memoryview(b"")
 
 
 class Spool:
@@ -101,13 +96,7 @@ class Spool:
         self._private = root is None
         self.root = Path(tempfile.mkdtemp(prefix="t1async-spool-")) if root is None else Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
-        name = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        hidden = self.root / f".{name}"  # locked before it is visible: no one adopts a live, new folder
-        hidden.mkdir()
-        self._lock_fd = os.open(hidden / "lock", os.O_CREAT | os.O_RDWR, 0o600)
-        fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        self.dir = self.root / name
-        os.rename(hidden, self.dir)
+        self.dir, self._lock_fd = claim_folder(self.root, f"{os.getpid()}-")
         self.fsync = fsync
         self.free_slots, self.free_bytes = max(0, free_slots), max(0, free_bytes)
         self._mutex = threading.Lock()
@@ -137,30 +126,19 @@ class Spool:
     def adopt_orphans(self) -> list[SpoolEntry]:
         """Move the files of every dead owner's folder into this spool; returns them in send order."""
         adopted: list[SpoolEntry] = []
-        for d in sorted(p for p in self.root.iterdir() if p.is_dir() and p != self.dir and not p.name.startswith(".")):
-            try:
-                fd = os.open(d / "lock", os.O_RDWR)
-            except OSError:
-                continue  # not a spool folder, or being created
-            try:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except OSError:
-                    continue  # its owner is alive
-                for f in sorted(d.glob("*.traj")):
-                    parsed = self._parse(f.name)
-                    size = f.stat().st_size
-                    if parsed is None or parsed[0] > size:
-                        logger.error("spool {}: {} is not a spooled trajectory of this version; left in place "
-                                     "(resend it with a matching t1async, or delete it)", d, f.name)
-                        continue
-                    nbytes, key = parsed
-                    with self._mutex:
-                        adopted.append(self._register(key, nbytes, _Slot(f, size)))
-                if not any(d.glob("*.traj")):
-                    shutil.rmtree(d, ignore_errors=True)
-            finally:
-                os.close(fd)
+        for d in dead_owner_folders(self.root):
+            for f in sorted(d.glob("*.traj")):
+                parsed = self._parse(f.name)
+                size = f.stat().st_size
+                if parsed is None or parsed[0] > size:
+                    logger.error("spool {}: {} is not a spooled trajectory of this version; left in place "
+                                 "(resend it with a matching t1async, or delete it)", d, f.name)
+                    continue
+                nbytes, key = parsed
+                with self._mutex:
+                    adopted.append(self._register(key, nbytes, _Slot(f, size)))
+            if not any(d.glob("*.traj")):
+                shutil.rmtree(d, ignore_errors=True)
         if adopted:
             logger.info("spool {}: adopted {} unacknowledged trajectories of dead senders", self.dir, len(adopted))
         return adopted
@@ -196,7 +174,6 @@ class Spool:
         if not key or "/" in key or "\x00" in key:
             raise ValueError(f"spool key {key!r} must be non-empty without '/' or NUL")
         parts = [memoryview(p).cast("B") for p in (data if isinstance(data, (list, tuple)) else [data])]
-        parts = [p for p in parts if len(p)]
         nbytes = sum(len(p) for p in parts)
         need = _capacity(nbytes)
         with self._mutex:
@@ -229,7 +206,7 @@ class Spool:
     @staticmethod
     def frame(entry: SpoolEntry) -> memoryview:
         """The entry's frame: a read-only view of its file's mapping (no copy; mapped again if released)."""
-        return entry.frame
+        return memoryview(entry.slot.map())[:entry.nbytes] if entry.nbytes else memoryview(b"")
 
     @staticmethod
     def release(entry: SpoolEntry) -> None:

@@ -13,10 +13,10 @@ Messages (ZeroMQ multipart; the ROUTER sees the peer's identity frame first)::
 
 Delivery guarantee: at least once on the wire, exactly once into the learner's receive log.
 :class:`ZmqSender` writes each trajectory to its on-disk spool (t1async/spool.py) before sending
-and deletes it only on ACK/REJ; it resends whatever was in flight when the connection broke
-(a killed or restarted learner) once it is re-established, and anything whose ACK is overdue. The learner appends to its receive
-log (t1async/delivery.py), fsyncs per ``transport.log_fsync``, then ACKs; a key it already holds
-is ACKed again and not stored twice.
+(and sends it from there) and frees it only on ACK/REJ; it resends whatever was in flight when
+the connection broke (a killed or restarted learner) once it is re-established, and anything
+whose ACK is overdue. The learner appends to its receive log (t1async/delivery.py), fsyncs per
+``transport.log_fsync``, then ACKs; a key it already holds is ACKed again and not stored twice.
 
 Backpressure and memory: an actor holds at most ``window_messages``/``window_bytes`` unACKed
 frames in flight (and in memory, about 2 x window_bytes at worst); the rest waits in its spool,
