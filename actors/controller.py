@@ -1,12 +1,26 @@
 """Controller role: admission control (bounded staleness), task assignment, rollout supervision and scaling.
 
-Admission follows AReaL's rule: a rollout may start only while
+Admission is AReaL's rule measured from the oldest unfinished episode: a rollout may start only while
 
-    started_rollouts < (learner_version + max_staleness + 1) * rollouts_per_version
+    started_rollouts < (oldest_version + max_staleness + 1) * rollouts_per_version
 
-where ``rollouts_per_version`` = batch size x steps per published version, so that actors never
-run far ahead of the learner and the learner rarely has to drop stale trajectories (DESIGN.md
-section 4). Episodes that fail, and trajectories the learner drops or rejects, return their slot:
+where ``rollouts_per_version`` = batch size x steps per published version and ``oldest_version``
+is the smaller of the learner's version and the admission version of every episode admitted and
+not yet consumed by the learner (running, or finished and on its way). AReaL uses the learner's
+version there; with it, a long episode (a slow verifier, many turns) is overtaken: the learner
+trains on the fast episodes admitted after it, publishes past its bound, and drops it as stale,
+so slow tasks are trained on less than they are started (measured: a task with a 30 s verifier
+was 25 % of the episodes started and 5 % of those trained, bound 1). Measuring from the oldest
+unfinished episode is the stale-synchronous-parallel rule (Ho et al. 2013, "More Effective
+Distributed ML via a Stale Synchronous Parallel Parameter Server"): the fastest may run at most
+``max_staleness`` versions ahead of the slowest. It guarantees the bound without drops: an
+episode admitted at version v is one of at most (v + eta + 1) x R trajectories, so the learner
+(which needs (v + eta + 1) x R trajectories to publish version v + eta + 1) must train it while
+its version is at most v + eta. Slow episodes cost throughput (admission waits for them), never
+representation. The learner's staleness drop remains as the last resort (a resumed run, an
+episode older than this controller). Episodes are tracked by the rollout actor while they run
+(:meth:`acquire`) and by trajectory id from :meth:`episode_finished` until the learner reports
+them consumed (:meth:`trajectories_consumed`), dropped or rejected (:meth:`trajectory_discarded`). Episodes that fail, and trajectories the learner drops or rejects, return their slot:
 otherwise the learner could wait for data that admission will never allow (a deadlock). Each is
 reported once, by the side that knows it was admitted: a failed episode and a rejected
 trajectory by the rollout actor that ran it (the learner cannot tell an actor's invalid
@@ -64,20 +78,25 @@ class Controller:
         self._actors: dict[int, tuple[Any, Any]] = {}  # actor_id -> (handle, run ObjectRef)
         self._retired: set[int] = set()
         self._next_id = 0
+        self._running: dict[int, int] = {}  # actor_id -> admission version of its running episode
+        self._pending: dict[str, int] = {}  # trajectory id -> admission version, until consumed/discarded
 
     # ---- called by rollout actors and the learner (concurrently) ------------------------
     def acquire(self, actor_id: int) -> str | None:
         """Admit one episode: a task name, ``""`` (not yet: ask again), or None (stop).
 
-        Waits up to 1 s for the learner's version to rise before answering ``""``.
+        Waits up to 1 s for admission to open before answering ``""``. Asking again means the
+        actor's previous episode is over (finished and reported, or failed).
         """
         with self._cond:
+            self._running.pop(actor_id, None)
             deadline = time.monotonic() + 1.0
             while True:
                 if self._stopping or actor_id in self._retired:
                     return None
-                if self.started < (self.version + self.max_staleness + 1) * self.rollouts_per_version:
+                if self.started < (self.oldest_version() + self.max_staleness + 1) * self.rollouts_per_version:
                     self.started += 1
+                    self._running[actor_id] = self.version
                     if not self._order:
                         self._order = self._rng.sample(self._tasks, len(self._tasks))
                     return self._order.pop()
@@ -86,18 +105,42 @@ class Controller:
                     return ""
                 self._cond.wait(left)
 
+    def oldest_version(self) -> int:
+        """The admission version of the oldest episode not yet consumed by the learner (running or
+        finished), or the learner's version when there is none or it is older."""
+        with self._cond:
+            return min([self.version, *self._running.values(), *self._pending.values()])
+
+    def episode_finished(self, actor_id: int, trajectory_id: str) -> None:
+        """The actor's running episode became trajectory ``trajectory_id`` (called before it is
+        sent): it stays the oldest-version candidate until the learner consumes or discards it."""
+        with self._cond:
+            version = self._running.pop(actor_id, None)
+            if version is not None:
+                self._pending[trajectory_id] = version
+
+    def trajectories_consumed(self, trajectory_ids: list[str]) -> None:
+        """The learner trained on these trajectories: they no longer hold admission back."""
+        with self._cond:
+            for tid in trajectory_ids:
+                self._pending.pop(tid, None)
+            self._cond.notify_all()
+
     def episode_failed(self, actor_id: int, reason: str) -> None:
         """An admitted episode produced no trajectory: count it and return its admission slot."""
         with self._cond:
+            self._running.pop(actor_id, None)
             self.started -= 1
             self.failed_episodes += 1
             self._cond.notify_all()
         logger.warning("rollout {} lost an episode: {}", actor_id, reason)
 
-    def trajectory_discarded(self, reason: str) -> None:
+    def trajectory_discarded(self, reason: str, trajectory_id: str | None = None) -> None:
         """A trajectory was dropped (too stale: the learner says so) or rejected (invalid: its rollout
         actor says so, once per trajectory): return its admission slot."""
         with self._cond:
+            if trajectory_id is not None:
+                self._pending.pop(trajectory_id, None)
             self.started -= 1
             self.discarded += 1
             self._cond.notify_all()
@@ -119,7 +162,10 @@ class Controller:
 
     def status(self) -> dict[str, Any]:
         """Actor count, admissions, failures, crashes and the version admission follows."""
+        with self._cond:
+            running, pending, oldest = len(self._running), len(self._pending), self.oldest_version()
         return {"actors": len(self._actors), "target": self.target, "started": self.started, "version": self.version,
+                "oldest_version": oldest, "running": running, "pending": pending,
                 "failed_episodes": self.failed_episodes, "discarded": self.discarded, "crashes": self.crashes}
 
     # ---- supervision loop ---------------------------------------------------------------
@@ -145,6 +191,10 @@ class Controller:
                     if self._stopping:
                         continue
                     self.crashes += 1
+                    with self._cond:  # its running episode is lost: return the slot, stop waiting for it
+                        if self._running.pop(aid, None) is not None:
+                            self.started -= 1
+                        self._cond.notify_all()
                     logger.error("rollout actor {} crashed ({} of {} restarts): {}", aid, self.crashes,
                                  self.cfg.max_restarts, str(e).splitlines()[0] if str(e) else type(e).__name__)
                     if self.crashes > self.cfg.max_restarts:

@@ -48,6 +48,24 @@ MAX_QUARANTINED_FILES = 100
 MAX_REMEMBERED_REJECTIONS = 100_000  # ids of rejected messages kept to answer a resend without counting it again
 
 
+def episode_reward(traj: Trajectory, kind: str) -> float:
+    """The episode's reward: ``dense`` = tests passed (``traj.reward``), ``binary`` = 1.0 if resolved else 0.0."""
+    return float(traj.reward) if kind == "dense" else float(traj.resolved)
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> float | None:
+    """``1 - Var(returns - values) / Var(returns)`` over loss tokens (1: perfect critic, 0: no
+    better than a constant, < 0: worse); None when the returns do not vary.
+
+    Args:
+        values, returns: float ``[n]`` critic values (before the update) and GAE returns.
+    """
+    var = float(returns.var(unbiased=False)) if returns.numel() else 0.0
+    if var == 0.0:
+        return None
+    return 1.0 - float((returns - values).var(unbiased=False)) / var
+
+
 class ValueModel(nn.Module):
     """Critic: a Qwen3-MoE trunk (warm-started from the policy's weights) with a scalar head.
 
@@ -112,7 +130,7 @@ class Learner:
         self._queue = ByteQueue(transport.recv_queue_messages or max(4 * cfg.batch_size, 8), transport.recv_queue_bytes)
         self._stop = threading.Event()
         self._controller: Any = None
-        self._pending_discards: list[str] = []
+        self._pending_discards: list[tuple[str, str]] = []  # (reason, trajectory id)
         self._discard_lock = threading.Lock()
         self._receiver = ZmqReceiver.from_config(transport)
         self._sync = DistributedWeightSync(weight_sync.backend, weight_sync.master_address, weight_sync.master_port,
@@ -250,17 +268,17 @@ class Learner:
             except queue.Full:
                 continue
 
-    def _discard(self, reason: str) -> None:
+    def _discard(self, reason: str, trajectory_id: str) -> None:
         """Give a stale-dropped trajectory's admission slot back to the controller
         (held until :meth:`run` receives the controller)."""
         with self._discard_lock:
-            self._pending_discards.append(reason)
+            self._pending_discards.append((reason, trajectory_id))
             if self._controller is None:
                 return
             pending, self._pending_discards = self._pending_discards, []
-        for r in pending:
+        for r, tid in pending:
             try:
-                call(self._controller.trajectory_discarded, r)
+                call(self._controller.trajectory_discarded, r, tid)
             except Exception as e:  # the controller may be gone at shutdown; never crash the learner
                 logger.warning("could not tell the controller about a discarded trajectory: {}", e)
 
@@ -284,8 +302,10 @@ class Learner:
         """Train for ``max_steps`` steps (or until :meth:`stop`), publishing and checkpointing.
 
         Args:
-            controller: optional object (or Ray handle) with ``set_version(v)``, told after each
-                publication so admission control follows the learner.
+            controller: optional object (or Ray handle) with ``set_version(v)`` (told after each
+                publication so admission control follows the learner),
+                ``trajectories_consumed(ids)`` (after each step) and
+                ``trajectory_discarded(reason, trajectory_id)`` (each stale drop).
 
         Returns:
             Final :meth:`status`.
@@ -296,8 +316,8 @@ class Learner:
         if controller is not None:
             if self.version > 0:  # resumed: admission must follow the restored version
                 call(controller.set_version, self.version)
-            for reason in pending:
-                call(controller.trajectory_discarded, reason)
+            for reason, tid in pending:
+                call(controller.trajectory_discarded, reason, tid)
         try:
             while self.step < self.cfg.max_steps and not self._stop.is_set():
                 batch = self._collect_batch()
@@ -308,6 +328,8 @@ class Learner:
                 metrics = self._train_step(batch)
                 self.step += 1
                 self._consumed.update((t.trajectory_id, self.step) for t in batch)
+                if controller is not None:  # admission stops waiting for these (oldest-episode rule)
+                    call(controller.trajectories_consumed, [t.trajectory_id for t in batch])
                 if self.step % self.cfg.publish_every == 0:
                     self._publish()
                     if controller is not None:
@@ -343,7 +365,7 @@ class Learner:
             if staleness > self.cfg.max_staleness:
                 self.counters["dropped_stale"] += 1
                 self._consumed[traj.trajectory_id] = -1
-                self._discard(f"stale: {staleness} > {self.cfg.max_staleness}")
+                self._discard(f"stale: {staleness} > {self.cfg.max_staleness}", traj.trajectory_id)
                 logger.warning("dropped trajectory {} of {}: staleness {} > {}", traj.trajectory_id, traj.task,
                                staleness, self.cfg.max_staleness)
                 continue
@@ -365,13 +387,15 @@ class Learner:
                 old_v = self.critic(inp)
             idx = mask[0].nonzero().squeeze(-1)
             rewards = np.zeros(idx.numel(), dtype=np.float32)
-            rewards[-1] = traj.reward
+            rewards[-1] = episode_reward(traj, cfg.reward)
             adv_s, ret_s = gae(rewards, old_v[0, idx].numpy(), cfg.gamma, cfg.lam)
             adv, ret = torch.zeros_like(mask), torch.zeros_like(mask)
             adv[0, idx], ret[0, idx] = torch.from_numpy(adv_s), torch.from_numpy(ret_s)
             items.append({"inp": inp, "tgt": tgt, "mask": mask, "mu": mu, "replay": replay, "recorded": recorded,
                           "old_v": old_v, "adv": adv, "ret": ret})
         n_tokens = float(sum(it["mask"].sum() for it in items))
+        ev = explained_variance(torch.cat([it["old_v"][it["mask"].bool()] for it in items]),
+                                torch.cat([it["ret"][it["mask"].bool()] for it in items]))
         if cfg.normalize_advantages:
             flat = torch.cat([it["adv"][it["mask"].bool()] for it in items])
             mean, std = flat.mean(), flat.std(unbiased=False).clamp(min=1e-6)
@@ -420,7 +444,8 @@ class Learner:
                 "routing_diff_frac": used_diff / max(routed_pos, 1), "router_diff_frac": own_diff / max(routed_pos, 1),
                 "drift_tokens": int(sum(t.drift_tokens for t in batch)),
                 "template_mismatches": int(sum(t.template_mismatches for t in batch)),
-                "train_policy": train_policy, "trained_tokens": n_tokens}
+                "train_policy": train_policy, "phase": "rl" if train_policy else "critic_warmup",
+                "explained_variance": ev, "trained_tokens": n_tokens}
 
     def _batch_metrics(self, batch: list[Trajectory], stale: list[int]) -> dict[str, Any]:
         self.counters["trained"] += len(batch)
@@ -451,6 +476,7 @@ class Learner:
         logger.info("published weight version {} in {:.2f} s", self.version, time.perf_counter() - t0)
 
     def _write_metrics(self, metrics: dict[str, Any]) -> None:
+        metrics["time"] = time.time()
         with self._metrics_path.open("a") as f:
             f.write(json.dumps(metrics) + "\n")
         logger.info("step {step} v{version}: reward {reward_mean:.2f} resolved {resolved_rate:.2f} "

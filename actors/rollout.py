@@ -246,7 +246,8 @@ class RolloutActor:
         ask again, None = stop); produces one ZeroMQ frame per finished episode. An episode that
         fails (sampler or sandbox error) is logged, counted and reported with
         ``controller.episode_failed``, and each trajectory the learner rejects (REJ) with
-        ``controller.trajectory_discarded``, so that its admission slot is returned.
+        ``controller.trajectory_discarded``, so that its admission slot is returned. A finished
+        episode's trajectory id is told to ``controller.episode_finished`` before it is sent.
         """
         try:
             while True:
@@ -263,6 +264,7 @@ class RolloutActor:
                     logger.opt(exception=e).error("rollout {} episode of {} failed", self.actor_id, name)
                     call(controller.episode_failed, self.actor_id, f"{type(e).__name__}: {e}")
                     continue
+                call(controller.episode_finished, self.actor_id, traj.trajectory_id)  # before it can be consumed
                 self.sender.send(traj.trajectory_id, EncodedTrajectory(traj))
                 self.episodes += 1
                 logger.info("rollout {} sent {}: {} tokens, {} turns, {}/{} tests, versions {}", self.actor_id, name,
@@ -283,8 +285,9 @@ class RolloutActor:
     def _report_rejections(self, controller: Any) -> None:
         """Return the admission slot of each trajectory the learner rejected since the last call."""
         reasons = self.sender.stats.rejections[self._rejections_reported:]
-        for reason in reasons:
-            call(controller.trajectory_discarded, f"rejected: {reason}")
+        keys = self.sender.stats.rejected_keys[self._rejections_reported:]
+        for reason, key in zip(reasons, keys):
+            call(controller.trajectory_discarded, f"rejected: {reason}", key)
         self._rejections_reported += len(reasons)
 
     def run_one(self, task_name: str) -> Trajectory:

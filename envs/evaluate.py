@@ -60,16 +60,16 @@ class PolicyAgent:
 
     Args:
         checkpoint: folder with ``config.json`` and ``model.safetensors``.
-        config: optional YAML whose ``env``, ``generation`` and ``sampler`` sections are used
-            (defaults otherwise).
+        config: optional YAML (or a loaded :class:`~t1async.config.Config`) whose ``env``,
+            ``generation`` and ``sampler`` sections are used (defaults otherwise).
 
     Raises:
         TaskError: the checkpoint folder is missing or incomplete (a user error).
     """
 
-    def __init__(self, checkpoint: str | Path, config: str | None = None):
+    def __init__(self, checkpoint: str | Path, config: Any = None):
         from t1async.actors.sampler import EmbeddedSampler
-        from t1async.config import load_config
+        from t1async.config import Config, load_config
         from t1async.model import Qwen3MoeForCausalLM, model_config_from_hf
         from t1async.sampler_client import HttpSampler
         from t1async.tokenizer import ChatTokenizer
@@ -78,7 +78,7 @@ class PolicyAgent:
         if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
             raise TaskError(f"policy checkpoint {path} needs config.json and model.safetensors "
                             "(e.g. RUN_DIR/checkpoints/step_000004)")
-        self.cfg = load_config(config)
+        self.cfg = config if isinstance(config, Config) else load_config(config)
         stage = "config.json"
         try:  # garbage config.json or weights: a user error, reported in one line
             hf = json.loads((path / "config.json").read_text())
@@ -147,7 +147,7 @@ def is_task_folder(path: str | Path) -> bool:
 
 
 def evaluate(tasks_dir: str | Path, agent: str, *, concurrency: int = 1, sandbox: str = "local",
-             config: str | None = None) -> list[EvalRow]:
+             config: Any = None) -> list[EvalRow]:
     """Evaluate every task folder under ``tasks_dir`` (either layout), ``concurrency`` at a time.
     ``tasks_dir`` may also be one task folder (it holds ``task.toml`` or ``task.yaml``): that task
     alone is evaluated.
@@ -155,16 +155,18 @@ def evaluate(tasks_dir: str | Path, agent: str, *, concurrency: int = 1, sandbox
     Raises:
         TaskError: ``tasks_dir`` is not a folder or holds no task folder, the agent name is
             unknown, ``concurrency`` < 1, or the policy checkpoint cannot be loaded.
-        ConfigError: ``config`` is given but missing or invalid (checked for every agent).
+        ConfigError: ``config`` is given but missing or invalid (checked for every agent); it may
+            also be a loaded :class:`~t1async.config.Config`.
         SandboxUnavailable: ``sandbox`` is unknown or cannot run here.
     """
-    from t1async.config import load_config
+    from t1async.config import Config, load_config
 
     if agent not in ("oracle", "noop") and not (agent.startswith("policy:") and len(agent) > len("policy:")):
         raise TaskError(f"unknown agent {agent!r}: use oracle, noop or policy:CHECKPOINT")
     if concurrency < 1:
         raise TaskError(f"concurrency must be >= 1, got {concurrency}")
-    load_config(config)  # a missing or invalid --config is an error even when the agent does not use it
+    if not isinstance(config, Config):
+        load_config(config)  # a missing or invalid --config is an error even when the agent does not use it
     check_sandbox_available(sandbox)
     folders = [Path(tasks_dir).resolve()] if is_task_folder(tasks_dir) else task_folders(tasks_dir)
     if not folders:

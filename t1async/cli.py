@@ -21,6 +21,7 @@ SUBCOMMANDS = [
     "t1async.cli:register_bench",
     "t1async.mismatch:register",
     "t1async.keys:register_keys",
+    "t1async.sft:register",
     "t1async.envs.cli:register",  # eval, synth, decontam
 ]
 

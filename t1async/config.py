@@ -295,7 +295,11 @@ class LearnerConfig:
     normalize_advantages: bool = True
     """Whiten advantages over the batch's loss tokens (mean 0, std 1)."""
     critic_warmup_steps: int = 0
-    """Initial steps that train only the critic (policy frozen)."""
+    """Initial steps that train only the critic, on rollouts of the starting (warm-started)
+    policy, before the first policy update (``phase`` is ``critic_warmup`` in metrics.jsonl)."""
+    reward: str = "dense"
+    """Episode reward: ``dense`` (the number of verifier tests passed, the reference's choice) or
+    ``binary`` (1 when resolved, else 0)."""
     routing_replay: bool = True
     """Replay the sampler's routed experts in every MoE layer (R3)."""
     init_checkpoint: str = ""
@@ -339,6 +343,36 @@ class MismatchConfig:
 
 
 @dataclass
+class SftConfig:
+    """``t1async sft``: supervised warm start on oracle demonstrations (t1async/sft.py)."""
+
+    steps: int = 400
+    """Optimizer steps."""
+    batch_size: int = 8
+    """Demonstrations per step (drawn without replacement within a step, seeded)."""
+    lr: float = 3e-3
+    """Peak AdamW learning rate (linear warm-up, then cosine decay to 10 %)."""
+    warmup_steps: int = 20
+    """Steps of linear learning-rate warm-up."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    max_grad_norm: float = 1.0
+    """Global gradient-norm clip."""
+    aux_loss_coef: float = 0.01
+    """Weight of the Switch load-balancing loss, which keeps every expert in use."""
+    max_demos: int = 0
+    """Use at most this many demonstrations (the first by task name; 0 = all)."""
+    seed: int = 0
+    """Seed of the batch order."""
+    log_every: int = 20
+    """Steps per point of the reported loss curve."""
+    threads: int = 2
+    """torch intra-op threads of the training process."""
+    build_concurrency: int = 2
+    """Demonstration episodes run at once, each in its own sandbox."""
+
+
+@dataclass
 class Config:
     """The whole run. Each component receives only its own section."""
 
@@ -354,6 +388,8 @@ class Config:
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     mismatch: MismatchConfig = field(default_factory=MismatchConfig)
     """Only ``t1async mismatch`` reads this section."""
+    sft: SftConfig = field(default_factory=SftConfig)
+    """Only ``t1async sft`` reads this section."""
 
 
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
@@ -410,6 +446,8 @@ _VALUE_RULES: list[tuple[str, Any, str]] = [
     ("learner.publish_every", lambda v: v >= 1, "an integer >= 1"),
     ("learner.max_staleness", lambda v: v >= 0, "an integer >= 0"),
     ("learner.ppo_epochs", lambda v: v >= 1, "an integer >= 1"),
+    ("learner.critic_warmup_steps", lambda v: v >= 0, "an integer >= 0"),
+    ("learner.reward", lambda v: v in ("dense", "binary"), "'dense' (tests passed) or 'binary' (resolved)"),
     ("learner.checkpoint_every", lambda v: v >= 0, "an integer >= 0 (0: final checkpoint only)"),
     ("learner.lr", lambda v: v > 0, "a positive float"),
     ("learner.is_cap", lambda v: v >= 1, "a float >= 1"),
@@ -443,6 +481,13 @@ _VALUE_RULES: list[tuple[str, Any, str]] = [
     ("mismatch.learner_dtype", lambda v: v in ("float32", "bfloat16"), "float32 or bfloat16"),
     ("mismatch.episodes", lambda v: v >= 1, "an integer >= 1"),
     ("model.num_experts", lambda v: v >= 1, "an integer >= 1"),
+    ("sft.steps", lambda v: v >= 1, "an integer >= 1"),
+    ("sft.batch_size", lambda v: v >= 1, "an integer >= 1"),
+    ("sft.lr", lambda v: v > 0, "a positive float"),
+    ("sft.warmup_steps", lambda v: v >= 0, "an integer >= 0"),
+    ("sft.max_demos", lambda v: v >= 0, "an integer >= 0 (0: all)"),
+    ("sft.log_every", lambda v: v >= 1, "an integer >= 1"),
+    ("sft.build_concurrency", lambda v: v >= 1, "an integer >= 1"),
     ("model.num_hidden_layers", lambda v: v >= 1, "an integer >= 1"),
 ]
 

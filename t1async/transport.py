@@ -133,6 +133,8 @@ class SenderStats:
     handshake_failures: int = 0
     adopted: int = 0
     rejections: list[str] = field(default_factory=list)
+    rejected_keys: list[str] = field(default_factory=list)
+    """Trajectory ids of the rejections, aligned with ``rejections``."""
 
 
 class ZmqSender:
@@ -347,6 +349,7 @@ class ZmqSender:
                     self.stats.rejected += 1
                     reason = parts[2].decode("utf-8", "replace")
                     self.stats.rejections.append(reason[:200])
+                    self.stats.rejected_keys.append(key)
                     logger.error("learner rejected trajectory {}: {}", key, reason)
                 self._cond.notify_all()
 

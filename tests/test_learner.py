@@ -60,8 +60,11 @@ def test_learner_trains_publishes_drops_stale_and_quarantines(tmp_path):
             def set_version(self, v):
                 self.versions.append(v)
 
-            def trajectory_discarded(self, reason):
+            def trajectory_discarded(self, reason, trajectory_id):
                 self.discarded.append(reason)
+
+            def trajectories_consumed(self, ids):
+                pass
 
         ctl = Controller()
         th = threading.Thread(target=lambda: result.update(learner.run(ctl)))

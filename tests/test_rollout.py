@@ -111,8 +111,11 @@ def test_rollout_actor_streams_over_zeromq(sampler_url, tmp_path):
         def episode_failed(self, actor_id, reason):
             raise AssertionError(reason)
 
-        def trajectory_discarded(self, reason):
+        def trajectory_discarded(self, reason, trajectory_id):
             self.discarded.append(reason)
+
+        def episode_finished(self, actor_id, trajectory_id):
+            pass
 
     got, stop = [], threading.Event()
 

@@ -1,0 +1,326 @@
+"""Does RL make the policy better? Warm start, then RL, measured on held-out tasks.
+
+Run: ``t1async bench learning [--minutes 60] [--reward dense|binary|both] [--seeds 0,1] [--out DIR]``.
+
+One command, in this order (everything through the product's own commands and code paths):
+
+1. **Tasks.** ``t1async synth`` families (all whose oracle commands fit
+   ``generation.max_new_tokens``, or ``--families``): ``--train-per-family`` training instances
+   (synth seed 1000) and ``--heldout-per-family`` held-out instances (synth seed 2000). The split
+   is checked: no held-out instance is a training instance (instruction, environment files and
+   tests hashed), and ``t1async decontam``'s n-gram report of training against held-out is
+   included as is (instances of one family share its instruction templates by design; see
+   ``split`` in the output).
+2. **Warm start** per seed: ``t1async sft`` on the first ``--sft-demos-per-family``
+   demonstrations of each family (few, so that the warm start is clearly imperfect).
+3. **Held-out resolved rate** of the warm start: ``t1async eval --agent policy:CKPT``'s path,
+   ``--eval-samples`` episodes per held-out task at the training temperature.
+4. **RL**: ``t1async launch configs/learning.yaml`` from that checkpoint on the training tasks
+   for ``--minutes`` of wall clock (then SIGTERM: the learner finishes its step and writes a final
+   checkpoint), once per reward (``learner.reward=dense``: tests passed, the reference's choice;
+   ``binary``: 1 if resolved else 0), same seed and budget. The policy is snapshotted every
+   ``--eval-every`` minutes (the latest checkpoint's weights).
+5. **Held-out curve**: every snapshot evaluated as in 3, after the run (so evaluation never
+   takes CPU from training).
+
+Prints ONE JSON object: ``warm_start_resolved``, ``final_resolved``, ``delta_points`` (mean over
+seeds, of the first reward mode), ``minutes``, ``trajectories``, ``steps``, and ``runs``: per
+seed and reward the held-out ``curve`` ([minutes, resolved rate]), training reward per step,
+trajectories, steps; ``spread``: min/max ``delta_points`` over seeds per reward. Writes
+``learning.png`` (matplotlib): held-out resolved rate against minutes, and training reward.
+Everything lands under ``--out`` (default ``runs/bench-learning-<time>``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from loguru import logger
+
+from t1async.cli import OneLineErrors, at_least_one
+from t1async.config import Config, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+RL_CONFIG = REPO / "configs" / "learning.yaml"
+
+
+def parse_args(argv: list[str] | None = None):
+    p = OneLineErrors(prog="t1async bench learning", description=__doc__.splitlines()[0])
+    p.add_argument("--minutes", type=float, default=60.0, help="RL wall-clock budget per run (default 60)")
+    p.add_argument("--reward", choices=("dense", "binary", "both"), default="both",
+                   help="reward of the RL runs: dense (tests passed), binary (resolved), or both (ablation)")
+    p.add_argument("--seeds", default="0,1", help="comma-separated seeds (SFT order, model init, sampling)")
+    p.add_argument("--families", default="", help="comma-separated synth families (default: every family that fits)")
+    p.add_argument("--train-per-family", type=at_least_one, default=24, help="training instances per family")
+    p.add_argument("--heldout-per-family", type=at_least_one, default=8, help="held-out instances per family")
+    p.add_argument("--sft-demos-per-family", type=at_least_one, default=4, help="SFT demonstrations per family")
+    p.add_argument("--eval-samples", type=at_least_one, default=2, help="episodes per held-out task per evaluation")
+    p.add_argument("--eval-every", type=float, default=10.0, help="minutes between policy snapshots for the curve")
+    p.add_argument("--config", default=str(RL_CONFIG), help="config of the RL runs (and of SFT's model/env/generation)")
+    p.add_argument("--out", default="", help="output folder (default runs/bench-learning-<time>)")
+    p.add_argument("overrides", nargs="*", default=[], help="key=value overrides of --config, e.g. sft.steps=200")
+    args = p.parse_args(argv)
+    try:
+        args.seed_list = [int(s) for s in args.seeds.split(",") if s.strip()]
+    except ValueError:
+        p.error(f"--seeds must be comma-separated integers, got {args.seeds!r}")
+    if not args.seed_list:
+        p.error("--seeds names no seed")
+    if args.minutes <= 0 or args.eval_every <= 0:
+        p.error("--minutes and --eval-every must be positive")
+    return args
+
+
+# ----------------------------------------------------------------------------- tasks
+
+def instance_hash(task_dir: Path) -> str:
+    """sha256 over a task's instruction, environment files and tests (not its name)."""
+    h = hashlib.sha256()
+    for sub in ("instruction.md", "environment", "tests"):
+        root = task_dir / sub
+        files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+        for f in files:
+            h.update(str(f.relative_to(task_dir)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def fitting_families(cfg: Config) -> list[str]:
+    """Synth families whose oracle commands all fit ``generation.max_new_tokens`` (checked on 8 instances)."""
+    import random
+
+    from t1async.envs.synth import FAMILIES, oracle_commands
+    from t1async.tokenizer import ChatTokenizer
+
+    tok = ChatTokenizer.load()
+    out = []
+    for name, make in FAMILIES.items():
+        longest = 0
+        for i in range(8):
+            spec = make(random.Random(f"fit/{name}/{i}"))
+            longest = max([longest, *(len(tok.encode(c)) + 1 for c in oracle_commands(spec.solution))])
+        if longest <= cfg.generation.max_new_tokens:
+            out.append(name)
+        else:
+            logger.info("bench learning: family {} left out: an oracle command takes {} tokens > {}", name, longest,
+                        cfg.generation.max_new_tokens)
+    return out
+
+
+def make_split(root: Path, families: list[str], n_train: int, n_heldout: int, n_demos: int, cfg: Config) -> dict[str, Any]:
+    """Write train/, heldout/ and sft/ (a subset of train/) under ``root``; check the split."""
+    from t1async.envs.decontam import decontaminate
+    from t1async.envs.synth import synthesize
+
+    train, heldout, sft = root / "train", root / "heldout", root / "sft"
+    for d in (train, heldout, sft):
+        shutil.rmtree(d, ignore_errors=True)
+    for fam in families:
+        for p in synthesize(fam, n_train, train, seed=1000):
+            if int(p.name.rsplit("-", 1)[1]) < n_demos:
+                shutil.copytree(p, sft / p.name)
+        synthesize(fam, n_heldout, heldout, seed=2000)
+    train_hashes = {instance_hash(p) for p in train.iterdir()}
+    shared = [p.name for p in heldout.iterdir() if instance_hash(p) in train_hashes]
+    rows = decontaminate(train, heldout, n=cfg.env.decontam_ngram, threshold=cfg.env.decontam_threshold)
+    flagged = [r for r in rows if r.flagged]
+    return {"families": families, "train": len(list(train.iterdir())), "heldout": len(list(heldout.iterdir())),
+            "sft_demonstrations": len(list(sft.iterdir())), "heldout_instances_in_train": len(shared),
+            "decontam_flagged": len(flagged), "decontam_checked": len(rows),
+            "decontam_note": "n-gram overlap of training against held-out tasks; instances of one family share its "
+                             "instruction and solution templates, so same-family pairs are expected to overlap. "
+                             "The held-out tasks are new instances (other files, values, names): "
+                             "heldout_instances_in_train counts exact repeats.",
+            "dirs": {"train": str(train), "heldout": str(heldout), "sft": str(sft)}}
+
+
+# ----------------------------------------------------------------------------- runs
+
+def rl_run(run_dir: Path, ckpt: Path, tasks: Path, seed: int, reward: str, minutes: float, eval_every: float,
+           config: str, overrides: list[str]) -> dict[str, Any]:
+    """``t1async launch`` for ``minutes``, snapshotting the policy every ``eval_every`` minutes.
+
+    Returns ``{"snapshots": [[minutes, folder]], "metrics": [rows], "rc": exit status}``.
+    """
+    snaps_dir = run_dir.parent / f"{run_dir.name}-snapshots"
+    shutil.rmtree(snaps_dir, ignore_errors=True)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    snaps_dir.mkdir(parents=True)
+    cmd = [sys.executable, "-m", "t1async.cli", "launch", config, *overrides, f"run.dir={run_dir}",
+           f"run.seed={seed}", f"learner.init_checkpoint={ckpt}", f"env.tasks_dir={tasks}", "env.tasks=[]",
+           f"learner.reward={reward}", "learner.max_steps=1000000"]
+    logger.info("bench learning: {}", " ".join(cmd))
+    log = open(run_dir.parent / f"{run_dir.name}.launch.log", "w")
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    snapshots: list[list[Any]] = [[0.0, str(ckpt)]]
+    next_snap = eval_every
+    try:
+        while proc.poll() is None:
+            elapsed = (time.monotonic() - t0) / 60
+            if elapsed >= minutes:
+                proc.send_signal(signal.SIGTERM)  # the learner finishes its step, then the final checkpoint
+                break
+            if elapsed >= next_snap:
+                snap = _snapshot(run_dir, snaps_dir, elapsed)
+                if snap:
+                    snapshots.append([round(elapsed, 2), snap])
+                next_snap += eval_every
+            time.sleep(2.0)
+        rc = proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+    final = _snapshot(run_dir, snaps_dir, minutes, keep_all=True)
+    if final:
+        snapshots.append([round(min(minutes, (time.monotonic() - t0) / 60), 2), final])
+    metrics_path = run_dir / "metrics.jsonl"
+    rows = [json.loads(x) for x in metrics_path.read_text().splitlines() if x.strip()] if metrics_path.exists() else []
+    return {"snapshots": snapshots, "metrics": rows, "rc": rc}
+
+
+def _snapshot(run_dir: Path, snaps_dir: Path, minutes: float, keep_all: bool = False) -> str | None:
+    """Copy the latest checkpoint's policy (config.json + model.safetensors) to ``snaps_dir``;
+    remove older checkpoint folders (the bench needs only the snapshots) unless ``keep_all``."""
+    from t1async.delivery import latest_checkpoint
+
+    latest = latest_checkpoint(run_dir / "checkpoints")
+    if latest is None:
+        return None
+    dest = snaps_dir / f"{latest.name}-min{minutes:06.2f}"
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy2(latest / name, dest / name)
+    if not keep_all:
+        for old in (run_dir / "checkpoints").glob("step_*"):
+            if old != latest:
+                shutil.rmtree(old, ignore_errors=True)
+    return str(dest)
+
+
+def plot(path: Path, runs: dict[str, Any]) -> None:
+    """learning.png: held-out resolved rate against minutes (left), training reward per step (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for key, r in runs.items():
+        xs, ys = zip(*[(m, v) for m, v in r["curve"]])
+        a.plot(xs, [100 * y for y in ys], marker="o", label=key)
+        rows = r["train_reward"]
+        if rows:
+            b.plot([m for m, _ in rows], [v for _, v in rows], alpha=0.8, label=key)
+    a.set_xlabel("minutes of RL")
+    a.set_ylabel("held-out resolved rate (%)")
+    a.set_title("held-out tasks")
+    a.grid(alpha=0.3)
+    a.legend(fontsize=8)
+    b.set_xlabel("minutes of RL")
+    b.set_ylabel("training reward (tests passed, mean of 10 steps)")
+    b.set_title("training reward")
+    b.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _smoothed_reward(rows: list[dict[str, Any]], t0: float | None) -> list[list[float]]:
+    """[minutes since the first step, mean reward_mean of the last 10 steps] per step."""
+    out, window = [], []
+    start = t0 if t0 is not None else (rows[0].get("time", 0.0) - rows[0].get("step_s", 0.0) if rows else 0.0)
+    for r in rows:
+        window = (window + [r["reward_mean"]])[-10:]
+        out.append([round((r.get("time", start) - start) / 60, 3), round(sum(window) / len(window), 4)])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from t1async.sft import evaluate_policy, run_sft
+
+    args = parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    now = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    out = Path(args.out or REPO / "runs" / f"bench-learning-{now}").resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    logger.remove()
+    logger.add(sys.stderr, level="INFO", format="{time:HH:mm:ss} {message}")
+    logger.add(out / "bench.log", level="DEBUG")
+    families = [f for f in args.families.split(",") if f] or fitting_families(cfg)
+    split = make_split(out / "tasks", families, args.train_per_family, args.heldout_per_family,
+                       args.sft_demos_per_family, cfg)
+    logger.info("bench learning: split {}", json.dumps({k: v for k, v in split.items() if k != "decontam_note"}))
+    rewards = ["dense", "binary"] if args.reward == "both" else [args.reward]
+    runs: dict[str, Any] = {}
+    warm: dict[int, Any] = {}
+    for seed in args.seed_list:
+        seed_cfg = load_config(args.config, [*args.overrides, f"run.seed={seed}", f"sft.seed={seed}"])
+        sft_dir = out / f"seed{seed}" / "sft-checkpoint"
+        sft = run_sft(seed_cfg, split["dirs"]["sft"], sft_dir)
+        warm_eval = evaluate_policy(sft_dir, split["dirs"]["heldout"], seed_cfg, samples=args.eval_samples)
+        warm[seed] = {"sft": {k: sft[k] for k in ("demonstrations", "skipped_by_reason", "curve", "seconds")},
+                      "heldout": warm_eval}
+        logger.info("bench learning: seed {} warm start resolves {:.1%} of held-out episodes", seed,
+                    warm_eval["resolved_rate"])
+        for reward in rewards:
+            key = f"{reward}/seed{seed}"
+            r = rl_run(out / f"seed{seed}" / f"rl-{reward}", sft_dir, Path(split["dirs"]["train"]), seed, reward,
+                       args.minutes, args.eval_every, args.config, args.overrides)
+            curve = [[0.0, warm_eval["resolved_rate"]]]
+            evals = []
+            for minutes, snap in r["snapshots"][1:]:
+                e = evaluate_policy(snap, split["dirs"]["heldout"], seed_cfg, samples=args.eval_samples)
+                curve.append([minutes, e["resolved_rate"]])
+                evals.append({"minutes": minutes, "snapshot": snap, **e})
+                logger.info("bench learning: {} at {:.1f} min resolves {:.1%}", key, minutes, e["resolved_rate"])
+            rows = r["metrics"]
+            t0 = rows[0]["time"] - rows[0]["step_s"] if rows and "time" in rows[0] else None
+            runs[key] = {"seed": seed, "reward": reward, "curve": curve, "evals": evals, "rc": r["rc"],
+                         "steps": rows[-1]["step"] if rows else 0,
+                         "trajectories": sum(x["trajectories"] for x in rows),
+                         "dropped_stale": rows[-1]["dropped_stale"] if rows else 0,
+                         "train_reward": _smoothed_reward(rows, t0),
+                         "warm_start_resolved": warm_eval["resolved_rate"], "final_resolved": curve[-1][1],
+                         "delta_points": round(100 * (curve[-1][1] - warm_eval["resolved_rate"]), 1)}
+            (out / "result.partial.json").write_text(json.dumps(runs, indent=1))
+    first = [r for r in runs.values() if r["reward"] == rewards[0]]
+    mean = lambda xs: round(sum(xs) / len(xs), 4) if xs else 0.0  # noqa: E731
+    result = {
+        "warm_start_resolved": mean([r["warm_start_resolved"] for r in first]),
+        "final_resolved": mean([r["final_resolved"] for r in first]),
+        "delta_points": round(mean([r["delta_points"] for r in first]), 1),
+        "reward": rewards[0], "minutes": args.minutes, "seeds": args.seed_list,
+        "trajectories": mean([r["trajectories"] for r in first]), "steps": mean([r["steps"] for r in first]),
+        "spread": {rw: {"delta_points_min": min(r["delta_points"] for r in runs.values() if r["reward"] == rw),
+                        "delta_points_max": max(r["delta_points"] for r in runs.values() if r["reward"] == rw),
+                        "delta_points_mean": round(mean([r["delta_points"] for r in runs.values() if r["reward"] == rw]), 1)}
+                   for rw in rewards},
+        "split": {k: v for k, v in split.items() if k != "dirs"},
+        "warm_start": warm, "runs": {k: {kk: vv for kk, vv in r.items() if kk != "train_reward"} for k, r in runs.items()},
+        "settings": {"config": args.config, "overrides": args.overrides, "train_per_family": args.train_per_family,
+                     "heldout_per_family": args.heldout_per_family,
+                     "sft_demos_per_family": args.sft_demos_per_family, "eval_samples": args.eval_samples,
+                     "temperature": cfg.generation.temperature},
+        "out": str(out),
+    }
+    plot(out / "learning.png", runs)
+    result["plot"] = str(out / "learning.png")
+    (out / "result.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
