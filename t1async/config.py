@@ -254,7 +254,8 @@ class WeightSyncConfig:
     master_port: int = 0
     """Port of the rendezvous TCPStore; 0 picks a free one."""
     timeout_s: float = 120.0
-    """Timeout of the group's rendezvous and of each broadcast, seconds."""
+    """Timeout of the group's rendezvous and of each broadcast, seconds, at both ends: the learner
+    sends it to every embedded sampler when the group is formed (SGLang servers keep their own)."""
 
 
 @dataclass
@@ -443,6 +444,7 @@ _VALUE_RULES: list[tuple[str, Any, str]] = [
      "'embedded' (SGLang servers are not wired into launch yet; their protocol is spoken by t1async.sampler_client)"),
     ("sampler.dtype", lambda v: v in ("float32", "bfloat16", "float16"), "float32, bfloat16 or float16"),
     ("weight_sync.backend", lambda v: v in ("gloo", "nccl"), "'gloo' (CPU) or 'nccl' (GPUs)"),
+    ("weight_sync.timeout_s", lambda v: v > 0, "a positive number of seconds"),
     ("mismatch.learner_dtype", lambda v: v in ("float32", "bfloat16"), "float32 or bfloat16"),
     ("mismatch.episodes", lambda v: v >= 1, "an integer >= 1"),
     ("model.num_experts", lambda v: v >= 1, "an integer >= 1"),

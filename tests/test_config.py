@@ -59,7 +59,8 @@ def test_unknown_key_lists_the_valid_keys_of_its_section():
                                       "mismatch.learner_dtype=int8", "transport.window_messages=0",
                                       "transport.window_bytes=0", "transport.spool_max_messages=0",
                                       "transport.log_fsync=sometimes", "transport.port=70000",
-                                      "transport.ack_timeout_s=0", "generation.top_k=0", "generation.top_k=-2"])
+                                      "transport.ack_timeout_s=0", "generation.top_k=0", "generation.top_k=-2",
+                                      "weight_sync.timeout_s=0"])
 def test_meaningless_values_are_refused(override):
     with pytest.raises(ConfigError, match=override.split("=")[0] + ".*invalid"):
         load_config(None, [override])
