@@ -126,10 +126,12 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
                    top_p: float = 1.0, *, return_outside: bool = False):
     """Log-prob of each target id under the processed distribution (:func:`processed_logprobs`).
 
-    Each target is kept in its position's kept set even where the filter would drop it (the
-    sampler drew it, so it was inside the sampler's set; only numerics differ at the nucleus
-    boundary). That renormalises over a set one token larger than the filter's: a documented
-    deviation, counted by ``return_outside``.
+    Each target is kept in its position's kept set even where the filter would drop it: the
+    sampler drew it, so it was inside the sampler's set, and the learner's set differs only
+    because its logits differ (numerics on on-policy data; moved weights on off-policy data).
+    Dropping it would give log pi = -inf, a zero importance weight and an undefined PPO ratio.
+    Keeping it renormalises over a set one token larger than the filter's: a documented
+    deviation from the sampler's processing, counted by ``return_outside``.
 
     Args:
         logits: float ``[B, T, V]`` (position t predicts ``targets[:, t]``).
