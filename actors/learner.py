@@ -35,7 +35,7 @@ from loguru import logger
 from safetensors.torch import load_file, save_file
 
 from t1async.actors import call
-from t1async.config import LearnerConfig, ModelConfig, TransportConfig, WeightSyncConfig
+from t1async.config import GenerationConfig, LearnerConfig, ModelConfig, TransportConfig, WeightSyncConfig
 from t1async.delivery import (ByteQueue, ReceiveLog, commit, latest_checkpoint, read_consumed, staging_dir,
                               write_consumed)
 from t1async.model import Qwen3MoeForCausalLM
@@ -98,12 +98,24 @@ class Learner:
         transport: where to bind the trajectory socket, queue bounds, receive-log fsync, CURVE keys.
         weight_sync: how to broadcast weights.
         run_dir: run directory (metrics.jsonl, checkpoints/, quarantine/, receive_log/).
+        generation: the samplers' temperature, top-k and top-p: the learner scores every sampled
+            token under the same processed distribution (t1async.rl.processed_logprobs), so that
+            log pi_prox, log pi_theta and the behaviour log mu are of one distribution. None: the
+            defaults (temperature 1, no truncation).
         seed: seed of the model init.
         torch_threads: intra-op threads of this process.
+
+    Raises:
+        ValueError: ``generation.temperature`` is 0 (greedy samples have no density to train on).
     """
 
     def __init__(self, cfg: LearnerConfig, model_cfg: ModelConfig, transport: TransportConfig,
-                 weight_sync: WeightSyncConfig, run_dir: str, *, seed: int = 0, torch_threads: int = 1):
+                 weight_sync: WeightSyncConfig, run_dir: str, *, generation: GenerationConfig | None = None,
+                 seed: int = 0, torch_threads: int = 1):
+        self.generation = generation if generation is not None else GenerationConfig()
+        if not self.generation.temperature > 0:
+            raise ValueError(f"generation.temperature={self.generation.temperature} cannot be trained on: greedy "
+                             "samples have no density (no gradient); use a temperature > 0 (greedy is for t1async eval)")
         torch.set_num_threads(torch_threads)
         torch.manual_seed(seed)
         self.cfg, self.model_cfg = cfg, model_cfg
@@ -374,7 +386,7 @@ class Learner:
 
     def _train_step(self, batch: list[Trajectory]) -> dict[str, float]:
         """One actor-critic update on ``batch`` (micro-batches of one trajectory, accumulated)."""
-        cfg = self.cfg
+        cfg, gen = self.cfg, self.generation
         items = []
         for traj in batch:
             ids = torch.from_numpy(traj.token_ids.astype(np.int64))
@@ -404,15 +416,19 @@ class Learner:
         train_policy = self.step >= cfg.critic_warmup_steps
         sums = {"policy_loss": 0.0, "value_loss": 0.0, "clip_frac": 0.0, "is_weight_mean": 0.0, "is_truncated_frac": 0.0}
         diff_sum, is_max = 0.0, 0.0
-        k3_sum, routed_pos, used_diff, own_diff = 0.0, 0, 0, 0
+        k3_sum, routed_pos, used_diff, own_diff, boundary = 0.0, 0, 0, 0, 0
         for epoch in range(cfg.ppo_epochs):
             self.policy_opt.zero_grad(set_to_none=True)
             self.critic_opt.zero_grad(set_to_none=True)
             for it in items:
                 with torch.set_grad_enabled(train_policy):
                     out = self.policy(it["inp"], routed_experts=it["replay"], return_routing=epoch == 0)
-                    logp = token_logprobs(out.logits, it["tgt"])
+                    # scored under the sampler's processing (temperature, top-k, top-p); a sampled id
+                    # just outside this model's own nucleus is kept in it (counted below)
+                    logp, outside = token_logprobs(out.logits, it["tgt"], gen.temperature, gen.top_k, gen.top_p,
+                                                   return_outside=True)
                 if epoch == 0:
+                    boundary += int((outside & it["mask"].bool()).sum())
                     it["prox"] = logp.detach()  # proximal policy = the weights before this update
                     diff_sum += float(((it["prox"] - it["mu"]).abs() * it["mask"]).sum())
                     k3_sum += float((k3(it["prox"], it["mu"]) * it["mask"]).sum())
@@ -440,7 +456,7 @@ class Learner:
                 sums["grad_norm"] = float(gn)
                 self.policy_opt.step()
         return {**sums, "is_weight_max": is_max, "logprob_diff_mean": diff_sum / max(n_tokens, 1.0),
-                "kl_k3": k3_sum / max(n_tokens, 1.0),
+                "kl_k3": k3_sum / max(n_tokens, 1.0), "nucleus_boundary_tokens": boundary,
                 "routing_diff_frac": used_diff / max(routed_pos, 1), "router_diff_frac": own_diff / max(routed_pos, 1),
                 "drift_tokens": int(sum(t.drift_tokens for t in batch)),
                 "template_mismatches": int(sum(t.template_mismatches for t in batch)),

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from loguru import logger
 
-from t1async.config import ModelConfig, SamplerConfig
+from t1async.config import ModelConfig, SamplerConfig, WeightSyncConfig
 from t1async.engine import Engine, SamplingParams
 from t1async.model import Qwen3MoeForCausalLM
 from t1async.weight_sync import init_weight_group
@@ -182,11 +182,22 @@ class EmbeddedSampler:
         return {"output_ids": out.output_ids, "meta_info": meta}
 
     def handle_init_group(self, body: dict) -> dict:
-        """SGLang ``/init_weights_update_group``: join the learner's broadcast group as ``rank_offset``."""
+        """SGLang ``/init_weights_update_group``: join the learner's broadcast group as ``rank_offset``.
+
+        The group's timeout (rendezvous and every later broadcast, seconds) is the body's
+        ``timeout_s``, a t1async extension the learner fills from ``weight_sync.timeout_s`` (so one
+        setting governs both ends); absent (another client), the ``weight_sync.timeout_s`` default.
+
+        Raises:
+            RequestError: a required field is missing or ``timeout_s`` is not a positive number.
+        """
+        timeout_s = body.get("timeout_s", WeightSyncConfig().timeout_s)
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise RequestError(f"init_weights_update_group timeout_s must be a positive number of seconds, got {timeout_s!r}")
         try:
             self._group = init_weight_group(
                 body["backend"], body["master_address"], int(body["master_port"]), int(body["rank_offset"]),
-                int(body["world_size"]), body["group_name"], float(body.get("timeout_s", 120.0)),
+                int(body["world_size"]), body["group_name"], float(timeout_s),
             )
         except KeyError as e:
             raise RequestError(f"init_weights_update_group needs field {e.args[0]!r}") from None

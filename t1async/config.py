@@ -116,11 +116,13 @@ class GenerationConfig:
     max_new_tokens: int = 48
     """Most tokens sampled in one turn."""
     temperature: float = 1.0
-    """Softmax temperature; 0 means greedy."""
+    """Softmax temperature; 0 means greedy (``t1async eval`` only: ``launch`` refuses it, since a
+    greedy token has no density to train on; see :func:`check_trainable`)."""
     top_p: float = 1.0
     """Nucleus mass kept (1.0 keeps all)."""
     top_k: int = -1
-    """Keep only the k most likely tokens (-1 keeps all)."""
+    """Keep only the k most likely tokens (>= 1; -1 keeps all). The sampler reports, and the
+    learner scores, log-probs of this processed distribution (t1async.rl.processed_logprobs)."""
 
 
 @dataclass
@@ -252,7 +254,8 @@ class WeightSyncConfig:
     master_port: int = 0
     """Port of the rendezvous TCPStore; 0 picks a free one."""
     timeout_s: float = 120.0
-    """Timeout of the group's rendezvous and of each broadcast, seconds."""
+    """Timeout of the group's rendezvous and of each broadcast, seconds, at both ends: the learner
+    sends it to every embedded sampler when the group is formed (SGLang servers keep their own)."""
 
 
 @dataclass
@@ -460,6 +463,7 @@ _VALUE_RULES: list[tuple[str, Any, str]] = [
     ("generation.max_new_tokens", lambda v: v >= 1, "an integer >= 1"),
     ("generation.temperature", lambda v: v >= 0, "a float >= 0 (0: greedy)"),
     ("generation.top_p", lambda v: 0 < v <= 1, "a float in (0, 1]"),
+    ("generation.top_k", lambda v: v == -1 or v >= 1, "-1 (keep all) or an integer >= 1"),
     ("transport.scheme", lambda v: v in ("tcp", "ipc"), "'tcp' (between machines) or 'ipc' (one machine)"),
     ("transport.port", lambda v: 0 <= v <= 65535, "a TCP port in [0, 65535] (0: any free port)"),
     ("transport.rcvhwm", lambda v: v >= 1, "an integer >= 1"),
@@ -478,6 +482,7 @@ _VALUE_RULES: list[tuple[str, Any, str]] = [
      "'embedded' (SGLang servers are not wired into launch yet; their protocol is spoken by t1async.sampler_client)"),
     ("sampler.dtype", lambda v: v in ("float32", "bfloat16", "float16"), "float32, bfloat16 or float16"),
     ("weight_sync.backend", lambda v: v in ("gloo", "nccl"), "'gloo' (CPU) or 'nccl' (GPUs)"),
+    ("weight_sync.timeout_s", lambda v: v > 0, "a positive number of seconds"),
     ("mismatch.learner_dtype", lambda v: v in ("float32", "bfloat16"), "float32 or bfloat16"),
     ("mismatch.episodes", lambda v: v >= 1, "an integer >= 1"),
     ("model.num_experts", lambda v: v >= 1, "an integer >= 1"),
@@ -516,6 +521,22 @@ def check_values(cfg: Config, source: str = "config") -> None:
             section, name = key.split(".")
             value = getattr(getattr(cfg, section), name)
             raise ConfigError(f"{source}: {key}={value!r} is invalid: it must be {valid}")
+
+
+def check_trainable(cfg: Config) -> None:
+    """Refuse generation settings the learner cannot reproduce (``t1async launch``, ``t1async
+    mismatch``; not :func:`load_config`, so ``t1async eval`` may still sample greedily).
+
+    Temperature 0 is greedy: the sampled distribution is a point mass, which has no density to
+    score a token under, so its log-prob carries no gradient.
+
+    Raises:
+        ConfigError: one line naming the key, the value and what to use instead.
+    """
+    if cfg.generation.temperature == 0:
+        raise ConfigError("generation.temperature=0 (greedy) cannot be trained on: a point mass has no "
+                          "density, so its log-prob carries no gradient; use a temperature > 0 for training "
+                          "(greedy decoding is for t1async eval)")
 
 
 def _valid_keys_hint(key: str) -> str:

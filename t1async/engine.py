@@ -7,16 +7,18 @@ token, ``finish_reason`` is ``{"type": "stop", "matched": id}`` or ``{"type": "l
 ``[prompt_len + output_len - 1 - start_len, num_hidden_layers, num_experts_per_tok]`` int32
 (the last sampled token is never fed back, so it has no row).
 
-Log-probs: ``output_logprobs[i]`` is ``log_softmax(logits)[output_ids[i]]`` of the *plain* model
-(temperature 1, no top-k/top-p truncation), computed in float32. That is the quantity the learner
-recomputes for its importance weights (behaviour log mu vs proximal log pi_prox), so the two
-agree up to numerics whatever sampling parameters were used. (With temperature != 1 or top-p,
-the distribution actually sampled from differs from this; SGLang likewise reports the
-unprocessed log-probs by default.)
+Log-probs: ``output_logprobs[i]`` is the log-prob of ``output_ids[i]`` under the distribution it
+was actually drawn from: ``logits / temperature``, then top-k (Fan et al. 2018), then nucleus /
+top-p (Holtzman et al. 2019, "The Curious Case of Neural Text Degeneration"), renormalised over
+the kept tokens, in float32 (:func:`t1async.rl.processed_logprobs`, the one function that both
+draws the token here and scores it in the learner, so behaviour log mu and proximal log pi_prox
+are of the same distribution). With temperature 1 and no truncation that is the plain
+``log_softmax(logits)``. Temperature 0 (greedy) samples from a point mass on the argmax, so its
+log-prob is reported as 0.0 (such output cannot be trained on; launch refuses it). This differs
+from SGLang, whose ``output_token_logprobs`` are of the unprocessed distribution by default.
 
-Sampling: temperature 0 is greedy (argmax); otherwise logits / temperature, then top-k (Fan et
-al. 2018), then nucleus / top-p (Holtzman et al. 2019, "The Curious Case of Neural Text
-Degeneration"), then one multinomial draw from the engine's own ``torch.Generator``.
+Sampling: temperature 0 is greedy (argmax); otherwise one multinomial draw from the processed
+distribution above, with the engine's own ``torch.Generator``.
 
 Prefix cache (exact routing rows across turns): an episode's next prompt is its previous prompt
 plus the previous turn's output plus new context, so the engine keeps, per recent sequence, the
@@ -47,6 +49,7 @@ import numpy as np
 import torch
 
 from t1async.model import KVCache, Qwen3MoeForCausalLM
+from t1async.rl import check_sampling, processed_logprobs
 
 __all__ = ["Engine", "GenerateOutput", "SamplingParams"]
 
@@ -62,7 +65,7 @@ class SamplingParams:
     top_p: float = 1.0
     """Nucleus mass kept, in (0, 1]; 1.0 keeps all tokens."""
     top_k: int = -1
-    """Keep only the k most likely tokens; -1 (or 0) keeps all."""
+    """Keep only the k most likely tokens (>= 1); -1 keeps all (0 is refused, as SGLang does)."""
     stop_token_ids: list[int] = field(default_factory=list)
     """Sampling one of these ends the request (it is included in ``output_ids``). The engine has
     no tokenizer: pass the end-of-turn / end-of-text ids here."""
@@ -71,12 +74,7 @@ class SamplingParams:
         """Raises ValueError naming the first out-of-range parameter."""
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (all) or >= 1, got {self.top_k}")
+        check_sampling(self.temperature, self.top_k, self.top_p)
 
 
 @dataclass
@@ -85,8 +83,8 @@ class GenerateOutput:
 
     Attributes:
         output_ids: sampled ids, a matched stop token included as the last id.
-        output_logprobs: float log-prob (nats) of each output id under the plain model
-            distribution ``log_softmax(logits)`` (see module docstring).
+        output_logprobs: float log-prob (nats) of each output id under the processed distribution
+            it was sampled from (temperature, top-k, top-p; 0.0 when greedy; see module docstring).
         routed_experts: int32 [prompt_len + len(output_ids) - 1 - start_len, L, K]: expert ids of
             every token fed through the model (prompt, then each sampled token but the last),
             rows from ``routed_experts_start_len`` on.
@@ -101,26 +99,25 @@ class GenerateOutput:
     prompt_tokens: int
 
 
-def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """Draw one id from a float32 logits row [V] under ``params`` (greedy if temperature 0).
+def sample_with_logprob(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> tuple[int, float]:
+    """Draw one id from a logits row [V] and return it with its log-prob under the distribution
+    it was drawn from (:func:`t1async.rl.processed_logprobs`: temperature, top-k, top-p, float32).
 
-    Filters apply in order temperature, top-k, top-p; the most likely token always survives.
+    Temperature 0 is greedy: the argmax, with log-prob 0.0 (a point mass). The most likely token
+    always survives the filters.
     """
-    if params.temperature == 0 or params.top_k == 1:
-        return int(torch.argmax(logits))
-    x = logits / params.temperature
-    V = x.shape[-1]
-    if 0 < params.top_k < V:
-        kth = torch.topk(x, params.top_k).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_x, order = torch.sort(x, descending=True)
-        p = torch.softmax(sorted_x, dim=-1)
-        drop = (torch.cumsum(p, dim=-1) - p) >= params.top_p  # mass before it already >= top_p
-        drop[0] = False
-        x = x.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    probs = torch.softmax(x, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    logp = processed_logprobs(logits, params.temperature, params.top_k, params.top_p)
+    if params.temperature == 0:
+        tok = int(torch.argmax(logp))
+    else:
+        tok = int(torch.multinomial(logp.exp(), 1, generator=generator))
+    return tok, float(logp[tok])
+
+
+def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """Draw one id from a float32 logits row [V] under ``params`` (greedy if temperature 0);
+    :func:`sample_with_logprob` without the log-prob."""
+    return sample_with_logprob(logits, params, generator)[0]
 
 
 @dataclass
@@ -266,8 +263,8 @@ class Engine:
         step = torch.empty(1, 1, dtype=torch.long, device=device)
         while True:
             logits = out.logits[0, -1].float().cpu()
-            tok = sample_token(logits, params, self.generator)
-            logprobs.append(float(torch.log_softmax(logits, dim=-1)[tok]))
+            tok, lp = sample_with_logprob(logits, params, self.generator)
+            logprobs.append(lp)
             out_ids.append(tok)
             if tok in stop:
                 finish = {"type": "stop", "matched": tok}

@@ -22,7 +22,7 @@ from typing import Any
 
 from loguru import logger
 
-from t1async.config import Config, ConfigError, load_config, to_yaml
+from t1async.config import Config, ConfigError, check_trainable, load_config, to_yaml
 from t1async.envs.limits import unmount_all_under
 from t1async.tokenizer import ChatTokenizer
 
@@ -71,7 +71,8 @@ def launch(config_path: str | None, overrides: list[str] | tuple[str, ...] = ())
 
 
 def check_inputs(cfg: Config) -> list[str]:
-    """Check what the config points at (tokenizer, tasks, sandbox, CURVE keys); returns the task names.
+    """Check that the config can be trained on (:func:`~t1async.config.check_trainable`) and what it
+    points at (tokenizer, tasks, sandbox, CURVE keys); returns the task names.
 
     Raises:
         ConfigError, TaskError, SandboxUnavailable, KeysError: with a one-line message.
@@ -80,6 +81,7 @@ def check_inputs(cfg: Config) -> list[str]:
     from t1async.envs.sandbox import check_sandbox_available
     from t1async.envs.task import discover_tasks
 
+    check_trainable(cfg)
     vocab = ChatTokenizer.load().vocab_size
     if cfg.model.vocab_size < vocab:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {vocab} ids; "
@@ -113,7 +115,8 @@ def start_learner(cfg: Config, actor: Any, run_dir: Path, urls: list[str]) -> tu
     from t1async.actors.learner import Learner
 
     learner = actor(Learner, "learner").remote(cfg.learner, cfg.model, cfg.transport, cfg.weight_sync, str(run_dir),
-                                               seed=cfg.run.seed, torch_threads=cfg.run.torch_threads)
+                                               generation=cfg.generation, seed=cfg.run.seed,
+                                               torch_threads=cfg.run.torch_threads)
     endpoint = ray.get(learner.endpoint.remote())
     ray.get(learner.connect_samplers.remote(urls))
     return learner, endpoint

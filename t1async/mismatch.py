@@ -18,9 +18,13 @@ both     the exact sampled stream                recorded rows replayed (R3)
 
 Per mode (sums over all trajectories; "loss tokens" are the sampler's sampled tokens):
 
-- ``logprob_diff_mean``: mean over loss tokens of |log pi_learner - log mu_sampler|;
+- ``logprob_diff_mean``: mean over loss tokens of |log pi_learner - log mu_sampler|, both of the
+  processed distribution the sampler drew from (``generation`` temperature, top-k, top-p; the
+  learner scores exactly as the trainer does, :func:`t1async.rl.token_logprobs`);
 - ``kl_k3``: mean over loss tokens of ``(r - 1) - log r``, ``log r = log pi - log mu`` (Schulman
-  2020, "Approximating KL divergence"; unbiased for KL(mu || pi) at temperature 1, no truncation);
+  2020, "Approximating KL divergence"; unbiased for KL(mu || pi) of the processed distributions);
+- ``nucleus_boundary_tokens``: learner tokens outside the learner's own top-k/top-p set, kept in
+  it anyway (as the trainer does; 0 without truncation);
 - ``routing_diff_frac``: fraction of the learner's input positions whose experts differ from the
   sampler's recorded ones in any layer (as sets over top-k), a position whose token the sampler
   never fed (a re-tokenized one) counting as different;
@@ -55,9 +59,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from t1async.config import Config, load_config
+from t1async.config import Config, GenerationConfig, check_trainable, load_config
 from t1async.model import Qwen3MoeForCausalLM
-from t1async.rl import routing_differs
+from t1async.rl import routing_differs, token_logprobs
 from t1async.tokenizer import ChatTokenizer
 from t1async.trajectory import Trajectory
 
@@ -219,21 +223,27 @@ class Tally:
     routing_diff: int = 0
     router_diff: int = 0
     drift: int = 0
+    boundary: int = 0
 
     def result(self) -> dict[str, float | int]:
         n, p = max(self.loss_tokens, 1), max(self.positions, 1)
         return {"logprob_diff_mean": self.diff / n, "kl_k3": self.k3 / n, "routing_diff_frac": self.routing_diff / p,
                 "drift_tokens": self.drift, "router_diff_frac": self.router_diff / p,
-                "loss_tokens": self.loss_tokens, "positions": self.positions}
+                "nucleus_boundary_tokens": self.boundary, "loss_tokens": self.loss_tokens, "positions": self.positions}
 
 
 @torch.no_grad()
-def score(model: Qwen3MoeForCausalLM, view: View, replay: bool, tally: Tally) -> None:
-    """Re-score one view with ``model`` (replaying ``view.rows`` when ``replay``) into ``tally``."""
+def score(model: Qwen3MoeForCausalLM, view: View, replay: bool, tally: Tally,
+          gen: GenerationConfig | None = None) -> None:
+    """Re-score one view with ``model`` (replaying ``view.rows`` when ``replay``) into ``tally``,
+    under the sampling processing ``gen`` (temperature > 0, top-k, top-p; None: the plain model)."""
+    gen = gen if gen is not None else GenerationConfig()
     inp = torch.from_numpy(view.ids[:-1]).unsqueeze(0)
     rows = torch.from_numpy(view.rows).unsqueeze(0)
     out = model(inp, routed_experts=rows if replay else None, return_routing=True)
-    lp = F.log_softmax(out.logits[0].float(), -1).gather(1, torch.from_numpy(view.ids[1:])[:, None])[:, 0].double()
+    lp, outside = token_logprobs(out.logits, torch.from_numpy(view.ids[1:]).unsqueeze(0), gen.temperature, gen.top_k,
+                                 gen.top_p, return_outside=True)
+    lp = lp[0].double()
     flat = np.asarray([q - 1 for positions, _, _ in view.groups for q in positions], dtype=np.int64)
     gid = np.repeat(np.arange(len(view.groups)), [len(p) for p, _, _ in view.groups])
     learner_sum = np.bincount(gid, weights=lp.numpy()[flat], minlength=len(view.groups))
@@ -241,6 +251,7 @@ def score(model: Qwen3MoeForCausalLM, view: View, replay: bool, tally: Tally) ->
     tally.diff += float(np.abs(d).sum())
     tally.k3 += float((np.expm1(np.minimum(d, 50.0)) - d).sum())
     tally.loss_tokens += int(sum(n for _, _, n in view.groups))
+    tally.boundary += int(outside[0].numpy()[flat].sum())
     not_aligned = ~torch.from_numpy(view.aligned)
     tally.positions += int(inp.shape[1])
     tally.routing_diff += int((routing_differs(out.routed_experts, rows)[0] | not_aligned).sum())
@@ -376,14 +387,16 @@ def build_policy(cfg: Config) -> tuple[Qwen3MoeForCausalLM, dict]:
     return policy.eval(), stats
 
 
-def evaluate(trajs: list[Trajectory], learner: Qwen3MoeForCausalLM, tokenizer: ChatTokenizer) -> dict[str, dict]:
-    """Score every trajectory the four ways; ``{mode: Tally.result()}``."""
+def evaluate(trajs: list[Trajectory], learner: Qwen3MoeForCausalLM, tokenizer: ChatTokenizer,
+             gen: GenerationConfig | None = None) -> dict[str, dict]:
+    """Score every trajectory the four ways under the sampling processing ``gen`` (None: the
+    plain model); ``{mode: Tally.result()}``."""
     tb = token_bytes(tokenizer)
     tallies = {m: Tally() for m in MODES}
     for traj in trajs:
         views = {True: exact_view(traj), False: naive_view(traj, tokenizer, tb)}
         for mode, (exact, replay) in MODES.items():
-            score(learner, views[exact], replay, tallies[mode])
+            score(learner, views[exact], replay, tallies[mode], gen)
     return {m: t.result() for m, t in tallies.items()}
 
 
@@ -392,8 +405,10 @@ def measure(cfg: Config) -> dict[str, dict]:
     learner's dtype. Returns the JSON object (summary to stderr).
 
     Raises:
+        ConfigError: ``generation.temperature`` 0 (greedy tokens have no density to compare).
         ValueError: an unknown ``mismatch.learner_dtype`` or a checkpoint of another shape.
     """
+    check_trainable(cfg)
     if cfg.mismatch.learner_dtype not in _DTYPES:
         raise ValueError(f"mismatch.learner_dtype {cfg.mismatch.learner_dtype!r} is not one of {sorted(_DTYPES)}")
     torch.set_num_threads(cfg.run.torch_threads)
@@ -403,7 +418,7 @@ def measure(cfg: Config) -> dict[str, dict]:
     trajs = rollouts(cfg, policy, cfg.mismatch.episodes)
     t2 = time.perf_counter()
     learner = policy.to(_DTYPES[cfg.mismatch.learner_dtype]).eval()
-    result = evaluate(trajs, learner, ChatTokenizer.load())
+    result = evaluate(trajs, learner, ChatTokenizer.load(), cfg.generation)
     t3 = time.perf_counter()
     d = {m: result[m]["logprob_diff_mean"] for m in MODES}
     summary = {

@@ -69,7 +69,9 @@ class DistributedWeightSync:
         backend: ``gloo`` or ``nccl``.
         master_address: address samplers use to reach this process's TCPStore.
         master_port: port of the store (0: a free one).
-        timeout_s: rendezvous and per-update timeout, seconds.
+        timeout_s: rendezvous and per-update timeout, seconds, of both ends: sent to every
+            sampler as the ``timeout_s`` field of ``/init_weights_update_group`` (an extension the
+            embedded sampler applies to its side of the group; SGLang ignores it).
     """
 
     def __init__(self, backend: str = "gloo", master_address: str = "127.0.0.1", master_port: int = 0,
@@ -96,6 +98,10 @@ class DistributedWeightSync:
             self._pool.submit(post_json, url, "/init_weights_update_group", {
                 "master_address": self.master_address, "master_port": port, "rank_offset": i + 1,
                 "world_size": world, "group_name": GROUP_NAME, "backend": self.backend,
+                # t1async extension: the embedded sampler builds its side of the group with this
+                # timeout, so weight_sync.timeout_s governs both ends. A real SGLang server does
+                # not read this field (unknown body fields are ignored) and keeps its own timeout.
+                "timeout_s": self.timeout_s,
             }, timeout_s=self.timeout_s)
             for i, url in enumerate(self.urls)
         ]

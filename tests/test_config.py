@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from t1async.config import Config, ConfigError, load_config
+from t1async.config import Config, ConfigError, ModelConfig, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -59,7 +59,8 @@ def test_unknown_key_lists_the_valid_keys_of_its_section():
                                       "mismatch.learner_dtype=int8", "transport.window_messages=0",
                                       "transport.window_bytes=0", "transport.spool_max_messages=0",
                                       "transport.log_fsync=sometimes", "transport.port=70000",
-                                      "transport.ack_timeout_s=0"])
+                                      "transport.ack_timeout_s=0", "generation.top_k=0", "generation.top_k=-2",
+                                      "weight_sync.timeout_s=0"])
 def test_meaningless_values_are_refused(override):
     with pytest.raises(ConfigError, match=override.split("=")[0] + ".*invalid"):
         load_config(None, [override])
@@ -70,3 +71,29 @@ def test_yaml_whose_top_level_is_a_list_is_refused(tmp_path):
     p.write_text("- a\n- b\n")
     with pytest.raises(ConfigError, match="top level must be a mapping"):
         load_config(p)
+
+
+def test_greedy_generation_is_refused_for_training_but_allowed_for_eval(tmp_path):
+    from t1async.envs.evaluate import PolicyAgent
+    from t1async.launch import check_inputs
+    from t1async.model import Qwen3MoeForCausalLM
+
+    cfg = load_config(REPO / "configs" / "local.yaml", ["generation.temperature=0"])  # loading accepts it
+    with pytest.raises(ConfigError) as e:
+        check_inputs(cfg)  # launch's input checks refuse it, in one line naming the key and the way out
+    msg = str(e.value)
+    assert "\n" not in msg and "generation.temperature=0" in msg and "eval" in msg
+    # `t1async eval --agent policy:CKPT --config greedy.yaml` still samples greedily
+    ckpt = tmp_path / "ckpt"
+    Qwen3MoeForCausalLM(ModelConfig(vocab_size=300, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                    num_key_value_heads=1, head_dim=16, num_experts=2, num_experts_per_tok=1,
+                                    moe_intermediate_size=16)).save_pretrained(ckpt)
+    greedy = tmp_path / "greedy.yaml"
+    greedy.write_text("generation:\n  temperature: 0.0\n  max_new_tokens: 4\n")
+    agent = PolicyAgent(ckpt, str(greedy))
+    try:
+        gen = agent.cfg.generation
+        r = agent.client.generate([5, 6, 7], {"max_new_tokens": gen.max_new_tokens, "temperature": gen.temperature})
+        assert len(r.output_ids) == 4 and r.logprobs == [0.0] * 4  # a point mass: log-prob 0
+    finally:
+        agent.close()

@@ -43,9 +43,33 @@ def _teacher_forced(model, ids):
     return torch.log_softmax(out.logits[0], -1), out.routed_experts[0]
 
 
+def _reference(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """Log-probs [V] of the processed distribution, written out in float64 numpy: scale, keep the
+    top_k largest (ties kept), then, by descending probability, each token whose predecessors'
+    mass is below top_p, renormalise."""
+    x = logits.astype(np.float64) / temperature
+    allowed = np.ones(x.size, bool)
+    if 0 < top_k < x.size:
+        allowed = x >= np.sort(x)[::-1][top_k - 1]
+    probs = np.where(allowed, np.exp(x - x.max()), 0.0)
+    probs /= probs.sum()
+    kept = np.zeros(x.size, bool)
+    mass = 0.0
+    for i in np.argsort(-probs, kind="stable"):
+        if not allowed[i] or (mass >= top_p and kept.any()):
+            break
+        kept[i] = True
+        mass += probs[i]
+    z = x[kept]
+    out = np.full(x.size, -np.inf)
+    out[kept] = z - (z.max() + np.log(np.exp(z - z.max()).sum()))
+    return out
+
+
 @pytest.mark.parametrize("params", [
     SamplingParams(max_new_tokens=12, temperature=1.0),
     SamplingParams(max_new_tokens=12, temperature=0.7, top_p=0.9, top_k=20),
+    SamplingParams(max_new_tokens=12, temperature=0.5, top_p=0.9, top_k=40),
     SamplingParams(max_new_tokens=12, temperature=0.0),
 ])
 def test_logprobs_and_routing_match_teacher_forcing(model, params):
@@ -53,10 +77,25 @@ def test_logprobs_and_routing_match_teacher_forcing(model, params):
     N, P = len(out.output_ids), len(PROMPT)
     assert N == 12 and out.finish_reason == {"type": "length", "length": 12}
     assert out.prompt_tokens == P
-    logp, routing = _teacher_forced(model, PROMPT + out.output_ids)
-    # plain-model log-probs (temperature 1, no truncation), whatever the sampling params
-    expected = logp[P - 1:P - 1 + N].gather(1, torch.tensor(out.output_ids)[:, None])[:, 0]
-    np.testing.assert_allclose(out.output_logprobs, expected.numpy(), rtol=0, atol=1e-4)
+    with torch.no_grad():
+        tf = model(torch.tensor([PROMPT + out.output_ids]), return_routing=True)
+    routing, logits = tf.routed_experts[0], tf.logits[0, P - 1:P - 1 + N].float()
+    if params.temperature == 0:  # greedy: a point mass on the argmax, reported as log-prob 0
+        assert out.output_ids == logits.argmax(-1).tolist() and out.output_logprobs == [0.0] * N
+    else:  # the log-prob of the distribution each token was drawn from, built here independently
+        ref = np.stack([_reference(row, params.temperature, params.top_k, params.top_p) for row in logits.numpy()])
+        np.testing.assert_allclose(np.exp(ref).sum(-1), 1.0, rtol=0, atol=1e-9)
+        expected = ref[np.arange(N), out.output_ids]
+        np.testing.assert_allclose(out.output_logprobs, expected, rtol=0, atol=1e-4)
+        # the shared function the engine samples from gives the same whole distribution
+        from t1async.rl import processed_logprobs
+
+        mine = processed_logprobs(logits, params.temperature, params.top_k, params.top_p)
+        assert mine.dtype == torch.float32
+        np.testing.assert_array_equal(np.isfinite(mine.numpy()), np.isfinite(ref))
+        np.testing.assert_allclose(mine.exp().sum(-1).numpy(), 1.0, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(np.where(np.isfinite(ref), mine.numpy(), 0), np.where(np.isfinite(ref), ref, 0),
+                                   rtol=0, atol=1e-4)
     assert out.routed_experts.dtype == np.int32
     assert out.routed_experts.shape == (P + N - 1, L, K)
     np.testing.assert_array_equal(out.routed_experts, routing[:P + N - 1].numpy())
@@ -128,10 +167,31 @@ def test_sample_token_filters():
     assert sample_token(logits, SamplingParams(temperature=0), g) == 1
 
 
+def test_sampled_frequencies_match_the_reported_logprobs():
+    from t1async.engine import sample_with_logprob
+
+    logits = torch.randn(40, generator=torch.Generator().manual_seed(3)) * 2.0
+    params = SamplingParams(temperature=0.5, top_p=0.9, top_k=12)
+    g = torch.Generator().manual_seed(0)
+    n = 8000
+    counts: dict[int, int] = {}
+    reported: dict[int, float] = {}
+    for _ in range(n):
+        tok, lp = sample_with_logprob(logits, params, g)
+        counts[tok] = counts.get(tok, 0) + 1
+        assert reported.setdefault(tok, lp) == lp  # one fixed row: one log-prob per id
+    assert len(counts) >= 2  # the test needs a real distribution, not a point mass
+    for tok, c in counts.items():
+        p = float(np.exp(reported[tok]))
+        assert abs(c / n - p) < 4 * np.sqrt(p * (1 - p) / n) + 1e-3, (tok, c / n, p)
+    # every token drawn carries probability mass, and nothing outside what was drawn is missing
+    assert sum(np.exp(v) for v in reported.values()) == pytest.approx(1.0, abs=5e-3)
+
+
 def test_weights_swapped_between_calls_are_used(model):
     m = _model(seed=0)
     e = Engine(m)
-    g = SamplingParams(max_new_tokens=8, temperature=0.0)
+    g = SamplingParams(max_new_tokens=8, temperature=1.0)  # (greedy log-probs are all 0.0)
     before = e.generate(PROMPT, g)
     m.load_state_dict(_model(seed=11).state_dict())
     after = e.generate(PROMPT, g)

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import threading
 import time
 
 import numpy as np
+import pytest
 import torch
 
 from t1async.actors.learner import Learner
 from t1async.actors.sampler import EmbeddedSampler
-from t1async.config import LearnerConfig, ModelConfig, SamplerConfig, TransportConfig, WeightSyncConfig
+from t1async.config import (GenerationConfig, LearnerConfig, ModelConfig, SamplerConfig, TransportConfig,
+                            WeightSyncConfig)
+from t1async.engine import Engine, SamplingParams
 from t1async.model import Qwen3MoeForCausalLM
+from t1async.rl import token_logprobs
 from t1async.trajectory import Trajectory, encode
 from t1async.transport import ZmqSender
 
@@ -132,3 +137,47 @@ def test_critic_is_the_policy_trunk_without_its_lm_head():
     assert sum(p.numel() for p in critic.parameters()) == sum(p.numel() for p in policy.model.parameters()) + 33
     ids = torch.randint(0, MODEL.vocab_size, (2, 7))
     assert torch.equal(critic(ids), torch.zeros(2, 7))  # zero-initialised head: no value before training
+
+
+def test_learner_scores_sampled_tokens_under_the_sampling_distribution(tmp_path):
+    """Temperature 0.5, top-p 0.9, top-k 50: the learner's proximal log-probs of an engine's own
+    output equal the engine's behaviour log-probs, so on-policy importance weights are 1."""
+    gen = GenerationConfig(temperature=0.5, top_p=0.9, top_k=50)
+    cfg = LearnerConfig(max_steps=1, batch_size=1, lr=1e-6, batch_timeout_s=30)
+    learner = Learner(cfg, MODEL, TransportConfig(), WeightSyncConfig(), str(tmp_path), generation=gen, seed=0)
+    try:
+        engine = Engine(copy.deepcopy(learner.policy).eval(), seed=3)
+        prompt = [int(i) for i in np.random.default_rng(0).integers(4, 256, 9)]
+        params = SamplingParams(max_new_tokens=24, temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k)
+        out = engine.generate(prompt, params)
+        P, N = len(prompt), len(out.output_ids)
+        T = P + N
+        mask = np.r_[np.zeros(P, np.uint8), np.ones(N, np.uint8)]
+        traj = Trajectory(
+            task="on-policy", actor_id=0, token_ids=np.asarray(prompt + out.output_ids, np.uint32), loss_mask=mask,
+            logprobs=np.r_[np.zeros(P), out.output_logprobs].astype(np.float32),
+            versions=np.where(mask == 1, 0, -1).astype(np.int32), turn_offsets=np.array([[P, T]], np.int32),
+            routed_experts=out.routed_experts.astype(np.uint8), num_experts=MODEL.num_experts, reward=1.0, passed=1,
+            total=1, resolved=True, finish_reason="length", tests=[("a", True)])
+        # the learner's scoring function on the learner's own logits, token by token
+        ids = torch.tensor([prompt + out.output_ids])
+        with torch.no_grad():
+            logits = learner.policy(ids[:, :-1], routed_experts=torch.from_numpy(out.routed_experts).long()[None]).logits
+        lp = token_logprobs(logits, ids[:, 1:], gen.temperature, gen.top_k, gen.top_p)[0, P - 1:]
+        assert lp.dtype == torch.float32
+        np.testing.assert_allclose(lp.numpy(), out.output_logprobs, rtol=0, atol=1e-4)
+        plain = torch.log_softmax(logits[0, P - 1:].float(), -1).gather(1, ids[0, P:, None])[:, 0]
+        assert float((plain - lp).abs().mean()) > 0.1  # the processing matters at this temperature
+        # and the learner's whole update sees importance weights exp(prox - mu) of ~1
+        m = learner._train_step([traj])
+        assert m["logprob_diff_mean"] < 1e-4
+        assert abs(m["is_weight_mean"] - 1) < 1e-3 and abs(m["is_weight_max"] - 1) < 1e-3
+        assert m["nucleus_boundary_tokens"] == 0 and m["kl_k3"] < 1e-6
+    finally:
+        learner.close()
+
+
+def test_learner_refuses_greedy_generation(tmp_path):
+    with pytest.raises(ValueError, match="generation.temperature=0.*temperature > 0"):
+        Learner(LearnerConfig(), MODEL, TransportConfig(), WeightSyncConfig(), str(tmp_path),
+                generation=GenerationConfig(temperature=0.0))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from t1async.cli import main
-from t1async.config import load_config
+from t1async.config import ConfigError, load_config
 from t1async.mismatch import MODES, measure
 from t1async.model import Qwen3MoeForCausalLM
 
@@ -61,3 +61,13 @@ def test_pretraining_specialises_and_checkpoints(tmp_path):
     assert out["both"]["routing_diff_frac"] == 0 and out["both"]["drift_tokens"] == 0
     with pytest.raises(ValueError, match="learner_dtype"):
         measure(load_config(CONFIG, [*TINY, "mismatch.learner_dtype=int8"]))
+
+
+def test_tempered_nucleus_sampling_is_scored_under_the_same_processing():
+    cfg = load_config(CONFIG, [*TINY, "sampler.dtype=float32", "mismatch.learner_dtype=float32", "mismatch.episodes=1",
+                               "generation.temperature=0.5", "generation.top_p=0.9", "generation.top_k=50"])
+    out = measure(cfg)
+    assert out["both"]["logprob_diff_mean"] < 1e-5 and out["both"]["kl_k3"] < 1e-8
+    assert out["both"]["nucleus_boundary_tokens"] == 0 and out["both"]["loss_tokens"] > 0
+    with pytest.raises(ConfigError, match="generation.temperature=0"):
+        measure(load_config(CONFIG, [*TINY, "generation.temperature=0"]))

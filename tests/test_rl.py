@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from t1async.rl import gae, policy_loss, token_logprobs, value_loss
@@ -71,3 +72,31 @@ def test_value_loss_clipped_takes_the_larger_error():
     loss = value_loss(v, torch.tensor([[0.0]]), torch.tensor([[1.0]]), torch.ones(1, 1), clip=0.5)
     # unclipped (2-1)^2 = 1, clipped (0.5-1)^2 = 0.25 -> 0.5 * 1
     assert abs(float(loss.detach()) - 0.5) < 1e-6
+
+
+def test_token_logprobs_keeps_the_target_outside_the_nucleus_and_counts_it():
+    # at temperature 1: probabilities ~ [0.64, 0.24, 0.09, 0.03]; top_p 0.7 keeps ids 0 and 1
+    logits = torch.tensor([[[3.0, 2.0, 1.0, 0.0], [3.0, 2.0, 1.0, 0.0]]], requires_grad=True)
+    tgt = torch.tensor([[1, 3]])
+    lp, outside = token_logprobs(logits, tgt, 1.0, -1, 0.7, return_outside=True)
+    assert outside.tolist() == [[False, True]]
+    x = logits.detach()[0, 0]
+    torch.testing.assert_close(lp[0, 0], x[1] - torch.logsumexp(x[:2], 0))  # renormalised over {0, 1}
+    torch.testing.assert_close(lp[0, 1], x[3] - torch.logsumexp(x[[0, 1, 3]], 0))  # {0, 1} plus the target
+    lp.sum().backward()
+    g = logits.grad[0]
+    assert g[0, 2] == 0 and g[0, 3] == 0 and g[1, 2] == 0  # no gradient into dropped logits
+    assert (g[0, :2] != 0).all() and (g[1, [0, 1, 3]] != 0).all()
+
+
+def test_token_logprobs_temperature_and_top_k():
+    logits = torch.randn(1, 6, 50, generator=torch.Generator().manual_seed(0))
+    tgt = logits.argsort(-1, descending=True)[..., 2]  # third most likely: inside top-5
+    lp = token_logprobs(logits, tgt, 0.5, 5, 1.0)
+    top = logits.topk(5, -1).values / 0.5
+    ref = (logits / 0.5).gather(-1, tgt[..., None])[..., 0] - torch.logsumexp(top, -1)
+    torch.testing.assert_close(lp, ref)
+    for bad in ({"temperature": 0.0}, {"top_k": 0}, {"top_p": 1.5}):
+        args = {"temperature": 1.0, "top_k": -1, "top_p": 1.0, **bad}
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            token_logprobs(logits, tgt, **args)

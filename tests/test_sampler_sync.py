@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -70,3 +72,26 @@ def test_bad_generate_requests_get_400_with_reason(samplers):
         post_json(url, "/generate", {"input_ids": [1, 2], "sampling_params": {"frequency_penalty": 1.0}})
     with pytest.raises(SamplerError, match="404"):
         post_json(url, "/nope", {})
+    with pytest.raises(SamplerError, match="400.*timeout_s must be a positive"):
+        post_json(url, "/init_weights_update_group", {"backend": "gloo", "master_address": "127.0.0.1",
+                                                      "master_port": 1, "rank_offset": 1, "world_size": 2,
+                                                      "group_name": "g", "timeout_s": 0})
+
+
+def test_sampler_side_of_the_group_gives_up_after_weight_sync_timeout(samplers):
+    """weight_sync.timeout_s reaches the sampler too: a receive whose broadcast never comes fails
+    after about that long (not the sampler's former fixed 120 s)."""
+    url = samplers[0].url()
+    sync = DistributedWeightSync("gloo", timeout_s=2.0)
+    sync.connect([url])
+    try:
+        body = {"names": ["lm_head.weight"], "dtypes": ["float32"], "shapes": [[CFG.vocab_size, CFG.hidden_size]],
+                "group_name": "t1async-weights", "weight_version": "0"}
+        t0 = time.monotonic()
+        with pytest.raises(SamplerError, match="HTTP 500"):  # the learner never broadcasts this tensor
+            post_json(url, "/update_weights_from_distributed", body, timeout_s=30)
+        waited = time.monotonic() - t0
+        assert 1.5 <= waited < 10, waited
+        assert samplers[0].version == -1  # nothing was swapped in
+    finally:
+        sync.close()
