@@ -116,9 +116,14 @@ def test_critic_warmup_freezes_policy(tmp_path):
         before = {n: p.detach().clone() for n, p in learner.policy.named_parameters()}
         critic_before = learner.critic.head.weight.detach().clone()
         metrics = learner._train_step([synthetic(0, 1, reward=2.0)])
-        assert metrics["train_policy"] is False
+        assert metrics["train_policy"] is False and metrics["phase"] == "critic_warmup"
+        assert metrics["value_loss"] > 0 and metrics["explained_variance"] is not None
         assert all(torch.equal(before[n], p) for n, p in learner.policy.named_parameters())
         assert not torch.equal(critic_before, learner.critic.head.weight)
+        learner.step = 1  # warm-up over: the next step updates the policy
+        metrics = learner._train_step([synthetic(0, 2, reward=1.0), synthetic(0, 3, reward=2.0)])
+        assert metrics["phase"] == "rl"
+        assert not all(torch.equal(before[n], p) for n, p in learner.policy.named_parameters())
     finally:
         learner.close()
 

@@ -1,0 +1,98 @@
+"""``t1async sft``: demonstrations are real rollout episodes of the oracle; training fits them; skips are counted."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from t1async.config import load_config
+from t1async.envs.synth import TaskFiles, write_task
+from t1async.envs.task import load_task
+from t1async.envs.terminal import TerminalEnv
+from t1async.model import Qwen3MoeForCausalLM
+from t1async.sft import build_demonstrations, demonstration, run_sft
+from t1async.tokenizer import ChatTokenizer
+
+TINY = ["model.hidden_size=32", "model.num_hidden_layers=2", "model.num_attention_heads=2", "model.num_key_value_heads=1",
+        "model.head_dim=16", "model.num_experts=4", "model.num_experts_per_tok=2", "model.moe_intermediate_size=32"]
+
+
+def note_task(root: Path, name: str, solution: str = "cat note.txt\necho done > out.txt\n") -> Path:
+    """A task whose oracle prints a file (a real observation) and then writes out.txt."""
+    tests = '''
+        from pathlib import Path
+
+        def test_out_written():
+            assert Path("/app/out.txt").read_text() == "done\\n"
+
+        def test_note_kept():
+            assert Path("/app/note.txt").read_text() == "pebble-42\\n"
+    '''
+    spec = TaskFiles("Print /app/note.txt, then write `done` to /app/out.txt.", {"note.txt": "pebble-42\n"}, tests,
+                     solution)
+    return write_task(root, name, "test", spec)
+
+
+def test_demonstration_is_the_rollout_token_stream(tmp_path):
+    task = load_task(note_task(tmp_path / "tasks", "note"))
+    cfg = load_config(None)
+    tok = ChatTokenizer.load()
+    with TerminalEnv.from_config(task, tmp_path / "work", cfg.env) as env:
+        traj = demonstration(task, env, cfg, tok)
+    assert traj.resolved and traj.passed == 2
+    turns = [traj.token_ids[s:e].tolist() for s, e in traj.turn_offsets]
+    assert turns == [[*tok.encode(c), tok.im_end_id] for c in ("cat note.txt", "echo done > out.txt", "exit")]
+    # loss mask 1 exactly on the assistant turns
+    expected = np.zeros(traj.num_tokens, np.uint8)
+    for s, e in traj.turn_offsets:
+        expected[s:e] = 1
+    assert np.array_equal(traj.loss_mask, expected)
+    # the observation after the first turn is what the sandbox printed, rendered by the template
+    s1, e1 = traj.turn_offsets[0]
+    s2 = traj.turn_offsets[1][0]
+    assert traj.token_ids[e1:s2].tolist() == tok.render_observation("pebble-42\n")
+    assert traj.token_ids[: traj.turn_offsets[0][0]].tolist() == tok.render_prompt(cfg.env.system_prompt, task.instruction)
+    assert traj.drift_tokens == 0
+
+
+def test_unusable_demonstrations_are_skipped_and_counted(tmp_path):
+    root = tmp_path / "tasks"
+    note_task(root, "good")
+    note_task(root, "long", solution="echo " + " ".join(["pebble"] * 60) + " > /dev/null\necho done > out.txt\n")
+    note_task(root, "wrong", solution="cat note.txt\necho nope > out.txt\n")
+    note_task(root, "many", solution="true\ntrue\ntrue\ntrue\ntrue\necho done > out.txt\n")
+    demos = build_demonstrations(root, load_config(None, ["generation.max_new_tokens=48", "env.max_turns=4"]))
+    assert [t.task for t in demos.trajectories] == ["good"]
+    assert demos.skipped_by_reason() == {"command too long": 1, "oracle unresolved": 1, "too many commands": 1}
+    assert demos.skipped["wrong"].startswith("oracle unresolved: 1/2")
+
+
+def test_sft_fits_the_demonstrations_and_the_checkpoint_replays_them(tmp_path):
+    root = tmp_path / "tasks"
+    note_task(root, "note")
+    cfg = load_config(None, [*TINY, "sft.steps=120", "sft.batch_size=1", "sft.lr=1e-2", "sft.log_every=20",
+                             "sft.warmup_steps=5", "generation.temperature=0"])
+    result = run_sft(cfg, root, tmp_path / "ckpt", heldout=root)
+    curve = result["curve"]
+    assert result["demonstrations"] == 1 and curve[-1]["loss"] < curve[0]["loss"] / 10
+    assert curve[-1]["token_accuracy"] == 1.0
+    model = Qwen3MoeForCausalLM.from_pretrained(tmp_path / "ckpt")  # an ordinary HF checkpoint
+    assert model.cfg.hidden_size == 32
+    # greedy episodes of the checkpoint (t1async eval's policy agent) replay the oracle and resolve the task
+    assert result["heldout"]["resolved"] == 1 and result["heldout"]["tasks"] == 1
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tasks", "/nonexistent/tasks", "--out", "ckpt"], "--tasks /nonexistent/tasks is not a folder"),
+    (["--tasks", ".", "--out", "pyproject.toml"], "exists and is not a folder"),
+])
+def test_cli_refuses_bad_folders_in_one_line(args, message):
+    repo = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-m", "t1async.cli", "sft", *args], capture_output=True, text=True, cwd=repo,
+                       timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1 and message in r.stderr
