@@ -8,7 +8,14 @@ oracle ``solve.sh``. The same ``--seed`` gives the same tasks. Every generated t
 like a shipped one (oracle resolves, no-op does not) unless validation is turned off.
 
 Families (:data:`FAMILIES`): ``count-matches``, ``sum-column``, ``sort-unique``, ``rename-ext``,
-``json-filter``, ``make-executable``. These are written for t1async and are not taken from any
+``json-filter``, ``make-executable`` (one oracle command each), and the multi-step ``mkdir-write``
+(make a folder, write a file in it), ``copy-count`` (make a folder, copy a log there, count its
+lines), ``grep-count`` (save matching lines, count them) and ``tar-folder`` (pack a folder into a
+.tar.gz, delete it). The multi-step families are sized for a tiny policy warm-started on their
+oracles: every oracle command is at most 32 tokens of the shipped tokenizer and is built only
+from parameters that appear literally in the instruction, and each command earns verifier tests
+of its own (dense reward). :func:`oracle_commands` splits a ``solve.sh`` into the commands a
+demonstration sends one per turn. These are written for t1async and are not taken from any
 benchmark; run ``t1async decontam`` against a benchmark before training on them.
 """
 
@@ -17,6 +24,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
+import subprocess
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -232,6 +241,138 @@ def make_executable(rng: random.Random) -> TaskFiles:
     return TaskFiles(instruction, files, tests, solution, modes={rel: 0o644 for rel in files})
 
 
+def mkdir_write(rng: random.Random) -> TaskFiles:
+    """Create a folder, then a one-line file in it (two commands)."""
+    folder, stem = rng.sample(WORDS, 2)
+    name, line = f"{stem}.txt", f"{rng.choice(WORDS)}-{rng.randint(10, 99)}"
+    instruction = _pick(rng, "Create the folder /app/{d} and, inside it, a file named {f} whose only line is `{c}`.",
+                        "Make a new directory /app/{d}. In it, write the line `{c}` to a file called {f}.",
+                        "/app/{d} does not exist yet. Create it, then put a file {f} in it containing just `{c}`.").format(
+                            d=folder, f=name, c=line)
+    tests = f'''
+        from pathlib import Path
+
+        D = Path("/app/{folder}")
+
+        def test_folder_exists():
+            assert D.is_dir()
+
+        def test_file_exists():
+            assert (D / "{name}").is_file()
+
+        def test_content():
+            assert (D / "{name}").read_text().strip() == "{line}"
+
+        def test_nothing_else_in_folder():
+            assert sorted(p.name for p in D.iterdir()) == ["{name}"]
+    '''
+    solution = f"mkdir -p {folder}\necho {line} > {folder}/{name}\n"
+    return TaskFiles(instruction, {"README.txt": "Work in this folder.\n"}, tests, solution)
+
+
+def copy_count(rng: random.Random) -> TaskFiles:
+    """Make a folder, copy a log into it, write the log's line count there (three commands)."""
+    stem, folder = rng.sample(WORDS, 2)
+    log, count = f"{stem}.log", rng.choice(("lines.txt", "count.txt", "total.txt"))
+    text = "".join(f"{rng.choice(LEVELS)} {' '.join(rng.sample(WORDS, 3))}\n" for _ in range(rng.randint(5, 40)))
+    instruction = _pick(rng, "Create the folder /app/{d}, copy /app/{l} into it (same name), then write the number of lines of {l} to /app/{d}/{c}.",
+                        "Back up /app/{l}: make a directory /app/{d} and copy the log there under the same name. "
+                        "Then save its line count, as a bare number, in /app/{d}/{c}.").format(d=folder, l=log, c=count)
+    tests = f'''
+        from pathlib import Path
+
+        D = Path("/app/{folder}")
+        TEXT = {text!r}
+
+        def test_folder_exists():
+            assert D.is_dir()
+
+        def test_copy_exists():
+            assert (D / "{log}").is_file()
+
+        def test_copy_identical():
+            assert (D / "{log}").read_text() == TEXT
+
+        def test_original_kept():
+            assert Path("/app/{log}").read_text() == TEXT
+
+        def test_count_value():
+            assert (D / "{count}").read_text().strip() == "{text.count(chr(10))}"
+    '''
+    solution = f"mkdir -p {folder}\ncp {log} {folder}/\nwc -l < {log} > {folder}/{count}\n"
+    return TaskFiles(instruction, {log: text}, tests, solution)
+
+
+def grep_count(rng: random.Random) -> TaskFiles:
+    """Save the lines that contain a word, then count them (two commands)."""
+    word = rng.choice(WORDS)
+    source = f"{rng.choice(('notes', 'journal', 'diary', 'memo'))}.txt"
+    hits = rng.choice(("hits.txt", "matches.txt", "found.txt"))
+    others = [w for w in WORDS if w != word]
+    lines = [" ".join(rng.sample(others, rng.randint(3, 5))) for _ in range(rng.randint(10, 40))]
+    for _ in range(rng.randint(1, 6)):  # at least one match, so grep succeeds
+        words = rng.sample(others, rng.randint(2, 4))
+        words.insert(rng.randint(0, len(words)), word)
+        lines.insert(rng.randint(0, len(lines)), " ".join(words))
+    expected = [line for line in lines if word in line]
+    text = "\n".join(lines) + "\n"
+    instruction = _pick(rng, "Write every line of /app/{s} that contains `{w}` to /app/{h} (same order), then write how many such lines there are to /app/count.txt.",
+                        "Find the lines of /app/{s} mentioning `{w}` and save them, in their original order, to /app/{h}. "
+                        "Also put the number of those lines, alone, in /app/count.txt.").format(s=source, w=word, h=hits)
+    tests = f'''
+        from pathlib import Path
+
+        EXPECTED = {expected!r}
+
+        def test_hits_exist():
+            assert Path("/app/{hits}").is_file()
+
+        def test_hits_lines():
+            assert Path("/app/{hits}").read_text().splitlines() == EXPECTED
+
+        def test_count_exists():
+            assert Path("/app/count.txt").is_file()
+
+        def test_count_value():
+            assert Path("/app/count.txt").read_text().strip() == str(len(EXPECTED))
+    '''
+    solution = f"grep {word} {source} > {hits}\nwc -l < {hits} > count.txt\n"
+    return TaskFiles(instruction, {source: text}, tests, solution)
+
+
+def tar_folder(rng: random.Random) -> TaskFiles:
+    """Pack a folder into a .tar.gz, then delete the folder (two commands)."""
+    folder, archive = rng.sample(WORDS, 2)
+    files = {f"{folder}/{name}.txt": f"{name} {rng.randint(0, 999)}\n" for name in rng.sample(WORDS, rng.randint(2, 5))}
+    instruction = _pick(rng, "Pack the folder /app/{d} into a gzip-compressed tar archive /app/{a}.tar.gz (member paths starting with {d}/), then delete /app/{d}.",
+                        "Archive /app/{d} as /app/{a}.tar.gz (tar + gzip, paths inside beginning with {d}/) and remove the original folder afterwards.").format(
+                            d=folder, a=archive)
+    tests = f'''
+        import tarfile
+        from pathlib import Path
+
+        A = Path("/app/{archive}.tar.gz")
+        FILES = {files!r}
+
+        def test_archive_exists():
+            assert A.is_file()
+
+        def test_archive_is_gzip_tar():
+            with tarfile.open(A, "r:gz") as tar:
+                assert tar.getmembers()
+
+        def test_archive_contents():
+            with tarfile.open(A, "r:gz") as tar:
+                got = {{m.name: tar.extractfile(m).read().decode() for m in tar.getmembers() if m.isfile()}}
+            assert got == FILES
+
+        def test_folder_removed():
+            assert not Path("/app/{folder}").exists()
+    '''
+    solution = f"tar czf {archive}.tar.gz {folder}\nrm -r {folder}\n"
+    return TaskFiles(instruction, files, tests, solution)
+
+
 FAMILIES: dict[str, Callable[[random.Random], TaskFiles]] = {
     "count-matches": count_matches,
     "sum-column": sum_column,
@@ -239,8 +380,67 @@ FAMILIES: dict[str, Callable[[random.Random], TaskFiles]] = {
     "rename-ext": rename_ext,
     "json-filter": json_filter,
     "make-executable": make_executable,
+    "mkdir-write": mkdir_write,
+    "copy-count": copy_count,
+    "grep-count": grep_count,
+    "tar-folder": tar_folder,
 }
 """Task families by name (``t1async synth --family NAME``)."""
+
+
+_SET_OPTIONS = re.compile(r"set(\s+(-[A-Za-z]*o\s+\w+|[-+][A-Za-z]+))+")
+"""A shell-options line such as ``set -e``, ``set -euo pipefail``, ``set -o pipefail``, ``set +x``."""
+
+
+def _shell_accepts(text: str) -> bool:
+    """Whether ``bash -n`` parses ``text`` as complete commands (no syntax error, no heredoc left open)."""
+    if re.search(r"(?<!\\)(\\\\)*\\$", text):  # ends in a line continuation: bash -n would accept it
+        return False
+    run = subprocess.run(["bash", "-n"], input=text + "\n", capture_output=True, text=True, timeout=10)
+    return run.returncode == 0 and not run.stderr.strip()  # an open heredoc is only a warning
+
+
+def oracle_commands(solution_text: str) -> list[str]:
+    """Split a ``solve.sh`` body into the complete shell commands an agent would type, one per turn.
+
+    Dropped: the shebang line, blank lines and comment-only lines between commands, shell-options
+    lines (``set -e``, ``set -euo pipefail``, ...) and a ``cd /app`` before the first command (the
+    episode's shell already starts in /app). Lines are accumulated until ``bash -n`` accepts the
+    text, so a backslash continuation, a heredoc, an ``if``/``for``/``while`` block or a quote
+    spanning lines becomes one command; its lines are kept verbatim, joined by ``\\n``.
+
+    Args:
+        solution_text: the script's text (str), e.g. ``Path("solution/solve.sh").read_text()``.
+
+    Returns:
+        The commands in script order (list of str, no trailing newline); empty for a script with
+        no commands.
+
+    Raises:
+        ValueError: the script ends inside an incomplete (or invalid) command; the message quotes
+            the command's text and its first line number.
+    """
+    commands: list[str] = []
+    pending: list[str] = []
+    start = 0
+    for number, line in enumerate(solution_text.splitlines(), 1):
+        if not pending:
+            stripped = line.strip()
+            if not stripped or stripped.startswith("#") or _SET_OPTIONS.fullmatch(stripped):
+                continue
+            if not commands and re.fullmatch(r"cd\s+/app/?", stripped):
+                continue
+            start = number
+        pending.append(line)
+        text = "\n".join(pending).rstrip()
+        if _shell_accepts(text):
+            commands.append(text)
+            pending = []
+    if pending:
+        text = "\n".join(pending)
+        raise ValueError(f"solve.sh line {start}: the script ends inside an incomplete or invalid shell command: "
+                         f"{text[:300]!r}; close its quote, heredoc or block (or fix its syntax)")
+    return commands
 
 
 def write_task(folder: Path, name: str, family: str, spec: TaskFiles) -> Path:

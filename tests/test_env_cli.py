@@ -63,7 +63,7 @@ def test_eval_policy_runs_real_episodes(tmp_path, capsys):
 
 
 def test_synth_every_family_validates(tmp_path, capsys):
-    assert len(FAMILIES) >= 5
+    assert len(FAMILIES) >= 9
     for family in FAMILIES:
         assert main(["synth", "--family", family, "--n", "1", "--out", str(tmp_path / "train"), "--seed", "7"]) == 0, family
     out = capsys.readouterr().out
