@@ -370,7 +370,7 @@ class Learner:
 
         Two masks per trajectory: ``vmask`` (every sampled token) and ``mask``, the policy's
         (:func:`t1async.abnormal.policy_mask`: ``vmask`` less the turns set to ``mask_turn``).
-        GAE runs over every sampled token, so the advantages of the tokens kept are the same as
+        GAE runs over every sampled token, so the raw advantages of the tokens kept are those
         without masking; the masked tokens leave the policy loss and the advantage whitening. The
         critic still trains on them: their states were really visited and their returns really
         observed, and earlier tokens' advantages bootstrap through their values.
@@ -393,8 +393,8 @@ class Learner:
             adv_s, ret_s = gae(rewards, old_v[0, idx].numpy(), cfg.gamma, cfg.lam)
             adv, ret = torch.zeros_like(vmask), torch.zeros_like(vmask)
             adv[0, idx], ret[0, idx] = torch.from_numpy(adv_s), torch.from_numpy(ret_s)
-            items.append({"inp": inp, "tgt": tgt, "mask": mask, "vmask": vmask, "mu": mu, "replay": replay, "recorded": recorded,
-                          "old_v": old_v, "adv": adv, "ret": ret})
+            items.append({"inp": inp, "tgt": tgt, "mask": mask, "vmask": vmask, "mu": mu, "replay": replay,
+                          "recorded": recorded, "old_v": old_v, "adv": adv, "ret": ret})
         n_tokens = float(sum(it["mask"].sum() for it in items))  # policy-loss tokens
         n_value = float(sum(it["vmask"].sum() for it in items))  # every sampled token
         if cfg.normalize_advantages:

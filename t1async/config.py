@@ -496,7 +496,8 @@ _VALUE_RULES: list[tuple[str, Any, str]] = [
     *[(f"learner.abnormal.{kind}", lambda v: v in ("train", "mask_turn", "drop"), "'train', 'mask_turn' or 'drop'")
       for kind in ("length_cut", "aborted", "command_timeout", "sandbox_refused")],
     *[(f"learner.abnormal.{kind}", lambda v: v in ("train", "drop"),
-       "'train' or 'drop' (an episode-level end has no one turn to mask)") for kind in ("context_full", "episode_timeout")],
+       "'train' or 'drop' (an episode-level end has no one turn to mask)")
+      for kind in ("context_full", "episode_timeout")],
 ]
 
 # (rule over the whole config, the keys it concerns, what must hold)
