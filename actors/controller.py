@@ -67,6 +67,7 @@ class Controller:
         self.version = 0
         self.started = 0
         self.failed_episodes = 0
+        self.failures: dict[str, int] = {}  # failed episodes by short reason key (see episode_failed)
         self.discarded = 0
         self.crashes = 0
         self.target = cfg.num_actors
@@ -127,11 +128,18 @@ class Controller:
             self._cond.notify_all()
 
     def episode_failed(self, actor_id: int, reason: str) -> None:
-        """An admitted episode produced no trajectory: count it and return its admission slot."""
+        """An admitted episode produced no trajectory: count it and return its admission slot.
+
+        ``reason`` is ``"<ExceptionType>: message"`` (actors/rollout.py); it is also counted by
+        its key, the text before the first colon (``SandboxError``, ``TaskError``,
+        ``SamplerError``...), in :meth:`status` ``episode_failures`` (and so in summary.json).
+        """
+        key = reason.split(":", 1)[0].strip()[:60] or "unknown"
         with self._cond:
             self._running.pop(actor_id, None)
             self.started -= 1
             self.failed_episodes += 1
+            self.failures[key] = self.failures.get(key, 0) + 1
             self._cond.notify_all()
         logger.warning("rollout {} lost an episode: {}", actor_id, reason)
 
@@ -161,12 +169,13 @@ class Controller:
         logger.info("rollout actors scaled to {}", num_actors)
 
     def status(self) -> dict[str, Any]:
-        """Actor count, admissions, failures, crashes and the version admission follows."""
+        """Actor count, admissions, failures (in all and by reason key), crashes and the version admission follows."""
         with self._cond:
             running, pending, oldest = len(self._running), len(self._pending), self.oldest_version()
         return {"actors": len(self._actors), "target": self.target, "started": self.started, "version": self.version,
                 "oldest_version": oldest, "running": running, "pending": pending,
-                "failed_episodes": self.failed_episodes, "discarded": self.discarded, "crashes": self.crashes}
+                "failed_episodes": self.failed_episodes, "episode_failures": dict(self.failures),
+                "discarded": self.discarded, "crashes": self.crashes}
 
     # ---- supervision loop ---------------------------------------------------------------
     def run(self) -> dict[str, Any]:

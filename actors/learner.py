@@ -4,7 +4,8 @@ Data path (one process):
 
     ZeroMQ ROUTER --(receive thread: de-duplicate by trajectory id; decode + validate, bad
     frames counted, quarantined and REJected; append to the durable receive log, then ACK)-->
-    bounded queue (messages and bytes) --(run loop: staleness filter, batch of ``batch_size``)
+    bounded queue (messages and bytes) --(run loop: staleness and abnormal-end filter
+    (``learner.abnormal``, t1async/abnormal.py), batch of ``batch_size``)
     --> critic values, GAE --> decoupled-PPO update with routing replay --> every
     ``publish_every`` steps: version + 1, broadcast to every sampler --> metrics.jsonl,
     checkpoints (weights + the ids they consumed, renamed into place atomically).
@@ -34,6 +35,8 @@ import torch.nn as nn
 from loguru import logger
 from safetensors.torch import load_file, save_file
 
+from t1async.abnormal import (DROP_REASONS, drop_detail, drop_reason, finish_counts, masked_turns, policy_mask,
+                              turn_counts)
 from t1async.actors import call
 from t1async.config import GenerationConfig, LearnerConfig, ModelConfig, TransportConfig, WeightSyncConfig
 from t1async.delivery import (ByteQueue, ReceiveLog, commit, latest_checkpoint, read_consumed, staging_dir,
@@ -133,7 +136,8 @@ class Learner:
         self.version = 0
         self.step = 0
         self.counters = {"received": 0, "rejected": 0, "dropped_stale": 0, "trained": 0, "duplicates": 0, "replayed": 0}
-        self._consumed: dict[str, int] = {}  # trajectory id -> step that trained it (-1: dropped as stale)
+        self.dropped = dict.fromkeys(DROP_REASONS, 0)  # trajectories dropped, by reason (cumulative)
+        self._consumed: dict[str, int] = {}  # trajectory id -> step that trained it (-1: dropped)
         self._rejected_keys: collections.OrderedDict[str, str] = collections.OrderedDict()  # id -> reason, newest last
         self._log = ReceiveLog(self.run_dir / "receive_log", fsync=transport.log_fsync, reset=not cfg.resume)
         if cfg.resume:
@@ -170,9 +174,9 @@ class Learner:
         self._stop.set()
 
     def status(self) -> dict[str, Any]:
-        """Step, version, queue depth and counters."""
+        """Step, version, queue depth, counters and dropped trajectories by reason."""
         return {"step": self.step, "version": self.version, "queue_depth": self._queue.qsize(),
-                "queue_bytes": self._queue.nbytes, **self.counters}
+                "queue_bytes": self._queue.nbytes, **self.counters, "dropped": dict(self.dropped)}
 
     # ---- resume -------------------------------------------------------------------------
     def _resume(self, path: Path | None) -> None:
@@ -187,6 +191,7 @@ class Learner:
             state = json.loads((path / "trainer_state.json").read_text())
             self.step, self.version = int(state["step"]), int(state["version"])
             self.counters.update({k: int(state[k]) for k in self.counters if k in state})
+            self.dropped.update({k: int(v) for k, v in state.get("dropped", {}).items()})
             self._consumed = read_consumed(path / "consumed.json")
         # Weights published after that checkpoint are lost: the next publication takes a new,
         # higher number (see _publish), so versions never repeat.
@@ -281,7 +286,7 @@ class Learner:
                 continue
 
     def _discard(self, reason: str, trajectory_id: str) -> None:
-        """Give a stale-dropped trajectory's admission slot back to the controller
+        """Give a dropped trajectory's admission slot back to the controller
         (held until :meth:`run` receives the controller)."""
         with self._discard_lock:
             self._pending_discards.append((reason, trajectory_id))
@@ -359,7 +364,8 @@ class Learner:
         return self.status()
 
     def _collect_batch(self) -> list[Trajectory] | None:
-        """Take ``batch_size`` trajectories within the staleness bound; drop and count older ones."""
+        """Take ``batch_size`` trajectories within the staleness bound and not to be dropped for an
+        abnormal end (:func:`t1async.abnormal.drop_reason`); drop and count the others."""
         batch: list[Trajectory] = []
         deadline = time.monotonic() + self.cfg.batch_timeout_s
         while len(batch) < self.cfg.batch_size:
@@ -376,38 +382,57 @@ class Learner:
             staleness = self.version - traj.min_version
             if staleness > self.cfg.max_staleness:
                 self.counters["dropped_stale"] += 1
-                self._consumed[traj.trajectory_id] = -1
-                self._discard(f"stale: {staleness} > {self.cfg.max_staleness}", traj.trajectory_id)
-                logger.warning("dropped trajectory {} of {}: staleness {} > {}", traj.trajectory_id, traj.task,
-                               staleness, self.cfg.max_staleness)
+                self._drop(traj, "stale", f"{staleness} > {self.cfg.max_staleness}")
+                continue
+            reason = drop_reason(traj, self.cfg.abnormal)
+            if reason is not None:
+                self._drop(traj, reason, drop_detail(traj, reason))
                 continue
             batch.append(traj)
         return batch
 
+    def _drop(self, traj: Trajectory, reason: str, detail: str) -> None:
+        """Never train ``traj``: count it under ``reason``, mark its id consumed (-1: a resend or a
+        resume does not bring it back) and return its admission slot (:meth:`_discard`)."""
+        self.dropped[reason] += 1
+        self._consumed[traj.trajectory_id] = -1
+        self._discard(f"{reason}: {detail}", traj.trajectory_id)
+        logger.warning("dropped trajectory {} of {}: {} ({})", traj.trajectory_id, traj.task, reason, detail)
+
     def _train_step(self, batch: list[Trajectory]) -> dict[str, float]:
-        """One actor-critic update on ``batch`` (micro-batches of one trajectory, accumulated)."""
+        """One actor-critic update on ``batch`` (micro-batches of one trajectory, accumulated).
+
+        Two masks per trajectory: ``vmask`` (every sampled token) and ``mask``, the policy's
+        (:func:`t1async.abnormal.policy_mask`: ``vmask`` less the turns set to ``mask_turn``).
+        GAE runs over every sampled token, so the raw advantages of the tokens kept are those
+        without masking; the masked tokens leave the policy loss and the advantage whitening. The
+        critic still trains on them: their states were really visited and their returns really
+        observed, and earlier tokens' advantages bootstrap through their values.
+        """
         cfg, gen = self.cfg, self.generation
         items = []
         for traj in batch:
             ids = torch.from_numpy(traj.token_ids.astype(np.int64))
             inp, tgt = ids[:-1].unsqueeze(0), ids[1:].unsqueeze(0)
-            mask = torch.from_numpy(traj.loss_mask[1:].astype(np.float32)).unsqueeze(0)
+            vmask = torch.from_numpy(traj.loss_mask[1:].astype(np.float32)).unsqueeze(0)
+            mask = torch.from_numpy(policy_mask(traj, cfg.abnormal)[1:].astype(np.float32)).unsqueeze(0)
             mu = torch.from_numpy(traj.logprobs[1:].astype(np.float32)).unsqueeze(0)
             recorded = torch.from_numpy(traj.routed_experts.astype(np.int64)).unsqueeze(0)  # [1, T-1, L, K]
             replay = recorded if cfg.routing_replay else None
             with torch.no_grad():
                 old_v = self.critic(inp)
-            idx = mask[0].nonzero().squeeze(-1)
+            idx = vmask[0].nonzero().squeeze(-1)
             rewards = np.zeros(idx.numel(), dtype=np.float32)
             rewards[-1] = episode_reward(traj, cfg.reward)
             adv_s, ret_s = gae(rewards, old_v[0, idx].numpy(), cfg.gamma, cfg.lam)
-            adv, ret = torch.zeros_like(mask), torch.zeros_like(mask)
+            adv, ret = torch.zeros_like(vmask), torch.zeros_like(vmask)
             adv[0, idx], ret[0, idx] = torch.from_numpy(adv_s), torch.from_numpy(ret_s)
-            items.append({"inp": inp, "tgt": tgt, "mask": mask, "mu": mu, "replay": replay, "recorded": recorded,
-                          "old_v": old_v, "adv": adv, "ret": ret})
-        n_tokens = float(sum(it["mask"].sum() for it in items))
-        ev = explained_variance(torch.cat([it["old_v"][it["mask"].bool()] for it in items]),
-                                torch.cat([it["ret"][it["mask"].bool()] for it in items]))
+            items.append({"inp": inp, "tgt": tgt, "mask": mask, "vmask": vmask, "mu": mu, "replay": replay,
+                          "recorded": recorded, "old_v": old_v, "adv": adv, "ret": ret})
+        n_tokens = float(sum(it["mask"].sum() for it in items))  # policy-loss tokens
+        n_value = float(sum(it["vmask"].sum() for it in items))  # every sampled token
+        ev = explained_variance(torch.cat([it["old_v"][it["vmask"].bool()] for it in items]),
+                                torch.cat([it["ret"][it["vmask"].bool()] for it in items]))
         if cfg.normalize_advantages:
             flat = torch.cat([it["adv"][it["mask"].bool()] for it in items])
             mean, std = flat.mean(), flat.std(unbiased=False).clamp(min=1e-6)
@@ -430,8 +455,8 @@ class Learner:
                 if epoch == 0:
                     boundary += int((outside & it["mask"].bool()).sum())
                     it["prox"] = logp.detach()  # proximal policy = the weights before this update
-                    diff_sum += float(((it["prox"] - it["mu"]).abs() * it["mask"]).sum())
-                    k3_sum += float((k3(it["prox"], it["mu"]) * it["mask"]).sum())
+                    diff_sum += float(((it["prox"] - it["mu"]).abs() * it["vmask"]).sum())
+                    k3_sum += float((k3(it["prox"], it["mu"]) * it["vmask"]).sum())
                     # routing vs the sampler's rows: the experts used (0 under replay) and the
                     # router's own top-k from this same forward (what no replay would use)
                     routed_pos += it["recorded"].shape[1]
@@ -439,7 +464,8 @@ class Learner:
                     own_diff += int(routing_differs(out.router_experts, it["recorded"]).sum())
                 pl = policy_loss(logp, it["prox"], it["mu"], it["adv"], it["mask"], clip_eps=cfg.clip_eps,
                                  is_cap=cfg.is_cap, denom=n_tokens)
-                vl = value_loss(self.critic(it["inp"]), it["old_v"], it["ret"], it["mask"], clip=cfg.value_clip, denom=n_tokens)
+                vl = value_loss(self.critic(it["inp"]), it["old_v"], it["ret"], it["vmask"], clip=cfg.value_clip,
+                                denom=n_value)
                 loss = cfg.value_coef * vl + (pl.loss if train_policy else 0.0)
                 loss.backward()
                 if epoch == cfg.ppo_epochs - 1:
@@ -455,13 +481,13 @@ class Learner:
                 gn = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.max_grad_norm)
                 sums["grad_norm"] = float(gn)
                 self.policy_opt.step()
-        return {**sums, "is_weight_max": is_max, "logprob_diff_mean": diff_sum / max(n_tokens, 1.0),
-                "kl_k3": k3_sum / max(n_tokens, 1.0), "nucleus_boundary_tokens": boundary,
+        return {**sums, "is_weight_max": is_max, "logprob_diff_mean": diff_sum / max(n_value, 1.0),
+                "kl_k3": k3_sum / max(n_value, 1.0), "nucleus_boundary_tokens": boundary,
                 "routing_diff_frac": used_diff / max(routed_pos, 1), "router_diff_frac": own_diff / max(routed_pos, 1),
                 "drift_tokens": int(sum(t.drift_tokens for t in batch)),
                 "template_mismatches": int(sum(t.template_mismatches for t in batch)),
                 "train_policy": train_policy, "phase": "rl" if train_policy else "critic_warmup",
-                "explained_variance": ev, "trained_tokens": n_tokens}
+                "explained_variance": ev, "trained_tokens": n_value}
 
     def _batch_metrics(self, batch: list[Trajectory], stale: list[int]) -> dict[str, Any]:
         self.counters["trained"] += len(batch)
@@ -471,6 +497,10 @@ class Learner:
             "trajectories": len(batch),
             "trajectories_total": self.counters["trained"],
             "dropped_stale": self.counters["dropped_stale"],
+            "dropped": dict(self.dropped),
+            "abnormal_turns": turn_counts(batch),
+            "masked_turns": int(sum(masked_turns(t, self.cfg.abnormal).sum() for t in batch)),
+            "finish_reasons": finish_counts(batch),
             "rejected": self.counters["rejected"],
             "reward_mean": float(np.mean([t.reward for t in batch])),
             "resolved_rate": float(np.mean([t.resolved for t in batch])),
@@ -508,7 +538,8 @@ class Learner:
         save_file({k: v.detach().contiguous() for k, v in self.critic.state_dict().items()}, str(tmp / "critic.safetensors"))
         torch.save({"policy": self.policy_opt.state_dict(), "critic": self.critic_opt.state_dict()}, tmp / "optimizers.pt")
         write_consumed(tmp / "consumed.json", self._consumed)
-        (tmp / "trainer_state.json").write_text(json.dumps({"step": self.step, "version": self.version, **self.counters}))
+        (tmp / "trainer_state.json").write_text(json.dumps({"step": self.step, "version": self.version, **self.counters,
+                                                            "dropped": self.dropped}))
         path = commit(tmp, root / f"step_{self.step:06d}", fsync=self._log.fsync)
         self._log.drop_consumed(self._consumed)
         self._saved_step = self.step

@@ -22,6 +22,10 @@ tests/test_tito.py):
   the command is the text before it, ``<|im_end|>`` is appended with mask 0;
 - length limit / the model ran on without a stop id: ``<|im_end|>`` appended with mask 0;
 - empty command (only whitespace before the stop): not run; the observation is empty;
+- cut at ``max_new_tokens`` (finish_reason ``length``): the command is not run unless
+  ``env.run_cut_commands``; the observation says so (:data:`CUT_NOTE`);
+- aborted by the sampler (finish_reason ``abort``, SGLang only): the command is not run, the
+  observation says so (:data:`ABORT_NOTE`), the episode goes on;
 - unparseable text (special-token ids sampled mid-turn, bytes that are not UTF-8): the command is
   the decoded text as is; the ids stay exactly as sampled.
 
@@ -30,7 +34,9 @@ whose id differs from the id the sampler returned; 0 by construction, checked at
 ``template_mismatches`` (turns where rendering the history through the chat template,
 ``render_turn("assistant", text)``, gives other ids than the stream holds for that turn: BPE merges
 across the header or inside the decoded text, a sampled eos or special token, invalid UTF-8; the
-stream wins, the count is a metric). The rollout actor waits for admission from
+stream wins, the count is a metric). Each turn's abnormal end (cut, aborted, command timed out,
+refused by a sandbox limit) is recorded in ``turn_status`` (codes in t1async/trajectory.py); the
+learner decides what to train of it (``learner.abnormal``). The rollout actor waits for admission from
 the controller before each episode (staleness control) and stops when admission says so.
 """
 
@@ -51,10 +57,16 @@ from t1async.envs.limits import unmount_all_under
 from t1async.envs.task import Task, discover_tasks
 from t1async.envs.terminal import TerminalEnv
 from t1async.fileio import claim_folder, dead_owner_folders
-from t1async.sampler_client import HttpSampler, Sampler
+from t1async.sampler_client import HttpSampler, Sampler, SamplerError
 from t1async.tokenizer import ChatTokenizer
-from t1async.trajectory import EncodedTrajectory, Trajectory
+from t1async.trajectory import (TURN_ABORTED, TURN_COMMAND_TIMEOUT, TURN_CUT_NOT_RUN, TURN_LENGTH_CUT,
+                                TURN_SANDBOX_REFUSED, EncodedTrajectory, Trajectory)
 from t1async.transport import TrajectorySender, ZmqSender
+
+CUT_NOTE = "[your message was cut at the limit of {n} tokens; the command was not run]"
+"""Observation of a turn cut at ``max_new_tokens`` whose command was not run (``{n}``: the limit)."""
+ABORT_NOTE = "[the sampler aborted your message; the command was not run]"
+"""Observation of a turn the sampler aborted."""
 
 
 class EpisodeBuilder:
@@ -71,6 +83,7 @@ class EpisodeBuilder:
         self.logprobs: list[float] = [0.0] * len(prompt_ids)
         self.versions: list[int] = [-1] * len(prompt_ids)
         self.turns: list[tuple[int, int]] = []
+        self.turn_status: list[int] = []  # one code per turn (t1async.trajectory.TURN_STATUS)
         self.sampled: list[list[int]] = []  # what the sampler returned, per turn, kept apart to measure drift
         self.routing: list[np.ndarray] = []
         self.routing_rows = 0
@@ -96,6 +109,7 @@ class EpisodeBuilder:
         self.logprobs += logprobs
         self.versions += [version] * len(ids)
         self.turns.append((start, len(self.ids)))
+        self.turn_status.append(0)  # set by the caller once the turn's command has run
         self.routing.append(routing)
         self.routing_rows += routing.shape[0]
 
@@ -126,6 +140,7 @@ class EpisodeBuilder:
             logprobs=np.asarray(self.logprobs[:end], dtype=np.float32),
             versions=np.asarray(self.versions[:end], dtype=np.int32),
             turn_offsets=np.asarray(self.turns, dtype=np.int32),
+            turn_status=np.asarray(self.turn_status, dtype=np.uint8),
             routed_experts=routing,
             drift_tokens=drift,
             template_mismatches=self.template_mismatches,
@@ -165,8 +180,14 @@ def run_episode(task: Task, env: TerminalEnv, sampler: Sampler, tokenizer: ChatT
     budget (the smaller of the task's and ``env_cfg.episode_timeout_s``) is spent, or when the
     next turn would not fit the model's context.
 
+    Each turn's status is recorded (``turn_status``): a turn cut at ``max_new_tokens`` is never
+    run as if it were whole (not run unless ``env_cfg.run_cut_commands``; marked length-cut
+    either way), an aborted turn is not run, and a command that timed out or hit a sandbox limit
+    is marked so. A cut or aborted turn is never taken as the end signal.
+
     Raises:
-        SamplerError, SandboxError: the episode could not run (the caller logs and counts it).
+        SamplerError, SandboxError: the episode could not run (the caller logs and counts it),
+            including a sampler answer without a single token.
     """
     started = time.time()
     instruction = env.reset()
@@ -184,17 +205,37 @@ def run_episode(task: Task, env: TerminalEnv, sampler: Sampler, tokenizer: ChatT
             finish = "context_full"
             break
         resp = sampler.generate(ep.ids, params, routed_experts_start_len=ep.routing_rows)
+        if not resp.output_ids:  # an empty turn has no span to train or mark (e.g. an abort before any token)
+            raise SamplerError(f"sampler answered no tokens (finish_reason {resp.finish_reason!r}) "
+                               f"after {len(ep.turns)} turns")
         ep.add_sampled(resp.output_ids, resp.logprobs, resp.weight_version, resp.routed_experts)
         ep.template_mismatches += template_renders_differently(tokenizer, resp.output_ids)
         ended = bool(resp.output_ids) and resp.output_ids[-1] == tokenizer.im_end_id
         body, _ = split_turn(resp.output_ids, (tokenizer.im_end_id, tokenizer.eos_id))
         command = tokenizer.decode(body).replace("\x00", "").strip()
-        if command == env_cfg.end_signal:
+        cut, aborted = resp.finish_reason == "length", resp.finish_reason == "abort"
+        run_it = not aborted and (not cut or env_cfg.run_cut_commands)
+        if run_it and command == env_cfg.end_signal:
             finish = "end_signal"
             break
         if not ended:
             ep.add_context(eot)  # drift repair: close the turn as the template would
-        output = env.step(command).output if command else ""
+        output = ""
+        if aborted:
+            ep.turn_status[-1], output = TURN_ABORTED, ABORT_NOTE
+        elif cut and not run_it:
+            ep.turn_status[-1], output = TURN_CUT_NOT_RUN, CUT_NOTE.format(n=gen_cfg.max_new_tokens)
+        elif command:
+            result = env.step(command)
+            output = result.output
+            if cut:
+                ep.turn_status[-1] = TURN_LENGTH_CUT
+            elif result.refused:
+                ep.turn_status[-1] = TURN_SANDBOX_REFUSED
+            elif result.timed_out:
+                ep.turn_status[-1] = TURN_COMMAND_TIMEOUT
+        elif cut:
+            ep.turn_status[-1] = TURN_LENGTH_CUT
         ep.add_context(tokenizer.render_observation(output))
     verdict = env.verify()
     if verdict.error:  # keep the evidence: the trajectory carries only the error line

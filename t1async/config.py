@@ -149,6 +149,12 @@ class EnvConfig:
     ``[verifier] timeout_sec``."""
     end_signal: str = "exit"
     """An assistant message equal to this (after stripping whitespace) ends the episode."""
+    run_cut_commands: bool = False
+    """What to do with a turn the sampler cut at ``generation.max_new_tokens``. False (default):
+    the cut command is not run (it is not the command the policy meant: half a ``rm -rf`` path,
+    an unclosed heredoc) and the observation says it was cut at the token limit and not run.
+    True: it is run as it is. Either way the turn is marked length-cut in the trajectory's
+    ``turn_status`` (and ``learner.abnormal.length_cut`` decides how it is trained)."""
     system_prompt: str = (
         "You operate a Linux shell to finish the task. Reply with exactly one shell command per "
         "message; its output comes back as the next message. The working directory is /app. "
@@ -259,6 +265,47 @@ class WeightSyncConfig:
 
 
 @dataclass
+class AbnormalConfig:
+    """What the learner does with a trajectory that did not end normally, one field per kind.
+
+    Each kind is recorded by the rollout actor: per turn in ``Trajectory.turn_status``, per
+    episode in ``finish_reason``. Values: ``train`` (as if nothing happened: the outcome is a
+    consequence of the policy's own choice and the reward is real), ``mask_turn`` (per-turn kinds
+    only: the sampled tokens of each such turn leave the policy loss; the critic still trains on
+    them, see actors/learner.py), ``drop`` (the whole trajectory is never trained on: its
+    admission slot is returned, its id marked consumed, and it is counted by kind in
+    metrics.jsonl ``dropped``). A trajectory whose every loss token is masked is dropped
+    (``dropped["all_turns_masked"]``).
+
+    A verifier error (``Trajectory.verifier_error`` set: timeout, crash, no test summary) is
+    always dropped and not configurable: its reward is unknown, the 0 it carries is not a real
+    score, and since the reward reaches every token through GAE there is no part of the episode
+    that could be trained safely (``dropped["verifier_error"]``).
+    """
+
+    length_cut: str = "train"
+    """A turn cut at ``generation.max_new_tokens`` (run or not, see ``env.run_cut_commands``).
+    Default train: the policy sampled every one of those tokens itself, and running out of tokens
+    (with the observation saying so) is what teaches it to answer briefly."""
+    aborted: str = "drop"
+    """A turn the sampler aborted (SGLang finish_reason ``abort``; the command was not run).
+    Default drop: the turn was ended by the serving system, not by the policy, so the rest of the
+    episode and its reward are shaped by an event the policy cannot learn to avoid."""
+    command_timeout: str = "train"
+    """A turn whose command overran ``env.command_timeout_s`` and was killed. Default train: a
+    hanging command is the policy's choice, and the timeout note it saw is its consequence."""
+    sandbox_refused: str = "train"
+    """A turn whose command hit a sandbox limit (processes, memory, disk). Default train: as for a
+    timeout, the limit is part of the environment the policy acts in."""
+    context_full: str = "train"
+    """An episode ended because the next turn would not fit the model's context (``train`` or
+    ``drop``). Default train: the verifier judged the final state, so the reward is real."""
+    episode_timeout: str = "train"
+    """An episode ended because the agent's time budget was spent (finish_reason ``timeout``;
+    ``train`` or ``drop``). Default train: the reward of the state reached in time is real."""
+
+
+@dataclass
 class LearnerConfig:
     """Actor-critic learner: decoupled PPO with truncated importance weights and GAE."""
 
@@ -312,6 +359,8 @@ class LearnerConfig:
     them with ``t1async.trajectory.decode``) for inspection."""
     batch_timeout_s: float = 600.0
     """Longest wait for one batch before the learner reports it is starved and stops."""
+    abnormal: AbnormalConfig = field(default_factory=AbnormalConfig)
+    """What to train of episodes and turns that did not end normally (see :class:`AbnormalConfig`)."""
     resume: bool = False
     """Resume in ``run.dir`` (give the killed run's directory): restore the latest checkpoint
     (weights, optimisers, step, version, the ids it consumed), then train on every trajectory in
@@ -494,6 +543,11 @@ _VALUE_RULES: list[tuple[str, Any, str]] = [
     ("sft.log_every", lambda v: v >= 1, "an integer >= 1"),
     ("sft.build_concurrency", lambda v: v >= 1, "an integer >= 1"),
     ("model.num_hidden_layers", lambda v: v >= 1, "an integer >= 1"),
+    *[(f"learner.abnormal.{kind}", lambda v: v in ("train", "mask_turn", "drop"), "'train', 'mask_turn' or 'drop'")
+      for kind in ("length_cut", "aborted", "command_timeout", "sandbox_refused")],
+    *[(f"learner.abnormal.{kind}", lambda v: v in ("train", "drop"),
+       "'train' or 'drop' (an episode-level end has no one turn to mask)")
+      for kind in ("context_full", "episode_timeout")],
 ]
 
 # (rule over the whole config, the keys it concerns, what must hold)
@@ -512,8 +566,9 @@ def check_values(cfg: Config, source: str = "config") -> None:
         ConfigError: naming the key, the value, what is valid, and where the config came from.
     """
     for key, ok, valid in _VALUE_RULES:
-        section, name = key.split(".")
-        value = getattr(getattr(cfg, section), name)
+        value: Any = cfg
+        for name in key.split("."):
+            value = getattr(value, name)
         if not ok(value):
             raise ConfigError(f"{source}: {key}={value!r} is invalid: use {valid}")
     for ok, key, valid in _CROSS_RULES:

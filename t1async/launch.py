@@ -257,6 +257,7 @@ def _metrics_summary(path: Path) -> dict[str, Any]:
         "final_version": rows[-1]["version"],
         "trajectories": n,
         "dropped_stale": rows[-1]["dropped_stale"],
+        "dropped": rows[-1].get("dropped", {}),  # (absent from rows written before it existed)
         "reward_mean": sum(r["reward_mean"] * r["trajectories"] for r in rows) / n,
         "resolved_rate": sum(r["resolved_rate"] * r["trajectories"] for r in rows) / n,
         "staleness_max": max(r["staleness_max"] for r in rows),

@@ -4,7 +4,7 @@ All wire types live here. A rollout actor builds a :class:`Trajectory`, :func:`e
 into one frame (:class:`EncodedTrajectory` gives it as parts to write without a copy first), the transport carries the frame to the learner, and :func:`decode` gives back
 read-only numpy views over the received frame (zero-copy) after checking every invariant below.
 
-Frame layout (schema version 2; all integers little-endian)::
+Frame layout (schema version 3; all integers little-endian)::
 
     offset 0   magic     4 bytes  b"T1TJ"
     offset 4   H         uint32   length of the header
@@ -38,6 +38,16 @@ versions        [T]               <i4          weight version that sampled token
 turn_offsets    [turns, 2]        <i4          [start, end) of each turn's sampled span:
                                                non-empty, increasing, inside [1, T]; every
                                                mask-1 token lies in a span
+turn_status     [turns]           |u1          how each turn ended, one code per row of
+                                               turn_offsets (:data:`TURN_STATUS`): 0 normal,
+                                               1 cut at max_new_tokens (its command was run
+                                               anyway: ``env.run_cut_commands``), 2 aborted by
+                                               the sampler (command not run), 3 the command
+                                               timed out, 4 the sandbox refused part of the
+                                               command (a resource limit), 5 cut at
+                                               max_new_tokens and its command not run. Where
+                                               several apply, the sampler's (2, 5, 1) wins over
+                                               the command's (4, then 3). Added in schema 3.
 routed_experts  [T - 1, L, K]     |u1/<u2/<u4  expert ids chosen for input position i at each
                                                MoE layer, in the smallest unsigned dtype that
                                                holds ``num_experts`` (:func:`experts_dtype`);
@@ -49,9 +59,13 @@ routed_experts  [T - 1, L, K]     |u1/<u2/<u4  expert ids chosen for input posit
 Scalars: ``trajectory_id`` (str, 1-128 chars, unique; the key for de-duplication),
 ``task`` (task name), ``actor_id`` (int >= 0, the rollout actor), ``num_experts`` (int > 0),
 ``reward`` (float, finite: tests passed), ``passed``/``total`` (ints, 0 <= passed <= total),
-``resolved`` (bool: every test passed and total > 0), ``finish_reason`` (str),
+``resolved`` (bool: every test passed and total > 0), ``finish_reason`` (str: how the episode
+ended, set by actors/rollout.py: ``end_signal``, ``max_turns``, ``timeout`` (the agent's time
+budget was spent), ``context_full`` (the next turn would not fit the model's context)),
 ``started_at``/``finished_at`` (float, seconds since the Unix epoch, started <= finished),
-``verifier_error`` (str or nil), ``tests`` (list of ``[name: str, passed: bool]``),
+``verifier_error`` (str or nil: set when the reward is unknown, i.e. the verifier timed out,
+crashed or printed no test summary, see envs/verifier.py; the learner never trains on such a
+trajectory), ``tests`` (list of ``[name: str, passed: bool]``),
 ``drift_tokens`` and ``template_mismatches`` (ints >= 0: TITO counters, see actors/rollout.py).
 """
 
@@ -69,12 +83,30 @@ from typing import Any
 import msgpack
 import numpy as np
 
-SCHEMA_VERSION = 2
-"""Version of the wire schema; a message with another version is refused, never mis-read."""
+SCHEMA_VERSION = 3
+"""Version of the wire schema; a message with another version is refused, never mis-read
+(3 added ``turn_status``)."""
 MAGIC = b"T1TJ"
 ALIGN = 64
 _PREAMBLE = struct.Struct("<4sI")
 MAX_ID_CHARS = 128
+
+TURN_OK = 0
+"""The turn ended normally (a stop id, or text the sampler ended without hitting a limit)."""
+TURN_LENGTH_CUT = 1
+"""The sampler cut the turn at ``max_new_tokens`` (finish_reason ``length``); its command was run anyway."""
+TURN_ABORTED = 2
+"""The sampler aborted the turn (finish_reason ``abort``, which SGLang returns); its command was not run."""
+TURN_COMMAND_TIMEOUT = 3
+"""The turn's command overran its timeout and its processes were killed."""
+TURN_SANDBOX_REFUSED = 4
+"""The sandbox refused part of the turn's command (a process, memory or disk limit)."""
+TURN_CUT_NOT_RUN = 5
+"""The sampler cut the turn at ``max_new_tokens`` and its command was not run (the default)."""
+TURN_STATUS = {TURN_OK: "ok", TURN_LENGTH_CUT: "length_cut", TURN_ABORTED: "aborted",
+               TURN_COMMAND_TIMEOUT: "command_timeout", TURN_SANDBOX_REFUSED: "sandbox_refused",
+               TURN_CUT_NOT_RUN: "length_cut_not_run"}
+"""Every known ``turn_status`` code and its name (the name is the metrics key)."""
 
 
 class TrajectoryError(ValueError):
@@ -101,6 +133,7 @@ class Trajectory:
 
     ``tests`` holds ``(test name, passed)`` pairs from the verifier; ``reward`` is the number of
     tests passed (dense reward); ``resolved`` means every test passed and there was at least one.
+    ``turn_status`` defaults to every turn normal (uint8 zeros, one per row of ``turn_offsets``).
     """
 
     task: str
@@ -127,7 +160,13 @@ class Trajectory:
     template_mismatches: int = 0
     """Turns where the chat template would render the history differently from the stream
     (the stream wins; counted, see actors/rollout.py)."""
+    turn_status: np.ndarray | None = None
+    """[turns] uint8 code of how each turn ended (:data:`TURN_STATUS`); None: every turn normal."""
     schema_version: int = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        if self.turn_status is None:
+            self.turn_status = np.zeros(len(self.turn_offsets), dtype=np.uint8)
 
     @property
     def num_tokens(self) -> int:
@@ -148,6 +187,7 @@ _ARRAYS = {
     "logprobs": (("<f4",), 1),
     "versions": (("<i4",), 1),
     "turn_offsets": (("<i4",), 2),
+    "turn_status": (("|u1",), 1),
     "routed_experts": (("|u1", "<u2", "<u4"), 3),
 }
 _SCALARS = {
@@ -173,12 +213,14 @@ def _wire_arrays(traj: Trajectory) -> dict[str, np.ndarray]:
     ne_dt = experts_dtype(traj.num_experts)
     out = {}
     for name, dt in (("token_ids", "<u4"), ("loss_mask", "|u1"), ("logprobs", "<f4"), ("versions", "<i4"),
-                     ("turn_offsets", "<i4"), ("routed_experts", ne_dt.newbyteorder("<"))):
+                     ("turn_offsets", "<i4"), ("turn_status", "|u1"), ("routed_experts", ne_dt.newbyteorder("<"))):
         a = np.asarray(getattr(traj, name))
         if name == "routed_experts" and a.dtype != ne_dt and a.size:
             lo, hi = int(a.min()), int(a.max())  # a wider dtype must not wrap silently
             if lo < 0 or hi >= traj.num_experts:
                 raise TrajectoryError(name, f"expert ids span [{lo}, {hi}], num_experts is {traj.num_experts}")
+        if name == "turn_status" and a.dtype != np.uint8 and a.size and (int(a.min()) < 0 or int(a.max()) > 255):
+            raise TrajectoryError(name, f"codes span [{int(a.min())}, {int(a.max())}]; known codes are {TURN_STATUS}")
         out[name] = np.ascontiguousarray(a, dtype=dt)
     return out
 
@@ -192,7 +234,8 @@ class EncodedTrajectory:
     microseconds); writing it costs one copy of the arrays (about 1.5 ms for 13 MB).
 
     Raises:
-        TrajectoryError: ``routed_experts`` holds ids that do not fit ``num_experts``.
+        TrajectoryError: ``routed_experts`` holds ids that do not fit ``num_experts``, or
+            ``turn_status`` codes that do not fit uint8.
     """
 
     def __init__(self, traj: Trajectory):
@@ -233,7 +276,8 @@ def encode(traj: Trajectory) -> bytes:
     """Serialise a trajectory to one frame (layout in the module docstring); see :class:`EncodedTrajectory`.
 
     Raises:
-        TrajectoryError: ``routed_experts`` holds ids that do not fit ``num_experts``.
+        TrajectoryError: ``routed_experts`` holds ids that do not fit ``num_experts``, or
+            ``turn_status`` codes that do not fit uint8.
     """
     return EncodedTrajectory(traj).tobytes()
 
@@ -394,6 +438,7 @@ def validate(traj: Trajectory, *, num_experts: int | None = None, num_layers: in
     if max_version is not None and v.max() > max_version:
         raise TrajectoryError("versions", f"version {int(v.max())} is ahead of the learner's {max_version}")
     _check_turns(traj.turn_offsets, sampled, T)
+    _check_turn_status(traj.turn_status, traj.turn_offsets.shape[0])
     _check_experts(traj, num_experts, num_layers, top_k)
 
 
@@ -409,6 +454,20 @@ def _check_turns(off: np.ndarray, sampled: np.ndarray, T: int) -> None:
     in_turn = np.cumsum(edges[:T], dtype=np.int32) > 0
     if np.any(sampled & ~in_turn):
         raise TrajectoryError("loss_mask", "a sampled token lies outside every turn span")
+
+
+_KNOWN_STATUS = np.zeros(256, dtype=bool)
+_KNOWN_STATUS[list(TURN_STATUS)] = True
+
+
+def _check_turn_status(status: np.ndarray, turns: int) -> None:
+    if not isinstance(status, np.ndarray) or status.dtype != np.uint8 or status.shape != (turns,):
+        shape = getattr(status, "shape", None)
+        raise TrajectoryError("turn_status", f"must be uint8 of shape ({turns},), one code per turn; got "
+                                             f"{getattr(status, 'dtype', type(status).__name__)} of shape {shape}")
+    unknown = status[~_KNOWN_STATUS[status]]
+    if unknown.size:
+        raise TrajectoryError("turn_status", f"unknown code {int(unknown[0])}; known codes are {TURN_STATUS}")
 
 
 def _check_experts(traj: Trajectory, num_experts: int | None, num_layers: int | None, top_k: int | None) -> None:

@@ -60,10 +60,19 @@ def test_unknown_key_lists_the_valid_keys_of_its_section():
                                       "transport.window_bytes=0", "transport.spool_max_messages=0",
                                       "transport.log_fsync=sometimes", "transport.port=70000",
                                       "transport.ack_timeout_s=0", "generation.top_k=0", "generation.top_k=-2",
-                                      "weight_sync.timeout_s=0"])
+                                      "weight_sync.timeout_s=0", "learner.abnormal.aborted=skip",
+                                      "learner.abnormal.context_full=mask_turn"])
 def test_meaningless_values_are_refused(override):
     with pytest.raises(ConfigError, match=override.split("=")[0] + ".*invalid"):
         load_config(None, [override])
+
+
+def test_abnormal_actions_override_and_verifier_errors_are_not_configurable():
+    cfg = load_config(None, ["learner.abnormal.length_cut=mask_turn", "learner.abnormal.episode_timeout=drop"])
+    assert cfg.learner.abnormal.length_cut == "mask_turn" and cfg.learner.abnormal.episode_timeout == "drop"
+    assert cfg.learner.abnormal.aborted == "drop" and cfg.env.run_cut_commands is False
+    with pytest.raises(ConfigError, match="learner.abnormal.verifier_error"):
+        load_config(None, ["learner.abnormal.verifier_error=train"])
 
 
 def test_yaml_whose_top_level_is_a_list_is_refused(tmp_path):

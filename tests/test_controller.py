@@ -29,6 +29,17 @@ def test_failed_episode_returns_its_slot():
     assert c.acquire(0) and c.failed_episodes == 1
 
 
+def test_failed_episodes_are_counted_by_reason_key():
+    c = make(batch=10, eta=0)
+    for reason in ("SandboxError: the sandbox could not start", "TaskError: RUN step failed: x: y",
+                   "SandboxError: sandbox is not running"):
+        assert c.acquire(0)
+        c.episode_failed(0, reason)
+    st = c.status()
+    assert st["failed_episodes"] == 3 and st["episode_failures"] == {"SandboxError": 2, "TaskError": 1}
+    assert st["started"] == 0  # every slot returned
+
+
 def test_discarded_trajectory_returns_its_slot():
     c = make(batch=1, eta=0)
     assert c.acquire(0)

@@ -11,14 +11,15 @@ import numpy as np
 import pytest
 import torch
 
+from t1async.abnormal import policy_mask
 from t1async.actors.learner import Learner
 from t1async.actors.sampler import EmbeddedSampler
-from t1async.config import (GenerationConfig, LearnerConfig, ModelConfig, SamplerConfig, TransportConfig,
-                            WeightSyncConfig)
+from t1async.config import (AbnormalConfig, GenerationConfig, LearnerConfig, ModelConfig, SamplerConfig,
+                            TransportConfig, WeightSyncConfig)
 from t1async.engine import Engine, SamplingParams
 from t1async.model import Qwen3MoeForCausalLM
 from t1async.rl import token_logprobs
-from t1async.trajectory import Trajectory, encode
+from t1async.trajectory import TURN_ABORTED, TURN_COMMAND_TIMEOUT, TURN_CUT_NOT_RUN, Trajectory, encode
 from t1async.transport import ZmqSender
 
 MODEL = ModelConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
@@ -91,7 +92,7 @@ def test_learner_trains_publishes_drops_stale_and_quarantines(tmp_path):
                     "logprob_diff_mean", "tokens_per_s", "queue_depth"):
             assert key in rows[0]
         assert rows[0]["reward_mean"] == 1.0 and rows[0]["resolved_rate"] == 0.5
-        assert rows[1]["dropped_stale"] == 1 and rows[1]["staleness_max"] == 0
+        assert rows[1]["dropped_stale"] == 1 and rows[1]["dropped"]["stale"] == 1 and rows[1]["staleness_max"] == 0
         assert rows[0]["logprob_diff_mean"] > 0  # the synthetic behaviour log-probs are not the model's
         assert result["rejected"] == 1 and (tmp_path / "quarantine" / "000001.txt").exists()
         assert sampler.version == 2
@@ -186,3 +187,101 @@ def test_learner_refuses_greedy_generation(tmp_path):
     with pytest.raises(ValueError, match="generation.temperature=0.*temperature > 0"):
         Learner(LearnerConfig(), MODEL, TransportConfig(), WeightSyncConfig(), str(tmp_path),
                 generation=GenerationConfig(temperature=0.0))
+
+
+class FakeController:
+    """The controller edge: records what the learner tells admission control."""
+
+    def __init__(self):
+        self.versions: list[int] = []
+        self.discarded: list[str] = []
+
+    def set_version(self, v):
+        self.versions.append(v)
+
+    def trajectory_discarded(self, reason, trajectory_id):
+        self.discarded.append(reason)
+
+    def trajectories_consumed(self, ids):
+        pass
+
+
+def abnormal(traj: Trajectory, status=None, **fields) -> Trajectory:
+    """``traj`` with per-turn ``status`` codes and other fields set."""
+    if status is not None:
+        traj.turn_status = np.array(status, np.uint8)
+    for k, v in fields.items():
+        setattr(traj, k, v)
+    return traj
+
+
+def test_verifier_error_and_aborted_trajectories_are_never_trained_slots_returned_and_counted(tmp_path):
+    cfg = LearnerConfig(max_steps=1, batch_size=2, publish_every=100, batch_timeout_s=60)  # default learner.abnormal
+    learner = Learner(cfg, MODEL, TransportConfig(), WeightSyncConfig(), str(tmp_path), seed=0)
+    verifier = abnormal(synthetic(0, 1, reward=0.0), verifier_error="the verifier timed out after 60 s")
+    aborted = abnormal(synthetic(0, 2), [0, TURN_ABORTED])
+    cut = abnormal(synthetic(0, 3), [TURN_CUT_NOT_RUN, TURN_COMMAND_TIMEOUT])
+    timeout = abnormal(synthetic(0, 4), finish_reason="timeout")
+    try:
+        tx = ZmqSender(learner.endpoint())
+        for t in (verifier, aborted, cut, timeout):
+            _send(tx, t)
+        ctl = FakeController()
+        learner.run(ctl)
+        tx.close()
+    finally:
+        learner.close()
+    assert [d.split(":")[0] for d in ctl.discarded] == ["verifier_error", "aborted"]  # both slots returned
+    ckpt = tmp_path / "checkpoints" / "step_000001"
+    consumed = json.loads((ckpt / "consumed.json").read_text())  # a resume or a resend does not train them
+    assert consumed == {verifier.trajectory_id: -1, aborted.trajectory_id: -1, cut.trajectory_id: 1,
+                        timeout.trajectory_id: 1}
+    row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    assert row["trajectories"] == 2 and row["dropped_stale"] == 0
+    assert {k: v for k, v in row["dropped"].items() if v} == {"verifier_error": 1, "aborted": 1}
+    assert row["abnormal_turns"] == {"length_cut": 0, "aborted": 0, "command_timeout": 1, "sandbox_refused": 0,
+                                     "length_cut_not_run": 1}
+    assert row["finish_reasons"] == {"max_turns": 1, "timeout": 1} and row["masked_turns"] == 0
+    assert json.loads((ckpt / "trainer_state.json").read_text())["dropped"]["verifier_error"] == 1
+
+
+def test_mask_turn_removes_exactly_that_turn_from_the_policy_loss_and_the_critic_still_trains_on_it(tmp_path):
+    masking = AbnormalConfig(aborted="mask_turn")
+    traj = abnormal(synthetic(0, 1, reward=2.0), [TURN_ABORTED, 0])  # turns [10, 20) and [28, 40)
+    pm = policy_mask(traj, masking)
+    expected = traj.loss_mask.copy()
+    expected[10:20] = 0
+    np.testing.assert_array_equal(pm, expected)
+    assert traj.loss_mask[10:20].all()  # the trajectory's own mask is untouched
+    # other behaviour log-probs on the masked turn only: no effect on the policy loss when masked
+    other = abnormal(synthetic(0, 1, reward=2.0), [TURN_ABORTED, 0])
+    other.logprobs = traj.logprobs.copy()
+    other.logprobs[10:20] = -0.01
+    losses = {}
+    for action in ("mask_turn", "train"):
+        cfg = LearnerConfig(batch_size=1, lr=0.0, critic_lr=0.0, abnormal=AbnormalConfig(aborted=action))
+        learner = Learner(cfg, MODEL, TransportConfig(), WeightSyncConfig(), str(tmp_path / action), seed=0)
+        try:  # lr 0: both steps see the same weights
+            losses[action] = [learner._train_step([t]) for t in (traj, other)]
+        finally:
+            learner.close()
+    masked, trained = losses["mask_turn"], losses["train"]
+    assert masked[0]["policy_loss"] == pytest.approx(masked[1]["policy_loss"], rel=1e-6, abs=1e-9)
+    assert trained[0]["policy_loss"] != pytest.approx(trained[1]["policy_loss"], rel=1e-3)  # the control
+    assert masked[0]["value_loss"] == pytest.approx(trained[0]["value_loss"], rel=1e-6)  # critic: every sampled token
+
+
+def test_a_trajectory_whose_every_turn_is_masked_is_dropped_and_its_slot_returned(tmp_path):
+    cfg = LearnerConfig(batch_size=1, batch_timeout_s=10, abnormal=AbnormalConfig(aborted="mask_turn"))
+    learner = Learner(cfg, MODEL, TransportConfig(), WeightSyncConfig(), str(tmp_path), seed=0)
+    try:
+        empty = abnormal(synthetic(0, 1), [TURN_ABORTED, TURN_ABORTED])
+        half = abnormal(synthetic(0, 2), [TURN_ABORTED, 0])
+        learner._controller = ctl = FakeController()
+        for t in (empty, half):
+            learner._enqueue(t, 1)
+        assert [t.trajectory_id for t in learner._collect_batch()] == [half.trajectory_id]
+        assert learner.dropped["all_turns_masked"] == 1 and learner._consumed[empty.trajectory_id] == -1
+        assert [d.split(":")[0] for d in ctl.discarded] == ["all_turns_masked"]
+    finally:
+        learner.close()

@@ -16,15 +16,17 @@ import numpy as np
 import pytest
 import torch
 
-from t1async.actors.rollout import RolloutActor, tasks_dir, run_episode
+from t1async.actors.rollout import CUT_NOTE, RolloutActor, tasks_dir, run_episode
 from t1async.actors.sampler import EmbeddedSampler
 from t1async.config import EnvConfig, GenerationConfig, ModelConfig, SamplerConfig, TransportConfig
+from t1async.envs.protocol import CommandResult
 from t1async.envs.task import discover_tasks
 from t1async.envs.terminal import TerminalEnv
 from t1async.model import Qwen3MoeForCausalLM
-from t1async.sampler_client import HttpSampler
+from t1async.sampler_client import HttpSampler, SamplerResponse
 from t1async.tokenizer import ChatTokenizer
-from t1async.trajectory import decode, encode
+from t1async.trajectory import (TURN_ABORTED, TURN_COMMAND_TIMEOUT, TURN_CUT_NOT_RUN, TURN_LENGTH_CUT,
+                                TURN_SANDBOX_REFUSED, decode, encode)
 from t1async.transport import ZmqReceiver
 from t1async.weight_sync import DistributedWeightSync
 
@@ -167,3 +169,83 @@ def test_a_dead_actors_workspace_is_unmounted_and_removed_and_a_live_one_is_kept
     assert live.is_dir() and again.is_dir()  # the live actor's folder (lock held by fd) is kept
     os.close(fd)
     os.close(fd2)
+
+
+class FinishSampler:
+    """The sampler edge: scripted turns, each with the finish_reason an SGLang server would give
+    (``abort`` included, which the embedded engine never returns); zero routing rows."""
+
+    def __init__(self, turns):
+        self.turns = list(turns)
+
+    def generate(self, input_ids, sampling_params, *, routed_experts_start_len=0):
+        ids, reason = self.turns.pop(0)
+        rows = np.zeros((len(input_ids) + len(ids) - 1 - routed_experts_start_len, 2, 2), np.uint8)
+        return SamplerResponse(output_ids=ids, logprobs=[-1.0] * len(ids), routed_experts=rows, finish_reason=reason,
+                               weight_version=0)
+
+
+def _scripted_episode(tmp_path, turns, **env_kw):
+    """One episode of create-hello-file in a real local sandbox (1 s command timeout) with scripted
+    turns; returns the trajectory and the names of the files the commands left in /app."""
+    tok = ChatTokenizer.load()
+    task = discover_tasks(tasks_dir(EnvConfig()), ["create-hello-file"])[0]
+    env_cfg = EnvConfig(max_turns=len(turns), command_timeout_s=1, **env_kw)
+    env = TerminalEnv(task, root=tmp_path, command_timeout_s=1)
+    try:
+        traj = run_episode(task, env, FinishSampler(turns), tok, env_cfg, GenerationConfig(max_new_tokens=16), MODEL,
+                           actor_id=0)
+        files = sorted(p.name for p in env.workspace.iterdir())
+    finally:
+        env.close()
+    return traj, files
+
+
+def test_cut_and_aborted_commands_are_not_run_and_every_abnormal_turn_is_marked(tmp_path):
+    tok = ChatTokenizer.load()
+    end = tok.im_end_id
+    turns = [
+        (tok.encode("touch /app/cut.txt"), "length"),  # cut at the token limit: not run by default
+        (tok.encode("touch /app/aborted.txt"), "abort"),  # aborted by the sampler: not run
+        ([*tok.encode("touch /app/whole.txt"), end], "stop"),
+        ([*tok.encode("sleep 5"), end], "stop"),  # overruns the 1 s command timeout
+        (tok.encode("exit"), "length"),  # a cut "exit" is not the end signal
+        ([*tok.encode("exit"), end], "stop"),
+    ]
+    traj, files = _scripted_episode(tmp_path, turns)
+    assert "whole.txt" in files and "cut.txt" not in files and "aborted.txt" not in files
+    assert traj.turn_status.tolist() == [TURN_CUT_NOT_RUN, TURN_ABORTED, 0, TURN_COMMAND_TIMEOUT, TURN_CUT_NOT_RUN, 0]
+    assert traj.finish_reason == "end_signal"
+    # the observation after the cut turn says it was cut and not run (after the <|im_end|> repair)
+    e, s_next = traj.turn_offsets[0][1], traj.turn_offsets[1][0]
+    assert traj.token_ids[e:s_next].tolist() == [*tok.end_of_turn_ids, *tok.render_observation(CUT_NOTE.format(n=16))]
+    d = decode(encode(traj), num_experts=4, num_layers=2, top_k=2)
+    assert d.turn_status.tolist() == traj.turn_status.tolist()
+
+
+def test_run_cut_commands_runs_the_cut_command_and_still_marks_the_turn(tmp_path):
+    tok = ChatTokenizer.load()
+    turns = [(tok.encode("touch /app/cut.txt"), "length"), ([*tok.encode("exit"), tok.im_end_id], "stop")]
+    traj, files = _scripted_episode(tmp_path, turns, run_cut_commands=True)
+    assert "cut.txt" in files and traj.turn_status.tolist() == [TURN_LENGTH_CUT, 0]
+
+
+def test_a_command_the_sandbox_refused_is_marked_refused_even_when_it_also_timed_out():
+    from types import SimpleNamespace
+
+    tok = ChatTokenizer.load()
+
+    class RefusingEnv:  # the sandbox edge: a fork bomb hits the process limit and then times out
+        def reset(self):
+            return "do it"
+
+        def step(self, command):
+            return CommandResult("[refused: process limit]", 124, True, False, 1.0, ("processes",))
+
+        def verify(self):
+            return SimpleNamespace(reward=0.0, passed=0, total=1, resolved=False, tests=[], error=None, output="")
+
+    turns = [([*tok.encode(":(){ :|:& };:"), tok.im_end_id], "stop")]
+    traj = run_episode(SimpleNamespace(name="t", agent_timeout_s=60.0), RefusingEnv(), FinishSampler(turns), tok,
+                       EnvConfig(max_turns=1), GenerationConfig(max_new_tokens=16), MODEL, actor_id=0)
+    assert traj.turn_status.tolist() == [TURN_SANDBOX_REFUSED]

@@ -16,6 +16,7 @@ import torch
 from t1async.actors.rollout import EpisodeBuilder, tasks_dir, run_episode, template_renders_differently
 from t1async.actors.sampler import EmbeddedSampler
 from t1async.config import EnvConfig, GenerationConfig, ModelConfig, SamplerConfig
+from t1async.envs.protocol import CommandResult
 from t1async.envs.task import discover_tasks
 from t1async.envs.terminal import TerminalEnv
 from t1async.mismatch import _byte_groups, exact_view, naive_view, token_bytes
@@ -56,7 +57,7 @@ class FakeEnv:
 
     def step(self, command):
         self.commands.append(command)
-        return SimpleNamespace(output=f"ran {command}")
+        return CommandResult(f"ran {command}", 0, False, False, 0.0)
 
     def verify(self):
         return SimpleNamespace(reward=1.0, passed=1, total=2, resolved=False, tests=[], error=None)

@@ -11,10 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from t1async.trajectory import (ALIGN, MAGIC, SCHEMA_VERSION, Trajectory, TrajectoryError, decode, encode,
-                                experts_dtype, routed_experts_from_sglang)
+from t1async.trajectory import (ALIGN, MAGIC, SCHEMA_VERSION, TURN_CUT_NOT_RUN, TURN_STATUS, Trajectory,
+                                TrajectoryError, decode, encode, experts_dtype, routed_experts_from_sglang)
 
-ARRAYS = ("token_ids", "loss_mask", "logprobs", "versions", "turn_offsets", "routed_experts")
+ARRAYS = ("token_ids", "loss_mask", "logprobs", "versions", "turn_offsets", "turn_status", "routed_experts")
 SCALARS = ("trajectory_id", "task", "actor_id", "num_experts", "reward", "passed", "total", "resolved", "finish_reason",
            "started_at", "finished_at", "verifier_error", "tests", "drift_tokens", "template_mismatches", "schema_version")
 
@@ -29,6 +29,7 @@ def make_traj(T: int = 12, layers: int = 3, top_k: int = 2, num_experts: int = 8
     return Trajectory(
         task="t", actor_id=1, token_ids=rng.integers(0, 4096, T).astype(np.uint32), loss_mask=mask, logprobs=lp,
         versions=versions, turn_offsets=np.array([[4, 7], [9, T]], dtype=np.int32),
+        turn_status=np.array([TURN_CUT_NOT_RUN, 0], dtype=np.uint8),
         routed_experts=rng.integers(0, num_experts, (T - 1, layers, top_k)).astype(experts_dtype(num_experts)),
         num_experts=num_experts, reward=2.0, passed=2, total=3, resolved=False, finish_reason="max_turns",
         tests=[("a", True), ("b[x y]", True), ("c", False)], started_at=1.0, finished_at=2.0,
@@ -61,6 +62,18 @@ def test_round_trip_preserves_every_field():
     d = decode(encode(t), num_experts=8, num_layers=3, top_k=2, max_version=3)
     assert_same(d, t)
     assert d.min_version == 3
+    assert d.turn_status.tolist() == [TURN_CUT_NOT_RUN, 0]
+
+
+def test_turn_status_defaults_to_normal_and_encode_refuses_codes_that_would_wrap():
+    t = make_traj()
+    t.turn_status = None
+    t.__post_init__()
+    assert t.turn_status.dtype == np.uint8 and t.turn_status.tolist() == [0, 0]
+    t.turn_status = np.array([0, 257], dtype=np.int64)  # would wrap to 1 (length_cut) in uint8
+    with pytest.raises(TrajectoryError) as e:
+        encode(t)
+    assert e.value.field == "turn_status"
 
 
 def test_decode_is_an_aligned_zero_copy_view_over_the_frame():
@@ -134,6 +147,10 @@ def _set_array(header, data, name, values):
     ("routed_experts", lambda h, d: h["arrays"]["routed_experts"].__setitem__("offset", 1 << 20)),
     ("turn_offsets", lambda h, d: _set_array(h, d, "turn_offsets", [[9, 12], [4, 7]])),
     ("turn_offsets", lambda h, d: _set_array(h, d, "turn_offsets", [[4, 7], [9, 13]])),
+    ("turn_status", lambda h, d: _set_array(h, d, "turn_status", [0, 6])),  # an unknown code
+    ("turn_status", lambda h, d: h["arrays"]["turn_status"].update(shape=[1], nbytes=1)),  # not one per turn
+    ("turn_status", lambda h, d: h["arrays"]["turn_status"].update(dtype="<u2", nbytes=4)),
+    ("turn_status", lambda h, d: h["arrays"].pop("turn_status")),
     ("token_ids", lambda h, d: h["arrays"]["token_ids"].__setitem__("dtype", "<f8")),
     ("token_ids", lambda h, d: h["arrays"]["token_ids"].__setitem__("offset", 3)),
     ("reward", lambda h, d: h.__setitem__("reward", "high")),
@@ -224,6 +241,7 @@ def trajectories(draw) -> Trajectory:
         task=draw(text), actor_id=draw(st.integers(0, 2**63 - 1)),
         token_ids=rng.integers(0, 2**32 - 1, T, dtype=np.uint64).astype(np.uint32), loss_mask=mask, logprobs=lp,
         versions=versions, turn_offsets=np.array(spans, np.int32),
+        turn_status=rng.choice(np.array(sorted(TURN_STATUS), np.uint8), turns),
         routed_experts=rng.integers(0, ne, (T - 1, layers, top_k)).astype(experts_dtype(ne)), num_experts=ne,
         reward=draw(st.floats(-1e6, 1e6)), passed=passed_total[0], total=passed_total[1],
         resolved=draw(st.booleans()) and passed_total[0] == passed_total[1] > 0,
