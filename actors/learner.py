@@ -480,6 +480,7 @@ class Learner:
             if train_policy:
                 gn = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.max_grad_norm)
                 sums["grad_norm"] = float(gn)
+                self._set_policy_lr()
                 self.policy_opt.step()
         return {**sums, "is_weight_max": is_max, "logprob_diff_mean": diff_sum / max(n_value, 1.0),
                 "kl_k3": k3_sum / max(n_value, 1.0), "nucleus_boundary_tokens": boundary,
@@ -488,6 +489,15 @@ class Learner:
                 "template_mismatches": int(sum(t.template_mismatches for t in batch)),
                 "train_policy": train_policy, "phase": "rl" if train_policy else "critic_warmup",
                 "explained_variance": ev, "trained_tokens": n_value}
+
+    def _set_policy_lr(self) -> None:
+        """Linear warm-up of the policy's learning rate over its first ``lr_warmup_steps`` updates
+        (counted after critic warm-up): Adam's first updates are about ``lr`` per parameter
+        whatever the gradient's size, which on small batches is mostly noise."""
+        k = self.step - self.cfg.critic_warmup_steps + 1
+        scale = min(1.0, k / self.cfg.lr_warmup_steps) if self.cfg.lr_warmup_steps > 0 else 1.0
+        for group in self.policy_opt.param_groups:
+            group["lr"] = self.cfg.lr * scale
 
     def _batch_metrics(self, batch: list[Trajectory], stale: list[int]) -> dict[str, Any]:
         self.counters["trained"] += len(batch)

@@ -322,6 +322,9 @@ class LearnerConfig:
     """Write a checkpoint every this many steps (0: only the final one)."""
     lr: float = 1e-4
     """AdamW learning rate of the policy."""
+    lr_warmup_steps: int = 0
+    """Policy updates over which the learning rate ramps linearly up to ``lr`` (counted from the
+    first policy update, after critic warm-up; 0 = none)."""
     critic_lr: float = 1e-4
     """AdamW learning rate of the critic."""
     weight_decay: float = 0.0
@@ -499,6 +502,7 @@ _VALUE_RULES: list[tuple[str, Any, str]] = [
     ("learner.max_staleness", lambda v: v >= 0, "an integer >= 0"),
     ("learner.ppo_epochs", lambda v: v >= 1, "an integer >= 1"),
     ("learner.critic_warmup_steps", lambda v: v >= 0, "an integer >= 0"),
+    ("learner.lr_warmup_steps", lambda v: v >= 0, "an integer >= 0 (0: none)"),
     ("learner.reward", lambda v: v in ("dense", "binary"), "'dense' (tests passed) or 'binary' (resolved)"),
     ("learner.checkpoint_every", lambda v: v >= 0, "an integer >= 0 (0: final checkpoint only)"),
     ("learner.lr", lambda v: v > 0, "a positive float"),

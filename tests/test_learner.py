@@ -111,7 +111,7 @@ def test_learner_trains_publishes_drops_stale_and_quarantines(tmp_path):
 
 
 def test_critic_warmup_freezes_policy(tmp_path):
-    cfg = LearnerConfig(max_steps=1, batch_size=1, critic_warmup_steps=1, batch_timeout_s=30)
+    cfg = LearnerConfig(max_steps=1, batch_size=1, critic_warmup_steps=1, lr_warmup_steps=4, batch_timeout_s=30)
     learner = Learner(cfg, MODEL, TransportConfig(), WeightSyncConfig(), str(tmp_path), seed=0)
     try:
         before = {n: p.detach().clone() for n, p in learner.policy.named_parameters()}
@@ -124,6 +124,7 @@ def test_critic_warmup_freezes_policy(tmp_path):
         learner.step = 1  # warm-up over: the next step updates the policy
         metrics = learner._train_step([synthetic(0, 2, reward=1.0), synthetic(0, 3, reward=2.0)])
         assert metrics["phase"] == "rl"
+        assert learner.policy_opt.param_groups[0]["lr"] == pytest.approx(cfg.lr / 4)  # first of 4 warm-up updates
         assert not all(torch.equal(before[n], p) for n, p in learner.policy.named_parameters())
     finally:
         learner.close()
