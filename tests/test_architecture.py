@@ -1,7 +1,8 @@
 """Dependency direction: the core package never imports Ray, the roles or the environment layer.
 
 Only ``t1async/launch.py`` (and the CLI through it) wires roles, Ray and environments together
-(``t1async/mismatch.py``, a measuring tool, wires a sampler and environments without Ray),
+(``t1async/mismatch.py``, a measuring tool, and ``t1async/sft.py``, the warm start, wire a
+sampler or the rollout loop and environments in one process, without Ray),
 so every core module stays usable in one process (tests) and on a cluster alike.
 """
 
@@ -11,7 +12,7 @@ import ast
 from pathlib import Path
 
 CORE = Path(__file__).resolve().parents[1] / "t1async"
-ALLOWED = {"launch.py", "cli.py", "mismatch.py"}  # mismatch: a tool that wires a sampler and envs in one process
+ALLOWED = {"launch.py", "cli.py", "mismatch.py", "sft.py"}  # tools that wire the rollout loop and envs in one process
 FORBIDDEN = ("ray", "t1async.actors", "t1async.envs")
 
 
