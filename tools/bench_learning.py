@@ -63,7 +63,7 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--families", default="", help="comma-separated synth families (default: every family that fits)")
     p.add_argument("--train-per-family", type=at_least_one, default=24, help="training instances per family")
     p.add_argument("--heldout-per-family", type=at_least_one, default=8, help="held-out instances per family")
-    p.add_argument("--sft-demos-per-family", type=at_least_one, default=4, help="SFT demonstrations per family")
+    p.add_argument("--sft-demos-per-family", type=at_least_one, default=12, help="SFT demonstrations per family")
     p.add_argument("--eval-samples", type=at_least_one, default=2, help="episodes per held-out task per evaluation")
     p.add_argument("--eval-every", type=float, default=10.0, help="minutes between policy snapshots for the curve")
     p.add_argument("--config", default=str(RL_CONFIG), help="config of the RL runs (and of SFT's model/env/generation)")
