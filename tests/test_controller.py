@@ -62,68 +62,26 @@ def test_stop_and_retire_answer_none():
     assert c.acquire(0) is None
 
 
-def _simulate(controller_cls, *, durations: dict[str, float], steps: int, batch: int, bound: int, actors: int):
-    """Rollout actors and a learner as threads around a real Controller: each episode takes its
-    task's duration and is sampled at the version admission saw; the learner takes trajectories in
-    arrival order, drops those beyond the staleness bound (as actors/learner.py does), trains
-    ``batch`` per step and publishes a version per step. Returns (started, trained, dropped) task lists."""
-    import queue
-    import threading
-    import time
-    import uuid
+def admission_bench():
+    import importlib.util
+    from pathlib import Path
 
-    c = controller_cls(RolloutConfig(num_actors=0), sorted(durations), rollouts_per_version=batch,
-                       max_staleness=bound, make_rollout=None, seed=1)
-    started, trained, dropped = [], [], []
-    inbox: queue.Queue = queue.Queue()
-    done = threading.Event()
-
-    def actor(aid: int) -> None:
-        while not done.is_set():
-            name = c.acquire(aid)
-            if name is None:
-                return
-            if name == "":
-                continue
-            version = c.status()["version"]  # the sampler holds at least the version admission saw
-            started.append(name)
-            time.sleep(durations[name])
-            tid = uuid.uuid4().hex
-            c.episode_finished(aid, tid)
-            inbox.put((tid, name, version))
-
-    threads = [threading.Thread(target=actor, args=(i,), daemon=True) for i in range(actors)]
-    for t in threads:
-        t.start()
-    version = 0
-    for _ in range(steps):
-        got = []
-        while len(got) < batch:
-            tid, name, v = inbox.get(timeout=30)
-            if version - v > bound:
-                dropped.append(name)
-                c.trajectory_discarded("stale", tid)
-                continue
-            got.append((tid, name))
-        trained += [n for _, n in got]
-        c.trajectories_consumed([tid for tid, _ in got])
-        version += 1
-        c.set_version(version)
-    done.set()
-    c._stopping = True  # end admission without Ray (Controller.stop kills Ray actors)
-    for t in threads:
-        t.join(timeout=5)
-    return started, trained, dropped
+    path = Path(__file__).resolve().parents[1] / "tools" / "bench_admission.py"
+    spec = importlib.util.spec_from_file_location("bench_admission", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def test_slow_tasks_keep_their_share_of_training():
     """3 fast tasks and one slow one (a long verifier), staleness bound 1: each task's share of the
     trajectories trained stays within 5 points of its share of the episodes started, with no
-    stale drops (admission measured from the oldest unfinished episode)."""
+    stale drops (admission measured from the oldest unfinished episode). The workload is
+    tools/bench_admission.py's (``t1async bench admission`` shows AReaL's rule beside it)."""
+    b = admission_bench()
     durations = {"fast-a": 0.002, "fast-b": 0.002, "fast-c": 0.002, "slow": 0.15}
-    started, trained, dropped = _simulate(Controller, durations=durations, steps=60, batch=4, bound=1, actors=4)
+    started, trained, dropped = b.simulate(Controller, durations=durations, steps=60, batch=4, bound=1, actors=4)
     assert not dropped
+    assert b.shares(started, trained, dropped, "slow")["max_share_gap_points"] <= 5.0
     for name in durations:
-        share_started = started.count(name) / len(started)
-        share_trained = trained.count(name) / len(trained)
-        assert abs(share_started - share_trained) <= 0.05, (name, share_started, share_trained)
+        assert abs(started.count(name) / len(started) - trained.count(name) / len(trained)) <= 0.05
