@@ -304,7 +304,8 @@ def run_sft(cfg: Config, tasks_dir: str | Path, out: str | Path, *, heldout: str
 
 
 def evaluate_policy(checkpoint: str | Path, tasks_dir: str | Path, cfg: Config, *, samples: int = 1) -> dict[str, Any]:
-    """Resolved rate of ``policy:checkpoint`` on ``tasks_dir`` (``samples`` episodes per task).
+    """Resolved rate of ``policy:checkpoint`` on ``tasks_dir`` (``samples`` episodes per task, pass
+    k sampling with seed ``run.seed + 1000 k``).
 
     Uses ``t1async eval``'s own path (:func:`t1async.envs.evaluate.evaluate`), with the config's
     env, generation and sampler sections.
@@ -312,11 +313,15 @@ def evaluate_policy(checkpoint: str | Path, tasks_dir: str | Path, cfg: Config, 
     Returns:
         :func:`t1async.envs.evaluate.summary` over all episodes, plus ``samples``.
     """
+    import copy
+
     from t1async.envs.evaluate import evaluate, summary
 
     rows = []
-    for _ in range(samples):
-        rows += evaluate(tasks_dir, f"policy:{checkpoint}", concurrency=2, sandbox=cfg.env.sandbox, config=cfg)
+    for k in range(samples):
+        cfg_k = copy.deepcopy(cfg)
+        cfg_k.run.seed = cfg.run.seed + 1000 * k  # each pass draws its own samples
+        rows += evaluate(tasks_dir, f"policy:{checkpoint}", concurrency=2, sandbox=cfg.env.sandbox, config=cfg_k)
     return {**summary(rows), "samples": samples}
 
 
