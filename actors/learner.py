@@ -131,6 +131,11 @@ class Learner:
         else:
             self.policy = Qwen3MoeForCausalLM(model_cfg)
         self.critic = ValueModel(self.policy)
+        # KL anchor: the warm start, frozen (loaded from init_checkpoint, so a resumed run keeps it)
+        self.reference: Qwen3MoeForCausalLM | None = None
+        if cfg.kl_coef > 0:
+            self.reference = (Qwen3MoeForCausalLM.from_pretrained(cfg.init_checkpoint) if cfg.init_checkpoint
+                              else copy.deepcopy(self.policy)).eval().requires_grad_(False)
         self.policy_opt = torch.optim.AdamW(self.policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=cfg.critic_lr, weight_decay=cfg.weight_decay)
         self.version = 0
@@ -464,9 +469,20 @@ class Learner:
                     own_diff += int(routing_differs(out.router_experts, it["recorded"]).sum())
                 pl = policy_loss(logp, it["prox"], it["mu"], it["adv"], it["mask"], clip_eps=cfg.clip_eps,
                                  is_cap=cfg.is_cap, denom=n_tokens)
+                kl_term: torch.Tensor | float = 0.0
+                if self.reference is not None and train_policy:
+                    if epoch == 0:
+                        with torch.no_grad():
+                            it["ref"] = token_logprobs(self.reference(it["inp"]).logits, it["tgt"], gen.temperature,
+                                                       gen.top_k, gen.top_p)
+                    # k3 estimate of KL(pi_theta || pi_ref) on tokens sampled from (nearly) pi_theta
+                    kl = (k3(it["ref"], logp) * it["mask"]).sum() / n_tokens
+                    kl_term = cfg.kl_coef * kl
+                    if epoch == cfg.ppo_epochs - 1:
+                        sums["kl_ref"] = sums.get("kl_ref", 0.0) + float(kl.detach())
                 vl = value_loss(self.critic(it["inp"]), it["old_v"], it["ret"], it["vmask"], clip=cfg.value_clip,
                                 denom=n_value)
-                loss = cfg.value_coef * vl + (pl.loss if train_policy else 0.0)
+                loss = cfg.value_coef * vl + (pl.loss + kl_term if train_policy else 0.0)
                 loss.backward()
                 if epoch == cfg.ppo_epochs - 1:
                     w = float(it["mask"].sum()) / n_tokens

@@ -350,6 +350,13 @@ class LearnerConfig:
     critic_warmup_steps: int = 0
     """Initial steps that train only the critic, on rollouts of the starting (warm-started)
     policy, before the first policy update (``phase`` is ``critic_warmup`` in metrics.jsonl)."""
+    kl_coef: float = 0.0
+    """Weight of a KL penalty to the reference policy (the warm start ``init_checkpoint``, frozen;
+    the initial weights without one): ``kl_coef x`` the per-token k3 estimate of
+    KL(pi_theta || pi_ref) (Schulman 2020), averaged over loss tokens, is added to the policy loss
+    (as InstructGPT, Ouyang et al. 2022, anchors PPO). It keeps behaviour the reward does not see
+    (ending with the end signal, the shape of commands) from drifting. 0 = off (no reference is
+    kept). Reported as ``kl_ref``."""
     reward: str = "dense"
     """Episode reward: ``dense`` (the number of verifier tests passed, the reference's choice) or
     ``binary`` (1 when resolved, else 0)."""
@@ -503,6 +510,7 @@ _VALUE_RULES: list[tuple[str, Any, str]] = [
     ("learner.ppo_epochs", lambda v: v >= 1, "an integer >= 1"),
     ("learner.critic_warmup_steps", lambda v: v >= 0, "an integer >= 0"),
     ("learner.lr_warmup_steps", lambda v: v >= 0, "an integer >= 0 (0: none)"),
+    ("learner.kl_coef", lambda v: v >= 0, "a float >= 0 (0: no KL penalty)"),
     ("learner.reward", lambda v: v in ("dense", "binary"), "'dense' (tests passed) or 'binary' (resolved)"),
     ("learner.checkpoint_every", lambda v: v >= 0, "an integer >= 0 (0: final checkpoint only)"),
     ("learner.lr", lambda v: v > 0, "a positive float"),

@@ -286,3 +286,36 @@ def test_a_trajectory_whose_every_turn_is_masked_is_dropped_and_its_slot_returne
         assert [d.split(":")[0] for d in ctl.discarded] == ["all_turns_masked"]
     finally:
         learner.close()
+
+
+def test_kl_penalty_pulls_the_policy_back_to_the_reference(tmp_path):
+    """With kl_coef > 0 and no advantage signal (every trajectory the same reward, so whitened
+    advantages are 0), a step moves a perturbed policy toward the frozen warm start."""
+    ckpt = tmp_path / "warm"
+    Qwen3MoeForCausalLM(MODEL).save_pretrained(ckpt)
+    cfg = LearnerConfig(max_steps=1, batch_size=2, kl_coef=1.0, lr=1e-3, lam=1.0, init_checkpoint=str(ckpt),
+                        batch_timeout_s=30)  # lam 1, equal rewards, zero critic: every advantage is 0
+    learner = Learner(cfg, MODEL, TransportConfig(), WeightSyncConfig(), str(tmp_path / "run"), seed=0)
+    try:
+        with torch.no_grad():
+            for p in learner.policy.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        batch = [synthetic(0, 1, reward=1.0), synthetic(0, 2, reward=1.0)]
+
+        def kl_to_reference() -> float:
+            total = 0.0
+            for t in batch:
+                ids = torch.from_numpy(t.token_ids.astype(np.int64))[None]
+                with torch.no_grad():
+                    a = torch.log_softmax(learner.policy(ids).logits, -1)
+                    b = torch.log_softmax(learner.reference(ids).logits, -1)
+                total += float((a.exp() * (a - b)).sum(-1).mean())
+            return total
+
+        before = kl_to_reference()
+        m = learner._train_step(batch)
+        assert m["kl_ref"] > 0
+        assert kl_to_reference() < before
+        assert all(not p.requires_grad for p in learner.reference.parameters())
+    finally:
+        learner.close()
