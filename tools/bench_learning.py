@@ -55,8 +55,11 @@ RL_CONFIG = REPO / "configs" / "learning.yaml"
 
 
 def parse_args(argv: list[str] | None = None):
-    p = OneLineErrors(prog="t1async bench learning", description=__doc__.splitlines()[0])
-    p.add_argument("--minutes", type=float, default=60.0, help="RL wall-clock budget per run (default 60)")
+    import argparse
+
+    p = OneLineErrors(prog="t1async bench learning", description=__doc__.splitlines()[0],
+                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--minutes", type=float, default=60.0, help="RL wall-clock budget per run, minutes")
     p.add_argument("--reward", choices=("dense", "binary", "both"), default="both",
                    help="reward of the RL runs: dense (tests passed), binary (resolved), or both (ablation)")
     p.add_argument("--seeds", default="0,1", help="comma-separated seeds (SFT order, model init, sampling)")
