@@ -61,7 +61,7 @@ import torch.nn.functional as F
 
 from t1async.config import Config, GenerationConfig, check_trainable, load_config
 from t1async.model import Qwen3MoeForCausalLM
-from t1async.rl import routing_differs, token_logprobs
+from t1async.rl import load_balancing_loss, routing_differs, token_logprobs
 from t1async.tokenizer import ChatTokenizer
 from t1async.trajectory import Trajectory
 
@@ -305,15 +305,11 @@ def pretrain(model: Qwen3MoeForCausalLM, corpus: np.ndarray, *, steps: int, seq_
             gate_logits.clear()
             out = model(x[:, :-1])
             ce = F.cross_entropy(out.logits.reshape(-1, out.logits.shape[-1]), x[:, 1:].reshape(-1))
-            aux = 0.0
-            for logits in gate_logits:  # Switch: E * sum_e (fraction routed to e) * (mean prob of e)
-                probs = logits.float().softmax(-1)
-                chosen = F.one_hot(probs.topk(K, -1).indices, E).sum(-2).float()
-                aux = aux + E * (chosen.mean(0) / K * probs.mean(0)).sum()
+            aux = load_balancing_loss(gate_logits, E, K)  # mean over layers
             for grp in opt.param_groups:
                 grp["lr"] = lr * min(1.0, (step + 1) / 20)
             opt.zero_grad(set_to_none=True)
-            (ce + aux_coef * aux / len(gate_logits)).backward()
+            (ce + aux_coef * aux).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             losses.append(float(ce.detach()))

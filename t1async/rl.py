@@ -271,3 +271,22 @@ def routing_differs(experts: torch.Tensor, recorded: torch.Tensor) -> torch.Tens
     a = experts.long().sort(dim=-1).values
     b = recorded.long().sort(dim=-1).values
     return (a != b).any(dim=-1).any(dim=-1)
+
+
+def load_balancing_loss(gate_logits: list[torch.Tensor], num_experts: int, top_k: int) -> torch.Tensor:
+    """Switch Transformer load-balancing loss averaged over MoE layers (Fedus et al. 2021).
+
+    Args:
+        gate_logits: per layer, router logits ``[N, E]`` (any float dtype) of the N tokens routed.
+        num_experts, top_k: E and K.
+
+    Returns:
+        float32 scalar ``mean_layers E * sum_e f_e * P_e``, with f_e the fraction of the N*K
+        routing slots sent to expert e and P_e the mean router probability of e; 1.0 at balance.
+    """
+    total = torch.zeros((), dtype=torch.float32)
+    for logits in gate_logits:
+        probs = logits.float().softmax(-1)
+        chosen = F.one_hot(probs.topk(top_k, -1).indices, num_experts).sum(-2).float()
+        total = total + num_experts * (chosen.mean(0) / top_k * probs.mean(0)).sum()
+    return total / max(len(gate_logits), 1)

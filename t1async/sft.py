@@ -47,6 +47,7 @@ from loguru import logger
 
 from t1async.config import Config, SftConfig, load_config
 from t1async.model import Qwen3MoeForCausalLM
+from t1async.rl import load_balancing_loss
 from t1async.sampler_client import SamplerResponse
 from t1async.tokenizer import ChatTokenizer
 from t1async.trajectory import Trajectory
@@ -174,25 +175,6 @@ def build_demonstrations(tasks_dir: str | Path, cfg: Config, *, limit: int = 0, 
     for name, why in out.skipped.items():
         logger.warning("sft: demonstration of {} skipped: {}", name, why)
     return out
-
-
-def load_balancing_loss(gate_logits: list[torch.Tensor], num_experts: int, top_k: int) -> torch.Tensor:
-    """Switch Transformer load-balancing loss averaged over MoE layers (Fedus et al. 2021).
-
-    Args:
-        gate_logits: per layer, router logits ``[N, E]`` (any float dtype) of the N tokens routed.
-        num_experts, top_k: E and K.
-
-    Returns:
-        float32 scalar ``mean_layers E * sum_e f_e * P_e``, with f_e the fraction of the N*K
-        routing slots sent to expert e and P_e the mean router probability of e; 1.0 at balance.
-    """
-    total = torch.zeros((), dtype=torch.float32)
-    for logits in gate_logits:
-        probs = logits.float().softmax(-1)
-        chosen = F.one_hot(probs.topk(top_k, -1).indices, num_experts).sum(-2).float()
-        total = total + num_experts * (chosen.mean(0) / top_k * probs.mean(0)).sum()
-    return total / max(len(gate_logits), 1)
 
 
 def sft_train(model: Qwen3MoeForCausalLM, demos: list[Trajectory], cfg: SftConfig) -> list[dict[str, float]]:

@@ -59,20 +59,7 @@ def test_learner_trains_publishes_drops_stale_and_quarantines(tmp_path):
         _send(tx, synthetic(version=0, seed=2, reward=0.0))
         result: dict = {}
 
-        class Controller:  # records what the learner tells admission control
-            versions: list[int] = []
-            discarded: list[str] = []
-
-            def set_version(self, v):
-                self.versions.append(v)
-
-            def trajectory_discarded(self, reason, trajectory_id):
-                self.discarded.append(reason)
-
-            def trajectories_consumed(self, ids):
-                pass
-
-        ctl = Controller()
+        ctl = FakeController()
         th = threading.Thread(target=lambda: result.update(learner.run(ctl)))
         th.start()
         deadline = time.monotonic() + 60
