@@ -21,7 +21,6 @@ receive log's trajectories that checkpoint had not consumed: nothing lost, nothi
 from __future__ import annotations
 
 import collections
-import copy
 import json
 import queue
 import threading
@@ -31,18 +30,17 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn as nn
 from loguru import logger
-from safetensors.torch import load_file, save_file
 
 from t1async.abnormal import (DROP_REASONS, drop_detail, drop_reason, finish_counts, masked_turns, policy_mask,
                               turn_counts)
 from t1async.actors import call
+from t1async.backend import LearnerBackend, make_backend
 from t1async.config import GenerationConfig, LearnerConfig, ModelConfig, TransportConfig, WeightSyncConfig
 from t1async.delivery import (ByteQueue, ReceiveLog, commit, latest_checkpoint, read_consumed, staging_dir,
                               write_consumed)
-from t1async.model import Qwen3MoeForCausalLM
-from t1async.rl import gae, k3, policy_loss, routing_differs, token_logprobs, value_loss
+from t1async.rl import gae, k3, policy_loss, routing_differs, value_loss
+from t1async.torch_backend import ValueModel  # noqa: F401  (the critic's home before the backends; tests import it here)
 from t1async.trajectory import Trajectory, TrajectoryError, decode
 from t1async.transport import Delivery, ZmqReceiver
 from t1async.weight_sync import DistributedWeightSync
@@ -69,29 +67,6 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> float | N
     return 1.0 - float((returns - values).var(unbiased=False)) / var
 
 
-class ValueModel(nn.Module):
-    """Critic: a Qwen3-MoE trunk (warm-started from the policy's weights) with a scalar head.
-
-    ``forward(input_ids [B, T]) -> values [B, T]`` float32: the value of the state after
-    reading ``input_ids[:, :t+1]``, i.e. before the token at position t + 1 is sampled.
-    The critic routes with its own router (it has its own weights; replaying the policy's
-    routing would be meaningless for it).
-    """
-
-    def __init__(self, policy: Qwen3MoeForCausalLM):
-        super().__init__()
-        self.backbone = copy.deepcopy(policy.model)  # the trunk only: no LM head (vocab x hidden) to store or run
-        self.head = nn.Linear(policy.cfg.hidden_size, 1)
-        nn.init.zeros_(self.head.weight)
-        nn.init.zeros_(self.head.bias)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        B, T = input_ids.shape
-        positions = torch.arange(T, device=input_ids.device).expand(B, T)
-        hidden, _, _ = self.backbone(input_ids, positions, None, None)
-        return self.head(hidden.float()).squeeze(-1)
-
-
 class Learner:
     """The learner actor (a plain class; ``ray.remote`` is applied in launch).
 
@@ -105,7 +80,7 @@ class Learner:
             token under the same processed distribution (t1async.rl.processed_logprobs), so that
             log pi_prox, log pi_theta and the behaviour log mu are of one distribution. None: the
             defaults (temperature 1, no truncation).
-        seed: seed of the model init.
+        seed: seed of the model init (the same init for every ``learner.backend``).
         torch_threads: intra-op threads of this process.
 
     Raises:
@@ -124,20 +99,10 @@ class Learner:
         self.cfg, self.model_cfg = cfg, model_cfg
         self.run_dir = Path(run_dir)
         resume_from = latest_checkpoint(self.run_dir / "checkpoints") if cfg.resume else None
-        if resume_from or cfg.init_checkpoint:
-            self.policy = Qwen3MoeForCausalLM.from_pretrained(resume_from or cfg.init_checkpoint)
-            if self.policy.cfg != model_cfg:
-                raise ValueError(f"checkpoint {resume_from or cfg.init_checkpoint} has a model config that differs from `model`")
-        else:
-            self.policy = Qwen3MoeForCausalLM(model_cfg)
-        self.critic = ValueModel(self.policy)
-        # KL anchor: the warm start, frozen (loaded from init_checkpoint, so a resumed run keeps it)
-        self.reference: Qwen3MoeForCausalLM | None = None
-        if cfg.kl_coef > 0:
-            self.reference = (Qwen3MoeForCausalLM.from_pretrained(cfg.init_checkpoint) if cfg.init_checkpoint
-                              else copy.deepcopy(self.policy)).eval().requires_grad_(False)
-        self.policy_opt = torch.optim.AdamW(self.policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-        self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=cfg.critic_lr, weight_decay=cfg.weight_decay)
+        # policy, critic, KL reference (the warm start, frozen, loaded from init_checkpoint so a
+        # resumed run keeps it) and their optimisers: t1async/backend.py
+        self.backend: LearnerBackend = make_backend(cfg.backend, cfg, model_cfg, self.generation,
+                                                    resume_from or cfg.init_checkpoint or None)
         self.version = 0
         self.step = 0
         self.counters = {"received": 0, "rejected": 0, "dropped_stale": 0, "trained": 0, "duplicates": 0, "replayed": 0}
@@ -160,8 +125,15 @@ class Learner:
         self._recv_thread.start()
         (self.run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
         self._metrics_path = self.run_dir / "metrics.jsonl"
-        n_params = sum(p.numel() for p in self.policy.parameters())
-        logger.info("learner: policy {:.2f} M parameters, trajectories at {}", n_params / 1e6, self._receiver.endpoint)
+        logger.info("learner ({} backend): policy {:.2f} M parameters, trajectories at {}", cfg.backend,
+                    self.backend.num_parameters() / 1e6, self._receiver.endpoint)
+
+    # the backend's models and optimisers, by their names before the backends
+    policy = property(lambda self: self.backend.policy)
+    critic = property(lambda self: self.backend.critic)
+    reference = property(lambda self: self.backend.reference)
+    policy_opt = property(lambda self: self.backend.policy_opt)
+    critic_opt = property(lambda self: self.backend.critic_opt)
 
     # ---- wiring -------------------------------------------------------------------------
     def endpoint(self) -> str:
@@ -189,10 +161,8 @@ class Learner:
         the policy was loaded in ``__init__``); None: no checkpoint yet, start at step 0 and replay
         the whole receive log. metrics.jsonl rows past the restored step are dropped."""
         if path is not None:
-            self.critic.load_state_dict(load_file(str(path / "critic.safetensors")))
-            opt = torch.load(path / "optimizers.pt", weights_only=True)
-            self.policy_opt.load_state_dict(opt["policy"])
-            self.critic_opt.load_state_dict(opt["critic"])
+            if not self.backend.load_state(path):
+                logger.warning("{}/optimizers.pt was written by another learner backend: optimisers start fresh", path)
             state = json.loads((path / "trainer_state.json").read_text())
             self.step, self.version = int(state["step"]), int(state["version"])
             self.counters.update({k: int(state[k]) for k in self.counters if k in state})
@@ -414,24 +384,24 @@ class Learner:
         critic still trains on them: their states were really visited and their returns really
         observed, and earlier tokens' advantages bootstrap through their values.
         """
-        cfg, gen = self.cfg, self.generation
+        cfg, backend = self.cfg, self.backend
         items = []
         for traj in batch:
-            ids = torch.from_numpy(traj.token_ids.astype(np.int64))
+            dev = backend.device  # the batch's tensors live where the backend computes (cpu: no copy)
+            ids = torch.from_numpy(traj.token_ids.astype(np.int64)).to(dev)
             inp, tgt = ids[:-1].unsqueeze(0), ids[1:].unsqueeze(0)
-            vmask = torch.from_numpy(traj.loss_mask[1:].astype(np.float32)).unsqueeze(0)
-            mask = torch.from_numpy(policy_mask(traj, cfg.abnormal)[1:].astype(np.float32)).unsqueeze(0)
-            mu = torch.from_numpy(traj.logprobs[1:].astype(np.float32)).unsqueeze(0)
-            recorded = torch.from_numpy(traj.routed_experts.astype(np.int64)).unsqueeze(0)  # [1, T-1, L, K]
+            vmask = torch.from_numpy(traj.loss_mask[1:].astype(np.float32)).unsqueeze(0).to(dev)
+            mask = torch.from_numpy(policy_mask(traj, cfg.abnormal)[1:].astype(np.float32)).unsqueeze(0).to(dev)
+            mu = torch.from_numpy(traj.logprobs[1:].astype(np.float32)).unsqueeze(0).to(dev)
+            recorded = torch.from_numpy(traj.routed_experts.astype(np.int64)).unsqueeze(0).to(dev)  # [1, T-1, L, K]
             replay = recorded if cfg.routing_replay else None
-            with torch.no_grad():
-                old_v = self.critic(inp)
+            old_v = backend.values(inp, grad=False)
             idx = vmask[0].nonzero().squeeze(-1)
             rewards = np.zeros(idx.numel(), dtype=np.float32)
             rewards[-1] = episode_reward(traj, cfg.reward)
-            adv_s, ret_s = gae(rewards, old_v[0, idx].numpy(), cfg.gamma, cfg.lam)
+            adv_s, ret_s = gae(rewards, old_v[0, idx].cpu().numpy(), cfg.gamma, cfg.lam)
             adv, ret = torch.zeros_like(vmask), torch.zeros_like(vmask)
-            adv[0, idx], ret[0, idx] = torch.from_numpy(adv_s), torch.from_numpy(ret_s)
+            adv[0, idx], ret[0, idx] = torch.from_numpy(adv_s).to(dev), torch.from_numpy(ret_s).to(dev)
             items.append({"inp": inp, "tgt": tgt, "mask": mask, "vmask": vmask, "mu": mu, "replay": replay,
                           "recorded": recorded, "old_v": old_v, "adv": adv, "ret": ret})
         n_tokens = float(sum(it["mask"].sum() for it in items))  # policy-loss tokens
@@ -448,15 +418,12 @@ class Learner:
         diff_sum, is_max = 0.0, 0.0
         k3_sum, routed_pos, used_diff, own_diff, boundary = 0.0, 0, 0, 0, 0
         for epoch in range(cfg.ppo_epochs):
-            self.policy_opt.zero_grad(set_to_none=True)
-            self.critic_opt.zero_grad(set_to_none=True)
+            backend.zero_grad()
             for it in items:
-                with torch.set_grad_enabled(train_policy):
-                    out = self.policy(it["inp"], routed_experts=it["replay"], return_routing=epoch == 0)
-                    # scored under the sampler's processing (temperature, top-k, top-p); a sampled id
-                    # just outside this model's own nucleus is kept in it (counted below)
-                    logp, outside = token_logprobs(out.logits, it["tgt"], gen.temperature, gen.top_k, gen.top_p,
-                                                   return_outside=True)
+                # scored under the sampler's processing (temperature, top-k, top-p); a sampled id
+                # just outside this model's own nucleus is kept in it (counted below)
+                out = backend.policy_logprobs(it["inp"], it["tgt"], it["replay"], grad=train_policy, routing=epoch == 0)
+                logp, outside = out.logp, out.outside
                 if epoch == 0:
                     boundary += int((outside & it["mask"].bool()).sum())
                     it["prox"] = logp.detach()  # proximal policy = the weights before this update
@@ -470,20 +437,18 @@ class Learner:
                 pl = policy_loss(logp, it["prox"], it["mu"], it["adv"], it["mask"], clip_eps=cfg.clip_eps,
                                  is_cap=cfg.is_cap, denom=n_tokens)
                 kl_term: torch.Tensor | float = 0.0
-                if self.reference is not None and train_policy:
+                if cfg.kl_coef > 0 and train_policy:
                     if epoch == 0:
-                        with torch.no_grad():
-                            it["ref"] = token_logprobs(self.reference(it["inp"]).logits, it["tgt"], gen.temperature,
-                                                       gen.top_k, gen.top_p)
+                        it["ref"] = backend.reference_logprobs(it["inp"], it["tgt"])
                     # k3 estimate of KL(pi_theta || pi_ref) on tokens sampled from (nearly) pi_theta
                     kl = (k3(it["ref"], logp) * it["mask"]).sum() / n_tokens
                     kl_term = cfg.kl_coef * kl
                     if epoch == cfg.ppo_epochs - 1:
                         sums["kl_ref"] = sums.get("kl_ref", 0.0) + float(kl.detach())
-                vl = value_loss(self.critic(it["inp"]), it["old_v"], it["ret"], it["vmask"], clip=cfg.value_clip,
+                vl = value_loss(backend.values(it["inp"], grad=True), it["old_v"], it["ret"], it["vmask"], clip=cfg.value_clip,
                                 denom=n_value)
                 loss = cfg.value_coef * vl + (pl.loss + kl_term if train_policy else 0.0)
-                loss.backward()
+                backend.backward(loss)
                 if epoch == cfg.ppo_epochs - 1:
                     w = float(it["mask"].sum()) / n_tokens
                     sums["policy_loss"] += float(pl.loss.detach())
@@ -491,13 +456,9 @@ class Learner:
                     for k in ("clip_frac", "is_weight_mean", "is_truncated_frac"):
                         sums[k] += getattr(pl, k) * w
                     is_max = max(is_max, pl.is_weight_max)
-            torch.nn.utils.clip_grad_norm_(self.critic.parameters(), cfg.max_grad_norm)
-            self.critic_opt.step()
+            gn = backend.step(policy=train_policy, policy_lr=self._policy_lr())
             if train_policy:
-                gn = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.max_grad_norm)
-                sums["grad_norm"] = float(gn)
-                self._set_policy_lr()
-                self.policy_opt.step()
+                sums["grad_norm"] = gn
         return {**sums, "is_weight_max": is_max, "logprob_diff_mean": diff_sum / max(n_value, 1.0),
                 "kl_k3": k3_sum / max(n_value, 1.0), "nucleus_boundary_tokens": boundary,
                 "routing_diff_frac": used_diff / max(routed_pos, 1), "router_diff_frac": own_diff / max(routed_pos, 1),
@@ -506,14 +467,13 @@ class Learner:
                 "train_policy": train_policy, "phase": "rl" if train_policy else "critic_warmup",
                 "explained_variance": ev, "trained_tokens": n_value}
 
-    def _set_policy_lr(self) -> None:
+    def _policy_lr(self) -> float:
         """Linear warm-up of the policy's learning rate over its first ``lr_warmup_steps`` updates
         (counted after critic warm-up): Adam's first updates are about ``lr`` per parameter
         whatever the gradient's size, which on small batches is mostly noise."""
         k = self.step - self.cfg.critic_warmup_steps + 1
         scale = min(1.0, k / self.cfg.lr_warmup_steps) if self.cfg.lr_warmup_steps > 0 else 1.0
-        for group in self.policy_opt.param_groups:
-            group["lr"] = self.cfg.lr * scale
+        return self.cfg.lr * scale
 
     def _batch_metrics(self, batch: list[Trajectory], stale: list[int]) -> dict[str, Any]:
         self.counters["trained"] += len(batch)
@@ -544,7 +504,7 @@ class Learner:
             self.version += 1
         self._log.note_published(self.version)
         t0 = time.perf_counter()
-        self._sync.publish(self.policy.named_parameters(), self.version)
+        self._sync.publish(self.backend.hf_weights(), self.version)
         logger.info("published weight version {} in {:.2f} s", self.version, time.perf_counter() - t0)
 
     def _write_metrics(self, metrics: dict[str, Any]) -> None:
@@ -560,9 +520,7 @@ class Learner:
         trained on or dropped), staged in a hidden folder and renamed into place."""
         root = self.run_dir / "checkpoints"
         tmp = staging_dir(root, self.step)
-        self.policy.save_pretrained(tmp)
-        save_file({k: v.detach().contiguous() for k, v in self.critic.state_dict().items()}, str(tmp / "critic.safetensors"))
-        torch.save({"policy": self.policy_opt.state_dict(), "critic": self.critic_opt.state_dict()}, tmp / "optimizers.pt")
+        self.backend.save(tmp)
         write_consumed(tmp / "consumed.json", self._consumed)
         (tmp / "trainer_state.json").write_text(json.dumps({"step": self.step, "version": self.version, **self.counters,
                                                             "dropped": self.dropped}))

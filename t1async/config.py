@@ -306,6 +306,26 @@ class AbnormalConfig:
 
 
 @dataclass
+class MegatronConfig:
+    """``learner.backend: megatron``: megatron-core's GPTModel (t1async/megatron_backend.py)."""
+
+    tensor_parallel: int = 1
+    """Tensor-parallel size. Only 1 runs today: the learner is one process (see README)."""
+    pipeline_parallel: int = 1
+    """Pipeline-parallel size. Only 1 runs today: the learner is one process (see README)."""
+    expert_parallel: int = 1
+    """Expert-parallel size (must divide ``model.num_experts``). Only 1 runs today: the learner
+    is one process (see README)."""
+    dispatcher: str = "auto"
+    """MoE token dispatcher: ``allgather``, ``alltoall`` (CUDA only) or ``auto`` (alltoall on
+    CUDA, allgather on CPU)."""
+    dtype: str = "float32"
+    """Parameter and compute dtype: float32 or bfloat16 (router and value head stay float32)."""
+    device: str = "auto"
+    """``cpu``, ``cuda`` or ``auto`` (cuda when available)."""
+
+
+@dataclass
 class LearnerConfig:
     """Actor-critic learner: decoupled PPO with truncated importance weights and GAE."""
 
@@ -371,6 +391,12 @@ class LearnerConfig:
     """Longest wait for one batch before the learner reports it is starved and stops."""
     abnormal: AbnormalConfig = field(default_factory=AbnormalConfig)
     """What to train of episodes and turns that did not end normally (see :class:`AbnormalConfig`)."""
+    backend: str = "torch"
+    """Training engine: ``torch`` (plain PyTorch, t1async/model.py; the CPU default) or
+    ``megatron`` (megatron-core GPTModel, ``pip install 't1async[megatron]'``). Checkpoints are
+    Hugging Face safetensors either way, so a resumed run may switch."""
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    """Settings of the ``megatron`` backend."""
     resume: bool = False
     """Resume in ``run.dir`` (give the killed run's directory): restore the latest checkpoint
     (weights, optimisers, step, version, the ids it consumed), then train on every trajectory in
@@ -555,6 +581,15 @@ _VALUE_RULES: list[tuple[str, Any, str]] = [
     ("sft.log_every", lambda v: v >= 1, "an integer >= 1"),
     ("sft.build_concurrency", lambda v: v >= 1, "an integer >= 1"),
     ("model.num_hidden_layers", lambda v: v >= 1, "an integer >= 1"),
+    ("learner.backend", lambda v: v in ("torch", "megatron"),
+     "'torch' (plain PyTorch) or 'megatron' (megatron-core; pip install 't1async[megatron]')"),
+    *[(f"learner.megatron.{size}", lambda v: v == 1,
+       "1 (the learner is one process today; multi-process Megatron parallelism is not wired into launch yet)")
+      for size in ("tensor_parallel", "pipeline_parallel", "expert_parallel")],
+    ("learner.megatron.dispatcher", lambda v: v in ("auto", "allgather", "alltoall"),
+     "'auto', 'allgather' or 'alltoall' (CUDA only)"),
+    ("learner.megatron.dtype", lambda v: v in ("float32", "bfloat16"), "float32 or bfloat16"),
+    ("learner.megatron.device", lambda v: v in ("auto", "cpu", "cuda"), "'auto', 'cpu' or 'cuda'"),
     *[(f"learner.abnormal.{kind}", lambda v: v in ("train", "mask_turn", "drop"), "'train', 'mask_turn' or 'drop'")
       for kind in ("length_cut", "aborted", "command_timeout", "sandbox_refused")],
     *[(f"learner.abnormal.{kind}", lambda v: v in ("train", "drop"),

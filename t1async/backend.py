@@ -1,0 +1,185 @@
+"""The learner backend interface: what a training engine does for the learner, and nothing else.
+
+The learner (actors/learner.py) owns the data path, batch preparation (tensors, GAE,
+advantages), the RL losses (t1async/rl.py) and metrics. A backend owns the models (policy,
+critic, optional frozen reference), their optimisers and their layouts, and answers five things:
+
+- :meth:`LearnerBackend.policy_logprobs`: per-token log-probs of the targets under the sampling
+  distribution (rl.token_logprobs), with the sampler's routed experts replayed or not;
+- :meth:`LearnerBackend.values`: the critic's per-token values;
+- :meth:`LearnerBackend.backward` / :meth:`LearnerBackend.step`: gradients and one optimiser step
+  (gradient clipping, learning rate);
+- :meth:`LearnerBackend.hf_weights`: the policy as named Hugging Face tensors for the broadcast;
+- :meth:`LearnerBackend.save` / :meth:`LearnerBackend.load_state`: checkpoints, always Hugging
+  Face safetensors + config.json for the policy whatever the backend (so a run can switch
+  backend on resume; samplers, eval and transformers load them).
+
+Backends (``learner.backend``): ``torch`` (t1async/torch_backend.py, the plain-PyTorch model of
+t1async/model.py; the CPU default) and ``megatron`` (t1async/megatron_backend.py, megatron-core's
+GPTModel; ``pip install 't1async[megatron]'``). tests/test_megatron.py holds both to one
+another on the same weights and batch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from t1async.config import GenerationConfig, LearnerConfig, ModelConfig
+
+__all__ = ["BACKENDS", "AdamWPair", "LearnerBackend", "PolicyForward", "make_backend"]
+
+# learner.backend -> "module:class", imported on use (megatron-core is an optional extra)
+BACKENDS = {
+    "torch": "t1async.torch_backend:TorchBackend",
+    "megatron": "t1async.megatron_backend:MegatronBackend",
+}
+
+
+@dataclass
+class PolicyForward:
+    """What :meth:`LearnerBackend.policy_logprobs` returns (tensors on the backend's device).
+
+    Attributes:
+        logp: float32 [B, T]: log-prob of each target under the processed sampling distribution.
+        outside: bool [B, T]: the target was outside this model's own top-k/top-p set (kept anyway).
+        routed_experts: int64 [B, T, L, K]: experts used (the replayed ones under replay), or
+            None unless asked for routing.
+        router_experts: int64 [B, T, L, K]: the routers' own top-k in the same forward, or None.
+    """
+
+    logp: torch.Tensor
+    outside: torch.Tensor
+    routed_experts: torch.Tensor | None = None
+    router_experts: torch.Tensor | None = None
+
+
+class LearnerBackend(Protocol):
+    """A learner's training engine. Constructed as ``cls(cfg, model_cfg, generation, init)``:
+    ``init`` is a checkpoint folder to load the policy from (resume or warm start) or None
+    (seeded random init, the same for every backend: t1async/model.py's init)."""
+
+    device: torch.device
+
+    def policy_logprobs(self, inp: torch.Tensor, tgt: torch.Tensor, replay: torch.Tensor | None, *, grad: bool,
+                        routing: bool) -> PolicyForward:
+        """inp, tgt: int64 [B, T] on ``device``; replay: integer [B, T, L, K] expert ids or None.
+        ``grad``: keep the graph for a backward; ``routing``: fill the routing fields."""
+        ...
+
+    def reference_logprobs(self, inp: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        """float32 [B, T] log-probs under the frozen reference (no gradient). Raises
+        RuntimeError when the backend keeps no reference (``learner.kl_coef`` = 0)."""
+        ...
+
+    def values(self, inp: torch.Tensor, *, grad: bool) -> torch.Tensor:
+        """float32 [B, T] critic values of the state after each input token."""
+        ...
+
+    def zero_grad(self) -> None: ...
+
+    def backward(self, loss: torch.Tensor) -> None: ...
+
+    def step(self, *, policy: bool, policy_lr: float) -> float | None:
+        """Clip and step the critic; with ``policy``, clip and step the policy at ``policy_lr``
+        and return its gradient norm before clipping (None otherwise)."""
+        ...
+
+    def hf_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """The policy's weights under their Hugging Face names (t1async/model.py)."""
+        ...
+
+    def num_parameters(self) -> int: ...
+
+    def save(self, folder: Path) -> None:
+        """Write config.json + model.safetensors (policy, HF), critic.safetensors (HF names
+        ``backbone.*``, ``head.*``) and optimizers.pt into ``folder``."""
+        ...
+
+    def load_state(self, folder: Path) -> bool:
+        """Restore the critic and the optimisers saved by :meth:`save` (the policy was loaded
+        at construction). Returns False when the optimiser file is another backend's (their
+        layouts differ): the optimisers then start fresh."""
+        ...
+
+
+def make_backend(name: str, cfg: LearnerConfig, model_cfg: ModelConfig, generation: GenerationConfig,
+                 init: str | Path | None) -> LearnerBackend:
+    """Build backend ``name`` (a key of :data:`BACKENDS`).
+
+    Raises:
+        ValueError: unknown name. ImportError: the backend's optional dependency is missing
+            (the message says which extra to install).
+    """
+    if name not in BACKENDS:
+        raise ValueError(f"learner.backend={name!r} is not one of {sorted(BACKENDS)}")
+    module, cls = BACKENDS[name].split(":")
+    return getattr(importlib.import_module(module), cls)(cfg, model_cfg, generation, init)
+
+
+class AdamWPair:
+    """The optimisers both backends share: AdamW for the policy and for the critic, global-norm
+    clipping, and their checkpoint file.
+
+    A subclass sets ``self.cfg`` (LearnerConfig) and calls :meth:`_init_optimizers` with its
+    policy and critic modules (``self.policy``, ``self.critic``) built. AdamW and the clip are
+    elementwise and a sum over every element, so a fused layout (Megatron's qkv, fc1) takes the
+    same step as the split one.
+    """
+
+    cfg: LearnerConfig
+    policy: torch.nn.Module
+    critic: torch.nn.Module
+    name = "?"
+
+    def _init_optimizers(self) -> None:
+        cfg = self.cfg
+        self.policy_opt = torch.optim.AdamW(self.policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=cfg.critic_lr, weight_decay=cfg.weight_decay)
+
+    def zero_grad(self) -> None:
+        self.policy_opt.zero_grad(set_to_none=True)
+        self.critic_opt.zero_grad(set_to_none=True)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self, *, policy: bool, policy_lr: float) -> float | None:
+        torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.cfg.max_grad_norm)
+        self.critic_opt.step()
+        if not policy:
+            return None
+        gn = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.cfg.max_grad_norm)
+        for group in self.policy_opt.param_groups:
+            group["lr"] = policy_lr
+        self.policy_opt.step()
+        return float(gn)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.policy.parameters())
+
+    # critic and optimiser files (the policy's are the subclass's: HF config.json + safetensors)
+    def _save_state(self, folder: Path, critic_hf: dict[str, torch.Tensor]) -> None:
+        save_file({k: v.detach().contiguous().cpu() for k, v in critic_hf.items()}, str(folder / "critic.safetensors"))
+        torch.save({"policy": self.policy_opt.state_dict(), "critic": self.critic_opt.state_dict(),
+                    "backend": self.name}, folder / "optimizers.pt")
+
+    def _load_optimizers(self, folder: Path) -> bool:
+        """Load optimizers.pt if it was written by this backend (older files, without a
+        ``backend`` key, are the torch backend's); returns False (fresh optimisers) otherwise."""
+        opt = torch.load(folder / "optimizers.pt", weights_only=True)
+        if opt.get("backend", "torch") != self.name:
+            return False
+        self.policy_opt.load_state_dict(opt["policy"])
+        self.critic_opt.load_state_dict(opt["critic"])
+        return True
+
+    @staticmethod
+    def _critic_file(folder: Path) -> dict[str, torch.Tensor]:
+        return load_file(str(folder / "critic.safetensors"))
