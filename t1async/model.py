@@ -46,6 +46,7 @@ __all__ = [
     "Qwen3MoeModel",
     "model_config_from_hf",
     "model_config_to_hf",
+    "save_hf",
 ]
 
 
@@ -498,15 +499,22 @@ class Qwen3MoeForCausalLM(nn.Module):
         Weights are written in their current dtype, per-expert layout, under the HF names
         (``lm_head.weight`` omitted when tied). The folder is created if needed.
         """
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        d = model_config_to_hf(self.cfg)
-        d["torch_dtype"] = str(self.lm_head.weight.dtype).removeprefix("torch.")
-        (path / "config.json").write_text(json.dumps(d, indent=2) + "\n")
-        sd = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
-        if self.cfg.tie_word_embeddings:
-            sd.pop("lm_head.weight", None)
-        save_file(sd, str(path / "model.safetensors"), metadata={"format": "pt"})
+        save_hf(path, self.cfg, self.state_dict())
+
+
+def save_hf(path: str | Path, cfg: ModelConfig, state_dict: dict[str, torch.Tensor]) -> None:
+    """Write ``config.json`` (HF Qwen3-MoE keys, ``torch_dtype`` of the embedding) and
+    ``model.safetensors`` (``state_dict``, HF names, per-expert layout; ``lm_head.weight`` omitted
+    when tied) into folder ``path``, created if needed. Every learner backend's checkpoint."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    d = model_config_to_hf(cfg)
+    d["torch_dtype"] = str(state_dict["model.embed_tokens.weight"].dtype).removeprefix("torch.")
+    (path / "config.json").write_text(json.dumps(d, indent=2) + "\n")
+    sd = {k: v.detach().contiguous() for k, v in state_dict.items()}
+    if cfg.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    save_file(sd, str(path / "model.safetensors"), metadata={"format": "pt"})
 
 
 def _unfuse_experts(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:

@@ -1,0 +1,296 @@
+"""The Megatron-core learner backend against the torch one: the weight converter (bitwise), forward
+parity with and without routing replay, RECORD vs the torch model's routing, one learner step,
+checkpoints, and a two-process expert-parallel run over gloo (CPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import socket
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from t1async.config import GenerationConfig, LearnerConfig, ModelConfig, TransportConfig, WeightSyncConfig
+from t1async.megatron_convert import CRITIC, POLICY, hf_to_megatron, megatron_to_hf, pack_qkv
+from t1async.model import Qwen3MoeForCausalLM
+from t1async.rl import routing_differs
+from t1async.torch_backend import TorchBackend, ValueModel
+
+warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
+megatron_backend = pytest.importorskip("t1async.megatron_backend", reason="megatron-core is not installed")
+MegatronBackend = megatron_backend.MegatronBackend
+
+# 4 query heads in 2 groups (the qkv layout matters), head_dim != hidden / heads, 4 experts top-2
+MODEL = ModelConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, rope_theta=5000.0)
+
+
+def _hf(cfg: ModelConfig = MODEL, seed: int = 0) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    return {k: torch.randn_like(v) for k, v in Qwen3MoeForCausalLM(cfg).state_dict().items()}
+
+
+def _distinct_rows(B: int, T: int, cfg: ModelConfig = MODEL, seed: int = 0) -> torch.Tensor:
+    """[B, T, L, K] expert ids, K distinct per row (as a sampler records)."""
+    g = torch.Generator().manual_seed(seed)
+    n = B * T * cfg.num_hidden_layers
+    rows = torch.stack([torch.randperm(cfg.num_experts, generator=g)[:cfg.num_experts_per_tok] for _ in range(n)])
+    return rows.view(B, T, cfg.num_hidden_layers, cfg.num_experts_per_tok)
+
+
+# ----------------------------------------------------------------------------- converter
+
+
+@pytest.mark.parametrize("ep,pp", [(1, 1), (2, 1), (1, 2), (4, 2)])
+def test_converter_round_trip_is_bitwise_across_simulated_expert_and_pipeline_ranks(ep, pp):
+    hf = _hf()
+    for layout, sd in ((POLICY, hf), (CRITIC, ValueModel(Qwen3MoeForCausalLM(MODEL)).state_dict())):
+        sd = {k: torch.randn_like(v) for k, v in sd.items()}
+        back: dict[str, torch.Tensor] = {}
+        for pr in range(pp):
+            for er in range(ep):
+                mg = hf_to_megatron(sd, MODEL, layout, ep_rank=er, ep_size=ep, pp_rank=pr, pp_size=pp)
+                assert sum(k.startswith("decoder.layers.") and k.endswith("input_layernorm.weight") for k in mg) == 2 // pp
+                for k, v in megatron_to_hf(mg, MODEL, layout, ep_rank=er, ep_size=ep, pp_rank=pr, pp_size=pp).items():
+                    assert k not in back or torch.equal(back[k], v)  # shared weights identical on every EP rank
+                    back[k] = v
+        assert back.keys() == sd.keys()
+        assert all(torch.equal(back[k], sd[k]) and back[k].dtype == sd[k].dtype for k in sd)
+
+
+def test_converter_layouts_match_megatron_conventions():
+    hf = _hf()
+    mg = hf_to_megatron(hf, MODEL, ep_rank=1, ep_size=2, pp_rank=1, pp_size=2)
+    hd, per = MODEL.head_dim, MODEL.num_attention_heads // MODEL.num_key_value_heads
+    qkv = mg["decoder.layers.0.self_attention.linear_qkv.weight"]  # global layer 1 (pipeline offset 1)
+    q, k, v = (hf[f"model.layers.1.self_attn.{n}_proj.weight"] for n in "qkv")
+    for g in range(MODEL.num_key_value_heads):  # group g: its query heads, then k_g, then v_g
+        rows = qkv[g * (per + 2) * hd:(g + 1) * (per + 2) * hd]
+        assert torch.equal(rows[:per * hd], q[g * per * hd:(g + 1) * per * hd])
+        assert torch.equal(rows[per * hd:(per + 1) * hd], k[g * hd:(g + 1) * hd])
+        assert torch.equal(rows[(per + 1) * hd:], v[g * hd:(g + 1) * hd])
+    assert torch.equal(qkv, pack_qkv(q, k, v, MODEL))
+    # EP rank 1 of 2 holds global experts 2, 3 as local 0, 1; fc1 = cat(gate, up), fc2 = down
+    fc1 = mg["decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"]
+    e2 = "model.layers.1.mlp.experts.2."
+    assert torch.equal(fc1, torch.cat([hf[e2 + "gate_proj.weight"], hf[e2 + "up_proj.weight"]]))
+    assert torch.equal(mg["decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.weight"],
+                       hf["model.layers.1.mlp.experts.3.down_proj.weight"])
+    assert torch.equal(mg["decoder.layers.0.mlp.router.weight"], hf["model.layers.1.mlp.gate.weight"])
+    assert torch.equal(mg["decoder.layers.0.pre_mlp_layernorm.weight"], hf["model.layers.1.post_attention_layernorm.weight"])
+    assert "embedding.word_embeddings.weight" not in mg and "output_layer.weight" in mg  # last stage only
+    with pytest.raises(KeyError, match="no HF name"):
+        megatron_to_hf({"decoder.layers.0.mlp.experts.linear_fc1.weight": fc1}, MODEL)
+
+
+# ----------------------------------------------------------------------------- replay rows
+
+
+def test_replay_rows_are_sequence_major_with_distinct_padding_and_refuse_repeated_ids():
+    r = _distinct_rows(2, 5)
+    rows = megatron_backend.replay_rows(r, MODEL.num_experts, lengths=torch.tensor([5, 3]))
+    assert len(rows) == MODEL.num_hidden_layers and rows[0].shape == (10, 2)
+    assert torch.equal(rows[1][2 * 4 + 0], r[0, 4, 1]) and torch.equal(rows[1][2 * 1 + 1], r[1, 1, 1])  # s * B + b
+    assert torch.equal(rows[0][2 * 3 + 1], torch.tensor([0, 1])) and torch.equal(rows[0][2 * 4 + 1], torch.tensor([0, 1]))
+    r[1, 2, 0] = torch.tensor([3, 3])
+    with pytest.raises(ValueError, match="sequence 1, token 2, layer 0.*distinct"):
+        megatron_backend.replay_rows(r, MODEL.num_experts)
+
+
+# ----------------------------------------------------------------------------- parity
+
+
+def _backends(generation=GenerationConfig(), kl_coef=0.0):
+    """Both backends from the same seeded init; the critic head made non-zero (same in both)."""
+    cfg = LearnerConfig(kl_coef=kl_coef)
+    torch.manual_seed(0)
+    tb = TorchBackend(cfg, MODEL, generation)
+    with torch.no_grad():
+        for n, p in tb.policy.named_parameters():  # a decisive router: no near-ties to flip on 1e-7
+            if n.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 1.0)
+        tb.critic.head.weight.normal_(0.0, 0.5)
+        tb.critic.head.bias.fill_(0.3)
+    torch.manual_seed(0)  # the same init as tb's before the edit (its KL reference)
+    mb = MegatronBackend(cfg, MODEL, generation)
+    megatron_backend.load_megatron(mb.policy, hf_to_megatron(tb.policy.state_dict(), MODEL))
+    megatron_backend.load_megatron(mb.critic, hf_to_megatron(tb.critic.state_dict(), MODEL, CRITIC))
+    return tb, mb
+
+
+@pytest.mark.parametrize("generation", [GenerationConfig(), GenerationConfig(temperature=0.7, top_p=0.9, top_k=50)])
+def test_forward_parity_with_the_torch_backend_with_and_without_replay(generation):
+    tb, mb = _backends(generation)
+    ids = torch.randint(0, MODEL.vocab_size, (2, 25), generator=torch.Generator().manual_seed(3))
+    inp, tgt = ids[:, :-1], ids[:, 1:]
+    replay = _distinct_rows(2, 24, seed=5)
+    for rep in (None, replay):
+        a = tb.policy_logprobs(inp, tgt, rep, grad=False, routing=True)
+        b = mb.policy_logprobs(inp, tgt, rep, grad=False, routing=True)
+        diff = float((a.logp - b.logp).abs().max())
+        print(f"replay={rep is not None}: log-prob max|diff| {diff:.2e}")
+        assert diff < 1e-5 and torch.equal(a.outside, b.outside)
+        assert torch.equal(a.routed_experts, b.routed_experts)
+        assert not routing_differs(a.router_experts, b.router_experts).any()
+    assert torch.equal(b.routed_experts, replay)
+    assert routing_differs(b.router_experts, replay).any()  # the control: replay overrode the router's own choice
+    va, vb = tb.values(inp, grad=False), mb.values(inp, grad=False)
+    print(f"values max|diff| {float((va - vb).abs().max()):.2e}")
+    assert float(va.abs().min()) > 0 and float((va - vb).abs().max()) < 1e-5
+    # the replayed forward really differs from the free one (so the parity above is not vacuous)
+    free = mb.policy_logprobs(inp, tgt, None, grad=False, routing=False).logp
+    assert float((free - b.logp).abs().max()) > 1e-3
+
+
+def test_megatron_record_equals_the_torch_models_routed_experts():
+    tb, mb = _backends()
+    ids = torch.randint(0, MODEL.vocab_size, (3, 16), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = tb.policy(ids, return_routing=True).routed_experts
+    got = mb.policy_logprobs(ids, ids, None, grad=False, routing=True).routed_experts  # RouterReplay RECORD
+    assert got.shape == want.shape == (3, 16, MODEL.num_hidden_layers, MODEL.num_experts_per_tok)
+    assert torch.equal(got, want)  # same experts, same (descending-probability) order
+    assert all(rr.router_replay.recorded_topk_idx is None for rr in mb._routers)  # cleared after the forward
+
+
+def _learner(tmp_path, backend, replay, **kw):
+    from t1async.actors.learner import Learner
+
+    cfg = LearnerConfig(batch_size=2, lr=1e-3, backend=backend, routing_replay=replay, **kw)
+    return Learner(cfg, MODEL, TransportConfig(), WeightSyncConfig(), str(tmp_path / f"{backend}-{replay}"), seed=0)
+
+
+def _batch():
+    from test_learner import synthetic
+
+    batch = [synthetic(0, 1, reward=2.0), synthetic(0, 2, reward=0.0)]
+    for i, t in enumerate(batch):
+        t.routed_experts = _distinct_rows(1, t.routed_experts.shape[0], seed=i)[0].numpy().astype(np.uint8)
+    return batch
+
+
+@pytest.mark.parametrize("replay", [True, False])
+def test_one_learner_step_matches_the_torch_backend(tmp_path, replay):
+    out = {}
+    for backend in ("torch", "megatron"):
+        learner = _learner(tmp_path, backend, replay)
+        try:
+            before = dict(learner.backend.hf_weights())
+            before = {k: v.detach().clone() for k, v in before.items()}
+            out[backend] = learner._train_step(_batch()), {k: v.detach().clone() for k, v in learner.backend.hf_weights()}
+        finally:
+            learner.close()
+    (mt, wt), (mm, wm) = out["torch"], out["megatron"]
+    for k, v in mt.items():
+        if isinstance(v, float):
+            assert mm[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+    assert mm["routing_diff_frac"] == mt["routing_diff_frac"] and mm["phase"] == "rl"
+    rel = max(float((wt[k] - wm[k]).norm() / wt[k].norm()) for k in wt)
+    moved = min(float((wt[k] - before[k]).norm() / before[k].norm()) for k in wt if "norm" not in k)
+    print(f"replay={replay}: params after one step, max over tensors of |torch - megatron| / |torch| = {rel:.2e}; "
+          f"smallest relative move {moved:.2e}")
+    assert rel < 1e-5 and moved > 1e-3  # the step moved every matrix, and both backends moved it alike
+
+
+def test_checkpoint_is_hugging_face_and_a_run_can_switch_backend(tmp_path):
+    learner = _learner(tmp_path, "megatron", True)
+    try:
+        learner._train_step(_batch())
+        learner.step = 1
+        ckpt = learner.save_checkpoint()
+        hf = {k: v.clone() for k, v in learner.backend.hf_weights()}
+        critic = learner.backend.critic_hf_state()
+    finally:
+        learner.close()
+    loaded = Qwen3MoeForCausalLM.from_pretrained(ckpt)  # what samplers, eval and transformers read
+    assert all(torch.equal(p, hf[n]) for n, p in loaded.named_parameters())
+    assert json.loads((ckpt / "config.json").read_text())["model_type"] == "qwen3_moe"
+    # resume the megatron run's checkpoint with the torch backend: same policy and critic
+    tb = TorchBackend(LearnerConfig(), MODEL, GenerationConfig(), ckpt)
+    assert tb.load_state(ckpt) is False  # another backend's optimiser layout: fresh optimisers
+    assert all(torch.equal(p, critic[n]) for n, p in tb.critic.named_parameters())
+
+
+def test_kl_reference_parity():
+    tb, mb = _backends(kl_coef=0.1)
+    ids = torch.randint(0, MODEL.vocab_size, (1, 12), generator=torch.Generator().manual_seed(6))
+    # the references are the initial policies (before the router edit in _backends): equal to each other
+    ref = tb.reference_logprobs(ids, ids)
+    assert float((ref - mb.reference_logprobs(ids, ids)).abs().max()) < 1e-5
+    assert float((ref - mb.policy_logprobs(ids, ids, None, grad=False, routing=False).logp).abs().max()) > 1e-3
+
+
+# ----------------------------------------------------------------------------- two processes
+
+
+def _ep_worker(rank: int, port: int, hf: dict, ids: torch.Tensor, replay: torch.Tensor, result_dir: str) -> None:
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=2)
+    megatron_backend.init_megatron(torch.device("cpu"))
+    model = megatron_backend.build_gpt(MODEL, hf, replay=True, ep_rank=rank, ep_size=2)
+    routers = [layer.mlp.router for layer in model.decoder.layers]
+    mask = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool).triu(1)[None, None]
+    pos = torch.arange(ids.shape[1])[None]
+    res = {"experts": sorted(megatron_to_hf({n: p.detach() for n, p in model.named_parameters()}, MODEL,
+                                            ep_rank=rank, ep_size=2))}
+    for rr in routers:
+        rr.router_replay.set_router_replay_action(RouterReplayAction.RECORD)
+    res["free"] = model(ids, pos, mask)
+    res["record"] = torch.stack([rr.router_replay.get_recorded_indices() for rr in routers], 1)  # [T, L, K]
+    for rr, row in zip(routers, megatron_backend.replay_rows(replay, MODEL.num_experts)):
+        rr.router_replay.clear_indices()
+        rr.router_replay.set_target_indices(row)
+        rr.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+    logits = model(ids, pos, mask)
+    logits.float().logsumexp(-1).sum().backward()
+    res["replay"] = logits.detach()
+    res["expert_grad"] = float(sum(p.grad.abs().sum() for n, p in model.named_parameters() if "local_experts" in n))
+    torch.save(res, f"{result_dir}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_two_process_expert_parallel_gloo_matches_the_torch_model(tmp_path):
+    """expert_parallel=2 over gloo on CPU: each process holds 2 of the 4 experts (the converter's
+    EP offsets, on Megatron's real expert numbering); logits with and without replay and the
+    RECORDed routing equal the torch model's. (tensor_parallel=2 does not run on CPU: see README.)"""
+    import torch.multiprocessing as mp
+
+    torch.manual_seed(0)
+    policy = Qwen3MoeForCausalLM(MODEL).eval()
+    with torch.no_grad():
+        for layer in policy.model.layers:
+            layer.mlp.gate.weight.normal_(0.0, 1.0)
+    hf = {k: v.clone() for k, v in policy.state_dict().items()}
+    ids = torch.randint(0, MODEL.vocab_size, (1, 12), generator=torch.Generator().manual_seed(7))
+    replay = _distinct_rows(1, 12, seed=8)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_ep_worker, args=(port, hf, ids, replay, str(tmp_path)), nprocs=2, start_method="spawn")
+    with torch.no_grad():
+        free = policy(ids, return_routing=True)
+        rep = policy(ids, routed_experts=replay).logits
+    per_rank = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for r, res in enumerate(per_rank):
+        assert float((res["free"] - free.logits).abs().max()) < 1e-5
+        assert float((res["replay"] - rep).abs().max()) < 1e-5
+        assert torch.equal(res["record"], free.routed_experts[0])
+        assert res["expert_grad"] > 0
+        experts = {int(k.split(".")[5]) for k in res["experts"] if ".experts." in k}
+        assert experts == {2 * r, 2 * r + 1}
+
+
+def test_megatron_sizes_other_than_one_are_refused_with_the_reason():
+    cfg = LearnerConfig(megatron=dataclasses.replace(LearnerConfig().megatron, expert_parallel=2))
+    with pytest.raises(ValueError, match="only 1 runs today"):
+        MegatronBackend(cfg, MODEL, GenerationConfig())
