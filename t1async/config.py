@@ -15,8 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 
 class ConfigError(ValueError):
@@ -494,6 +492,9 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         ConfigError: the file is missing or not YAML, or a key is unknown or a value has the
             wrong type; the message names the key and the file (or "command line").
     """
+    from omegaconf import DictConfig, OmegaConf  # here, so the dataclasses import without it (a GPU box)
+    from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
     base = OmegaConf.structured(Config)
     layers = []
     if path is not None:
@@ -655,4 +656,6 @@ def _valid_keys_hint(key: str) -> str:
 
 def to_yaml(cfg: Any) -> str:
     """Render a config (or one section of it) as YAML, for saving in the run directory."""
+    from omegaconf import OmegaConf
+
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))

@@ -294,3 +294,14 @@ def test_megatron_sizes_other_than_one_are_refused_with_the_reason():
     cfg = LearnerConfig(megatron=dataclasses.replace(LearnerConfig().megatron, expert_parallel=2))
     with pytest.raises(ValueError, match="only 1 runs today"):
         MegatronBackend(cfg, MODEL, GenerationConfig())
+
+
+def test_bench_learner_reports_both_backends_on_the_same_step(capsys):
+    from t1async.cli import main
+
+    assert main(["bench", "learner", "--batch", "2", "--seq", "16", "--steps", "1", "--warmup", "0"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    t, m = out["results"]["torch"], out["results"]["megatron"]
+    assert t["tokens_per_s"] > 0 and m["tokens_per_s"] > 0 and out["megatron_over_torch"] > 0
+    assert t["parameters"] == m["parameters"] == 4_396_416
+    assert m["policy_loss"] == pytest.approx(t["policy_loss"], rel=1e-4, abs=1e-7)  # same init, batch and step
