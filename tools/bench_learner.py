@@ -9,8 +9,10 @@ the same seeded init and runs the same RL step as the learner does per micro-bat
     clip + AdamW step of both models
 
 on ``--batch`` sequences of ``--seq`` random tokens with random routed experts (K distinct per
-row, as a sampler records). After ``--warmup`` steps, ``--steps`` steps are timed (CUDA
-synchronised); tokens/s = batch x seq x steps / seconds.
+row, as a sampler records). Both backends are built first; after ``--warmup`` steps each, the
+``--steps`` timed steps alternate between them (this machine is shared: a load change then moves
+both alike), each timed on its own (CUDA synchronised); tokens/s = batch x seq / the median step
+time.
 
 On CUDA it also reports MFU against the bf16 dense peak of an H100/H200 SXM, 989.4 TFLOP/s
 (NVIDIA's datasheet figure without sparsity; ``--peak-tflops`` for another device), counting
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 import torch
@@ -105,31 +108,35 @@ def flops_per_token(m: ModelConfig, seq: int) -> float:
     return (6 * policy + 12 * attn) + (6 * trunk + 12 * attn) + (2 * trunk + 4 * attn)
 
 
-def bench(name: str, model: ModelConfig, args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict:
+def run(names: list[str], model: ModelConfig, args: argparse.Namespace, device: torch.device,
+        dtype: torch.dtype) -> dict[str, dict]:
+    """Build every backend, warm each up, then time ``args.steps`` steps of each, alternating."""
     cfg = LearnerConfig(lr=1e-5, critic_lr=1e-5)
-    backend = make_backend(name, cfg, model, device, dtype)
+    backends = {n: make_backend(n, cfg, model, device, dtype) for n in names}
     b = make_batch(model, args.batch, args.seq, device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    last: dict[str, dict] = {}
+    for i in range(args.warmup + args.steps):
+        for n, backend in backends.items():
+            sync()
+            t0 = time.perf_counter()
+            last[n] = rl_step(backend, b, cfg, replay=not args.no_replay)
+            sync()
+            if i >= args.warmup:
+                times[n].append(time.perf_counter() - t0)
+    out = {}
+    for n, backend in backends.items():
+        dt = statistics.median(times[n])
+        tps = args.batch * args.seq / dt
+        out[n] = {"tokens_per_s": round(tps, 1), "step_s_median": round(dt, 4),
+                  "step_s_all": [round(t, 4) for t in times[n]], "policy_loss_last": last[n]["policy_loss"],
+                  "parameters": backend.num_parameters()}
+        if device.type == "cuda":
+            out[n]["mfu"] = round(flops_per_token(model, args.seq) * tps / (args.peak_tflops * 1e12), 4)
     if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    for _ in range(args.warmup):
-        rl_step(backend, b, cfg, replay=not args.no_replay)
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        last = rl_step(backend, b, cfg, replay=not args.no_replay)
-    sync()
-    dt = (time.perf_counter() - t0) / args.steps
-    tps = args.batch * args.seq / dt
-    res = {"tokens_per_s": round(tps, 1), "step_s": round(dt, 4), "policy_loss": last["policy_loss"],
-           "parameters": backend.num_parameters()}
-    if device.type == "cuda":
-        res["mfu"] = round(flops_per_token(model, args.seq) * tps / (args.peak_tflops * 1e12), 4)
-        res["max_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-    del backend
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return res
+        out["max_memory_gib_all_backends"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -160,8 +167,7 @@ def main(argv: list[str] | None = None) -> dict:
     if device.type == "cuda":
         out["gpu"] = torch.cuda.get_device_name()
         out["peak_tflops_bf16_dense"] = args.peak_tflops
-    for name in [n.strip() for n in args.backends.split(",") if n.strip()]:
-        out["results"][name] = bench(name, model, args, device, dtype)
+    out["results"] = run([n.strip() for n in args.backends.split(",") if n.strip()], model, args, device, dtype)
     r = out["results"]
     if "torch" in r and "megatron" in r:
         out["megatron_over_torch"] = round(r["megatron"]["tokens_per_s"] / r["torch"]["tokens_per_s"], 3)
