@@ -68,10 +68,10 @@ def init_megatron(device: torch.device, seed: int = 0) -> None:
     """
     import torch.distributed as dist
 
-    if device.type == "cpu":
-        if not torch.cuda.is_available():
-            torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
-        moe_utils.te_general_gemm = None
+    if device.type == "cpu" and not torch.cuda.is_available():
+        torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+    if not hasattr(moe_utils, "te_general_gemm"):  # no Transformer Engine: the router's GEMM is torch's
+        moe_utils.te_general_gemm = None  # (measured on an H200: NameError there too, not only on CPU)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
                                 world_size=1)
