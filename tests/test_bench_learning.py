@@ -28,6 +28,9 @@ def test_heldout_shares_no_instruction_command_sequence_or_files_with_training(t
     train = sorted((tmp_path / "train").iterdir())
     heldout = sorted((tmp_path / "heldout").iterdir())
     assert len(train) == 36 and len(list((tmp_path / "sft").iterdir())) == 6
+    sft = {p.name for p in (tmp_path / "sft").iterdir()}
+    rl = {p.name for p in (tmp_path / "rl").iterdir()}  # RL never trains on a demonstration
+    assert len(rl) == 30 and not rl & sft and rl | sft == {p.name for p in train} and split["rl_tasks"] == 30
     seen = {b._signature(p)[0] for p in train} | {b._signature(p)[1] for p in train}
     hashes = {b.instance_hash(p) for p in train}
     for p in heldout:
@@ -49,6 +52,7 @@ def test_families_whose_commands_do_not_fit_are_left_out():
     (["--seeds", "a,b"], "--seeds must be comma-separated integers"),
     (["--minutes", "0"], "--minutes and --eval-every must be positive"),
     (["--reward", "sparse"], "invalid choice: 'sparse'"),
+    (["--train-per-family", "10", "--sft-demos-per-family", "10"], "must be less than --train-per-family"),
 ])
 def test_bad_arguments_are_one_line(args, message):
     r = subprocess.run([sys.executable, "-m", "t1async.cli", "bench", "learning", *args], capture_output=True,

@@ -12,10 +12,12 @@ One command, in this order (everything through the product's own commands and co
    parameter values get fewer or none, reported). ``t1async decontam``'s n-gram report of
    training against held-out is included as measured (see ``split`` in the output).
 2. **Warm start** per seed: ``t1async sft`` on the first ``--sft-demos-per-family``
-   demonstrations of each family (few, so that the warm start is clearly imperfect).
+   demonstrations of each family (``sft.steps`` in the config: enough passes for the policy to
+   copy names from the instruction into commands, and still clearly imperfect on held-out tasks).
 3. **Held-out resolved rate** of the warm start: ``t1async eval --agent policy:CKPT``'s path,
    ``--eval-samples`` episodes per held-out task at the training temperature.
 4. **RL**: ``t1async launch configs/learning.yaml`` from that checkpoint on the training tasks
+   that were not demonstrations
    for ``--minutes`` of wall clock (then SIGTERM: the learner finishes its step and writes a final
    checkpoint), once per reward (``learner.reward=dense``: tests passed, the reference's choice;
    ``binary``: 1 if resolved else 0), same seed and budget. The policy is snapshotted every
@@ -64,9 +66,9 @@ def parse_args(argv: list[str] | None = None):
                    help="reward of the RL runs: dense (tests passed), binary (resolved), or both (ablation)")
     p.add_argument("--seeds", default="0,1", help="comma-separated seeds (SFT order, model init, sampling)")
     p.add_argument("--families", default="", help="comma-separated synth families (default: every family that fits)")
-    p.add_argument("--train-per-family", type=at_least_one, default=24, help="training instances per family")
+    p.add_argument("--train-per-family", type=at_least_one, default=150, help="training instances per family")
     p.add_argument("--heldout-per-family", type=at_least_one, default=8, help="held-out instances per family")
-    p.add_argument("--sft-demos-per-family", type=at_least_one, default=12, help="SFT demonstrations per family")
+    p.add_argument("--sft-demos-per-family", type=at_least_one, default=100, help="SFT demonstrations per family")
     p.add_argument("--eval-samples", type=at_least_one, default=2, help="episodes per held-out task per evaluation")
     p.add_argument("--eval-every", type=float, default=10.0, help="minutes between policy snapshots for the curve")
     p.add_argument("--config", default=str(RL_CONFIG), help="config of the RL runs (and of SFT's model/env/generation)")
@@ -79,6 +81,9 @@ def parse_args(argv: list[str] | None = None):
         p.error(f"--seeds must be comma-separated integers, got {args.seeds!r}")
     if not args.seed_list:
         p.error("--seeds names no seed")
+    if args.sft_demos_per_family >= args.train_per_family:
+        p.error("--sft-demos-per-family must be less than --train-per-family: RL trains on the training tasks "
+                "that were not demonstrations")
     if args.minutes <= 0 or args.eval_every <= 0:
         p.error("--minutes and --eval-every must be positive")
     return args
@@ -128,7 +133,12 @@ def _signature(task_dir: Path) -> tuple[str, tuple[str, ...]]:
 
 
 def make_split(root: Path, families: list[str], n_train: int, n_heldout: int, n_demos: int, cfg: Config) -> dict[str, Any]:
-    """Write train/, heldout/ and sft/ (the first ``n_demos`` training instances per family) under ``root``.
+    """Write train/, heldout/, sft/ (the first ``n_demos`` training instances per family) and rl/
+    (the other training instances) under ``root``.
+
+    RL trains on rl/, not on the demonstrations: a policy that has memorised its demonstrations
+    resolves them all (measured: 100 % over 23 steps), so their advantages are zero and RL on them
+    learns nothing.
 
     Held-out instances are new in what a policy could memorise: each is kept only if its
     instruction, its oracle command sequence and its files all differ from every training
@@ -141,7 +151,8 @@ def make_split(root: Path, families: list[str], n_train: int, n_heldout: int, n_
     from t1async.envs.synth import synthesize
 
     train, heldout, sft, pool = root / "train", root / "heldout", root / "sft", root / "pool"
-    for d in (train, heldout, sft, pool):
+    rl = root / "rl"
+    for d in (train, heldout, sft, pool, rl):
         shutil.rmtree(d, ignore_errors=True)
     heldout.mkdir(parents=True)
     kept: dict[str, int] = {}
@@ -152,8 +163,7 @@ def make_split(root: Path, families: list[str], n_train: int, n_heldout: int, n_
             seen_text.add(text)
             seen_cmds.add(cmds)
             seen_files.add(instance_hash(p))
-            if int(p.name.rsplit("-", 1)[1]) < n_demos:
-                shutil.copytree(p, sft / p.name)
+            shutil.copytree(p, (sft if int(p.name.rsplit("-", 1)[1]) < n_demos else rl) / p.name)
         kept[fam] = 0
         for p in synthesize(fam, 20 * n_heldout, pool, seed=2000):
             text, cmds = _signature(p)
@@ -166,13 +176,14 @@ def make_split(root: Path, families: list[str], n_train: int, n_heldout: int, n_
     return {"families": families, "train": len(list(train.iterdir())), "heldout": len(list(heldout.iterdir())),
             "heldout_per_family": kept, "families_without_heldout": [f for f, k in kept.items() if k == 0],
             "sft_demonstrations": len(list(sft.iterdir())),
+            "rl_tasks": len(list(rl.iterdir())) if rl.is_dir() else 0,
             "heldout_sharing_instruction_commands_or_files_with_train": 0,
             "decontam_flagged": len(flagged), "decontam_checked": len(rows),
             "decontam_note": "t1async decontam (word n-grams) of training against held-out: instances of one family "
                              "share its instruction templates and command shapes, so same-family pairs overlap by "
                              "construction; no held-out instance repeats a training instruction, command sequence "
                              "or file set (checked exactly).",
-            "dirs": {"train": str(train), "heldout": str(heldout), "sft": str(sft)}}
+            "dirs": {"train": str(train), "heldout": str(heldout), "sft": str(sft), "rl": str(rl)}}
 
 
 # ----------------------------------------------------------------------------- runs
@@ -307,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
                     warm_eval["resolved_rate"])
         for reward in rewards:
             key = f"{reward}/seed{seed}"
-            r = rl_run(out / f"seed{seed}" / f"rl-{reward}", sft_dir, Path(split["dirs"]["train"]), seed, reward,
+            r = rl_run(out / f"seed{seed}" / f"rl-{reward}", sft_dir, Path(split["dirs"]["rl"]), seed, reward,
                        args.minutes, args.eval_every, args.config, args.overrides)
             curve = [[0.0, warm_eval["resolved_rate"]]]
             evals = []
