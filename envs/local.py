@@ -62,7 +62,9 @@ from .protocol import (
     sandbox_environment,
     split_root,
 )
-from .shell_io import OutputBuffer, Sentinel
+from .shell_io import EOF as _EOF
+from .shell_io import TIMEOUT as _TIMEOUT
+from .shell_io import OutputBuffer, Sentinel, read_to_marker, write_all
 
 SANDBOX_UID = 65534
 """Host uid (and gid) the shell runs as when t1async runs as root: ``nobody``."""
@@ -73,8 +75,22 @@ KILL_GRACE_S = 2.0
 START_TIMEOUT_S = 15.0
 """Bound on starting bwrap and getting the first answer from the shell."""
 
-_TIMEOUT = "timeout"
-_EOF = "eof"
+
+def _venv_argv() -> list[str]:
+    """bwrap options that make ``/opt/t1async/bin/python3`` the interpreter whose packages the task
+    adaptation checked (``importlib.metadata`` of the running Python) when t1async runs from a
+    virtual environment: Python finds a venv by the ``pyvenv.cfg`` one folder above the path it
+    was started by (not its symlink target), so the venv's ``pyvenv.cfg`` is bound at
+    ``/opt/t1async/pyvenv.cfg`` and ``/opt/t1async/lib`` points at the venv's ``lib``. Without this,
+    the symlink ran the base interpreter, whose packages may differ (no pytest: every verifier fails)."""
+    prefix = Path(sys.prefix)
+    if sys.prefix == sys.base_prefix or not (prefix / "pyvenv.cfg").is_file():
+        return []
+    argv = ["--ro-bind", str(prefix / "pyvenv.cfg"), "/opt/t1async/pyvenv.cfg"]
+    for name in ("lib", "lib64"):
+        if (prefix / name).is_dir():
+            argv += ["--symlink", str((prefix / name).resolve()), f"/opt/t1async/{name}"]
+    return argv
 
 
 class LocalSandbox:
@@ -194,6 +210,7 @@ class LocalSandbox:
         if sys.executable:
             for name in ("python3", "python"):
                 argv += ["--symlink", sys.executable, f"{SANDBOX_BIN}/{name}"]
+            argv += _venv_argv()
         argv += ["--bind", str(self.workspace), "/app"]
         argv += ["--ro-bind", str(self.tests_dir), "/tests"]
         argv += ["--bind", str(self.logs_dir), "/logs"]
@@ -494,39 +511,12 @@ class LocalSandbox:
     def _write(self, data: bytes, deadline: float) -> str | None:
         """Write ``data`` to the shell's stdin; returns _EOF/_TIMEOUT on failure, else None."""
         assert self._proc is not None and self._proc.stdin is not None
-        fd = self._proc.stdin.fileno()
-        view = memoryview(data)
-        while view:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return _TIMEOUT
-            _, ready, _ = select.select([], [fd], [], remaining)
-            if not ready:
-                continue
-            try:
-                written = os.write(fd, view[: select.PIPE_BUF])
-            except (BrokenPipeError, OSError):
-                return _EOF
-            view = view[written:]
-        return None
+        return write_all(self._proc.stdin.fileno(), data, deadline)
 
     def _read(self, buf: OutputBuffer, deadline: float) -> int | str:
         """Read into ``buf`` until the sentinel (returns its status), EOF or the deadline."""
         assert self._proc is not None and self._proc.stdout is not None
-        fd = self._proc.stdout.fileno()
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return _TIMEOUT
-            ready, _, _ = select.select([fd], [], [], remaining)
-            if not ready:
-                return _TIMEOUT
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                return _EOF
-            status = buf.feed(chunk)
-            if status is not None:
-                return status
+        return read_to_marker(self._proc.stdout.fileno(), buf, deadline)
 
     def _namespace_pids(self) -> list[tuple[int, int]]:
         """(host pid, namespace pid) of every live process in the sandbox's PID namespace."""
