@@ -47,7 +47,7 @@ import shlex
 import subprocess
 from dataclasses import dataclass, field, replace
 
-from .task import DockerStep, Task
+from .task import DockerStep, Task, test_script_text
 
 HARNESS_PACKAGES = frozenset({"tmux", "asciinema"})
 """Debian packages Terminal-Bench images install for its own harness (tmux sessions, recordings)."""
@@ -458,9 +458,8 @@ def plan_local(task: Task) -> None:
                 continue
             steps.append(replace(step, args=(adapted,)))
         task.steps = steps
-        assert task.test_script is not None
-        if task.test_script.is_file():
-            original = task.test_script.read_text()
+        original = test_script_text(task)
+        if original is not None:
             adapted = adapt_script(original, test_script=True, allow_internet=task.allow_internet,
                                    present=_tests_present(task))
             if adapted != original:
@@ -469,6 +468,7 @@ def plan_local(task: Task) -> None:
     except Refusal as exc:
         task.local_refusal = task.local_refusal or str(exc)
     task.notes = notes
+    task.writable = writable_folders(task)
 
 
 def _tests_present(task: Task) -> frozenset[str]:
@@ -478,12 +478,36 @@ def _tests_present(task: Task) -> frozenset[str]:
 def plan_container(task: Task) -> None:
     """Fill :attr:`Task.container_test_script` and :attr:`Task.verifier_needs` (container flavour,
     see the module docstring; never refuses)."""
-    assert task.test_script is not None
-    if not task.test_script.is_file():
+    original = test_script_text(task)
+    if original is None:
         return
     needs = VerifierNeeds(present=_tests_present(task))
-    original = task.test_script.read_text()
     adapted = adapt_script(original, test_script=True, allow_internet=task.allow_internet, collect=needs,
                            present=needs.present)
     task.container_test_script = adapted if adapted != original else None
     task.verifier_needs = needs
+
+
+SYSTEM_TOP = frozenset({"app", "tests", "logs", "usr", "bin", "sbin", "lib", "lib32", "lib64", "etc", "proc", "dev",
+                        "sys", "tmp", "root", "var", "run", "home", "opt", "boot", "srv", "mnt", "media", "nix"})
+"""Top-level folders that are the system's (never given a tmpfs by :func:`writable_folders`)."""
+
+_ABS_PATH = re.compile(r"(?<![\w.~$/-])/([A-Za-z0-9_][A-Za-z0-9_.-]*)/")
+
+
+def writable_folders(task: Task) -> tuple[str, ...]:
+    """Top-level folders outside :data:`SYSTEM_TOP` that the task's test script, tests, oracle or
+    instruction name by absolute path (``/db/...``): a container's root could create them, so the
+    local sandbox gives each a private tmpfs (at most 8)."""
+    texts = [task.instruction, test_script_text(task) or ""]
+    files = [task.solution] if task.solution is not None else []
+    if task.tests_dir.is_dir():
+        files += sorted(p for p in task.tests_dir.rglob("*") if p.is_file() and p.suffix in (".py", ".sh", ""))
+    for path in files:
+        try:
+            texts.append(path.read_text()[:200_000])
+        except (OSError, UnicodeDecodeError):
+            continue
+    texts += [command for command, _ in task.solution_commands]
+    found = dict.fromkeys(m.group(1) for text in texts for m in _ABS_PATH.finditer(text))
+    return tuple(f"/{name}" for name in found if name not in SYSTEM_TOP)[:8]

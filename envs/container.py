@@ -15,9 +15,11 @@ Lifecycle:
   and exported variables carry over (an ``exec`` costs about 0.19 s here; a command through the
   persistent shell costs about a millisecond). The image's environment applies, with
   :data:`SHELL_ENV` on top.
-* Timeouts: a second ``exec`` runs :data:`~t1async.envs.shell_io.KILL_SCRIPT`, which SIGKILLs
-  every process started after the shell (the command's whole process group, ``setsid`` and
-  double-forked daemons alike); a shell that still does not answer is replaced by a new one.
+* Timeouts: every process of the container but pid 1 and the shell is SIGKILLed (the command's
+  whole process group, ``setsid`` and double-forked daemons alike), from the host through the
+  container's pids cgroup (so it works at the process limit too), else with
+  :data:`~t1async.envs.shell_io.KILL_SCRIPT` in a second ``exec``; a shell that still does not
+  answer is replaced by a new one.
 * Limits that refused something are read from the container's own cgroup v1 counters on the host
   (``pids.events``, ``memory.oom_control``) when visible, as the local backend does.
 * Files: :meth:`put` streams a tar archive into ``exec -i tar -x`` (one call, Docker COPY
@@ -34,6 +36,7 @@ from __future__ import annotations
 import io
 import os
 import secrets
+import signal
 import subprocess
 import tarfile
 import time
@@ -54,6 +57,7 @@ from .shell_io import (
     OutputBuffer,
     Sentinel,
     clear_command,
+    close_pipes,
     read_command,
     read_to_marker,
     write_all,
@@ -69,11 +73,11 @@ KILL_GRACE_S = 3.0
 CALL_TIMEOUT_S = 60.0
 """Bound on one ``exec`` used for files and kills, seconds."""
 
-KEEPER = "trap '' TERM INT HUP; while :; do sleep 3600 & wait; done"
+KEEPER = "trap '' TERM INT HUP; while :; do tail -f /dev/null & wait; done"
 """The container's main process (pid 1): the kernel ignores signals to a namespace's init from
 inside it, so a ``kill -9 -1`` of the agent's cannot stop the container (with ``--init`` it
 could: killing the init's only child ends it); its ``wait`` reaps adopted orphans, and a killed
-``sleep`` is restarted."""
+``tail`` is restarted (``tail``, not ``sleep``, so that the agent's ``pgrep sleep`` finds only its own)."""
 
 LABEL = "t1async.sandbox=1"
 """Label on every container this backend starts (``podman ps -a --filter label=...`` finds leftovers)."""
@@ -225,12 +229,7 @@ class ContainerSandbox:
             proc.wait(timeout=10)
         except (OSError, subprocess.TimeoutExpired):
             pass
-        for stream in (proc.stdin, proc.stdout):
-            try:
-                if stream is not None:
-                    stream.close()
-            except OSError:
-                pass
+        close_pipes(proc)
 
     def close(self) -> None:
         """Remove the container (every process in it) and stop the shell's client. Idempotent."""
@@ -284,7 +283,7 @@ class ContainerSandbox:
         status, output, truncated = self._run(command, timeout)
         note = ""
         if status == TIMEOUT:
-            killed = self._exec_simple(["bash", "-c", KILL_SCRIPT, "kill", str(self._shell_pid)], user="0").decode().strip()
+            killed = self._kill_commands()
             buf = OutputBuffer(self.max_output_bytes, self._sentinel.marker)
             assert self._proc is not None and self._proc.stdout is not None
             after = read_to_marker(self._proc.stdout.fileno(), buf, time.monotonic() + KILL_GRACE_S)
@@ -324,8 +323,45 @@ class ContainerSandbox:
         """Kill every process started after the shell, except the shell (see :class:`Sandbox`)."""
         if not self.name:
             return 0
-        out = self._exec_simple(["bash", "-c", KILL_SCRIPT, "kill", str(self._shell_pid)], user="0").decode().strip()
-        return int(out) if out.isdigit() else 0
+        return self._kill_commands()
+
+    def _kill_commands(self) -> int:
+        """SIGKILL every process of the container except pid 1 and the shell; how many were killed.
+
+        From the host when the container's pids cgroup is visible (``cgroup.procs``, namespace
+        pids from ``/proc/PID/status``; repeated until none is left, bounded by
+        :data:`KILL_GRACE_S`), which works even when the container is at its process limit and
+        could not start one more process; else through :data:`KILL_SCRIPT` in an ``exec``."""
+        folder = self._group.groups.get("pids") if self._group is not None else None
+        if folder is None:
+            out = self._exec_simple(["bash", "-c", KILL_SCRIPT, "kill", str(self._shell_pid)], user="0").decode().strip()
+            return int(out) if out.isdigit() else 0
+        killed: set[int] = set()
+        stop_at = time.monotonic() + KILL_GRACE_S
+        while time.monotonic() < stop_at:
+            victims = []
+            try:
+                procs = (folder / "cgroup.procs").read_text().split()
+            except OSError:
+                break
+            for pid in procs:
+                try:
+                    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+                except OSError:
+                    continue
+                nspid = int(fields.get("NSpid", "0").split()[-1])
+                if nspid not in (1, self._shell_pid) and not fields.get("State", "").strip().startswith(("Z", "X")):
+                    victims.append(int(pid))
+            if not victims:
+                break
+            for pid in victims:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    killed.add(pid)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.005)
+        return len(killed)
 
     def _exec_simple(self, argv: list[str], *, stdin: bytes | None = None, user: str | None = None,
                      timeout_s: float = CALL_TIMEOUT_S) -> bytes:

@@ -8,7 +8,9 @@ What the shell sees:
 * ``/logs``  a host folder (tmpfs like /app), read-write (``/logs/verifier/reward.txt``);
 * ``/usr`` read-only, ``/bin``, ``/lib``, ``/lib64``, ``/sbin`` as symlinks into it, a curated
   list of ``/etc`` entries, fresh ``/proc``, ``/dev``, and size-capped tmpfs ``/tmp``,
-  ``/dev/shm``, ``/root`` (HOME; mode 1777), ``/var/tmp``, ``/run``; ``/`` itself read-only;
+  ``/dev/shm``, ``/root`` (HOME; mode 1777), ``/var/tmp``, ``/run``, and private writable
+  size-capped tmpfs folders where tasks write outside /app: :data:`WRITABLE` always, plus the
+  task's own top-level folders (``writable``, e.g. ``/db``); ``/`` itself read-only;
 * the Python running t1async (its prefixes, read-only, at their host paths), so that
   ``python3 -m pytest`` works inside with the host's pytest; ``python3`` comes first on ``PATH``.
 
@@ -64,7 +66,11 @@ from .protocol import (
 )
 from .shell_io import EOF as _EOF
 from .shell_io import TIMEOUT as _TIMEOUT
-from .shell_io import OutputBuffer, Sentinel, read_to_marker, write_all
+from .shell_io import OutputBuffer, Sentinel, close_pipes, read_to_marker, write_all
+
+WRITABLE = ("/srv", "/mnt", "/data", "/var/lib", "/var/log", "/var/cache")
+"""Folders every local sandbox has as private, writable, size-capped tmpfs (empty at start; the host's
+are never visible): tasks write there as root would in their container."""
 
 SANDBOX_UID = 65534
 """Host uid (and gid) the shell runs as when t1async runs as root: ``nobody``."""
@@ -107,6 +113,7 @@ class LocalSandbox:
             restarts).
         limits: resource limits (default :class:`SandboxLimits`).
         workdir: where the shell starts (and restarts): ``/app`` or a folder under it.
+        writable: extra top-level folders the task writes (see :data:`WRITABLE`).
         run_as: host uid/gid of the shell when t1async runs as root (default
             :data:`SANDBOX_UID`); None keeps the user-namespace mode (the shell is then uid 0
             mapped to host root: only for tests of that mode). Ignored when not root.
@@ -130,6 +137,7 @@ class LocalSandbox:
         env: dict[str, str] | None = None,
         limits: SandboxLimits | None = None,
         workdir: str = "/app",
+        writable: Sequence[str] = (),
         run_as: int | None = SANDBOX_UID,
     ):
         if command_timeout_s <= 0:
@@ -145,6 +153,7 @@ class LocalSandbox:
         self.command_timeout_s = command_timeout_s
         self.max_output_bytes = max_output_bytes
         self.workdir = workdir
+        self.writable = tuple(dict.fromkeys((*WRITABLE, *writable)))
         self.privileged = os.geteuid() == 0 and run_as is not None
         self.uid = int(run_as) if self.privileged else os.geteuid()
         self.gid = int(run_as) if self.privileged else os.getegid()
@@ -165,7 +174,8 @@ class LocalSandbox:
         """The sandbox of one episode: ``app/``, ``tests/``, ``logs/`` under ``spec.episode_dir``."""
         return cls(spec.episode_dir / "app", tests_dir=spec.episode_dir / "tests", logs_dir=spec.episode_dir / "logs",
                    allow_network=spec.allow_network, command_timeout_s=spec.command_timeout_s,
-                   max_output_bytes=spec.max_output_bytes, env=spec.env, limits=spec.limits, workdir=spec.workdir)
+                   max_output_bytes=spec.max_output_bytes, env=spec.env, limits=spec.limits, workdir=spec.workdir,
+                   writable=spec.writable)
 
     def mechanisms(self) -> dict[str, str]:
         """What enforces each limit in this sandbox (valid after :meth:`start`), plus the uid."""
@@ -197,7 +207,7 @@ class LocalSandbox:
         for folder in ("/etc", "/var", "/opt", "/opt/t1async", SANDBOX_BIN):  # privileged bwrap: else 0700
             argv += ["--perms", "0755", "--dir", folder]
         size = str(int(self.limits.disk_mb) << 20) if self.limits.disk_mb else None
-        for folder in ("/tmp", "/dev/shm", "/root", "/var/tmp", "/run"):
+        for folder in ("/tmp", "/dev/shm", "/root", "/var/tmp", "/run", *self.writable):
             argv += ["--perms", "1777"] + (["--size", size] if size else []) + ["--tmpfs", folder]
         parents = {str(parent) for path in _python_paths() for parent in path.parents}
         for folder in sorted(parents - {"/", "/root", "/tmp", "/opt"}, key=lambda f: f.count("/")):
@@ -329,12 +339,7 @@ class LocalSandbox:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             logger.warning("bwrap (pid {}) did not exit 10 s after SIGKILL", proc.pid)
-        for stream in (proc.stdin, proc.stdout):
-            try:
-                if stream is not None:
-                    stream.close()
-            except OSError:
-                pass
+        close_pipes(proc)
 
     def close(self) -> None:
         """Kill every process in the sandbox and bwrap itself; remove its cgroups and unmount its

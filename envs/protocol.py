@@ -107,6 +107,9 @@ class SandboxSpec:
         container: settings of the ``container`` backend (:class:`~t1async.config.ContainerConfig`;
             None: its defaults). Other backends ignore it.
         log_dir: where a backend that builds images writes ``build.log`` (None: nowhere).
+        writable: top-level folders outside the system ones (``/db``, ``/data``...) that the task
+            writes: the ``local`` backend gives each a private, size-capped tmpfs (images that
+            build them need no such help).
         verifier_debs, verifier_requirements: what the task's test script would install at test
             time (Debian packages, Python requirements), for backends that can pre-install it in
             a verifier layer (``container``); ``verifier_requirements`` None: no layer.
@@ -125,6 +128,7 @@ class SandboxSpec:
     name: str = "episode"
     container: Any = None
     log_dir: Path | None = None
+    writable: tuple[str, ...] = ()
     verifier_debs: tuple[str, ...] = ()
     verifier_requirements: tuple[str, ...] | None = None
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import secrets
 import select
+import subprocess
 import time
 
 from .protocol import bash_quote
@@ -57,6 +58,16 @@ def read_command(path: str, max_bytes: int) -> str:
     is missing, not a regular file, or a symlink)."""
     quoted = bash_quote(path)
     return f"[ -f {quoted} ] && [ ! -L {quoted} ] && tail -c {int(max_bytes)} {quoted}"
+
+
+def close_pipes(proc: subprocess.Popen) -> None:
+    """Close a shell process's stdin and stdout pipes (errors ignored)."""
+    for stream in (proc.stdin, proc.stdout):
+        try:
+            if stream is not None:
+                stream.close()
+        except OSError:
+            pass
 
 
 def write_all(fd: int, data: bytes, deadline: float) -> str | None:

@@ -109,7 +109,9 @@ class Task:
         context_dir: the Dockerfile's build context (COPY sources): ``environment/`` (TB2) or the
             task folder (TB1).
         test_script: the verifier script: ``tests/test.sh`` (TB2) or ``run-tests.sh`` (TB1); it
-            is staged as ``/tests/<its name>`` and run with bash.
+            is staged as ``/tests/<its name>`` and run with bash. A TB1 folder without
+            ``run-tests.sh`` gets the harness's default (:data:`TB1_DEFAULT_RUN_TESTS`), as the TB1
+            harness does.
         solution: the oracle script (``solution/solve.sh`` or ``solution.sh``), or None.
         solution_refusal: why there is no runnable oracle although the task ships one
             (``solution.yaml``), else None.
@@ -128,6 +130,8 @@ class Task:
             or None without a test script.
         solution_commands: TB1 ``solution.yaml`` steps that are plain commands, replayed one by one
             as the oracle (empty otherwise).
+        writable: top-level folders the task writes outside the system ones (e.g. ``/db``), given
+            a private tmpfs by the local backend (see :func:`t1async.envs.adapt.writable_folders`).
     """
 
     name: str
@@ -156,6 +160,7 @@ class Task:
     container_test_script: str | None = None
     verifier_needs: Any = None
     solution_commands: list[tuple[str, float]] = field(default_factory=list)
+    writable: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.context_dir is None:
@@ -439,6 +444,23 @@ def load_task(path: str | Path) -> Task:
     return _finish(task, dockerfile if dockerfile.is_file() else None, folder / "environment" / "docker-compose.yaml")
 
 
+TB1_DEFAULT_RUN_TESTS = """#!/bin/bash
+# t1async: the Terminal-Bench 1 harness's default for a task without run-tests.sh
+source $TEST_DIR/setup-uv-pytest.sh
+bash $TEST_DIR/run-uv-pytest.sh
+"""
+"""What a TB1 task without ``run-tests.sh`` is verified with (its helpers are supplied too, see
+:mod:`t1async.envs.adapt`)."""
+
+
+def test_script_text(task: Task) -> str | None:
+    """The text of the task's test script (the TB1 default when the folder has none), or None."""
+    assert task.test_script is not None
+    if task.test_script.is_file():
+        return task.test_script.read_text()
+    return TB1_DEFAULT_RUN_TESTS if task.layout == "tb1" else None
+
+
 def load_tb1_task(folder: Path) -> Task:
     """Load a Terminal-Bench 1 task folder (``task.yaml``; see the module docstring).
 
@@ -447,9 +469,10 @@ def load_tb1_task(folder: Path) -> Task:
     """
     import yaml
 
-    for required in ("task.yaml", "run-tests.sh"):
-        if not (folder / required).is_file():
-            raise _error(folder, f"missing {required}", "add it (Terminal-Bench 1 layout)")
+    if not (folder / "task.yaml").is_file():
+        raise _error(folder, "missing task.yaml", "add it (Terminal-Bench 1 layout)")
+    if not (folder / "run-tests.sh").is_file() and not (folder / "tests").is_dir():
+        raise _error(folder, "missing run-tests.sh and tests/", "add them (Terminal-Bench 1 layout)")
     try:
         config = yaml.safe_load((folder / "task.yaml").read_text()) or {}
     except (yaml.YAMLError, UnicodeDecodeError) as exc:

@@ -48,7 +48,7 @@ from t1async.config import ContainerConfig
 
 from .protocol import CommandResult, Sandbox, SandboxError, SandboxLimits, SandboxSpec, sandbox_environment
 from .sandbox import SANDBOXES, check_sandbox_available, make_sandbox
-from .task import APP, Task, TaskError, TaskRefused
+from .task import APP, Task, TaskError, TaskRefused, test_script_text
 from .verifier import VerifierResult, verifier_result
 
 SETUP_STEP_TIMEOUT_S = 300.0
@@ -185,7 +185,7 @@ class TerminalEnv:
             command_timeout_s=self.command_timeout_s, max_output_bytes=self.max_output_bytes, env=task_env,
             limits=self.limits, workdir=workdir if not builds else "/app", dockerfile=self.task.dockerfile,
             context_dir=self.task.context_dir, docker_image=self.task.docker_image, name=self.task.name,
-            container=self.container, log_dir=self.log_dir,
+            container=self.container, log_dir=self.log_dir, writable=self.task.writable,
         )
         needs = self.task.verifier_needs
         if builds and needs is not None:
@@ -301,10 +301,12 @@ class TerminalEnv:
         self.sandbox.clear("/tests")
         if task.tests_dir.is_dir():
             self.sandbox.put([task.tests_dir], "/tests/")
-        if task.layout == "tb1":
+        if task.layout == "tb1" and task.test_script.is_file():
             self.sandbox.put([task.test_script], "/tests/")
         layer = getattr(type(self.sandbox), "verifier_layer", False)
         adapted_text = task.container_test_script if layer else (None if self.sandbox.builds_image else task.local_test_script)
+        if adapted_text is None and not task.test_script.is_file():
+            adapted_text = test_script_text(task)  # the TB1 harness default
         if adapted_text is not None:
             adapted = self.episode_dir / "adapted" / script
             adapted.parent.mkdir(exist_ok=True)

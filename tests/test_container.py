@@ -123,6 +123,17 @@ def test_tb1_helpers_the_folder_lacks_are_supplied():
     assert kept == "source $TEST_DIR/setup-uv-pytest.sh\n"
 
 
+def test_tb1_task_without_run_tests_gets_the_harness_default(tmp_path):
+    folder = tmp_path / "no-run-tests"
+    (folder / "tests").mkdir(parents=True)
+    (folder / "task.yaml").write_text("instruction: do it\n")
+    (folder / "tests" / "test_outputs.py").write_text("def test_x():\n    pass\n")
+    task = load_task(folder)
+    for script, python in ((task.container_test_script, CONTAINER_PYTHON), (task.local_test_script, "python3")):
+        lines = [line for line in script.splitlines() if line and not line.startswith("#")]
+        assert lines == ["true", f'{python} -m pytest -rA "$TEST_DIR/test_outputs.py"']
+
+
 def test_solution_yaml_plain_commands_are_an_oracle(tmp_path):
     task = load_task(FIXTURES / "tb1-uv-helpers")
     assert task.solution is None and task.solution_refusal is None
@@ -231,4 +242,5 @@ def test_shipped_task_resolves_in_a_container_and_logs_its_commands(tmp_path):
     assert verdict.resolved, verdict.output
     log = (tmp_path / "logs" / "commands.log").read_text()
     assert "### oracle (exit 0" in log and "### verifier" in log
-    assert "FROM" in (tmp_path / "logs" / "build.log").read_text()
+    build = (tmp_path / "logs" / "build.log").read_text()
+    assert "zip-find-token" in build and ("FROM" in build or "found in the cache" in build)

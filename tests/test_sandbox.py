@@ -284,3 +284,21 @@ def test_sandbox_python_is_the_interpreter_whose_packages_were_checked(sb):
     in_venv_inside, names = json.loads(result.output)
     assert in_venv_inside == (sys.prefix == sys.base_prefix)
     assert names == sorted({d.metadata["Name"].lower() for d in importlib.metadata.distributions()})
+
+
+def test_task_folders_outside_app_are_private_writable_tmpfs(tmp_path):
+    """Folders a task writes outside /app (its own, e.g. /db, and WRITABLE) are writable, private
+    to the sandbox, and never the host's."""
+    from t1async.envs.local import WRITABLE
+
+    box = LocalSandbox(tmp_path / "app", tests_dir=tmp_path / "tests", logs_dir=tmp_path / "logs",
+                       writable=("/t1async-db-probe",))
+    box.start()
+    try:
+        result = box.exec("mkdir -p /t1async-db-probe/energy && echo 1 > /t1async-db-probe/energy/x && "
+                          "echo 2 > /srv/y && cat /t1async-db-probe/energy/x /srv/y")
+        assert result.output == "1\n2\n", result.output
+        assert box.exec("touch /t1async-elsewhere").exit_code != 0  # the root stays read-only
+    finally:
+        box.close()
+    assert "/srv" in WRITABLE and not Path("/t1async-db-probe").exists() and not Path("/srv/y").exists()
