@@ -44,6 +44,7 @@ import functools
 import importlib.metadata
 import re
 import shlex
+import shutil
 import subprocess
 from dataclasses import dataclass, field, replace
 
@@ -98,8 +99,9 @@ def host_has_deb(package: str) -> bool:
     """Whether the Debian package ``package`` (``name[:arch][=version]``, version ignored) is
     installed on the host (``dpkg-query``); False without dpkg."""
     name = package.split("=", 1)[0].split(":", 1)[0]
+    dpkg_query = shutil.which("dpkg-query") or "/usr/bin/dpkg-query"  # the host's packages, whatever PATH says
     try:
-        out = subprocess.run(["dpkg-query", "-W", "-f=${Status}", name], capture_output=True, text=True, timeout=10)
+        out = subprocess.run([dpkg_query, "-W", "-f=${Status}", name], capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return False
     return out.returncode == 0 and out.stdout.strip().endswith("install ok installed")

@@ -211,7 +211,10 @@ class ContainerSandbox:
         env = [opt for key, value in {**SHELL_ENV, **self.spec.env}.items() for opt in ("-e", f"{key}={value}")]
         self._exec_simple(["mkdir", "-p", self.workdir])
         self._proc = subprocess.Popen(
-            [*self.engine.argv, "exec", "-i", "-w", self.workdir, *env, self.name, "bash", "--noprofile", "--norc"],
+            # stderr joins stdout inside the container: the engine relays the two on separate
+            # streams, which would reorder a command's error after its end-of-command marker
+            [*self.engine.argv, "exec", "-i", "-w", self.workdir, *env, self.name, "bash", "--noprofile", "--norc",
+             "-c", "exec 2>&1; exec bash --noprofile --norc"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
         status, output, _ = self._run("printf '%s\\n' \"$$\"", self.cfg.start_timeout_s)
         if status != 0 or not output.strip().isdigit():

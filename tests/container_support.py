@@ -1,9 +1,10 @@
 """Shared set-up of the container tests: the engine and one bootstrapped base image.
 
-:func:`base_image` returns ``python:3.11-slim-bookworm`` after making sure it resolves locally: on
-a fresh machine with podman (``tools/setup.sh`` installs it) and mmdebstrap it bootstraps the
-Debian bookworm stand-in once (about 1-2 minutes; podman's storage keeps it for later runs).
-Without podman the calling test is skipped with the reason.
+:func:`base_image` returns ``python:3.13-slim-bookworm`` after making sure it and ``ubuntu:24.04``
+(the shipped tasks' base) resolve locally: on a fresh machine with podman (``tools/setup.sh``
+installs it) and mmdebstrap it bootstraps their one Debian trixie stand-in once (about 1-3
+minutes; podman's storage keeps it for later runs). Without podman the calling test is skipped
+with the reason.
 """
 
 from __future__ import annotations
@@ -13,8 +14,11 @@ import shutil
 
 import pytest
 
-BASE = "python:3.11-slim-bookworm"
-"""The image container tests run in (Debian bookworm stand-in: python3, pip, venv, procps)."""
+BASE = "python:3.13-slim-bookworm"
+"""The image container tests run in (Debian trixie stand-in: python3, pip, venv, procps)."""
+
+NAMES = (BASE, "ubuntu:24.04")
+"""Every base image the container tests use (one root filesystem serves both)."""
 
 
 @functools.lru_cache(maxsize=1)
@@ -26,7 +30,7 @@ def _prepare() -> str:
     from t1async.envs.protocol import SandboxError
 
     try:
-        bootstrap(resolve_engine(), [BASE])
+        bootstrap(resolve_engine(), list(NAMES))
     except SandboxError as exc:
         return f"the base image could not be bootstrapped: {exc}"
     return ""

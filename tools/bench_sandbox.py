@@ -20,7 +20,7 @@ Run: ``t1async bench sandbox [--commands N] [--episodes M]``. Prints ONE JSON ob
   closed per second, sequentially; ``episode_start_median_ms`` the median start alone;
 * ``mechanisms``: what enforced the limits in the measured sandbox.
 * ``container``: the same figures for the ``container`` backend beside local's, when an engine is
-  usable and ``--image`` (default ``python:3.11-slim-bookworm``; ``t1async images bootstrap``)
+  usable and ``--image`` (default ``python:3.13-slim-bookworm``; ``t1async images bootstrap``)
   is present, else ``{"skipped": reason}``: ``episode_start_median_ms`` (container run + shell
   handshake, image cached), ``close_median_ms``, ``round_trip_median_ms`` (``exec("true")``
   through the persistent shell), ``engine_exec_median_ms`` (one ``<engine> exec CONTAINER true``,
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--episodes", type=at_least_one, default=20, help="sandboxes started and closed (>= 1)")
     parser.add_argument("--container-episodes", type=at_least_one, default=5,
                         help="containers started and closed for the container figures (>= 1)")
-    parser.add_argument("--image", default="python:3.11-slim-bookworm", help="image of the container figures")
+    parser.add_argument("--image", default="python:3.13-slim-bookworm", help="image of the container figures")
     args = parser.parse_args(argv)
     logger.remove()
     logger.add(sys.stderr, level="WARNING")
