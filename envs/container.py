@@ -34,9 +34,7 @@ verification (see :mod:`t1async.envs.terminal`), and the verifier runs in the sa
 from __future__ import annotations
 
 import io
-import os
 import secrets
-import signal
 import subprocess
 import tarfile
 import time
@@ -58,6 +56,8 @@ from .shell_io import (
     Sentinel,
     clear_command,
     close_pipes,
+    kill_repeatedly,
+    process_status,
     read_command,
     read_to_marker,
     write_all,
@@ -339,32 +339,17 @@ class ContainerSandbox:
         if folder is None:
             out = self._exec_simple(["bash", "-c", KILL_SCRIPT, "kill", str(self._shell_pid)], user="0").decode().strip()
             return int(out) if out.isdigit() else 0
-        killed: set[int] = set()
-        stop_at = time.monotonic() + KILL_GRACE_S
-        while time.monotonic() < stop_at:
-            victims = []
+
+        def victims() -> list[int]:
             try:
                 procs = (folder / "cgroup.procs").read_text().split()
             except OSError:
-                break
-            for pid in procs:
-                try:
-                    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
-                except OSError:
-                    continue
-                nspid = int(fields.get("NSpid", "0").split()[-1])
-                if nspid not in (1, self._shell_pid) and not fields.get("State", "").strip().startswith(("Z", "X")):
-                    victims.append(int(pid))
-            if not victims:
-                break
-            for pid in victims:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                    killed.add(pid)
-                except ProcessLookupError:
-                    pass
-            time.sleep(0.005)
-        return len(killed)
+                return []
+            statuses = [(int(pid), process_status(pid)) for pid in procs]
+            return [pid for pid, fields in statuses
+                    if fields is not None and int(fields.get("NSpid", "0").split()[-1]) not in (1, self._shell_pid)]
+
+        return kill_repeatedly(victims, KILL_GRACE_S)
 
     def _exec_simple(self, argv: list[str], *, stdin: bytes | None = None, user: str | None = None,
                      timeout_s: float = CALL_TIMEOUT_S) -> bytes:

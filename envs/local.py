@@ -66,7 +66,7 @@ from .protocol import (
 )
 from .shell_io import EOF as _EOF
 from .shell_io import TIMEOUT as _TIMEOUT
-from .shell_io import OutputBuffer, Sentinel, close_pipes, read_to_marker, write_all
+from .shell_io import OutputBuffer, Sentinel, close_pipes, kill_repeatedly, process_status, read_to_marker, write_all
 
 WRITABLE = ("/srv", "/mnt", "/data", "/var/lib", "/var/log", "/var/cache")
 """Folders every local sandbox has as private, writable, size-capped tmpfs (empty at start; the host's
@@ -532,14 +532,11 @@ class LocalSandbox:
             try:
                 if os.readlink(f"/proc/{entry}/ns/pid") != self._pidns:
                     continue
-                status = Path(f"/proc/{entry}/status").read_text()
             except OSError:
                 continue
-            fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-            if fields.get("State", "").strip().startswith(("Z", "X")):
-                continue
-            nspid = int(fields.get("NSpid", "0 0").split()[-1])
-            found.append((int(entry), nspid))
+            fields = process_status(entry)
+            if fields is not None:
+                found.append((int(entry), int(fields.get("NSpid", "0 0").split()[-1])))
         return found
 
     def end_agent(self) -> int:
@@ -551,17 +548,5 @@ class LocalSandbox:
     def _kill_command_processes(self) -> int:
         """SIGKILL every process in the namespace except init (ns pid 1) and the shell; repeat
         until none is left (bounded), so fast forkers are caught. Returns how many were killed."""
-        killed: set[int] = set()
-        stop_at = time.monotonic() + KILL_GRACE_S
-        while time.monotonic() < stop_at:
-            victims = [host for host, ns in self._namespace_pids() if ns not in (1, self._shell_nspid)]
-            if not victims:
-                break
-            for host in victims:
-                try:
-                    os.kill(host, signal.SIGKILL)
-                    killed.add(host)
-                except ProcessLookupError:
-                    pass
-            time.sleep(0.005)
-        return len(killed)
+        return kill_repeatedly(lambda: [host for host, ns in self._namespace_pids() if ns not in (1, self._shell_nspid)],
+                               KILL_GRACE_S)

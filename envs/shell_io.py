@@ -18,8 +18,10 @@ from __future__ import annotations
 import os
 import secrets
 import select
+import signal
 import subprocess
 import time
+from typing import Callable
 
 from .protocol import bash_quote
 
@@ -58,6 +60,35 @@ def read_command(path: str, max_bytes: int) -> str:
     is missing, not a regular file, or a symlink)."""
     quoted = bash_quote(path)
     return f"[ -f {quoted} ] && [ ! -L {quoted} ] && tail -c {int(max_bytes)} {quoted}"
+
+
+def kill_repeatedly(victims: Callable[[], list[int]], grace_s: float) -> int:
+    """SIGKILL the host pids ``victims()`` returns, again and again until it returns none or
+    ``grace_s`` seconds passed (so fast forkers are caught); how many distinct pids were killed."""
+    killed: set[int] = set()
+    stop_at = time.monotonic() + grace_s
+    while time.monotonic() < stop_at:
+        pids = victims()
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.add(pid)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.005)
+    return len(killed)
+
+
+def process_status(pid: int | str) -> dict[str, str] | None:
+    """The fields of ``/proc/PID/status`` of a live process (None when gone or a zombie)."""
+    try:
+        text = open(f"/proc/{pid}/status").read()
+    except OSError:
+        return None
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    return None if fields.get("State", "").strip().startswith(("Z", "X")) else fields
 
 
 def close_pipes(proc: subprocess.Popen) -> None:
