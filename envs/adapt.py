@@ -22,6 +22,20 @@ Dockerfile RUN steps and test script are read command by command (quote-aware sp
 Everything else runs as written. The result is stored on the task: :attr:`Task.steps` (RUN steps
 rewritten or dropped), :attr:`Task.local_test_script` and :attr:`Task.local_refusal`.
 Terminal-Bench's harness-only packages (:data:`HARNESS_PACKAGES`) are not needed here.
+
+**Missing Terminal-Bench 1 helpers.** TB1 test scripts ``source $TEST_DIR/setup-uv-pytest.sh``
+and run ``bash $TEST_DIR/run-uv-pytest.sh``, which the TB1 harness supplies (they install uv
+and pytest from the network, then run ``uv run pytest $TEST_DIR/test_outputs.py -rA``). When the
+task's tests/ lacks them, the first becomes ``true`` (pytest comes from the host or the verifier
+layer) and the second the pytest run itself.
+
+**The container flavour** (:func:`plan_container`): the task's image is built for real, so only
+the test script is adapted, and nothing is refused: package installs in it (apt-get, pip,
+``uv pip install``, ``uv add``, ``uvx --with``) are collected into :class:`VerifierNeeds` and
+become ``true`` (they are installed at build time in the verifier layer, see
+:mod:`t1async.envs.images`); uv bootstraps become ``true``; the runner becomes
+``${T1ASYNC_VERIFIER_PYTHON:-python3} -m pytest -rA ...`` (the verifier layer's Python when it
+was built). Stored in :attr:`Task.container_test_script` and :attr:`Task.verifier_needs`.
 """
 
 from __future__ import annotations
@@ -30,10 +44,11 @@ import functools
 import importlib.metadata
 import re
 import shlex
+import shutil
 import subprocess
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
-from .task import DockerStep, Task
+from .task import DockerStep, Task, test_script_text
 
 HARNESS_PACKAGES = frozenset({"tmux", "asciinema"})
 """Debian packages Terminal-Bench images install for its own harness (tmux sessions, recordings)."""
@@ -52,8 +67,31 @@ _SEPARATORS = ("&&", "||", ";", "\n")
 _KEYWORDS = re.compile(r"^\s*(?:(?:if|elif|while|until|then|else|do|!|\{|\()\s+)*")
 
 
+TB1_HELPERS = ("setup-uv-pytest.sh", "run-uv-pytest.sh")
+"""Terminal-Bench 1 harness scripts that test scripts call but task folders usually lack."""
+
+CONTAINER_PYTHON = "${T1ASYNC_VERIFIER_PYTHON:-python3}"
+"""The Python a container's adapted test script runs pytest with (the verifier layer's when built)."""
+
+
 class Refusal(Exception):
     """Raised inside the planner with the reason the local backend refuses the task."""
+
+
+@dataclass
+class VerifierNeeds:
+    """What a test script would install at test time (container flavour; see the module docstring).
+
+    Attributes:
+        debs: Debian packages (apt-get install).
+        requirements: Python requirements (pip, uv pip install, uv add, uvx --with), report-only
+            plugins left out.
+        present: files the task's tests/ folder holds (a TB1 helper among them is run as written).
+    """
+
+    debs: list[str] = field(default_factory=list)
+    requirements: list[str] = field(default_factory=list)
+    present: frozenset[str] = frozenset()
 
 
 @functools.lru_cache(maxsize=512)
@@ -61,8 +99,9 @@ def host_has_deb(package: str) -> bool:
     """Whether the Debian package ``package`` (``name[:arch][=version]``, version ignored) is
     installed on the host (``dpkg-query``); False without dpkg."""
     name = package.split("=", 1)[0].split(":", 1)[0]
+    dpkg_query = shutil.which("dpkg-query") or "/usr/bin/dpkg-query"  # the host's packages, whatever PATH says
     try:
-        out = subprocess.run(["dpkg-query", "-W", "-f=${Status}", name], capture_output=True, text=True, timeout=10)
+        out = subprocess.run([dpkg_query, "-W", "-f=${Status}", name], capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return False
     return out.returncode == 0 and out.stdout.strip().endswith("install ok installed")
@@ -167,18 +206,34 @@ def _pip_requirements(words: list[str]) -> list[str]:
     return reqs
 
 
-def classify(command: str, *, test_script: bool, allow_internet: bool) -> str | None:
-    """The replacement of one command for the local sandbox (None: run it as written).
+def classify(command: str, *, test_script: bool, allow_internet: bool, collect: VerifierNeeds | None = None,
+             present: frozenset[str] | None = None) -> str | None:
+    """The replacement of one command (None: run it as written): for the local sandbox, or for a
+    container's test script when ``collect`` is given (installs are recorded there instead of
+    checked against the host; nothing is refused).
+
+    Args:
+        present: files of the task's tests/ folder (a missing TB1 helper is replaced); None:
+            unknown, helpers are left alone.
 
     Raises:
-        Refusal: the command needs what the host lacks (packages, another package manager,
-            network).
+        Refusal: (local only) the command needs what the host lacks (packages, another package
+            manager, network).
     """
     words = _words(command)
     if not words:
         return None
     head = words[0].rsplit("/", 1)[-1]
     text = " ".join(words)
+    if test_script and present is not None:
+        helper = _missing_helper(words, present)
+        if helper == "setup-uv-pytest.sh":
+            return "true"
+        if helper == "run-uv-pytest.sh":
+            python = CONTAINER_PYTHON if collect is not None else "python3"
+            return f'{python} -m pytest -rA "$TEST_DIR/test_outputs.py"'
+    if collect is not None:
+        return _classify_container(command, words, head, text, collect)
     if head in ("apt-get", "apt", "aptitude"):
         sub = next((w for w in words[1:] if not w.startswith("-")), "")
         if sub in ("update", "clean", "autoclean", "autoremove", "upgrade", "dist-upgrade"):
@@ -222,6 +277,47 @@ def classify(command: str, *, test_script: bool, allow_internet: bool) -> str | 
     return None
 
 
+def _missing_helper(words: list[str], present: frozenset[str]) -> str | None:
+    """The TB1 helper a ``source``/``.``/``bash``/``sh`` command runs when tests/ lacks it, else None."""
+    if len(words) < 2 or words[0].rsplit("/", 1)[-1] not in ("source", ".", "bash", "sh"):
+        return None
+    name = words[1].rsplit("/", 1)[-1]
+    return name if name in TB1_HELPERS and name not in present else None
+
+
+def _classify_container(command: str, words: list[str], head: str, text: str, collect: VerifierNeeds) -> str | None:
+    """:func:`classify` for a container's test script (see the module docstring)."""
+    if head in ("apt-get", "apt", "aptitude"):
+        sub = next((w for w in words[1:] if not w.startswith("-")), "")
+        if sub == "install":
+            collect.debs += [p for p in words[words.index("install") + 1:] if not p.startswith("-")]
+            return "true"
+        return "true" if sub in ("update", "clean", "autoclean", "autoremove") else None
+    if head == "rm" and "/var/lib/apt/lists" in text:
+        return "true"
+    pip = (head in ("pip", "pip3") or (head.startswith("python") and words[1:3] == ["-m", "pip"])
+           or (head == "uv" and words[1:3] == ["pip", "install"]))
+    if (pip and "install" in words) or (head == "uv" and words[1:2] == ["add"]):
+        try:
+            reqs = _pip_requirements(words) if pip else [w for w in words[2:] if not w.startswith("-")]
+        except Refusal:
+            return None  # a requirements file or a local project: run it as written
+        collect.requirements += [r for r in reqs if _name(r) not in REPORT_PLUGINS]
+        return "true"
+    if "astral.sh/uv" in text or re.search(r"\buv/[^ ]*install\.sh", text):
+        return "true"
+    if head in ("source", ".") and len(words) == 2 and (words[1].endswith("/bin/activate")
+                                                        or words[1].endswith(".local/bin/env")):
+        return "true"
+    if head == "uv" and len(words) > 1 and words[1] in ("venv", "init", "sync", "lock"):
+        return "true"
+    return _pytest_command(command, collect=collect)
+
+
+def _name(requirement: str) -> str:
+    return re.split(r"[<>=!~\[; ]", requirement, maxsplit=1)[0].lower()
+
+
 def _is_runner(requirement: str, test_script: bool) -> bool:
     name = re.split(r"[<>=!~\[; ]", requirement, maxsplit=1)[0].lower()
     return test_script and (name in RUNNER_PACKAGES or name.startswith("pytest"))
@@ -259,10 +355,12 @@ def _raw_words(text: str) -> list[tuple[str, int]]:
     return words
 
 
-def _pytest_command(command: str) -> str | None:
+def _pytest_command(command: str, collect: VerifierNeeds | None = None) -> str | None:
     """``python3 -m pytest ARGS`` for a pytest invocation through uv/uvx/pytest/python -m pytest,
     ARGS kept as written (expansions intact), ``-rA`` added when missing, options of absent
-    report plugins dropped. None if ``command`` is not one, or is already fine as written."""
+    report plugins dropped. None if ``command`` is not one, or is already fine as written.
+    With ``collect`` (container flavour): ``--with`` requirements are recorded there, report
+    plugin options always dropped, and the Python is :data:`CONTAINER_PYTHON`."""
     text = command.strip()
     words = _raw_words(text)
     if not words:
@@ -293,8 +391,11 @@ def _pytest_command(command: str) -> str | None:
                 return None  # runs something else than pytest
             i += 1
         for req in withs:
-            name = re.split(r"[<>=!~\[; ]", req, maxsplit=1)[0].lower()
-            if name not in REPORT_PLUGINS and (why := host_python_lacks(req, runner=_is_runner(req, True))):
+            name = _name(req)
+            if collect is not None:
+                if name not in REPORT_PLUGINS:
+                    collect.requirements.append(req)
+            elif name not in REPORT_PLUGINS and (why := host_python_lacks(req, runner=_is_runner(req, True))):
                 raise Refusal(f"the test runner needs Python packages the host lacks: {why}")
     elif _PYTEST_WORD.match(words[0][0]):
         index = 0
@@ -303,22 +404,24 @@ def _pytest_command(command: str) -> str | None:
     if index is None:
         return None
     rest = text[words[index][1]:]
-    changed = not (index == 2 and head.startswith("python"))
+    changed = not (index == 2 and head.startswith("python")) or collect is not None
     for package, pattern in _PLUGIN_OPTIONS.items():
-        if pattern.search(rest) and host_python_lacks(package) is not None:
+        if pattern.search(rest) and (collect is not None or host_python_lacks(package) is not None):
             rest = pattern.sub("", rest)
             changed = True
     if not re.search(r"(?:^|\s)-r\w*A", rest):
         rest = " -rA" + rest
         changed = True
-    return "python3 -m pytest" + rest if changed else None
+    python = CONTAINER_PYTHON if collect is not None else "python3"
+    return f"{python} -m pytest" + rest if changed else None
 
 
-def adapt_script(text: str, *, test_script: bool, allow_internet: bool) -> str:
+def adapt_script(text: str, *, test_script: bool, allow_internet: bool, collect: VerifierNeeds | None = None,
+                 present: frozenset[str] | None = None) -> str:
     """``text`` with each command replaced per :func:`classify` (unchanged text if nothing applies).
 
     Raises:
-        Refusal: a command the local sandbox cannot run faithfully.
+        Refusal: a command the local sandbox cannot run faithfully (never with ``collect``).
     """
     joined = re.sub(r"\\\n", " ", text)  # line continuations, as the shell reads them
     out: list[str] = []
@@ -327,7 +430,8 @@ def adapt_script(text: str, *, test_script: bool, allow_internet: bool) -> str:
         command = joined[start:end]
         keywords = _KEYWORDS.match(command)
         lead = keywords.end() if keywords else 0
-        replacement = classify(command[lead:], test_script=test_script, allow_internet=allow_internet)
+        replacement = classify(command[lead:], test_script=test_script, allow_internet=allow_internet,
+                               collect=collect, present=present)
         if replacement is None:
             continue
         out.append(joined[last:start + lead])
@@ -356,13 +460,56 @@ def plan_local(task: Task) -> None:
                 continue
             steps.append(replace(step, args=(adapted,)))
         task.steps = steps
-        assert task.test_script is not None
-        if task.test_script.is_file():
-            original = task.test_script.read_text()
-            adapted = adapt_script(original, test_script=True, allow_internet=task.allow_internet)
+        original = test_script_text(task)
+        if original is not None:
+            adapted = adapt_script(original, test_script=True, allow_internet=task.allow_internet,
+                                   present=_tests_present(task))
             if adapted != original:
                 task.local_test_script = adapted
                 notes.append(f"{task.test_script.name}: test runner downloads replaced by the host's pytest")
     except Refusal as exc:
         task.local_refusal = task.local_refusal or str(exc)
     task.notes = notes
+    task.writable = writable_folders(task)
+
+
+def _tests_present(task: Task) -> frozenset[str]:
+    return frozenset(p.name for p in task.tests_dir.iterdir()) if task.tests_dir.is_dir() else frozenset()
+
+
+def plan_container(task: Task) -> None:
+    """Fill :attr:`Task.container_test_script` and :attr:`Task.verifier_needs` (container flavour,
+    see the module docstring; never refuses)."""
+    original = test_script_text(task)
+    if original is None:
+        return
+    needs = VerifierNeeds(present=_tests_present(task))
+    adapted = adapt_script(original, test_script=True, allow_internet=task.allow_internet, collect=needs,
+                           present=needs.present)
+    task.container_test_script = adapted if adapted != original else None
+    task.verifier_needs = needs
+
+
+SYSTEM_TOP = frozenset({"app", "tests", "logs", "usr", "bin", "sbin", "lib", "lib32", "lib64", "etc", "proc", "dev",
+                        "sys", "tmp", "root", "var", "run", "home", "opt", "boot", "srv", "mnt", "media", "nix"})
+"""Top-level folders that are the system's (never given a tmpfs by :func:`writable_folders`)."""
+
+_ABS_PATH = re.compile(r"(?<![\w.~$/-])/([A-Za-z0-9_][A-Za-z0-9_.-]*)/")
+
+
+def writable_folders(task: Task) -> tuple[str, ...]:
+    """Top-level folders outside :data:`SYSTEM_TOP` that the task's test script, tests, oracle or
+    instruction name by absolute path (``/db/...``): a container's root could create them, so the
+    local sandbox gives each a private tmpfs (at most 8)."""
+    texts = [task.instruction, test_script_text(task) or ""]
+    files = [task.solution] if task.solution is not None else []
+    if task.tests_dir.is_dir():
+        files += sorted(p for p in task.tests_dir.rglob("*") if p.is_file() and p.suffix in (".py", ".sh", ""))
+    for path in files:
+        try:
+            texts.append(path.read_text()[:200_000])
+        except (OSError, UnicodeDecodeError):
+            continue
+    texts += [command for command, _ in task.solution_commands]
+    found = dict.fromkeys(m.group(1) for text in texts for m in _ABS_PATH.finditer(text))
+    return tuple(f"/{name}" for name in found if name not in SYSTEM_TOP)[:8]

@@ -4,7 +4,8 @@ Registered by :func:`register` (one entry in :data:`t1async.cli.SUBCOMMANDS`); t
 reaches the environment layer only through this registrar (see tests/test_architecture.py).
 
     t1async eval --tasks DIR --agent oracle|noop|policy:CHECKPOINT [--concurrency N] [--out FILE.json]
-                 [--sandbox local|modal] [--config YAML]
+                 [--sandbox auto|local|container|modal] [--config YAML] [--logs DIR]
+    t1async images bootstrap [--tasks DIR] [--name IMAGE ...] [--rebuild] [--config YAML]
     t1async synth --family NAME --n N --out DIR [--seed S] [--no-validate] [--jobs N]
     t1async decontam --train DIR --benchmark DIR [--config YAML] [--ngram N] [--threshold F] [--drop]
                      [--out FILE.json]
@@ -91,9 +92,24 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--agent", required=True, help="oracle, noop or policy:CHECKPOINT_DIR")
     p.add_argument("--concurrency", type=int, default=1, help="tasks run at once (each in its own sandbox; >= 1)")
     p.add_argument("--out", help="write the JSON report here")
-    p.add_argument("--sandbox", default="local", help="sandbox backend: local or modal")
-    p.add_argument("--config", help="YAML config (env/generation/sampler sections for policy:)")
+    p.add_argument("--sandbox", default="auto",
+                   help="sandbox backend: local, container, modal, or auto (default: local for the shipped tasks, "
+                        "container for other task folders where podman or docker is installed, else local)")
+    p.add_argument("--config", help="YAML config (env.container for the container backend; env/generation/sampler "
+                                    "sections for policy:)")
+    p.add_argument("--logs", help="folder for per-task logs: build log, commands with output, verifier output, reward "
+                                  "files, timings (default: beside --out, FILE.logs/; none without --out)")
     p.set_defaults(func=_guard(run_eval))
+
+    p = sub.add_parser("images", help="container images: `bootstrap` builds offline stand-ins for base images")
+    p.add_argument("action", choices=["bootstrap"], help="bootstrap: mmdebstrap Debian root filesystems, tagged with "
+                                                          "the names tasks use in FROM")
+    p.add_argument("--tasks", help="also tag every FROM image of the task folders under DIR")
+    p.add_argument("--name", action="append", default=[], help="image name to provide (repeatable; default: "
+                                                                 "t1async.envs.images.DEFAULT_BOOTSTRAP_TAGS)")
+    p.add_argument("--rebuild", action="store_true", help="rebuild root filesystems that exist already")
+    p.add_argument("--config", help="YAML config whose env.container section applies")
+    p.set_defaults(func=_guard(run_images))
 
     p = sub.add_parser("synth", help="generate training tasks from a parametrized family", epilog=SYNTH_EPILOG)
     p.add_argument("--family", required=True, help="task family (see t1async.envs.synth.FAMILIES)")
@@ -129,11 +145,26 @@ def run_eval(args: argparse.Namespace) -> int:
     """``t1async eval``: print the table; write the JSON report with ``--out``. 1 when a task errored."""
     from .evaluate import evaluate, format_table, report_json
 
+    from .evaluate import choose_sandbox, is_task_folder
+    from .task import task_folders
+
     _quiet()
     _positive_int(args.concurrency, "--concurrency")
     out = check_out_file(args.out) if args.out else None
-    rows = evaluate(args.tasks, args.agent, concurrency=args.concurrency, sandbox=args.sandbox, config=args.config)
+    logs = Path(args.logs) if args.logs else (Path(str(out) + ".logs") if out is not None else None)
+    if logs is not None:
+        try:
+            logs.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UsageError(f"--logs {logs} cannot be created ({exc.strerror or exc}); pass a writable folder") from None
+    sandbox, why = choose_sandbox(args.sandbox, args.tasks, args.config)
+    if why and (is_task_folder(args.tasks) or task_folders(args.tasks)):  # bad input is reported alone
+        print(f"t1async: {why}", file=sys.stderr)
+    rows = evaluate(args.tasks, args.agent, concurrency=args.concurrency, sandbox=sandbox, config=args.config,
+                    logs=logs)
     print(format_table(rows))
+    if logs is not None:
+        print(f"per-task logs in {logs}")
     if out is not None:
         try:
             out.write_text(json.dumps(report_json(rows, args.agent), indent=2) + "\n")
@@ -144,6 +175,48 @@ def run_eval(args: argparse.Namespace) -> int:
     if errors:
         print(f"t1async: {errors} of {len(rows)} tasks errored (see the error column); exit status 1", file=sys.stderr)
         return 1
+    return 0
+
+
+def run_images(args: argparse.Namespace) -> int:
+    """``t1async images bootstrap``: build the stand-ins, print what stands in for what. 1 on failure."""
+    from t1async.config import load_config
+
+    from .images import DEFAULT_BOOTSTRAP_TAGS, bootstrap, from_images, resolve_engine, stand_in_for
+    from .protocol import SandboxError
+    from .task import TaskError, load_task, task_folders
+
+    engine = resolve_engine(load_config(args.config).env.container)
+    names = list(args.name) or list(DEFAULT_BOOTSTRAP_TAGS)
+    skipped = []
+    if args.tasks:
+        try:
+            folders = task_folders(args.tasks)
+        except TaskError as exc:
+            raise UsageError(str(exc)) from None
+        for folder in folders:
+            try:
+                task = load_task(folder)
+            except TaskError:
+                continue
+            images = from_images(task.dockerfile.read_text()) if task.dockerfile else [task.docker_image or "debian:bookworm"]
+            for image in images:
+                (names if stand_in_for(image) else skipped).append(image)
+    names = list(dict.fromkeys(names))
+    print(f"bootstrapping {len(names)} image names with {engine.name} (mmdebstrap; about a minute per Debian suite)")
+    try:
+        report = bootstrap(engine, names, rebuild=args.rebuild)
+    except SandboxError as exc:
+        print(f"t1async: error: {exc}", file=sys.stderr)
+        return 1
+    for tag, seconds in report.built.items():
+        print(f"  built {tag} in {seconds:.0f} s")
+    for name, (tag, differences) in report.tagged.items():
+        print(f"  {name} <- {tag}: {differences}")
+    for name in report.present:
+        print(f"  {name}: already present (left alone)")
+    for name in dict.fromkeys(skipped):
+        print(f"  {name}: no stand-in (pull it where a registry is reachable)")
     return 0
 
 

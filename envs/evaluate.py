@@ -20,6 +20,7 @@ checkpoint) raises before any task runs.
 from __future__ import annotations
 
 import json
+import re
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -112,14 +113,23 @@ class PolicyAgent:
 
 
 def run_task(folder: Path, agent: str, root: Path, *, sandbox: str = "local", policy: PolicyAgent | None = None,
-             env_factory: Callable[[Task, Path], TerminalEnv] | None = None) -> EvalRow:
+             env_factory: Callable[[Task, Path], TerminalEnv] | None = None, config: Any = None,
+             logs: Path | None = None) -> EvalRow:
     """Evaluate one task folder with ``agent`` (``oracle``, ``noop`` or ``policy:...``). Never raises
-    for a task's own problems: they become the row's ``error``."""
+    for a task's own problems: they become the row's ``error``. With ``logs``, ``logs/<folder
+    name>/`` receives ``build.log`` (image builds), ``commands.log`` (each command with its
+    output and seconds), ``verifier.txt`` (the verifier's output), ``reward.txt`` (the task's own
+    reward, when it wrote one), ``error.txt`` and ``row.json`` (the row, timings included)."""
     started = time.monotonic()
     row = EvalRow(folder.name)
+    task_logs = logs / folder.name if logs is not None else None
+    if task_logs is not None:
+        task_logs.mkdir(parents=True, exist_ok=True)
     try:
         task = load_task(folder)
-        make = env_factory or (lambda t, r: TerminalEnv(t, root=r, sandbox=sandbox, command_timeout_s=t.agent_timeout_s))
+        container = config.env.container if config is not None else None
+        make = env_factory or (lambda t, r: TerminalEnv(t, root=r, sandbox=sandbox, command_timeout_s=t.agent_timeout_s,
+                                                        container=container, log_dir=task_logs))
         with make(task, root) as env:
             if agent.startswith("policy:"):
                 assert policy is not None
@@ -132,12 +142,45 @@ def run_task(folder: Path, agent: str, root: Path, *, sandbox: str = "local", po
                         raise TaskError(f"the oracle timed out after {task.agent_timeout_s:g} s")
                 verdict = env.verify()
                 row.passed, row.total, row.resolved, row.error = verdict.passed, verdict.total, verdict.resolved, verdict.error
+                if task_logs is not None:
+                    (task_logs / "verifier.txt").write_text(verdict.output)
+                    if verdict.task_reward is not None:
+                        (task_logs / "reward.txt").write_text(f"{verdict.task_reward:g}\n")
     except (TaskError, SandboxError) as exc:
-        row.error = str(exc).splitlines()[0][:500] if str(exc) else type(exc).__name__
+        row.error = str(exc) or type(exc).__name__
     except Exception as exc:  # a bug or an engine failure: keep evaluating the other tasks
-        row.error = f"{type(exc).__name__}: {exc}"[:500]
+        row.error = f"{type(exc).__name__}: {exc}"
     row.seconds = round(time.monotonic() - started, 3)
+    if task_logs is not None:
+        if row.error:
+            (task_logs / "error.txt").write_text(row.error + "\n")
+        (task_logs / "row.json").write_text(json.dumps(asdict(row), indent=2) + "\n")
+    if row.error and len(row.error) > 2000:
+        row.error = row.error[:2000] + " [...]"
     return row
+
+
+def choose_sandbox(requested: str, tasks_dir: str | Path, config: Any = None) -> tuple[str, str]:
+    """The backend ``t1async eval --sandbox auto`` uses, and a console line saying why ("" when
+    the choice was explicit): ``local`` for task folders inside this source tree (the shipped
+    ``envs/tasks``, the test fixtures), ``container`` for folders outside it where an engine is
+    usable, else ``local``."""
+    if requested != "auto":
+        return requested, ""
+    tree = Path(__file__).resolve().parents[1]  # the checkout (envs/ sits at its top level)
+    path = Path(tasks_dir).resolve()
+    if path == tree or tree in path.parents:
+        return "local", ""
+    from t1async.config import load_config
+
+    from .images import resolve_engine
+    from .protocol import SandboxUnavailable
+
+    try:
+        engine = resolve_engine(load_config(config).env.container if not hasattr(config, "env") else config.env.container)
+    except SandboxUnavailable as exc:
+        return "local", f"using the local sandbox ({exc})"
+    return "container", f"using the container sandbox ({engine.name}): each task runs in an image built from its own Dockerfile"
 
 
 def is_task_folder(path: str | Path) -> bool:
@@ -147,7 +190,7 @@ def is_task_folder(path: str | Path) -> bool:
 
 
 def evaluate(tasks_dir: str | Path, agent: str, *, concurrency: int = 1, sandbox: str = "local",
-             config: Any = None) -> list[EvalRow]:
+             config: Any = None, logs: Path | None = None) -> list[EvalRow]:
     """Evaluate every task folder under ``tasks_dir`` (either layout), ``concurrency`` at a time.
     ``tasks_dir`` may also be one task folder (it holds ``task.toml`` or ``task.yaml``): that task
     alone is evaluated.
@@ -166,7 +209,7 @@ def evaluate(tasks_dir: str | Path, agent: str, *, concurrency: int = 1, sandbox
     if concurrency < 1:
         raise TaskError(f"concurrency must be >= 1, got {concurrency}")
     if not isinstance(config, Config):
-        load_config(config)  # a missing or invalid --config is an error even when the agent does not use it
+        config = load_config(config)  # a missing or invalid --config is an error even when the agent does not use it
     check_sandbox_available(sandbox)
     folders = [Path(tasks_dir).resolve()] if is_task_folder(tasks_dir) else task_folders(tasks_dir)
     if not folders:
@@ -176,10 +219,22 @@ def evaluate(tasks_dir: str | Path, agent: str, *, concurrency: int = 1, sandbox
     try:
         with tempfile.TemporaryDirectory(prefix="t1async-eval-") as tmp:
             with ThreadPoolExecutor(max_workers=concurrency) as pool:
-                return list(pool.map(lambda f: run_task(f, agent, Path(tmp), sandbox=sandbox, policy=policy), folders))
+                return list(pool.map(lambda f: run_task(f, agent, Path(tmp), sandbox=sandbox, policy=policy, config=config,
+                                                        logs=logs), folders))
     finally:
         if policy is not None:
             policy.close()
+
+
+def short_error(error: str | None, limit: int = 160) -> str:
+    """An error for the table: first line, ``task /abs/path:`` prefixes and absolute task paths
+    dropped, at most ``limit`` characters (the full error is in the JSON and the logs)."""
+    if not error:
+        return ""
+    line = error.splitlines()[0]
+    line = re.sub(r"task (/\S+?):\s*", "", line)
+    line = re.sub(r"(/\S+/)([^/\s:]+)", lambda m: m.group(2) if m.group(1).count("/") > 3 else m.group(0), line)
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def summary(rows: list[EvalRow]) -> dict[str, Any]:
@@ -206,7 +261,7 @@ def format_table(rows: list[EvalRow]) -> str:
     lines = [f"{'task':<{width}}  tests   resolved  seconds  error"]
     for r in rows:
         lines.append(f"{r.task:<{width}}  {f'{r.passed}/{r.total}':<6}  {'yes' if r.resolved else 'no':<8}  "
-                     f"{r.seconds:7.1f}  {r.error or ''}")
+                     f"{r.seconds:7.1f}  {short_error(r.error)}")
     s = summary(rows)
     lines.append(f"resolved {s['resolved']}/{s['tasks']} = {s['resolved_rate']:.1%}; tests passed "
                  f"{s['passed']}/{s['total']}; errors {s['errors']}")

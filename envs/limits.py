@@ -141,6 +141,14 @@ class LimitGroup:
     mounts: list[Path] = field(default_factory=list)
     _baseline: dict[str, int] = field(default_factory=dict)
 
+    @classmethod
+    def watch(cls, limits: SandboxLimits, groups: dict[str, Path]) -> LimitGroup:
+        """A group over existing cgroup folders (a container's, made by its engine) whose
+        refusal counters are read (:meth:`refusals`) but never created, joined or removed."""
+        group = cls(limits, 0, 0, groups=dict(groups))
+        group._baseline = group.counters()
+        return group
+
     def create(self) -> None:
         """Create the cgroups (where usable) and write their limits. Never raises: a controller
         that cannot be set up is skipped with a debug log (rlimits then stand in)."""

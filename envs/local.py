@@ -8,7 +8,9 @@ What the shell sees:
 * ``/logs``  a host folder (tmpfs like /app), read-write (``/logs/verifier/reward.txt``);
 * ``/usr`` read-only, ``/bin``, ``/lib``, ``/lib64``, ``/sbin`` as symlinks into it, a curated
   list of ``/etc`` entries, fresh ``/proc``, ``/dev``, and size-capped tmpfs ``/tmp``,
-  ``/dev/shm``, ``/root`` (HOME; mode 1777), ``/var/tmp``, ``/run``; ``/`` itself read-only;
+  ``/dev/shm``, ``/root`` (HOME; mode 1777), ``/var/tmp``, ``/run``, and private writable
+  size-capped tmpfs folders where tasks write outside /app: :data:`WRITABLE` always, plus the
+  task's own top-level folders (``writable``, e.g. ``/db``); ``/`` itself read-only;
 * the Python running t1async (its prefixes, read-only, at their host paths), so that
   ``python3 -m pytest`` works inside with the host's pytest; ``python3`` comes first on ``PATH``.
 
@@ -62,7 +64,13 @@ from .protocol import (
     sandbox_environment,
     split_root,
 )
-from .shell_io import OutputBuffer, Sentinel
+from .shell_io import EOF as _EOF
+from .shell_io import TIMEOUT as _TIMEOUT
+from .shell_io import OutputBuffer, Sentinel, close_pipes, kill_repeatedly, process_status, read_to_marker, write_all
+
+WRITABLE = ("/srv", "/mnt", "/data", "/var/lib", "/var/log", "/var/cache")
+"""Folders every local sandbox has as private, writable, size-capped tmpfs (empty at start; the host's
+are never visible): tasks write there as root would in their container."""
 
 SANDBOX_UID = 65534
 """Host uid (and gid) the shell runs as when t1async runs as root: ``nobody``."""
@@ -73,8 +81,22 @@ KILL_GRACE_S = 2.0
 START_TIMEOUT_S = 15.0
 """Bound on starting bwrap and getting the first answer from the shell."""
 
-_TIMEOUT = "timeout"
-_EOF = "eof"
+
+def _venv_argv() -> list[str]:
+    """bwrap options that make ``/opt/t1async/bin/python3`` the interpreter whose packages the task
+    adaptation checked (``importlib.metadata`` of the running Python) when t1async runs from a
+    virtual environment: Python finds a venv by the ``pyvenv.cfg`` one folder above the path it
+    was started by (not its symlink target), so the venv's ``pyvenv.cfg`` is bound at
+    ``/opt/t1async/pyvenv.cfg`` and ``/opt/t1async/lib`` points at the venv's ``lib``. Without this,
+    the symlink ran the base interpreter, whose packages may differ (no pytest: every verifier fails)."""
+    prefix = Path(sys.prefix)
+    if sys.prefix == sys.base_prefix or not (prefix / "pyvenv.cfg").is_file():
+        return []
+    argv = ["--ro-bind", str(prefix / "pyvenv.cfg"), "/opt/t1async/pyvenv.cfg"]
+    for name in ("lib", "lib64"):
+        if (prefix / name).is_dir():
+            argv += ["--symlink", str((prefix / name).resolve()), f"/opt/t1async/{name}"]
+    return argv
 
 
 class LocalSandbox:
@@ -91,6 +113,7 @@ class LocalSandbox:
             restarts).
         limits: resource limits (default :class:`SandboxLimits`).
         workdir: where the shell starts (and restarts): ``/app`` or a folder under it.
+        writable: extra top-level folders the task writes (see :data:`WRITABLE`).
         run_as: host uid/gid of the shell when t1async runs as root (default
             :data:`SANDBOX_UID`); None keeps the user-namespace mode (the shell is then uid 0
             mapped to host root: only for tests of that mode). Ignored when not root.
@@ -114,6 +137,7 @@ class LocalSandbox:
         env: dict[str, str] | None = None,
         limits: SandboxLimits | None = None,
         workdir: str = "/app",
+        writable: Sequence[str] = (),
         run_as: int | None = SANDBOX_UID,
     ):
         if command_timeout_s <= 0:
@@ -129,6 +153,7 @@ class LocalSandbox:
         self.command_timeout_s = command_timeout_s
         self.max_output_bytes = max_output_bytes
         self.workdir = workdir
+        self.writable = tuple(dict.fromkeys((*WRITABLE, *writable)))
         self.privileged = os.geteuid() == 0 and run_as is not None
         self.uid = int(run_as) if self.privileged else os.geteuid()
         self.gid = int(run_as) if self.privileged else os.getegid()
@@ -149,7 +174,8 @@ class LocalSandbox:
         """The sandbox of one episode: ``app/``, ``tests/``, ``logs/`` under ``spec.episode_dir``."""
         return cls(spec.episode_dir / "app", tests_dir=spec.episode_dir / "tests", logs_dir=spec.episode_dir / "logs",
                    allow_network=spec.allow_network, command_timeout_s=spec.command_timeout_s,
-                   max_output_bytes=spec.max_output_bytes, env=spec.env, limits=spec.limits, workdir=spec.workdir)
+                   max_output_bytes=spec.max_output_bytes, env=spec.env, limits=spec.limits, workdir=spec.workdir,
+                   writable=spec.writable)
 
     def mechanisms(self) -> dict[str, str]:
         """What enforces each limit in this sandbox (valid after :meth:`start`), plus the uid."""
@@ -181,7 +207,7 @@ class LocalSandbox:
         for folder in ("/etc", "/var", "/opt", "/opt/t1async", SANDBOX_BIN):  # privileged bwrap: else 0700
             argv += ["--perms", "0755", "--dir", folder]
         size = str(int(self.limits.disk_mb) << 20) if self.limits.disk_mb else None
-        for folder in ("/tmp", "/dev/shm", "/root", "/var/tmp", "/run"):
+        for folder in ("/tmp", "/dev/shm", "/root", "/var/tmp", "/run", *self.writable):
             argv += ["--perms", "1777"] + (["--size", size] if size else []) + ["--tmpfs", folder]
         parents = {str(parent) for path in _python_paths() for parent in path.parents}
         for folder in sorted(parents - {"/", "/root", "/tmp", "/opt"}, key=lambda f: f.count("/")):
@@ -194,6 +220,7 @@ class LocalSandbox:
         if sys.executable:
             for name in ("python3", "python"):
                 argv += ["--symlink", sys.executable, f"{SANDBOX_BIN}/{name}"]
+            argv += _venv_argv()
         argv += ["--bind", str(self.workspace), "/app"]
         argv += ["--ro-bind", str(self.tests_dir), "/tests"]
         argv += ["--bind", str(self.logs_dir), "/logs"]
@@ -312,12 +339,7 @@ class LocalSandbox:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             logger.warning("bwrap (pid {}) did not exit 10 s after SIGKILL", proc.pid)
-        for stream in (proc.stdin, proc.stdout):
-            try:
-                if stream is not None:
-                    stream.close()
-            except OSError:
-                pass
+        close_pipes(proc)
 
     def close(self) -> None:
         """Kill every process in the sandbox and bwrap itself; remove its cgroups and unmount its
@@ -494,39 +516,12 @@ class LocalSandbox:
     def _write(self, data: bytes, deadline: float) -> str | None:
         """Write ``data`` to the shell's stdin; returns _EOF/_TIMEOUT on failure, else None."""
         assert self._proc is not None and self._proc.stdin is not None
-        fd = self._proc.stdin.fileno()
-        view = memoryview(data)
-        while view:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return _TIMEOUT
-            _, ready, _ = select.select([], [fd], [], remaining)
-            if not ready:
-                continue
-            try:
-                written = os.write(fd, view[: select.PIPE_BUF])
-            except (BrokenPipeError, OSError):
-                return _EOF
-            view = view[written:]
-        return None
+        return write_all(self._proc.stdin.fileno(), data, deadline)
 
     def _read(self, buf: OutputBuffer, deadline: float) -> int | str:
         """Read into ``buf`` until the sentinel (returns its status), EOF or the deadline."""
         assert self._proc is not None and self._proc.stdout is not None
-        fd = self._proc.stdout.fileno()
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return _TIMEOUT
-            ready, _, _ = select.select([fd], [], [], remaining)
-            if not ready:
-                return _TIMEOUT
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                return _EOF
-            status = buf.feed(chunk)
-            if status is not None:
-                return status
+        return read_to_marker(self._proc.stdout.fileno(), buf, deadline)
 
     def _namespace_pids(self) -> list[tuple[int, int]]:
         """(host pid, namespace pid) of every live process in the sandbox's PID namespace."""
@@ -537,14 +532,11 @@ class LocalSandbox:
             try:
                 if os.readlink(f"/proc/{entry}/ns/pid") != self._pidns:
                     continue
-                status = Path(f"/proc/{entry}/status").read_text()
             except OSError:
                 continue
-            fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-            if fields.get("State", "").strip().startswith(("Z", "X")):
-                continue
-            nspid = int(fields.get("NSpid", "0 0").split()[-1])
-            found.append((int(entry), nspid))
+            fields = process_status(entry)
+            if fields is not None:
+                found.append((int(entry), int(fields.get("NSpid", "0 0").split()[-1])))
         return found
 
     def end_agent(self) -> int:
@@ -556,17 +548,5 @@ class LocalSandbox:
     def _kill_command_processes(self) -> int:
         """SIGKILL every process in the namespace except init (ns pid 1) and the shell; repeat
         until none is left (bounded), so fast forkers are caught. Returns how many were killed."""
-        killed: set[int] = set()
-        stop_at = time.monotonic() + KILL_GRACE_S
-        while time.monotonic() < stop_at:
-            victims = [host for host, ns in self._namespace_pids() if ns not in (1, self._shell_nspid)]
-            if not victims:
-                break
-            for host in victims:
-                try:
-                    os.kill(host, signal.SIGKILL)
-                    killed.add(host)
-                except ProcessLookupError:
-                    pass
-            time.sleep(0.005)
-        return len(killed)
+        return kill_repeatedly(lambda: [host for host, ns in self._namespace_pids() if ns not in (1, self._shell_nspid)],
+                               KILL_GRACE_S)

@@ -40,8 +40,8 @@ from typing import Any, Callable, Sequence
 
 from loguru import logger
 
-from .protocol import CommandResult, SandboxError, SandboxSpec, SandboxUnavailable, bash_quote, split_root
-from .shell_io import OutputBuffer, Sentinel
+from .protocol import CommandResult, SandboxError, SandboxSpec, SandboxUnavailable, split_root
+from .shell_io import KILL_SCRIPT, OutputBuffer, Sentinel, clear_command, read_command
 
 APP_NAME = "t1async-sandboxes"
 """Modal app that owns the sandboxes (created on first use)."""
@@ -61,19 +61,6 @@ KILL_GRACE_S = 3.0
 SHELL_ENV = {"TERM": "dumb", "PAGER": "cat", "GIT_PAGER": "cat", "DEBIAN_FRONTEND": "noninteractive",
              "PYTHONUNBUFFERED": "1", "TEST_DIR": "/tests"}
 """Variables the shell gets on top of the image's own environment."""
-
-_KILL_SCRIPT = r"""
-shell=$1; me=$$; keep=" 1 $shell $me "
-p=$PPID; while [ "$p" -gt 1 ] 2>/dev/null; do keep="$keep$p "; p=$(awk '{print $4}' /proc/$p/stat 2>/dev/null || echo 1); done
-n=0
-for i in 1 2 3 4 5; do
-  for d in /proc/[0-9]*; do pid=${d#/proc/}
-    case "$keep" in *" $pid "*) continue;; esac
-    [ "$pid" -gt "$shell" ] && kill -9 "$pid" 2>/dev/null && n=$((n+1))
-  done
-done
-echo "$n"
-"""
 
 _EXECUTOR = ThreadPoolExecutor(max_workers=8, thread_name_prefix="t1async-modal")
 
@@ -282,7 +269,7 @@ class ModalSandbox:
         status, output, truncated = self._run(command, timeout)
         note = ""
         if status == "timeout":
-            killed = self._exec_simple(["bash", "-c", _KILL_SCRIPT, "kill", str(self._shell_pid)]).decode().strip()
+            killed = self._exec_simple(["bash", "-c", KILL_SCRIPT, "kill", str(self._shell_pid)]).decode().strip()
             buf = OutputBuffer(self.max_output_bytes, self._sentinel.marker)
             after = self._read(buf, time.monotonic() + KILL_GRACE_S)
             note = f"[timed out after {timeout:g} s; killed {killed or 0} process(es)]"
@@ -312,7 +299,7 @@ class ModalSandbox:
         """Kill every process started after the shell, except the shell (see :class:`Sandbox`)."""
         if self._sb is None:
             return 0
-        out = self._exec_simple(["bash", "-c", _KILL_SCRIPT, "kill", str(self._shell_pid)]).decode().strip()
+        out = self._exec_simple(["bash", "-c", KILL_SCRIPT, "kill", str(self._shell_pid)]).decode().strip()
         return int(out) if out.isdigit() else 0
 
     def _exec_simple(self, argv: list[str], timeout_s: float = CALL_TIMEOUT_S) -> bytes:
@@ -345,11 +332,9 @@ class ModalSandbox:
     def clear(self, path: str) -> None:
         """Empty (and create) the folder ``path`` in the sandbox."""
         split_root(path)
-        quoted = bash_quote(path)
-        self._exec_simple(["bash", "-c", f"rm -rf {quoted} && mkdir -p {quoted}"])
+        self._exec_simple(["bash", "-c", clear_command(path)])
 
     def read(self, path: str, max_bytes: int) -> bytes:
         """The last ``max_bytes`` of the regular file ``path`` (b"" if missing or a symlink)."""
         split_root(path)
-        quoted = bash_quote(path)
-        return self._exec_simple(["bash", "-c", f"[ -f {quoted} ] && [ ! -L {quoted} ] && tail -c {int(max_bytes)} {quoted}"])
+        return self._exec_simple(["bash", "-c", read_command(path, max_bytes)])

@@ -20,7 +20,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, Sequence, runtime_checkable
 
 ROOTS = ("/app", "/tests", "/logs")
 """Sandbox folders the host may put files into, clear or read from."""
@@ -104,6 +104,15 @@ class SandboxSpec:
         context_dir: the Dockerfile's build context (COPY sources), or None.
         docker_image: a prebuilt image name (``[environment] docker_image``), or "".
         name: a short label for logs and cloud dashboards (the task's name).
+        container: settings of the ``container`` backend (:class:`~t1async.config.ContainerConfig`;
+            None: its defaults). Other backends ignore it.
+        log_dir: where a backend that builds images writes ``build.log`` (None: nowhere).
+        writable: top-level folders outside the system ones (``/db``, ``/data``...) that the task
+            writes: the ``local`` backend gives each a private, size-capped tmpfs (images that
+            build them need no such help).
+        verifier_debs, verifier_requirements: what the task's test script would install at test
+            time (Debian packages, Python requirements), for backends that can pre-install it in
+            a verifier layer (``container``); ``verifier_requirements`` None: no layer.
     """
 
     episode_dir: Path
@@ -117,6 +126,11 @@ class SandboxSpec:
     context_dir: Path | None = None
     docker_image: str = ""
     name: str = "episode"
+    container: Any = None
+    log_dir: Path | None = None
+    writable: tuple[str, ...] = ()
+    verifier_debs: tuple[str, ...] = ()
+    verifier_requirements: tuple[str, ...] | None = None
 
 
 @runtime_checkable

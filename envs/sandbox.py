@@ -6,6 +6,9 @@ put, clear, read, close); the episode code never names a backend. Backends, by c
 
 * ``local`` (:class:`~t1async.envs.local.LocalSandbox`): bubblewrap on this host, as an
   unprivileged uid, with cgroup/tmpfs/rlimit limits;
+* ``container`` (:class:`~t1async.envs.container.ContainerSandbox`): an OCI container per
+  episode built from the task's own Dockerfile by podman or docker (offline base images:
+  ``t1async images bootstrap``);
 * ``modal`` (:class:`~t1async.envs.modal_sandbox.ModalSandbox`): a Modal cloud sandbox built
   from the task's Dockerfile or image (needs the optional ``modal`` package and credentials).
 
@@ -14,7 +17,9 @@ This module re-exports the contract's types so callers import from one place.
 
 from __future__ import annotations
 
+from .container import ContainerSandbox
 from .hostfs import ETC_ENTRIES, check_local_available
+from .images import check_container_available
 from .local import LocalSandbox
 from .modal_sandbox import ModalSandbox, check_modal_available
 from .protocol import (
@@ -31,15 +36,15 @@ from .protocol import (
 )
 
 __all__ = [
-    "ETC_ENTRIES", "ROOTS", "SANDBOX_BIN", "SANDBOXES", "CommandResult", "LocalSandbox", "ModalSandbox", "Sandbox",
+    "ETC_ENTRIES", "ROOTS", "SANDBOX_BIN", "SANDBOXES", "CommandResult", "ContainerSandbox", "LocalSandbox", "ModalSandbox", "Sandbox",
     "SandboxError", "SandboxLimits", "SandboxSpec", "SandboxUnavailable", "bash_quote", "check_sandbox_available",
     "make_sandbox", "sandbox_environment",
 ]
 
-SANDBOXES: dict[str, type] = {"local": LocalSandbox, "modal": ModalSandbox}
+SANDBOXES: dict[str, type] = {"local": LocalSandbox, "container": ContainerSandbox, "modal": ModalSandbox}
 """Sandbox backends by name (config ``env.sandbox``); each class has ``from_spec(spec)``."""
 
-_CHECKS = {"local": check_local_available, "modal": check_modal_available}
+_CHECKS = {"local": check_local_available, "container": check_container_available, "modal": check_modal_available}
 _available: set[str] = set()
 
 

@@ -7,13 +7,135 @@ unclosed quote, a heredoc) can desynchronise the shell; its stdin is ``/dev/null
 eat the next command; the sentinel is random per sandbox and is printed from two halves, so a
 ``set -x``/``set -v`` echo of the line never contains it whole. Output is read with bounded memory
 (:class:`OutputBuffer`: head and tail kept, the middle counted).
+
+Backends that drive the shell through pipes (``local``, ``container``) use :func:`write_all` and
+:func:`read_to_marker`; backends that reach inside with a separate process per call (``modal``,
+``container``) use :data:`KILL_SCRIPT`, :func:`clear_command` and :func:`read_command`.
 """
 
 from __future__ import annotations
 
+import os
 import secrets
+import select
+import signal
+import subprocess
+import time
+from typing import Callable
 
 from .protocol import bash_quote
+
+TIMEOUT = "timeout"
+"""Status of a write or read that reached its deadline."""
+EOF = "eof"
+"""Status of a write or read that found the shell's pipe closed."""
+
+KILL_SCRIPT = r"""
+shell=$1; me=$$; keep=" 1 $shell $me "
+p=$PPID; while [ "$p" -gt 1 ] 2>/dev/null; do keep="$keep$p "; p=$(awk '{print $4}' /proc/$p/stat 2>/dev/null || echo 1); done
+n=0
+for i in 1 2 3 4 5; do
+  for d in /proc/[0-9]*; do pid=${d#/proc/}
+    case "$keep" in *" $pid "*) continue;; esac
+    [ "$pid" -gt "$shell" ] && kill -9 "$pid" 2>/dev/null && n=$((n+1))
+  done
+done
+echo "$n"
+"""
+"""``bash -c KILL_SCRIPT kill SHELL_PID``, run as a separate process inside a container: SIGKILLs
+every process that is neither pid 1, the shell, the killer nor one of its parents, and was started
+after the shell (a higher pid: the commands' children, ``setsid`` and double-forked daemons
+alike), five sweeps; prints how many it killed. Assumes pids are not recycled below the shell's
+within one episode (a container's pid namespace counts up from 1)."""
+
+
+def clear_command(path: str) -> str:
+    """Shell text that empties (and creates) the folder ``path``; a symlink in its place is removed."""
+    quoted = bash_quote(path)
+    return f"rm -rf {quoted} && mkdir -p {quoted}"
+
+
+def read_command(path: str, max_bytes: int) -> str:
+    """Shell text that prints the last ``max_bytes`` of the regular file ``path`` (nothing when it
+    is missing, not a regular file, or a symlink)."""
+    quoted = bash_quote(path)
+    return f"[ -f {quoted} ] && [ ! -L {quoted} ] && tail -c {int(max_bytes)} {quoted}"
+
+
+def kill_repeatedly(victims: Callable[[], list[int]], grace_s: float) -> int:
+    """SIGKILL the host pids ``victims()`` returns, again and again until it returns none or
+    ``grace_s`` seconds passed (so fast forkers are caught); how many distinct pids were killed."""
+    killed: set[int] = set()
+    stop_at = time.monotonic() + grace_s
+    while time.monotonic() < stop_at:
+        pids = victims()
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.add(pid)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.005)
+    return len(killed)
+
+
+def process_status(pid: int | str) -> dict[str, str] | None:
+    """The fields of ``/proc/PID/status`` of a live process (None when gone or a zombie)."""
+    try:
+        text = open(f"/proc/{pid}/status").read()
+    except OSError:
+        return None
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    return None if fields.get("State", "").strip().startswith(("Z", "X")) else fields
+
+
+def close_pipes(proc: subprocess.Popen) -> None:
+    """Close a shell process's stdin and stdout pipes (errors ignored)."""
+    for stream in (proc.stdin, proc.stdout):
+        try:
+            if stream is not None:
+                stream.close()
+        except OSError:
+            pass
+
+
+def write_all(fd: int, data: bytes, deadline: float) -> str | None:
+    """Write ``data`` to the pipe ``fd`` by ``deadline`` (``time.monotonic()``); returns
+    :data:`EOF` or :data:`TIMEOUT` on failure, else None."""
+    view = memoryview(data)
+    while view:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return TIMEOUT
+        _, ready, _ = select.select([], [fd], [], remaining)
+        if not ready:
+            continue
+        try:
+            written = os.write(fd, view[: select.PIPE_BUF])
+        except OSError:  # BrokenPipeError included
+            return EOF
+        view = view[written:]
+    return None
+
+
+def read_to_marker(fd: int, buf: OutputBuffer, deadline: float) -> int | str:
+    """Read the pipe ``fd`` into ``buf`` until its marker line (returns the command's exit status),
+    end of file (:data:`EOF`) or ``deadline`` (:data:`TIMEOUT`)."""
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return TIMEOUT
+        ready, _, _ = select.select([fd], [], [], remaining)
+        if not ready:
+            return TIMEOUT
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            return EOF
+        status = buf.feed(chunk)
+        if status is not None:
+            return status
 
 
 class Sentinel:

@@ -56,7 +56,6 @@ IGNORED_INSTRUCTIONS = ("CMD", "ENTRYPOINT", "EXPOSE", "LABEL", "MAINTAINER", "S
 APP = "/app"
 
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_HEREDOC = re.compile(r"(?<!<)<<(?!<)-?\s*['\"]?[A-Za-z_]")
 _ARCHIVE = re.compile(r"\.(tar|tgz|tbz2?|txz|tar\.(gz|bz2|xz|zst))$")
 
 
@@ -110,7 +109,9 @@ class Task:
         context_dir: the Dockerfile's build context (COPY sources): ``environment/`` (TB2) or the
             task folder (TB1).
         test_script: the verifier script: ``tests/test.sh`` (TB2) or ``run-tests.sh`` (TB1); it
-            is staged as ``/tests/<its name>`` and run with bash.
+            is staged as ``/tests/<its name>`` and run with bash. A TB1 folder without
+            ``run-tests.sh`` gets the harness's default (:data:`TB1_DEFAULT_RUN_TESTS`), as the TB1
+            harness does.
         solution: the oracle script (``solution/solve.sh`` or ``solution.sh``), or None.
         solution_refusal: why there is no runnable oracle although the task ships one
             (``solution.yaml``), else None.
@@ -122,6 +123,15 @@ class Task:
         local_test_script: the test script as the local backend runs it (test-runner downloads
             replaced by the host's pytest; see :mod:`t1async.envs.adapt`), or None if unchanged.
         notes: what the local adaptation changed (for reports).
+        container_test_script: the test script as the container backend runs it (installs moved
+            to the verifier layer, the runner mapped; see :func:`t1async.envs.adapt.plan_container`),
+            or None if unchanged.
+        verifier_needs: what the test script installs (a :class:`~t1async.envs.adapt.VerifierNeeds`),
+            or None without a test script.
+        solution_commands: TB1 ``solution.yaml`` steps that are plain commands, replayed one by one
+            as the oracle (empty otherwise).
+        writable: top-level folders the task writes outside the system ones (e.g. ``/db``), given
+            a private tmpfs by the local backend (see :func:`t1async.envs.adapt.writable_folders`).
     """
 
     name: str
@@ -147,6 +157,10 @@ class Task:
     local_refusal: str | None = None
     local_test_script: str | None = None
     notes: list[str] = field(default_factory=list)
+    container_test_script: str | None = None
+    verifier_needs: Any = None
+    solution_commands: list[tuple[str, float]] = field(default_factory=list)
+    writable: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.context_dir is None:
@@ -178,12 +192,30 @@ def _error(path: Path, what: str, todo: str) -> TaskError:
     return TaskError(f"task {path}: {what}; {todo} ({LAYOUT_HINT})")
 
 
+_HEREDOC_START = re.compile(r"(?<!<)<<(-?)\s*(['\"]?)([A-Za-z_][A-Za-z0-9_]*)\2")
+
+
+def heredoc_terminators(line: str) -> list[tuple[str, bool]]:
+    """The heredocs a ``RUN``/``COPY``/``ADD`` line opens, in order: (terminator word, strip
+    leading tabs (``<<-``)); empty for other instructions or when it opens none."""
+    word = line.strip().partition(" ")[0].upper()
+    if word not in ("RUN", "COPY", "ADD"):
+        return []
+    return [(m.group(3), m.group(1) == "-") for m in _HEREDOC_START.finditer(line)]
+
+
 def _logical_lines(text: str) -> list[tuple[int, str]]:
-    """Join ``\\`` continuations, drop comments and blank lines: [(first line number, text)]."""
+    """Join ``\\`` continuations, drop comments and blank lines: [(first line number, text)].
+    A line that opens heredocs (:func:`heredoc_terminators`) keeps their bodies and terminator
+    lines verbatim after it, joined with newlines (comments inside a body are kept)."""
     out: list[tuple[int, str]] = []
     parts: list[str] = []
     start = 0
-    for number, raw in enumerate(text.splitlines(), start=1):
+    lines = text.splitlines()
+    index = 0
+    while index < len(lines):
+        number, raw = index + 1, lines[index]
+        index += 1
         stripped = raw.strip()
         if stripped.startswith("#") or (not stripped and not parts):
             continue  # comments vanish even inside a continuation, as in Docker
@@ -193,8 +225,18 @@ def _logical_lines(text: str) -> list[tuple[int, str]]:
             parts.append(raw.rstrip()[:-1])
             continue
         parts.append(raw)
-        out.append((start, " ".join(p.strip() for p in parts if p.strip())))
+        logical = " ".join(p.strip() for p in parts if p.strip())
         parts = []
+        for terminator, strip_tabs in heredoc_terminators(logical):
+            body = []
+            while index < len(lines):
+                line = lines[index]
+                index += 1
+                body.append(line)
+                if (line.lstrip("\t") if strip_tabs else line) == terminator:
+                    break
+            logical += "\n" + "\n".join(body)
+        out.append((start, logical))
     if parts:
         out.append((start, " ".join(p.strip() for p in parts if p.strip())))
     return out
@@ -253,6 +295,9 @@ def parse_dockerfile(text: str, context_dir: Path, *, where: str = "Dockerfile")
             )
         if not rest:
             raise TaskError(f"{at}: {instruction} needs arguments ({LAYOUT_HINT})")
+        if instruction in ("COPY", "ADD", "RUN") and heredoc_terminators(logical):
+            raise TaskRefused(f"{at}: heredocs in {instruction} are not supported locally; put the file in the build "
+                              f"context and COPY it, or use the container sandbox ({LAYOUT_HINT})")
         if instruction == "FROM":
             image = [w for w in rest.split() if not w.startswith("--")]
             steps.append(DockerStep("FROM", (image[0] if image else rest,), line, workdir))
@@ -272,8 +317,6 @@ def parse_dockerfile(text: str, context_dir: Path, *, where: str = "Dockerfile")
         elif instruction in ("COPY", "ADD"):
             steps.append(DockerStep("COPY", _parse_copy(instruction, rest, at, workdir, context_dir), line, workdir))
         else:  # RUN
-            if _HEREDOC.search(rest):
-                raise TaskRefused(f"{at}: heredocs in RUN are not supported locally; put the script in the build context and COPY it ({LAYOUT_HINT})")
             words = _json_or_shell_words(rest) if rest.startswith("[") else None
             if rest.startswith("[") and words is None:
                 raise TaskError(f"{at}: RUN in JSON form must be a list of strings ({LAYOUT_HINT})")
@@ -401,6 +444,23 @@ def load_task(path: str | Path) -> Task:
     return _finish(task, dockerfile if dockerfile.is_file() else None, folder / "environment" / "docker-compose.yaml")
 
 
+TB1_DEFAULT_RUN_TESTS = """#!/bin/bash
+# t1async: the Terminal-Bench 1 harness's default for a task without run-tests.sh
+source $TEST_DIR/setup-uv-pytest.sh
+bash $TEST_DIR/run-uv-pytest.sh
+"""
+"""What a TB1 task without ``run-tests.sh`` is verified with (its helpers are supplied too, see
+:mod:`t1async.envs.adapt`)."""
+
+
+def test_script_text(task: Task) -> str | None:
+    """The text of the task's test script (the TB1 default when the folder has none), or None."""
+    assert task.test_script is not None
+    if task.test_script.is_file():
+        return task.test_script.read_text()
+    return TB1_DEFAULT_RUN_TESTS if task.layout == "tb1" else None
+
+
 def load_tb1_task(folder: Path) -> Task:
     """Load a Terminal-Bench 1 task folder (``task.yaml``; see the module docstring).
 
@@ -409,9 +469,10 @@ def load_tb1_task(folder: Path) -> Task:
     """
     import yaml
 
-    for required in ("task.yaml", "run-tests.sh"):
-        if not (folder / required).is_file():
-            raise _error(folder, f"missing {required}", "add it (Terminal-Bench 1 layout)")
+    if not (folder / "task.yaml").is_file():
+        raise _error(folder, "missing task.yaml", "add it (Terminal-Bench 1 layout)")
+    if not (folder / "run-tests.sh").is_file() and not (folder / "tests").is_dir():
+        raise _error(folder, "missing run-tests.sh and tests/", "add them (Terminal-Bench 1 layout)")
     try:
         config = yaml.safe_load((folder / "task.yaml").read_text()) or {}
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
@@ -429,14 +490,16 @@ def load_tb1_task(folder: Path) -> Task:
     if not isinstance(same_shell, bool):
         raise _error(folder, f"task.yaml run_tests_in_same_shell = {same_shell!r} is not a boolean", "use true or false")
     metadata = {k: config[k] for k in ("difficulty", "category", "tags", "author_email", "author_name") if k in config}
-    solution, solution_refusal = None, None
+    solution, solution_refusal, commands = None, None, []
     if (folder / "solution.sh").is_file():
         solution = folder / "solution.sh"
     elif (folder / "solution.yaml").is_file():
-        solution_refusal = (
-            f"task {folder}: solution.yaml (tmux keystroke steps) is not supported: t1async's shell is not a "
-            "terminal, so keystrokes cannot be replayed faithfully; add an equivalent solution.sh"
-        )
+        commands, why = _solution_commands(folder / "solution.yaml")
+        if why:
+            solution_refusal = (
+                f"task {folder}: solution.yaml {why}: t1async's shell is not a terminal, so keystrokes cannot be "
+                "replayed faithfully; add an equivalent solution.sh"
+            )
     task = Task(
         name=folder.name,
         path=folder,
@@ -452,11 +515,46 @@ def load_tb1_task(folder: Path) -> Task:
         solution=solution,
         solution_refusal=solution_refusal,
         run_tests_in_same_shell=same_shell,
+        solution_commands=commands,
     )
     if parser != "pytest":
         task.local_refusal = f"task.yaml parser_name {parser!r} is not supported: only pytest results are read"
     dockerfile = folder / "Dockerfile"
     return _finish(task, dockerfile if dockerfile.is_file() else None, folder / "docker-compose.yaml")
+
+
+TMUX_KEYS = re.compile(r"^(?:[CM]-.|Escape|Enter|Tab|BSpace|Up|Down|Left|Right|Home|End|PPage|NPage|F\d+)$")
+"""tmux key names: a solution.yaml step that is one of these is a keystroke, not a command."""
+
+
+def _solution_commands(path: Path) -> tuple[list[tuple[str, float]], str | None]:
+    """TB1 ``solution.yaml`` steps as (command, timeout seconds), or why they are not plain commands.
+
+    A step is a mapping with a ``command`` string; it is a plain command unless it is sent without
+    Enter (``append_enter: false``), is a tmux key name (``C-c``, ``Escape``), or is typed into
+    a program that is still running (a previous step with ``block: false``). Its timeout is
+    ``max_timeout_sec`` (else ``min_timeout_sec``, at least 60 s).
+    """
+    import yaml
+
+    try:
+        steps = yaml.safe_load(path.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        return [], f"is not valid YAML ({str(exc).splitlines()[0]})"
+    if not isinstance(steps, list) or not steps:
+        return [], "is not a list of steps"
+    commands: list[tuple[str, float]] = []
+    for number, step in enumerate(steps, start=1):
+        if not isinstance(step, dict) or not isinstance(step.get("command"), str):
+            return [], f"step {number} has no `command` string"
+        command = step["command"]
+        if step.get("append_enter") is False or TMUX_KEYS.match(command.strip()):
+            return [], f"step {number} ({command.strip()[:40]!r}) is a keystroke, not a command"
+        if number > 1 and steps[number - 2].get("block") is False:
+            return [], f"step {number} is typed into the still-running program of step {number - 1}"
+        timeout = step.get("max_timeout_sec") or step.get("min_timeout_sec") or 0
+        commands.append((command, max(60.0, float(timeout) if isinstance(timeout, (int, float)) else 0.0)))
+    return commands, None
 
 
 def _optional_number(table: dict, key: str, path: Path) -> float | None:
@@ -467,7 +565,7 @@ def _optional_number(table: dict, key: str, path: Path) -> float | None:
 
 def _finish(task: Task, dockerfile: Path | None, compose: Path) -> Task:
     """Parse the Dockerfile and compose file, then plan the local adaptation (refusals)."""
-    from .adapt import plan_local
+    from .adapt import plan_container, plan_local
 
     task.dockerfile = dockerfile
     if compose.is_file():
@@ -483,6 +581,7 @@ def _finish(task: Task, dockerfile: Path | None, compose: Path) -> Task:
     if not task.docker_image:
         task.docker_image = next((s.args[0] for s in task.steps if s.instruction == "FROM"), "")
     plan_local(task)
+    plan_container(task)
     return task
 
 

@@ -44,9 +44,11 @@ from pathlib import Path
 
 from loguru import logger
 
+from t1async.config import ContainerConfig
+
 from .protocol import CommandResult, Sandbox, SandboxError, SandboxLimits, SandboxSpec, sandbox_environment
 from .sandbox import SANDBOXES, check_sandbox_available, make_sandbox
-from .task import APP, Task, TaskError, TaskRefused
+from .task import APP, Task, TaskError, TaskRefused, test_script_text
 from .verifier import VerifierResult, verifier_result
 
 SETUP_STEP_TIMEOUT_S = 300.0
@@ -91,6 +93,8 @@ class TerminalEnv:
         max_output_bytes: longest output per command, bytes (head and tail kept).
         verifier_timeout_s: overrides the task's verifier timeout when not None, seconds.
         limits: resource limits (default: :func:`task_limits` of the task).
+        container: settings of the ``container`` backend (default: its defaults).
+        log_dir: where to keep this episode's logs (the image build's ``build.log``); None: none.
 
     Raises:
         SandboxUnavailable: at construction, when the backend cannot run here.
@@ -108,6 +112,8 @@ class TerminalEnv:
         max_output_bytes: int = 2048,
         verifier_timeout_s: float | None = None,
         limits: SandboxLimits | None = None,
+        container: ContainerConfig | None = None,
+        log_dir: Path | None = None,
     ):
         check_sandbox_available(sandbox)
         if not SANDBOXES[sandbox].builds_image and task.local_refusal:
@@ -119,6 +125,8 @@ class TerminalEnv:
         self.max_output_bytes = max_output_bytes
         self.verifier_timeout_s = task.verifier_timeout_s if verifier_timeout_s is None else verifier_timeout_s
         self.limits = limits or task_limits(task)
+        self.container = container
+        self.log_dir = log_dir
         self.episode_dir: Path | None = None
         self.sandbox: Sandbox | None = None
         self.workdir = APP
@@ -134,7 +142,7 @@ class TerminalEnv:
                              cpu_time_s=env_cfg.cpu_time_s, max_file_mb=env_cfg.max_file_mb, disk_mb=env_cfg.disk_mb)
         return cls(task, root=root, sandbox=env_cfg.sandbox, command_timeout_s=env_cfg.command_timeout_s,
                    max_output_bytes=env_cfg.max_output_bytes, verifier_timeout_s=env_cfg.verifier_timeout_s or None,
-                   limits=task_limits(task, base))
+                   limits=task_limits(task, base), container=env_cfg.container)
 
     @property
     def workspace(self) -> Path:
@@ -177,7 +185,12 @@ class TerminalEnv:
             command_timeout_s=self.command_timeout_s, max_output_bytes=self.max_output_bytes, env=task_env,
             limits=self.limits, workdir=workdir if not builds else "/app", dockerfile=self.task.dockerfile,
             context_dir=self.task.context_dir, docker_image=self.task.docker_image, name=self.task.name,
+            container=self.container, log_dir=self.log_dir, writable=self.task.writable,
         )
+        needs = self.task.verifier_needs
+        if builds and needs is not None:
+            spec.verifier_debs = tuple(needs.debs)
+            spec.verifier_requirements = tuple(needs.requirements)
         self.sandbox = make_sandbox(self.sandbox_name, spec)
         try:
             self.sandbox.start()
@@ -212,7 +225,7 @@ class TerminalEnv:
                 assignments = " ".join(shlex.quote(f"{k}={v}") for k, v in {**build_args, **env}.items())
                 command = (f"mkdir -p {shlex.quote(step.workdir)} && cd {shlex.quote(step.workdir)} && "
                            f"env -i {assignments} /bin/sh -c {shlex.quote(step.args[0])}")
-                result = self.sandbox.exec(command, timeout_s=SETUP_STEP_TIMEOUT_S)
+                result = self._exec(command, SETUP_STEP_TIMEOUT_S, what=f"Dockerfile:{step.line}")
                 if result.exit_code != 0:
                     raise TaskError(
                         f"task {self.task.path}: {self.task.dockerfile.name if self.task.dockerfile else 'Dockerfile'}:"
@@ -222,11 +235,23 @@ class TerminalEnv:
                         "true, and only /app, /tmp and HOME are writable)"
                     )
 
+    def _exec(self, command: str, timeout_s: float | None = None, *, what: str = "command") -> CommandResult:
+        """:meth:`Sandbox.exec`, recorded in ``log_dir/commands.log`` (command, status, seconds, output)."""
+        assert self.sandbox is not None
+        result = self.sandbox.exec(command, timeout_s=timeout_s)
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            with open(self.log_dir / "commands.log", "a") as handle:
+                handle.write(f"### {what} (exit {result.exit_code}{', timed out' if result.timed_out else ''}, "
+                             f"{result.seconds:.2f} s)\n$ {command}\n{result.output}"
+                             f"{'' if result.output.endswith(chr(10)) or not result.output else chr(10)}\n")
+        return result
+
     def step(self, command: str) -> CommandResult:
         """Run one agent command in the episode's shell (see :meth:`Sandbox.exec`)."""
         if self.sandbox is None:
             raise SandboxError("no episode: call reset() before step()")
-        return self.sandbox.exec(command)
+        return self._exec(command, what="agent")
 
     def run_solution(self) -> CommandResult:
         """Run the task's oracle solution (see the module docstring).
@@ -237,6 +262,8 @@ class TerminalEnv:
         if self.sandbox is None:
             raise SandboxError("no episode: call reset() before run_solution()")
         solve = self.task.solution_path
+        if solve is None and self.task.solution_commands:
+            return self._replay_commands()
         if solve is None:
             raise TaskError(self.task.solution_refusal or
                             f"task {self.task.path}: missing solution/solve.sh; add an oracle solution to validate the task")
@@ -245,8 +272,17 @@ class TerminalEnv:
             self.sandbox.put([solve.parent], "/tests/")
         else:
             self.sandbox.put([solve], "/tests/")
-        return self.sandbox.exec(f"cd {shlex.quote(self.workdir)} && bash /tests/{shlex.quote(solve.name)}",
-                                 timeout_s=self.task.agent_timeout_s)
+        return self._exec(f"cd {shlex.quote(self.workdir)} && bash /tests/{shlex.quote(solve.name)}",
+                          self.task.agent_timeout_s, what="oracle")
+
+    def _replay_commands(self) -> CommandResult:
+        """TB1 ``solution.yaml`` steps, one command each in the agent's shell; the results merged
+        (outputs joined, the last exit status, timed out if any step did)."""
+        assert self.sandbox is not None
+        self.sandbox.exec(f"cd {shlex.quote(self.workdir)}")
+        results = [self._exec(command, timeout, what="solution.yaml step") for command, timeout in self.task.solution_commands]
+        return CommandResult("".join(r.output for r in results), results[-1].exit_code, any(r.timed_out for r in results),
+                             any(r.truncated for r in results), sum(r.seconds for r in results))
 
     def verify(self) -> VerifierResult:
         """Run the task's verifier against the current state of the sandbox.
@@ -265,13 +301,19 @@ class TerminalEnv:
         self.sandbox.clear("/tests")
         if task.tests_dir.is_dir():
             self.sandbox.put([task.tests_dir], "/tests/")
-        if task.layout == "tb1":
+        if task.layout == "tb1" and task.test_script.is_file():
             self.sandbox.put([task.test_script], "/tests/")
-        if task.local_test_script is not None and not self.sandbox.builds_image:
+        layer = getattr(type(self.sandbox), "verifier_layer", False)
+        adapted_text = task.container_test_script if layer else (None if self.sandbox.builds_image else task.local_test_script)
+        if adapted_text is None and not task.test_script.is_file():
+            adapted_text = test_script_text(task)  # the TB1 harness default
+        if adapted_text is not None:
             adapted = self.episode_dir / "adapted" / script
             adapted.parent.mkdir(exist_ok=True)
-            adapted.write_text(task.local_test_script)
+            adapted.write_text(adapted_text)
             self.sandbox.put([adapted], f"/tests/{script}")
+        python = getattr(self.sandbox, "verifier_python", "") if layer else ""
+        verifier_env = f"T1ASYNC_VERIFIER_PYTHON={shlex.quote(python)} " if python else ""
         # Nothing the agent started may run beside the verifier: a left-over process of the same
         # uid could kill pytest and forge its output (reward hacking). Tasks whose tests need a
         # service the agent started are not supported by this rule (documented in the README).
@@ -288,15 +330,15 @@ class TerminalEnv:
         # PYTHONSAFEPATH: `python3 -m pytest` run from /app must not import an agent-planted
         # /app/pytest.py or sitecustomize.py (reward hacking); the host's pytest runs.
         if task.run_tests_in_same_shell:
-            command = f"{cd} && PYTHONSAFEPATH=1 TEST_DIR=/tests {run_script}"
+            command = f"{cd} && {verifier_env}PYTHONSAFEPATH=1 TEST_DIR=/tests {run_script}"
         elif self.sandbox.builds_image:  # the image's environment, as pid 1 (the container) has it
             command = (f"{cd} && xargs -0 -a /proc/1/environ sh -c 'exec env -i \"$@\" TEST_DIR=/tests "
-                       f"PYTHONSAFEPATH=1 bash /tests/{shlex.quote(script)}' sh > /logs/verifier/{output_name} 2>&1")
+                       f"PYTHONSAFEPATH=1 {verifier_env}bash /tests/{shlex.quote(script)}' sh > /logs/verifier/{output_name} 2>&1")
         else:
             assignments = " ".join(shlex.quote(f"{k}={v}") for k, v in self.env.items())
             command = f"{cd} && env -i {assignments} PYTHONSAFEPATH=1 {run_script}"
         started = time.monotonic()
-        run = self.sandbox.exec(command, timeout_s=self.verifier_timeout_s)
+        run = self._exec(command, self.verifier_timeout_s, what="verifier")
         seconds = time.monotonic() - started
         output = self.sandbox.read(f"/logs/verifier/{output_name}", MAX_VERIFIER_READ_BYTES).decode("utf-8", "replace")
         if run.output.strip():  # a failure of the wrapper itself (cd, env, a restart note)
@@ -367,7 +409,7 @@ def validate_task(task: Task, root: Path, *, sandbox: str = "local") -> TaskVali
     ``task``, each in a fresh episode under ``root``. Never raises for a broken task: the problem
     is in :attr:`TaskValidation.error`."""
     report = TaskValidation(task.name)
-    if task.solution_path is None and task.solution_refusal:
+    if task.solution_path is None and not task.solution_commands and task.solution_refusal:
         report.error = task.solution_refusal
         return report
     try:

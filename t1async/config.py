@@ -124,6 +124,44 @@ class GenerationConfig:
 
 
 @dataclass
+class ContainerConfig:
+    """The ``container`` sandbox backend (``env.sandbox: container``): OCI containers built from
+    each task's own Dockerfile by podman or docker (see t1async/envs/container.py)."""
+
+    engine: str = "auto"
+    """``podman``, ``docker``, or ``auto`` (podman if installed, else docker if its daemon answers)."""
+    runtime: str = "runc"
+    """podman's OCI runtime (``--runtime``); empty keeps podman's default. crun fails on hosts with
+    cgroups in hybrid mode ("cgroups in hybrid mode not supported"); runc works there."""
+    cgroup_manager: str = "cgroupfs"
+    """podman's cgroup manager (``--cgroup-manager``): ``cgroupfs`` works without systemd;
+    empty keeps podman's default."""
+    ulimit_nofile: int = 1024
+    """Open files per process in the container (``--ulimit nofile=N:N``), clamped to the host's
+    hard limit: the engine's default asks for more than some hosts allow and fails with EPERM."""
+    ulimit_nproc: int = 1000
+    """RLIMIT_NPROC in the container (``--ulimit nproc=N:N``), clamped to the host's hard limit
+    (the container's process cap itself is ``env.max_processes``, a pids cgroup)."""
+    ca_bundle: str = "auto"
+    """Host CA bundle mounted into image builds (and into containers that have network) at the
+    image's /etc/ssl/certs/ca-certificates.crt, with pip and uv told to use it: needed where TLS
+    is intercepted (corporate proxies, this machine). ``auto``: the host's
+    /etc/ssl/certs/ca-certificates.crt (or ``SSL_CERT_FILE``) if present; a path; empty: off."""
+    pass_proxy: bool = True
+    """Pass the host's HTTP_PROXY/HTTPS_PROXY/NO_PROXY (either case) to builds as build args."""
+    build_timeout_s: float = 1800.0
+    """Bound on building one task image, seconds."""
+    start_timeout_s: float = 60.0
+    """Bound on creating and starting one episode's container and its shell, seconds."""
+    verifier_tools: bool = True
+    """Install what a task's test script would download at test time (pytest, its plugins, the
+    packages it pip-installs, Debian packages it apt-installs) into a cached verifier layer at
+    build time, into ``/opt/t1async-verifier`` (a venv beside the image's Python), so that tests
+    run with network off; the script's own installs then become no-ops (see
+    t1async/envs/adapt.py). False: the test script runs as written."""
+
+
+@dataclass
 class EnvConfig:
     """Terminal environment: where tasks come from and how the sandboxed shell behaves."""
 
@@ -132,7 +170,10 @@ class EnvConfig:
     tasks: list[str] = field(default_factory=list)
     """Names of tasks to use (empty: every task in ``tasks_dir``)."""
     sandbox: str = "local"
-    """Sandbox backend: ``local`` (bubblewrap) or ``modal`` (Modal cloud; needs credentials)."""
+    """Sandbox backend: ``local`` (bubblewrap), ``container`` (podman/docker, the task's own
+    Dockerfile; see ``env.container``) or ``modal`` (Modal cloud; needs credentials)."""
+    container: ContainerConfig = field(default_factory=ContainerConfig)
+    """Settings of the ``container`` backend."""
     max_turns: int = 4
     """Assistant turns per episode before it is ended."""
     episode_timeout_s: float = 120.0

@@ -18,8 +18,11 @@ from t1async.envs.sandbox import SANDBOXES, make_sandbox
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
-def test_registry_has_both_backends():
-    assert SANDBOXES == {"local": SANDBOXES["local"], "modal": ModalSandbox}
+def test_registry_has_every_backend():
+    from t1async.envs.container import ContainerSandbox
+
+    assert SANDBOXES == {"local": SANDBOXES["local"], "container": ContainerSandbox, "modal": ModalSandbox}
+    assert ContainerSandbox.builds_image
     assert ModalSandbox.builds_image and not SANDBOXES["local"].builds_image
     assert CONNECT_TIMEOUT_S <= 5
 

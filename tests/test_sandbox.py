@@ -271,3 +271,34 @@ def test_allow_network_shares_the_host_interfaces(tmp_path):
         box.close()
     assert inside == host
     assert resolv == Path("/etc/resolv.conf").exists()
+
+
+def test_sandbox_python_is_the_interpreter_whose_packages_were_checked(sb):
+    """The task adaptation checks packages with importlib.metadata of this very Python; the
+    sandbox's python3 must see the same distributions (from a venv too, not its base Python)."""
+    import importlib.metadata
+    import json
+
+    probe = "import importlib.metadata as m, json, sys; print(json.dumps([sys.prefix == sys.base_prefix, sorted({d.metadata['Name'].lower() for d in m.distributions()})]))"
+    result = sb.exec(f"python3 -c {probe!r}")
+    in_venv_inside, names = json.loads(result.output)
+    assert in_venv_inside == (sys.prefix == sys.base_prefix)
+    assert names == sorted({d.metadata["Name"].lower() for d in importlib.metadata.distributions()})
+
+
+def test_task_folders_outside_app_are_private_writable_tmpfs(tmp_path):
+    """Folders a task writes outside /app (its own, e.g. /db, and WRITABLE) are writable, private
+    to the sandbox, and never the host's."""
+    from t1async.envs.local import WRITABLE
+
+    box = LocalSandbox(tmp_path / "app", tests_dir=tmp_path / "tests", logs_dir=tmp_path / "logs",
+                       writable=("/t1async-db-probe",))
+    box.start()
+    try:
+        result = box.exec("mkdir -p /t1async-db-probe/energy && echo 1 > /t1async-db-probe/energy/x && "
+                          "echo 2 > /srv/y && cat /t1async-db-probe/energy/x /srv/y")
+        assert result.output == "1\n2\n", result.output
+        assert box.exec("touch /t1async-elsewhere").exit_code != 0  # the root stays read-only
+    finally:
+        box.close()
+    assert "/srv" in WRITABLE and not Path("/t1async-db-probe").exists() and not Path("/srv/y").exists()

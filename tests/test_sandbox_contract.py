@@ -3,6 +3,8 @@
 * ``local``: bubblewrap on this host, always.
 * ``modal-fake``: the real :class:`ModalSandbox` code against a fake of Modal's cloud
   (tests/modal_fake.py: a local bubblewrap container entered with nsenter); needs root.
+* ``container``: podman containers from the bootstrapped ``python:3.13-slim-bookworm`` stand-in
+  (tests/container_support.py; skipped without podman).
 * ``modal``: the real Modal cloud, only where credentials exist (skipped otherwise, with the reason).
 """
 
@@ -16,12 +18,14 @@ from pathlib import Path
 
 import pytest
 
+from container_support import base_image
 from modal_fake import FakeModal
+from t1async.envs.container import ContainerSandbox
 from t1async.envs.local import LocalSandbox
 from t1async.envs.modal_sandbox import ModalSandbox, has_modal_credentials
 from t1async.envs.protocol import Sandbox, SandboxError, SandboxSpec
 
-BACKENDS = ["local", "modal-fake", "modal"]
+BACKENDS = ["local", pytest.param("container", marks=pytest.mark.container), "modal-fake", "modal"]
 
 
 def make(backend: str, tmp_path: Path, **kw) -> Sandbox:
@@ -29,6 +33,9 @@ def make(backend: str, tmp_path: Path, **kw) -> Sandbox:
                        max_output_bytes=kw.pop("max_output_bytes", 2048), docker_image="debian:bookworm-slim")
     if backend == "local":
         return LocalSandbox.from_spec(spec)
+    if backend == "container":
+        spec.docker_image = base_image()
+        return ContainerSandbox.from_spec(spec)
     if backend == "modal-fake":
         if os.geteuid() != 0 or shutil.which("nsenter") is None:
             pytest.skip("the fake Modal cloud needs root and nsenter")
@@ -93,7 +100,7 @@ def test_exit_restarts_the_shell(box):
 
 
 def test_output_is_truncated_with_a_marker(tmp_path):
-    for backend in ("local", "modal-fake"):
+    for backend in ("local", "modal-fake", "container"):
         try:
             sandbox = make(backend, tmp_path / backend, max_output_bytes=128)
         except pytest.skip.Exception:

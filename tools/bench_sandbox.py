@@ -19,6 +19,12 @@ Run: ``t1async bench sandbox [--commands N] [--episodes M]``. Prints ONE JSON ob
 * ``episodes_started_per_s``: sandboxes started (limits, tmpfs, bwrap, shell handshake) and
   closed per second, sequentially; ``episode_start_median_ms`` the median start alone;
 * ``mechanisms``: what enforced the limits in the measured sandbox.
+* ``container``: the same figures for the ``container`` backend beside local's, when an engine is
+  usable and ``--image`` (default ``python:3.13-slim-bookworm``; ``t1async images bootstrap``)
+  is present, else ``{"skipped": reason}``: ``episode_start_median_ms`` (container run + shell
+  handshake, image cached), ``close_median_ms``, ``round_trip_median_ms`` (``exec("true")``
+  through the persistent shell), ``engine_exec_median_ms`` (one ``<engine> exec CONTAINER true``,
+  what a shell-per-command design would pay per command), ``engine``, ``mechanisms``.
 """
 
 from __future__ import annotations
@@ -64,10 +70,62 @@ def _plain_shell_round_trips(n: int) -> list[float]:
     return times
 
 
+def _container_figures(image: str, commands: int, episodes: int) -> dict:
+    """The container backend's start, close and per-command figures (see the module docstring)."""
+    from t1async.envs.container import ContainerSandbox
+    from t1async.envs.images import resolve_engine
+    from t1async.envs.protocol import SandboxError, SandboxSpec
+
+    try:
+        engine = resolve_engine()
+    except SandboxError as exc:
+        return {"skipped": str(exc)}
+    if not engine.image_exists(image):
+        return {"skipped": f"image {image} is not present: run `t1async images bootstrap`"}
+    starts, closes, trips, execs = [], [], [], []
+    mechanisms: dict = {}
+    with tempfile.TemporaryDirectory(prefix="t1async-bench-ct-") as tmp:
+        for i in range(episodes):
+            box = ContainerSandbox(SandboxSpec(episode_dir=Path(tmp) / f"ep{i}", docker_image=image))
+            begun = time.perf_counter()
+            box.start()
+            starts.append(time.perf_counter() - begun)
+            try:
+                if i == 0:
+                    for _ in range(10):
+                        box.exec("true")
+                    for _ in range(commands):
+                        started = time.perf_counter()
+                        box.exec("true")
+                        trips.append(time.perf_counter() - started)
+                    for _ in range(10):
+                        started = time.perf_counter()
+                        engine.run("exec", box.name, "true")
+                        execs.append(time.perf_counter() - started)
+                    mechanisms = box.mechanisms()
+            finally:
+                begun = time.perf_counter()
+                box.close()
+                closes.append(time.perf_counter() - begun)
+    return {
+        "engine": engine.name,
+        "image": image,
+        "episode_start_median_ms": round(statistics.median(starts) * 1000, 1),
+        "close_median_ms": round(statistics.median(closes) * 1000, 1),
+        "round_trip_median_ms": round(statistics.median(trips) * 1000, 3),
+        "engine_exec_median_ms": round(statistics.median(execs) * 1000, 1),
+        "episodes": episodes,
+        "mechanisms": mechanisms,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineErrors(prog="t1async bench sandbox", description=__doc__.split("\n\n")[0])
     parser.add_argument("--commands", type=at_least_one, default=300, help="round trips measured (each way; >= 1)")
     parser.add_argument("--episodes", type=at_least_one, default=20, help="sandboxes started and closed (>= 1)")
+    parser.add_argument("--container-episodes", type=at_least_one, default=5,
+                        help="containers started and closed for the container figures (>= 1)")
+    parser.add_argument("--image", default="python:3.13-slim-bookworm", help="image of the container figures")
     args = parser.parse_args(argv)
     logger.remove()
     logger.add(sys.stderr, level="WARNING")
@@ -116,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         "commands": args.commands,
         "episodes": args.episodes,
         "mechanisms": mechanisms,
+        "container": _container_figures(args.image, args.commands, args.container_episodes),
     }
     print(json.dumps(result))
     return 0

@@ -18,6 +18,20 @@ if [ ${#missing[@]} -gt 0 ]; then
   $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 
+# The container sandbox (env.sandbox: container): podman with runc (crun fails on hosts with
+# cgroups in hybrid mode) and mmdebstrap for `t1async images bootstrap`. Optional: a host where
+# they cannot be installed keeps the local sandbox, and the container tests skip.
+optional=()
+for pair in podman:podman runc:runc mmdebstrap:mmdebstrap; do
+  command -v "${pair%%:*}" >/dev/null 2>&1 || optional+=("${pair#*:}")
+done
+if [ ${#optional[@]} -gt 0 ] && command -v apt-get >/dev/null 2>&1; then
+  echo "setup: installing Debian packages for the container sandbox: ${optional[*]}"
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+  { $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${optional[@]}" >/dev/null; } \
+    || echo "setup: could not install ${optional[*]}: the container sandbox stays unavailable (local works)"
+fi
+
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv with $($PY --version)"

@@ -1,0 +1,246 @@
+"""The ``container`` backend: image plumbing (no engine needed) and, marked ``container``, real
+podman runs of the fidelity fixtures in tests/fixtures/container and of escape attempts.
+
+The fixtures are this project's own: ``tb2-fidelity`` (COPY and RUN heredocs writing outside
+/app, a Terminal-Bench-2-style test.sh that fetches curl, uv, pytest and the ctrf plugin at test
+time) and ``tb1-uv-helpers`` (the TB1 ``setup-uv-pytest.sh``/``run-uv-pytest.sh`` pair that the
+task folder lacks, ``uv add``, a ``solution.yaml`` oracle of plain commands).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import resource
+import shlex
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from container_support import base_image
+from t1async.config import ContainerConfig
+from t1async.envs.adapt import CONTAINER_PYTHON, VerifierNeeds, adapt_script
+from t1async.envs.container import ContainerSandbox
+from t1async.envs.evaluate import choose_sandbox, short_error
+from t1async.envs.images import (
+    Engine,
+    context_hash,
+    expand_heredocs,
+    from_images,
+    normalise,
+    qualified,
+    stand_in_for,
+)
+from t1async.envs.protocol import SandboxLimits, SandboxSpec
+from t1async.envs.task import load_task
+from t1async.envs.terminal import TerminalEnv, validate_task
+
+FIXTURES = Path(__file__).parent / "fixtures" / "container"
+SHIPPED = Path(__file__).resolve().parents[1] / "envs" / "tasks"
+
+
+# ------------------------------------------------------------------------------ no engine needed
+
+
+def test_copy_and_run_heredocs_are_rewritten():
+    text, files = expand_heredocs(
+        "FROM x\nCOPY <<EOT /opt/a.txt\nline 1\n# not a comment here\nEOT\n"
+        "RUN <<'EOF'\nset -e\necho \"$HOME\" > /b\nEOF\n"
+        "RUN python3 - <<EOF\nprint(1)\nEOF\nRUN echo plain \\\n  continued\n")
+    assert files == {".t1async-heredoc-0": "line 1\n# not a comment here\n"}
+    lines = text.splitlines()
+    assert lines[1] == "COPY .t1async-heredoc-0 /opt/a.txt"
+    assert lines[2] == 'RUN ["/bin/sh", "-c", "set -e\\necho \\"$HOME\\" > /b\\n"]'
+    assert lines[3] == 'RUN ["/bin/sh", "-c", "python3 - <<EOF\\nprint(1)\\nEOF\\n"]'
+    assert lines[4:] == ["RUN echo plain \\", "  continued"]
+
+
+def test_from_images_skips_stage_names():
+    text = "FROM python:3.13-slim AS build\nFROM --platform=linux/amd64 debian:bookworm\nCOPY --from=build /a /a\nFROM build\n"
+    assert from_images(text) == ["python:3.13-slim", "debian:bookworm"]
+
+
+@pytest.mark.parametrize("ref, suite", [
+    ("python:3.13-slim-bookworm", "trixie"), ("python:3.11-slim", "bookworm"), ("docker.io/library/python:3.12", "trixie"),
+    ("debian:bookworm-slim", "bookworm"), ("ubuntu:24.04", "trixie"), ("ubuntu:22.04", "bookworm"),
+    ("ghcr.io/laude-institute/t-bench/python-3-13:20250620", "trixie"),
+    ("ghcr.io/laude-institute/t-bench/ubuntu-24-04:latest", "trixie"), ("alpine:3.20", None), ("node:20", None),
+])
+def test_stand_ins(ref, suite):
+    rule = stand_in_for(ref)
+    assert (rule.suite if rule else None) == suite
+    if rule:
+        assert rule.differences  # every substitution is reported
+
+
+def test_names_resolve_like_the_engine():
+    assert normalise("docker.io/library/python:3.13") == "python:3.13"
+    assert qualified("python:3.13-slim") == "docker.io/library/python:3.13-slim"
+    assert qualified("ghcr.io/laude-institute/t-bench/python-3-13:20250620").startswith("ghcr.io/")
+    assert qualified("someone/tool") == "docker.io/someone/tool:latest"
+
+
+def test_context_hash_follows_content_and_mode(tmp_path):
+    (tmp_path / "a.sh").write_text("echo 1\n")
+    first = context_hash("FROM x\n", tmp_path)
+    assert context_hash("FROM x\n", tmp_path) == first
+    os.chmod(tmp_path / "a.sh", 0o755)
+    second = context_hash("FROM x\n", tmp_path)
+    (tmp_path / "a.sh").write_text("echo 2\n")
+    assert len({first, second, context_hash("FROM x\n", tmp_path), context_hash("FROM y\n", tmp_path)}) == 4
+
+
+def test_ulimits_stay_within_the_hosts_hard_limits():
+    engine = Engine("podman", ["podman"], ContainerConfig(ulimit_nofile=10**9, ulimit_nproc=1000))
+    opts = engine.ulimits()
+    nofile = int(opts[opts.index("--ulimit") + 1].split("=")[1].split(":")[0])
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    assert nofile == (10**9 if hard == resource.RLIM_INFINITY else min(10**9, hard))
+    assert "nproc=1000:1000" in opts or resource.getrlimit(resource.RLIMIT_NPROC)[1] < 1000
+
+
+def test_container_test_script_moves_installs_to_the_verifier_layer():
+    task = load_task(FIXTURES / "tb2-fidelity")
+    needs = task.verifier_needs
+    assert needs.debs == ["curl"] and needs.requirements == ["pytest==8.3.5"]  # the ctrf plugin is report-only
+    script = task.container_test_script
+    assert "astral.sh" not in script and "apt-get" not in script and "uvx" not in script
+    assert f"{CONTAINER_PYTHON} -m pytest /tests/test_outputs.py -rA\n" in script
+    assert "--ctrf" not in script and "reward.txt" in script
+
+
+def test_tb1_helpers_the_folder_lacks_are_supplied():
+    task = load_task(FIXTURES / "tb1-uv-helpers")
+    assert task.verifier_needs.requirements == ["iniconfig==2.0.0"]
+    lines = [line for line in task.container_test_script.splitlines() if line and not line.startswith("#")]
+    assert lines == ["true", "true", f'{CONTAINER_PYTHON} -m pytest -rA "$TEST_DIR/test_outputs.py"']
+    # a helper the tests folder ships is run as written
+    needs = VerifierNeeds()
+    kept = adapt_script("source $TEST_DIR/setup-uv-pytest.sh\n", test_script=True, allow_internet=False,
+                        collect=needs, present=frozenset({"setup-uv-pytest.sh"}))
+    assert kept == "source $TEST_DIR/setup-uv-pytest.sh\n"
+
+
+def test_tb1_task_without_run_tests_gets_the_harness_default(tmp_path):
+    folder = tmp_path / "no-run-tests"
+    (folder / "tests").mkdir(parents=True)
+    (folder / "task.yaml").write_text("instruction: do it\n")
+    (folder / "tests" / "test_outputs.py").write_text("def test_x():\n    pass\n")
+    task = load_task(folder)
+    for script, python in ((task.container_test_script, CONTAINER_PYTHON), (task.local_test_script, "python3")):
+        lines = [line for line in script.splitlines() if line and not line.startswith("#")]
+        assert lines == ["true", f'{python} -m pytest -rA "$TEST_DIR/test_outputs.py"']
+
+
+def test_solution_yaml_plain_commands_are_an_oracle(tmp_path):
+    task = load_task(FIXTURES / "tb1-uv-helpers")
+    assert task.solution is None and task.solution_refusal is None
+    assert [c for c, _ in task.solution_commands][0] == "cd /tmp && export LINES_FILE=/app/out.txt"
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    for name in ("task.yaml", "run-tests.sh"):
+        (keys / name).write_text((FIXTURES / "tb1-uv-helpers" / name).read_text())
+    (keys / "solution.yaml").write_text("- command: vim notes.txt\n  block: false\n- command: ihello\n"
+                                        "  append_enter: false\n- command: Escape\n")
+    refused = load_task(keys)
+    assert not refused.solution_commands and "keystroke" in refused.solution_refusal
+
+
+def test_short_errors_name_the_task_not_its_path():
+    error = ("task /work/tb-tasks/hello-world: base image 'x' is missing at /work/tb-tasks/hello-world/Dockerfile; "
+             + "more " * 100)
+    short = short_error(error)
+    assert "/work/tb-tasks" not in short and short.startswith("base image") and len(short) <= 160
+
+
+def test_auto_sandbox_keeps_local_for_the_shipped_tasks(tmp_path):
+    assert choose_sandbox("auto", SHIPPED) == ("local", "")
+    assert choose_sandbox("local", tmp_path) == ("local", "")
+
+
+# ------------------------------------------------------------------------------ real containers
+
+
+def _box(tmp_path: Path, **limits) -> ContainerSandbox:
+    spec = SandboxSpec(episode_dir=tmp_path, command_timeout_s=10.0, docker_image=base_image(),
+                       limits=SandboxLimits(**{"max_processes": 32, "memory_mb": 128, "cpu_time_s": 5, **limits}))
+    box = ContainerSandbox(spec)
+    box.start()
+    return box
+
+
+@pytest.mark.container
+def test_fork_beyond_the_process_limit_gets_eagain_and_the_command_goes_on(tmp_path):
+    box = _box(tmp_path)
+    try:
+        forker = ("import errno, os, time\nkids = []\ntry:\n    for _ in range(100):\n        pid = os.fork()\n"
+                  "        if pid == 0:\n            time.sleep(5)\n            os._exit(0)\n        kids.append(pid)\n"
+                  "except OSError as exc:\n    print('fork failed:', errno.errorcode[exc.errno], 'after', len(kids))\n"
+                  "for kid in kids:\n    os.kill(kid, 9)\n")
+        result = box.exec(f"python3 -c {shlex.quote(forker)}; echo survived", timeout_s=30)
+        assert "fork failed: EAGAIN after" in result.output, result.output
+        assert "survived" in result.output and not result.timed_out and result.exit_code == 0
+        assert "processes" in result.refused and "process limit (32) reached" in result.output
+        assert box.exec("echo ok").output == "ok\n"
+    finally:
+        box.close()
+
+
+@pytest.mark.container
+def test_escapes_are_contained(tmp_path):
+    secret = tmp_path / "host-secret.txt"
+    secret.write_text("do not read\n")
+    victim = subprocess.Popen(["sleep", str(random.randrange(10**6, 10**7))])
+    box = _box(tmp_path / "box")
+    name = box.name
+    try:
+        for probe in (f"cat {secret}", "ls /work", "cat /proc/1/root/etc/shadow"):
+            result = box.exec(probe)
+            assert "do not read" not in result.output and (result.exit_code != 0 or probe.endswith("shadow")), probe
+        assert box.exec("tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' '").output.split() == ["lo"]
+        assert box.exec(f"kill -9 {victim.pid}").exit_code != 0
+        box.exec("kill -9 -1 2>/dev/null; true")
+        time.sleep(0.2)
+        assert victim.poll() is None, "a host process was killed from inside the container"
+        bomb = box.exec("bomb() { bomb | bomb & }; bomb; sleep 30", timeout_s=2.0)
+        assert bomb.timed_out and "processes" in bomb.refused
+        memory = box.exec("python3 -c 'x = bytearray(400 << 20); print(len(x))'", timeout_s=20)
+        assert memory.exit_code != 0 and "memory" in memory.refused, memory.output
+        box.exec("nohup sleep 12345 >/dev/null 2>&1 & setsid sleep 12346 &")
+    finally:
+        box.close()
+        victim.kill()
+        victim.wait()
+    left = subprocess.run(["podman", "ps", "-a", "--filter", f"name={name}", "--format", "{{.Names}}"],
+                          capture_output=True, text=True)
+    assert left.stdout.strip() == "", "the container outlived close()"
+    assert subprocess.run(["pgrep", "-f", "sleep 1234[56]"], capture_output=True).stdout == b""
+
+
+@pytest.mark.container
+@pytest.mark.parametrize("name", ["tb2-fidelity", "tb1-uv-helpers"])
+def test_fidelity_fixtures_resolve_with_the_oracle_and_not_without(name, tmp_path):
+    base_image()
+    task = load_task(FIXTURES / name)
+    report = validate_task(task, tmp_path, sandbox="container")
+    assert report.error is None, report.error
+    assert report.oracle.resolved and report.oracle.total == (3 if name == "tb2-fidelity" else 2), report.oracle.output
+    assert not report.noop.resolved
+
+
+@pytest.mark.container
+def test_shipped_task_resolves_in_a_container_and_logs_its_commands(tmp_path):
+    base_image()
+    task = load_task(SHIPPED / "zip-find-token")
+    with TerminalEnv(task, root=tmp_path / "episodes", sandbox="container", command_timeout_s=60,
+                     log_dir=tmp_path / "logs") as env:
+        env.reset()
+        env.run_solution()
+        verdict = env.verify()
+    assert verdict.resolved, verdict.output
+    log = (tmp_path / "logs" / "commands.log").read_text()
+    assert "### oracle (exit 0" in log and "### verifier" in log
+    build = (tmp_path / "logs" / "build.log").read_text()
+    assert "zip-find-token" in build and ("FROM" in build or "found in the cache" in build)
