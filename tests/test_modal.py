@@ -31,12 +31,15 @@ def test_no_credentials_is_a_clear_error_at_once(tmp_path, monkeypatch):
     monkeypatch.delenv("MODAL_TOKEN_ID", raising=False)
     monkeypatch.delenv("MODAL_TOKEN_SECRET", raising=False)
     monkeypatch.setenv("MODAL_CONFIG_PATH", str(tmp_path / "missing.toml"))
+    with pytest.raises(SandboxUnavailable):  # first call imports modal: not what "at once" bounds
+        check_modal_available()
     started = time.monotonic()
     with pytest.raises(SandboxUnavailable, match="no Modal credentials.*MODAL_TOKEN_ID"):
         check_modal_available()
     with pytest.raises(SandboxUnavailable, match="no Modal credentials"):
         make_sandbox("modal", SandboxSpec(episode_dir=tmp_path))
-    assert time.monotonic() - started < 1.0
+    # no network round trip, no retry back-off (those take seconds); generous for a loaded machine
+    assert time.monotonic() - started < 3.0
 
 
 def test_unreachable_modal_fails_within_the_bound(tmp_path, monkeypatch):
