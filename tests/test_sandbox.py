@@ -276,14 +276,16 @@ def test_allow_network_shares_the_host_interfaces(tmp_path):
 def test_sandbox_python_is_the_interpreter_whose_packages_were_checked(sb):
     """The task adaptation checks packages with importlib.metadata of this very Python; the
     sandbox's python3 must see the same distributions (from a venv too, not its base Python)."""
-    import importlib.metadata
     import json
+    import subprocess
 
     probe = "import importlib.metadata as m, json, sys; print(json.dumps([sys.prefix == sys.base_prefix, sorted({d.metadata['Name'].lower() for d in m.distributions()})]))"
     result = sb.exec(f"python3 -c {probe!r}")
     in_venv_inside, names = json.loads(result.output)
     assert in_venv_inside == (sys.prefix == sys.base_prefix)
-    assert names == sorted({d.metadata["Name"].lower() for d in importlib.metadata.distributions()})
+    # the host's view from a fresh interpreter: earlier tests in this process may have extended sys.path
+    host = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert names == json.loads(host.stdout)[1]
 
 
 def test_task_folders_outside_app_are_private_writable_tmpfs(tmp_path):
