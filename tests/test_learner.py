@@ -16,6 +16,7 @@ from t1async.actors.learner import Learner
 from t1async.actors.sampler import EmbeddedSampler
 from t1async.config import (AbnormalConfig, GenerationConfig, LearnerConfig, ModelConfig, SamplerConfig,
                             TransportConfig, WeightSyncConfig)
+from t1async.delivery import read_consumed
 from t1async.engine import Engine, SamplingParams
 from t1async.model import Qwen3MoeForCausalLM
 from t1async.rl import token_logprobs
@@ -221,7 +222,9 @@ def test_verifier_error_and_aborted_trajectories_are_never_trained_slots_returne
         learner.close()
     assert [d.split(":")[0] for d in ctl.discarded] == ["verifier_error", "aborted"]  # both slots returned
     ckpt = tmp_path / "checkpoints" / "step_000001"
-    consumed = json.loads((ckpt / "consumed.json").read_text())  # a resume or a resend does not train them
+    ledger = read_consumed(ckpt / "consumed.json")  # a resume or a resend does not train them
+    assert all(t.trajectory_id in ledger for t in (verifier, aborted, cut, timeout)) and len(ledger) == 4
+    consumed = dict(ledger.recent)
     assert consumed == {verifier.trajectory_id: -1, aborted.trajectory_id: -1, cut.trajectory_id: 1,
                         timeout.trajectory_id: 1}
     row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
