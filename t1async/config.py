@@ -49,9 +49,9 @@ class RunConfig:
     each; ``t1async soak`` turns it into its ledger). Grows with the run: for soaks, not services."""
     learner_restarts: int = 3
     """Restarts in a row of a learner that died (from its last checkpoint and the receive log, as
-    ``learner.resume`` does); a death after more than 120 s of life starts a new row. Restarts in a
-    row wait 5, 10, 20 ... s (back-off); beyond this many the run stops with one line saying how to
-    resume (0: never restart)."""
+    ``learner.resume`` does); a learner that trained a step before dying starts a new row. Restarts
+    in a row wait 5, 10, 20, 40, 60, 60 ... s (back-off); beyond this many the run stops with one
+    line saying how to resume (0: never restart)."""
 
 
 @dataclass
@@ -339,9 +339,10 @@ class LearnerConfig:
     """Publish new weights to every sampler after this many learner steps (K)."""
     checkpoint_every: int = 0
     """Write a checkpoint every this many steps (0: only the final one)."""
-    keep_checkpoints: int = 3
+    keep_checkpoints: int = 2
     """Checkpoints kept after each new one: the newest this many (>= 1), plus those of
-    ``keep_every``; the others are deleted (a default checkpoint is about 16 MB)."""
+    ``keep_every``; the others are deleted (a default checkpoint is about 95 MB: policy, critic and
+    both AdamW states)."""
     keep_every: int = 0
     """Also keep every checkpoint whose step is a multiple of this, for history (0 = none)."""
     episodes_per_step: int = 2

@@ -170,7 +170,8 @@ def format_status(st: dict[str, Any]) -> str:
 
     head = Table.grid(padding=(0, 2))
     rows = [
-        ("run", st.get("run_dir")), ("state", st.get("state")),
+        ("run", st.get("run_dir")),
+        ("state", st.get("state") + (f" (learner: {st['learner_error']})" if st.get("learner_error") else "")),
         ("step / version", f"{st.get('step')} / v{st.get('version')}"
                            f"  (max_steps {st.get('max_steps') or 'unlimited'})"),
         ("since last step", f"{f(st.get('since_last_step_s'), 1)} s"),

@@ -32,7 +32,7 @@ from t1async.rundir import append_history
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 TB_SKIP = ("step", "version", "time", "phase", "train_policy")
-HEALTHY_LIFE_S = 120.0  # a learner that lived longer than this before dying starts a new back-off series
+MAX_BACKOFF_S = 60.0  # longest wait before restarting a learner that keeps dying
 
 
 class LearnerDied(RuntimeError):
@@ -106,7 +106,7 @@ class Service:
         self.tail = MetricsTail(run_dir / "metrics.jsonl", cfg.run.tensorboard)
         self._lock = threading.Lock()
         self._live = None
-        self._life_started, self._quick_deaths = time.monotonic(), 0
+        self._life_started, self._quick_deaths = time.time(), 0  # (wall clock: compared with metrics rows)
 
     def handlers(self) -> dict[str, Callable[[dict[str, Any]], dict[str, Any]]]:
         return {"status": self.status, "stop": self.request_stop, "scale": self.scale}
@@ -255,26 +255,32 @@ class Service:
 
     def _restart(self, err: Exception) -> Any:
         """A new learner, resumed from the last checkpoint and the receive log, after a back-off of
-        5 x 2^k s, k = deaths in a row of lives shorter than :data:`HEALTHY_LIFE_S` (a learner
-        that keeps dying is never restarted in a tight loop; past ``run.learner_restarts`` such
-        deaths in a row the service stops with one line)."""
-        now = time.monotonic()
-        if now - self._life_started > HEALTHY_LIFE_S:
-            self._quick_deaths = 0
-        n = self._quick_deaths
-        if n >= self.cfg.run.learner_restarts:
-            raise LearnerDied(self._died_line(err, f"after {n} restarts in a row"))
-        self._quick_deaths = n + 1
-        self.restarts["learner"] += 1
-        wait = 5.0 * 2 ** n
-        logger.error("the learner died ({}); restart {} of {} in a row in {:.0f} s from its last checkpoint",
-                     _first_line(err), n + 1, self.cfg.run.learner_restarts, wait)
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline and not self.stop_request:
-            time.sleep(0.2)
-        self.roles["learner"] = self.restart_learner()
-        self._life_started = time.monotonic()
-        return self.roles["learner"]
+        min(5 x 2^k, 60) s, k = deaths in a row of learners that trained no step (a learner that
+        keeps dying is never restarted in a tight loop; past ``run.learner_restarts`` such deaths
+        in a row the service stops with one line). A learner that dies while starting (killed
+        again, its port not yet free) counts as one more death in the row."""
+        while True:
+            self.tail.poll()
+            if any(r.get("time", 0) > self._life_started for r in self.tail.rows[-1:]):
+                self._quick_deaths = 0  # it trained a step in this life: a new row of restarts
+            n = self._quick_deaths
+            if n >= self.cfg.run.learner_restarts:
+                raise LearnerDied(self._died_line(err, f"after {n} restarts in a row"))
+            self._quick_deaths = n + 1
+            self.restarts["learner"] += 1
+            wait = min(5.0 * 2 ** n, MAX_BACKOFF_S)
+            logger.error("the learner died ({}); restart {} of {} in a row in {:.0f} s from its last checkpoint",
+                         _first_line(err), n + 1, self.cfg.run.learner_restarts, wait)
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline and not self.stop_request:
+                time.sleep(0.2)
+            self._life_started = time.time()
+            try:
+                self.roles["learner"] = self.restart_learner()
+            except Exception as e:  # died again while starting: one more in the row
+                err = e
+                continue
+            return self.roles["learner"]
 
     def _died_line(self, err: Exception, when: str) -> str:
         return (f"the learner died {when} ({_first_line(err)}; see {self.run_dir}/logs/learner.log); nothing sent "

@@ -93,7 +93,7 @@ def soak(config: str, minutes: float, kill_every: float, overrides: list[str], *
     run_dir = (run_dir or Path(f"runs/soak-{time.strftime('%Y%m%d-%H%M%S')}")).resolve()
     cfg = load_config(config, [*overrides, f"run.dir={run_dir}"])
     launch_args = [sys.executable, "-m", "t1async.cli", "launch", config, *overrides, f"run.dir={run_dir}",
-                   "learner.max_steps=0", "run.audit=true"]
+                   "learner.max_steps=0", "run.audit=true", "run.learner_restarts=20"]
     run_dir.mkdir(parents=True, exist_ok=True)
     out = open(run_dir.parent / f"{run_dir.name}.launch.out", "w")  # noqa: SIM115
     proc = subprocess.Popen(launch_args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -119,7 +119,7 @@ def soak(config: str, minutes: float, kill_every: float, overrides: list[str], *
             st = _try_status(run_dir)
             if st is not None:
                 last = st
-                if st.get("step", 0) != last_step:
+                if st.get("step", last_step) != last_step:  # (no step while the learner restarts)
                     last_step, last_step_t = st["step"], time.monotonic()
             if time.monotonic() - last_step_t > hang_s:
                 hang = True
