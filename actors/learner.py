@@ -148,6 +148,7 @@ class Learner:
         self._rejected_keys: collections.OrderedDict[str, str] = collections.OrderedDict()  # id -> reason, newest last
         self._log = ReceiveLog(self.run_dir / "receive_log", fsync=transport.log_fsync, reset=not cfg.resume)
         self.resumed: dict[str, Any] | None = None  # what a resume restored (status() reports it)
+        self._republish_same = False  # resumed at a checkpoint whose weights are the last version published
         if cfg.resume:
             self._resume(resume_from)
         self._backlog = [k for k in self._log.keys() if k not in self._consumed]  # replayed before the socket
@@ -217,6 +218,11 @@ class Learner:
             self._consumed = read_consumed(path / "consumed.json")
         # Weights published after that checkpoint are lost: the next publication takes a new,
         # higher number (see _publish), so versions never repeat.
+        # ...unless the checkpoint was written right after a publication and nothing was published
+        # since: the samplers hold exactly these weights as this version, so it is sent again
+        # unchanged (a restart then does not make every trajectory in flight one version staler).
+        self._republish_same = (path is not None and self.step % self.cfg.publish_every == 0
+                                and self._log.published_version == self.version)
         self.version = max(self.version, self._log.published_version)
         metrics = self.run_dir / "metrics.jsonl"
         if metrics.exists():
@@ -561,8 +567,9 @@ class Learner:
 
     def _publish(self) -> None:
         """Broadcast the policy to every sampler as the next version (version 0 at start)."""
-        if self.step > 0 or self.version > 0:  # (version > 0 at step 0: resumed before the first checkpoint)
-            self.version += 1
+        if (self.step > 0 or self.version > 0) and not self._republish_same:  # (version > 0 at step 0: resumed
+            self.version += 1                                                  # before the first checkpoint)
+        self._republish_same = False
         self._log.note_published(self.version)
         t0 = time.perf_counter()
         self._sync.publish(self.policy.named_parameters(), self.version)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import threading
 import time
@@ -309,3 +310,29 @@ def test_kl_penalty_pulls_the_policy_back_to_the_reference(tmp_path):
         assert all(not p.requires_grad for p in learner.reference.parameters())
     finally:
         learner.close()
+
+
+def test_a_restart_sends_the_last_published_version_again_unless_later_weights_were_lost(tmp_path):
+    """A learner resumed at a checkpoint written right after a publication republishes that version
+    unchanged (the samplers hold those very weights; a restart must not make everything in flight
+    one version staler); when a later publication was lost with the process, it takes a new number."""
+    sampler = EmbeddedSampler(MODEL, SamplerConfig(), seed=0)
+    cfg = LearnerConfig(max_steps=2, batch_size=1, publish_every=1, checkpoint_every=1, batch_timeout_s=60)
+    learner = Learner(cfg, MODEL, TransportConfig(), WeightSyncConfig(timeout_s=30), str(tmp_path), seed=0)
+    try:
+        learner.connect_samplers([sampler.url()])
+        tx = ZmqSender(learner.endpoint())
+        for seed in (1, 2):
+            _send(tx, synthetic(version=0, seed=seed))
+        assert learner.run(FakeController())["version"] == 2
+        tx.close()
+    finally:
+        learner.close()
+    resumed_cfg = dataclasses.replace(cfg, resume=True)
+    for published, expected in ((2, 2), (3, 4)):
+        (tmp_path / "receive_log" / "published_version").write_text(str(published))
+        again = Learner(resumed_cfg, MODEL, TransportConfig(), WeightSyncConfig(timeout_s=30), str(tmp_path), seed=0)
+        try:
+            assert again.connect_samplers([sampler.url()]) == expected and sampler.version == expected
+        finally:
+            again.close()
