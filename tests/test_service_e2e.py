@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "t1async.cli", "launch", str(REPO / "configs" / "local.yaml")]
 SMALL = ["learner.max_steps=0", "learner.batch_size=2", "env.max_turns=2", "generation.max_new_tokens=16",
-         "learner.checkpoint_every=2", "run.learner_restarts=2"]
+         "learner.checkpoint_every=1", "run.learner_restarts=2"]
 
 
 def _wait(cond, timeout_s: float, what: str):
@@ -84,6 +84,7 @@ def test_service_lifecycle(tmp_path, capsys):
             request(run_dir, {"cmd": "scale", "changes": {"rollout.num_actors": -1}})
 
         # kill -9 of the launch: its reaper kills what it started and detaches the sandboxes' mounts
+        _wait(lambda: list((run_dir / "checkpoints").glob("step_*")), 120, "a checkpoint to resume from")
         tree = descendants(a.pid)
         os.kill(a.pid, signal.SIGKILL)
         a.wait()
