@@ -80,6 +80,9 @@ class Controller:
         self._retired: set[int] = set()
         self._next_id = 0
         self._running: dict[int, int] = {}  # actor_id -> admission version of its running episode
+        self._episodes: dict[int, int] = {}  # actor_id -> episodes admitted (status)
+        self._started_at: dict[int, float] = {}  # actor_id -> time.time() it was started (status)
+        self._first_episode: dict[int, float] = {}  # actor_id -> time.time() of its first admission
         self._pending: dict[str, int] = {}  # trajectory id -> admission version, until consumed/discarded
 
     # ---- called by rollout actors and the learner (concurrently) ------------------------
@@ -98,6 +101,8 @@ class Controller:
                 if self.started < (self.oldest_version() + self.max_staleness + 1) * self.rollouts_per_version:
                     self.started += 1
                     self._running[actor_id] = self.version
+                    self._episodes[actor_id] = self._episodes.get(actor_id, 0) + 1
+                    self._first_episode.setdefault(actor_id, time.time())
                     if not self._order:
                         self._order = self._rng.sample(self._tasks, len(self._tasks))
                     return self._order.pop()
@@ -160,6 +165,18 @@ class Controller:
             self.version = version
             self._cond.notify_all()
 
+    def set_live(self, changes: dict[str, Any]) -> None:
+        """Change ``max_staleness`` (eta) or ``tasks`` (names; the order is reshuffled) live."""
+        with self._cond:
+            if "max_staleness" in changes:
+                self.max_staleness = int(changes["max_staleness"])
+            if "tasks" in changes:
+                if not changes["tasks"]:
+                    raise ValueError("the controller needs at least one task")
+                self._tasks, self._order = list(changes["tasks"]), []
+            self._cond.notify_all()
+        logger.info("live change: {}", changes)
+
     def scale(self, num_actors: int) -> None:
         """Set the number of rollout actors; the supervision loop starts or retires actors to match."""
         if num_actors < 0:
@@ -172,7 +189,12 @@ class Controller:
         """Actor count, admissions, failures (in all and by reason key), crashes and the version admission follows."""
         with self._cond:
             running, pending, oldest = len(self._running), len(self._pending), self.oldest_version()
-        return {"actors": len(self._actors), "target": self.target, "started": self.started, "version": self.version,
+            detail = [{"id": aid, "state": "retiring" if aid in self._retired else
+                       "running" if aid in self._running else "waiting",
+                       "version": self._running.get(aid), "episodes": self._episodes.get(aid, 0),
+                       "started_at": self._started_at.get(aid), "first_episode_at": self._first_episode.get(aid)}
+                      for aid in sorted(self._actors)]
+        return {"actors_detail": detail, "max_staleness": self.max_staleness, "tasks": len(self._tasks),"actors": len(self._actors), "target": self.target, "started": self.started, "version": self.version,
                 "oldest_version": oldest, "running": running, "pending": pending,
                 "failed_episodes": self.failed_episodes, "episode_failures": dict(self.failures),
                 "discarded": self.discarded, "crashes": self.crashes}
@@ -193,6 +215,9 @@ class Controller:
             for ref in ready:
                 aid = refs[ref]
                 self._actors.pop(aid, None)
+                for per_actor in (self._episodes, self._started_at, self._first_episode):
+                    per_actor.pop(aid, None)
+                self._retired.discard(aid)
                 try:
                     result = ray.get(ref)
                     logger.info("rollout {} finished: {}", aid, result)
@@ -223,6 +248,7 @@ class Controller:
             crash = self.cfg.crash_after_episodes if aid == 0 else 0
             handle = self.make_rollout(aid, crash)
             self._actors[aid] = (handle, handle.run.remote(me))
+            self._started_at[aid] = time.time()
             logger.info("started rollout actor {}", aid)
 
     def stop(self, grace_s: float = 5.0) -> dict[str, Any]:

@@ -37,11 +37,13 @@ from t1async.abnormal import (DROP_REASONS, drop_detail, drop_reason, finish_cou
 from t1async.actors import call
 from t1async.backend import LearnerBackend, make_backend
 from t1async.config import GenerationConfig, LearnerConfig, ModelConfig, TransportConfig, WeightSyncConfig
-from t1async.delivery import (ByteQueue, ReceiveLog, commit, latest_checkpoint, read_consumed, staging_dir,
-                              write_consumed)
+from t1async.delivery import (ByteQueue, ConsumedLedger, ReceiveLog, commit, latest_checkpoint, read_consumed,
+                              rotate_checkpoints, staging_dir, write_consumed)
 from t1async.rl import gae, k3, policy_loss, routing_differs, value_loss
+from t1async.tokenizer import ChatTokenizer
 from t1async.torch_backend import ValueModel  # noqa: F401  (the critic's home before the backends; tests import it here)
 from t1async.trajectory import Trajectory, TrajectoryError, decode
+from t1async.transcripts import write_transcripts
 from t1async.transport import Delivery, ZmqReceiver
 from t1async.weight_sync import DistributedWeightSync
 
@@ -107,9 +109,11 @@ class Learner:
         self.step = 0
         self.counters = {"received": 0, "rejected": 0, "dropped_stale": 0, "trained": 0, "duplicates": 0, "replayed": 0}
         self.dropped = dict.fromkeys(DROP_REASONS, 0)  # trajectories dropped, by reason (cumulative)
-        self._consumed: dict[str, int] = {}  # trajectory id -> step that trained it (-1: dropped)
+        self._consumed = ConsumedLedger()  # trajectory id -> step that trained it (-1: dropped), bounded
         self._rejected_keys: collections.OrderedDict[str, str] = collections.OrderedDict()  # id -> reason, newest last
         self._log = ReceiveLog(self.run_dir / "receive_log", fsync=transport.log_fsync, reset=not cfg.resume)
+        self.resumed: dict[str, Any] | None = None  # what a resume restored (status() reports it)
+        self._republish_same = False  # resumed at a checkpoint whose weights are the last version published
         if cfg.resume:
             self._resume(resume_from)
         self._backlog = [k for k in self._log.keys() if k not in self._consumed]  # replayed before the socket
@@ -125,6 +129,7 @@ class Learner:
         self._recv_thread.start()
         (self.run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
         self._metrics_path = self.run_dir / "metrics.jsonl"
+        self._tok = ChatTokenizer.load() if cfg.episodes_per_step else None
         logger.info("learner ({} backend): policy {:.2f} M parameters, trajectories at {}", cfg.backend,
                     self.backend.num_parameters() / 1e6, self._receiver.endpoint)
 
@@ -151,9 +156,22 @@ class Learner:
         self._stop.set()
 
     def status(self) -> dict[str, Any]:
-        """Step, version, queue depth, counters and dropped trajectories by reason."""
+        """Step, version, queue depth, counters, dropped trajectories by reason, what a resume
+        restored, and the consumed-id ledger's size (ids in all, streams, holes)."""
         return {"step": self.step, "version": self.version, "queue_depth": self._queue.qsize(),
-                "queue_bytes": self._queue.nbytes, **self.counters, "dropped": dict(self.dropped)}
+                "queue_bytes": self._queue.nbytes, **self.counters, "dropped": dict(self.dropped),
+                "resumed": self.resumed, "max_steps": self.cfg.max_steps,
+                "ledger": {"consumed": len(self._consumed), "streams": len(self._consumed.marks),
+                           "holes": self._consumed.holes(), "others": len(self._consumed.others)}}
+
+    def set_live(self, changes: dict[str, Any]) -> None:
+        """Change live-safe settings (``lr``, ``max_staleness``, ``max_steps``; t1async/control.py):
+        each is read afresh by the next step."""
+        for key, value in changes.items():
+            if key not in ("lr", "max_staleness", "max_steps"):
+                raise ValueError(f"learner.{key} cannot change live")
+            setattr(self.cfg, key, value)
+        logger.info("live change: {}", changes)
 
     # ---- resume -------------------------------------------------------------------------
     def _resume(self, path: Path | None) -> None:
@@ -170,11 +188,19 @@ class Learner:
             self._consumed = read_consumed(path / "consumed.json")
         # Weights published after that checkpoint are lost: the next publication takes a new,
         # higher number (see _publish), so versions never repeat.
+        # ...unless the checkpoint was written right after a publication and nothing was published
+        # since: the samplers hold exactly these weights as this version, so it is sent again
+        # unchanged (a restart then does not make every trajectory in flight one version staler).
+        self._republish_same = (path is not None and self.step % self.cfg.publish_every == 0
+                                and self._log.published_version == self.version)
         self.version = max(self.version, self._log.published_version)
         metrics = self.run_dir / "metrics.jsonl"
         if metrics.exists():
             rows = [r for r in metrics.read_text().splitlines() if r.strip() and json.loads(r)["step"] <= self.step]
             metrics.write_text("".join(r + "\n" for r in rows))
+        self.resumed = {"checkpoint": str(path) if path else None, "step": self.step, "version": self.version,
+                        "consumed": len(self._consumed),
+                        "to_replay": sum(k not in self._consumed for k in self._log.keys())}
         logger.info("resumed from {} at step {}, version {}: {} trajectories consumed, {} in the receive log",
                     path or "no checkpoint", self.step, self.version, len(self._consumed), len(self._log))
 
@@ -311,7 +337,7 @@ class Learner:
             for reason, tid in pending:
                 call(controller.trajectory_discarded, reason, tid)
         try:
-            while self.step < self.cfg.max_steps and not self._stop.is_set():
+            while (not self.cfg.max_steps or self.step < self.cfg.max_steps) and not self._stop.is_set():
                 batch = self._collect_batch()
                 if batch is None:
                     break
@@ -330,6 +356,7 @@ class Learner:
                 metrics["step_s"] = time.perf_counter() - t0
                 metrics["tokens_per_s"] = metrics.pop("trained_tokens") / metrics["step_s"]
                 self._write_metrics(metrics)
+                write_transcripts(self.run_dir / "episodes", self.step, batch, self.cfg.episodes_per_step, self._tok)
                 if self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0:
                     self.save_checkpoint()
         finally:
@@ -500,8 +527,9 @@ class Learner:
 
     def _publish(self) -> None:
         """Broadcast the policy to every sampler as the next version (version 0 at start)."""
-        if self.step > 0 or self.version > 0:  # (version > 0 at step 0: resumed before the first checkpoint)
-            self.version += 1
+        if (self.step > 0 or self.version > 0) and not self._republish_same:  # (version > 0 at step 0: resumed
+            self.version += 1                                                  # before the first checkpoint)
+        self._republish_same = False
         self._log.note_published(self.version)
         t0 = time.perf_counter()
         self._sync.publish(self.backend.hf_weights(), self.version)
@@ -525,6 +553,7 @@ class Learner:
         (tmp / "trainer_state.json").write_text(json.dumps({"step": self.step, "version": self.version, **self.counters,
                                                             "dropped": self.dropped}))
         path = commit(tmp, root / f"step_{self.step:06d}", fsync=self._log.fsync)
+        rotate_checkpoints(root, self.cfg.keep_checkpoints, self.cfg.keep_every)
         self._log.drop_consumed(self._consumed)
         self._saved_step = self.step
         logger.info("checkpoint written to {}", path)

@@ -42,6 +42,7 @@ the controller before each episode (staleness control) and stops when admission 
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import time
@@ -261,11 +262,13 @@ class RolloutActor:
         request_timeout_s: HTTP timeout of one /generate call, seconds.
         work_root: folder for this actor's episode workspaces (launch uses ``RUN_DIR/workspaces``
             and removes it at shutdown, also when the actor was killed); None: the system temp dir.
+        audit_dir: when set, the id of each trajectory is appended to ``audit_dir/sent-<pid>.txt``
+            once it is spooled (``t1async soak`` counts from it what was sent); None: no record.
     """
 
     def __init__(self, actor_id: int, env_cfg: EnvConfig, gen_cfg: GenerationConfig, model_cfg: ModelConfig,
                  transport: TransportConfig, sampler_urls: list[str], endpoint: str, *, crash_after_episodes: int = 0,
-                 request_timeout_s: float = 300.0, work_root: str | None = None):
+                 request_timeout_s: float = 300.0, work_root: str | None = None, audit_dir: str | None = None):
         self.actor_id = actor_id
         self.env_cfg, self.gen_cfg, self.model_cfg = env_cfg, gen_cfg, model_cfg
         self.tasks = {t.name: t for t in discover_tasks(tasks_dir(env_cfg), env_cfg.tasks, sandbox=env_cfg.sandbox)}
@@ -279,6 +282,10 @@ class RolloutActor:
         self.failed = 0
         self._rejections_reported = 0
         self.workdir, self._workdir_lock = claim_workdir(work_root, actor_id)
+        self._audit = None
+        if audit_dir:
+            Path(audit_dir).mkdir(parents=True, exist_ok=True)
+            self._audit = open(Path(audit_dir) / f"sent-{os.getpid()}.txt", "a", buffering=1)  # noqa: SIM115
 
     def run(self, controller: Any) -> dict[str, int]:
         """Loop: admission -> episode -> send, until the controller answers None.
@@ -307,6 +314,8 @@ class RolloutActor:
                     continue
                 call(controller.episode_finished, self.actor_id, traj.trajectory_id)  # before it can be consumed
                 self.sender.send(traj.trajectory_id, EncodedTrajectory(traj))
+                if self._audit is not None:
+                    self._audit.write(traj.trajectory_id + "\n")
                 self.episodes += 1
                 logger.info("rollout {} sent {}: {} tokens, {} turns, {}/{} tests, versions {}", self.actor_id, name,
                             traj.num_tokens, len(traj.turn_offsets), traj.passed, traj.total,
@@ -333,6 +342,9 @@ class RolloutActor:
 
     def run_one(self, task_name: str) -> Trajectory:
         """Run one episode of the named task in a fresh sandbox and return its trajectory."""
+        if task_name not in self.tasks:  # the task set was changed live (t1async scale env.tasks=...)
+            self.tasks.update({t.name: t for t in discover_tasks(tasks_dir(self.env_cfg), [task_name],
+                                                                 sandbox=self.env_cfg.sandbox)})
         task = self.tasks[task_name]
         env = TerminalEnv.from_config(task, self.workdir, self.env_cfg)
         try:

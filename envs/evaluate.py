@@ -212,9 +212,9 @@ def evaluate(tasks_dir: str | Path, agent: str, *, concurrency: int = 1, sandbox
         config = load_config(config)  # a missing or invalid --config is an error even when the agent does not use it
     check_sandbox_available(sandbox)
     folders = [Path(tasks_dir).resolve()] if is_task_folder(tasks_dir) else task_folders(tasks_dir)
-    if not folders:
-        raise TaskError(f"no task folders under {tasks_dir}; pass a folder of task folders or one task folder "
-                        f"({LAYOUT_HINT})")
+    if not folders or not any(is_task_folder(f) for f in folders):  # e.g. --tasks /etc: say so once, not per folder
+        raise TaskError(f"no task folders under {tasks_dir} (none of its {len(folders)} folders holds task.toml or "
+                        f"task.yaml); pass a folder of task folders or one task folder ({LAYOUT_HINT})")
     policy = PolicyAgent(agent.split(":", 1)[1], config) if agent.startswith("policy:") else None
     try:
         with tempfile.TemporaryDirectory(prefix="t1async-eval-") as tmp:

@@ -645,7 +645,7 @@ def discover_tasks(root: str | Path, names: Sequence[str] = (), *, skip_invalid:
             if sandbox == "local" and task.local_refusal:
                 raise TaskRefused(f"task {folder}: refused by the local sandbox: {task.local_refusal}")
         except TaskError as exc:
-            if folder.name in wanted or not skip_invalid:
+            if folder.name in wanted or not (skip_invalid or wanted):  # named tasks: a broken sibling is not used
                 raise
             logger.warning("skipping invalid task folder: {}", exc)
             continue

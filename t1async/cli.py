@@ -1,6 +1,8 @@
 """The ``t1async`` command line.
 
-    t1async launch CONFIG [key=value ...]   run the asynchronous RL loop (see t1async.launch)
+    t1async launch CONFIG [key=value ...]   run the asynchronous RL service (see t1async.launch)
+    t1async status|stop|scale RUN_DIR ...   control it while it runs (see t1async.control)
+    t1async plot RUN_DIR                    a PNG of its metrics (see t1async.plot)
 
 Each subcommand is registered by a ``register(subparsers)`` function listed in
 :data:`SUBCOMMANDS` (``"module:function"``, imported lazily so ``t1async --help`` stays fast);
@@ -18,6 +20,9 @@ import sys
 
 SUBCOMMANDS = [
     "t1async.cli:register_launch",
+    "t1async.control:register",  # status, stop, scale
+    "t1async.plot:register",
+    "t1async.soak:register",
     "t1async.cli:register_bench",
     "t1async.mismatch:register",
     "t1async.keys:register_keys",
@@ -35,15 +40,21 @@ def register_launch(sub: argparse._SubParsersAction) -> None:
 
 
 def run_launch(args: argparse.Namespace) -> int:
-    """Run ``launch``; 0 when every learner step ran, 130 after Ctrl-C, 1 if the learner stopped early."""
+    """Run ``launch``; 0 when every learner step ran or ``t1async stop`` stopped it, 130 after a
+    signal (Ctrl-C, SIGTERM, SIGHUP), 1 if the learner stopped early (starved) or died for good."""
     from t1async.launch import launch
 
     summary = launch(args.config, args.overrides)
-    if summary.get("interrupted"):
+    if summary.get("error"):
+        print(f"t1async: error: {summary['error']}", file=sys.stderr)
+        return 1
+    if summary.get("ended") == "signal":
         return 130
-    if summary.get("steps", 0) < summary["max_steps"]:
-        print(f"t1async: error: the learner stopped after {summary.get('steps', 0)} of {summary['max_steps']} "
-              f"steps; see {summary['run_dir']}/logs/learner.log", file=sys.stderr)
+    if summary.get("ended") == "stopped":
+        return 0
+    if not summary["max_steps"] or summary.get("steps", 0) < summary["max_steps"]:
+        print(f"t1async: error: the learner stopped after {summary.get('steps', 0)} of "
+              f"{summary['max_steps'] or 'unlimited'} steps; see {summary['run_dir']}/logs/learner.log", file=sys.stderr)
         return 1
     return 0
 

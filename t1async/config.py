@@ -32,6 +32,23 @@ class RunConfig:
     """Seed for the learner's model init and every sampler's RNG (sampler i uses seed + i)."""
     torch_threads: int = 1
     """Intra-op threads each actor process gives torch (keep actors x threads <= cores)."""
+    overwrite: bool = False
+    """Start over in a ``dir`` that holds an earlier run (its metrics, checkpoints, logs, receive
+    log and spool are deleted first). Off: such a launch is refused unless ``learner.resume``."""
+    log_rotation: str = "50 MB"
+    """Each role's log (``logs/NAME.log``) is rotated at this size (loguru ``rotation``)."""
+    log_retention: int = 3
+    """Rotated files kept per role log (loguru ``retention``, a count)."""
+    tensorboard: bool = True
+    """Write each learner step's scalars as TensorBoard events to ``tensorboard/`` (tensorboardX)."""
+    audit: bool = False
+    """Record the id of every trajectory the rollout actors spooled in ``RUN_DIR/audit/`` (one line
+    each; ``t1async soak`` turns it into its ledger). Grows with the run: for soaks, not services."""
+    learner_restarts: int = 3
+    """Restarts in a row of a learner that died (from its last checkpoint and the receive log, as
+    ``learner.resume`` does); a learner that trained a step before dying starts a new row. Restarts
+    in a row wait 5, 10, 20, 40, 60, 60 ... s (back-off); beyond this many the run stops with one
+    line saying how to resume (0: never restart)."""
 
 
 @dataclass
@@ -369,7 +386,8 @@ class LearnerConfig:
     """Actor-critic learner: decoupled PPO with truncated importance weights and GAE."""
 
     max_steps: int = 8
-    """Learner steps after which the run stops."""
+    """Learner steps after which the run stops; 0 = run until stopped (``t1async stop RUN_DIR``,
+    Ctrl-C, SIGTERM or SIGHUP). Changeable live (``t1async scale``)."""
     batch_size: int = 4
     """Trajectories per learner step; admission control lets ``batch_size x publish_every``
     rollouts start per published weight version."""
@@ -379,6 +397,16 @@ class LearnerConfig:
     """Publish new weights to every sampler after this many learner steps (K)."""
     checkpoint_every: int = 0
     """Write a checkpoint every this many steps (0: only the final one)."""
+    keep_checkpoints: int = 2
+    """Checkpoints kept after each new one: the newest this many (>= 1), plus those of
+    ``keep_every``; the others are deleted (a default checkpoint is about 95 MB: policy, critic and
+    both AdamW states)."""
+    keep_every: int = 0
+    """Also keep every checkpoint whose step is a multiple of this, for history (0 = none)."""
+    episodes_per_step: int = 2
+    """Episodes of each step's batch written as a readable transcript to
+    ``RUN_DIR/episodes/step_NNNNNN.md`` (instruction, each command and its output, the verifier's
+    verdict; 0 = none). The newest 200 files are kept."""
     lr: float = 1e-4
     """AdamW learning rate of the policy."""
     lr_warmup_steps: int = 0
@@ -539,13 +567,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     base = OmegaConf.structured(Config)
     layers = []
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {p} does not exist; pass a YAML file such as configs/local.yaml")
-        try:
-            layers.append((str(p), OmegaConf.load(p)))
-        except Exception as e:  # yaml.YAMLError and friends
-            raise ConfigError(f"config file {p} is not valid YAML: {e}") from None
+        layers.append((str(path), _load_yaml(Path(path))))
     bad = [o for o in overrides if "=" not in o]
     if bad:
         raise ConfigError(f"override {bad[0]!r} on the command line is not key=value (for example learner.max_steps=4)")
@@ -568,10 +590,44 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     return cfg
 
 
+def _load_yaml(p: Path) -> Any:
+    """A config file as a DictConfig.
+
+    Raises:
+        ConfigError: one line: missing, a folder, unreadable, not YAML (with line and column), or
+            not a mapping of sections (a bare scalar or a list).
+    """
+    import yaml
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    if p.is_dir():
+        raise ConfigError(f"config file {p} is a folder; pass a YAML file such as configs/local.yaml")
+    if not p.is_file():
+        raise ConfigError(f"config file {p} does not exist; pass a YAML file such as configs/local.yaml")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        raise ConfigError(f"config file {p} is not valid YAML: {where}{e.problem or e.context}") from None
+    except (yaml.YAMLError, OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {p} cannot be read as YAML: {str(e).splitlines()[0]}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {p}: the top level must be a mapping of sections (run:, learner:, ...), "
+                          f"not a {type(data).__name__}")
+    try:
+        return OmegaConf.create(data)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"config file {p}: {str(e).splitlines()[0]}") from None
+
+
 # (dotted key, predicate, what a valid value is): checked after merging, so a value that would
 # make the run hang or do nothing is refused up front.
 _VALUE_RULES: list[tuple[str, Any, str]] = [
-    ("learner.max_steps", lambda v: v >= 1, "an integer >= 1"),
+    ("learner.max_steps", lambda v: v >= 0, "an integer >= 0 (0: run until stopped)"),
     ("learner.batch_size", lambda v: v >= 1, "an integer >= 1"),
     ("learner.publish_every", lambda v: v >= 1, "an integer >= 1"),
     ("learner.max_staleness", lambda v: v >= 0, "an integer >= 0"),
@@ -580,6 +636,11 @@ _VALUE_RULES: list[tuple[str, Any, str]] = [
     ("learner.lr_warmup_steps", lambda v: v >= 0, "an integer >= 0 (0: none)"),
     ("learner.kl_coef", lambda v: v >= 0, "a float >= 0 (0: no KL penalty)"),
     ("learner.reward", lambda v: v in ("dense", "binary"), "'dense' (tests passed) or 'binary' (resolved)"),
+    ("run.log_retention", lambda v: v >= 1, "an integer >= 1"),
+    ("learner.episodes_per_step", lambda v: v >= 0, "an integer >= 0 (0: no transcripts)"),
+    ("run.learner_restarts", lambda v: v >= 0, "an integer >= 0 (0: never restart)"),
+    ("learner.keep_checkpoints", lambda v: v >= 1, "an integer >= 1 (the newest is needed to resume)"),
+    ("learner.keep_every", lambda v: v >= 0, "an integer >= 0 (0: keep no older history)"),
     ("learner.checkpoint_every", lambda v: v >= 0, "an integer >= 0 (0: final checkpoint only)"),
     ("learner.lr", lambda v: v > 0, "a positive float"),
     ("learner.is_cap", lambda v: v >= 1, "a float >= 1"),

@@ -33,6 +33,7 @@ number in every record keep an old segment's tail from being read as records of 
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import queue
@@ -316,11 +317,114 @@ def latest_checkpoint(root: Path) -> Path | None:
     return max(found)[1] if found else None
 
 
-def write_consumed(path: Path, consumed: dict[str, int]) -> None:
-    """Write the consumed-id ledger: ``{trajectory id: step trained in, or -1 if dropped stale}``."""
-    path.write_text(json.dumps(consumed))
+_STREAM_ID = re.compile(r"^([0-9a-f]{16})-(\d{1,15})$")  # t1async.trajectory.new_trajectory_id
 
 
-def read_consumed(path: Path) -> dict[str, int]:
-    """Read a ledger written by :func:`write_consumed` ({} if the file is absent)."""
-    return json.loads(path.read_text()) if path.exists() else {}
+class ConsumedLedger:
+    """Every trajectory id a model state consumed (trained on, or dropped), in bounded memory.
+
+    Ids of the form ``<stream>-<seq>`` (:func:`t1async.trajectory.new_trajectory_id`: one stream
+    per rollout-actor life, seq counting up) are kept per stream as a high-water mark (the
+    highest seq consumed) plus the holes below it (seqs not yet consumed: still queued, or never
+    to come: a rejected trajectory, an actor killed between finishing and spooling one). So the
+    ledger grows with actor lives and holes, not with trajectories. At most ``max_holes`` holes
+    are kept per stream; beyond that the oldest are forgotten (counted as consumed: a seq more
+    than ``max_holes`` behind its actor's newest is not in flight any more). Other ids (older runs,
+    tools) are kept one by one in ``others``. The last ``window`` consumptions are also kept
+    with their step (``recent``) for inspection and tests.
+
+    Mapping-like: ``id in ledger``, ``ledger[id] = step`` (-1: dropped), ``ledger.update(pairs)``,
+    ``ledger[id]`` (step, for ids in ``recent``), ``len(ledger)`` (ids consumed in all).
+    """
+
+    def __init__(self, window: int = 1000, max_holes: int = 1000):
+        self.window, self.max_holes = window, max_holes
+        self.marks: dict[str, list[Any]] = {}  # stream -> [high-water seq, set of holes below it]
+        self.others: dict[str, int] = {}
+        self.recent: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self.count = 0
+
+    def __contains__(self, tid: object) -> bool:
+        m = _STREAM_ID.match(tid) if isinstance(tid, str) else None
+        if m is None:
+            return tid in self.others
+        mark = self.marks.get(m.group(1))
+        seq = int(m.group(2))
+        return mark is not None and seq <= mark[0] and seq not in mark[1]
+
+    def __setitem__(self, tid: str, step: int) -> None:
+        if tid in self:
+            return
+        self.count += 1
+        self.recent[tid] = step
+        if len(self.recent) > self.window:
+            self.recent.popitem(last=False)
+        m = _STREAM_ID.match(tid)
+        if m is None:
+            self.others[tid] = step
+            return
+        seq = int(m.group(2))
+        mark = self.marks.setdefault(m.group(1), [-1, set()])
+        if seq > mark[0]:
+            mark[1].update(range(max(mark[0] + 1, seq - self.max_holes), seq))
+            mark[0] = seq
+            if len(mark[1]) > self.max_holes:
+                mark[1] = set(sorted(mark[1])[-self.max_holes:])
+        else:
+            mark[1].discard(seq)
+
+    def __getitem__(self, tid: str) -> int:
+        return self.recent[tid] if tid in self.recent else self.others[tid]
+
+    def __len__(self) -> int:
+        return self.count
+
+    def update(self, pairs: Any) -> None:
+        for tid, step in pairs:
+            self[tid] = step
+
+    def holes(self) -> int:
+        """Seqs below their stream's high-water mark not consumed (in flight, or never to come)."""
+        return sum(len(m[1]) for m in self.marks.values())
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": 2, "count": self.count, "streams": {s: [m[0], sorted(m[1])] for s, m in self.marks.items()},
+                "others": self.others, "recent": list(self.recent.items())}
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> ConsumedLedger:
+        led = cls()
+        if doc.get("format") != 2:  # format 1: {id: step}, written before the ledger was bounded
+            led.update(doc.items())
+            return led
+        led.count = int(doc["count"])
+        led.marks = {s: [int(hw), set(holes)] for s, (hw, holes) in doc["streams"].items()}
+        led.others = dict(doc["others"])
+        led.recent = collections.OrderedDict((k, int(v)) for k, v in doc["recent"])
+        return led
+
+
+def write_consumed(path: Path, consumed: ConsumedLedger) -> None:
+    """Write the consumed-id ledger (:meth:`ConsumedLedger.to_json`)."""
+    path.write_text(json.dumps(consumed.to_json()))
+
+
+def read_consumed(path: Path) -> ConsumedLedger:
+    """Read a ledger written by :func:`write_consumed` (empty if the file is absent; a format-1
+    ``{id: step}`` file of an older run is converted)."""
+    return ConsumedLedger.from_json(json.loads(path.read_text())) if path.exists() else ConsumedLedger()
+
+
+def rotate_checkpoints(root: Path, keep_last: int, keep_every: int = 0) -> list[Path]:
+    """Delete committed ``step_N`` folders except the newest ``keep_last`` and those whose N is a
+    multiple of ``keep_every`` (0: none); returns what was deleted. Staging leftovers of a crash
+    (``.step_*.tmp-*``, ``.step_*.old-*``) are deleted too: call it between saves."""
+    if not root.is_dir():
+        return []
+    steps = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)))
+    doomed = [p for i, (n, p) in enumerate(steps)
+              if i < len(steps) - max(1, keep_last) and not (keep_every and n % keep_every == 0)]
+    doomed += [p for p in root.glob(".step_*") if p.is_dir()]  # (called between saves: none is being written)
+    for p in doomed:
+        shutil.rmtree(p, ignore_errors=True)
+    return doomed

@@ -1,9 +1,11 @@
 """``t1async launch``: the table of contents of the whole system.
 
-    config -> input checks (tokenizer, tasks, sandbox, keys) -> run directory -> Ray
+    config (+ the run's live-change history on a resume) -> input checks (tokenizer, tasks,
+           sandbox, port, keys) -> run directory (locked, never mixed with an earlier run) -> reaper -> Ray
            -> samplers (HTTP, SGLang protocol) -> learner (ZeroMQ ROUTER, weight group, version 0)
            -> controller (admission, supervision) -> rollout actors (episodes -> ZeroMQ DEALER, ACKed)
-           -> wait for the learner's max_steps (or Ctrl-C / SIGTERM) -> stop everything -> summary
+           -> service: control socket (status/stop/scale), learner restarts, status line, TensorBoard;
+              until max_steps (0: until stopped), t1async stop, or a signal -> stop everything -> summary
 
 This is the only core module that touches Ray and the environment layer; the roles are plain
 classes in ``t1async.actors`` and get ``ray.remote`` here.
@@ -11,63 +13,136 @@ classes in ``t1async.actors`` and get ``ray.remote`` here.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from loguru import logger
 
-from t1async.config import Config, ConfigError, check_trainable, load_config, to_yaml
+from t1async.config import Config, ConfigError, RunConfig, check_trainable, load_config, to_yaml
+from t1async.control import ControlServer
 from t1async.envs.limits import unmount_all_under
+from t1async.reaper import Reaper
+from t1async.rundir import RunDirLock, check_reuse, history_overrides, resolve_run_dir
+from t1async.service import LearnerDied, Service
 from t1async.tokenizer import ChatTokenizer
 
 ACTOR_MAX_CONCURRENCY = 64  # threads of the controller/learner/sampler actors (acquire() waits block one each)
 
 
 def launch(config_path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
-    """Run the asynchronous RL loop described by ``config_path`` and ``overrides`` to completion.
+    """Run the asynchronous RL service described by ``config_path`` and ``overrides`` until it ends.
 
     Returns:
-        The run summary (also written to ``RUN_DIR/summary.json``).
+        The run summary (also written to ``RUN_DIR/summary.json``); ``ended`` says how it ended
+        (``done``, ``stopped``, ``signal``) and ``error`` holds one line when the learner died for good.
 
     Raises:
-        ConfigError, TaskError, SandboxUnavailable, KeysError: bad input, before anything is started.
+        ConfigError, TaskError, SandboxUnavailable, KeysError: bad input, before anything is started
+            (a run directory in use or holding an earlier run included).
     """
     import ray
 
     cfg = load_config(config_path, overrides)
+    run_dir = resolve_run_dir(cfg.run.dir)
+    if cfg.learner.resume:  # live changes made to the run before (t1async scale) are kept
+        cfg = load_config(config_path, [*history_overrides(run_dir), *overrides])
     task_names = check_inputs(cfg)  # every bad-input error happens here, before any process starts
-    run_dir = prepare_run_dir(cfg)
+    lock = claim_run_dir(cfg, run_dir)
     cfg.transport.spool_dir = cfg.transport.spool_dir or str(run_dir / "spool")  # resent by a resumed run
     logger.info("run directory: {}", run_dir)
     logger.info("{} tasks, {} rollout actors, {} samplers, {} learner steps", len(task_names), cfg.rollout.num_actors,
-                cfg.sampler.num_samplers, cfg.learner.max_steps)
+                cfg.sampler.num_samplers, cfg.learner.max_steps or "unlimited (until t1async stop)")
     t_start = time.time()
-    ray.init(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=False, log_to_driver=False,
-             logging_level="WARNING")
-    actor = _actor_factory(run_dir)
+    reaper = Reaper.start(run_dir)  # cleans up Ray and the sandboxes should this process be killed
+    ctx = ray.init(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=False,
+                   log_to_driver=False, logging_level="WARNING")
+    lock.write(ray_session=ctx.address_info.get("session_dir"))
+    actor = _actor_factory(run_dir, cfg.run)
     summary: dict[str, Any] = {"run_dir": str(run_dir), "max_steps": cfg.learner.max_steps}
     roles: dict[str, Any] = {}
+    control = None
     try:
         roles["samplers"], urls = start_samplers(cfg, actor)
         roles["learner"], endpoint = start_learner(cfg, actor, run_dir, urls)  # publishes weight version 0
+        announce_resume(cfg, roles["learner"], run_dir)
         roles["controller"] = start_controller(cfg, actor, task_names, urls, endpoint)  # starts the rollout actors
-        summary["learner"], summary["interrupted"] = _wait_for_learner(roles["learner"], roles["controller"])
+        service = Service(cfg, run_dir, roles, lambda: restart_learner(service.cfg, actor, run_dir, urls, endpoint),
+                          lambda names: check_tasks(service.cfg, names))
+        control = ControlServer(cfg.transport.host, service.handlers())
+        lock.write(control=control.address)
+        logger.info("control: t1async status|stop|scale {}", run_dir)
+        try:
+            summary["learner"], summary["ended"] = service.run()
+        except LearnerDied as e:
+            summary["error"], summary["ended"] = str(e), "learner_died"
+        summary["max_steps"], summary["stop_request"] = service.cfg.learner.max_steps, service.stop_request
+        summary["restarts"] = service.restarts
     finally:
-        summary.update(shutdown(roles))
+        if control is not None:
+            control.close()
+        # t1async stop --now: running episodes are abandoned (nothing finished is lost: spools keep it);
+        # t1async stop: they get 30 s to finish and spool; otherwise 5 s
+        grace = {"now": 0.0, "drain": 30.0}.get(summary.get("stop_request") or "", 5.0)
+        summary.update(shutdown(roles, grace_s=grace))
         unmount_all_under(run_dir / "workspaces")  # killed actors cannot clean up themselves
         shutil.rmtree(run_dir / "workspaces", ignore_errors=True)
         summary["wall_s"] = round(time.time() - t_start, 1)
         summary.update(_metrics_summary(run_dir / "metrics.jsonl"))
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
         ray.shutdown()
+        reaper.done()
+        lock.release()
     logger.info("done: {}", json.dumps({k: v for k, v in summary.items() if k not in ("samplers",)}, default=str))
     return summary
+
+
+def claim_run_dir(cfg: Config, run_dir: Path) -> RunDirLock:
+    """Own ``run_dir`` (:class:`~t1async.rundir.RunDirLock`), refuse to mix it with an earlier run
+    (unless ``learner.resume`` or ``run.overwrite``), clean up after a holder that was killed,
+    save the resolved config, and log there (``logs/t1async.log``).
+
+    Raises:
+        ConfigError: the directory is in use, holds an earlier run, or cannot be created.
+    """
+    lock = RunDirLock(run_dir)
+    try:
+        check_reuse(run_dir, resume=cfg.learner.resume, overwrite=cfg.run.overwrite)
+    except ConfigError:
+        lock.release()
+        raise
+    lock.write()
+    cfg.run.dir = str(run_dir)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    add_log_sink(run_dir, "t1async", cfg.run, keep_stderr=True)
+    if lock.previous is not None:
+        logger.warning("took over {} from a launch that did not exit cleanly (pid {}); cleaning up what it left",
+                       run_dir, lock.previous.get("pid"))
+    if (run_dir / "workspaces").exists():
+        unmount_all_under(run_dir / "workspaces")
+        shutil.rmtree(run_dir / "workspaces", ignore_errors=True)
+    return lock
+
+
+def announce_resume(cfg: Config, learner: Any, run_dir: Path) -> None:
+    """Say on the console what a resume restored, or warn that there was nothing to resume."""
+    import ray
+
+    if not cfg.learner.resume:
+        return
+    r = ray.get(learner.status.remote())["resumed"]
+    if r["checkpoint"] is None and r["to_replay"] == 0:
+        logger.warning("learner.resume=true but {} holds nothing to resume (no checkpoint, empty receive log): "
+                       "starting fresh at step 0", run_dir)
+        return
+    logger.info("resumed from {}: step {}, version {}, {} trajectory ids consumed, {} receive-log records to replay",
+                Path(r["checkpoint"]).name if r["checkpoint"] else "no checkpoint (receive log only)", r["step"],
+                r["version"], r["consumed"], r["to_replay"])
 
 
 def check_inputs(cfg: Config) -> list[str]:
@@ -88,12 +163,44 @@ def check_inputs(cfg: Config) -> list[str]:
                           f"use model.vocab_size >= {vocab}")
     tasks = discover_tasks(tasks_dir(cfg.env), cfg.env.tasks, sandbox=cfg.env.sandbox)
     check_sandbox_available(cfg.env.sandbox)
+    check_port_free(cfg.transport)
     if cfg.transport.curve:
         from t1async.keys import client_keys, server_keys
 
         server_keys(cfg.transport.keys_dir)
         client_keys(cfg.transport.keys_dir)
     return [t.name for t in tasks]
+
+
+def check_port_free(transport: Any) -> None:
+    """Refuse a ``transport.port`` another process already listens on (before Ray starts, so the
+    message is one line instead of a Ray traceback).
+
+    Raises:
+        ConfigError: the port is busy or the host cannot be bound.
+    """
+    import socket
+
+    if transport.scheme != "tcp" or transport.port == 0:
+        return
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((transport.host, transport.port))
+        except OSError as e:
+            raise ConfigError(f"transport.port={transport.port} on {transport.host} cannot be used ({e.strerror}); "
+                              "pick a free port or transport.port=0 (any free port)") from None
+
+
+def check_tasks(cfg: Config, names: list[str]) -> None:
+    """Check that ``names`` can be drawn from (a live ``env.tasks`` change).
+
+    Raises:
+        TaskError: a name is missing or its task is invalid.
+    """
+    from t1async.actors.rollout import tasks_dir
+    from t1async.envs.task import discover_tasks
+
+    discover_tasks(tasks_dir(cfg.env), names, sandbox=cfg.env.sandbox)
 
 
 def start_samplers(cfg: Config, actor: Any) -> tuple[list[Any], list[str]]:
@@ -122,6 +229,19 @@ def start_learner(cfg: Config, actor: Any, run_dir: Path, urls: list[str]) -> tu
     return learner, endpoint
 
 
+def restart_learner(cfg: Config, actor: Any, run_dir: Path, urls: list[str], endpoint: str) -> Any:
+    """A new learner after one died: resumed from the last checkpoint and the receive log
+    (``learner.resume``), bound to the same endpoint (the rollout actors reconnect and resend
+    what it had not acknowledged) and joined to the samplers in a new weight group."""
+    cfg = copy.deepcopy(cfg)
+    cfg.learner.resume = True
+    if cfg.transport.scheme == "tcp":
+        cfg.transport.port = int(endpoint.rsplit(":", 1)[1])
+    learner, _ = start_learner(cfg, actor, run_dir, urls)
+    announce_resume(cfg, learner, run_dir)
+    return learner
+
+
 def start_controller(cfg: Config, actor: Any, task_names: list[str], urls: list[str], endpoint: str) -> Any:
     """The controller, running its supervision loop, which starts and replaces the rollout actors."""
     from t1async.actors.controller import Controller
@@ -133,7 +253,8 @@ def start_controller(cfg: Config, actor: Any, task_names: list[str], urls: list[
     def make_rollout(actor_id: int, crash_after: int) -> Any:
         return rollout_cls.remote(actor_id, cfg.env, cfg.generation, cfg.model, cfg.transport, urls, endpoint,
                                   crash_after_episodes=crash_after, request_timeout_s=cfg.sampler.request_timeout_s,
-                                  work_root=work_root, log_name=f"rollout{actor_id}")
+                                  work_root=work_root, log_name=f"rollout{actor_id}",
+                                  audit_dir=str(Path(cfg.run.dir) / "audit") if cfg.run.audit else None)
 
     controller = actor(Controller, "controller").remote(
         cfg.rollout, task_names, rollouts_per_version=cfg.learner.batch_size * cfg.learner.publish_every,
@@ -142,13 +263,14 @@ def start_controller(cfg: Config, actor: Any, task_names: list[str], urls: list[
     return controller
 
 
-def shutdown(roles: dict[str, Any]) -> dict[str, Any]:
-    """Stop admission and the rollout actors, read the samplers' versions, close the learner."""
+def shutdown(roles: dict[str, Any], grace_s: float = 5.0) -> dict[str, Any]:
+    """Stop admission and the rollout actors (each gets ``grace_s`` to finish and spool its
+    episode), read the samplers' versions, close the learner."""
     import ray
 
     out: dict[str, Any] = {}
     if roles.get("controller") is not None:
-        out["controller"] = _try(lambda: ray.get(roles["controller"].stop.remote(), timeout=30))
+        out["controller"] = _try(lambda: ray.get(roles["controller"].stop.remote(grace_s), timeout=30 + grace_s))
     if roles.get("samplers"):
         out["samplers"] = _try(lambda: ray.get([s.stats.remote() for s in roles["samplers"]], timeout=30))
     if roles.get("learner") is not None:
@@ -158,37 +280,28 @@ def shutdown(roles: dict[str, Any]) -> dict[str, Any]:
 
 def user_errors() -> tuple[type[BaseException], ...]:
     """Exception types that mean bad input (reported by the CLI in one line, without a traceback)."""
+    from t1async.control import ControlError
     from t1async.envs.sandbox import SandboxUnavailable
     from t1async.envs.task import TaskError
     from t1async.keys import KeysError
 
-    return ConfigError, TaskError, SandboxUnavailable, KeysError
+    return ConfigError, TaskError, SandboxUnavailable, KeysError, ControlError
 
 
-def prepare_run_dir(cfg: Config) -> Path:
-    """Create the run directory, save the resolved config, and log there (``t1async.log``)."""
-    now = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-    run_dir = Path(cfg.run.dir.format(now=now)).resolve()
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"run.dir {run_dir} cannot be created ({e.strerror}); pick a writable folder") from None
-    cfg.run.dir = str(run_dir)
-    (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    add_log_sink(run_dir, "t1async", keep_stderr=True)
-    return run_dir
-
-
-def add_log_sink(run_dir: Path, name: str, *, keep_stderr: bool = False) -> None:
-    """Send this process's loguru records to ``RUN_DIR/logs/NAME.log`` (and stderr if asked)."""
+def add_log_sink(run_dir: Path, name: str, run_cfg: RunConfig, *, keep_stderr: bool = False) -> None:
+    """Send this process's loguru records to ``RUN_DIR/logs/NAME.log`` (rotated at
+    ``run.log_rotation``, ``run.log_retention`` old files kept) and, if asked, to stderr (looked up
+    at each write, so a live status line can redirect it)."""
     logger.remove()
     if keep_stderr:
-        logger.add(sys.stderr, level="INFO", format="<green>{time:HH:mm:ss}</green> <level>{level: <7}</level> {message}")
+        logger.add(lambda m: sys.stderr.write(m), level="INFO", colorize=sys.stderr.isatty(),
+                   format="<green>{time:HH:mm:ss}</green> <level>{level: <7}</level> {message}")
     (run_dir / "logs").mkdir(exist_ok=True)
-    logger.add(run_dir / "logs" / f"{name}.log", level="DEBUG", enqueue=False)
+    logger.add(run_dir / "logs" / f"{name}.log", level="DEBUG", enqueue=False, rotation=run_cfg.log_rotation,
+               retention=run_cfg.log_retention)
 
 
-def _actor_factory(run_dir: Path):
+def _actor_factory(run_dir: Path, run_cfg: RunConfig):
     """``actor(cls, log_name)`` -> a Ray actor class whose instances log to ``RUN_DIR/logs/``.
 
     Actors take no CPU reservation: on a 2-core machine all roles share the cores, and each
@@ -199,7 +312,7 @@ def _actor_factory(run_dir: Path):
     def actor(cls: type, default_log_name: str):
         class Logged(cls):  # type: ignore[misc, valid-type]
             def __init__(self, *args: Any, log_name: str = default_log_name, **kwargs: Any):
-                add_log_sink(run_dir, log_name)
+                add_log_sink(run_dir, log_name, run_cfg)
                 os.environ.setdefault("OMP_NUM_THREADS", "1")
                 super().__init__(*args, **kwargs)
 
@@ -207,42 +320,6 @@ def _actor_factory(run_dir: Path):
         return ray.remote(num_cpus=0, max_concurrency=ACTOR_MAX_CONCURRENCY, max_restarts=0)(Logged)
 
     return actor
-
-
-def _wait_for_learner(learner: Any, controller: Any) -> tuple[dict[str, Any], bool]:
-    """Wait for the learner's run, printing progress; on Ctrl-C or SIGTERM ask it to stop and write its final checkpoint.
-
-    Returns:
-        ``(learner status, interrupted)``.
-    """
-    import signal
-
-    import ray
-
-    def _terminate(signum: int, frame: Any) -> None:  # SIGTERM (a service manager's stop) acts as Ctrl-C
-        raise KeyboardInterrupt
-
-    run_ref = learner.run.remote(controller)
-    # Both set explicitly: a launch started in the background by a script inherits SIGINT ignored
-    # (POSIX shells do that to `&` jobs), and Python then leaves it ignored; `kill -INT` must still stop it.
-    previous = {sig: signal.signal(sig, _terminate) for sig in (signal.SIGINT, signal.SIGTERM)}
-    last_step = -1
-    try:
-        while True:
-            ready, _ = ray.wait([run_ref], timeout=5.0)
-            if ready:
-                return ray.get(run_ref), False
-            st = ray.get(learner.status.remote())
-            if st["step"] != last_step:
-                last_step = st["step"]
-                logger.info("learner step {step}, version {version}, received {received}, queue {queue_depth}", **st)
-    except KeyboardInterrupt:
-        logger.warning("Ctrl-C/SIGTERM: stopping the learner after its current step (final checkpoint follows)")
-        ray.get(learner.stop.remote())
-        return ray.get(run_ref), True
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def _metrics_summary(path: Path) -> dict[str, Any]:

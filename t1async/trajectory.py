@@ -73,7 +73,9 @@ from __future__ import annotations
 
 import base64
 import binascii
+import itertools
 import math
+import os
 import struct
 import time
 import uuid
@@ -152,7 +154,7 @@ class Trajectory:
     finish_reason: str
     tests: list[tuple[str, bool]] = field(default_factory=list)
     verifier_error: str | None = None
-    trajectory_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    trajectory_id: str = field(default_factory=lambda: new_trajectory_id())
     started_at: float = 0.0
     finished_at: float = field(default_factory=time.time)
     drift_tokens: int = 0
@@ -178,6 +180,21 @@ class Trajectory:
         """Oldest weight version among the sampled tokens (staleness is measured from it)."""
         sampled = self.versions[self.loss_mask.astype(bool)]
         return int(sampled.min()) if sampled.size else -1
+
+
+_ID_STREAM: tuple[int, str, Any] = (-1, "", None)  # (pid, stream, counter) of this process
+
+
+def new_trajectory_id() -> str:
+    """A fresh id ``<stream>-<seq>``: ``stream`` is 16 hex digits drawn once per process (a
+    rollout actor's life), ``seq`` counts up from 0 in that process. The learner's consumed-id
+    ledger (:class:`t1async.delivery.ConsumedLedger`) keeps one high-water mark per stream
+    instead of every id, so its size does not grow with the trajectories trained."""
+    global _ID_STREAM
+    pid, stream, counter = _ID_STREAM
+    if pid != os.getpid():  # first call, or a forked child: a stream of its own
+        _ID_STREAM = pid, stream, counter = os.getpid(), uuid.uuid4().hex[:16], itertools.count()
+    return f"{stream}-{next(counter)}"
 
 
 _ARRAYS = {

@@ -66,3 +66,83 @@ def test_usage_errors_are_one_line():
     proc = subprocess.run([sys.executable, "-m", "t1async.cli", "launch"], capture_output=True, text=True, timeout=60)
     assert_one_line_error(proc, "config", "--help")
     assert "overrides" not in proc.stderr  # optional, not reported as required
+
+
+# ---- found when tried as a new user would: each bad input is one line, status 2 (in process: fast) ----
+def assert_main_one_line(capsys, argv: list[str], *needles: str) -> str:
+    from t1async.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("t1async: error: ") and "Traceback" not in err, err
+    for n in needles:
+        assert n in lines[0], lines[0]
+    return lines[0]
+
+
+def test_run_dir_braces_other_than_now(capsys, tmp_path):
+    assert_main_one_line(capsys, ["launch", LOCAL, f"run.dir={tmp_path}/r-{{date}}"], "run.dir", "{now}")
+
+
+def test_busy_transport_port(capsys):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert_main_one_line(capsys, ["launch", LOCAL, f"transport.port={port}"], f"transport.port={port}",
+                             "transport.port=0")
+
+
+def test_invalid_yaml_is_one_line_with_where(capsys, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("learner:\n  max_steps: [1,\n  batch_size: 2\n")
+    assert_main_one_line(capsys, ["launch", str(bad)], "not valid YAML", "line ")
+
+
+def test_a_folder_or_a_bare_scalar_as_the_config(capsys, tmp_path):
+    assert_main_one_line(capsys, ["launch", str(tmp_path)], "is a folder")
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("42\n")
+    assert_main_one_line(capsys, ["launch", str(scalar)], "mapping of sections", "not a int")
+
+
+def test_a_named_task_is_not_refused_for_a_broken_sibling(tmp_path):
+    import shutil
+
+    from t1async.config import load_config
+    from t1async.launch import check_inputs
+
+    good = sorted(p for p in (REPO / "envs" / "tasks").iterdir() if p.is_dir())[0]
+    shutil.copytree(good, tmp_path / good.name)
+    (tmp_path / "broken-task").mkdir()
+    (tmp_path / "broken-task" / "instruction.md").write_text("do it")
+    cfg = load_config(LOCAL, [f"env.tasks_dir={tmp_path}", f"env.tasks=[{good.name}]"])
+    assert check_inputs(cfg) == [good.name]
+
+
+def test_eval_of_a_folder_without_tasks_is_one_line(capsys):
+    assert_main_one_line(capsys, ["eval", "--tasks", "/etc", "--agent", "noop"], "no task folders under /etc")
+
+
+def test_run_dir_in_use_or_holding_an_earlier_run(capsys, tmp_path):
+    from t1async.rundir import RunDirLock
+
+    lock = RunDirLock(tmp_path)
+    lock.write()
+    try:
+        assert_main_one_line(capsys, ["launch", LOCAL, f"run.dir={tmp_path}"], f"in use by t1async launch pid {os.getpid()}",
+                             "t1async stop")
+    finally:
+        lock.release()
+    (tmp_path / "metrics.jsonl").write_text('{"step": 3}\n')
+    assert_main_one_line(capsys, ["launch", LOCAL, f"run.dir={tmp_path}"], "earlier run", "learner.resume=true",
+                         "run.overwrite=true")
+
+
+def test_control_commands_on_a_bad_run_dir(capsys, tmp_path):
+    assert_main_one_line(capsys, ["status", str(tmp_path / "nope")], "no run directory")
+    assert_main_one_line(capsys, ["stop", str(tmp_path)], "not running")
+    assert_main_one_line(capsys, ["scale", str(tmp_path), "env.max_turns=3"], "cannot change live")

@@ -26,6 +26,7 @@ import zmq
 
 from t1async.actors.learner import Learner
 from t1async.config import LearnerConfig, ModelConfig, TransportConfig, WeightSyncConfig
+from t1async.delivery import read_consumed
 from t1async.trajectory import Trajectory, TrajectoryError, decode, encode
 from t1async.transport import PROTOCOL, REJECT, ZmqSender
 
@@ -211,11 +212,11 @@ def test_sigkill_learner_and_resume_trains_every_trajectory_exactly_once(tmp_pat
             if p.poll() is None:
                 p.kill()
     final = run_dir / "checkpoints" / "step_000006"
-    consumed = json.loads((final / "consumed.json").read_text())
+    consumed = dict(read_consumed(final / "consumed.json").recent)
     # every sent trajectory consumed by the surviving model state, each exactly once, 3 per step
     assert sorted(consumed) == sorted(t.trajectory_id for t in trajs)
     assert sorted(collections.Counter(consumed.values()).items()) == [(s, 3) for s in range(1, 7)]
-    ckpt2 = json.loads((run_dir / "checkpoints" / "step_000002" / "consumed.json").read_text()) \
+    ckpt2 = read_consumed(run_dir / "checkpoints" / "step_000002" / "consumed.json").recent \
         if (run_dir / "checkpoints" / "step_000002").exists() else None
     assert ckpt2 is None or all(consumed[k] == v for k, v in ckpt2.items())
     assert status["step"] == 6 and status["trained"] == 18 and status["rejected"] == 0

@@ -67,10 +67,12 @@ def test_launch_runs_the_whole_loop(tmp_path):
     assert not (run_dir / "workspaces").exists()  # episode workspaces removed, even of the crashed actor
 
 
-@pytest.mark.parametrize("inherited", ["default", "ignored"])
-def test_ctrl_c_stops_cleanly_with_final_checkpoint(tmp_path, inherited):
+@pytest.mark.parametrize("inherited,sig", [("default", signal.SIGINT), ("ignored", signal.SIGINT),
+                                           ("default", signal.SIGHUP)], ids=["sigint", "sigint-ignored", "sighup"])
+def test_ctrl_c_stops_cleanly_with_final_checkpoint(tmp_path, inherited, sig):
     """SIGINT to the process group stops the run with a final checkpoint, also when the launch
-    inherited SIGINT ignored (a background job of a shell script, where Python leaves it ignored)."""
+    inherited SIGINT ignored (a background job of a shell script, where Python leaves it ignored);
+    SIGHUP (the terminal closed) stops it the same way."""
     run_dir = tmp_path / "run"
     overrides = [f"run.dir={run_dir}", "learner.max_steps=1000", "learner.batch_size=2", "env.max_turns=2",
                  "generation.max_new_tokens=16"]
@@ -82,7 +84,7 @@ def test_ctrl_c_stops_cleanly_with_final_checkpoint(tmp_path, inherited):
         while not _rows(run_dir) and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(1)
         assert _rows(run_dir), "no learner step within 300 s"
-        os.killpg(proc.pid, signal.SIGINT)
+        os.killpg(proc.pid, sig)
         out, _ = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import threading
 import time
@@ -16,6 +17,7 @@ from t1async.actors.learner import Learner
 from t1async.actors.sampler import EmbeddedSampler
 from t1async.config import (AbnormalConfig, GenerationConfig, LearnerConfig, ModelConfig, SamplerConfig,
                             TransportConfig, WeightSyncConfig)
+from t1async.delivery import read_consumed
 from t1async.engine import Engine, SamplingParams
 from t1async.model import Qwen3MoeForCausalLM
 from t1async.rl import token_logprobs
@@ -221,7 +223,9 @@ def test_verifier_error_and_aborted_trajectories_are_never_trained_slots_returne
         learner.close()
     assert [d.split(":")[0] for d in ctl.discarded] == ["verifier_error", "aborted"]  # both slots returned
     ckpt = tmp_path / "checkpoints" / "step_000001"
-    consumed = json.loads((ckpt / "consumed.json").read_text())  # a resume or a resend does not train them
+    ledger = read_consumed(ckpt / "consumed.json")  # a resume or a resend does not train them
+    assert all(t.trajectory_id in ledger for t in (verifier, aborted, cut, timeout)) and len(ledger) == 4
+    consumed = dict(ledger.recent)
     assert consumed == {verifier.trajectory_id: -1, aborted.trajectory_id: -1, cut.trajectory_id: 1,
                         timeout.trajectory_id: 1}
     row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
@@ -306,3 +310,29 @@ def test_kl_penalty_pulls_the_policy_back_to_the_reference(tmp_path):
         assert all(not p.requires_grad for p in learner.reference.parameters())
     finally:
         learner.close()
+
+
+def test_a_restart_sends_the_last_published_version_again_unless_later_weights_were_lost(tmp_path):
+    """A learner resumed at a checkpoint written right after a publication republishes that version
+    unchanged (the samplers hold those very weights; a restart must not make everything in flight
+    one version staler); when a later publication was lost with the process, it takes a new number."""
+    sampler = EmbeddedSampler(MODEL, SamplerConfig(), seed=0)
+    cfg = LearnerConfig(max_steps=2, batch_size=1, publish_every=1, checkpoint_every=1, batch_timeout_s=60)
+    learner = Learner(cfg, MODEL, TransportConfig(), WeightSyncConfig(timeout_s=30), str(tmp_path), seed=0)
+    try:
+        learner.connect_samplers([sampler.url()])
+        tx = ZmqSender(learner.endpoint())
+        for seed in (1, 2):
+            _send(tx, synthetic(version=0, seed=seed))
+        assert learner.run(FakeController())["version"] == 2
+        tx.close()
+    finally:
+        learner.close()
+    resumed_cfg = dataclasses.replace(cfg, resume=True)
+    for published, expected in ((2, 2), (3, 4)):
+        (tmp_path / "receive_log" / "published_version").write_text(str(published))
+        again = Learner(resumed_cfg, MODEL, TransportConfig(), WeightSyncConfig(timeout_s=30), str(tmp_path), seed=0)
+        try:
+            assert again.connect_samplers([sampler.url()]) == expected and sampler.version == expected
+        finally:
+            again.close()
