@@ -27,7 +27,7 @@ from loguru import logger
 from t1async.config import Config, ConfigError, RunConfig, check_trainable, load_config, to_yaml
 from t1async.control import ControlServer
 from t1async.envs.limits import unmount_all_under
-from t1async.reaper import Reaper
+from t1async.reaper import Reaper, kill_sandboxes_under
 from t1async.rundir import RunDirLock, check_reuse, history_overrides, resolve_run_dir
 from t1async.service import LearnerDied, Service
 from t1async.tokenizer import ChatTokenizer
@@ -90,6 +90,7 @@ def launch(config_path: str | None, overrides: list[str] | tuple[str, ...] = ())
         # t1async stop: they get 30 s to finish and spool; otherwise 5 s
         grace = {"now": 0.0, "drain": 30.0}.get(summary.get("stop_request") or "", 5.0)
         summary.update(shutdown(roles, grace_s=grace))
+        kill_sandboxes_under(run_dir / "workspaces")  # a sandbox can outlive its killed rollout actor
         unmount_all_under(run_dir / "workspaces")  # killed actors cannot clean up themselves
         shutil.rmtree(run_dir / "workspaces", ignore_errors=True)
         summary["wall_s"] = round(time.time() - t_start, 1)

@@ -56,19 +56,51 @@ def descendants(root: int) -> dict[int, int]:
     return found
 
 
+def kill_sandboxes_under(work: Path) -> int:
+    """SIGKILL every process whose command line names a path under ``work`` (the sandboxes of this
+    run's workspaces: bwrap is given its binds there); they may have outlived their rollout actor,
+    reparented to init, where no process tree leads to them. Returns how many were killed."""
+    needle = str(work).encode() + b"/"
+    killed = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            if needle in Path(f"/proc/{entry}/cmdline").read_bytes():
+                os.kill(int(entry), signal.SIGKILL)
+                killed += 1
+        except OSError:
+            continue
+    return killed
+
+
 def reap(recorded: dict[int, int], run_dir: Path) -> int:
     """Kill the recorded processes still alive (same pid and start time), detach and remove the
     workspaces; returns how many processes were killed."""
-    killed = 0
-    for pid, started in recorded.items():
-        st = _proc_stat(pid)
-        if st is not None and st[1] == started:
+    # Stop every recorded process still alive (same start time) and add what they started since
+    # the last scan (a sandbox begun in the last second), until no new process turns up; then kill
+    # them all. Stopped processes cannot fork, and their subtrees stay intact until the kill.
+    alive = {pid: t for pid, t in recorded.items() if (st := _proc_stat(pid)) is not None and st[1] == t}
+    for _ in range(20):
+        for pid in alive:
             try:
-                os.kill(pid, signal.SIGKILL)
-                killed += 1
+                os.kill(pid, signal.SIGSTOP)
             except OSError:
                 pass
+        found = {c: t for pid in list(alive) for c, t in descendants(pid).items() if c != os.getpid()}
+        new = {c: t for c, t in found.items() if c not in alive}
+        if not new:
+            break
+        alive.update(new)
+    killed = 0
+    for pid in alive:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            killed += 1
+        except OSError:
+            pass
     work = run_dir / "workspaces"
+    killed += kill_sandboxes_under(work)
     if work.exists():
         from t1async.envs.limits import unmount_all_under
 

@@ -236,3 +236,18 @@ def test_episode_transcripts_are_readable(tmp_path):
                    "(command_timeout)", "not resolved, 1/2 tests passed", "FAIL test_format"):
         assert needle in text, needle
     assert "<|im_end|>" not in text and len(list(tmp_path.glob("step_*.md"))) == 200
+
+
+def test_sandboxes_outliving_their_actor_are_found_by_their_workspace_path(tmp_path):
+    from t1async.reaper import kill_sandboxes_under
+
+    work = tmp_path / "workspaces"
+    # a path in the command line, as bwrap's --bind arguments name it
+    inside = subprocess.Popen(["bash", "-c", "sleep 60; true", str(work / "t1async-rollout0-x" / "app")])
+    outside = subprocess.Popen(["bash", "-c", "sleep 60; true", str(tmp_path / "elsewhere")])
+    try:
+        assert kill_sandboxes_under(work) == 1
+        assert inside.wait(timeout=5) == -signal.SIGKILL and outside.poll() is None
+    finally:
+        outside.kill()
+        inside.kill()
