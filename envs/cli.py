@@ -158,7 +158,7 @@ def run_eval(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise UsageError(f"--logs {logs} cannot be created ({exc.strerror or exc}); pass a writable folder") from None
     sandbox, why = choose_sandbox(args.sandbox, args.tasks, args.config)
-    if why and (is_task_folder(args.tasks) or task_folders(args.tasks)):  # bad input is reported alone
+    if why and (is_task_folder(args.tasks) or any(map(is_task_folder, task_folders(args.tasks)))):  # bad input alone
         print(f"t1async: {why}", file=sys.stderr)
     rows = evaluate(args.tasks, args.agent, concurrency=args.concurrency, sandbox=sandbox, config=args.config,
                     logs=logs)
