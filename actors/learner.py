@@ -413,8 +413,8 @@ class Learner:
         """
         cfg, backend = self.cfg, self.backend
         items = []
+        dev = backend.device  # the batch's tensors live where the backend computes (cpu: no copy)
         for traj in batch:
-            dev = backend.device  # the batch's tensors live where the backend computes (cpu: no copy)
             ids = torch.from_numpy(traj.token_ids.astype(np.int64)).to(dev)
             inp, tgt = ids[:-1].unsqueeze(0), ids[1:].unsqueeze(0)
             vmask = torch.from_numpy(traj.loss_mask[1:].astype(np.float32)).unsqueeze(0).to(dev)
