@@ -143,9 +143,7 @@ def _quiet() -> None:
 
 def run_eval(args: argparse.Namespace) -> int:
     """``t1async eval``: print the table; write the JSON report with ``--out``. 1 when a task errored."""
-    from .evaluate import evaluate, format_table, report_json
-
-    from .evaluate import choose_sandbox, is_task_folder
+    from .evaluate import choose_sandbox, evaluate, format_table, is_task_folder, report_json
     from .task import task_folders
 
     _quiet()
