@@ -40,7 +40,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import zmq
 from loguru import logger
@@ -149,6 +149,10 @@ class ZmqSender:
         ack_timeout_s: resend a frame whose ACK is this overdue.
         curve: client keys (CurveZMQ) or None for plain ZMTP.
         sndhwm: ZeroMQ send high-water mark (messages).
+        on_ack: called on the I/O thread as ``on_ack(key, ok, reason)`` once per trajectory
+            when the learner's first ACK (``ok`` True) or REJ (False, with its reason) frees it;
+            it must return quickly (it delays the next ACK); an exception in it is logged and
+            ignored.
 
     One I/O thread owns the socket: it sends from the spool, takes ACKs, and resends after
     every reconnect; :meth:`send` only writes the spool and wakes it.
@@ -157,8 +161,9 @@ class ZmqSender:
     def __init__(self, endpoint: str, *, spool_dir: str | None = None, window_messages: int = 64,
                  window_bytes: int = 256 << 20, spool_max_messages: int = 256, spool_max_bytes: int = 4 << 30,
                  send_timeout_s: float = 3600.0, ack_timeout_s: float = 300.0, curve: ClientKeys | None = None,
-                 sndhwm: int = 8):
+                 sndhwm: int = 8, on_ack: Callable[[str, bool, str], None] | None = None):
         self.endpoint = endpoint
+        self.on_ack = on_ack
         self.window_messages, self.window_bytes = max(1, window_messages), window_bytes
         self.spool_max_messages, self.spool_max_bytes = max(1, spool_max_messages), spool_max_bytes
         self.send_timeout_s, self.ack_timeout_s = send_timeout_s, ack_timeout_s
@@ -189,13 +194,15 @@ class ZmqSender:
         self._thread.start()
 
     @classmethod
-    def from_config(cls, endpoint: str, cfg: Any, *, client: str = "rollout") -> "ZmqSender":
-        """A sender configured by a ``TransportConfig`` (keys from ``cfg.keys_dir`` when ``cfg.curve``)."""
-        return cls(endpoint, spool_dir=cfg.spool_dir or None, window_messages=cfg.window_messages,
-                   window_bytes=cfg.window_bytes, spool_max_messages=cfg.spool_max_messages,
-                   spool_max_bytes=cfg.spool_max_bytes, send_timeout_s=cfg.send_timeout_s,
-                   ack_timeout_s=cfg.ack_timeout_s, sndhwm=cfg.sndhwm,
-                   curve=client_keys(cfg.keys_dir, client) if cfg.curve else None)
+    def from_config(cls, endpoint: str, cfg: Any, *, client: str = "rollout", **kwargs: Any) -> "ZmqSender":
+        """A sender configured by a ``TransportConfig`` (keys from ``cfg.keys_dir`` when ``cfg.curve``);
+        ``kwargs`` (``spool_dir``, ``on_ack``) override or add to it."""
+        args: dict[str, Any] = dict(
+            spool_dir=cfg.spool_dir or None, window_messages=cfg.window_messages, window_bytes=cfg.window_bytes,
+            spool_max_messages=cfg.spool_max_messages, spool_max_bytes=cfg.spool_max_bytes,
+            send_timeout_s=cfg.send_timeout_s, ack_timeout_s=cfg.ack_timeout_s, sndhwm=cfg.sndhwm,
+            curve=client_keys(cfg.keys_dir, client) if cfg.curve else None)
+        return cls(endpoint, **{**args, **kwargs})
 
     # ---- caller side --------------------------------------------------------------------
     def send(self, key: str, frame: bytes | memoryview | EncodedTrajectory) -> None:
@@ -343,15 +350,20 @@ class ZmqSender:
                     continue  # a second ACK of a resent trajectory
                 if item is not None and item.frame is not None:
                     self._mem_bytes -= item.entry.nbytes
+                reason = parts[2].decode("utf-8", "replace")
                 if parts[0] == ACK:
                     self.stats.acked += 1
                 else:
                     self.stats.rejected += 1
-                    reason = parts[2].decode("utf-8", "replace")
                     self.stats.rejections.append(reason[:200])
                     self.stats.rejected_keys.append(key)
                     logger.error("learner rejected trajectory {}: {}", key, reason)
                 self._cond.notify_all()
+            if self.on_ack is not None:
+                try:
+                    self.on_ack(key, parts[0] == ACK, reason)
+                except Exception as e:  # a caller's bug must not stop deliveries
+                    logger.opt(exception=e).error("trajectory sender: on_ack callback failed for {}", key)
 
     def _resend_overdue(self) -> None:
         now = time.monotonic()
