@@ -13,7 +13,7 @@ Prints ONE JSON object. Per actor count N (``--actors 16,128,512``), three kinds
   :class:`~t1async.transport.ZmqSender` (its own DEALER socket and ZeroMQ identity, its own
   I/O thread, its own spool folder under one shared spool root, the default window and
   ``ack_timeout_s``), sending real frames (:class:`~t1async.trajectory.EncodedTrajectory`,
-  ``--tokens`` tokens, 100 turns, routed experts [T-1, 4, 2]) under ids of its own stream
+  ``--tokens`` tokens, 100 turns, routed experts [T-1, layers, top_k] of ``--shape``) under ids of its own stream
   (``<16 hex>-<seq>``, as :func:`~t1async.trajectory.new_trajectory_id`). Processes, not
   threads of one: 512 senders' I/O threads in one interpreter would measure the GIL; 512
   processes would not fit 2 cores. One driver thread per process hands trajectories to its
@@ -60,6 +60,7 @@ from bench_transport import _cpu_s, make  # noqa: E402  (tools/ is not a package
 from t1async.cli import OneLineErrors, at_least_one  # noqa: E402
 
 HERE = Path(__file__).resolve()
+LOCAL_SHAPE = [4, 2, 8]  # MoE layers, experts per token, experts of the default local model
 
 
 def _rss_kb(field: str = "VmRSS") -> int:
@@ -79,7 +80,12 @@ def learner_main(spec: dict[str, Any]) -> None:
     from t1async.config import LearnerConfig, ModelConfig, TransportConfig, WeightSyncConfig
 
     transport = TransportConfig(log_fsync=spec["log_fsync"], rcvhwm=spec["rcvhwm"])
-    learner = Learner(LearnerConfig(max_steps=0, episodes_per_step=0), ModelConfig(), transport, WeightSyncConfig(),
+    layers, top_k, experts = spec["shape"]
+    # the routed-expert shape the frames carry; a tiny width keeps a 48-layer, 128-expert model small
+    model = ModelConfig() if spec["shape"] == LOCAL_SHAPE else ModelConfig(
+        num_hidden_layers=layers, num_experts_per_tok=top_k, num_experts=experts, hidden_size=16,
+        moe_intermediate_size=16)
+    learner = Learner(LearnerConfig(max_steps=0, episodes_per_step=0), model, transport, WeightSyncConfig(),
                       spec["run_dir"])
     queue = learner._queue  # noqa: SLF001  (the bench consumes in place of the trainer)
     consumed: list[str] = []
@@ -127,7 +133,7 @@ def actors_main(spec: dict[str, Any]) -> None:
     from t1async.transport import ZmqSender
 
     zmq.Context.instance().set(zmq.MAX_SOCKETS, 8 * spec["actors"] + 64)  # 3 sockets per sender
-    traj = make(spec["tokens"], 4, 2, 8, seed=os.getpid())
+    traj = make(spec["tokens"], *spec["shape"], seed=os.getpid())
     traj.versions = np.where(traj.loss_mask == 1, 0, -1).astype(np.int32)  # sampled at version 0 (the learner's)
     traj.token_ids %= 4096  # the local model's vocabulary
     acked: dict[str, float] = {}
@@ -188,14 +194,16 @@ def _pct(xs: list[float], q: float) -> float | None:
 
 def run_fanin(actors: int, *, seconds: float = 8.0, warmup_s: float = 2.0, tokens: int = 4096, procs: int = 4,
               depth: int = 2, paced_frac: float = 0.5, log_fsync: str = "always", rcvhwm: int = 64,
-              messages: int | None = None, workdir: str | None = None) -> dict[str, Any]:
+              shape: list[int] = LOCAL_SHAPE, messages: int | None = None,
+              workdir: str | None = None) -> dict[str, Any]:
     """Run one fan-in measurement (see the module docstring) and return its figures.
 
     ``messages``: test mode: every actor sends exactly this many (one closed-loop phase), and
     only the counts are meaningful. Raises RuntimeError if a child process fails.
     """
     with tempfile.TemporaryDirectory(prefix="t1async-fanin-", dir=workdir) as tmp:
-        lspec = {"run_dir": f"{tmp}/run", "out": f"{tmp}/learner.json", "log_fsync": log_fsync, "rcvhwm": rcvhwm}
+        lspec = {"run_dir": f"{tmp}/run", "out": f"{tmp}/learner.json", "log_fsync": log_fsync, "rcvhwm": rcvhwm,
+                 "shape": list(shape)}
         learner = subprocess.Popen([sys.executable, str(HERE), "--child", "learner", json.dumps(lspec)],
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         children: list[subprocess.Popen] = []
@@ -204,11 +212,12 @@ def run_fanin(actors: int, *, seconds: float = 8.0, warmup_s: float = 2.0, token
             if not endpoint:
                 raise RuntimeError(f"the learner process exited with {learner.wait()}")
             procs = max(1, min(procs, actors))
-            t0 = time.time() + 2.0 + actors / 200  # every sender connected before the clock starts
+            # every sender connected before the clock starts (test mode: no clock)
+            t0 = time.time() + (0.0 if messages is not None else 2.0 + actors / 200)
             specs = [{"endpoint": endpoint, "spool": f"{tmp}/spool", "out": f"{tmp}/actors{p}.json",
                       "actors": actors // procs + (p < actors % procs), "tokens": tokens, "depth": depth,
                       "t0": t0, "seconds": seconds, "warmup_s": warmup_s, "paced_frac": paced_frac,
-                      "messages": messages} for p in range(procs)]
+                      "messages": messages, "shape": list(shape)} for p in range(procs)]
             children = [subprocess.Popen([sys.executable, str(HERE), "--child", "actors", json.dumps(s)])
                         for s in specs]
             for c in children:
@@ -227,7 +236,7 @@ def run_fanin(actors: int, *, seconds: float = 8.0, warmup_s: float = 2.0, token
     sent = {k: v for a in acts for k, v in a["sent"].items()}
     acked = {k: v for a in acts for k, v in a["acked"].items()}
     consumed = lrn["consumed"]
-    frame_bytes = len(__import__("t1async.trajectory", fromlist=["encode"]).encode(make(tokens, 4, 2, 8)))
+    frame_bytes = len(__import__("t1async.trajectory", fromlist=["encode"]).encode(make(tokens, *shape)))
     out: dict[str, Any] = {
         "actors": actors, "actor_processes": procs, "frame_bytes": frame_bytes,
         "sent": len(sent), "delivered": len(consumed), "lost": len(set(sent) - set(consumed)),
@@ -254,7 +263,7 @@ def run_fanin(actors: int, *, seconds: float = 8.0, warmup_s: float = 2.0, token
     a, b = window(t0 + warmup_s, t0 + seconds)
     rate = (b[1] - a[1]) / (b[0] - a[0])
     lat = {p: [acked[k] - ts for k, (ts, ph) in sent.items() if ph == p and k in acked
-               and (p == 2 or ts >= t0 + warmup_s)] for p in (1, 2)}
+               and ts >= t0 + (p - 1) * seconds + warmup_s] for p in (1, 2)}
     pa, pb = window(t0 + seconds + warmup_s, t0 + 2 * seconds)
     out["saturated"] = {"trajectories_per_s": round(rate, 1), "mb_per_s": round(rate * frame_bytes / 2**20, 1),
                         "learner_cpu_ms_per_trajectory": round((b[2] - a[2]) / max(b[1] - a[1], 1) * 1e3, 3),
@@ -284,6 +293,7 @@ def main() -> None:
     p.add_argument("--paced-frac", type=float, default=0.5, help="offered load of the paced phase, x saturated")
     p.add_argument("--log-fsync", default="always", choices=("always", "never"), help="learner receive-log fsync")
     p.add_argument("--rcvhwm", type=at_least_one, default=64, help="learner ZeroMQ receive HWM per connection")
+    p.add_argument("--shape", default="4,2,8", help="routed experts: MoE layers,top_k,experts (48,8,128: Qwen3-30B-A3B)")
     p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
@@ -294,11 +304,17 @@ def main() -> None:
         assert counts and min(counts) >= 1
     except (ValueError, AssertionError):
         p.error(f"--actors {args.actors!r}: give actor counts >= 1, comma-separated, e.g. 16,128,512")
+    try:
+        shape = [int(x) for x in args.shape.split(",")]
+        assert len(shape) == 3 and min(shape) >= 1 and shape[1] <= shape[2]
+    except (ValueError, AssertionError):
+        p.error(f"--shape {args.shape!r}: give layers,top_k,experts (integers >= 1, top_k <= experts), e.g. 48,8,128")
     resource.setrlimit(resource.RLIMIT_NOFILE, (resource.getrlimit(resource.RLIMIT_NOFILE)[1],) * 2)
     runs = [run_fanin(n, seconds=args.seconds, warmup_s=args.warmup_s, tokens=args.tokens, procs=args.procs,
-                      depth=args.depth, paced_frac=args.paced_frac, log_fsync=args.log_fsync, rcvhwm=args.rcvhwm)
+                      depth=args.depth, paced_frac=args.paced_frac, log_fsync=args.log_fsync, rcvhwm=args.rcvhwm,
+                      shape=shape)
             for n in counts]
-    print(json.dumps({"log_fsync": args.log_fsync, "tokens": args.tokens, "depth": args.depth, "cpus": os.cpu_count(),
+    print(json.dumps({"log_fsync": args.log_fsync, "tokens": args.tokens, "shape": shape, "depth": args.depth, "cpus": os.cpu_count(),
                       "runs": runs}))
 
 

@@ -16,7 +16,10 @@ message ``warmup`` to the last (steady state, as a service runs for days: the se
 files exist and are reused; the same messages are skipped for raw and traj); the median of the
 rounds is reported. ``ratio`` is the median over rounds of traj / raw measured back to back in
 the same round (paired, so a load change between rounds moves both); ``ratio_of_medians`` is
-median(traj) / median(raw) over all rounds, printed beside it. ``decode_us`` is the median CPU time (thread time) to decode and
+median(traj) / median(raw) over all rounds, printed beside it. ``cpu_us_per_message``: the median
+CPU microseconds per steady-state message of each end (sender process, receiving process) and of
+both, per kind; ``cpu_bound_ratio`` = raw / traj of both ends' CPU (what the ratio would be if CPU
+alone limited both). ``decode_us`` is the median CPU time (thread time) to decode and
 validate one case-a frame already in memory (the copy off the socket excluded).
 
 Cases: (a) 32k tokens, 48 layers, top-8, 128 experts; (b) 4k tokens, 4 layers, top-2, 8 experts.
@@ -91,9 +94,11 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def receive(kind: str, case: str, n: int, spool: str, log: ReceiveLog | None = None) -> tuple[float, float]:
-    """Run one round; returns (bytes per second, CPU ms per message of sender + receiver) in the
-    steady state (after ``warmup`` messages). ``log``: append each frame to it before the ACK."""
+def receive(kind: str, case: str, n: int, spool: str, log: ReceiveLog | None = None) -> tuple[float, float, float]:
+    """Run one round; returns (bytes per second, sender CPU us per message, receiver CPU us per
+    message) in the steady state (after ``warmup`` messages). ``log``: append each frame to it
+    before the ACK. CPU is each process's user + system time, all threads (ZeroMQ's I/O thread,
+    the sender's spool and I/O threads) included."""
     c = CASES[case]
     rx = ZmqReceiver("tcp://127.0.0.1:*", rcvhwm=8)
     child = subprocess.Popen([sys.executable, __file__, "--sender", "raw" if kind == "raw" else "traj", rx.endpoint,
@@ -108,7 +113,7 @@ def receive(kind: str, case: str, n: int, spool: str, log: ReceiveLog | None = N
                     raise RuntimeError(f"sender exited with {child.returncode}")
             if i == warmup:
                 t_first = time.perf_counter()
-                cpu0 = _cpu_s(child.pid) + _cpu_s(os.getpid())
+                cpu0 = _cpu_s(child.pid), _cpu_s(os.getpid())
             elif i > warmup:
                 nbytes += len(d.frame)
             if kind != "raw":
@@ -117,7 +122,7 @@ def receive(kind: str, case: str, n: int, spool: str, log: ReceiveLog | None = N
                     log.append(d.key, d.frame)
                 rx.ack(d, True)
         elapsed = time.perf_counter() - (t_first or 0.0)
-        cpu = _cpu_s(child.pid) + _cpu_s(os.getpid()) - cpu0
+        cpu = _cpu_s(child.pid) - cpu0[0], _cpu_s(os.getpid()) - cpu0[1]
         if kind == "raw":
             rx._sock.send_multipart([d.peer, b"done"])  # noqa: SLF001 (bench-only release of the raw sender)
         child.wait(timeout=120)
@@ -125,7 +130,7 @@ def receive(kind: str, case: str, n: int, spool: str, log: ReceiveLog | None = N
         if child.poll() is None:
             child.kill()
         rx.close()
-    return nbytes / elapsed, cpu / (n - 1 - warmup) * 1e3
+    return nbytes / elapsed, cpu[0] / (n - 1 - warmup) * 1e6, cpu[1] / (n - 1 - warmup) * 1e6
 
 
 def decode_cpu_us(case: str, reps: int = 40) -> float:
@@ -153,13 +158,13 @@ def main() -> None:
         for case in ("a", "b"):
             kinds = ["raw", "traj"] + (["traj_log"] if case == "a" else [])
             rates: dict[str, list[float]] = {k: [] for k in kinds}
-            cpu: dict[str, list[float]] = {k: [] for k in kinds}
+            cpu: dict[str, list[tuple[float, float]]] = {k: [] for k in kinds}  # (sender, receiver) us
             log = ReceiveLog(Path(spool) / f"log-{case}", fsync="never")  # one log for the run, as a learner has
             for _ in range(args.rounds):
                 for k in kinds:
-                    rate, ms = receive(k, case, CASES[case]["n"], spool, log if k == "traj_log" else None)
+                    rate, tx_us, rx_us = receive(k, case, CASES[case]["n"], spool, log if k == "traj_log" else None)
                     rates[k].append(rate)
-                    cpu[k].append(ms)
+                    cpu[k].append((tx_us, rx_us))
                     # a checkpoint between rounds: everything received was consumed, its segments are freed
                     log.drop_consumed({key: 1 for key in log.keys()})
             log.close()
@@ -173,8 +178,11 @@ def main() -> None:
             if "traj_log" in med:
                 out["traj_with_log_bytes_per_s"] = round(med["traj_log"])
                 out["ratio_with_log"] = round(paired["traj_log"], 3)
-            out[f"cpu_ms_per_message{suffix}"] = {k: round(statistics.median(v), 2) for k, v in cpu.items()}
-            out[f"cpu_bound_ratio{suffix}"] = round(statistics.median(cpu["raw"]) / statistics.median(cpu["traj"]), 3)
+            total = {k: statistics.median(a + b for a, b in v) for k, v in cpu.items()}
+            out[f"cpu_us_per_message{suffix}"] = {k: {"sender": round(statistics.median(a for a, _ in v)),
+                                                      "receiver": round(statistics.median(b for _, b in v)),
+                                                      "both": round(total[k])} for k, v in cpu.items()}
+            out[f"cpu_bound_ratio{suffix}"] = round(total["raw"] / total["traj"], 3)
             out[f"decode_us{suffix}"] = round(decode_cpu_us(case), 1)
             c = CASES[case]
             out[f"frame_bytes{suffix}"] = len(encode(make(c["T"], c["layers"], c["top_k"], c["experts"])))
