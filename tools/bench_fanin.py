@@ -34,7 +34,8 @@ I/O thread receives the ACK (``ZmqSender(on_ack=...)``). After both phases every
 lost = ids sent that the learner's queue never delivered; duplicated = ids delivered more than once.
 Memory: the learner's peak RSS (VmHWM) and its rise over the RSS before the first message; the
 trajectory bytes it may hold by design: the decoded queue (``recv_queue_messages`` frames) plus
-ZeroMQ's per-connection receive queues (``rcvhwm`` messages per actor: they grow with N).
+ZeroMQ's per-connection receive queues (``rcvhwm`` messages per actor: they grow with N), and what the
+actors have in flight (``--depth`` each here; in a run at most the admission window for all).
 
 Usage: ``t1async bench fanin [--actors 16,128,512] [--seconds 8] [--tokens 4096] [--procs 4]``.
 """
@@ -152,7 +153,9 @@ def actors_main(spec: dict[str, Any]) -> None:
         sent[traj.trajectory_id] = (time.time(), phase)
         senders[i].send(traj.trajectory_id, EncodedTrajectory(traj))
 
-    t0, t1, t2 = spec["t0"], spec["t0"] + spec["seconds"], spec["t0"] + 2 * spec["seconds"]
+    print("ready", flush=True)
+    t0 = float(sys.stdin.readline())  # the common start, once every process is ready
+    t1, t2 = t0 + spec["seconds"], t0 + 2 * spec["seconds"]
     while time.time() < t0:
         time.sleep(0.01)
     count = spec.get("messages")  # test mode: exactly this many per actor, one phase
@@ -212,14 +215,20 @@ def run_fanin(actors: int, *, seconds: float = 8.0, warmup_s: float = 2.0, token
             if not endpoint:
                 raise RuntimeError(f"the learner process exited with {learner.wait()}")
             procs = max(1, min(procs, actors))
-            # every sender connected before the clock starts (test mode: no clock)
-            t0 = time.time() + (0.0 if messages is not None else 2.0 + actors / 200)
             specs = [{"endpoint": endpoint, "spool": f"{tmp}/spool", "out": f"{tmp}/actors{p}.json",
                       "actors": actors // procs + (p < actors % procs), "tokens": tokens, "depth": depth,
-                      "t0": t0, "seconds": seconds, "warmup_s": warmup_s, "paced_frac": paced_frac,
+                      "seconds": seconds, "warmup_s": warmup_s, "paced_frac": paced_frac,
                       "messages": messages, "shape": list(shape)} for p in range(procs)]
-            children = [subprocess.Popen([sys.executable, str(HERE), "--child", "actors", json.dumps(s)])
-                        for s in specs]
+            children = [subprocess.Popen([sys.executable, str(HERE), "--child", "actors", json.dumps(s)],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for s in specs]
+            for c in children:
+                if c.stdout.readline().strip() != "ready":
+                    raise RuntimeError(f"an actor process exited with {c.wait()}")
+            # every sender built and connecting before the clock starts (test mode: no clock)
+            t0 = time.time() + (0.0 if messages is not None else 0.5 + actors / 500)
+            for c in children:
+                c.stdin.write(f"{t0}\n")
+                c.stdin.flush()
             for c in children:
                 if c.wait(timeout=seconds * 2 + 300) != 0:
                     raise RuntimeError(f"an actor process exited with {c.returncode}")
@@ -250,10 +259,13 @@ def run_fanin(actors: int, *, seconds: float = 8.0, warmup_s: float = 2.0, token
     queue_mb = lrn["queue_messages"] * frame_bytes / 2**20
     out["design_bound_mb"] = {"decoded_queue": round(queue_mb, 1),
                               "zmq_receive_queues": round(actors * rcvhwm * frame_bytes / 2**20, 1)}
-    out["rise_within_decoded_queue_x2"] = rise <= 2 * queue_mb + 32  # 32 MB: allocator and socket slack
+    # what the actors may have in flight (sent, unACKed) is their depth (here) or window (in general)
+    # each; in a run, admission control caps it for all actors together at (eta + 1) x R trajectories
+    out["design_bound_mb"]["in_flight"] = round(actors * depth * frame_bytes / 2**20, 1)
+    out["rise_within_decoded_queue"] = rise <= queue_mb + 32  # 32 MB: allocator and socket slack
+    out["rise_within_queue_plus_in_flight"] = rise <= queue_mb + out["design_bound_mb"]["in_flight"] + 32
     if messages is not None:
         return out
-    t0 = specs[0]["t0"]
     s = lrn["samples"]
 
     def window(lo: float, hi: float) -> tuple[list[float], list[float]]:
