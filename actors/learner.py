@@ -3,7 +3,8 @@
 Data path (one process):
 
     ZeroMQ ROUTER --(receive thread: de-duplicate by trajectory id; decode + validate, bad
-    frames counted, quarantined and REJected; append to the durable receive log, then ACK)-->
+    frames counted, quarantined and REJected; append to the receive log, one flush per burst
+    of waiting messages, then ACK)-->
     bounded queue (messages and bytes) --(run loop: staleness and abnormal-end filter
     (``learner.abnormal``, t1async/abnormal.py), batch of ``batch_size``)
     --> critic values, GAE --> decoupled-PPO update with routing replay --> every
@@ -48,6 +49,8 @@ from t1async.transport import Delivery, ZmqReceiver
 from t1async.weight_sync import DistributedWeightSync
 
 MAX_QUARANTINED_FILES = 100
+GROUP_COMMIT_MESSAGES = 64  # most deliveries stored with one flush of the receive log (group commit)
+GROUP_COMMIT_BYTES = 256 << 20  # ... and most bytes of them (they are held in memory until ACKed)
 MAX_REMEMBERED_REJECTIONS = 100_000  # ids of rejected messages kept to answer a resend without counting it again
 
 
@@ -209,7 +212,10 @@ class Learner:
         """Consumes the receive log's backlog (resume), then ZeroMQ deliveries; produces validated
         trajectories on the bounded queue, each stored in the receive log and ACKed first.
 
-        Stops reading while the queue is full (backpressure). A frame that fails validation is
+        Deliveries already waiting on the socket are taken together (at most
+        ``GROUP_COMMIT_MESSAGES`` / ``GROUP_COMMIT_BYTES``) and stored with one flush of the
+        receive log before any of them is answered (:meth:`_on_burst`). Stops reading while the
+        queue is full (backpressure). A frame that fails validation is
         counted, logged, written to ``quarantine/`` (first 100) and REJected, never trained on;
         a trajectory id already stored or consumed is ACKed again and dropped (de-duplication).
         Stopped by :meth:`stop` / :meth:`close`.
@@ -227,8 +233,16 @@ class Learner:
             self._enqueue(traj, len(frame))
         while not self._stop.is_set():
             d = self._receiver.recv(timeout_s=0.5)
-            if d is not None:
-                self._on_delivery(d)
+            if d is None:
+                continue
+            burst, nbytes = [d], len(d.frame)  # and whatever else is already waiting: one flush for all
+            while len(burst) < GROUP_COMMIT_MESSAGES and nbytes < GROUP_COMMIT_BYTES:
+                more = self._receiver.recv(timeout_s=0)
+                if more is None:
+                    break
+                burst.append(more)
+                nbytes += len(more.frame)
+            self._on_burst(burst)
 
     def _decode(self, frame: Any, max_version: int | None) -> Trajectory:
         mc = self.model_cfg
@@ -241,19 +255,49 @@ class Learner:
             logger.opt(exception=e).error("decoder failed unexpectedly")
             raise TrajectoryError("<decoder>", f"{type(e).__name__}: {e}") from None
 
-    def _on_delivery(self, d: Delivery) -> None:
+    def _on_burst(self, burst: list[Delivery]) -> None:
+        """Store a burst of deliveries with one flush of the receive log (group commit), then answer.
+
+        Every reply (ACK, duplicate ACK, REJ) is sent only after :meth:`ReceiveLog.sync` returned,
+        so no ACK ever precedes the durability of what it acknowledges; a duplicate inside the
+        burst is ACKed after its original's flush too. If the flush fails nothing appended in the
+        burst is ACKed (the actors keep and resend it) and the log forgets it.
+        """
+        replies: list[tuple[Delivery, bool, str]] = []
+        stored: list[tuple[Delivery, Trajectory]] = []
+        for d in burst:
+            reply = self._store(d, stored)
+            if reply is not None:
+                replies.append((d, *reply))
+        try:
+            self._log.sync()
+        except OSError as e:
+            logger.error("receive log flush failed ({}); {} trajectories not acknowledged", e, len(stored))
+            replies = [r for r in replies if not r[1] or r[0].key in self._log or r[0].key in self._consumed]
+            stored = [(d, t) for d, t in stored if d.key in self._log]
+        for d, ok, reason in replies:
+            self._receiver.ack(d, ok, reason)
+        for d, traj in stored:
+            self.counters["received"] += 1
+            if self.counters["received"] <= self.cfg.dump_trajectories:
+                tdir = self.run_dir / "trajectories"
+                tdir.mkdir(exist_ok=True)
+                (tdir / f"{traj.trajectory_id}.traj").write_bytes(d.frame)
+            self._enqueue(traj, len(d.frame))
+
+    def _store(self, d: Delivery, stored: list[tuple[Delivery, Trajectory]]) -> tuple[bool, str] | None:
+        """De-duplicate, validate and append one delivery (not yet flushed); returns the reply
+        (ok, reason) to send after the flush, or None (no reply: not stored, the actor resends).
+        A stored trajectory is appended to ``stored``."""
         if d.error is not None:
             self._quarantine(d.frame, TrajectoryError("<envelope>", d.error))
-            self._receiver.ack(d, False, d.error)
-            return
+            return False, d.error
         if d.key in self._log or d.key in self._consumed:
             self.counters["duplicates"] += 1
-            self._receiver.ack(d, True, "duplicate")
-            return
+            return True, "duplicate"
         if d.key in self._rejected_keys:  # resent after its REJ was lost: answer again, count it once
             self.counters["duplicates"] += 1
-            self._receiver.ack(d, False, self._rejected_keys[d.key])
-            return
+            return False, self._rejected_keys[d.key]
         try:
             traj = self._decode(d.frame, max_version=self.version)
             if traj.trajectory_id != d.key:
@@ -263,20 +307,14 @@ class Learner:
             self._rejected_keys[d.key] = str(e)[:1000]
             if len(self._rejected_keys) > MAX_REMEMBERED_REJECTIONS:
                 self._rejected_keys.popitem(last=False)
-            self._receiver.ack(d, False, str(e))
-            return
+            return False, str(e)
         try:
-            self._log.append(d.key, d.frame)
+            self._log.append(d.key, d.frame, sync=False)
         except OSError as e:  # not stored: no ACK, the actor keeps it and resends
             logger.error("receive log append failed ({}); trajectory {} not acknowledged", e, d.key)
-            return
-        self._receiver.ack(d, True)
-        self.counters["received"] += 1
-        if self.counters["received"] <= self.cfg.dump_trajectories:
-            tdir = self.run_dir / "trajectories"
-            tdir.mkdir(exist_ok=True)
-            (tdir / f"{traj.trajectory_id}.traj").write_bytes(d.frame)
-        self._enqueue(traj, len(d.frame))
+            return None
+        stored.append((d, traj))
+        return True, ""
 
     def _enqueue(self, traj: Trajectory, nbytes: int) -> None:
         while not self._stop.is_set():
