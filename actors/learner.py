@@ -49,8 +49,7 @@ from t1async.transport import Delivery, ZmqReceiver
 from t1async.weight_sync import DistributedWeightSync
 
 MAX_QUARANTINED_FILES = 100
-GROUP_COMMIT_MESSAGES = 64  # most deliveries stored with one flush of the receive log (group commit)
-GROUP_COMMIT_BYTES = 256 << 20  # ... and most bytes of them (they are held in memory until ACKed)
+GROUP_COMMIT_BYTES = 256 << 20  # most bytes stored with one receive-log flush (held in memory until ACKed)
 MAX_REMEMBERED_REJECTIONS = 100_000  # ids of rejected messages kept to answer a resend without counting it again
 
 
@@ -121,6 +120,7 @@ class Learner:
             self._resume(resume_from)
         self._backlog = [k for k in self._log.keys() if k not in self._consumed]  # replayed before the socket
         self._queue = ByteQueue(transport.recv_queue_messages or max(4 * cfg.batch_size, 8), transport.recv_queue_bytes)
+        self._group_messages = transport.log_group_messages
         self._stop = threading.Event()
         self._controller: Any = None
         self._pending_discards: list[tuple[str, str]] = []  # (reason, trajectory id)
@@ -213,7 +213,7 @@ class Learner:
         trajectories on the bounded queue, each stored in the receive log and ACKed first.
 
         Deliveries already waiting on the socket are taken together (at most
-        ``GROUP_COMMIT_MESSAGES`` / ``GROUP_COMMIT_BYTES``) and stored with one flush of the
+        ``transport.log_group_messages`` / ``GROUP_COMMIT_BYTES``) and stored with one flush of the
         receive log before any of them is answered (:meth:`_on_burst`). Stops reading while the
         queue is full (backpressure). A frame that fails validation is
         counted, logged, written to ``quarantine/`` (first 100) and REJected, never trained on;
@@ -236,7 +236,7 @@ class Learner:
             if d is None:
                 continue
             burst, nbytes = [d], len(d.frame)  # and whatever else is already waiting: one flush for all
-            while len(burst) < GROUP_COMMIT_MESSAGES and nbytes < GROUP_COMMIT_BYTES:
+            while len(burst) < self._group_messages and nbytes < GROUP_COMMIT_BYTES:
                 more = self._receiver.recv(timeout_s=0)
                 if more is None:
                     break

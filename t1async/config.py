@@ -296,6 +296,9 @@ class TransportConfig:
     log_fsync: str = "always"
     """Receive-log durability before an acknowledgement: ``always`` (fsync each record: survives
     power loss) or ``never`` (page cache: survives a learner crash or SIGKILL, not the machine)."""
+    log_group_messages: int = 64
+    """Most deliveries already waiting on the socket that the learner stores with one flush of
+    the receive log before it ACKs any of them (group commit); 1: a flush per trajectory."""
     max_message_bytes: int = 4 << 30
     """Largest trajectory frame the learner accepts (ZeroMQ drops the peer's connection beyond)."""
     curve: bool = False
@@ -658,6 +661,7 @@ _VALUE_RULES: list[tuple[str, Any, str]] = [
     ("transport.port", lambda v: 0 <= v <= 65535, "a TCP port in [0, 65535] (0: any free port)"),
     ("transport.rcvhwm", lambda v: v >= 1, "an integer >= 1"),
     ("transport.sndhwm", lambda v: v >= 1, "an integer >= 1"),
+    ("transport.log_group_messages", lambda v: v >= 1, "an integer >= 1 (1: a receive-log flush per trajectory)"),
     ("transport.recv_queue_messages", lambda v: v >= 0, "an integer >= 0 (0: 4 x batch size, at least 8)"),
     ("transport.recv_queue_bytes", lambda v: v >= 1, "a positive number of bytes"),
     ("transport.window_messages", lambda v: v >= 1, "an integer >= 1"),

@@ -37,7 +37,14 @@ trajectory bytes it may hold by design: the decoded queue (``recv_queue_messages
 ZeroMQ's per-connection receive queues (``rcvhwm`` messages per actor: they grow with N), and what the
 actors have in flight (``--depth`` each here; in a run at most the admission window for all).
 
-Usage: ``t1async bench fanin [--actors 16,128,512] [--seconds 8] [--tokens 4096] [--procs 4]``.
+Group commit: the learner stores every message already waiting on its socket with one flush of
+the receive log before it ACKs them (``transport.log_group_messages``, default 64). At
+``--compare-group-at`` actors (default 128) the bench also runs the same N with a flush per
+trajectory (``log_group_messages=1``, the receive path before group commit), right after, and
+prints ``group_commit_speedup`` (saturated ingest, grouped / per trajectory).
+
+Usage: ``t1async bench fanin [--actors 16,128,512] [--seconds 8] [--tokens 4096] [--procs 4]
+[--shape 4,2,8] [--log-fsync always] [--group 64] [--compare-group-at 128]``.
 """
 
 from __future__ import annotations
@@ -80,7 +87,7 @@ def learner_main(spec: dict[str, Any]) -> None:
     from t1async.actors.learner import Learner
     from t1async.config import LearnerConfig, ModelConfig, TransportConfig, WeightSyncConfig
 
-    transport = TransportConfig(log_fsync=spec["log_fsync"], rcvhwm=spec["rcvhwm"])
+    transport = TransportConfig(log_fsync=spec["log_fsync"], rcvhwm=spec["rcvhwm"], log_group_messages=spec["group"])
     layers, top_k, experts = spec["shape"]
     # the routed-expert shape the frames carry; a tiny width keeps a 48-layer, 128-expert model small
     model = ModelConfig() if spec["shape"] == LOCAL_SHAPE else ModelConfig(
@@ -197,7 +204,7 @@ def _pct(xs: list[float], q: float) -> float | None:
 
 def run_fanin(actors: int, *, seconds: float = 8.0, warmup_s: float = 2.0, tokens: int = 4096, procs: int = 4,
               depth: int = 2, paced_frac: float = 0.5, log_fsync: str = "always", rcvhwm: int = 64,
-              shape: list[int] = LOCAL_SHAPE, messages: int | None = None,
+              shape: list[int] = LOCAL_SHAPE, group: int = 64, messages: int | None = None,
               workdir: str | None = None) -> dict[str, Any]:
     """Run one fan-in measurement (see the module docstring) and return its figures.
 
@@ -206,7 +213,7 @@ def run_fanin(actors: int, *, seconds: float = 8.0, warmup_s: float = 2.0, token
     """
     with tempfile.TemporaryDirectory(prefix="t1async-fanin-", dir=workdir) as tmp:
         lspec = {"run_dir": f"{tmp}/run", "out": f"{tmp}/learner.json", "log_fsync": log_fsync, "rcvhwm": rcvhwm,
-                 "shape": list(shape)}
+                 "shape": list(shape), "group": group}
         learner = subprocess.Popen([sys.executable, str(HERE), "--child", "learner", json.dumps(lspec)],
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         children: list[subprocess.Popen] = []
@@ -247,7 +254,7 @@ def run_fanin(actors: int, *, seconds: float = 8.0, warmup_s: float = 2.0, token
     consumed = lrn["consumed"]
     frame_bytes = len(__import__("t1async.trajectory", fromlist=["encode"]).encode(make(tokens, *shape)))
     out: dict[str, Any] = {
-        "actors": actors, "actor_processes": procs, "frame_bytes": frame_bytes,
+        "actors": actors, "actor_processes": procs, "frame_bytes": frame_bytes, "log_group_messages": group,
         "sent": len(sent), "delivered": len(consumed), "lost": len(set(sent) - set(consumed)),
         "duplicated": len(consumed) - len(set(consumed)), "unknown": len(set(consumed) - set(sent)),
         "unacked": len(set(sent) - set(acked)), "all_flushed": all(a["flushed"] for a in acts),
@@ -306,6 +313,9 @@ def main() -> None:
     p.add_argument("--log-fsync", default="always", choices=("always", "never"), help="learner receive-log fsync")
     p.add_argument("--rcvhwm", type=at_least_one, default=64, help="learner ZeroMQ receive HWM per connection")
     p.add_argument("--shape", default="4,2,8", help="routed experts: MoE layers,top_k,experts (48,8,128: Qwen3-30B-A3B)")
+    p.add_argument("--group", type=at_least_one, default=64, help="learner transport.log_group_messages")
+    p.add_argument("--compare-group-at", type=int, default=128,
+                   help="also run this actor count with a receive-log flush per trajectory (0: skip)")
     p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
@@ -322,12 +332,20 @@ def main() -> None:
     except (ValueError, AssertionError):
         p.error(f"--shape {args.shape!r}: give layers,top_k,experts (integers >= 1, top_k <= experts), e.g. 48,8,128")
     resource.setrlimit(resource.RLIMIT_NOFILE, (resource.getrlimit(resource.RLIMIT_NOFILE)[1],) * 2)
-    runs = [run_fanin(n, seconds=args.seconds, warmup_s=args.warmup_s, tokens=args.tokens, procs=args.procs,
-                      depth=args.depth, paced_frac=args.paced_frac, log_fsync=args.log_fsync, rcvhwm=args.rcvhwm,
-                      shape=shape)
-            for n in counts]
-    print(json.dumps({"log_fsync": args.log_fsync, "tokens": args.tokens, "shape": shape, "depth": args.depth, "cpus": os.cpu_count(),
-                      "runs": runs}))
+    kw = dict(seconds=args.seconds, warmup_s=args.warmup_s, tokens=args.tokens, procs=args.procs, depth=args.depth,
+              paced_frac=args.paced_frac, log_fsync=args.log_fsync, rcvhwm=args.rcvhwm, shape=shape)
+    runs = []
+    for n in counts:
+        runs.append(run_fanin(n, group=args.group, **kw))
+        if n == args.compare_group_at and args.group > 1 and args.log_fsync == "always":
+            # the same N at once with a flush per trajectory (the receive path before group commit)
+            single = run_fanin(n, group=1, **kw)
+            runs[-1]["per_trajectory_flush"] = {"saturated": single["saturated"], "lost": single["lost"],
+                                                "duplicated": single["duplicated"]}
+            runs[-1]["group_commit_speedup"] = round(
+                runs[-1]["saturated"]["trajectories_per_s"] / max(single["saturated"]["trajectories_per_s"], 1e-9), 2)
+    print(json.dumps({"log_fsync": args.log_fsync, "tokens": args.tokens, "shape": shape, "depth": args.depth,
+                      "cpus": os.cpu_count(), "runs": runs}))
 
 
 if __name__ == "__main__":
