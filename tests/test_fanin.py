@@ -27,7 +27,7 @@ def test_fanin_core_counts_every_message_once(tmp_path):
     assert out["learner_counters"]["received"] == 40 and out["learner_counters"]["rejected"] == 0
 
 
-def test_on_ack_reports_each_ack_and_rejection_once_even_when_resent(tmp_path):
+def test_on_ack_reports_each_ack_and_rejection_once_even_when_acked_twice(tmp_path):
     rx = ZmqReceiver("tcp://127.0.0.1:*")
     seen: list[tuple[str, bool, str]] = []
     tx = ZmqSender(rx.endpoint, spool_dir=str(tmp_path), on_ack=lambda k, ok, r: seen.append((k, ok, r)))
