@@ -1,6 +1,6 @@
 """Asynchronous against synchronous RL on long-tailed terminal episodes, side by side in one command.
 
-Run: ``t1async bench async [--seeds 0] [--steps 12] [--batch 8] [--actors 8] [--bounds 1,2,4]
+Run: ``t1async bench async [--seeds 0] [--steps 10] [--batch 8] [--actors 8] [--bounds 1,2,4]
 [--rules oldest_episode,learner_version] [--out DIR] [key=value ...]``. Prints ONE JSON object.
 
 Workload: ``--tasks`` instances of the ``slow-build`` synth family (envs/synth.py: every
@@ -51,7 +51,7 @@ SENT = re.compile(r"^(\S+ \S+) .*rollout \d+ sent (\S+): .*, ([\d.]+) s$")
 def parse_args(argv: list[str] | None = None):
     p = OneLineErrors(prog="t1async bench async", description=__doc__.splitlines()[0])
     p.add_argument("--seeds", default="0", help="comma-separated run seeds (model init, sampling, task order)")
-    p.add_argument("--steps", type=at_least_one, default=12, help="learner steps per run")
+    p.add_argument("--steps", type=at_least_one, default=10, help="learner steps per run")
     p.add_argument("--batch", type=at_least_one, default=8, help="trajectories per learner step")
     p.add_argument("--actors", type=at_least_one, default=8, help="rollout actors (the same in every mode)")
     p.add_argument("--bounds", default="1,2,4", help="staleness bounds of the async runs")
