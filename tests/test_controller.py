@@ -134,3 +134,17 @@ def test_bound_zero_is_synchronous_rl():
         for t in threads:
             t.join(timeout=5)
     assert started_at[: steps * batch] == sorted(started_at[: steps * batch])
+
+
+def test_learner_version_rule_lets_fast_episodes_overtake_a_slow_one():
+    """``rollout.admission: learner_version`` (AReaL's rule): an unfinished episode of version 0 does
+    not hold admission back once the learner publishes; under the default rule it does."""
+    for rule, opens in (("learner_version", True), ("oldest_episode", False)):
+        c = Controller(RolloutConfig(num_actors=1, admission=rule), ["a"], rollouts_per_version=1, max_staleness=1,
+                       make_rollout=lambda aid, crash: None, seed=0)
+        assert c.acquire(0)  # the slow episode, still running on version 0
+        assert c.acquire(1)  # rollout 1's episode ...
+        c.episode_finished(1, "t1")
+        c.trajectories_consumed(["t1"])  # ... trained, and version 1 published
+        c.set_version(1)
+        assert bool(c.acquire(1)) is opens, rule
