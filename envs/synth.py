@@ -447,6 +447,10 @@ FAMILIES: dict[str, Callable[[random.Random], TaskFiles]] = {
 }
 """Task families by name (``t1async synth --family NAME``)."""
 
+TIMING_FAMILIES = ("slow-build",)
+"""Families whose running time is the point (``t1async bench async``); ``t1async bench learning``
+leaves them out by default (their sleeps would only slow its fixed-minutes runs)."""
+
 
 _SET_OPTIONS = re.compile(r"set(\s+(-[A-Za-z]*o\s+\w+|[-+][A-Za-z]+))+")
 """A shell-options line such as ``set -e``, ``set -euo pipefail``, ``set -o pipefail``, ``set +x``."""
