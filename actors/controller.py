@@ -27,6 +27,13 @@ trajectory by the rollout actor that ran it (the learner cannot tell an actor's 
 trajectory from a stranger's garbage or a resent rejection), a stale drop by the learner (it
 drops each trajectory id at most once).
 
+``max_staleness`` 0 is synchronous RL with these same roles: the ``rollouts_per_version``
+episodes of version v all start on v's weights, the learner waits for all of them, and no
+episode starts until it has trained them and published v + 1 (every trajectory trains at
+staleness 0; ``t1async bench async`` runs it as the sync baseline). ``rollout.admission:
+learner_version`` switches to AReaL's rule (for comparison: it lets the fast run ahead of a slow
+episode and drops the latter when it is too stale).
+
 Supervision: :meth:`run` watches every rollout actor's ``run`` call; an actor that crashes is
 logged and replaced (up to ``max_restarts``), and the actor count follows :meth:`scale`.
 :meth:`stop` ends admission, waits a grace period, then kills what is still running.
@@ -113,8 +120,11 @@ class Controller:
 
     def oldest_version(self) -> int:
         """The admission version of the oldest episode not yet consumed by the learner (running or
-        finished), or the learner's version when there is none or it is older."""
+        finished), or the learner's version when there is none or it is older; always the
+        learner's version under ``rollout.admission: learner_version`` (AReaL's rule)."""
         with self._cond:
+            if self.cfg.admission == "learner_version":
+                return self.version
             return min([self.version, *self._running.values(), *self._pending.values()])
 
     def episode_finished(self, actor_id: int, trajectory_id: str) -> None:

@@ -376,22 +376,27 @@ class Learner:
                 call(controller.trajectory_discarded, reason, tid)
         try:
             while (not self.cfg.max_steps or self.step < self.cfg.max_steps) and not self._stop.is_set():
+                t_wait = time.perf_counter()
                 batch = self._collect_batch()
                 if batch is None:
                     break
                 staleness = [self.version - t.min_version for t in batch]
                 t0 = time.perf_counter()
+                wait_s, publish_s = t0 - t_wait, 0.0
                 metrics = self._train_step(batch)
                 self.step += 1
                 self._consumed.update((t.trajectory_id, self.step) for t in batch)
                 if controller is not None:  # admission stops waiting for these (oldest-episode rule)
                     call(controller.trajectories_consumed, [t.trajectory_id for t in batch])
                 if self.step % self.cfg.publish_every == 0:
+                    t_pub = time.perf_counter()
                     self._publish()
+                    publish_s = time.perf_counter() - t_pub
                     if controller is not None:
                         call(controller.set_version, self.version)
                 metrics.update(self._batch_metrics(batch, staleness))
-                metrics["step_s"] = time.perf_counter() - t0
+                metrics["step_s"] = time.perf_counter() - t0  # train + publish (seconds)
+                metrics["batch_wait_s"], metrics["publish_s"] = wait_s, publish_s  # idle: waiting for the batch
                 metrics["tokens_per_s"] = metrics.pop("trained_tokens") / metrics["step_s"]
                 self._write_metrics(metrics)
                 write_transcripts(self.run_dir / "episodes", self.step, batch, self.cfg.episodes_per_step, self._tok)
@@ -557,6 +562,7 @@ class Learner:
             "resolved_rate": float(np.mean([t.resolved for t in batch])),
             "staleness_max": int(max(stale)) if stale else 0,
             "staleness_mean": float(np.mean(stale)) if stale else 0.0,
+            "staleness_counts": {str(s): stale.count(s) for s in sorted(set(stale))},  # trajectories by staleness
             "versions_in_batch": sorted({int(v) for t in batch for v in np.unique(t.versions[t.loss_mask.astype(bool)])}),
             "tokens": int(sum(t.num_tokens for t in batch)),
             "turns_mean": float(np.mean([t.turn_offsets.shape[0] for t in batch])),

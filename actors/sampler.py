@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -59,6 +60,7 @@ class EmbeddedSampler:
         self.version = -1
         self.requests = 0
         self.generated_tokens = 0
+        self.busy_s = 0.0  # seconds spent generating (the engine runs one request at a time)
         self._lock = threading.Lock()
         self._group = None
         sampler = self
@@ -120,9 +122,10 @@ class EmbeddedSampler:
         return self._url
 
     def stats(self) -> dict[str, int]:
-        """Weight version held, requests served, tokens generated, prefix-cache hits and the
-        prompt tokens they did not recompute."""
+        """Weight version held, requests served, tokens generated, seconds spent generating,
+        prefix-cache hits and the prompt tokens they did not recompute."""
         return {"weight_version": self.version, "requests": self.requests, "generated_tokens": self.generated_tokens,
+                "busy_s": round(self.busy_s, 3),
                 "prefix_cache_hits": self.engine.cache_hits, "prefix_cached_tokens": self.engine.cached_tokens}
 
     def handle_flush_cache(self, body: dict) -> dict:
@@ -166,7 +169,9 @@ class EmbeddedSampler:
         with self._lock:
             if self.version < 0:
                 raise NotReady("no weights loaded yet: the learner has not published version 0")
+            t0 = time.perf_counter()
             out = self.engine.generate(ids, params, routed_experts_start_len=start)
+            self.busy_s += time.perf_counter() - t0
             version = self.version
         self.requests += 1
         self.generated_tokens += len(out.output_ids)

@@ -22,6 +22,7 @@ benchmark; run ``t1async decontam`` against a benchmark before training on them.
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import re
@@ -373,6 +374,64 @@ def tar_folder(rng: random.Random) -> TaskFiles:
     return TaskFiles(instruction, files, tests, solution)
 
 
+SLOW_VERIFIER_MEDIAN_S = 1.5
+"""Median seconds of a ``slow-build`` verifier (its test suite's running time)."""
+SLOW_VERIFIER_SIGMA = 1.3
+"""Log-space standard deviation of the verifier's seconds: p99 = median x exp(2.33 sigma), about 20x the median."""
+SLOW_VERIFIER_MAX_S = 45.0
+"""Longest verifier draw, seconds (under the generated tasks' 60 s ``[verifier] timeout_sec``)."""
+SLOW_BUILD_MEDIAN_S = 0.5
+"""Median seconds of a ``slow-build`` build command."""
+SLOW_BUILD_SIGMA = 1.0
+"""Log-space standard deviation of the build command's seconds."""
+SLOW_BUILD_MAX_S = 4.0
+"""Longest build draw, seconds (under ``env.command_timeout_s`` of configs/local.yaml, 5 s)."""
+
+
+def slow_seconds(rng: random.Random, median_s: float, sigma: float, max_s: float) -> float:
+    """A lognormal draw (``median_s x exp(sigma x N(0, 1))``), capped at ``max_s``, rounded to 10 ms."""
+    return round(min(max_s, median_s * math.exp(sigma * rng.gauss(0.0, 1.0))), 2)
+
+
+def slow_build(rng: random.Random) -> TaskFiles:
+    """Run a slow build script and save its output; the test suite is slow too (the long-tail family).
+
+    Terminal-Bench episodes spend their time in commands (builds, installs, training runs) and in
+    verifiers (test suites), with a heavy tail: a median of tens of seconds to minutes and a p99
+    of many minutes. This family keeps the shape and divides the scale by about 30 so that a
+    benchmark fits in minutes on a small machine: each instance draws, from its own seeded
+    ``rng`` (so the time is a property of the task, the same at every episode), a verifier time
+    lognormal with median :data:`SLOW_VERIFIER_MEDIAN_S` (1.5 s) and sigma
+    :data:`SLOW_VERIFIER_SIGMA` (1.3: p90 about 8 s, p99 about 30 s, mean about 3.5 s), capped at
+    :data:`SLOW_VERIFIER_MAX_S`, spent in every episode whatever the agent did; and a build time
+    (median 0.5 s, sigma 1.0, capped at 4 s) spent only when the agent runs ``build.sh``. Both
+    are ``sleep``s, so they cost wall time, not CPU, as waiting on a remote sandbox does.
+    """
+    verifier_s = slow_seconds(rng, SLOW_VERIFIER_MEDIAN_S, SLOW_VERIFIER_SIGMA, SLOW_VERIFIER_MAX_S)
+    build_s = slow_seconds(rng, SLOW_BUILD_MEDIAN_S, SLOW_BUILD_SIGMA, SLOW_BUILD_MAX_S)
+    build_id = f"{rng.choice(WORDS)}-{rng.randint(100, 999)}"
+    out = rng.choice(("build.txt", "result.txt", "output.txt"))
+    script = f"#!/bin/sh\n# a slow build: {build_s} s\nsleep {build_s}\necho {build_id}\n"
+    instruction = _pick(rng, "Run /app/build.sh (a slow build) and save what it prints to /app/{o}.",
+                        "/app/build.sh builds the project and prints the build id; it takes a while. Run it and write its output to /app/{o}.").format(o=out)
+    tests = f'''
+        import time
+        from pathlib import Path
+
+        time.sleep({verifier_s})  # this test suite's running time, drawn for this task (envs/synth.py slow_build)
+
+        def test_output_exists():
+            assert Path("/app/{out}").is_file()
+
+        def test_output_value():
+            assert Path("/app/{out}").read_text().strip() == "{build_id}"
+
+        def test_script_untouched():
+            assert Path("/app/build.sh").read_text() == {script!r}
+    '''
+    return TaskFiles(instruction, {"build.sh": script}, tests, f"./build.sh > {out}\n", modes={"build.sh": 0o755})
+
+
 FAMILIES: dict[str, Callable[[random.Random], TaskFiles]] = {
     "count-matches": count_matches,
     "sum-column": sum_column,
@@ -384,8 +443,13 @@ FAMILIES: dict[str, Callable[[random.Random], TaskFiles]] = {
     "copy-count": copy_count,
     "grep-count": grep_count,
     "tar-folder": tar_folder,
+    "slow-build": slow_build,
 }
 """Task families by name (``t1async synth --family NAME``)."""
+
+TIMING_FAMILIES = ("slow-build",)
+"""Families whose running time is the point (``t1async bench async``); ``t1async bench learning``
+leaves them out by default (their sleeps would only slow its fixed-minutes runs)."""
 
 
 _SET_OPTIONS = re.compile(r"set(\s+(-[A-Za-z]*o\s+\w+|[-+][A-Za-z]+))+")

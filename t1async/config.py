@@ -249,6 +249,13 @@ class RolloutConfig:
     crash_after_episodes: int = 0
     """Fault injection for tests: the first rollout actor raises after this many episodes
     (0 = off). Its replacement runs without it."""
+    admission: str = "oldest_episode"
+    """Admission rule (actors/controller.py): ``oldest_episode`` (default) lets a rollout start
+    while ``started < (v + max_staleness + 1) x batch_size x publish_every`` with ``v`` the
+    version of the oldest episode not yet trained (slow episodes are never dropped; they hold
+    admission back); ``learner_version`` uses the learner's version (AReaL's rule: the fast run
+    ahead of a slow episode, which the learner may then drop as stale). With
+    ``learner.max_staleness=0`` either rule is synchronous RL."""
 
 
 @dataclass
@@ -651,6 +658,8 @@ _VALUE_RULES: list[tuple[str, Any, str]] = [
     ("learner.gamma", lambda v: 0 <= v <= 1, "a float in [0, 1]"),
     ("learner.lam", lambda v: 0 <= v <= 1, "a float in [0, 1]"),
     ("rollout.num_actors", lambda v: v >= 1, "an integer >= 1 (scale live through the controller)"),
+    ("rollout.admission", lambda v: v in ("oldest_episode", "learner_version"),
+     "'oldest_episode' (never drops slow episodes) or 'learner_version' (AReaL's rule)"),
     ("sampler.num_samplers", lambda v: v >= 1, "an integer >= 1"),
     ("env.max_turns", lambda v: v >= 1, "an integer >= 1"),
     ("generation.max_new_tokens", lambda v: v >= 1, "an integer >= 1"),

@@ -46,6 +46,7 @@ def test_families_whose_commands_do_not_fit_are_left_out():
     b = bench()
     fit = b.fitting_families(load_config(REPO / "configs" / "learning.yaml", ["generation.max_new_tokens=24"]))
     assert "grep-count" in fit and "count-matches" not in fit and "json-filter" not in fit
+    assert "slow-build" not in fit  # fits, but a timing family (t1async bench async) is left out
 
 
 @pytest.mark.parametrize("args, message", [

@@ -80,8 +80,71 @@ def test_slow_tasks_keep_their_share_of_training():
     tools/bench_admission.py's (``t1async bench admission`` shows AReaL's rule beside it)."""
     b = admission_bench()
     durations = {"fast-a": 0.002, "fast-b": 0.002, "fast-c": 0.002, "slow": 0.15}
-    started, trained, dropped = b.simulate(Controller, durations=durations, steps=60, batch=4, bound=1, actors=4)
+    started, trained, dropped = b.simulate("oldest_episode", durations=durations, steps=60, batch=4, bound=1, actors=4)
     assert not dropped
     assert b.shares(started, trained, dropped, "slow")["max_share_gap_points"] <= 5.0
     for name in durations:
         assert abs(started.count(name) / len(started) - trained.count(name) / len(trained)) <= 0.05
+
+
+def test_bound_zero_is_synchronous_rl():
+    """``learner.max_staleness=0`` is the synchronous mode: each version's batch is started on that
+    version only, the learner waits for all of it, and nothing starts between its last episode
+    and the next publication, so every trajectory trains at staleness 0. Real controller, actors
+    and a learner loop as threads (as in tools/bench_admission.py), episodes of random length."""
+    import queue
+    import random
+    import threading
+    import time
+    import uuid
+
+    batch, steps = 4, 6
+    c = make(batch=batch, eta=0)
+    inbox: queue.Queue = queue.Queue()
+    started_at: list[int] = []  # admission version of every episode started
+
+    def actor(aid: int) -> None:
+        rng = random.Random(aid)
+        while True:
+            name = c.acquire(aid)
+            if name is None:
+                return
+            if name == "":
+                continue
+            version = c.version
+            started_at.append(version)
+            time.sleep(rng.choice((0.001, 0.005, 0.03)))  # a long tail within each batch
+            tid = uuid.uuid4().hex
+            c.episode_finished(aid, tid)
+            inbox.put((tid, version))
+
+    threads = [threading.Thread(target=actor, args=(i,), daemon=True) for i in range(2 * batch)]
+    for t in threads:
+        t.start()
+    try:
+        for version in range(steps):
+            got = [inbox.get(timeout=10) for _ in range(batch)]
+            assert {v for _, v in got} == {version}  # one version per batch, the learner's: staleness 0
+            c.trajectories_consumed([tid for tid, _ in got])
+            time.sleep(0.05)  # training: admission must stay shut until the publication
+            assert len(started_at) == (version + 1) * batch and inbox.empty() and c.status()["running"] == 0
+            c.set_version(version + 1)
+    finally:
+        c._stopping = True  # end admission without Ray (Controller.stop also kills Ray actors)
+        for t in threads:
+            t.join(timeout=5)
+    assert started_at[: steps * batch] == sorted(started_at[: steps * batch])
+
+
+def test_learner_version_rule_lets_fast_episodes_overtake_a_slow_one():
+    """``rollout.admission: learner_version`` (AReaL's rule): an unfinished episode of version 0 does
+    not hold admission back once the learner publishes; under the default rule it does."""
+    for rule, opens in (("learner_version", True), ("oldest_episode", False)):
+        c = Controller(RolloutConfig(num_actors=1, admission=rule), ["a"], rollouts_per_version=1, max_staleness=1,
+                       make_rollout=lambda aid, crash: None, seed=0)
+        assert c.acquire(0)  # the slow episode, still running on version 0
+        assert c.acquire(1)  # rollout 1's episode ...
+        c.episode_finished(1, "t1")
+        c.trajectories_consumed(["t1"])  # ... trained, and version 1 published
+        c.set_version(1)
+        assert bool(c.acquire(1)) is opens, rule

@@ -94,3 +94,24 @@ def test_ctrl_c_stops_cleanly_with_final_checkpoint(tmp_path, inherited, sig):
     ckpts = sorted((run_dir / "checkpoints").glob("step_*"))
     assert ckpts and ckpts[-1].name == f"step_{steps:06d}" and (ckpts[-1] / "model.safetensors").exists()
     assert "Traceback" not in out
+
+
+def test_sync_mode_trains_every_trajectory_at_staleness_zero(tmp_path):
+    """``learner.max_staleness=0`` is synchronous RL through the real launch (the sync baseline of
+    ``t1async bench async``): each step's batch was sampled on one version, the one the learner
+    held, so every trajectory trained at staleness 0 and none was dropped; more actors than the
+    batch do not break it (admission starts exactly one batch per version)."""
+    run_dir = tmp_path / "run"
+    overrides = [f"run.dir={run_dir}", "learner.max_steps=4", "learner.publish_every=1", "learner.batch_size=2",
+                 "learner.max_staleness=0", "rollout.num_actors=3", "env.max_turns=2", "generation.max_new_tokens=16",
+                 "learner.checkpoint_every=0", "learner.episodes_per_step=0"]
+    proc = subprocess.run(CLI + overrides, capture_output=True, text=True, timeout=480)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = _rows(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for r in rows:  # version is the one published after the step: the batch was sampled on the one before
+        assert r["versions_in_batch"] == [r["version"] - 1] and r["staleness_counts"] == {"0": 2}
+        assert r["batch_wait_s"] >= 0 and r["publish_s"] > 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["dropped_stale"] == 0 and summary["trajectories"] == 8
+    assert all(s["busy_s"] > 0 for s in summary["samplers"])

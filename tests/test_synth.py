@@ -141,3 +141,41 @@ def test_oracle_one_command_per_turn_resolves_with_dense_reward(family, sandbox,
     assert final.resolved and final.passed == noop.total
     if family in NEW_FAMILIES:
         assert all(a < b for a, b in zip(passed, passed[1:])), passed
+
+
+# --- the long-tail family -------------------------------------------------------------------------
+
+def _drawn_seconds(task_dir: Path) -> tuple[float, float]:
+    """(verifier seconds, build seconds) written into a slow-build task."""
+    tests = (task_dir / "tests" / "test_outputs.py").read_text()
+    build = (task_dir / "environment" / "files" / "build.sh").read_text()
+    return (float(re.search(r"time\.sleep\(([\d.]+)\)", tests).group(1)),
+            float(re.search(r"sleep ([\d.]+)", build).group(1)))
+
+
+def test_slow_build_times_are_heavy_tailed_and_scaled_down(tmp_path):
+    from t1async.envs.synth import SLOW_BUILD_MAX_S, SLOW_VERIFIER_MAX_S
+
+    draws = [_drawn_seconds(p) for p in synthesize("slow-build", 300, tmp_path / "a", seed=0)]
+    verifier = sorted(v for v, _ in draws)
+    build = sorted(b for _, b in draws)
+    median, p90, p99 = verifier[150], verifier[270], verifier[297]
+    assert 1.0 <= median <= 2.5  # seconds, where Terminal-Bench's are tens of seconds to minutes
+    assert p90 >= 3 * median and p99 >= 10 * median  # heavy tail: p99 tens of seconds
+    assert verifier[-1] <= SLOW_VERIFIER_MAX_S and build[-1] <= SLOW_BUILD_MAX_S and build[0] > 0
+    assert sum(verifier) / len(verifier) > 1.5 * median  # the mean is pulled up by the tail
+    # the time is a property of the task: the same seed draws the same seconds
+    again = [_drawn_seconds(p) for p in synthesize("slow-build", 5, tmp_path / "b", seed=0)]
+    assert again == draws[:5]
+
+
+def test_slow_build_verifier_takes_its_drawn_time(sandbox, tmp_path):
+    import time
+
+    path = synthesize("slow-build", 1, tmp_path / "tasks", seed=1)[0]
+    verifier_s, _ = _drawn_seconds(path)
+    with TerminalEnv(load_task(path), root=tmp_path / "episodes", command_timeout_s=10) as env:
+        env.reset()
+        t0 = time.monotonic()
+        noop = env.verify()
+        assert time.monotonic() - t0 >= verifier_s and noop.total == 3 and noop.passed == 1  # the script is untouched

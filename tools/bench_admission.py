@@ -9,8 +9,8 @@ admission saw; the learner takes trajectories in arrival order and drops those b
 as actors/learner.py does. Two admission rules side by side, same workload:
 
 * ``learner_version``: AReaL's rule, ``started < (learner version + bound + 1) x R``;
-* ``oldest_episode``: t1async's, the same with the admission version of the oldest episode not yet
-  consumed (actors/controller.py).
+* ``oldest_episode``: t1async's default, the same with the admission version of the oldest episode
+  not yet consumed (actors/controller.py; ``rollout.admission`` picks the rule).
 
 Per rule: the slow task's share of episodes started and of trajectories trained, the largest gap
 between the two shares over all tasks (in points), trajectories dropped as stale, and seconds.
@@ -30,17 +30,10 @@ from t1async.cli import OneLineErrors, at_least_one
 from t1async.config import RolloutConfig
 
 
-class LearnerVersionAdmission(Controller):
-    """AReaL's admission rule, for comparison: measured from the learner's version only."""
-
-    def oldest_version(self) -> int:
-        return self.version
-
-
-def simulate(controller_cls: type, *, durations: dict[str, float], steps: int, batch: int, bound: int,
+def simulate(admission: str, *, durations: dict[str, float], steps: int, batch: int, bound: int,
              actors: int, seed: int = 1) -> tuple[list[str], list[str], list[str]]:
     """Run the workload; returns the task names of episodes (started, trained, dropped as stale)."""
-    c = controller_cls(RolloutConfig(num_actors=0), sorted(durations), rollouts_per_version=batch,
+    c = Controller(RolloutConfig(num_actors=0, admission=admission), sorted(durations), rollouts_per_version=batch,
                        max_staleness=bound, make_rollout=None, seed=seed)
     started: list[str] = []
     trained: list[str] = []
@@ -106,9 +99,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--slow-s must be positive and --bound >= 0")
     durations = {"fast-a": 0.002, "fast-b": 0.002, "fast-c": 0.002, "slow": args.slow_s}
     out: dict[str, Any] = {"slow_s": args.slow_s, "bound": args.bound, "steps": args.steps, "batch": 4}
-    for name, cls in (("learner_version", LearnerVersionAdmission), ("oldest_episode", Controller)):
+    for name in ("learner_version", "oldest_episode"):
         t0 = time.perf_counter()
-        s, t, d = simulate(cls, durations=durations, steps=args.steps, batch=4, bound=args.bound, actors=4)
+        s, t, d = simulate(name, durations=durations, steps=args.steps, batch=4, bound=args.bound, actors=4)
         out[name] = {**shares(s, t, d, "slow"), "seconds": round(time.perf_counter() - t0, 2)}
     print(json.dumps(out))
     return 0

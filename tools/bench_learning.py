@@ -103,15 +103,18 @@ def instance_hash(task_dir: Path) -> str:
 
 
 def fitting_families(cfg: Config) -> list[str]:
-    """Synth families whose oracle commands all fit ``generation.max_new_tokens`` (checked on 8 instances)."""
+    """Synth families whose oracle commands all fit ``generation.max_new_tokens`` (checked on 8
+    instances), less the timing families (:data:`~t1async.envs.synth.TIMING_FAMILIES`)."""
     import random
 
-    from t1async.envs.synth import FAMILIES, oracle_commands
+    from t1async.envs.synth import FAMILIES, TIMING_FAMILIES, oracle_commands
     from t1async.tokenizer import ChatTokenizer
 
     tok = ChatTokenizer.load()
     out = []
     for name, make in FAMILIES.items():
+        if name in TIMING_FAMILIES:
+            continue
         longest = 0
         for i in range(8):
             spec = make(random.Random(f"fit/{name}/{i}"))
