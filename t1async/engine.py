@@ -252,6 +252,7 @@ class Engine:
         self.weight_version = 0
         self._cache: OrderedDict[int, _Cached] = OrderedDict()
         self._next_key = 0
+        self._params = list(model.parameters())
         self._stamp = self._weights_stamp()
         self.cache_hits = 0
         self.cached_tokens = 0
@@ -274,8 +275,16 @@ class Engine:
             self._cache.clear()
 
     def _weights_stamp(self) -> tuple[int, ...]:
-        """Identity and in-place-write counter of every parameter: changes on any weight update."""
-        return tuple(x for p in self.model.parameters() for x in (id(p), p._version))
+        """Identity and in-place-write counter of every parameter: changes on any weight update.
+        Walks the module tree (parameters replaced, not only written, are seen); per step the
+        engine checks only the write counters of the parameters it knows (:meth:`_written`)."""
+        self._params = list(self.model.parameters())
+        self._versions = tuple(p._version for p in self._params)
+        return tuple(x for p in self._params for x in (id(p), p._version))
+
+    def _written(self) -> bool:
+        """Whether any known parameter was written in place since the last :meth:`_weights_stamp`."""
+        return any(p._version != v for p, v in zip(self._params, self._versions))
 
     def _take_prefix(self, ids: list[int]) -> tuple[KVCache | None, torch.Tensor | None, int]:
         """Remove and return the cached entry sharing the longest prefix with ``ids`` (at least
@@ -393,9 +402,8 @@ class Engine:
             if not active:
                 return 0
             try:
-                stamp = self._weights_stamp()
-                if stamp != self._stamp:  # admission already flushed; anything mid-request now mixes weights
-                    self._stamp = stamp
+                if self._written():  # admission already flushed; anything mid-request now mixes weights
+                    self._stamp = self._weights_stamp()
                     self.flush_cache()
                     raise RuntimeError("the model's weights changed while requests were in flight; update "
                                        "weights inside Engine.between_requests()")
@@ -414,10 +422,12 @@ class Engine:
 
     def _admit(self, req: Request) -> None:
         """Give a newly active request its KV cache (a cached prefix when one matches)."""
-        stamp = self._weights_stamp()
-        if stamp != self._stamp:
-            if not self._active[:-1]:  # new weights: nothing cached may carry the old ones
+        if not self._active[:-1]:  # nothing else in flight: full check (replaced or written parameters)
+            stamp = self._weights_stamp()
+            if stamp != self._stamp:  # new weights: nothing cached may carry the old ones
                 self._stamp = stamp
+                self._cache.clear()
+        elif self._written():  # mid-flight write: step() fails the batch
             self._cache.clear()
         req.version = self.weight_version
         kv, rows, m = self._take_prefix(req.ids) if self.prefix_cache else (None, None, 0)

@@ -151,14 +151,12 @@ class Linear(nn.Linear):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead, h = x.shape[:-1], x.shape[-1]
-        x2 = x.reshape(-1, h)
-        m = x2.shape[0]
-        pad = -m % ROW_MULTIPLE if m else 0
-        if pad:
-            x2 = torch.cat((x2, x2.new_zeros(pad, h)))
-        y = F.linear(x2, self.weight, self.bias)
-        return (y[:m] if pad else y).reshape(*lead, y.shape[-1])
+        m = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        pad = -m % ROW_MULTIPLE
+        if not pad:
+            return F.linear(x, self.weight, self.bias)
+        y = F.linear(F.pad(x.reshape(m, x.shape[-1]), (0, 0, 0, pad)), self.weight, self.bias)
+        return y[:m].reshape(*x.shape[:-1], y.shape[-1])
 
 
 # ----------------------------------------------------------------------------- KV cache
