@@ -9,9 +9,12 @@ Endpoints (the subset of SGLang 0.5.x that t1async uses; bodies and answers are 
   staging buffers, then swap them in between two requests and take the new version.
 - ``GET /get_weight_version``, ``GET /health``, ``POST /flush_cache`` (drops the engine's prefix cache).
 
-Data path: rollout actors call /generate (each request holds the engine lock for its whole
-generation); the learner calls /update_weights_from_distributed (the broadcast runs outside the
-lock, the swap inside it, so a swap never lands mid-request). Stopped by :meth:`shutdown`.
+Data path: rollout actors call /generate; each HTTP thread submits its request to the engine and
+waits, while the engine thread batches every in-flight request into one forward per step
+(continuous batching, t1async/engine.py). The learner calls /update_weights_from_distributed: the
+broadcast runs while generation continues, the swap inside ``Engine.between_requests`` (admission
+paused, in-flight requests finished first), so a swap never lands mid-request and every answer's
+``weight_version`` covers all its tokens. Stopped by :meth:`shutdown`.
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ from __future__ import annotations
 import base64
 import json
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -56,12 +58,14 @@ class EmbeddedSampler:
             raise ValueError(f"sampler.dtype {cfg.dtype!r} is not one of {sorted(_DTYPES)}")
         self.model_cfg = model_cfg
         model = Qwen3MoeForCausalLM(model_cfg).to(_DTYPES[cfg.dtype]).eval()
-        self.engine = Engine(model, seed=seed, prefix_cache=cfg.prefix_cache, prefill_chunk=cfg.prefill_chunk)
+        self.engine = Engine(model, seed=seed, prefix_cache=cfg.prefix_cache, prefill_chunk=cfg.prefill_chunk,
+                             max_batch=cfg.max_batch)
         self.version = -1
+        self.engine.weight_version = -1
+        self.engine.start()
         self.requests = 0
         self.generated_tokens = 0
-        self.busy_s = 0.0  # seconds spent generating (the engine runs one request at a time)
-        self._lock = threading.Lock()
+        self._stats_lock = threading.Lock()
         self._group = None
         sampler = self
 
@@ -122,16 +126,18 @@ class EmbeddedSampler:
         return self._url
 
     def stats(self) -> dict[str, int]:
-        """Weight version held, requests served, tokens generated, seconds spent generating,
-        prefix-cache hits and the prompt tokens they did not recompute."""
+        """Weight version held, requests served, tokens generated, seconds the engine spent in
+        forwards (``busy_s``), prefix-cache hits and the prompt tokens they did not recompute,
+        packed forwards run and the sequences they carried."""
+        e = self.engine
         return {"weight_version": self.version, "requests": self.requests, "generated_tokens": self.generated_tokens,
-                "busy_s": round(self.busy_s, 3),
-                "prefix_cache_hits": self.engine.cache_hits, "prefix_cached_tokens": self.engine.cached_tokens}
+                "busy_s": round(e.busy_s, 3), "prefix_cache_hits": e.cache_hits, "prefix_cached_tokens": e.cached_tokens,
+                "forwards": e.forwards, "forward_sequences": e.forward_sequences}
 
     def handle_flush_cache(self, body: dict) -> dict:
-        """SGLang ``/flush_cache``: drop every cached prefix (between requests)."""
-        with self._lock:
-            self.engine.flush_cache()
+        """SGLang ``/flush_cache``: drop every cached prefix (between forwards; requests in flight
+        keep their own KV)."""
+        self.engine.flush_cache()
         return {"success": True}
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
@@ -142,10 +148,10 @@ class EmbeddedSampler:
         Raises:
             RuntimeError: missing or unexpected parameter names (strict load).
         """
-        with self._lock, torch.no_grad():
+        with self.engine.between_requests(), torch.no_grad():
             self.engine.model.load_state_dict(state_dict, strict=True)
             self.engine.flush_cache()
-            self.version = int(version)
+            self.version = self.engine.weight_version = int(version)
 
     def handle_generate(self, body: dict) -> dict:
         """SGLang ``/generate`` (single request, ``input_ids`` form).
@@ -160,21 +166,19 @@ class EmbeddedSampler:
         if any(i < 0 or i >= self.model_cfg.vocab_size for i in ids):
             raise RequestError(f"input_ids must lie in [0, {self.model_cfg.vocab_size})")
         sp = body.get("sampling_params") or {}
-        known = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids"}
+        known = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "sampling_seed"}
         unknown = set(sp) - known
         if unknown:
             raise RequestError(f"unsupported sampling_params {sorted(unknown)}; supported: {sorted(known)}")
         params = SamplingParams(**sp)
         start = int(body.get("routed_experts_start_len", 0))
-        with self._lock:
-            if self.version < 0:
-                raise NotReady("no weights loaded yet: the learner has not published version 0")
-            t0 = time.perf_counter()
-            out = self.engine.generate(ids, params, routed_experts_start_len=start)
-            self.busy_s += time.perf_counter() - t0
-            version = self.version
-        self.requests += 1
-        self.generated_tokens += len(out.output_ids)
+        if self.version < 0:
+            raise NotReady("no weights loaded yet: the learner has not published version 0")
+        out = self.engine.submit(ids, params, routed_experts_start_len=start).result()
+        version = out.weight_version  # the weights every token of this answer came from
+        with self._stats_lock:
+            self.requests += 1
+            self.generated_tokens += len(out.output_ids)
         meta: dict[str, Any] = {
             "output_token_logprobs": [[lp, t, None] for lp, t in zip(out.output_logprobs, out.output_ids)],
             "finish_reason": out.finish_reason,
@@ -226,18 +230,19 @@ class EmbeddedSampler:
         bad = [n for n, b in staged if n not in params or tuple(params[n].shape) != tuple(b.shape)]
         if bad:
             return {"success": False, "message": f"unknown or misshapen parameters: {bad[:5]}"}
-        with self._lock, torch.no_grad():
+        with self.engine.between_requests(), torch.no_grad():  # in-flight requests finish first
             for name, buf in staged:
                 params[name].copy_(buf)
             self.engine.flush_cache()  # cached prefixes hold the old weights' KV and routing
-            self.version = int(body.get("weight_version", self.version + 1))
+            self.version = self.engine.weight_version = int(body.get("weight_version", self.version + 1))
         logger.info("sampler {} now holds weight version {}", self._url, self.version)
         return {"success": True, "message": f"version {self.version}"}
 
     def shutdown(self) -> None:
-        """Stop serving."""
+        """Stop serving (HTTP first, then the engine thread)."""
         self._server.shutdown()
         self._server.server_close()
+        self.engine.stop()
 
 
 class NotReady(RuntimeError):

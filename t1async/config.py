@@ -114,12 +114,16 @@ class SamplerConfig:
     """Interface the embedded HTTP servers listen on."""
     dtype: str = "float32"
     """Weights/activation dtype of the embedded engine: float32 or bfloat16."""
-    prefix_cache: int = 8
+    prefix_cache: int = 32
     """Sequences whose KV cache and routing rows the embedded engine keeps for reuse by the
     next turn of the same episode (LRU; 0 = off). Keeps each position's routing row the one
-    that shaped later tokens (see t1async/engine.py)."""
+    that shaped later tokens (see t1async/engine.py). Keep it >= the episodes one sampler
+    serves at once, or concurrent episodes evict each other's prefixes."""
     prefill_chunk: int = 0
     """Embedded engine: feed prompts in chunks of at most this many tokens (0 = one forward)."""
+    max_batch: int = 64
+    """Embedded engine: most concurrent requests batched into one forward (continuous batching);
+    more wait for a free slot."""
     request_timeout_s: float = 300.0
     """HTTP timeout of one /generate call, seconds."""
 

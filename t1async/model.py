@@ -19,6 +19,20 @@ Padding: there is no attention mask. Batches must be right-padded: causality alo
 real token from seeing the padding to its right, and the outputs at padded positions are garbage
 the caller ignores. (Padded positions still pick experts; that does not change real tokens.)
 
+Packed batches (:meth:`Qwen3MoeForCausalLM.forward_packed`, the embedded engine's continuous
+batching): the new tokens of several sequences are concatenated into one row of N tokens, each
+sequence with its own :class:`KVCache`; every row-wise op (norms, projections, router, experts,
+LM head) runs over the N tokens at once, attention runs per sequence on exactly the shapes a lone
+forward of that sequence uses. No padding token exists, so none can route or be attended to.
+
+Batch invariance: every linear layer is a :class:`Linear` that feeds its matmul a multiple of 4
+rows (zero rows appended). Measured on this machine kind (torch 2.13 CPU, float32, 1 and 2
+threads): the BLAS picks a different kernel for 1-3 rows and splits remainder rows differently
+across threads, so a token's output depended on how many other rows shared its matmul; with a
+multiple of 4 rows it is bitwise the same whatever the batch (tests/test_batching.py). Hence a
+sequence decoded in a packed batch gets bitwise the logits and routing of the same sequence
+decoded alone.
+
 Newer transformers (v5) store a layer's experts fused as 3D tensors
 (``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]) and convert the
 per-expert layout written here on load; :meth:`Qwen3MoeForCausalLM.from_pretrained` also accepts
@@ -41,6 +55,8 @@ from t1async.config import ModelConfig
 
 __all__ = [
     "KVCache",
+    "Linear",
+    "PackedSegments",
     "ModelOutput",
     "Qwen3MoeForCausalLM",
     "Qwen3MoeModel",
@@ -119,6 +135,30 @@ def _check_config(cfg: ModelConfig) -> None:
                          f"{cfg.num_experts}]")
 
 
+# ----------------------------------------------------------------------------- batch-invariant linear
+
+ROW_MULTIPLE = 4
+"""Rows a :class:`Linear` matmul is padded to a multiple of (see the module docstring)."""
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` whose result for one row never depends on the other rows of the batch.
+
+    The input's leading dims are flattened to M rows and zero rows are appended up to a multiple
+    of :data:`ROW_MULTIPLE` (at most 3; the BLAS' kernel choice and thread split then treat
+    every row alike), then cut off again. Same parameters and state_dict names as ``nn.Linear``;
+    gradients flow as usual (the padding rows get none).
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        pad = -m % ROW_MULTIPLE
+        if not pad:
+            return F.linear(x, self.weight, self.bias)
+        y = F.linear(F.pad(x.reshape(m, x.shape[-1]), (0, 0, 0, pad)), self.weight, self.bias)
+        return y[:m].reshape(*x.shape[:-1], y.shape[-1])
+
+
 # ----------------------------------------------------------------------------- KV cache
 
 
@@ -169,6 +209,19 @@ class KVCache:
         kb[:, :, t0:t1] = k
         vb[:, :, t0:t1] = v
         return kb[:, :, :t1], vb[:, :, :t1]
+
+
+@dataclass
+class PackedSegments:
+    """How one packed row of N new tokens splits into sequences (continuous batching).
+
+    Sequence s owns the next ``lengths[s]`` tokens of the row (in order) and ``caches[s]``, a
+    batch-1 :class:`KVCache` holding its earlier positions; its tokens sit at positions
+    ``caches[s].seq_len + arange(lengths[s])`` and attend only to their own sequence.
+    """
+
+    caches: list[KVCache]
+    lengths: list[int]
 
 
 # ----------------------------------------------------------------------------- layers
@@ -238,35 +291,50 @@ class Qwen3MoeAttention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, self.nh * self.hd, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=False)
-        self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
+        self.q_proj = Linear(cfg.hidden_size, self.nh * self.hd, bias=False)
+        self.k_proj = Linear(cfg.hidden_size, self.nkv * self.hd, bias=False)
+        self.v_proj = Linear(cfg.hidden_size, self.nkv * self.hd, bias=False)
+        self.o_proj = Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: KVCache | None) -> torch.Tensor:
+                kv_cache: "KVCache | PackedSegments | None") -> torch.Tensor:
         B, T, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(B, T, self.nh, self.hd)).transpose(1, 2)
         k = self.k_norm(self.k_proj(x).view(B, T, self.nkv, self.hd)).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
         q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
-        past = 0
-        if kv_cache is not None:
-            past = kv_cache.seq_len
-            k, v = kv_cache.update(self.layer_idx, k, v)
+        if isinstance(kv_cache, PackedSegments):  # B == 1: each sequence attends to its own cache
+            outs, a = [], 0
+            for cache, n in zip(kv_cache.caches, kv_cache.lengths):
+                past = cache.seq_len
+                ks, vs = cache.update(self.layer_idx, k[:, :, a:a + n], v[:, :, a:a + n])
+                outs.append(self._attend(q[:, :, a:a + n], ks, vs, past))
+                a += n
+            o = outs[0] if len(outs) == 1 else torch.cat(outs, 2)
+        else:
+            past = 0
+            if kv_cache is not None:
+                past = kv_cache.seq_len
+                k, v = kv_cache.update(self.layer_idx, k, v)
+            o = self._attend(q, k, v, past)
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, self.nh * self.hd))
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> torch.Tensor:
+        """Causal SDPA of queries q [B, nh, T, D] at positions past.. over keys/values
+        [B, nkv, past + T, D]; returns [B, nh, T, D]."""
+        T = q.shape[2]
         # GQA: kv head j serves query heads [j*nh/nkv, (j+1)*nh/nkv) (HF's repeat_kv grouping),
         # done inside SDPA without materialising repeated keys.
         gqa = self.nkv != self.nh
         if T == 1:  # one new token sees everything cached
-            o = F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
-        elif past == 0:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        else:  # chunk after a cached prefix: query i (absolute past+i) sees keys j <= past+i
-            mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(diagonal=past)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        return self.o_proj(o.transpose(1, 2).reshape(B, T, self.nh * self.hd))
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+        if past == 0:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        # chunk after a cached prefix: query i (absolute past+i) sees keys j <= past+i
+        mask = torch.ones(T, past + T, dtype=torch.bool, device=q.device).tril(diagonal=past)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 class Qwen3MoeMLP(nn.Module):
@@ -274,9 +342,9 @@ class Qwen3MoeMLP(nn.Module):
 
     def __init__(self, hidden: int, inter: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_proj = Linear(hidden, inter, bias=False)
+        self.up_proj = Linear(hidden, inter, bias=False)
+        self.down_proj = Linear(inter, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -294,7 +362,7 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         super().__init__()
         self.num_experts, self.top_k, self.norm_topk_prob = (
             cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob)
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = nn.ModuleList(
             Qwen3MoeMLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
 
@@ -374,7 +442,10 @@ class Qwen3MoeModel(nn.Module):
             x, ids, own = layer(x, cos, sin, kv_cache, replay, own_topk)
             routing.append(ids)
             owns.append(own)
-        if kv_cache is not None:
+        if isinstance(kv_cache, PackedSegments):
+            for cache, n in zip(kv_cache.caches, kv_cache.lengths):
+                cache.seq_len += n
+        elif kv_cache is not None:
             kv_cache.seq_len += T
         return self.norm(x), torch.stack(routing, dim=2), torch.stack(owns, dim=2) if own_topk else None
 
@@ -396,7 +467,7 @@ class Qwen3MoeForCausalLM(nn.Module):
         _check_config(cfg)
         self.cfg = cfg
         self.model = Qwen3MoeModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.apply(self._init_weights)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -451,6 +522,39 @@ class Qwen3MoeForCausalLM(nn.Module):
         return ModelOutput(logits=logits, hidden=hidden,
                            routed_experts=routing if return_routing else None, kv_cache=kv_cache,
                            router_experts=own)
+
+    def forward_packed(self, input_ids: torch.Tensor, segments: PackedSegments) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward over the new tokens of several sequences packed into one row (the
+        embedded engine's continuous batching: prefill chunks and decode steps together).
+
+        Args:
+            input_ids: [N] int64 token ids, the sequences' new tokens concatenated in order.
+            segments: per sequence its KV cache (batch 1; read, written, advanced by its length)
+                and its number of new tokens (>= 1; they sum to N). A cache may appear once.
+
+        Returns:
+            (logits [S, V] float32 at each sequence's last new token, routed experts [N, L, K]
+            int64 of every new token). A sequence's logits and routing rows are bitwise those of
+            the same tokens fed alone through :meth:`forward_packed` (see the module docstring).
+
+        Raises:
+            ValueError: ``input_ids`` not 1-D, a length < 1, lengths not summing to N, or a cache
+                listed twice.
+        """
+        if input_ids.dim() != 1:
+            raise ValueError(f"input_ids must be [N], got shape {tuple(input_ids.shape)}")
+        lengths = [int(n) for n in segments.lengths]
+        if len(lengths) != len(segments.caches) or any(n < 1 for n in lengths) or sum(lengths) != input_ids.shape[0]:
+            raise ValueError(f"segments.lengths {lengths} must be >= 1 each, one per cache, and sum to "
+                             f"{input_ids.shape[0]} tokens")
+        if len({id(c) for c in segments.caches}) != len(segments.caches):
+            raise ValueError("a KV cache appears twice in one packed forward")
+        pos = torch.cat([torch.arange(c.seq_len, c.seq_len + n) for c, n in zip(segments.caches, lengths)])
+        hidden, routing, _ = self.model(input_ids[None], pos[None].to(input_ids.device), None,
+                                        PackedSegments(list(segments.caches), lengths), own_topk=False)
+        last = torch.tensor(lengths).cumsum(0) - 1
+        logits = self.lm_head(hidden[0, last.to(hidden.device)]).float()
+        return logits, routing[0]
 
     def _check_replay(self, r: torch.Tensor, B: int, T: int) -> torch.Tensor:
         L, K, E = self.cfg.num_hidden_layers, self.cfg.num_experts_per_tok, self.cfg.num_experts
