@@ -467,9 +467,10 @@ class LearnerConfig:
     long episode (100k tokens and more) fits in memory: the LM head and its log-probs run this
     many positions at a time and every decoder layer is activation-checkpointed (recomputed in
     the backward); log-probs, gradients and routing equal those of one plain forward up to float
-    summation order (tests/test_long_horizon.py). About 7 KB per token of the default model
-    instead of about 140 KB (``t1async bench long-horizon``). 0 = never chunk. Shorter
-    trajectories take the plain forward, unchanged."""
+    summation order (tests/test_long_horizon.py). A learner step then peaks at about 69 KiB per
+    token of the default model instead of about 188 KiB (``t1async bench long-horizon``), for
+    about twice the time (the recomputation). 0 = never chunk. Shorter trajectories take the
+    plain forward, unchanged."""
     abnormal: AbnormalConfig = field(default_factory=AbnormalConfig)
     """What to train of episodes and turns that did not end normally (see :class:`AbnormalConfig`)."""
     backend: str = "torch"
