@@ -360,8 +360,9 @@ class AbnormalConfig:
     """A turn whose command hit a sandbox limit (processes, memory, disk). Default train: as for a
     timeout, the limit is part of the environment the policy acts in."""
     context_full: str = "train"
-    """An episode ended because the next turn would not fit the model's context (``train`` or
-    ``drop``). Default train: the verifier judged the final state, so the reward is real."""
+    """An episode ended because the next turn would not fit the context (``env.max_context_tokens``,
+    default the model's; ``train`` or ``drop``). Default train: the verifier judged the final
+    state, so the reward is real."""
     episode_timeout: str = "train"
     """An episode ended because the agent's time budget was spent (finish_reason ``timeout``;
     ``train`` or ``drop``). Default train: the reward of the state reached in time is real."""
