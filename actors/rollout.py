@@ -70,6 +70,11 @@ ABORT_NOTE = "[the sampler aborted your message; the command was not run]"
 """Observation of a turn the sampler aborted."""
 
 
+class EpisodeError(RuntimeError):
+    """An episode ended before it sampled anything (its prompt does not fit the context, or its
+    time budget was spent first): there is no trajectory to send."""
+
+
 class EpisodeBuilder:
     """Accumulates one episode's token stream; every list stays aligned token by token.
 
@@ -179,7 +184,7 @@ def run_episode(task: Task, env: TerminalEnv, sampler: Sampler, tokenizer: ChatT
 
     The episode ends on the end signal, after ``env_cfg.max_turns`` turns, when the agent's time
     budget (the smaller of the task's and ``env_cfg.episode_timeout_s``) is spent, or when the
-    next turn would not fit the model's context.
+    next turn would not fit the context (:func:`context_limit`; ``finish_reason`` ``context_full``).
 
     Each turn's status is recorded (``turn_status``): a turn cut at ``max_new_tokens`` is never
     run as if it were whole (not run unless ``env_cfg.run_cut_commands``; marked length-cut
@@ -189,6 +194,7 @@ def run_episode(task: Task, env: TerminalEnv, sampler: Sampler, tokenizer: ChatT
     Raises:
         SamplerError, SandboxError: the episode could not run (the caller logs and counts it),
             including a sampler answer without a single token.
+        EpisodeError: the episode ended before its first turn (no trajectory).
     """
     started = time.time()
     instruction = env.reset()
@@ -197,12 +203,13 @@ def run_episode(task: Task, env: TerminalEnv, sampler: Sampler, tokenizer: ChatT
     eot = tokenizer.end_of_turn_ids
     params = {"max_new_tokens": gen_cfg.max_new_tokens, "temperature": gen_cfg.temperature, "top_p": gen_cfg.top_p,
               "top_k": gen_cfg.top_k, "stop_token_ids": [tokenizer.im_end_id, tokenizer.eos_id]}
+    context = context_limit(env_cfg, model_cfg)
     finish = "max_turns"
     for _ in range(env_cfg.max_turns):
         if time.time() - started > budget:
             finish = "timeout"
             break
-        if len(ep.ids) + gen_cfg.max_new_tokens > model_cfg.max_position_embeddings:
+        if len(ep.ids) + gen_cfg.max_new_tokens > context:
             finish = "context_full"
             break
         resp = sampler.generate(ep.ids, params, routed_experts_start_len=ep.routing_rows)
@@ -238,6 +245,11 @@ def run_episode(task: Task, env: TerminalEnv, sampler: Sampler, tokenizer: ChatT
         elif cut:
             ep.turn_status[-1] = TURN_LENGTH_CUT
         ep.add_context(tokenizer.render_observation(output))
+    if not ep.turns:  # nothing sampled: no trajectory to build (the caller counts the failed episode)
+        raise EpisodeError(f"episode of {task.name} ended ({finish}) before its first turn: the prompt is "
+                           f"{len(ep.ids)} tokens, the context {context} and generation.max_new_tokens "
+                           f"{gen_cfg.max_new_tokens}" + ("; raise env.max_context_tokens or "
+                           "model.max_position_embeddings, or shorten the prompt" if finish == "context_full" else ""))
     verdict = env.verify()
     if verdict.error:  # keep the evidence: the trajectory carries only the error line
         logger.warning("verifier of {} failed: {}\n--- verifier output (tail) ---\n{}", task.name, verdict.error,
@@ -248,6 +260,14 @@ def run_episode(task: Task, env: TerminalEnv, sampler: Sampler, tokenizer: ChatT
         tests=[(t.name, t.passed) for t in verdict.tests], verifier_error=verdict.error,
         started_at=started, finished_at=time.time(),
     )
+
+
+def context_limit(env_cfg: EnvConfig, model_cfg: ModelConfig) -> int:
+    """Most tokens an episode's stream may reach: ``env.max_context_tokens`` capped at the model's
+    ``max_position_embeddings`` (0: the model's). A turn starts only while the stream plus
+    ``generation.max_new_tokens`` fits, so no prompt the sampler is sent is ever too long."""
+    model_max = model_cfg.max_position_embeddings
+    return min(env_cfg.max_context_tokens, model_max) if env_cfg.max_context_tokens else model_max
 
 
 class RolloutActor:

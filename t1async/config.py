@@ -197,6 +197,12 @@ class EnvConfig:
     """Settings of the ``container`` backend."""
     max_turns: int = 4
     """Assistant turns per episode before it is ended."""
+    max_context_tokens: int = 0
+    """Longest episode stream, tokens (0: ``model.max_position_embeddings``; a larger value is
+    capped at it). Before each turn the rollout checks that the stream plus
+    ``generation.max_new_tokens`` fits; when it would not, the episode ends there with
+    ``finish_reason`` ``context_full`` and goes to the verifier as it stands (trained as
+    ``learner.abnormal.context_full`` says), never a sampler error or a truncated prompt."""
     episode_timeout_s: float = 120.0
     """Wall-clock budget of the agent part of an episode, seconds."""
     command_timeout_s: float = 10.0
@@ -368,8 +374,9 @@ class AbnormalConfig:
     """A turn whose command hit a sandbox limit (processes, memory, disk). Default train: as for a
     timeout, the limit is part of the environment the policy acts in."""
     context_full: str = "train"
-    """An episode ended because the next turn would not fit the model's context (``train`` or
-    ``drop``). Default train: the verifier judged the final state, so the reward is real."""
+    """An episode ended because the next turn would not fit the context (``env.max_context_tokens``,
+    default the model's; ``train`` or ``drop``). Default train: the verifier judged the final
+    state, so the reward is real."""
     episode_timeout: str = "train"
     """An episode ended because the agent's time budget was spent (finish_reason ``timeout``;
     ``train`` or ``drop``). Default train: the reward of the state reached in time is real."""
@@ -470,6 +477,15 @@ class LearnerConfig:
     them with ``t1async.trajectory.decode``) for inspection."""
     batch_timeout_s: float = 600.0
     """Longest wait for one batch before the learner reports it is starved and stops."""
+    max_tokens_per_chunk: int = 4096
+    """``torch`` backend: a trajectory longer than this many tokens is trained in chunks, so a
+    long episode (100k tokens and more) fits in memory: the LM head and its log-probs run this
+    many positions at a time and every decoder layer is activation-checkpointed (recomputed in
+    the backward); log-probs, gradients and routing equal those of one plain forward up to float
+    summation order (tests/test_long_horizon.py). A learner step then peaks at about 69 KiB per
+    token of the default model instead of about 188 KiB (``t1async bench long-horizon``), for
+    about twice the time (the recomputation). 0 = never chunk. Shorter trajectories take the
+    plain forward, unchanged."""
     abnormal: AbnormalConfig = field(default_factory=AbnormalConfig)
     """What to train of episodes and turns that did not end normally (see :class:`AbnormalConfig`)."""
     backend: str = "torch"
@@ -666,6 +682,8 @@ _VALUE_RULES: list[tuple[str, Any, str]] = [
      "'oldest_episode' (never drops slow episodes) or 'learner_version' (AReaL's rule)"),
     ("sampler.num_samplers", lambda v: v >= 1, "an integer >= 1"),
     ("env.max_turns", lambda v: v >= 1, "an integer >= 1"),
+    ("env.max_context_tokens", lambda v: v >= 0, "an integer >= 0 (0: model.max_position_embeddings)"),
+    ("learner.max_tokens_per_chunk", lambda v: v >= 0, "an integer >= 0 (0: never chunk)"),
     ("generation.max_new_tokens", lambda v: v >= 1, "an integer >= 1"),
     ("generation.temperature", lambda v: v >= 0, "a float >= 0 (0: greedy)"),
     ("generation.top_p", lambda v: 0 < v <= 1, "a float in (0, 1]"),
@@ -719,6 +737,8 @@ _VALUE_RULES: list[tuple[str, Any, str]] = [
 
 # (rule over the whole config, the keys it concerns, what must hold)
 _CROSS_RULES: list[tuple[Any, str, str]] = [
+    (lambda c: c.env.max_context_tokens == 0 or c.env.max_context_tokens > c.generation.max_new_tokens,
+     "env.max_context_tokens", "0 (the model's context) or more than generation.max_new_tokens"),
     (lambda c: 1 <= c.model.num_experts_per_tok <= c.model.num_experts, "model.num_experts_per_tok",
      "between 1 and model.num_experts"),
     (lambda c: c.model.num_key_value_heads >= 1 and c.model.num_attention_heads % c.model.num_key_value_heads == 0,

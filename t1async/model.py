@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from t1async.config import ModelConfig
 
@@ -421,11 +422,20 @@ class Qwen3MoeDecoderLayer(nn.Module):
 
 
 class Qwen3MoeModel(nn.Module):
-    """Decoder trunk (HF ``model.``): ``embed_tokens``, ``layers``, final ``norm``."""
+    """Decoder trunk (HF ``model.``): ``embed_tokens``, ``layers``, final ``norm``.
+
+    Attributes:
+        gradient_checkpointing: when True (HF's attribute name), a forward with gradients and
+            no KV cache keeps only each layer's input and recomputes the layer in the backward
+            (``torch.utils.checkpoint``, non-reentrant): activation memory of one layer instead
+            of all. The recomputation takes the same inputs (replayed expert ids included), so
+            outputs, routing and gradients equal those of the plain forward. Default False.
+    """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
+        self.gradient_checkpointing = False
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Qwen3MoeDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -439,7 +449,10 @@ class Qwen3MoeModel(nn.Module):
         routing, owns = [], []
         for i, layer in enumerate(self.layers):
             replay = None if routed_experts is None else routed_experts[:, :, i].reshape(B * T, -1)
-            x, ids, own = layer(x, cos, sin, kv_cache, replay, own_topk)
+            if self.gradient_checkpointing and kv_cache is None and torch.is_grad_enabled():
+                x, ids, own = checkpoint(layer, x, cos, sin, None, replay, own_topk, use_reentrant=False)
+            else:
+                x, ids, own = layer(x, cos, sin, kv_cache, replay, own_topk)
             routing.append(ids)
             owns.append(own)
         if isinstance(kv_cache, PackedSegments):

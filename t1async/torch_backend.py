@@ -4,18 +4,20 @@ and reference (the CPU default; the interface is t1async/backend.py)."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
 
 from t1async.backend import AdamWPair, PolicyForward
 from t1async.config import GenerationConfig, LearnerConfig, ModelConfig
-from t1async.model import Qwen3MoeForCausalLM
+from t1async.model import Qwen3MoeForCausalLM, Qwen3MoeModel
 from t1async.rl import token_logprobs
 
-__all__ = ["TorchBackend", "ValueModel", "load_policy"]
+__all__ = ["TorchBackend", "ValueModel", "chunked_token_logprobs", "layer_checkpointing", "load_policy"]
 
 
 class ValueModel(nn.Module):
@@ -40,6 +42,48 @@ class ValueModel(nn.Module):
         positions = torch.arange(T, device=input_ids.device).expand(B, T)
         hidden, _, _ = self.backbone(input_ids, positions, None, None)
         return self.head(hidden.float()).squeeze(-1)
+
+
+@contextmanager
+def layer_checkpointing(trunk: Qwen3MoeModel) -> Iterator[None]:
+    """Turn on ``trunk.gradient_checkpointing`` for the forwards inside the block (the backward
+    may run later: the checkpoints recorded in the block recompute their layer then)."""
+    before = trunk.gradient_checkpointing
+    trunk.gradient_checkpointing = True
+    try:
+        yield
+    finally:
+        trunk.gradient_checkpointing = before
+
+
+def chunked_token_logprobs(head: nn.Module, hidden: torch.Tensor, tgt: torch.Tensor, g: GenerationConfig,
+                           chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`t1async.rl.token_logprobs` of ``head(hidden).float()``, ``chunk`` positions at a time.
+
+    With gradients on, each chunk is checkpointed (``torch.utils.checkpoint``, non-reentrant):
+    only its hidden slice is kept and its logits are recomputed, one chunk at a time, in the
+    backward, so at most ``chunk x vocab_size`` logits live at once. Every position's log-prob
+    is a function of its own row alone (log-softmax, top-k, top-p are per row), so chunking
+    changes nothing but the matmul's summation blocking.
+
+    Args:
+        head: the LM head ([H] -> [V]).
+        hidden: float [B, T, H] final-norm hidden states.
+        tgt: int64 [B, T] target ids.
+        g: temperature, top-k, top-p the samplers used.
+        chunk: positions per chunk, >= 1.
+
+    Returns:
+        (float32 [B, T] log-probs, bool [B, T] targets kept outside the filter's set).
+    """
+    def score(h: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return token_logprobs(head(h).float(), t, g.temperature, g.top_k, g.top_p, return_outside=True)
+
+    parts = []
+    for s in range(0, hidden.shape[1], chunk):
+        h, t = hidden[:, s:s + chunk], tgt[:, s:s + chunk]
+        parts.append(checkpoint(score, h, t, use_reentrant=False) if torch.is_grad_enabled() else score(h, t))
+    return torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1)
 
 
 def load_policy(model_cfg: ModelConfig, init: str | Path | None) -> Qwen3MoeForCausalLM:
@@ -88,25 +132,50 @@ class TorchBackend(AdamWPair):
             self.critic.head.float()
         self._init_optimizers()
 
+    def _chunk(self, inp: torch.Tensor) -> int:
+        """Tokens per chunk for a sequence of ``inp.shape[1]`` tokens: 0 (one plain forward)
+        unless ``learner.max_tokens_per_chunk`` is set and the sequence is longer."""
+        c = self.cfg.max_tokens_per_chunk
+        return c if c and inp.shape[1] > c else 0
+
     def policy_logprobs(self, inp, tgt, replay, *, grad, routing) -> PolicyForward:
+        """See :class:`~t1async.backend.LearnerBackend`. A sequence longer than
+        ``learner.max_tokens_per_chunk`` runs the trunk with per-layer activation checkpointing
+        and the LM head plus log-probs in chunks of that many positions, each recomputed in the
+        backward (:func:`chunked_token_logprobs`): memory linear in tokens at a small constant,
+        never the full [T, V] logits; the same log-probs (up to float summation order) and the
+        same routing, replayed or not."""
         g = self.generation
+        chunk = self._chunk(inp)
         with torch.set_grad_enabled(grad):
-            out = self.policy(inp, routed_experts=replay, return_routing=routing)
-            # scored under the sampler's processing (temperature, top-k, top-p); a sampled id
-            # just outside this model's own nucleus is kept in it (counted by the learner)
-            logp, outside = token_logprobs(out.logits, tgt, g.temperature, g.top_k, g.top_p, return_outside=True)
+            if not chunk:
+                out = self.policy(inp, routed_experts=replay, return_routing=routing)
+                # scored under the sampler's processing (temperature, top-k, top-p); a sampled id
+                # just outside this model's own nucleus is kept in it (counted by the learner)
+                logp, outside = token_logprobs(out.logits, tgt, g.temperature, g.top_k, g.top_p, return_outside=True)
+            else:
+                with layer_checkpointing(self.policy.model):
+                    out = self.policy(inp, routed_experts=replay, return_routing=routing, logits_to_keep=1)
+                logp, outside = chunked_token_logprobs(self.policy.lm_head, out.hidden, tgt, g, chunk)
         return PolicyForward(logp, outside, out.routed_experts, out.router_experts)
 
     def reference_logprobs(self, inp, tgt) -> torch.Tensor:
         if self.reference is None:
             raise RuntimeError("no reference policy: learner.kl_coef is 0")
         g = self.generation
+        chunk = self._chunk(inp)
         with torch.no_grad():
-            return token_logprobs(self.reference(inp).logits, tgt, g.temperature, g.top_k, g.top_p)
+            if not chunk:
+                return token_logprobs(self.reference(inp).logits, tgt, g.temperature, g.top_k, g.top_p)
+            hidden = self.reference(inp, logits_to_keep=1).hidden
+            return chunked_token_logprobs(self.reference.lm_head, hidden, tgt, g, chunk)[0]
 
     def values(self, inp, *, grad) -> torch.Tensor:
         with torch.set_grad_enabled(grad):
-            return self.critic(inp)
+            if not self._chunk(inp):
+                return self.critic(inp)
+            with layer_checkpointing(self.critic.backbone):
+                return self.critic(inp)
 
     def hf_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
         return self.policy.named_parameters()
