@@ -103,6 +103,7 @@ class EmbeddedSampler:
                     "/generate": sampler.handle_generate,
                     "/init_weights_update_group": sampler.handle_init_group,
                     "/update_weights_from_distributed": sampler.handle_update_weights,
+                    "/destroy_weights_update_group": sampler.handle_destroy_group,
                     "/pause_generation": sampler.handle_pause,
                     "/continue_generation": sampler.handle_continue,
                     "/get_weights_by_name": sampler.handle_get_weights_by_name,
@@ -285,6 +286,16 @@ class EmbeddedSampler:
         except Exception as e:
             return {"success": False, "message": f"Failed to initialize custom process group: {e}."}
         return {"success": True, "message": f"joined as rank {body['rank_offset']}"}
+
+    def handle_destroy_group(self, body: dict) -> dict:
+        """SGLang ``/destroy_weights_update_group``: leave the group (``success`` false, HTTP 400,
+        when there is none)."""
+        if self._group is None:
+            return {"success": False, "message": "The group to be destroyed does not exist."}
+        leave_group(self._group)
+        self._group = None
+        self._staged.clear()
+        return {"success": True, "message": "Succeeded to destroy custom process group."}
 
     def handle_update_weights(self, body: dict) -> dict:
         """SGLang ``/update_weights_from_distributed``: receive the broadcast tensors (one per

@@ -5,7 +5,8 @@ Protocol (SGLang 0.5.10.post1, ``tests/fixtures/sglang_schema.json``; ``model_ru
 ``init_custom_process_group``, ``weight_sync/tensor_bucket.py``):
 
 1. **Group join** (:meth:`DistributedWeightSync.connect`). The learner asks every sampler to
-   ``POST /init_weights_update_group {master_address, master_port, rank_offset, world_size,
+   drop an earlier group of that name (``POST /destroy_weights_update_group``; "does not exist"
+   is fine), then to ``POST /init_weights_update_group {master_address, master_port, rank_offset, world_size,
    group_name, backend}`` while it joins itself as rank 0. Every member runs the same recipe
    (:func:`join_group`): ``torch.distributed.rendezvous("tcp://ADDR:PORT", rank, world)`` (rank 0
    hosts the TCPStore), ``PrefixStore(group_name, store)``, then torch's process-group helper,
@@ -77,13 +78,13 @@ def join_group(backend: str, master_address: str, master_port: int, rank: int, w
 
     SGLang (``init_custom_process_group``): ``tcp://`` rendezvous (rank 0 hosts the TCPStore at
     ``master_port``), ``PrefixStore(group_name, store)``, then torch's ``_new_process_group_helper``,
-    which prefixes ``group_name/`` again and builds one backend per device under ``DEVICE/``:
-    for gloo a ``cpu`` and a ``cuda`` ProcessGroupGloo (each connects to every rank at once), for
-    nccl one ``cuda`` ProcessGroupNCCL. This function builds those same backends on those same
-    store keys, but without registering a process group by name in torch's process-wide table,
-    so several members (an embedded sampler and the learner in one test process, or a re-join
-    after a learner restart) can live in one process. tests/test_weight_sync_sglang.py checks
-    that it meets members built with the helper itself.
+    which prefixes ``group_name/`` again, builds one backend under the first device's prefix
+    (gloo: ``cpu/``, serving cuda tensors too; nccl: ``cuda/``) and agrees a sequence number
+    through the store (``_set_sequence_number_for_group``). This function builds that same
+    backend on those same store keys, but without registering a process group by name in torch's
+    process-wide table, so several members (an embedded sampler and the learner in one test
+    process, or a re-join after a learner restart) can live in one process.
+    tests/test_sglang_backends.py checks that it meets members built with the helper itself.
 
     Returns:
         A :class:`WeightGroup` (``broadcast(tensor, root)``, ``close()``).
@@ -100,37 +101,37 @@ def join_group(backend: str, master_address: str, master_port: int, rank: int, w
     store.set_timeout(timeout)
     group_store = dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, store))
     if backend == "gloo":
-        pgs = [dist.ProcessGroupGloo(dist.PrefixStore(f"{dev}/", group_store), rank, world_size, timeout)
-               for dev in ("cpu", "cuda")]  # the helper's order (BackendConfig: gloo serves cpu and cuda)
-        return WeightGroup(pgs[0], pgs[1], store)
-    opts = dist.ProcessGroupNCCL.Options()
-    opts.is_high_priority_stream = False
-    opts._timeout = timeout
-    pg = dist.ProcessGroupNCCL(dist.PrefixStore("cuda/", group_store), rank, world_size, opts)
-    return WeightGroup(pg, pg, store)
+        pg = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", group_store), rank, world_size, timeout)
+    else:
+        opts = dist.ProcessGroupNCCL.Options()
+        opts.is_high_priority_stream = False
+        opts._timeout = timeout
+        pg = dist.ProcessGroupNCCL(dist.PrefixStore("cuda/", group_store), rank, world_size, opts)
+    pg._set_sequence_number_for_group()
+    return WeightGroup(pg, store)
 
 
 class WeightGroup:
-    """The members' backends of one weight group (see :func:`join_group`).
+    """One member's backend of a weight group (see :func:`join_group`).
 
-    ``broadcast(tensor, root)`` uses the backend of the tensor's device and returns its work
-    handle (``.wait()``); ``store`` is kept alive with the group (rank 0 hosts it).
+    ``broadcast(tensor, root)`` returns the work handle (``.wait()``); ``store`` is kept alive with
+    the group (rank 0 hosts it).
     """
 
-    def __init__(self, cpu_pg, cuda_pg, store) -> None:
-        self._cpu, self._cuda, self.store = cpu_pg, cuda_pg, store
+    def __init__(self, pg, store) -> None:
+        self._pg, self.store = pg, store
 
     def broadcast(self, tensor: torch.Tensor, root: int):
         """Broadcast ``tensor`` in place from ``root``; returns the work handle."""
-        return (self._cuda if tensor.is_cuda else self._cpu).broadcast(tensor, root)
+        return self._pg.broadcast(tensor, root)
 
     def close(self) -> None:
-        """Shut the backends down (errors of a group broken by a timeout are ignored)."""
-        for pg in {id(self._cpu): self._cpu, id(self._cuda): self._cuda}.values():
-            try:
-                pg.shutdown() if hasattr(pg, "shutdown") else None
-            except Exception as e:
-                logger.debug("shutting down a weight group backend: {}", e)
+        """Shut the backend down (errors of a group broken by a timeout are ignored)."""
+        try:
+            if hasattr(self._pg, "shutdown"):
+                self._pg.shutdown()
+        except Exception as e:
+            logger.debug("shutting down a weight group backend: {}", e)
 
 
 def leave_group(group: WeightGroup) -> None:
@@ -208,6 +209,7 @@ def sglang_bodies_example() -> dict[str, dict[str, Any]]:
     b = plan_buckets([("w", torch.zeros(2))], 1 << 20)[0]
     return {
         "/init_weights_update_group": _init_body("127.0.0.1", 1, 1, 2, "gloo", None),
+        "/destroy_weights_update_group": {"group_name": GROUP_NAME},
         "/pause_generation": {"mode": "abort"},
         "/update_weights_from_distributed": update_body(b, last=True, version=3),
         "/continue_generation": {},
@@ -267,6 +269,7 @@ class DistributedWeightSync:
         self.failed: dict[str, str] = {}
         self.last_pause_s = 0.0
         self._group = None
+        self._regroup = False
         self._pool: ThreadPoolExecutor | None = None
 
     def connect(self, sampler_urls: list[str]) -> None:
@@ -275,10 +278,15 @@ class DistributedWeightSync:
         Raises:
             WeightSyncError: a sampler refused to join or the rendezvous timed out.
         """
+        self.failed = {}
+        self._form(list(sampler_urls))
+
+    def _form(self, urls: list[str]) -> None:
         if self._group is not None:
             leave_group(self._group)
             self._group = None
-        self.urls, self.failed = list(sampler_urls), {}
+        self.urls = urls
+        self._regroup = False
         try:
             tp = self.tp_sizes or [int(post_json(u, "/server_info", method="GET", timeout_s=self.timeout_s).get("tp_size") or 1)
                                    for u in self.urls]
@@ -293,6 +301,9 @@ class DistributedWeightSync:
         port = self.master_port or free_port(self.master_address)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(self.urls)), thread_name_prefix="weight-sync")
+        # a server keeps its group by name until told (a learner restart, or a re-formed group
+        # after a failure, would otherwise be refused "group name already created")
+        self._all("/destroy_weights_update_group", {"group_name": GROUP_NAME}, self.urls)
         offsets = [1 + sum(tp[:i]) for i in range(len(self.urls))]
         futures = [self._pool.submit(post_json, url, "/init_weights_update_group",
                                      _init_body(self.master_address, port, off, world, self.backend,
@@ -332,6 +343,11 @@ class DistributedWeightSync:
     def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Pause every sampler, broadcast every bucket, make each hold ``version``, continue them.
 
+        When a sampler fails, the others may hold part of the new weights (SGLang applies each
+        bucket on arrival), so they stay paused while the group is re-formed without the failed
+        ones and the whole update is sent to them again; only samplers holding all of ``version``
+        are continued.
+
         Raises:
             WeightSyncError: called before :meth:`connect`, or samplers failed (they are out of
                 service from now on: paused, left out of later publishes, listed in ``failed``).
@@ -343,13 +359,57 @@ class DistributedWeightSync:
         if not live:
             raise WeightSyncError(f"no sampler in service (failed: {self.failed})")
         t0 = time.monotonic()
-        errors = self._all("/pause_generation", {"mode": self.pause_mode}, live)
+        try:
+            if self._regroup:  # a member failed last time: the group is re-formed without it
+                self._form(live)
+            errors = self._all("/pause_generation", {"mode": self.pause_mode}, live)
+            if not errors:
+                errors = self._send(buckets, live, version)
+            bad: list[str] = []
+            for attempt in range(2):
+                if not errors:
+                    break
+                new_bad = [u for u in live if u in errors] or list(live)  # a broken group takes every member
+                for u in new_bad:
+                    self.failed[u] = errors.get(u) or errors.get("(group)", "group broken")
+                bad += new_bad
+                live = [u for u in live if u not in new_bad]
+                errors = {}
+                if live and attempt == 0:  # the rest may be partly updated: reload them in a new group
+                    try:
+                        self._form(live)
+                    except WeightSyncError as e:
+                        errors = {u: str(e) for u in live}
+                        continue
+                    errors = self._send(buckets, live, version)
+                elif live:
+                    bad += live
+                    for u in live:
+                        self.failed[u] = "failed the reload after another sampler failed"
+                    live = []
+            self._regroup = bool(bad)
+            cont = self._all("/continue_generation", {}, live) if live else {}
+        finally:
+            self.last_pause_s = time.monotonic() - t0
+        if bad:
+            logger.error("weight version {}: samplers taken out of service (left paused): {}", version,
+                         {u: self.failed[u] for u in bad})
+            raise WeightSyncError(f"weight version {version} failed on {len(bad)} sampler(s), now out of service "
+                                  f"(paused, never serving partial weights): {[f'{u}: {self.failed[u]}' for u in bad]}")
+        if cont:
+            self.failed.update(cont)
+            self._regroup = True
+            raise WeightSyncError(f"samplers did not continue after weight version {version}: {cont}")
+
+    def _send(self, buckets: list[Bucket], urls: list[str], version: int) -> dict[str, str]:
+        """Broadcast every bucket to ``urls`` (each answers its ``/update_weights_from_distributed``);
+        ``{url or "(group)": error}``, empty when all took every bucket."""
+        assert self._group is not None and self._pool is not None
+        errors: dict[str, str] = {}
         for i, b in enumerate(buckets):
-            if errors:
-                break  # the group is out of step once a member missed a broadcast
             body = update_body(b, last=i == len(buckets) - 1, version=version)
             futures = {u: self._pool.submit(post_json, u, "/update_weights_from_distributed", body,
-                                            timeout_s=self.timeout_s) for u in live}
+                                            timeout_s=self.timeout_s) for u in urls}
             try:
                 self._group.broadcast(b.flatten(), 0).wait()
             except Exception as e:
@@ -361,22 +421,9 @@ class DistributedWeightSync:
                         errors[u] = f"bucket {i}: {res.get('message')}"
                 except (SamplerError, FutureTimeout) as e:
                     errors[u] = f"bucket {i}: {e or type(e).__name__}"
-        if errors:
-            bad = [u for u in live if u in errors] or live  # a broken group takes every member with it
-            for u in bad:
-                self.failed[u] = errors.get(u) or errors.get("(group)", "group broken")
-            ok = [u for u in live if u not in bad]
-            self._all("/continue_generation", {}, ok)
-            self.last_pause_s = time.monotonic() - t0
-            logger.error("weight version {}: samplers taken out of service (left paused): {}", version,
-                         {u: self.failed[u] for u in bad})
-            raise WeightSyncError(f"weight version {version} failed on {len(bad)} sampler(s), now out of service "
-                                  f"(paused, never serving partial weights): {[f'{u}: {self.failed[u]}' for u in bad]}")
-        cont = self._all("/continue_generation", {}, live)
-        self.last_pause_s = time.monotonic() - t0
-        if cont:
-            self.failed.update(cont)
-            raise WeightSyncError(f"samplers did not continue after weight version {version}: {cont}")
+            if errors:
+                break  # the group is out of step once a member missed a broadcast
+        return errors
 
     def close(self) -> None:
         """Leave the group and release the worker threads."""

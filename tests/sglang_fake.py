@@ -64,6 +64,12 @@ def _tp_worker(conn, tp_rank: int, group_timeout_s: float) -> None:
                 _world.pg_group_ranks[pg] = {i: i for i in range(world)}
                 groups[kw["group_name"]] = pg
                 conn.send({"success": True, "message": f"rank {rank} of {world}"})
+            elif op == "destroy":
+                pg = groups.pop(kw["group_name"], None)
+                if pg is not None:
+                    dist.destroy_process_group(pg)
+                conn.send({"success": pg is not None, "message": "destroyed" if pg is not None else
+                           "The group to be destroyed does not exist."})
             elif op == "update":
                 pg = groups[kw["group_name"]]
                 bufs = [torch.empty(s, dtype=getattr(torch, d)) for d, s in zip(kw["dtypes"], kw["shapes"])]
@@ -239,6 +245,10 @@ class FakeSGLangServer:
             msg = "Succeeded to initialize custom process group." if ok else \
                 f"Failed to initialize custom process group: {[r.get('message') for r in res]}."
             return (200 if ok else 400), {"success": ok, "message": msg}
+        if path == "/destroy_weights_update_group":
+            res = self._workers("destroy", {"group_name": body.get("group_name", "weight_update_group")})
+            ok = all(r["success"] for r in res)
+            return (200 if ok else 400), {"success": ok, "message": res[0]["message"]}
         if path == "/update_weights_from_distributed":
             res = self._workers("update", body)
             ok = all(r["success"] for r in res) and len({r.get("digest") for r in res}) == 1
