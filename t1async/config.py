@@ -316,8 +316,18 @@ class WeightSyncConfig:
     master_port: int = 0
     """Port of the rendezvous TCPStore; 0 picks a free one."""
     timeout_s: float = 120.0
-    """Timeout of the group's rendezvous and of each broadcast, seconds, at both ends: the learner
-    sends it to every embedded sampler when the group is formed (SGLang servers keep their own)."""
+    """Timeout of the group's rendezvous, of each broadcast and of each weight-sync HTTP call,
+    seconds. Both ends for embedded samplers (the learner sends it when the group is formed); an
+    SGLang server keeps torch's 30-minute group timeout, so the learner stops waiting after this
+    long and takes that server out of service (left paused, never serving partial weights)."""
+    bucket_mb: float = 512.0
+    """Most MiB broadcast at once (SGLang ``load_format: flattened_bucket``: one uint8 tensor per
+    bucket); non-expert parameters first, then experts. Each bucket is allocated once more on
+    both ends while it is in flight."""
+    pause_mode: str = "abort"
+    """``/pause_generation`` mode during an update. Only ``abort``: running requests end and the
+    client sends them again after the update (the pinned SGLang reports no per-token weight
+    versions, so ``retract``/``in_place`` would label tokens of two versions with one)."""
 
 
 @dataclass
@@ -673,6 +683,8 @@ _VALUE_RULES: list[tuple[str, Any, str]] = [
     ("sampler.dtype", lambda v: v in ("float32", "bfloat16", "float16"), "float32, bfloat16 or float16"),
     ("weight_sync.backend", lambda v: v in ("gloo", "nccl"), "'gloo' (CPU) or 'nccl' (GPUs)"),
     ("weight_sync.timeout_s", lambda v: v > 0, "a positive number of seconds"),
+    ("weight_sync.bucket_mb", lambda v: v > 0, "a positive number of MiB"),
+    ("weight_sync.pause_mode", lambda v: v == "abort", "'abort' (see WeightSyncConfig.pause_mode)"),
     ("mismatch.learner_dtype", lambda v: v in ("float32", "bfloat16"), "float32 or bfloat16"),
     ("mismatch.episodes", lambda v: v >= 1, "an integer >= 1"),
     ("model.num_experts", lambda v: v >= 1, "an integer >= 1"),
