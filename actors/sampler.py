@@ -64,6 +64,8 @@ class EmbeddedSampler:
         self._lock = threading.Lock()
         self._group = None
         self._staged: dict[str, torch.Tensor] = {}  # received, not yet swapped in (see handle_update_weights)
+        self._recv_pool: list[torch.Tensor] = []  # flattened-bucket receive buffers, reused per update
+        self._recv_next = 0
         self._paused = False
         self._pause_cond = threading.Condition()
         sampler = self
@@ -279,6 +281,7 @@ class EmbeddedSampler:
             leave_group(self._group)
             self._group = None
         self._staged.clear()
+        self._recv_next = 0
         try:
             self._group = join_group(body.get("backend", "nccl"), body["master_address"], int(body["master_port"]),
                                      int(body["rank_offset"]), int(body["world_size"]),
@@ -286,6 +289,18 @@ class EmbeddedSampler:
         except Exception as e:
             return {"success": False, "message": f"Failed to initialize custom process group: {e}."}
         return {"success": True, "message": f"joined as rank {body['rank_offset']}"}
+
+    def _recv_buffer(self, nbytes: int) -> torch.Tensor:
+        """uint8 [nbytes] receive buffer for the next bucket of this update, kept from one update to
+        the next (bucket i reuses last update's bucket i: warm memory, no page faults while the
+        broadcast runs); staged tensors are views into it until the swap copies them."""
+        i = self._recv_next
+        self._recv_next += 1
+        if i == len(self._recv_pool):
+            self._recv_pool.append(torch.empty(0, dtype=torch.uint8))
+        if self._recv_pool[i].numel() != nbytes:
+            self._recv_pool[i] = torch.empty(nbytes, dtype=torch.uint8)
+        return self._recv_pool[i]
 
     def handle_destroy_group(self, body: dict) -> dict:
         """SGLang ``/destroy_weights_update_group``: leave the group (``success`` false, HTTP 400,
@@ -295,6 +310,7 @@ class EmbeddedSampler:
         leave_group(self._group)
         self._group = None
         self._staged.clear()
+        self._recv_next = 0
         return {"success": True, "message": "Succeeded to destroy custom process group."}
 
     def handle_update_weights(self, body: dict) -> dict:
@@ -322,36 +338,39 @@ class EmbeddedSampler:
         if any(dt not in _DTYPES for dt in dtypes):
             raise RequestError(f"dtypes must be among {sorted(_DTYPES)}, got {sorted(set(dtypes) - set(_DTYPES))}")
         params = dict(self.engine.model.named_parameters())
-        bufs = [torch.empty(shape, dtype=_DTYPES[dt]) for dt, shape in zip(dtypes, shapes)]
         try:
             if body.get("load_format") == "flattened_bucket":
-                flat = torch.empty(sum(b.numel() * b.element_size() for b in bufs), dtype=torch.uint8)
+                sizes = [torch.Size(shape).numel() * _DTYPES[dt].itemsize for dt, shape in zip(dtypes, shapes)]
+                flat = self._recv_buffer(sum(sizes))
                 self._group.broadcast(flat, 0).wait()
-                off = 0
-                for b in bufs:
-                    n = b.numel() * b.element_size()
-                    b.view(-1).view(torch.uint8).copy_(flat[off:off + n])
+                bufs, off = [], 0
+                for dt, shape, n in zip(dtypes, shapes, sizes):  # views into the bucket: no copy
+                    bufs.append(flat[off:off + n].view(_DTYPES[dt]).view(shape))
                     off += n
             else:
+                bufs = [torch.empty(shape, dtype=_DTYPES[dt]) for dt, shape in zip(dtypes, shapes)]
                 for b in bufs:  # every tensor is received, even a bad one, to keep the group in step
                     self._group.broadcast(b, 0).wait()
         except Exception as e:
             self._staged.clear()
+            self._recv_next = 0
             return {"success": False, "message": f"Failed to update parameter online: {e}. Nothing was swapped in."}
         bad = [n for n, b in zip(names, bufs) if n not in params or tuple(params[n].shape) != tuple(b.shape)]
         if bad:
             self._staged.clear()
+            self._recv_next = 0
             return {"success": False, "message": f"unknown or misshapen parameters: {bad[:5]}"}
         self._staged.update(zip(names, bufs))
         if body.get("weight_version") is None:
             return {"success": True, "message": f"staged {len(self._staged)} tensors"}
         with self._lock, torch.no_grad():
             for name, buf in self._staged.items():
-                params[name].copy_(buf)
+                params[name].copy_(buf)  # (casts to the sampler's dtype)
             self.engine.flush_cache()  # cached prefixes hold the old weights' KV and routing
             self.version = int(body["weight_version"])
         n = len(self._staged)
         self._staged.clear()
+        self._recv_next = 0
         logger.info("sampler {} now holds weight version {} ({} tensors)", self._url, self.version, n)
         return {"success": True, "message": f"Succeeded to update parameter online. Weight version updated to {self.version}."}
 

@@ -73,7 +73,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     tools = Path(__file__).resolve().parents[1] / "tools"
-    script = tools / f"bench_{args.name}.py"
+    script = tools / f"bench_{args.name.replace('-', '_')}.py"  # weight-sync -> bench_weight_sync.py
     if not script.is_file():
         known = sorted(p.stem.removeprefix("bench_") for p in tools.glob("bench_*.py")) if tools.is_dir() else []
         print(f"t1async: error: no benchmark {args.name!r} (tools/bench_{args.name}.py); known: {known}. "

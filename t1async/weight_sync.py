@@ -160,9 +160,14 @@ class Bucket:
     tensors: list[torch.Tensor]
     nbytes: int
 
-    def flatten(self) -> torch.Tensor:
-        """uint8 [nbytes]: every tensor's bytes concatenated (SGLang ``FlattenedTensorBucket``)."""
-        return torch.cat([t.reshape(-1).view(torch.uint8) for t in self.tensors])
+    def flatten(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """uint8 [nbytes]: every tensor's bytes concatenated (SGLang ``FlattenedTensorBucket``),
+        written into ``out`` when it is a uint8 tensor of that size on the tensors' device."""
+        parts = [t.reshape(-1).view(torch.uint8) for t in self.tensors]
+        if out is not None and out.numel() == self.nbytes and out.dtype == torch.uint8 \
+                and out.device == self.tensors[0].device:
+            return torch.cat(parts, out=out)
+        return torch.cat(parts)
 
 
 def plan_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[Bucket]:
@@ -270,6 +275,7 @@ class DistributedWeightSync:
         self.last_pause_s = 0.0
         self._group = None
         self._regroup = False
+        self._send_bufs: list[torch.Tensor] = []
         self._pool: ThreadPoolExecutor | None = None
 
     def connect(self, sampler_urls: list[str]) -> None:
@@ -406,12 +412,22 @@ class DistributedWeightSync:
         ``{url or "(group)": error}``, empty when all took every bucket."""
         assert self._group is not None and self._pool is not None
         errors: dict[str, str] = {}
+        # send buffers kept from one publish to the next (warm memory; two, so one is filled
+        # while the other is on the wire)
+        big, dev = max(b.nbytes for b in buckets), buckets[0].tensors[0].device
+        if len(self._send_bufs) < 2 or self._send_bufs[0].numel() < big or self._send_bufs[0].device != dev:
+            self._send_bufs = [torch.empty(big, dtype=torch.uint8, device=dev) for _ in range(2)]
+        flat = buckets[0].flatten(self._send_bufs[0][:buckets[0].nbytes])
         for i, b in enumerate(buckets):
             body = update_body(b, last=i == len(buckets) - 1, version=version)
             futures = {u: self._pool.submit(post_json, u, "/update_weights_from_distributed", body,
                                             timeout_s=self.timeout_s) for u in urls}
             try:
-                self._group.broadcast(b.flatten(), 0).wait()
+                work = self._group.broadcast(flat, 0)
+                if i + 1 < len(buckets):  # concatenated while the previous one is on the wire
+                    nxt = buckets[i + 1]
+                    flat = nxt.flatten(self._send_bufs[(i + 1) % 2][:nxt.nbytes])
+                work.wait()
             except Exception as e:
                 errors["(group)"] = f"broadcast of bucket {i} failed: {type(e).__name__}: {e}"
             for u, f in futures.items():
