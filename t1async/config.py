@@ -105,11 +105,12 @@ class SamplerConfig:
     """Samplers: embedded PyTorch engines speaking SGLang's HTTP protocol (or SGLang servers)."""
 
     backend: str = "embedded"
-    """``embedded`` (PyTorch engine in a Ray actor) or ``sglang`` (external servers in ``urls``)."""
+    """``embedded`` (PyTorch engine in a Ray actor) or ``sglang`` (``sglang.launch_server`` processes
+    started by launch, or the running servers in ``urls``; t1async/sglang_server.py)."""
     num_samplers: int = 1
-    """Embedded samplers to start (M)."""
+    """Samplers to start (M; ignored when ``urls`` is set)."""
     urls: list[str] = field(default_factory=list)
-    """Base URLs of external SGLang servers (backend ``sglang`` only)."""
+    """Base URLs of running SGLang servers to attach to (backend ``sglang`` only)."""
     host: str = "127.0.0.1"
     """Interface the embedded HTTP servers listen on."""
     dtype: str = "float32"
@@ -122,6 +123,16 @@ class SamplerConfig:
     """Embedded engine: feed prompts in chunks of at most this many tokens (0 = one forward)."""
     request_timeout_s: float = 300.0
     """HTTP timeout of one /generate call, seconds."""
+    model_path: str = ""
+    """Backend ``sglang``, started servers: the Hugging Face model folder each server loads (its
+    architecture must match ``model``; the learner's first publish replaces its weights)."""
+    tp_size: int = 1
+    """Backend ``sglang``, started servers: GPUs (tensor-parallel ranks) per server; server i gets
+    GPUs i*tp_size .. (i+1)*tp_size - 1 of the launch machine."""
+    start_timeout_s: float = 900.0
+    """Backend ``sglang``: most seconds to wait for every server's ``GET /health``."""
+    extra_args: list[str] = field(default_factory=list)
+    """Backend ``sglang``, started servers: more ``sglang.launch_server`` arguments (e.g. ``--mem-fraction-static``)."""
 
 
 @dataclass
@@ -678,8 +689,9 @@ _VALUE_RULES: list[tuple[str, Any, str]] = [
     ("transport.ack_timeout_s", lambda v: v > 0, "a positive number of seconds"),
     ("transport.log_fsync", lambda v: v in ("always", "never"), "'always' or 'never'"),
     ("transport.max_message_bytes", lambda v: v >= 1, "a positive number of bytes"),
-    ("sampler.backend", lambda v: v == "embedded",
-     "'embedded' (SGLang servers are not wired into launch yet; their protocol is spoken by t1async.sampler_client)"),
+    ("sampler.backend", lambda v: v in ("embedded", "sglang"), "'embedded' or 'sglang'"),
+    ("sampler.tp_size", lambda v: v >= 1, "an integer >= 1"),
+    ("sampler.start_timeout_s", lambda v: v > 0, "a positive number of seconds"),
     ("sampler.dtype", lambda v: v in ("float32", "bfloat16", "float16"), "float32, bfloat16 or float16"),
     ("weight_sync.backend", lambda v: v in ("gloo", "nccl"), "'gloo' (CPU) or 'nccl' (GPUs)"),
     ("weight_sync.timeout_s", lambda v: v > 0, "a positive number of seconds"),

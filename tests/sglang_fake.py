@@ -117,7 +117,7 @@ class FakeSGLangServer:
 
     def __init__(self, *, num_layers: int, top_k: int, num_experts: int, vocab_size: int, tp_size: int = 1,
                  enable_return_routed_experts: bool = True, token_delay_s: float = 0.0,
-                 routing_fault: str | None = None, group_timeout_s: float = 1800.0):
+                 routing_fault: str | None = None, group_timeout_s: float = 1800.0, port: int = 0):
         self.schema = json.loads(SCHEMA_PATH.read_text())
         self.L, self.K, self.E, self.V = num_layers, top_k, num_experts, vocab_size
         self.tp_size, self.flag, self.token_delay_s = tp_size, enable_return_routed_experts, token_delay_s
@@ -189,7 +189,7 @@ class FakeSGLangServer:
             def do_POST(self) -> None:
                 self._handle("POST")
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()
@@ -335,3 +335,27 @@ class FakeSGLangServer:
             proc.join(timeout=5)
             if proc.is_alive():
                 proc.kill()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m sglang.launch_server``'s stand-in (tests/fake_sglang_pkg): the flags launch passes,
+    a fake server on ``--port`` until killed."""
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model-path", required=True)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--tp-size", type=int, default=1)
+    ap.add_argument("--enable-return-routed-experts", action="store_true")
+    ap.add_argument("--skip-tokenizer-init", action="store_true")
+    ap.add_argument("--weight-version", default="default")
+    a = ap.parse_args(argv)
+    import os
+
+    print(f"fake sglang on {a.port}, CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}", flush=True)
+    srv = FakeSGLangServer(num_layers=2, top_k=2, num_experts=4, vocab_size=512, tp_size=a.tp_size,
+                           enable_return_routed_experts=a.enable_return_routed_experts, port=a.port)
+    srv.weight_version = a.weight_version
+    while True:
+        time.sleep(1)
