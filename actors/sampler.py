@@ -64,7 +64,9 @@ class EmbeddedSampler:
         self._lock = threading.Lock()
         self._group = None
         self._staged: dict[str, torch.Tensor] = {}  # received, not yet swapped in (see handle_update_weights)
-        self._recv_pool: list[torch.Tensor] = []  # flattened-bucket receive buffers, reused per update
+        # flattened-bucket receive buffers, two sets used in turn (see _recv_buffer)
+        self._recv_pools: list[list[torch.Tensor]] = [[], []]
+        self._recv_side = 0
         self._recv_next = 0
         self._paused = False
         self._pause_cond = threading.Condition()
@@ -291,16 +293,20 @@ class EmbeddedSampler:
         return {"success": True, "message": f"joined as rank {body['rank_offset']}"}
 
     def _recv_buffer(self, nbytes: int) -> torch.Tensor:
-        """uint8 [nbytes] receive buffer for the next bucket of this update, kept from one update to
-        the next (bucket i reuses last update's bucket i: warm memory, no page faults while the
-        broadcast runs); staged tensors are views into it until the swap copies them."""
+        """uint8 [nbytes] receive buffer for the next bucket of this update.
+
+        Two sets of buffers take turns: a full update of matching dtypes is swapped in by making
+        each parameter a view into its bucket (no copy inside the pause), and the set that held
+        the previous weights receives the next update (warm memory: no page faults while the
+        broadcast runs). Otherwise the swap copies and the set stays the receiving one."""
+        pool = self._recv_pools[self._recv_side]
         i = self._recv_next
         self._recv_next += 1
-        if i == len(self._recv_pool):
-            self._recv_pool.append(torch.empty(0, dtype=torch.uint8))
-        if self._recv_pool[i].numel() != nbytes:
-            self._recv_pool[i] = torch.empty(nbytes, dtype=torch.uint8)
-        return self._recv_pool[i]
+        if i == len(pool):
+            pool.append(torch.empty(0, dtype=torch.uint8))
+        if pool[i].numel() != nbytes:
+            pool[i] = torch.empty(nbytes, dtype=torch.uint8)
+        return pool[i]
 
     def handle_destroy_group(self, body: dict) -> dict:
         """SGLang ``/destroy_weights_update_group``: leave the group (``success`` false, HTTP 400,
@@ -363,9 +369,15 @@ class EmbeddedSampler:
         self._staged.update(zip(names, bufs))
         if body.get("weight_version") is None:
             return {"success": True, "message": f"staged {len(self._staged)} tensors"}
+        full = set(self._staged) == set(params) and all(b.dtype == params[n].dtype for n, b in self._staged.items())
         with self._lock, torch.no_grad():
             for name, buf in self._staged.items():
-                params[name].copy_(buf)  # (casts to the sampler's dtype)
+                if full:
+                    params[name].data = buf  # a view into this update's receive buffers
+                else:
+                    params[name].copy_(buf)  # (casts to the sampler's dtype)
+            if full:
+                self._recv_side = 1 - self._recv_side  # the previous weights' buffers receive next
             self.engine.flush_cache()  # cached prefixes hold the old weights' KV and routing
             self.version = int(body["weight_version"])
         n = len(self._staged)

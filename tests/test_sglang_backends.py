@@ -94,6 +94,13 @@ def test_publish_in_buckets_then_generate_real_shapes(backend):
         got = post_json(backend.url, "/get_weights_by_name", {"name": "lm_head.weight", "truncate_size": 5})
         assert got == pytest.approx(model.lm_head.weight.detach().reshape(-1)[:5].tolist())
         assert sync.last_pause_s > 0
+        # a third version: the embedded sampler receives into the buffers that held version 0
+        with torch.no_grad():
+            model.model.layers[0].mlp.experts[1].up_proj.weight.mul_(-1)
+        sync.publish(model.named_parameters(), 2)
+        for name, p in model.named_parameters():
+            got = post_json(backend.url, "/get_weights_by_name", {"name": name, "truncate_size": 8})
+            assert got == pytest.approx(p.detach().reshape(-1)[:8].tolist()), name
     finally:
         sync.close()
 
