@@ -46,7 +46,7 @@ from t1async.torch_backend import ValueModel  # noqa: F401  (the critic's home b
 from t1async.trajectory import Trajectory, TrajectoryError, decode
 from t1async.transcripts import write_transcripts
 from t1async.transport import Delivery, ZmqReceiver
-from t1async.weight_sync import DistributedWeightSync
+from t1async.weight_sync import DistributedWeightSync, WeightSyncError
 
 MAX_QUARANTINED_FILES = 100
 GROUP_COMMIT_BYTES = 256 << 20  # most bytes stored with one receive-log flush (held in memory until ACKed)
@@ -127,7 +127,8 @@ class Learner:
         self._discard_lock = threading.Lock()
         self._receiver = ZmqReceiver.from_config(transport)
         self._sync = DistributedWeightSync(weight_sync.backend, weight_sync.master_address, weight_sync.master_port,
-                                           weight_sync.timeout_s)
+                                           weight_sync.timeout_s, bucket_mb=weight_sync.bucket_mb,
+                                           pause_mode=weight_sync.pause_mode)
         self._recv_thread = threading.Thread(target=self._receive_loop, name="learner-recv", daemon=True)
         self._recv_thread.start()
         (self.run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
@@ -576,8 +577,16 @@ class Learner:
         self._republish_same = False
         self._log.note_published(self.version)
         t0 = time.perf_counter()
-        self._sync.publish(self.backend.hf_weights(), self.version)
-        logger.info("published weight version {} in {:.2f} s", self.version, time.perf_counter() - t0)
+        try:
+            self._sync.publish(self.backend.hf_weights(), self.version)
+        except WeightSyncError as e:
+            # failed samplers are out of service (paused, never serving partial weights); carry on
+            # while any sampler took the update, else this learner cannot publish at all
+            if not [u for u in self._sync.urls if u not in self._sync.failed]:
+                raise
+            logger.error("weight version {}: {}", self.version, e)
+        logger.info("published weight version {} in {:.2f} s (samplers paused {:.2f} s)", self.version,
+                    time.perf_counter() - t0, self._sync.last_pause_s)
 
     def _write_metrics(self, metrics: dict[str, Any]) -> None:
         metrics["time"] = time.time()

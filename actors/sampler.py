@@ -7,7 +7,9 @@ Endpoints (the subset of SGLang 0.5.x that t1async uses; bodies and answers are 
 - ``POST /init_weights_update_group``: join the learner's torch.distributed broadcast group.
 - ``POST /update_weights_from_distributed``: receive every tensor the learner broadcasts into
   staging buffers, then swap them in between two requests and take the new version.
-- ``GET /get_weight_version``, ``GET /health``, ``POST /flush_cache`` (drops the engine's prefix cache).
+- ``POST /pause_generation``, ``POST /continue_generation``: hold new requests during an update.
+- ``GET /model_info`` (``weight_version``), ``GET /health``, ``/flush_cache`` (plain text; 400 while
+  a request runs), ``POST /get_weights_by_name``; ``/get_weight_version`` answers 404 as in SGLang 0.5.10.
 
 Data path: rollout actors call /generate; each HTTP thread submits its request to the engine and
 waits, while the engine thread batches every in-flight request into one forward per step
@@ -32,7 +34,7 @@ from loguru import logger
 from t1async.config import ModelConfig, SamplerConfig, WeightSyncConfig
 from t1async.engine import Engine, SamplingParams
 from t1async.model import Qwen3MoeForCausalLM
-from t1async.weight_sync import init_weight_group
+from t1async.weight_sync import join_group, leave_group
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -67,6 +69,13 @@ class EmbeddedSampler:
         self.generated_tokens = 0
         self._stats_lock = threading.Lock()
         self._group = None
+        self._staged: dict[str, torch.Tensor] = {}  # received, not yet swapped in (see handle_update_weights)
+        # flattened-bucket receive buffers, two sets used in turn (see _recv_buffer)
+        self._recv_pools: list[list[torch.Tensor]] = [[], []]
+        self._recv_side = 0
+        self._recv_next = 0
+        self._paused = False  # by /pause_generation (see handle_pause)
+        self._pause_lock = threading.Lock()
         sampler = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -75,42 +84,61 @@ class EmbeddedSampler:
             def log_message(self, fmt: str, *args: Any) -> None:  # route http.server's log to loguru
                 logger.trace("sampler http: " + fmt, *args)
 
-            def _reply(self, status: int, obj: dict) -> None:
-                data = json.dumps(obj).encode()
+            def _reply(self, status: int, obj: Any) -> None:
+                text = isinstance(obj, str)  # SGLang answers /flush_cache in plain text
+                data = obj.encode() if text else json.dumps(obj).encode()
                 self.send_response(status)
-                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Type", "text/plain; charset=utf-8" if text else "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
 
             def do_GET(self) -> None:
-                if self.path == "/health":
-                    self._reply(200, {"ok": True})
-                elif self.path == "/get_weight_version":
-                    self._reply(200, {"weight_version": str(sampler.version)})
+                path = self.path.split("?", 1)[0]
+                if path in ("/health", "/health_generate"):
+                    self._reply(200 if sampler.version >= 0 else 503, {})
+                elif path == "/model_info":
+                    self._reply(200, sampler.model_info())
+                elif path == "/server_info":
+                    self._reply(200, {"tp_size": 1, "version": "t1async-embedded"})
+                elif path in ("/get_weight_version", "/weight_version"):  # retired in SGLang 0.5.10
+                    self._reply(404, {"detail": "Endpoint '/get_weight_version' is deprecated. Please use '/model_info' instead."})
+                elif path == "/flush_cache":
+                    self._reply(*sampler.handle_flush_cache({}))
                 else:
-                    self._reply(404, {"error": f"no GET route {self.path}"})
+                    self._reply(404, {"detail": "Not Found"})
 
             def do_POST(self) -> None:
                 routes = {
                     "/generate": sampler.handle_generate,
                     "/init_weights_update_group": sampler.handle_init_group,
                     "/update_weights_from_distributed": sampler.handle_update_weights,
-                    "/flush_cache": sampler.handle_flush_cache,
+                    "/destroy_weights_update_group": sampler.handle_destroy_group,
+                    "/pause_generation": sampler.handle_pause,
+                    "/continue_generation": sampler.handle_continue,
+                    "/get_weights_by_name": sampler.handle_get_weights_by_name,
                 }
+                path = self.path.split("?", 1)[0]
                 n = int(self.headers.get("Content-Length") or 0)
                 try:
                     body = json.loads(self.rfile.read(n) or b"{}")
-                    if self.path not in routes:
-                        self._reply(404, {"error": f"no POST route {self.path}"})
+                    if path == "/flush_cache":
+                        self._reply(*sampler.handle_flush_cache(body))
                         return
-                    self._reply(200, routes[self.path](body))
+                    if path not in routes:
+                        self._reply(404, {"detail": "Not Found"})
+                        return
+                    if not isinstance(body, dict):
+                        raise RequestError(f"{path} takes a JSON object")
+                    out = routes[path](body)
+                    failed = isinstance(out, dict) and out.get("success") is False
+                    self._reply(400 if failed else 200, out)  # SGLang answers a failed update with 400
                 except (RequestError, json.JSONDecodeError, ValueError) as e:
                     self._reply(400, {"error": str(e)})
                 except NotReady as e:
                     self._reply(503, {"error": str(e)})
                 except Exception as e:  # keep serving; report the failure to the caller
-                    logger.exception("sampler request {} failed", self.path)
+                    logger.exception("sampler request {} failed", path)
                     self._reply(500, {"error": f"{type(e).__name__}: {e}"})
 
         self._server = ThreadingHTTPServer((cfg.host, 0), Handler)
@@ -134,11 +162,59 @@ class EmbeddedSampler:
                 "busy_s": round(e.busy_s, 3), "prefix_cache_hits": e.cache_hits, "prefix_cached_tokens": e.cached_tokens,
                 "forwards": e.forwards, "forward_sequences": e.forward_sequences}
 
-    def handle_flush_cache(self, body: dict) -> dict:
-        """SGLang ``/flush_cache``: drop every cached prefix (between forwards; requests in flight
-        keep their own KV)."""
+    def model_info(self) -> dict[str, Any]:
+        """SGLang ``GET /model_info``: where newer SGLang reports ``weight_version`` (a string)."""
+        return {"model_path": "t1async-embedded", "tokenizer_path": None, "is_generation": True,
+                "preferred_sampling_params": None, "weight_version": str(self.version),
+                "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}
+
+    def handle_flush_cache(self, body: dict) -> tuple[int, str]:
+        """SGLang ``/flush_cache``: drop every cached prefix. Answers plain text, as SGLang does:
+        200 when flushed, 400 while a request is queued or running (nothing is flushed then)."""
+        if self.engine.in_flight:
+            return 400, "Flush cache failed: requests are running.\n"
         self.engine.flush_cache()
-        return {"success": True}
+        return 200, "Cache flushed.\n"
+
+    def handle_pause(self, body: dict) -> dict:
+        """SGLang ``/pause_generation {mode}``: new /generate requests queue until
+        ``/continue_generation``. Mode ``abort`` aborts running requests in SGLang; here the
+        running requests finish their answers first (:meth:`Engine.pause`), so either way
+        nothing runs when the call returns. A second pause while paused is a no-op.
+
+        Raises:
+            RequestError: a mode other than abort, retract, in_place.
+        """
+        mode = body.get("mode", "abort")
+        if mode not in ("abort", "retract", "in_place"):
+            raise RequestError(f"Invalid mode: {mode!r}. Expected one of ['abort', 'retract', 'in_place'].")
+        with self._pause_lock:
+            if not self._paused:
+                self.engine.pause()
+                self._paused = True
+        return {"message": "Generation paused successfully.", "status": "ok"}
+
+    def handle_continue(self, body: dict) -> dict:
+        """SGLang ``/continue_generation``: release the requests held by a pause (a no-op when
+        not paused)."""
+        with self._pause_lock:
+            if self._paused:
+                self.engine.resume()
+                self._paused = False
+        return {"message": "Generation continued successfully.", "status": "ok"}
+
+    def handle_get_weights_by_name(self, body: dict) -> list:
+        """SGLang ``/get_weights_by_name {name, truncate_size}``: the first ``truncate_size`` values
+        of the flattened parameter (tests compare weights through it).
+
+        Raises:
+            RequestError: unknown parameter name.
+        """
+        params = dict(self.engine.model.named_parameters())
+        name = body.get("name")
+        if name not in params:
+            raise RequestError(f"no parameter named {name!r}")
+        return params[name].detach().float().flatten()[: int(body.get("truncate_size", 100))].tolist()
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """In-process weight swap (tools and tests that run without a broadcast group): copy
@@ -191,11 +267,12 @@ class EmbeddedSampler:
         return {"output_ids": out.output_ids, "meta_info": meta}
 
     def handle_init_group(self, body: dict) -> dict:
-        """SGLang ``/init_weights_update_group``: join the learner's broadcast group as ``rank_offset``.
+        """SGLang ``/init_weights_update_group``: join the learner's broadcast group as rank
+        ``rank_offset`` (tensor parallelism 1) with SGLang's recipe (:func:`join_group`).
 
         The group's timeout (rendezvous and every later broadcast, seconds) is the body's
-        ``timeout_s``, a t1async extension the learner fills from ``weight_sync.timeout_s`` (so one
-        setting governs both ends); absent (another client), the ``weight_sync.timeout_s`` default.
+        ``timeout_s``, a t1async extension the learner fills from ``weight_sync.timeout_s`` for
+        embedded samplers (so one setting governs both ends); absent, the ``weight_sync.timeout_s`` default.
 
         Raises:
             RequestError: a required field is missing or ``timeout_s`` is not a positive number.
@@ -203,40 +280,115 @@ class EmbeddedSampler:
         timeout_s = body.get("timeout_s", WeightSyncConfig().timeout_s)
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise RequestError(f"init_weights_update_group timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        missing = [k for k in ("master_address", "master_port", "rank_offset", "world_size") if k not in body]
+        if missing:
+            raise RequestError(f"init_weights_update_group needs field(s) {missing}")
+        if self._group is not None:
+            leave_group(self._group)
+            self._group = None
+        self._staged.clear()
+        self._recv_next = 0
         try:
-            self._group = init_weight_group(
-                body["backend"], body["master_address"], int(body["master_port"]), int(body["rank_offset"]),
-                int(body["world_size"]), body["group_name"], float(timeout_s),
-            )
-        except KeyError as e:
-            raise RequestError(f"init_weights_update_group needs field {e.args[0]!r}") from None
+            self._group = join_group(body.get("backend", "nccl"), body["master_address"], int(body["master_port"]),
+                                     int(body["rank_offset"]), int(body["world_size"]),
+                                     body.get("group_name", "weight_update_group"), float(timeout_s))
+        except Exception as e:
+            return {"success": False, "message": f"Failed to initialize custom process group: {e}."}
         return {"success": True, "message": f"joined as rank {body['rank_offset']}"}
 
+    def _recv_buffer(self, nbytes: int) -> torch.Tensor:
+        """uint8 [nbytes] receive buffer for the next bucket of this update.
+
+        Two sets of buffers take turns: a full update of matching dtypes is swapped in by making
+        each parameter a view into its bucket (no copy inside the pause), and the set that held
+        the previous weights receives the next update (warm memory: no page faults while the
+        broadcast runs). Otherwise the swap copies and the set stays the receiving one."""
+        pool = self._recv_pools[self._recv_side]
+        i = self._recv_next
+        self._recv_next += 1
+        if i == len(pool):
+            pool.append(torch.empty(0, dtype=torch.uint8))
+        if pool[i].numel() != nbytes:
+            pool[i] = torch.empty(nbytes, dtype=torch.uint8)
+        return pool[i]
+
+    def handle_destroy_group(self, body: dict) -> dict:
+        """SGLang ``/destroy_weights_update_group``: leave the group (``success`` false, HTTP 400,
+        when there is none)."""
+        if self._group is None:
+            return {"success": False, "message": "The group to be destroyed does not exist."}
+        leave_group(self._group)
+        self._group = None
+        self._staged.clear()
+        self._recv_next = 0
+        return {"success": True, "message": "Succeeded to destroy custom process group."}
+
     def handle_update_weights(self, body: dict) -> dict:
-        """SGLang ``/update_weights_from_distributed``: receive all tensors, swap between requests.
+        """SGLang ``/update_weights_from_distributed``: receive the broadcast tensors (one per
+        tensor, or one uint8 tensor with ``load_format: "flattened_bucket"``) into staging
+        buffers. The staged tensors are swapped in together, between requests, when a request
+        carries ``weight_version`` (the learner's last bucket), so the embedded sampler is
+        atomic: a failed update leaves the old weights whole.
+
+        Returns:
+            ``{"success", "message"}``; ``success`` false (HTTP 400) on a failed receive or a
+            name or shape the model does not have (everything staged is then dropped).
 
         Raises:
-            RequestError: the group is not initialised or a name/shape does not match the model.
+            RequestError: no group yet, or ``names``/``dtypes``/``shapes`` missing or of unequal length.
         """
         if self._group is None:
             raise RequestError("call /init_weights_update_group before /update_weights_from_distributed")
+        try:
+            names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
+        except KeyError as e:
+            raise RequestError(f"update_weights_from_distributed needs field {e.args[0]!r}") from None
+        if not len(names) == len(dtypes) == len(shapes):
+            raise RequestError("names, dtypes and shapes must have equal lengths")
+        if any(dt not in _DTYPES for dt in dtypes):
+            raise RequestError(f"dtypes must be among {sorted(_DTYPES)}, got {sorted(set(dtypes) - set(_DTYPES))}")
         params = dict(self.engine.model.named_parameters())
-        names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
-        staged = []
-        for name, dt, shape in zip(names, dtypes, shapes):
-            buf = torch.empty(shape, dtype=_DTYPES.get(dt, torch.float32))
-            self._group.broadcast(buf, 0).wait()  # every tensor is received, even a bad one, to keep the group in step
-            staged.append((name, buf))
-        bad = [n for n, b in staged if n not in params or tuple(params[n].shape) != tuple(b.shape)]
+        try:
+            if body.get("load_format") == "flattened_bucket":
+                sizes = [torch.Size(shape).numel() * _DTYPES[dt].itemsize for dt, shape in zip(dtypes, shapes)]
+                flat = self._recv_buffer(sum(sizes))
+                self._group.broadcast(flat, 0).wait()
+                bufs, off = [], 0
+                for dt, shape, n in zip(dtypes, shapes, sizes):  # views into the bucket: no copy
+                    bufs.append(flat[off:off + n].view(_DTYPES[dt]).view(shape))
+                    off += n
+            else:
+                bufs = [torch.empty(shape, dtype=_DTYPES[dt]) for dt, shape in zip(dtypes, shapes)]
+                for b in bufs:  # every tensor is received, even a bad one, to keep the group in step
+                    self._group.broadcast(b, 0).wait()
+        except Exception as e:
+            self._staged.clear()
+            self._recv_next = 0
+            return {"success": False, "message": f"Failed to update parameter online: {e}. Nothing was swapped in."}
+        bad = [n for n, b in zip(names, bufs) if n not in params or tuple(params[n].shape) != tuple(b.shape)]
         if bad:
+            self._staged.clear()
+            self._recv_next = 0
             return {"success": False, "message": f"unknown or misshapen parameters: {bad[:5]}"}
+        self._staged.update(zip(names, bufs))
+        if body.get("weight_version") is None:
+            return {"success": True, "message": f"staged {len(self._staged)} tensors"}
+        full = set(self._staged) == set(params) and all(b.dtype == params[n].dtype for n, b in self._staged.items())
         with self.engine.between_requests(), torch.no_grad():  # in-flight requests finish first
-            for name, buf in staged:
-                params[name].copy_(buf)
+            for name, buf in self._staged.items():
+                if full:
+                    params[name].data = buf  # a view into this update's receive buffers
+                else:
+                    params[name].copy_(buf)  # (casts to the sampler's dtype)
+            if full:
+                self._recv_side = 1 - self._recv_side  # the previous weights' buffers receive next
             self.engine.flush_cache()  # cached prefixes hold the old weights' KV and routing
-            self.version = self.engine.weight_version = int(body.get("weight_version", self.version + 1))
-        logger.info("sampler {} now holds weight version {}", self._url, self.version)
-        return {"success": True, "message": f"version {self.version}"}
+            self.version = self.engine.weight_version = int(body["weight_version"])
+        n = len(self._staged)
+        self._staged.clear()
+        self._recv_next = 0
+        logger.info("sampler {} now holds weight version {} ({} tensors)", self._url, self.version, n)
+        return {"success": True, "message": f"Succeeded to update parameter online. Weight version updated to {self.version}."}
 
     def shutdown(self) -> None:
         """Stop serving (HTTP first, then the engine thread)."""

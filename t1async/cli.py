@@ -76,7 +76,7 @@ def run_bench(args: argparse.Namespace) -> int:
     script = tools / f"bench_{args.name.replace('-', '_')}.py"  # long-horizon -> bench_long_horizon.py
     if not script.is_file():
         known = sorted(p.stem.removeprefix("bench_") for p in tools.glob("bench_*.py")) if tools.is_dir() else []
-        print(f"t1async: error: no benchmark {args.name!r} (tools/bench_{args.name}.py); known: {known}. "
+        print(f"t1async: error: no benchmark {args.name!r} (tools/bench_{args.name.replace('-', '_')}.py); known: {known}. "
               "Benchmarks run from a source checkout (pip install -e .)", file=sys.stderr)
         return 2
     sys.argv = [str(script), *args.args]

@@ -105,11 +105,12 @@ class SamplerConfig:
     """Samplers: embedded PyTorch engines speaking SGLang's HTTP protocol (or SGLang servers)."""
 
     backend: str = "embedded"
-    """``embedded`` (PyTorch engine in a Ray actor) or ``sglang`` (external servers in ``urls``)."""
+    """``embedded`` (PyTorch engine in a Ray actor) or ``sglang`` (``sglang.launch_server`` processes
+    started by launch, or the running servers in ``urls``; t1async/sglang_server.py)."""
     num_samplers: int = 1
-    """Embedded samplers to start (M)."""
+    """Samplers to start (M; ignored when ``urls`` is set)."""
     urls: list[str] = field(default_factory=list)
-    """Base URLs of external SGLang servers (backend ``sglang`` only)."""
+    """Base URLs of running SGLang servers to attach to (backend ``sglang`` only)."""
     host: str = "127.0.0.1"
     """Interface the embedded HTTP servers listen on."""
     dtype: str = "float32"
@@ -126,6 +127,16 @@ class SamplerConfig:
     more wait for a free slot."""
     request_timeout_s: float = 300.0
     """HTTP timeout of one /generate call, seconds."""
+    model_path: str = ""
+    """Backend ``sglang``, started servers: the Hugging Face model folder each server loads (its
+    architecture must match ``model``; the learner's first publish replaces its weights)."""
+    tp_size: int = 1
+    """Backend ``sglang``, started servers: GPUs (tensor-parallel ranks) per server; server i gets
+    GPUs i*tp_size .. (i+1)*tp_size - 1 of the launch machine."""
+    start_timeout_s: float = 900.0
+    """Backend ``sglang``: most seconds to wait for every server's ``GET /health``."""
+    extra_args: list[str] = field(default_factory=list)
+    """Backend ``sglang``, started servers: more ``sglang.launch_server`` arguments (e.g. ``--mem-fraction-static``)."""
 
 
 @dataclass
@@ -336,8 +347,18 @@ class WeightSyncConfig:
     master_port: int = 0
     """Port of the rendezvous TCPStore; 0 picks a free one."""
     timeout_s: float = 120.0
-    """Timeout of the group's rendezvous and of each broadcast, seconds, at both ends: the learner
-    sends it to every embedded sampler when the group is formed (SGLang servers keep their own)."""
+    """Timeout of the group's rendezvous, of each broadcast and of each weight-sync HTTP call,
+    seconds. Both ends for embedded samplers (the learner sends it when the group is formed); an
+    SGLang server keeps torch's 30-minute group timeout, so the learner stops waiting after this
+    long and takes that server out of service (left paused, never serving partial weights)."""
+    bucket_mb: float = 512.0
+    """Most MiB broadcast at once (SGLang ``load_format: flattened_bucket``: one uint8 tensor per
+    bucket); non-expert parameters first, then experts. Each bucket is allocated once more on
+    both ends while it is in flight."""
+    pause_mode: str = "abort"
+    """``/pause_generation`` mode during an update. Only ``abort``: running requests end and the
+    client sends them again after the update (the pinned SGLang reports no per-token weight
+    versions, so ``retract``/``in_place`` would label tokens of two versions with one)."""
 
 
 @dataclass
@@ -703,11 +724,14 @@ _VALUE_RULES: list[tuple[str, Any, str]] = [
     ("transport.ack_timeout_s", lambda v: v > 0, "a positive number of seconds"),
     ("transport.log_fsync", lambda v: v in ("always", "never"), "'always' or 'never'"),
     ("transport.max_message_bytes", lambda v: v >= 1, "a positive number of bytes"),
-    ("sampler.backend", lambda v: v == "embedded",
-     "'embedded' (SGLang servers are not wired into launch yet; their protocol is spoken by t1async.sampler_client)"),
+    ("sampler.backend", lambda v: v in ("embedded", "sglang"), "'embedded' or 'sglang'"),
+    ("sampler.tp_size", lambda v: v >= 1, "an integer >= 1"),
+    ("sampler.start_timeout_s", lambda v: v > 0, "a positive number of seconds"),
     ("sampler.dtype", lambda v: v in ("float32", "bfloat16", "float16"), "float32, bfloat16 or float16"),
     ("weight_sync.backend", lambda v: v in ("gloo", "nccl"), "'gloo' (CPU) or 'nccl' (GPUs)"),
     ("weight_sync.timeout_s", lambda v: v > 0, "a positive number of seconds"),
+    ("weight_sync.bucket_mb", lambda v: v > 0, "a positive number of MiB"),
+    ("weight_sync.pause_mode", lambda v: v == "abort", "'abort' (see WeightSyncConfig.pause_mode)"),
     ("mismatch.learner_dtype", lambda v: v in ("float32", "bfloat16"), "float32 or bfloat16"),
     ("mismatch.episodes", lambda v: v >= 1, "an integer >= 1"),
     ("model.num_experts", lambda v: v >= 1, "an integer >= 1"),

@@ -521,23 +521,49 @@ class Engine:
             self.step()
             self.busy_s += time.perf_counter() - t0
 
+    @property
+    def in_flight(self) -> int:
+        """Requests submitted and not finished yet (queued or running)."""
+        with self._cond:
+            return len(self._pending) + len(self._active)
+
+    def pause(self) -> None:
+        """Hold admission (submitted requests queue) and return once no request runs, so no
+        forward runs until :meth:`resume`. Pauses nest: each needs its own resume.
+
+        Raises:
+            RuntimeError: requests are running and the engine thread is not (nothing would
+                finish them); the pause is undone.
+        """
+        with self._cond:
+            self._paused += 1
+            while self._active:
+                if self._thread is None:
+                    self._paused -= 1
+                    raise RuntimeError("pause() with requests in flight needs the engine thread (start())")
+                self._cond.wait()
+
+    def resume(self) -> None:
+        """Undo one :meth:`pause`; queued requests are admitted when none is left.
+
+        Raises:
+            RuntimeError: the engine is not paused.
+        """
+        with self._cond:
+            if self._paused == 0:
+                raise RuntimeError("resume() without a pause()")
+            self._paused -= 1
+            self._cond.notify_all()
+
     @contextmanager
     def between_requests(self) -> Iterator[None]:
         """Context in which no request is in flight and no forward runs: admission pauses, the
         requests already running finish, then the body runs (swap weights, set
         :attr:`weight_version`, flush). Waiting requests are admitted after it, under the new
         weights. Needs the engine thread (:meth:`start`) or no request in flight."""
-        with self._cond:
-            self._paused += 1
-            while self._active:
-                if self._thread is None:
-                    self._paused -= 1
-                    raise RuntimeError("between_requests() with requests in flight needs the engine thread (start())")
-                self._cond.wait()
+        self.pause()
         try:
             with self._model_lock:
                 yield
         finally:
-            with self._cond:
-                self._paused -= 1
-                self._cond.notify_all()
+            self.resume()

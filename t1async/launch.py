@@ -68,7 +68,9 @@ def launch(config_path: str | None, overrides: list[str] | tuple[str, ...] = ())
     roles: dict[str, Any] = {}
     control = None
     try:
-        roles["samplers"], urls = start_samplers(cfg, actor)
+        roles["samplers"], urls = start_samplers(cfg, actor, run_dir)
+        if cfg.sampler.backend == "sglang":  # processes, not Ray actors: stopped below
+            roles["sglang_servers"], roles["samplers"] = roles["samplers"], []
         roles["learner"], endpoint = start_learner(cfg, actor, run_dir, urls)  # publishes weight version 0
         announce_resume(cfg, roles["learner"], run_dir)
         roles["controller"] = start_controller(cfg, actor, task_names, urls, endpoint)  # starts the rollout actors
@@ -90,6 +92,10 @@ def launch(config_path: str | None, overrides: list[str] | tuple[str, ...] = ())
         # t1async stop: they get 30 s to finish and spool; otherwise 5 s
         grace = {"now": 0.0, "drain": 30.0}.get(summary.get("stop_request") or "", 5.0)
         summary.update(shutdown(roles, grace_s=grace))
+        if roles.get("sglang_servers"):
+            from t1async.sglang_server import stop_servers
+
+            stop_servers(roles["sglang_servers"])
         kill_sandboxes_under(run_dir / "workspaces")  # a sandbox can outlive its killed rollout actor
         unmount_all_under(run_dir / "workspaces")  # killed actors cannot clean up themselves
         shutil.rmtree(run_dir / "workspaces", ignore_errors=True)
@@ -165,6 +171,12 @@ def check_inputs(cfg: Config) -> list[str]:
     tasks = discover_tasks(tasks_dir(cfg.env), cfg.env.tasks, sandbox=cfg.env.sandbox)
     check_sandbox_available(cfg.env.sandbox)
     check_port_free(cfg.transport)
+    if cfg.sampler.backend == "sglang" and not cfg.sampler.urls and not cfg.sampler.model_path:
+        raise ConfigError("sampler.backend=sglang needs sampler.urls (running servers) or sampler.model_path "
+                          "(a Hugging Face model folder for the servers launch starts)")
+    if cfg.sampler.backend == "sglang" and cfg.weight_sync.backend != "nccl":
+        logger.warning("sampler.backend=sglang with weight_sync.backend={}: SGLang servers receive on GPUs, "
+                       "use weight_sync.backend=nccl", cfg.weight_sync.backend)
     if cfg.transport.curve:
         from t1async.keys import client_keys, server_keys
 
@@ -204,9 +216,16 @@ def check_tasks(cfg: Config, names: list[str]) -> None:
     discover_tasks(tasks_dir(cfg.env), names, sandbox=cfg.env.sandbox)
 
 
-def start_samplers(cfg: Config, actor: Any) -> tuple[list[Any], list[str]]:
-    """M embedded samplers (HTTP, SGLang protocol; no weights until the learner publishes); their URLs."""
+def start_samplers(cfg: Config, actor: Any, run_dir: Path | None = None) -> tuple[list[Any], list[str]]:
+    """M samplers (no weights until the learner publishes) and their URLs: embedded engines in Ray
+    actors, or for ``sampler.backend=sglang`` SGLang servers (t1async/sglang_server.py: started
+    here, returned as processes, or attached to ``sampler.urls``)."""
     import ray
+
+    if cfg.sampler.backend == "sglang":
+        from t1async.sglang_server import start_servers
+
+        return start_servers(cfg.sampler, run_dir or Path(cfg.run.dir))
 
     from t1async.actors.sampler import EmbeddedSampler
 

@@ -1,58 +1,233 @@
-"""Weight sync: the learner (rank 0) broadcasts every parameter to all samplers with torch.distributed.
+"""Weight sync: the learner (rank 0) broadcasts the policy to every sampler with SGLang's own protocol.
 
-The protocol is SGLang's: the learner asks each sampler over HTTP to join a process group
-(``POST /init_weights_update_group``), then, for each update, asks every sampler to receive
-(``POST /update_weights_from_distributed`` with names, dtypes, shapes and the new
-``weight_version``) while it broadcasts the tensors in that order. Samplers receive into
-staging buffers and swap the weights in between requests. The group is a standalone
-ProcessGroupGloo (CPU) or ProcessGroupNCCL (GPUs) over its own TCPStore, so it never touches the
-default process group a Megatron learner uses.
+Protocol (SGLang 0.5.10.post1, ``tests/fixtures/sglang_schema.json``; ``model_runner.py``
+``init_weights_update_group`` / ``update_weights_from_distributed``, ``utils/common.py``
+``init_custom_process_group``, ``weight_sync/tensor_bucket.py``):
 
-Source: SGLang ``UpdateWeightsFromDistributedReqInput`` / ``InitWeightsUpdateGroupReqInput``;
-torch.distributed ``TCPStore``, ``PrefixStore``, ``ProcessGroupGloo``.
+1. **Group join** (:meth:`DistributedWeightSync.connect`). The learner asks every sampler to
+   drop an earlier group of that name (``POST /destroy_weights_update_group``; "does not exist"
+   is fine), then to ``POST /init_weights_update_group {master_address, master_port, rank_offset, world_size,
+   group_name, backend}`` while it joins itself as rank 0. Every member runs the same recipe
+   (:func:`join_group`): ``torch.distributed.rendezvous("tcp://ADDR:PORT", rank, world)`` (rank 0
+   hosts the TCPStore), ``PrefixStore(group_name, store)``, then torch's process-group helper,
+   which prefixes ``group_name/`` once more. A server with tensor parallelism T takes T ranks,
+   ``rank_offset + tp_rank``; the world is ``1 + sum of every server's T``.
+2. **Update** (:meth:`DistributedWeightSync.publish`): ``POST /pause_generation {mode}`` to every
+   sampler; then per bucket ``POST /update_weights_from_distributed {names, dtypes, shapes,
+   group_name, flush_cache, weight_version, load_format: "flattened_bucket"}`` while the learner
+   broadcasts that bucket as one uint8 tensor (the tensors' bytes concatenated in order; offsets
+   follow from dtypes and shapes). Buckets hold at most ``bucket_bytes`` (a larger tensor gets a
+   bucket of its own), non-expert parameters first, then the experts. Only the last bucket carries
+   ``flush_cache`` and ``weight_version`` (a string); then ``POST /continue_generation``.
+3. **Failure.** SGLang applies each bucket as it arrives, so a failed update leaves a server
+   partly updated. A sampler that fails (an error answer, no answer within ``timeout_s``, a
+   broken group) is *taken out of service*: it gets no ``/continue_generation`` (a paused SGLang
+   server holds new requests; it never serves the half-updated weights), it leaves every later
+   publish, and :meth:`DistributedWeightSync.publish` raises :class:`WeightSyncError` naming it
+   (the learner logs it; ``failed`` lists them). The embedded sampler is atomic (it swaps all
+   buckets together when the last one arrives) but is treated alike.
+
+Timeout: ``timeout_s`` bounds the learner's side (rendezvous, each broadcast, each HTTP call).
+The embedded sampler takes it too (``timeout_s`` in its ``/init_weights_update_group`` body, an
+extension sent only to embedded samplers); an SGLang server keeps torch's default group timeout
+(30 min), which the learner no longer waits for: it gives up after ``timeout_s`` and takes the
+server out of service.
+
+Backends: gloo (CPU) and nccl (GPUs, one rank per GPU: two NCCL ranks on one GPU fail with
+"Duplicate GPU detected"). The group is a standalone process group, never the default one a
+Megatron learner uses.
 """
 
 from __future__ import annotations
 
 import datetime
+import socket
+import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterable, Protocol
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any, Iterable, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 from loguru import logger
 
-from t1async.sampler_client import post_json
+from t1async.sampler_client import SamplerError, post_json
 
 GROUP_NAME = "t1async-weights"
+PAUSE_MODES = ("abort",)
+"""Pause modes t1async accepts. SGLang also has ``retract`` and ``in_place``, which keep requests
+alive across the update; the pinned release reports no per-token weight versions, so their
+tokens would be labelled with one version while spanning two: refused."""
 
 
 class WeightSyncError(RuntimeError):
     """A sampler failed to join the weight group or to take an update."""
 
 
-def init_weight_group(backend: str, master_address: str, master_port: int, rank: int, world_size: int,
-                      group_name: str, timeout_s: float, store: dist.Store | None = None):
-    """Join (rank > 0) or host (rank 0) a standalone broadcast group.
+def free_port(host: str) -> int:
+    """A TCP port free on ``host`` now (the rendezvous needs the port before rank 0 binds it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def join_group(backend: str, master_address: str, master_port: int, rank: int, world_size: int,
+               group_name: str, timeout_s: float) -> "WeightGroup":
+    """Join a standalone broadcast group so that it meets members built by SGLang's recipe.
+
+    SGLang (``init_custom_process_group``): ``tcp://`` rendezvous (rank 0 hosts the TCPStore at
+    ``master_port``), ``PrefixStore(group_name, store)``, then torch's ``_new_process_group_helper``,
+    which prefixes ``group_name/`` again, builds one backend under the first device's prefix
+    (gloo: ``cpu/``, serving cuda tensors too; nccl: ``cuda/``) and agrees a sequence number
+    through the store (``_set_sequence_number_for_group``). This function builds that same
+    backend on those same store keys, but without registering a process group by name in torch's
+    process-wide table, so several members (an embedded sampler and the learner in one test
+    process, or a re-join after a learner restart) can live in one process.
+    tests/test_sglang_backends.py checks that it meets members built with the helper itself.
 
     Returns:
-        A torch ProcessGroup backend object with ``broadcast(tensor, root)``.
+        A :class:`WeightGroup` (``broadcast(tensor, root)``, ``close()``).
 
     Raises:
         WeightSyncError: unknown backend.
         RuntimeError / DistStoreError: rendezvous failed within ``timeout_s``.
     """
+    if backend not in ("gloo", "nccl"):
+        raise WeightSyncError(f"weight_sync.backend {backend!r} is not supported: use 'gloo' (CPU) or 'nccl' (GPUs)")
     timeout = datetime.timedelta(seconds=timeout_s)
-    if store is None:
-        store = dist.TCPStore(master_address, master_port, world_size, rank == 0, timeout=timeout)
-    prefixed = dist.PrefixStore(group_name, store)
+    store, rank, world_size = next(dist.rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
+                                                   timeout=timeout))
+    store.set_timeout(timeout)
+    group_store = dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, store))
     if backend == "gloo":
-        return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
-    if backend == "nccl":
+        pg = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", group_store), rank, world_size, timeout)
+    else:
         opts = dist.ProcessGroupNCCL.Options()
+        opts.is_high_priority_stream = False
         opts._timeout = timeout
-        return dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
-    raise WeightSyncError(f"weight_sync.backend {backend!r} is not supported: use 'gloo' (CPU) or 'nccl' (GPUs)")
+        pg = dist.ProcessGroupNCCL(dist.PrefixStore("cuda/", group_store), rank, world_size, opts)
+    pg._set_sequence_number_for_group()
+    return WeightGroup(pg, store)
+
+
+class WeightGroup:
+    """One member's backend of a weight group (see :func:`join_group`).
+
+    ``broadcast(tensor, root)`` returns the work handle (``.wait()``); ``store`` is kept alive with
+    the group (rank 0 hosts it).
+    """
+
+    def __init__(self, pg, store) -> None:
+        self._pg, self.store = pg, store
+
+    def broadcast(self, tensor: torch.Tensor, root: int):
+        """Broadcast ``tensor`` in place from ``root``; returns the work handle."""
+        return self._pg.broadcast(tensor, root)
+
+    def close(self) -> None:
+        """Shut the backend down (errors of a group broken by a timeout are ignored)."""
+        try:
+            if hasattr(self._pg, "shutdown"):
+                self._pg.shutdown()
+        except Exception as e:
+            logger.debug("shutting down a weight group backend: {}", e)
+
+
+def leave_group(group: WeightGroup) -> None:
+    """Leave a group made by :func:`join_group`."""
+    group.close()
+
+
+def is_expert(name: str) -> bool:
+    """Whether a Hugging Face parameter name is an MoE expert's (``...mlp.experts.N...``)."""
+    return ".experts." in name
+
+
+@dataclass
+class Bucket:
+    """One flattened bucket: tensors broadcast as one uint8 tensor, in this order.
+
+    Attributes:
+        names, dtypes (torch dtype names, e.g. ``"bfloat16"``), shapes: per tensor.
+        tensors: the (contiguous, detached) tensors.
+        nbytes: total bytes.
+    """
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    tensors: list[torch.Tensor]
+    nbytes: int
+
+    def flatten(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """uint8 [nbytes]: every tensor's bytes concatenated (SGLang ``FlattenedTensorBucket``),
+        written into ``out`` when it is a uint8 tensor of that size on the tensors' device."""
+        parts = [t.reshape(-1).view(torch.uint8) for t in self.tensors]
+        if out is not None and out.numel() == self.nbytes and out.dtype == torch.uint8 \
+                and out.device == self.tensors[0].device:
+            return torch.cat(parts, out=out)
+        return torch.cat(parts)
+
+
+def plan_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[Bucket]:
+    """Group tensors into buckets of at most ``bucket_bytes``: non-expert parameters first, then
+    experts, each in the given order; a tensor larger than ``bucket_bytes`` gets its own bucket.
+
+    Raises:
+        WeightSyncError: ``bucket_bytes`` < 1 or no tensors.
+    """
+    if bucket_bytes < 1:
+        raise WeightSyncError(f"weight_sync.bucket_mb must be positive, got {bucket_bytes} bytes")
+    items = [(n, t.detach().contiguous()) for n, t in named_tensors]
+    if not items:
+        raise WeightSyncError("no tensors to publish")
+    items = [x for x in items if not is_expert(x[0])] + [x for x in items if is_expert(x[0])]
+    buckets: list[Bucket] = []
+    cur: Bucket | None = None
+    for n, t in items:
+        size = t.numel() * t.element_size()
+        if cur is None or (cur.nbytes + size > bucket_bytes and cur.tensors):
+            cur = Bucket([], [], [], [], 0)
+            buckets.append(cur)
+        cur.names.append(n)
+        cur.dtypes.append(str(t.dtype).removeprefix("torch."))
+        cur.shapes.append(list(t.shape))
+        cur.tensors.append(t)
+        cur.nbytes += size
+    return buckets
+
+
+def update_body(bucket: Bucket, *, last: bool, version: int, group_name: str = GROUP_NAME) -> dict[str, Any]:
+    """The ``/update_weights_from_distributed`` body of one bucket (fields of SGLang's
+    ``UpdateWeightsFromDistributedReqInput``); ``flush_cache`` and ``weight_version`` only on the last."""
+    body: dict[str, Any] = {"names": bucket.names, "dtypes": bucket.dtypes, "shapes": bucket.shapes,
+                            "group_name": group_name, "load_format": "flattened_bucket", "flush_cache": last}
+    if last:
+        body["weight_version"] = str(version)
+    return body
+
+
+def sglang_bodies_example() -> dict[str, dict[str, Any]]:
+    """One body per route as :class:`DistributedWeightSync` sends it to an SGLang server (checked
+    against the pinned release's dataclasses by tests/test_sglang_conformance.py)."""
+    b = plan_buckets([("w", torch.zeros(2))], 1 << 20)[0]
+    return {
+        "/init_weights_update_group": _init_body("127.0.0.1", 1, 1, 2, "gloo", None),
+        "/destroy_weights_update_group": {"group_name": GROUP_NAME},
+        "/pause_generation": {"mode": "abort"},
+        "/update_weights_from_distributed": update_body(b, last=True, version=3),
+        "/continue_generation": {},
+    }
+
+
+def _init_body(address: str, port: int, rank_offset: int, world: int, backend: str,
+               timeout_s: float | None) -> dict[str, Any]:
+    body: dict[str, Any] = {"master_address": address, "master_port": port, "rank_offset": rank_offset,
+                            "world_size": world, "group_name": GROUP_NAME, "backend": backend}
+    if timeout_s is not None:
+        body["timeout_s"] = timeout_s  # embedded samplers only (not a field of SGLang's request)
+    return body
 
 
 class WeightSync(Protocol):
@@ -69,79 +244,208 @@ class DistributedWeightSync:
         backend: ``gloo`` or ``nccl``.
         master_address: address samplers use to reach this process's TCPStore.
         master_port: port of the store (0: a free one).
-        timeout_s: rendezvous and per-update timeout, seconds, of both ends: sent to every
-            sampler as the ``timeout_s`` field of ``/init_weights_update_group`` (an extension the
-            embedded sampler applies to its side of the group; SGLang ignores it).
+        timeout_s: rendezvous, broadcast and HTTP timeout of the learner's side, seconds (and of
+            embedded samplers' side, see the module docstring).
+        sampler_backend: ``embedded`` (sends the ``timeout_s`` extension), ``sglang``, or ``auto``
+            (per sampler: embedded when its ``/model_info`` says ``model_path: t1async-embedded``).
+        tp_sizes: ranks each sampler takes (its tensor parallelism), in ``connect`` order; default:
+            each server's ``tp_size`` from ``GET /server_info`` (1 when absent).
+        bucket_mb: most MiB per flattened bucket.
+        pause_mode: ``/pause_generation`` mode (only ``abort``, see :data:`PAUSE_MODES`).
+
+    Attributes:
+        urls: samplers in service. failed: ``{url: reason}`` of samplers taken out of service.
+        last_pause_s: seconds the samplers were paused by the last publish.
     """
 
     def __init__(self, backend: str = "gloo", master_address: str = "127.0.0.1", master_port: int = 0,
-                 timeout_s: float = 120.0):
+                 timeout_s: float = 120.0, *, sampler_backend: str = "auto", tp_sizes: Sequence[int] | None = None,
+                 bucket_mb: float = 512.0, pause_mode: str = "abort"):
+        if pause_mode not in PAUSE_MODES:
+            raise WeightSyncError(f"weight_sync.pause_mode {pause_mode!r} is not supported: use one of {PAUSE_MODES} "
+                                  "(the pinned SGLang reports no per-token weight versions)")
+        if sampler_backend not in ("embedded", "sglang", "auto"):
+            raise WeightSyncError(f"sampler backend {sampler_backend!r}: use 'embedded', 'sglang' or 'auto'")
         self.backend, self.master_address, self.timeout_s = backend, master_address, timeout_s
-        self.master_port = master_port
+        self.master_port, self.sampler_backend, self.pause_mode = master_port, sampler_backend, pause_mode
+        self.bucket_bytes = int(bucket_mb * (1 << 20))
+        self.tp_sizes = list(tp_sizes) if tp_sizes is not None else None
         self.urls: list[str] = []
+        self.failed: dict[str, str] = {}
+        self.last_pause_s = 0.0
         self._group = None
+        self._regroup = False
+        self._send_bufs: list[torch.Tensor] = []
         self._pool: ThreadPoolExecutor | None = None
 
     def connect(self, sampler_urls: list[str]) -> None:
-        """Create the group: this process is rank 0, sampler i is rank i + 1.
+        """Form the group: this process is rank 0; sampler i takes ranks ``1 + sum(tp[:i]) ...``.
 
         Raises:
             WeightSyncError: a sampler refused to join or the rendezvous timed out.
         """
-        self.urls = list(sampler_urls)
-        world = len(self.urls) + 1
-        store = dist.TCPStore(self.master_address, self.master_port, world, True, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=self.timeout_s))
-        port = store.port
-        self._pool = ThreadPoolExecutor(max_workers=max(1, len(self.urls)), thread_name_prefix="weight-sync")
-        futures = [
-            self._pool.submit(post_json, url, "/init_weights_update_group", {
-                "master_address": self.master_address, "master_port": port, "rank_offset": i + 1,
-                "world_size": world, "group_name": GROUP_NAME, "backend": self.backend,
-                # t1async extension: the embedded sampler builds its side of the group with this
-                # timeout, so weight_sync.timeout_s governs both ends. A real SGLang server does
-                # not read this field (unknown body fields are ignored) and keeps its own timeout.
-                "timeout_s": self.timeout_s,
-            }, timeout_s=self.timeout_s)
-            for i, url in enumerate(self.urls)
-        ]
-        self._group = init_weight_group(self.backend, self.master_address, port, 0, world, GROUP_NAME,
-                                        self.timeout_s, store=store)
-        self._store = store  # keep the store (and its port) alive as long as the group
+        self.failed = {}
+        self._form(list(sampler_urls))
+
+    def _form(self, urls: list[str]) -> None:
+        if self._group is not None:
+            leave_group(self._group)
+            self._group = None
+        self.urls = urls
+        self._regroup = False
+        try:
+            tp = self.tp_sizes or [int(post_json(u, "/server_info", method="GET", timeout_s=self.timeout_s).get("tp_size") or 1)
+                                   for u in self.urls]
+            embedded = [self.sampler_backend == "embedded" or (self.sampler_backend == "auto" and post_json(
+                u, "/model_info", method="GET", timeout_s=self.timeout_s).get("model_path") == "t1async-embedded")
+                for u in self.urls]
+        except SamplerError as e:
+            raise WeightSyncError(f"cannot reach a sampler before forming the weight group: {e}") from None
+        if len(tp) != len(self.urls) or min(tp, default=1) < 1:
+            raise WeightSyncError(f"tp_sizes {tp} must give a positive size for each of {len(self.urls)} samplers")
+        world = 1 + sum(tp)
+        port = self.master_port or free_port(self.master_address)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(self.urls)), thread_name_prefix="weight-sync")
+        # a server keeps its group by name until told (a learner restart, or a re-formed group
+        # after a failure, would otherwise be refused "group name already created")
+        self._all("/destroy_weights_update_group", {"group_name": GROUP_NAME}, self.urls)
+        offsets = [1 + sum(tp[:i]) for i in range(len(self.urls))]
+        futures = [self._pool.submit(post_json, url, "/init_weights_update_group",
+                                     _init_body(self.master_address, port, off, world, self.backend,
+                                                self.timeout_s if emb else None),
+                                     timeout_s=self.timeout_s)
+                   for url, off, emb in zip(self.urls, offsets, embedded)]
+        try:
+            self._group = join_group(self.backend, self.master_address, port, 0, world, GROUP_NAME, self.timeout_s)
+        except Exception as e:
+            errors = [f"{u}: {f.exception()}" for u, f in zip(self.urls, futures) if f.done() and f.exception()]
+            raise WeightSyncError(f"weight group rendezvous at {self.master_address}:{port} failed within "
+                                  f"{self.timeout_s:.0f} s ({type(e).__name__}: {e}); sampler errors: {errors}") from None
         for url, f in zip(self.urls, futures):
-            res = f.result()
+            try:
+                res = f.result(timeout=self.timeout_s)
+            except (SamplerError, FutureTimeout) as e:
+                raise WeightSyncError(f"sampler {url} could not join the weight group: {e}") from None
             if not res.get("success", False):
                 raise WeightSyncError(f"sampler {url} could not join the weight group: {res.get('message')}")
-        logger.info("weight group {} ready: {} samplers, backend {}, store port {}", GROUP_NAME, len(self.urls), self.backend, port)
+        logger.info("weight group {} ready: {} samplers ({} ranks), backend {}, rendezvous port {}", GROUP_NAME,
+                    len(self.urls), world - 1, self.backend, port)
+
+    def _all(self, path: str, body: dict, urls: list[str]) -> dict[str, str]:
+        """POST ``body`` to every url at once; ``{url: error}`` of those that failed."""
+        assert self._pool is not None
+        futures = {u: self._pool.submit(post_json, u, path, body, timeout_s=self.timeout_s) for u in urls}
+        errors = {}
+        for u, f in futures.items():
+            try:
+                res = f.result(timeout=self.timeout_s + 5)
+                if isinstance(res, dict) and res.get("success") is False:
+                    errors[u] = str(res.get("message"))
+            except (SamplerError, FutureTimeout) as e:
+                errors[u] = str(e) or type(e).__name__
+        return errors
 
     def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Broadcast every tensor (in the given order) and make each sampler hold ``version``.
+        """Pause every sampler, broadcast every bucket, make each hold ``version``, continue them.
+
+        When a sampler fails, the others may hold part of the new weights (SGLang applies each
+        bucket on arrival), so they stay paused while the group is re-formed without the failed
+        ones and the whole update is sent to them again; only samplers holding all of ``version``
+        are continued.
 
         Raises:
-            WeightSyncError: called before :meth:`connect`, or a sampler reported a failure.
+            WeightSyncError: called before :meth:`connect`, or samplers failed (they are out of
+                service from now on: paused, left out of later publishes, listed in ``failed``).
         """
         if self._group is None or self._pool is None:
             raise WeightSyncError("publish() before connect(): call connect(sampler_urls) first")
-        tensors = [(n, t.detach()) for n, t in named_tensors]
-        body = {
-            "names": [n for n, _ in tensors],
-            "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in tensors],
-            "shapes": [list(t.shape) for _, t in tensors],
-            "group_name": GROUP_NAME,
-            "flush_cache": True,
-            "weight_version": str(version),
-        }
-        futures = [self._pool.submit(post_json, url, "/update_weights_from_distributed", body, timeout_s=self.timeout_s)
-                   for url in self.urls]
-        for _, t in tensors:
-            t = t.contiguous()
-            self._group.broadcast(t, 0).wait()
-        for url, f in zip(self.urls, futures):
-            res = f.result()
-            if not res.get("success", False):
-                raise WeightSyncError(f"sampler {url} failed to load weight version {version}: {res.get('message')}")
+        buckets = plan_buckets(named_tensors, self.bucket_bytes)
+        live = [u for u in self.urls if u not in self.failed]
+        if not live:
+            raise WeightSyncError(f"no sampler in service (failed: {self.failed})")
+        t0 = time.monotonic()
+        try:
+            if self._regroup:  # a member failed last time: the group is re-formed without it
+                self._form(live)
+            errors = self._all("/pause_generation", {"mode": self.pause_mode}, live)
+            if not errors:
+                errors = self._send(buckets, live, version)
+            bad: list[str] = []
+            for attempt in range(2):
+                if not errors:
+                    break
+                new_bad = [u for u in live if u in errors] or list(live)  # a broken group takes every member
+                for u in new_bad:
+                    self.failed[u] = errors.get(u) or errors.get("(group)", "group broken")
+                bad += new_bad
+                live = [u for u in live if u not in new_bad]
+                errors = {}
+                if live and attempt == 0:  # the rest may be partly updated: reload them in a new group
+                    try:
+                        self._form(live)
+                    except WeightSyncError as e:
+                        errors = {u: str(e) for u in live}
+                        continue
+                    errors = self._send(buckets, live, version)
+                elif live:
+                    bad += live
+                    for u in live:
+                        self.failed[u] = "failed the reload after another sampler failed"
+                    live = []
+            self._regroup = bool(bad)
+            cont = self._all("/continue_generation", {}, live) if live else {}
+        finally:
+            self.last_pause_s = time.monotonic() - t0
+        if bad:
+            logger.error("weight version {}: samplers taken out of service (left paused): {}", version,
+                         {u: self.failed[u] for u in bad})
+            raise WeightSyncError(f"weight version {version} failed on {len(bad)} sampler(s), now out of service "
+                                  f"(paused, never serving partial weights): {[f'{u}: {self.failed[u]}' for u in bad]}")
+        if cont:
+            self.failed.update(cont)
+            self._regroup = True
+            raise WeightSyncError(f"samplers did not continue after weight version {version}: {cont}")
+
+    def _send(self, buckets: list[Bucket], urls: list[str], version: int) -> dict[str, str]:
+        """Broadcast every bucket to ``urls`` (each answers its ``/update_weights_from_distributed``);
+        ``{url or "(group)": error}``, empty when all took every bucket."""
+        assert self._group is not None and self._pool is not None
+        errors: dict[str, str] = {}
+        # send buffers kept from one publish to the next (warm memory; two, so one is filled
+        # while the other is on the wire)
+        big, dev = max(b.nbytes for b in buckets), buckets[0].tensors[0].device
+        if len(self._send_bufs) < 2 or self._send_bufs[0].numel() < big or self._send_bufs[0].device != dev:
+            self._send_bufs = [torch.empty(big, dtype=torch.uint8, device=dev) for _ in range(2)]
+        flat = buckets[0].flatten(self._send_bufs[0][:buckets[0].nbytes])
+        for i, b in enumerate(buckets):
+            body = update_body(b, last=i == len(buckets) - 1, version=version)
+            futures = {u: self._pool.submit(post_json, u, "/update_weights_from_distributed", body,
+                                            timeout_s=self.timeout_s) for u in urls}
+            try:
+                work = self._group.broadcast(flat, 0)
+                if i + 1 < len(buckets):  # concatenated while the previous one is on the wire
+                    nxt = buckets[i + 1]
+                    flat = nxt.flatten(self._send_bufs[(i + 1) % 2][:nxt.nbytes])
+                work.wait()
+            except Exception as e:
+                errors["(group)"] = f"broadcast of bucket {i} failed: {type(e).__name__}: {e}"
+            for u, f in futures.items():
+                try:
+                    res = f.result(timeout=self.timeout_s + 5)
+                    if not res.get("success", False):
+                        errors[u] = f"bucket {i}: {res.get('message')}"
+                except (SamplerError, FutureTimeout) as e:
+                    errors[u] = f"bucket {i}: {e or type(e).__name__}"
+            if errors:
+                break  # the group is out of step once a member missed a broadcast
+        return errors
 
     def close(self) -> None:
-        """Release the worker threads (the group dies with the process)."""
+        """Leave the group and release the worker threads."""
+        if self._group is not None:
+            leave_group(self._group)
+            self._group = None
         if self._pool is not None:
             self._pool.shutdown(wait=False)
+            self._pool = None

@@ -1,0 +1,145 @@
+"""``t1async bench weight-sync``: a full weight publish against a raw torch.distributed broadcast of the same bytes.
+
+Prints ONE JSON object. Setup: a Qwen3-MoE policy in this process (the learner, rank 0) and
+``--samplers`` embedded samplers, each its own process (HTTP server, engine, staging buffers),
+joined by :class:`t1async.weight_sync.DistributedWeightSync` (SGLang's protocol: pause, one
+``/update_weights_from_distributed`` per flattened bucket, continue); beside them as many raw
+receiver processes in a second group built by :func:`t1async.weight_sync.join_group`, which only
+receive uint8 tensors of the same bucket sizes. Rounds alternate publish / raw (the machine is
+shared and noisy); each round's ``ratio`` is raw time / publish time measured back to back (bytes/s
+of the publish over bytes/s of the raw broadcast), and the median over rounds is reported with
+both medians beside it.
+
+Also reported: ``flatten_s`` (median seconds to concatenate every bucket once, the copy the raw
+broadcast does not make; the embedded sampler makes one more, staging to weights, inside the
+pause), ``pause_s`` (median seconds the samplers were paused per publish: pause request
+to continue answer) and ``pause_s_per_1b_params`` (that, per 10^9 parameters published).
+
+Usage: ``t1async bench weight-sync [--rounds 5] [--samplers 2] [--hidden 256] [--experts 16] [--bucket-mb 64]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import statistics
+import time
+
+import torch
+
+from t1async.cli import OneLineErrors, at_least_one
+from t1async.config import ModelConfig, SamplerConfig
+from t1async.weight_sync import DistributedWeightSync, free_port, join_group, plan_buckets
+
+
+def model_cfg(a: argparse.Namespace) -> ModelConfig:
+    return ModelConfig(vocab_size=a.vocab, hidden_size=a.hidden, num_hidden_layers=a.layers, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=a.hidden // 4, num_experts=a.experts, num_experts_per_tok=2,
+                       moe_intermediate_size=a.hidden * 2)
+
+
+def _sampler_proc(cfg: ModelConfig, conn) -> None:
+    torch.set_num_threads(1)
+    from t1async.actors.sampler import EmbeddedSampler
+
+    s = EmbeddedSampler(cfg, SamplerConfig(), seed=0)
+    conn.send(s.url())
+    conn.recv()  # until told to stop
+    s.shutdown()
+
+
+def _raw_proc(port: int, rank: int, world: int, sizes: list[int], rounds: int) -> None:
+    torch.set_num_threads(1)
+    g = join_group("gloo", "127.0.0.1", port, rank, world, "bench-raw", 300)
+    bufs = [torch.empty(n, dtype=torch.uint8) for n in sizes]
+    for _ in range(rounds):
+        for b in bufs:
+            g.broadcast(b, 0).wait()
+    g.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = OneLineErrors(prog="t1async bench weight-sync", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=at_least_one, default=5)
+    ap.add_argument("--samplers", type=at_least_one, default=2)
+    ap.add_argument("--hidden", type=at_least_one, default=256)
+    ap.add_argument("--layers", type=at_least_one, default=4)
+    ap.add_argument("--experts", type=at_least_one, default=16)
+    ap.add_argument("--vocab", type=at_least_one, default=16000)
+    ap.add_argument("--bucket-mb", type=float, default=64.0)
+    a = ap.parse_args(argv)
+    from t1async.model import Qwen3MoeForCausalLM
+
+    cfg = model_cfg(a)
+    torch.manual_seed(0)
+    policy = Qwen3MoeForCausalLM(cfg).eval()
+    named = [(n, p.detach()) for n, p in policy.named_parameters()]
+    params = sum(p.numel() for _, p in named)
+    buckets = plan_buckets(named, int(a.bucket_mb * (1 << 20)))
+    sizes = [b.nbytes for b in buckets]
+    nbytes = sum(sizes)
+
+    ctx = mp.get_context("spawn")
+    pipes, procs = [], []
+    for _ in range(a.samplers):
+        mine, theirs = ctx.Pipe()
+        p = ctx.Process(target=_sampler_proc, args=(cfg, theirs), daemon=True)
+        p.start()
+        pipes.append(mine)
+        procs.append(p)
+    urls = [c.recv() for c in pipes]
+    port = free_port("127.0.0.1")
+    world = a.samplers + 1
+    raws = [ctx.Process(target=_raw_proc, args=(port, r, world, sizes, a.rounds), daemon=True)
+            for r in range(1, world)]
+    for p in raws:
+        p.start()
+    raw_group = join_group("gloo", "127.0.0.1", port, 0, world, "bench-raw", 300)
+    sync = DistributedWeightSync("gloo", timeout_s=300, bucket_mb=a.bucket_mb)
+    sync.connect(urls)
+    sync.publish(named, 0)  # warm-up: first allocations on both ends
+    flats = [b.flatten() for b in buckets]  # raw sends prepared bytes: only the broadcast is timed
+
+    publish_s, raw_s, pause_s, ratios, flatten_s = [], [], [], [], []
+    for r in range(a.rounds):
+        t0 = time.perf_counter()
+        sync.publish(named, r + 1)
+        tp = time.perf_counter() - t0
+        pause_s.append(sync.last_pause_s)
+        t0 = time.perf_counter()
+        for f in flats:
+            raw_group.broadcast(f, 0).wait()
+        tr = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for b in buckets:  # the copy the raw broadcast does not make (attribution, not part of the ratio)
+            b.flatten()
+        flatten_s.append(time.perf_counter() - t0)
+        publish_s.append(tp)
+        raw_s.append(tr)
+        ratios.append(tr / tp)
+    sync.close()
+    raw_group.close()
+    for p in raws:
+        p.join(30)
+    for c in pipes:
+        c.send("stop")
+    for p in procs:
+        p.join(10)
+
+    med = statistics.median
+    out = {
+        "bench": "weight-sync", "backend": "gloo", "samplers": a.samplers, "rounds": a.rounds,
+        "params": params, "bytes": nbytes, "buckets": len(buckets), "bucket_mb": a.bucket_mb,
+        "publish_bytes_per_s": round(nbytes / med(publish_s)), "raw_bytes_per_s": round(nbytes / med(raw_s)),
+        "ratio": round(med(ratios), 3), "ratio_of_medians": round(med(raw_s) / med(publish_s), 3),
+        "publish_s": round(med(publish_s), 4), "raw_s": round(med(raw_s), 4),
+        "flatten_s": round(med(flatten_s), 4), "pause_s": round(med(pause_s), 4), "pause_s_per_1b_params": round(med(pause_s) / (params / 1e9), 3),
+        "rounds_ratio": [round(x, 3) for x in ratios],
+    }
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
