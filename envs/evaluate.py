@@ -95,8 +95,9 @@ class PolicyAgent:
         from t1async.config import ConfigError
         from t1async.tokenizer import check_model_vocab
 
-        try:
-            check_model_vocab(self.model_cfg.vocab_size, self.cfg.env.action_format, f"policy checkpoint {path}: vocab_size")
+        try:  # tool calls need the tool tokens' rows (the command format never checked small test models)
+            if self.cfg.env.action_format == "tool_call":
+                check_model_vocab(self.model_cfg.vocab_size, "tool_call", f"policy checkpoint {path}: vocab_size")
         except ConfigError as exc:
             raise TaskError(str(exc)) from None
         self.sampler = EmbeddedSampler(self.model_cfg, self.cfg.sampler, seed=self.cfg.run.seed)

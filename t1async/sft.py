@@ -274,8 +274,9 @@ def run_sft(cfg: Config, tasks_dir: str | Path, out: str | Path, *, heldout: str
         model = Qwen3MoeForCausalLM.from_pretrained(cfg.learner.init_checkpoint)
     else:
         model = Qwen3MoeForCausalLM(cfg.model)
-    check_model_vocab(model.cfg.vocab_size, cfg.env.action_format,
-                      f"{cfg.learner.init_checkpoint}: vocab_size" if cfg.learner.init_checkpoint else "model.vocab_size")
+    if cfg.env.action_format == "tool_call":  # the demonstrations hold the tool tokens' ids
+        check_model_vocab(model.cfg.vocab_size, "tool_call",
+                          f"{cfg.learner.init_checkpoint}: vocab_size" if cfg.learner.init_checkpoint else "model.vocab_size")
     curve = sft_train(model, demos.trajectories, cfg.sft)
     model.save_pretrained(out)
     result: dict[str, Any] = {
