@@ -112,3 +112,23 @@ def test_demonstration_turns_use_the_tool_format():
     assert action_turn_ids(TOK, "ls", "command") == [*TOK.encode("ls"), TOK.im_end_id]
     assert parse_action(TOK, action_turn_ids(TOK, "cat 'a b' | wc -l", "tool_call")[:-1], "tool_call",
                         "exit").command == "cat 'a b' | wc -l"
+
+
+def test_sft_demonstration_in_the_tool_call_format_is_the_rollout_stream(tmp_path):
+    from t1async.envs.task import load_task
+    from t1async.envs.terminal import TerminalEnv
+    from t1async.sft import demonstration
+    from tests.test_sft import note_task
+
+    task = load_task(note_task(tmp_path / "tasks", "note"))
+    cfg = load_config(None, ["env.action_format=tool_call", "model.vocab_size=4100"])
+    with TerminalEnv.from_config(task, tmp_path / "work", cfg.env) as env:
+        traj = demonstration(task, env, cfg, TOK)
+    assert traj.resolved and traj.drift_tokens == 0 and traj.template_mismatches == 0
+    turns = [traj.token_ids[s:e].tolist() for s, e in traj.turn_offsets]
+    assert turns == [action_turn_ids(TOK, "cat note.txt", "tool_call"), action_turn_ids(TOK, "echo done > out.txt", "tool_call"),
+                     [*TOK.encode("exit"), TOK.im_end_id]]
+    (_, e1), (s2, _) = traj.turn_offsets[:2]
+    assert traj.token_ids[e1:s2].tolist() == TOK.render_tool_response("pebble-42\n")
+    assert traj.token_ids[: traj.turn_offsets[0][0]].tolist() == prompt_ids(TOK, cfg.env, task.instruction)
+    assert not traj.turn_status.any()
