@@ -88,7 +88,7 @@ def check_model_vocab(vocab_size: int, action_format: str, what: str = "model.vo
         hint = (" (the tool-call tokens are ids 4096..4099; a checkpoint trained with 4096 rows cannot "
                 "use them: train a new one with model.vocab_size=4100, or use env.action_format=command)"
                 if action_format == "tool_call" else "")
-        raise ConfigError(f"{what}={vocab_size} is smaller than the {need} ids env.action_format={action_format} "
+        raise ConfigError(f"{what}={vocab_size} is smaller than the {need} tokenizer ids env.action_format={action_format} "
                           f"uses; use model.vocab_size >= {need}{hint}")
 
 
