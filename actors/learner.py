@@ -34,7 +34,7 @@ import torch
 from loguru import logger
 
 from t1async.abnormal import (DROP_REASONS, drop_detail, drop_reason, finish_counts, masked_turns, policy_mask,
-                              turn_counts)
+                              tool_call_counts, turn_counts)
 from t1async.actors import call
 from t1async.backend import LearnerBackend, make_backend
 from t1async.config import GenerationConfig, LearnerConfig, ModelConfig, TransportConfig, WeightSyncConfig
@@ -556,6 +556,7 @@ class Learner:
             "dropped_stale": self.counters["dropped_stale"],
             "dropped": dict(self.dropped),
             "abnormal_turns": turn_counts(batch),
+            "tool_call_errors": tool_call_counts(batch),
             "masked_turns": int(sum(masked_turns(t, self.cfg.abnormal).sum() for t in batch)),
             "finish_reasons": finish_counts(batch),
             "rejected": self.counters["rejected"],

@@ -27,7 +27,11 @@ tests/test_tito.py):
 - aborted by the sampler (finish_reason ``abort``, SGLang only): the command is not run, the
   observation says so (:data:`ABORT_NOTE`), the episode goes on;
 - unparseable text (special-token ids sampled mid-turn, bytes that are not UTF-8): the command is
-  the decoded text as is; the ids stay exactly as sampled.
+  the decoded text as is; the ids stay exactly as sampled;
+- ``env.action_format`` tool_call (t1async/actions.py): the command is the ``bash`` call's
+  argument; a malformed call is not run, its observation is the error message and its status a
+  tool-call error code (a cut turn stays length-cut); observations are ``<tool_response>`` user
+  turns. The ids are kept and repaired exactly as above.
 
 Two per-trajectory counters travel with the trajectory: ``drift_tokens`` (loss-mask-1 positions
 whose id differs from the id the sampler returned; 0 by construction, checked at ``finish``) and
@@ -52,6 +56,7 @@ from typing import Any
 import numpy as np
 from loguru import logger
 
+from t1async.actions import observation_ids, parse_action, prompt_ids, template_turn_ids
 from t1async.actors import call
 from t1async.config import EnvConfig, GenerationConfig, ModelConfig, TransportConfig
 from t1async.envs.limits import unmount_all_under
@@ -60,8 +65,10 @@ from t1async.envs.terminal import TerminalEnv
 from t1async.fileio import claim_folder, dead_owner_folders
 from t1async.sampler_client import HttpSampler, Sampler, SamplerError
 from t1async.tokenizer import ChatTokenizer
-from t1async.trajectory import (TURN_ABORTED, TURN_COMMAND_TIMEOUT, TURN_CUT_NOT_RUN, TURN_LENGTH_CUT,
-                                TURN_SANDBOX_REFUSED, EncodedTrajectory, Trajectory)
+from t1async.trajectory import (TOOL_CALL_ERRORS, TURN_ABORTED, TURN_COMMAND_TIMEOUT, TURN_CUT_NOT_RUN,
+                                TURN_LENGTH_CUT, TURN_SANDBOX_REFUSED, EncodedTrajectory, Trajectory)
+
+_TOOL_CALL_CODE = {reason: code for code, reason in TOOL_CALL_ERRORS.items()}
 from t1async.transport import TrajectorySender, ZmqSender
 
 CUT_NOTE = "[your message was cut at the limit of {n} tokens; the command was not run]"
@@ -161,7 +168,8 @@ def split_turn(output_ids: list[int], stop_ids: tuple[int, ...]) -> tuple[list[i
     return list(output_ids), False
 
 
-def template_renders_differently(tokenizer: ChatTokenizer, turn_ids: list[int]) -> bool:
+def template_renders_differently(tokenizer: ChatTokenizer, turn_ids: list[int], action_format: str = "command",
+                                 end_signal: str = "exit") -> bool:
     """Would the chat template render this assistant turn with other ids than the stream holds?
 
     ``turn_ids`` are the turn's sampled ids (a final ``<|im_end|>`` or ``<|endoftext|>`` included).
@@ -169,13 +177,15 @@ def template_renders_differently(tokenizer: ChatTokenizer, turn_ids: list[int]) 
     it)``; the template renders the message text, ``render_turn("assistant", decode(body))``.
     They differ when re-encoding the decoded text merges or splits tokens (inside it or across
     the ``assistant\n`` header), when the turn holds a special id (eos, ``<|im_start|>``) or
-    bytes that are not UTF-8.
+    bytes that are not UTF-8. With ``action_format`` tool_call the template re-renders a valid call
+    from its parsed JSON (:func:`t1async.actions.template_turn_ids`): other spacing, key order or
+    escapes in the sampled JSON count too.
     """
     body, _ = split_turn(turn_ids, (tokenizer.im_end_id, tokenizer.eos_id))
     ended = bool(turn_ids) and turn_ids[-1] == tokenizer.im_end_id
     stream = [tokenizer.im_start_id, *tokenizer.encode("assistant\n"), *turn_ids,
               *([] if ended else tokenizer.end_of_turn_ids)]
-    return stream != tokenizer.render_turn("assistant", tokenizer.decode(body))
+    return stream != template_turn_ids(tokenizer, body, action_format, end_signal)
 
 
 def run_episode(task: Task, env: TerminalEnv, sampler: Sampler, tokenizer: ChatTokenizer, env_cfg: EnvConfig,
@@ -199,7 +209,8 @@ def run_episode(task: Task, env: TerminalEnv, sampler: Sampler, tokenizer: ChatT
     started = time.time()
     instruction = env.reset()
     budget = min(task.agent_timeout_s, env_cfg.episode_timeout_s)
-    ep = EpisodeBuilder(tokenizer.render_prompt(env_cfg.system_prompt, instruction))
+    fmt = env_cfg.action_format
+    ep = EpisodeBuilder(prompt_ids(tokenizer, env_cfg, instruction))
     eot = tokenizer.end_of_turn_ids
     params = {"max_new_tokens": gen_cfg.max_new_tokens, "temperature": gen_cfg.temperature, "top_p": gen_cfg.top_p,
               "top_k": gen_cfg.top_k, "stop_token_ids": [tokenizer.im_end_id, tokenizer.eos_id]}
@@ -217,13 +228,14 @@ def run_episode(task: Task, env: TerminalEnv, sampler: Sampler, tokenizer: ChatT
             raise SamplerError(f"sampler answered no tokens (finish_reason {resp.finish_reason!r}) "
                                f"after {len(ep.turns)} turns")
         ep.add_sampled(resp.output_ids, resp.logprobs, resp.weight_version, resp.routed_experts)
-        ep.template_mismatches += template_renders_differently(tokenizer, resp.output_ids)
+        ep.template_mismatches += template_renders_differently(tokenizer, resp.output_ids, fmt, env_cfg.end_signal)
         ended = bool(resp.output_ids) and resp.output_ids[-1] == tokenizer.im_end_id
         body, _ = split_turn(resp.output_ids, (tokenizer.im_end_id, tokenizer.eos_id))
-        command = tokenizer.decode(body).replace("\x00", "").strip()
+        action = parse_action(tokenizer, body, fmt, env_cfg.end_signal)
+        command = action.command
         cut, aborted = resp.finish_reason == "length", resp.finish_reason == "abort"
         run_it = not aborted and (not cut or env_cfg.run_cut_commands)
-        if run_it and command == env_cfg.end_signal:
+        if run_it and action.end:
             finish = "end_signal"
             break
         if not ended:
@@ -233,6 +245,9 @@ def run_episode(task: Task, env: TerminalEnv, sampler: Sampler, tokenizer: ChatT
             ep.turn_status[-1], output = TURN_ABORTED, ABORT_NOTE
         elif cut and not run_it:
             ep.turn_status[-1], output = TURN_CUT_NOT_RUN, CUT_NOTE.format(n=gen_cfg.max_new_tokens)
+        elif action.error is not None:  # a malformed tool call: not run, the agent is told why
+            ep.turn_status[-1] = TURN_CUT_NOT_RUN if cut else _TOOL_CALL_CODE[action.error]
+            output = action.message
         elif command:
             result = env.step(command)
             output = result.output
@@ -244,7 +259,7 @@ def run_episode(task: Task, env: TerminalEnv, sampler: Sampler, tokenizer: ChatT
                 ep.turn_status[-1] = TURN_COMMAND_TIMEOUT
         elif cut:
             ep.turn_status[-1] = TURN_LENGTH_CUT
-        ep.add_context(tokenizer.render_observation(output))
+        ep.add_context(observation_ids(tokenizer, output, fmt))
     if not ep.turns:  # nothing sampled: no trajectory to build (the caller counts the failed episode)
         raise EpisodeError(f"episode of {task.name} ended ({finish}) before its first turn: the prompt is "
                            f"{len(ep.ids)} tokens, the context {context} and generation.max_new_tokens "

@@ -92,6 +92,14 @@ class PolicyAgent:
             first = (str(exc).splitlines() or [""])[0][:300]
             raise TaskError(f"policy checkpoint {path}: {stage} cannot be loaded ({type(exc).__name__}: {first}); "
                             "pass a checkpoint folder written by the learner (RUN_DIR/checkpoints/step_N)") from None
+        from t1async.config import ConfigError
+        from t1async.tokenizer import check_model_vocab
+
+        try:  # tool calls need the tool tokens' rows (the command format never checked small test models)
+            if self.cfg.env.action_format == "tool_call":
+                check_model_vocab(self.model_cfg.vocab_size, "tool_call", f"policy checkpoint {path}: vocab_size")
+        except ConfigError as exc:
+            raise TaskError(str(exc)) from None
         self.sampler = EmbeddedSampler(self.model_cfg, self.cfg.sampler, seed=self.cfg.run.seed)
         self.sampler.load_weights(model.state_dict(), version=0)
         url = self.sampler.url() if callable(self.sampler.url) else self.sampler.url

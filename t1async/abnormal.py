@@ -10,6 +10,7 @@ The rollout actor records each abnormal end on the trajectory (actors/rollout.py
     aborted          turn_status 2                                   train, mask_turn, drop
     command_timeout  turn_status 3                                   train, mask_turn, drop
     sandbox_refused  turn_status 4                                   train, mask_turn, drop
+    tool_call_error  turn_status 6-11 (a malformed tool call)        train, mask_turn, drop
     context_full     finish_reason "context_full"                    train, drop
     episode_timeout  finish_reason "timeout"                         train, drop
     verifier_error   verifier_error set                              always drop
@@ -28,10 +29,11 @@ import numpy as np
 
 from t1async.config import AbnormalConfig
 from t1async.trajectory import (TURN_ABORTED, TURN_COMMAND_TIMEOUT, TURN_CUT_NOT_RUN, TURN_LENGTH_CUT, TURN_OK,
-                                TURN_SANDBOX_REFUSED, TURN_STATUS, Trajectory)
+                                TURN_SANDBOX_REFUSED, TURN_STATUS, TOOL_CALL_ERRORS, Trajectory)
 
 TURN_KINDS = {TURN_LENGTH_CUT: "length_cut", TURN_CUT_NOT_RUN: "length_cut", TURN_ABORTED: "aborted",
-              TURN_COMMAND_TIMEOUT: "command_timeout", TURN_SANDBOX_REFUSED: "sandbox_refused"}
+              TURN_COMMAND_TIMEOUT: "command_timeout", TURN_SANDBOX_REFUSED: "sandbox_refused",
+              **dict.fromkeys(TOOL_CALL_ERRORS, "tool_call_error")}
 """``turn_status`` code -> the :class:`AbnormalConfig` field that decides what is done with the turn."""
 EPISODE_KINDS = {"context_full": "context_full", "timeout": "episode_timeout"}
 """``finish_reason`` -> the :class:`AbnormalConfig` field that decides what is done with the episode."""
@@ -88,12 +90,26 @@ def drop_detail(traj: Trajectory, reason: str) -> str:
     return f"turns {turns} of {len(traj.turn_status)}" if turns else f"all {len(traj.turn_status)} turns' tokens masked"
 
 
-def turn_counts(batch: Iterable[Trajectory]) -> dict[str, int]:
-    """Abnormal turns in ``batch`` by status name (every name of :data:`TURN_STATUS` but ``ok``, zeros included)."""
+def _status_counts(batch: Iterable[Trajectory]) -> np.ndarray:
     counts = np.zeros(256, dtype=np.int64)
     for traj in batch:
         counts += np.bincount(traj.turn_status, minlength=256)
-    return {name: int(counts[code]) for code, name in TURN_STATUS.items() if code != TURN_OK}
+    return counts
+
+
+def turn_counts(batch: Iterable[Trajectory]) -> dict[str, int]:
+    """Abnormal turns in ``batch`` by status name (every name of :data:`TURN_STATUS` but ``ok`` and
+    the tool-call errors, which :func:`tool_call_counts` reports; zeros included)."""
+    counts = _status_counts(batch)
+    return {name: int(counts[code]) for code, name in TURN_STATUS.items()
+            if code != TURN_OK and code not in TOOL_CALL_ERRORS}
+
+
+def tool_call_counts(batch: Iterable[Trajectory]) -> dict[str, int]:
+    """Turns in ``batch`` with a malformed tool call, by reason (every reason of
+    :data:`TOOL_CALL_ERRORS`, zeros included): metrics.jsonl ``tool_call_errors``."""
+    counts = _status_counts(batch)
+    return {reason: int(counts[code]) for code, reason in TOOL_CALL_ERRORS.items()}
 
 
 def finish_counts(batch: Iterable[Trajectory]) -> dict[str, int]:

@@ -237,7 +237,18 @@ class EnvConfig:
         "message; its output comes back as the next message. The working directory is /app. "
         "Reply with `exit` when the task is done."
     )
-    """System message that opens every episode."""
+    """System message that opens every episode (``action_format`` command)."""
+    action_format: str = "command"
+    """How the policy acts (t1async/actions.py): ``command`` (the assistant message is the shell
+    command) or ``tool_call`` (Qwen3 tool calls of a declared ``bash`` tool, results as
+    ``<tool_response>`` turns; needs ``model.vocab_size`` >= 4100 for the tool tokens). Rollouts,
+    ``t1async sft`` demonstrations and the eval ``policy:`` agent all use it."""
+    tool_system_prompt: str = (
+        "You operate a Linux shell to finish the task. Run exactly one shell command per message with "
+        "the bash tool; its output comes back as the tool response. The working directory is /app. "
+        "Reply with `exit` and no tool call when the task is done."
+    )
+    """System message of ``action_format`` tool_call (the tool declarations are appended to it)."""
     cpus: float = 1.0
     """Sandbox CPU share, cores, unless the task's ``[environment] cpus`` says otherwise."""
     memory_mb: int = 2048
@@ -394,6 +405,10 @@ class AbnormalConfig:
     sandbox_refused: str = "train"
     """A turn whose command hit a sandbox limit (processes, memory, disk). Default train: as for a
     timeout, the limit is part of the environment the policy acts in."""
+    tool_call_error: str = "train"
+    """A turn whose tool call was malformed (``env.action_format`` tool_call; it was not run and
+    the agent saw an error observation). Default train: the malformed call is the policy's own
+    output and the error it saw is its consequence."""
     context_full: str = "train"
     """An episode ended because the next turn would not fit the context (``env.max_context_tokens``,
     default the model's; ``train`` or ``drop``). Default train: the verifier judged the final
@@ -705,6 +720,8 @@ _VALUE_RULES: list[tuple[str, Any, str]] = [
     ("env.max_turns", lambda v: v >= 1, "an integer >= 1"),
     ("env.max_context_tokens", lambda v: v >= 0, "an integer >= 0 (0: model.max_position_embeddings)"),
     ("learner.max_tokens_per_chunk", lambda v: v >= 0, "an integer >= 0 (0: never chunk)"),
+    ("env.action_format", lambda v: v in ("command", "tool_call"),
+     "'command' (the message is the shell command) or 'tool_call' (Qwen3 tool calls of a bash tool)"),
     ("generation.max_new_tokens", lambda v: v >= 1, "an integer >= 1"),
     ("generation.temperature", lambda v: v >= 0, "a float >= 0 (0: greedy)"),
     ("generation.top_p", lambda v: 0 < v <= 1, "a float in (0, 1]"),
@@ -753,7 +770,7 @@ _VALUE_RULES: list[tuple[str, Any, str]] = [
     ("learner.megatron.dtype", lambda v: v in ("float32", "bfloat16"), "float32 or bfloat16"),
     ("learner.megatron.device", lambda v: v in ("auto", "cpu", "cuda"), "'auto', 'cpu' or 'cuda'"),
     *[(f"learner.abnormal.{kind}", lambda v: v in ("train", "mask_turn", "drop"), "'train', 'mask_turn' or 'drop'")
-      for kind in ("length_cut", "aborted", "command_timeout", "sandbox_refused")],
+      for kind in ("length_cut", "aborted", "command_timeout", "sandbox_refused", "tool_call_error")],
     *[(f"learner.abnormal.{kind}", lambda v: v in ("train", "drop"),
        "'train' or 'drop' (an episode-level end has no one turn to mask)")
       for kind in ("context_full", "episode_timeout")],

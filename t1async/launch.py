@@ -30,7 +30,7 @@ from t1async.envs.limits import unmount_all_under
 from t1async.reaper import Reaper, kill_sandboxes_under
 from t1async.rundir import RunDirLock, check_reuse, history_overrides, resolve_run_dir
 from t1async.service import LearnerDied, Service
-from t1async.tokenizer import ChatTokenizer
+from t1async.tokenizer import check_model_vocab
 
 ACTOR_MAX_CONCURRENCY = 64  # threads of the controller/learner/sampler actors (acquire() waits block one each)
 
@@ -164,10 +164,7 @@ def check_inputs(cfg: Config) -> list[str]:
     from t1async.envs.task import discover_tasks
 
     check_trainable(cfg)
-    vocab = ChatTokenizer.load().vocab_size
-    if cfg.model.vocab_size < vocab:
-        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {vocab} ids; "
-                          f"use model.vocab_size >= {vocab}")
+    check_model_vocab(cfg.model.vocab_size, cfg.env.action_format)
     tasks = discover_tasks(tasks_dir(cfg.env), cfg.env.tasks, sandbox=cfg.env.sandbox)
     check_sandbox_available(cfg.env.sandbox)
     check_port_free(cfg.transport)

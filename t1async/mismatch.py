@@ -131,7 +131,7 @@ def token_bytes(tokenizer: ChatTokenizer) -> list[bytes]:
         if b not in printable:
             char_to_byte[chr(256 + n)] = b
             n += 1
-    special = {tokenizer.eos_id, tokenizer.im_start_id, tokenizer.im_end_id, tokenizer.pad_id}
+    special = tokenizer.special_ids
     out = []
     for i in range(tokenizer.vocab_size):
         s = tokenizer._tok.id_to_token(i)

@@ -49,7 +49,7 @@ from t1async.config import Config, SftConfig, load_config
 from t1async.model import Qwen3MoeForCausalLM
 from t1async.rl import load_balancing_loss
 from t1async.sampler_client import SamplerResponse
-from t1async.tokenizer import ChatTokenizer
+from t1async.tokenizer import ChatTokenizer, check_model_vocab
 from t1async.trajectory import Trajectory
 
 
@@ -116,6 +116,7 @@ def demonstration(task: Any, env: Any, cfg: Config, tokenizer: ChatTokenizer) ->
             the message starts with a short reason key.
         SandboxError: the sandbox failed.
     """
+    from t1async.actions import action_turn_ids
     from t1async.actors.rollout import run_episode
     from t1async.envs.synth import oracle_commands
 
@@ -125,8 +126,9 @@ def demonstration(task: Any, env: Any, cfg: Config, tokenizer: ChatTokenizer) ->
     commands = oracle_commands(solve.read_text())
     if not commands:
         raise ValueError("no oracle: the solution holds no command")
-    turns = [[*tokenizer.encode(c), tokenizer.im_end_id] for c in commands]
-    turns.append([*tokenizer.encode(cfg.env.end_signal), tokenizer.im_end_id])
+    fmt = cfg.env.action_format  # the rollout's own format (t1async/actions.py)
+    turns = [action_turn_ids(tokenizer, c, fmt) for c in commands]
+    turns.append(action_turn_ids(tokenizer, cfg.env.end_signal, "command"))  # the end signal: a plain message
     longest = max(len(t) for t in turns)
     if longest > cfg.generation.max_new_tokens:
         raise ValueError(f"command too long: {longest} tokens > generation.max_new_tokens="
@@ -272,6 +274,9 @@ def run_sft(cfg: Config, tasks_dir: str | Path, out: str | Path, *, heldout: str
         model = Qwen3MoeForCausalLM.from_pretrained(cfg.learner.init_checkpoint)
     else:
         model = Qwen3MoeForCausalLM(cfg.model)
+    if cfg.env.action_format == "tool_call":  # the demonstrations hold the tool tokens' ids
+        check_model_vocab(model.cfg.vocab_size, "tool_call",
+                          f"{cfg.learner.init_checkpoint}: vocab_size" if cfg.learner.init_checkpoint else "model.vocab_size")
     curve = sft_train(model, demos.trajectories, cfg.sft)
     model.save_pretrained(out)
     result: dict[str, Any] = {

@@ -45,8 +45,10 @@ turn_status     [turns]           |u1          how each turn ended, one code per
                                                the sampler (command not run), 3 the command
                                                timed out, 4 the sandbox refused part of the
                                                command (a resource limit), 5 cut at
-                                               max_new_tokens and its command not run. Where
-                                               several apply, the sampler's (2, 5, 1) wins over
+                                               max_new_tokens and its command not run, 6-11 a
+                                               malformed tool call (:data:`TOOL_CALL_ERRORS`,
+                                               not run). Where several apply, the sampler's
+                                               (2, 5, 1) wins over the tool call's (6-11) and
                                                the command's (4, then 3). Added in schema 3.
 routed_experts  [T - 1, L, K]     |u1/<u2/<u4  expert ids chosen for input position i at each
                                                MoE layer, in the smallest unsigned dtype that
@@ -105,9 +107,14 @@ TURN_SANDBOX_REFUSED = 4
 """The sandbox refused part of the turn's command (a process, memory or disk limit)."""
 TURN_CUT_NOT_RUN = 5
 """The sampler cut the turn at ``max_new_tokens`` and its command was not run (the default)."""
+TOOL_CALL_ERRORS = {6: "no_tool_call", 7: "unbalanced", 8: "bad_json", 9: "unknown_tool", 10: "bad_arguments",
+                    11: "multiple_calls"}
+"""``turn_status`` code -> reason of a malformed tool call (``env.action_format`` tool_call, see
+t1async/actions.py): the call was not run, the agent saw an error observation."""
 TURN_STATUS = {TURN_OK: "ok", TURN_LENGTH_CUT: "length_cut", TURN_ABORTED: "aborted",
                TURN_COMMAND_TIMEOUT: "command_timeout", TURN_SANDBOX_REFUSED: "sandbox_refused",
-               TURN_CUT_NOT_RUN: "length_cut_not_run"}
+               TURN_CUT_NOT_RUN: "length_cut_not_run",
+               **{code: f"tool_call_{reason}" for code, reason in TOOL_CALL_ERRORS.items()}}
 """Every known ``turn_status`` code and its name (the name is the metrics key)."""
 
 

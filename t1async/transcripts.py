@@ -17,7 +17,7 @@ from t1async.tokenizer import ChatTokenizer
 from t1async.trajectory import TURN_STATUS, Trajectory
 
 KEEP_FILES = 200
-_SPECIAL = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
+_SPECIAL = ("<|im_start|>", "<|im_end|>", "<|endoftext|>", "<tool_call>", "</tool_call>")
 
 
 def _clean(text: str) -> str:
@@ -46,7 +46,10 @@ def render(traj: Trajectory, tok: ChatTokenizer) -> str:
     for i, (s, e) in enumerate(turns):
         command = _clean(tok.decode(ids[int(s): int(e)]))
         nxt = int(turns[i + 1][0]) if i + 1 < len(turns) else len(ids)
-        output = _role_body(tok.decode(ids[int(e): nxt]), "tool")
+        after = tok.decode(ids[int(e): nxt])
+        output = _role_body(after, "tool")
+        if not output and "<tool_response>" in after:  # env.action_format tool_call: a user turn (Qwen3)
+            output = _role_body(after, "user").removeprefix("<tool_response>\n").removesuffix("\n</tool_response>")
         status = int(traj.turn_status[i]) if traj.turn_status is not None else 0
         versions = sorted({int(v) for v in np.unique(traj.versions[int(s): int(e)])})
         note = f" ({TURN_STATUS.get(status, status)})" if status else ""

@@ -67,6 +67,27 @@ def test_launch_runs_the_whole_loop(tmp_path):
     assert not (run_dir / "workspaces").exists()  # episode workspaces removed, even of the crashed actor
 
 
+def test_launch_with_tool_calls(tmp_path):
+    """env.action_format=tool_call through the whole loop: trajectories flow, hold the tool tokens
+    and stay exact (drift 0); tool-call errors are counted per step."""
+    run_dir = tmp_path / "run"
+    overrides = [f"run.dir={run_dir}", "env.action_format=tool_call", "model.vocab_size=4100", "learner.max_steps=2",
+                 "learner.batch_size=2", "learner.dump_trajectories=2", "env.max_turns=2", "learner.checkpoint_every=0"]
+    proc = subprocess.run(CLI + overrides, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = _rows(run_dir)
+    assert [r["step"] for r in rows] == [1, 2] and sum(r["trajectories"] for r in rows) == 4
+    assert all(r["drift_tokens"] == 0 for r in rows)
+    assert all(set(r["tool_call_errors"]) == {"no_tool_call", "unbalanced", "bad_json", "unknown_tool",
+                                              "bad_arguments", "multiple_calls"} for r in rows)
+    for f in sorted((run_dir / "trajectories").glob("*.traj")):
+        t = decode(f.read_bytes())
+        prompt = t.token_ids[: t.turn_offsets[0][0]].tolist()
+        assert prompt.count(4096) == 2 and t.drift_tokens == 0  # the bash tool declared with the <tool_call> id
+        # every turn was either a tool-call error, cut, or run: each observation is a <tool_response> turn
+        assert t.token_ids.tolist().count(4098) >= len(t.turn_offsets) - 1
+
+
 @pytest.mark.parametrize("inherited,sig", [("default", signal.SIGINT), ("ignored", signal.SIGINT),
                                            ("default", signal.SIGHUP)], ids=["sigint", "sigint-ignored", "sighup"])
 def test_ctrl_c_stops_cleanly_with_final_checkpoint(tmp_path, inherited, sig):

@@ -151,7 +151,7 @@ def test_rollout_actor_streams_over_zeromq(sampler_url, tmp_path):
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root, as the sandbox's disk limit does")
 def test_a_dead_actors_workspace_is_unmounted_and_removed_and_a_live_one_is_kept(tmp_path):
     from t1async.actors.rollout import claim_workdir
-    from t1async.envs.limits import _mount_points, _mount_tmpfs
+    from t1async.envs.limits import _mount_points
 
     script = ("import sys, time; from t1async.actors.rollout import claim_workdir; from t1async.envs.limits import "
               "_mount_tmpfs; d, _ = claim_workdir(sys.argv[1], 9); (d / 'app').mkdir(); "

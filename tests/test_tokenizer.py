@@ -20,7 +20,7 @@ def tok() -> ChatTokenizer:
 
 def test_shipped_asset_is_small_and_has_the_right_vocab(tok):
     assert ASSET.stat().st_size < 1_000_000
-    assert tok.vocab_size == 4096
+    assert tok.vocab_size == 4100  # 4096 BPE + specials, then the 4 tool tokens appended
     assert [tok.eos_id, tok.im_start_id, tok.im_end_id, tok.pad_id] == [0, 1, 2, 3]
     assert ChatTokenizer.load(ASSET).vocab_size == tok.vocab_size
 
@@ -83,6 +83,15 @@ def test_template_equals_special_aware_encoding_of_the_whole_string(tok):
     assert aware.encode(full, add_special_tokens=False).ids == tok.render_prompt(sys_, user)
     obs = f"\n<|im_start|>tool\n{out}<|im_end|>\n<|im_start|>assistant\n"
     assert aware.encode(obs, add_special_tokens=False).ids == tok.render_observation(out)
+    # the tool-call layout: the same equivalence for Qwen3's tool response turn, call and tools prompt
+    resp = f"\n<|im_start|>user\n<tool_response>\n{out}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert aware.encode(resp, add_special_tokens=False).ids == tok.render_tool_response(out)
+    call = '<tool_call>\n{"name": "bash", "arguments": {"command": "ls -l"}}\n</tool_call>'
+    assert aware.encode(call, add_special_tokens=False).ids == tok.render_tool_call("bash", {"command": "ls -l"})
+    tools = [{"name": "bash", "parameters": {"type": "object"}}]
+    full = (f"<|im_start|>system\n{tok.tools_system_text(sys_, tools)}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n"
+            "<|im_start|>assistant\n")
+    assert aware.encode(full, add_special_tokens=False).ids == tok.render_prompt(sys_, user, tools)
 
 
 def test_errors(tok, tmp_path):

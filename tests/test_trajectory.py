@@ -147,7 +147,7 @@ def _set_array(header, data, name, values):
     ("routed_experts", lambda h, d: h["arrays"]["routed_experts"].__setitem__("offset", 1 << 20)),
     ("turn_offsets", lambda h, d: _set_array(h, d, "turn_offsets", [[9, 12], [4, 7]])),
     ("turn_offsets", lambda h, d: _set_array(h, d, "turn_offsets", [[4, 7], [9, 13]])),
-    ("turn_status", lambda h, d: _set_array(h, d, "turn_status", [0, 6])),  # an unknown code
+    ("turn_status", lambda h, d: _set_array(h, d, "turn_status", [0, 12])),  # an unknown code (6-11 are tool-call errors)
     ("turn_status", lambda h, d: h["arrays"]["turn_status"].update(shape=[1], nbytes=1)),  # not one per turn
     ("turn_status", lambda h, d: h["arrays"]["turn_status"].update(dtype="<u2", nbytes=4)),
     ("turn_status", lambda h, d: h["arrays"].pop("turn_status")),

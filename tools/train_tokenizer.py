@@ -25,7 +25,10 @@ every checkpoint trained with the old one. Training takes 15-30 s on 2 cores.
 
 Tokenizer: byte-level BPE (Radford et al. 2019, GPT-2 pre-tokenizer regex, no prefix space)
 trained with the ``tokenizers`` library; vocabulary ``--vocab-size`` including the four special
-tokens ``<|endoftext|>`` (id 0), ``<|im_start|>``, ``<|im_end|>``, ``<|pad|>`` (ids 1..3).
+tokens ``<|endoftext|>`` (id 0), ``<|im_start|>``, ``<|im_end|>``, ``<|pad|>`` (ids 1..3); the
+tool-call special tokens ``<tool_call>``, ``</tool_call>``, ``<tool_response>``,
+``</tool_response>`` are appended after training (ids ``--vocab-size`` .. ``--vocab-size`` + 3), so
+adding them never moved an earlier id (the shipped asset got them that way, ids 4096..4099).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from typing import Iterator
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
+TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 REPO = Path(__file__).resolve().parents[1]
 MB = 1 << 20
 MAX_FILE = 256 * 1024  # skip larger single files (generated data, bundled blobs)
@@ -215,6 +219,10 @@ def main(argv: list[str] | None = None) -> None:
     tok = train(args.vocab_size, args.scale)
     for i, s in enumerate(SPECIAL_TOKENS):
         assert tok.token_to_id(s) == i, (s, tok.token_to_id(s))
+    base = tok.get_vocab_size(with_added_tokens=True)
+    tok.add_special_tokens(TOOL_TOKENS)  # appended: every id above stays where training put it
+    for i, s in enumerate(TOOL_TOKENS):
+        assert tok.token_to_id(s) == base + i, (s, tok.token_to_id(s))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     tok.save(args.out, pretty=False)
     print(f"wrote {args.out}: vocab {tok.get_vocab_size()}, {Path(args.out).stat().st_size / 1024:.0f} KiB",
