@@ -58,7 +58,7 @@ from loguru import logger
 
 from t1async.actions import observation_ids, parse_action, prompt_ids, template_turn_ids
 from t1async.actors import call
-from t1async.config import EnvConfig, GenerationConfig, ModelConfig, TransportConfig
+from t1async.config import EnvConfig, GenerationConfig, ModelConfig, RolloutConfig, TransportConfig
 from t1async.envs.limits import unmount_all_under
 from t1async.envs.task import Task, discover_tasks
 from t1async.envs.terminal import TerminalEnv
@@ -299,11 +299,15 @@ class RolloutActor:
             and removes it at shutdown, also when the actor was killed); None: the system temp dir.
         audit_dir: when set, the id of each trajectory is appended to ``audit_dir/sent-<pid>.txt``
             once it is spooled (``t1async soak`` counts from it what was sent); None: no record.
+        rollout_cfg: the ``rollout`` section; with ``agent: external`` an external agent program
+            drives each episode through this actor's OpenAI-compatible endpoint
+            (actors/agent_rollout.py). None: the builtin loop.
     """
 
     def __init__(self, actor_id: int, env_cfg: EnvConfig, gen_cfg: GenerationConfig, model_cfg: ModelConfig,
                  transport: TransportConfig, sampler_urls: list[str], endpoint: str, *, crash_after_episodes: int = 0,
-                 request_timeout_s: float = 300.0, work_root: str | None = None, audit_dir: str | None = None):
+                 request_timeout_s: float = 300.0, work_root: str | None = None, audit_dir: str | None = None,
+                 rollout_cfg: RolloutConfig | None = None):
         self.actor_id = actor_id
         self.env_cfg, self.gen_cfg, self.model_cfg = env_cfg, gen_cfg, model_cfg
         self.tasks = {t.name: t for t in discover_tasks(tasks_dir(env_cfg), env_cfg.tasks, sandbox=env_cfg.sandbox)}
@@ -317,6 +321,12 @@ class RolloutActor:
         self.failed = 0
         self._rejections_reported = 0
         self.workdir, self._workdir_lock = claim_workdir(work_root, actor_id)
+        self.rollout_cfg = rollout_cfg or RolloutConfig()
+        self.endpoint = None
+        if self.rollout_cfg.agent == "external":
+            from t1async.openai_endpoint import OpenAIEndpoint
+
+            self.endpoint = OpenAIEndpoint(self.tokenizer)
         self._audit = None
         if audit_dir:
             Path(audit_dir).mkdir(parents=True, exist_ok=True)
@@ -341,16 +351,18 @@ class RolloutActor:
                 if name == "":
                     continue
                 try:
-                    traj = self.run_one(name)
+                    trajs = self.run_one(name)
                 except Exception as e:  # one bad episode must not end the actor
                     self.failed += 1
                     logger.opt(exception=e).error("rollout {} episode of {} failed", self.actor_id, name)
                     call(controller.episode_failed, self.actor_id, f"{type(e).__name__}: {e}")
                     continue
+                traj = trajs[-1]  # the episode's last segment holds its admission slot
                 call(controller.episode_finished, self.actor_id, traj.trajectory_id)  # before it can be consumed
-                self.sender.send(traj.trajectory_id, EncodedTrajectory(traj))
-                if self._audit is not None:
-                    self._audit.write(traj.trajectory_id + "\n")
+                for t in trajs:
+                    self.sender.send(t.trajectory_id, EncodedTrajectory(t))
+                    if self._audit is not None:
+                        self._audit.write(t.trajectory_id + "\n")
                 self.episodes += 1
                 logger.info("rollout {} sent {}: {} tokens, {} turns, {}/{} tests, versions {}, {:.2f} s", self.actor_id,
                             name, traj.num_tokens, len(traj.turn_offsets), traj.passed, traj.total,
@@ -360,6 +372,8 @@ class RolloutActor:
                     raise RuntimeError(f"fault injection: rollout {self.actor_id} crashes after {self.episodes} episodes")
         finally:
             self.sender.close()
+            if self.endpoint is not None:
+                self.endpoint.shutdown()
             unmount_all_under(self.workdir)  # sandboxes unmount their own; this catches one that could not
             shutil.rmtree(self.workdir, ignore_errors=True)
             try:
@@ -376,16 +390,23 @@ class RolloutActor:
             call(controller.trajectory_discarded, f"rejected: {reason}", key)
         self._rejections_reported += len(reasons)
 
-    def run_one(self, task_name: str) -> Trajectory:
-        """Run one episode of the named task in a fresh sandbox and return its trajectory."""
+    def run_one(self, task_name: str) -> list[Trajectory]:
+        """Run one episode of the named task in a fresh sandbox and return its trajectories (one,
+        or one per exact segment of an external agent that broke its history)."""
         if task_name not in self.tasks:  # the task set was changed live (t1async scale env.tasks=...)
             self.tasks.update({t.name: t for t in discover_tasks(tasks_dir(self.env_cfg), [task_name],
                                                                  sandbox=self.env_cfg.sandbox)})
         task = self.tasks[task_name]
         env = TerminalEnv.from_config(task, self.workdir, self.env_cfg)
         try:
-            return run_episode(task, env, self.sampler, self.tokenizer, self.env_cfg, self.gen_cfg, self.model_cfg,
-                               self.actor_id)
+            if self.endpoint is not None:
+                from t1async.actors.agent_rollout import run_agent_episode
+
+                return run_agent_episode(task, env, self.sampler, self.tokenizer, self.endpoint, self.rollout_cfg,
+                                         self.env_cfg, self.gen_cfg, self.model_cfg, self.actor_id,
+                                         self.workdir / "agent-logs")
+            return [run_episode(task, env, self.sampler, self.tokenizer, self.env_cfg, self.gen_cfg, self.model_cfg,
+                                self.actor_id)]
         finally:
             env.close()
 

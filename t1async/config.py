@@ -288,6 +288,24 @@ class RolloutConfig:
     admission back); ``learner_version`` uses the learner's version (AReaL's rule: the fast run
     ahead of a slow episode, which the learner may then drop as stale). With
     ``learner.max_staleness=0`` either rule is synchronous RL."""
+    agent: str = "builtin"
+    """Who drives an episode: ``builtin`` (the rollout loop of actors/rollout.py) or ``external``
+    (the program ``agent_command``, talking to an OpenAI-compatible endpoint that records every
+    completion token-exactly; t1async/openai_endpoint.py, actors/agent_rollout.py). Needs
+    ``model.vocab_size`` >= 4100 (tool calls use the tool-call special ids)."""
+    agent_command: str = ""
+    """``rollout.agent: external``: the agent program, split like a shell line (``{python}`` is
+    replaced by the rollout actor's Python). It starts once per episode with ``OPENAI_BASE_URL``,
+    ``OPENAI_API_KEY``, ``T1ASYNC_SANDBOX_URL``, ``T1ASYNC_INSTRUCTION`` and ``T1ASYNC_MAX_TURNS``
+    set, e.g. ``{python} tools/example_agent.py``."""
+    agent_cwd: str = ""
+    """Working folder of the agent program (empty: the folder ``t1async launch`` ran in)."""
+    history_break: str = "split"
+    """``rollout.agent: external``, when the agent re-sends a history that does not continue the
+    previous completion (edited, truncated, re-ordered): ``split`` (each exact segment becomes its
+    own trajectory with the episode's reward; earlier segments end with ``finish_reason``
+    ``history_break``) or ``drop`` (the episode is not trained; counted as a failed episode
+    ``HistoryBreak``). Never re-tokenized either way."""
 
 
 @dataclass
@@ -716,6 +734,9 @@ _VALUE_RULES: list[tuple[str, Any, str]] = [
     ("rollout.num_actors", lambda v: v >= 1, "an integer >= 1 (scale live through the controller)"),
     ("rollout.admission", lambda v: v in ("oldest_episode", "learner_version"),
      "'oldest_episode' (never drops slow episodes) or 'learner_version' (AReaL's rule)"),
+    ("rollout.agent", lambda v: v in ("builtin", "external"),
+     "'builtin' (the rollout loop) or 'external' (rollout.agent_command through the OpenAI-compatible endpoint)"),
+    ("rollout.history_break", lambda v: v in ("split", "drop"), "'split' (exact segments) or 'drop' (the episode)"),
     ("sampler.num_samplers", lambda v: v >= 1, "an integer >= 1"),
     ("env.max_turns", lambda v: v >= 1, "an integer >= 1"),
     ("env.max_context_tokens", lambda v: v >= 0, "an integer >= 0 (0: model.max_position_embeddings)"),
@@ -780,6 +801,8 @@ _VALUE_RULES: list[tuple[str, Any, str]] = [
 _CROSS_RULES: list[tuple[Any, str, str]] = [
     (lambda c: c.env.max_context_tokens == 0 or c.env.max_context_tokens > c.generation.max_new_tokens,
      "env.max_context_tokens", "0 (the model's context) or more than generation.max_new_tokens"),
+    (lambda c: c.rollout.agent != "external" or c.rollout.agent_command.strip() != "", "rollout.agent_command",
+     "the agent program to run when rollout.agent=external (e.g. '{python} tools/example_agent.py')"),
     (lambda c: 1 <= c.model.num_experts_per_tok <= c.model.num_experts, "model.num_experts_per_tok",
      "between 1 and model.num_experts"),
     (lambda c: c.model.num_key_value_heads >= 1 and c.model.num_attention_heads % c.model.num_key_value_heads == 0,

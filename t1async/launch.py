@@ -53,6 +53,7 @@ def launch(config_path: str | None, overrides: list[str] | tuple[str, ...] = ())
     if cfg.learner.resume:  # live changes made to the run before (t1async scale) are kept
         cfg = load_config(config_path, [*history_overrides(run_dir), *overrides])
     task_names = check_inputs(cfg)  # every bad-input error happens here, before any process starts
+    cfg.rollout.agent_cwd = cfg.rollout.agent_cwd or os.getcwd()  # an external agent's relative paths
     lock = claim_run_dir(cfg, run_dir)
     cfg.transport.spool_dir = cfg.transport.spool_dir or str(run_dir / "spool")  # resent by a resumed run
     logger.info("run directory: {}", run_dir)
@@ -165,6 +166,8 @@ def check_inputs(cfg: Config) -> list[str]:
 
     check_trainable(cfg)
     check_model_vocab(cfg.model.vocab_size, cfg.env.action_format)
+    if cfg.rollout.agent == "external":  # the endpoint renders and returns tool calls with the tool-call ids
+        check_model_vocab(cfg.model.vocab_size, "tool_call", "model.vocab_size (rollout.agent=external)")
     tasks = discover_tasks(tasks_dir(cfg.env), cfg.env.tasks, sandbox=cfg.env.sandbox)
     check_sandbox_available(cfg.env.sandbox)
     check_port_free(cfg.transport)
@@ -271,7 +274,8 @@ def start_controller(cfg: Config, actor: Any, task_names: list[str], urls: list[
         return rollout_cls.remote(actor_id, cfg.env, cfg.generation, cfg.model, cfg.transport, urls, endpoint,
                                   crash_after_episodes=crash_after, request_timeout_s=cfg.sampler.request_timeout_s,
                                   work_root=work_root, log_name=f"rollout{actor_id}",
-                                  audit_dir=str(Path(cfg.run.dir) / "audit") if cfg.run.audit else None)
+                                  audit_dir=str(Path(cfg.run.dir) / "audit") if cfg.run.audit else None,
+                                  rollout_cfg=cfg.rollout)
 
     controller = actor(Controller, "controller").remote(
         cfg.rollout, task_names, rollouts_per_version=cfg.learner.batch_size * cfg.learner.publish_every,
