@@ -120,11 +120,13 @@ def run_agent_episode(task: Task, env: TerminalEnv, sampler: Sampler, tokenizer:
                                                           session.token))
             finish = _wait(proc, session, started + budget)
     finally:
+        session.end("agent_exit")  # a straggler's later request gets 409, then 404
         endpoint.close_session(session)
+    with session.lock:  # a request still in flight finishes its record first
+        segments = session.recorder.segments()
     tail = log_path.read_bytes()[-2000:].decode(errors="replace")
     if proc.returncode not in (0, None, -signal.SIGKILL):
         logger.warning("agent of {} exited with status {}; output tail:\n{}", task.name, proc.returncode, tail)
-    segments = session.recorder.segments()
     if not segments:
         raise EpisodeError(f"the agent of {task.name} asked for no completion (exit status {proc.returncode}, "
                            f"{finish}); its output ends: {tail[-300:]!r}")

@@ -46,7 +46,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 from loguru import logger
+from starlette.concurrency import run_in_threadpool
 
 from t1async.sampler_client import Sampler, SamplerError
 from t1async.tokenizer import ChatTokenizer
@@ -456,7 +459,8 @@ class OpenAIEndpoint:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, 0))
         self.url = f"http://{host}:{sock.getsockname()[1]}"
-        self._server = uvicorn.Server(uvicorn.Config(self._app(), log_level="warning", access_log=False))
+        self._server = uvicorn.Server(uvicorn.Config(self._app(), log_level="warning", access_log=False,
+                                                    log_config=None))
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True,
                                         name="openai-endpoint")
         self._thread.start()
@@ -486,9 +490,6 @@ class OpenAIEndpoint:
         return s
 
     def _app(self) -> Any:
-        from fastapi import FastAPI, Request
-        from fastapi.responses import JSONResponse
-
         app = FastAPI(title="t1async OpenAI-compatible endpoint", docs_url=None, redoc_url=None, openapi_url=None)
 
         @app.exception_handler(RequestError)
@@ -517,8 +518,6 @@ class OpenAIEndpoint:
 
         @app.post("/s/{token}/v1/chat/completions")
         async def chat(token: str, request: Request) -> Any:
-            from starlette.concurrency import run_in_threadpool
-
             s, body = self._session(token), await _body(request)
             return await run_in_threadpool(_call, s.complete, body)
 
@@ -529,8 +528,6 @@ class OpenAIEndpoint:
 
         @app.post("/s/{token}/sandbox/exec")
         async def sandbox_exec(token: str, request: Request) -> Any:
-            from starlette.concurrency import run_in_threadpool
-
             s, body = self._session(token), await _body(request)
             return await run_in_threadpool(_call, s.exec, body)
 

@@ -88,6 +88,30 @@ def test_launch_with_tool_calls(tmp_path):
         assert t.token_ids.tolist().count(4098) >= len(t.turn_offsets) - 1
 
 
+def test_launch_with_an_external_agent(tmp_path):
+    """rollout.agent=external through the whole loop: tools/example_agent.py (the official openai client)
+    drives every episode through the recording endpoint; trajectories arrive exact (drift 0), steps run."""
+    run_dir = tmp_path / "run"
+    overrides = [f"run.dir={run_dir}", "rollout.agent=external", "model.vocab_size=4100", "learner.max_steps=2",
+                 f"rollout.agent_command={sys.executable} {REPO / 'tools' / 'example_agent.py'}",
+                 "learner.batch_size=2", "learner.dump_trajectories=2", "env.max_turns=2", "learner.checkpoint_every=0"]
+    proc = subprocess.run(CLI + overrides, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = _rows(run_dir)
+    assert [r["step"] for r in rows] == [1, 2] and sum(r["trajectories"] for r in rows) == 4
+    assert all(r["drift_tokens"] == 0 for r in rows)
+    # the example agent keeps its history append-only and stops after env.max_turns completions
+    reasons = {k for r in rows for k in r["finish_reasons"]}
+    assert "history_break" not in reasons and reasons & {"agent_exit", "end_signal"}
+    dumped = sorted((run_dir / "trajectories").glob("*.traj"))
+    assert len(dumped) == 2
+    for f in dumped:
+        t = decode(f.read_bytes())
+        prompt = t.token_ids[: t.turn_offsets[0][0]].tolist()
+        assert prompt.count(4096) == 2 and t.drift_tokens == 0  # the agent's bash tool declared with the <tool_call> id
+        assert 1 <= len(t.turn_offsets) <= 2 and t.routed_experts.shape == (t.num_tokens - 1, 4, 2)
+
+
 @pytest.mark.parametrize("inherited,sig", [("default", signal.SIGINT), ("ignored", signal.SIGINT),
                                            ("default", signal.SIGHUP)], ids=["sigint", "sigint-ignored", "sighup"])
 def test_ctrl_c_stops_cleanly_with_final_checkpoint(tmp_path, inherited, sig):

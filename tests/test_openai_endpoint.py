@@ -26,6 +26,7 @@ from t1async.tokenizer import ChatTokenizer
 from t1async.trajectory import TOOL_CALL_ERRORS, decode, encode
 from t1async.weight_sync import DistributedWeightSync
 from tests.test_tito import E, FakeEnv, ScriptedSampler
+from tools.example_agent import post
 
 TOK = ChatTokenizer.load()
 MODEL = ModelConfig(vocab_size=4100, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
@@ -123,9 +124,7 @@ def test_tool_calls_are_returned_and_their_results_extend_the_stream(endpoint):
     assert reply.choices[0].finish_reason == "tool_calls" and msg.content == "Let me look."
     assert [(c.function.name, c.function.arguments) for c in msg.tool_calls] == [("bash", '{"command": "echo hi"}')]
     # the agent runs it through the sandbox API and sends the result back as a tool message
-    import httpx
-
-    out = httpx.post(f"{endpoint.url}/s/{session.token}/sandbox/exec", json={"command": "echo hi"}).json()
+    out = post(f"{endpoint.url}/s/{session.token}/sandbox/exec", {"command": "echo hi"})
     assert out == {"output": "ran echo hi", "exit_code": 0, "timed_out": False} and env.commands == ["echo hi"]
     messages += [_as_sent(msg), {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": out["output"]}]
     reply = client.chat.completions.create(model="t1async", messages=messages, tools=[BASH])

@@ -17,8 +17,9 @@ from __future__ import annotations
 import json
 import os
 import sys
+import urllib.error
+import urllib.request
 
-import httpx
 import openai
 
 SYSTEM = ("You operate a Linux shell to finish the task. Run one shell command per message with the bash tool; "
@@ -30,12 +31,18 @@ BASH = {"type": "function", "function": {
 REMINDER = "No tool call found. Call the bash tool to run a command, or reply `exit` when the task is done."
 
 
+def post(url: str, body: dict) -> dict:
+    """POST JSON, return the JSON answer (urllib.error.HTTPError on a non-2xx status)."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        return json.loads(resp.read())
+
+
 def main() -> int:
     client = openai.OpenAI(max_retries=0, timeout=300)
     sandbox, done = os.environ["T1ASYNC_SANDBOX_URL"], os.environ["T1ASYNC_DONE_URL"]
     messages: list[dict] = [{"role": "system", "content": SYSTEM},
                             {"role": "user", "content": os.environ["T1ASYNC_INSTRUCTION"]}]
-    http = httpx.Client(timeout=300)
     for _ in range(int(os.environ.get("T1ASYNC_MAX_TURNS", "10"))):
         try:
             reply = client.chat.completions.create(model="t1async", messages=messages, tools=[BASH])
@@ -46,7 +53,7 @@ def main() -> int:
         messages.append(msg.model_dump(exclude_none=True, include={"role", "content", "tool_calls"}))
         if not msg.tool_calls:
             if (msg.content or "").strip() == "exit":
-                http.post(done)
+                post(done, {})
                 return 0
             messages.append({"role": "user", "content": REMINDER})
             continue
@@ -58,11 +65,11 @@ def main() -> int:
             if call.function.name != "bash" or not isinstance(command, str):
                 output = "error: call the bash tool with a string argument `command`."
             else:
-                r = http.post(sandbox + "/exec", json={"command": command})
-                if r.status_code == 409:  # the episode ended meanwhile
+                try:
+                    output = post(sandbox + "/exec", {"command": command})["output"]
+                except urllib.error.HTTPError as e:  # 409: the episode ended meanwhile
+                    print(f"sandbox refused: {e.code} {e.read()[:300]!r}", file=sys.stderr)
                     return 0
-                r.raise_for_status()
-                output = r.json()["output"]
             messages.append({"role": "tool", "tool_call_id": call.id, "content": output})
     return 0
 
