@@ -9,6 +9,7 @@ scripted sampler where a test needs a tool call (random weights never write one)
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -16,9 +17,10 @@ import openai
 import pytest
 import torch
 
+from t1async.actors.rollout import RolloutActor
 from t1async.actors.agent_rollout import HISTORY_BREAK, HistoryBreak, run_agent_episode, segment_builder
 from t1async.actors.sampler import EmbeddedSampler
-from t1async.config import EnvConfig, GenerationConfig, ModelConfig, RolloutConfig, SamplerConfig
+from t1async.config import EnvConfig, GenerationConfig, ModelConfig, RolloutConfig, SamplerConfig, TransportConfig
 from t1async.model import Qwen3MoeForCausalLM
 from t1async.openai_endpoint import OpenAIEndpoint, SessionLimits, render_messages
 from t1async.sampler_client import HttpSampler
@@ -215,3 +217,40 @@ def test_external_episode_splits_or_drops_on_a_history_break(endpoint, tmp_path,
                                                                             [*TOK.encode("pwd"), TOK.im_end_id])]
     assert trajs[1].token_ids[:trajs[1].turn_offsets[0][0]].tolist() == render_messages(
         TOK, [{"role": "user", "content": "something else"}])
+
+
+SOLVER = """
+import os, openai
+from tools.example_agent import post
+m = [{"role": "user", "content": os.environ["T1ASYNC_INSTRUCTION"]}]
+openai.OpenAI(max_retries=0).chat.completions.create(model="t1async", messages=m)
+out = post(os.environ["T1ASYNC_SANDBOX_URL"] + "/exec", {"command": "echo hello > /app/hello.txt; cat /app/hello.txt"})
+assert out["output"].strip() == "hello" and out["exit_code"] == 0, out
+post(os.environ["T1ASYNC_DONE_URL"], {})
+"""
+
+
+@pytest.mark.parametrize("agent", ["example", "solver"])
+def test_rollout_actor_runs_an_external_agent_in_a_real_sandbox(sampler_url, tmp_path, agent):
+    """RolloutActor with rollout.agent=external, a bubblewrap sandbox and the real sampler: the shipped
+    example agent (append-only history: one exact trajectory of env.max_turns turns), and an agent that
+    solves the task through the sandbox API (the verifier sees its file: reward > 0)."""
+    repo = Path(__file__).resolve().parents[1]
+    command = f"{{python}} {repo / 'tools' / 'example_agent.py'}" if agent == "example" else f"{{python}} -c '{SOLVER}'"
+    cfg = RolloutConfig(agent="external", agent_command=command, agent_cwd=str(repo))
+    actor = RolloutActor(0, EnvConfig(max_turns=2, tasks=["create-hello-file"]), GenerationConfig(max_new_tokens=8),
+                         MODEL, TransportConfig(), [sampler_url], "tcp://127.0.0.1:9", rollout_cfg=cfg,
+                         work_root=str(tmp_path))
+    try:
+        [traj] = actor.run_one("create-hello-file")
+    finally:
+        actor.endpoint.shutdown()
+        actor.sender.close()
+    traj = decode(encode(traj), num_experts=4, num_layers=2, top_k=2)
+    assert traj.drift_tokens == 0 and traj.total >= 1
+    if agent == "example":
+        assert traj.finish_reason == "agent_exit" and len(traj.turn_offsets) == 2
+        assert "# Tools" in TOK.decode(traj.token_ids[:traj.turn_offsets[0][0]].tolist())
+    else:
+        assert traj.finish_reason == "end_signal" and len(traj.turn_offsets) == 1
+        assert traj.passed == traj.total and traj.reward == traj.total
