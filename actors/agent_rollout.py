@@ -109,7 +109,9 @@ def run_agent_episode(task: Task, env: TerminalEnv, sampler: Sampler, tokenizer:
     session = endpoint.open(sampler, env.step, SessionLimits(params, env_cfg.max_turns,
                                                              context_limit(env_cfg, model_cfg)))
     session_url = f"{endpoint.url}/s/{session.token}"
-    argv = [sys.executable if a == "{python}" else a for a in shlex.split(rollout_cfg.agent_command)]
+    argv = shlex.split(rollout_cfg.agent_command)
+    if argv and argv[0] == "python":  # the actor's own interpreter (the venv's), whatever PATH says
+        argv[0] = sys.executable
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"agent-{actor_id}.log"
     try:

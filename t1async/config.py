@@ -294,10 +294,10 @@ class RolloutConfig:
     completion token-exactly; t1async/openai_endpoint.py, actors/agent_rollout.py). Needs
     ``model.vocab_size`` >= 4100 (tool calls use the tool-call special ids)."""
     agent_command: str = ""
-    """``rollout.agent: external``: the agent program, split like a shell line (``{python}`` is
-    replaced by the rollout actor's Python). It starts once per episode with ``OPENAI_BASE_URL``,
+    """``rollout.agent: external``: the agent program, split like a shell line (a first word
+    ``python`` is the rollout actor's own Python). It starts once per episode with ``OPENAI_BASE_URL``,
     ``OPENAI_API_KEY``, ``T1ASYNC_SANDBOX_URL``, ``T1ASYNC_INSTRUCTION`` and ``T1ASYNC_MAX_TURNS``
-    set, e.g. ``{python} tools/example_agent.py``."""
+    set, e.g. ``python tools/example_agent.py``."""
     agent_cwd: str = ""
     """Working folder of the agent program (empty: the folder ``t1async launch`` ran in)."""
     history_break: str = "split"
@@ -656,7 +656,13 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     if bad:
         raise ConfigError(f"override {bad[0]!r} on the command line is not key=value (for example learner.max_steps=4)")
     if overrides:
-        layers.append(("command line", OmegaConf.from_dotlist(list(overrides))))
+        import yaml
+
+        try:
+            layers.append(("command line", OmegaConf.from_dotlist(list(overrides))))
+        except (yaml.YAMLError, OmegaConfBaseException) as e:  # a value YAML cannot read, e.g. key={a} b
+            raise ConfigError(f"command line: an override is not valid YAML ({str(e).splitlines()[0]}); quote "
+                              "the value, e.g. 'rollout.agent_command=\"python tools/example_agent.py\"'") from None
     merged = base
     for source, layer in layers:
         if not isinstance(layer, DictConfig):
@@ -802,7 +808,7 @@ _CROSS_RULES: list[tuple[Any, str, str]] = [
     (lambda c: c.env.max_context_tokens == 0 or c.env.max_context_tokens > c.generation.max_new_tokens,
      "env.max_context_tokens", "0 (the model's context) or more than generation.max_new_tokens"),
     (lambda c: c.rollout.agent != "external" or c.rollout.agent_command.strip() != "", "rollout.agent_command",
-     "the agent program to run when rollout.agent=external (e.g. '{python} tools/example_agent.py')"),
+     "the agent program to run when rollout.agent=external (e.g. 'python tools/example_agent.py')"),
     (lambda c: 1 <= c.model.num_experts_per_tok <= c.model.num_experts, "model.num_experts_per_tok",
      "between 1 and model.num_experts"),
     (lambda c: c.model.num_key_value_heads >= 1 and c.model.num_attention_heads % c.model.num_key_value_heads == 0,

@@ -236,7 +236,7 @@ def test_rollout_actor_runs_an_external_agent_in_a_real_sandbox(sampler_url, tmp
     example agent (append-only history: one exact trajectory of env.max_turns turns), and an agent that
     solves the task through the sandbox API (the verifier sees its file: reward > 0)."""
     repo = Path(__file__).resolve().parents[1]
-    command = f"{{python}} {repo / 'tools' / 'example_agent.py'}" if agent == "example" else f"{{python}} -c '{SOLVER}'"
+    command = f"python {repo / 'tools' / 'example_agent.py'}" if agent == "example" else f"python -c '{SOLVER}'"
     cfg = RolloutConfig(agent="external", agent_command=command, agent_cwd=str(repo))
     actor = RolloutActor(0, EnvConfig(max_turns=2, tasks=["create-hello-file"]), GenerationConfig(max_new_tokens=8),
                          MODEL, TransportConfig(), [sampler_url], "tcp://127.0.0.1:9", rollout_cfg=cfg,
@@ -254,3 +254,16 @@ def test_rollout_actor_runs_an_external_agent_in_a_real_sandbox(sampler_url, tmp
     else:
         assert traj.finish_reason == "end_signal" and len(traj.turn_offsets) == 1
         assert traj.passed == traj.total and traj.reward == traj.total
+
+
+def test_external_agent_config_is_checked():
+    from t1async.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="rollout.agent_command=''"):
+        load_config(None, ["rollout.agent=external"])
+    with pytest.raises(ConfigError, match="rollout.history_break='keep'"):
+        load_config(None, ["rollout.history_break=keep"])
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(None, ["rollout.agent_command={python} a.py"])
+    cfg = load_config(None, ["rollout.agent=external", "rollout.agent_command=python tools/example_agent.py"])
+    assert cfg.rollout.agent_command == "python tools/example_agent.py" and cfg.rollout.history_break == "split"

@@ -9,7 +9,7 @@ so every request continues the previous completion (the endpoint's records stay 
 
 Environment (set by the rollout actor): ``OPENAI_BASE_URL``, ``OPENAI_API_KEY``,
 ``T1ASYNC_SANDBOX_URL``, ``T1ASYNC_DONE_URL``, ``T1ASYNC_INSTRUCTION``, ``T1ASYNC_MAX_TURNS``.
-Run it as ``rollout.agent_command="{python} tools/example_agent.py"``.
+Run it as ``rollout.agent_command="python tools/example_agent.py"``.
 """
 
 from __future__ import annotations
