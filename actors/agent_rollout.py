@@ -19,7 +19,8 @@ Data path of one episode::
 A history break (the agent re-sent a history that does not continue the previous completion) is
 never re-tokenized into the stream: with ``rollout.history_break: split`` each exact segment is
 sent as its own trajectory (earlier ones with ``finish_reason`` ``history_break``, counted per
-learner step in metrics.jsonl ``finish_reasons``); with ``drop`` the episode raises
+learner step in metrics.jsonl ``finish_reasons``; each takes an admission slot of its own,
+``Controller.episode_finished``); with ``drop`` the episode raises
 :class:`HistoryBreak` (counted by the controller as a failed episode).
 """
 
@@ -127,6 +128,9 @@ def run_agent_episode(task: Task, env: TerminalEnv, sampler: Sampler, tokenizer:
     with session.lock:  # a request still in flight finishes its record first
         segments = session.recorder.segments()
     tail = log_path.read_bytes()[-2000:].decode(errors="replace")
+    logger.info("agent episode of {}: {} completions in {} exact segments ({} history breaks), {} sampler errors, "
+                "ended {}, agent exit status {}", task.name, sum(map(len, segments)), len(segments),
+                session.recorder.history_breaks, session.sampler_errors, finish, proc.returncode)
     if proc.returncode not in (0, None, -signal.SIGKILL):
         logger.warning("agent of {} exited with status {}; output tail:\n{}", task.name, proc.returncode, tail)
     if not segments:

@@ -127,13 +127,21 @@ class Controller:
                 return self.version
             return min([self.version, *self._running.values(), *self._pending.values()])
 
-    def episode_finished(self, actor_id: int, trajectory_id: str) -> None:
+    def episode_finished(self, actor_id: int, trajectory_id: str, extra_ids: list[str] | tuple[str, ...] = ()) -> None:
         """The actor's running episode became trajectory ``trajectory_id`` (called before it is
-        sent): it stays the oldest-version candidate until the learner consumes or discards it."""
+        sent): it stays the oldest-version candidate until the learner consumes or discards it.
+
+        ``extra_ids``: more trajectories of the same episode (the exact segments of an external
+        agent that broke its history, actors/agent_rollout.py). Each takes an admission slot of
+        its own (the learner trains trajectories, not episodes) and is tracked like the first, so
+        a discarded segment returns exactly the slot it took."""
         with self._cond:
             version = self._running.pop(actor_id, None)
             if version is not None:
                 self._pending[trajectory_id] = version
+                for tid in extra_ids:
+                    self._pending[tid] = version
+                self.started += len(extra_ids)
 
     def trajectories_consumed(self, trajectory_ids: list[str]) -> None:
         """The learner trained on these trajectories: they no longer hold admission back."""

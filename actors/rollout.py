@@ -357,8 +357,9 @@ class RolloutActor:
                     logger.opt(exception=e).error("rollout {} episode of {} failed", self.actor_id, name)
                     call(controller.episode_failed, self.actor_id, f"{type(e).__name__}: {e}")
                     continue
-                traj = trajs[-1]  # the episode's last segment holds its admission slot
-                call(controller.episode_finished, self.actor_id, traj.trajectory_id)  # before it can be consumed
+                traj = trajs[-1]  # the episode's last segment; earlier ones take slots of their own
+                call(controller.episode_finished, self.actor_id, traj.trajectory_id,  # before they can be consumed
+                     [t.trajectory_id for t in trajs[:-1]])
                 for t in trajs:
                     self.sender.send(t.trajectory_id, EncodedTrajectory(t))
                     if self._audit is not None:

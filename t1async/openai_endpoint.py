@@ -428,9 +428,10 @@ class Session:
         command = req.get("command")
         if not isinstance(command, str):
             raise RequestError('the body must be {"command": "<shell command>"}')
-        if self.ended is not None:
-            raise RequestError(f"the episode is over ({self.ended}); exit", status=409, code="episode_over")
-        result = self.execute(command)
+        with self.lock:  # one at a time with completions; the episode waits for it before the verifier
+            if self.ended is not None:
+                raise RequestError(f"the episode is over ({self.ended}); exit", status=409, code="episode_over")
+            result = self.execute(command)
         return {"output": result.output, "exit_code": int(result.exit_code), "timed_out": bool(result.timed_out)}
 
 
@@ -514,12 +515,17 @@ class OpenAIEndpoint:
             except RequestError:
                 raise
             except (TypeError, ValueError, KeyError, AttributeError) as e:  # ill-typed fields: the agent's fault
+                logger.opt(exception=e).warning("refused a request with ill-typed fields")
                 raise RequestError(f"bad request: {type(e).__name__}: {e}") from None
+
+        async def _threaded(token: str, request: Request, method: str) -> dict:
+            """Run a session method on the body in a worker thread (it blocks on the sampler or the shell)."""
+            s, body = self._session(token), await _body(request)
+            return await run_in_threadpool(_call, getattr(s, method), body)
 
         @app.post("/s/{token}/v1/chat/completions")
         async def chat(token: str, request: Request) -> Any:
-            s, body = self._session(token), await _body(request)
-            return await run_in_threadpool(_call, s.complete, body)
+            return await _threaded(token, request, "complete")
 
         @app.get("/s/{token}/v1/models")
         async def models(token: str) -> Any:
@@ -528,8 +534,7 @@ class OpenAIEndpoint:
 
         @app.post("/s/{token}/sandbox/exec")
         async def sandbox_exec(token: str, request: Request) -> Any:
-            s, body = self._session(token), await _body(request)
-            return await run_in_threadpool(_call, s.exec, body)
+            return await _threaded(token, request, "exec")
 
         @app.post("/s/{token}/done")
         async def done(token: str) -> Any:

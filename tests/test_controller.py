@@ -148,3 +148,18 @@ def test_learner_version_rule_lets_fast_episodes_overtake_a_slow_one():
         c.trajectories_consumed(["t1"])  # ... trained, and version 1 published
         c.set_version(1)
         assert bool(c.acquire(1)) is opens, rule
+
+
+def test_extra_segments_of_an_episode_take_and_return_their_own_slots():
+    """An external agent's episode split into 3 exact segments is 3 trajectories for the learner: they take
+    3 slots, hold admission at their version until consumed, and a discarded one returns only its own."""
+    c = make(batch=2, eta=0)
+    assert c.acquire(0)
+    c.episode_finished(0, "last", ["seg0", "seg1"])
+    assert c.started == 3 and c.acquire(0) == ""  # (0 + 0 + 1) x 2 = 2 slots, 3 taken
+    c.trajectory_discarded("stale", "seg0")
+    assert c.started == 2 and c.acquire(0) == ""
+    c.set_version(1)
+    assert c.oldest_version() == 0  # seg1 and last are still pending at version 0
+    c.trajectories_consumed(["seg1", "last"])
+    assert c.oldest_version() == 1 and c.acquire(0)

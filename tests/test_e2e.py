@@ -67,17 +67,23 @@ def test_launch_runs_the_whole_loop(tmp_path):
     assert not (run_dir / "workspaces").exists()  # episode workspaces removed, even of the crashed actor
 
 
-def test_launch_with_tool_calls(tmp_path):
-    """env.action_format=tool_call through the whole loop: trajectories flow, hold the tool tokens
-    and stay exact (drift 0); tool-call errors are counted per step."""
-    run_dir = tmp_path / "run"
-    overrides = [f"run.dir={run_dir}", "env.action_format=tool_call", "model.vocab_size=4100", "learner.max_steps=2",
-                 "learner.batch_size=2", "learner.dump_trajectories=2", "env.max_turns=2", "learner.checkpoint_every=0"]
-    proc = subprocess.run(CLI + overrides, capture_output=True, text=True, timeout=300)
+def _two_tool_call_steps(run_dir: Path, *overrides: str) -> list[dict]:
+    """Launch 2 learner steps of 2 trajectories with the tool-call vocabulary; check they ran exact (drift 0)."""
+    proc = subprocess.run(CLI + [f"run.dir={run_dir}", "model.vocab_size=4100", "learner.max_steps=2",
+                                 "learner.batch_size=2", "learner.dump_trajectories=2", "env.max_turns=2",
+                                 "learner.checkpoint_every=0", *overrides], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = _rows(run_dir)
     assert [r["step"] for r in rows] == [1, 2] and sum(r["trajectories"] for r in rows) == 4
     assert all(r["drift_tokens"] == 0 for r in rows)
+    return rows
+
+
+def test_launch_with_tool_calls(tmp_path):
+    """env.action_format=tool_call through the whole loop: trajectories flow, hold the tool tokens
+    and stay exact (drift 0); tool-call errors are counted per step."""
+    run_dir = tmp_path / "run"
+    rows = _two_tool_call_steps(run_dir, "env.action_format=tool_call")
     assert all(set(r["tool_call_errors"]) == {"no_tool_call", "unbalanced", "bad_json", "unknown_tool",
                                               "bad_arguments", "multiple_calls"} for r in rows)
     for f in sorted((run_dir / "trajectories").glob("*.traj")):
@@ -92,14 +98,8 @@ def test_launch_with_an_external_agent(tmp_path):
     """rollout.agent=external through the whole loop: tools/example_agent.py (the official openai client)
     drives every episode through the recording endpoint; trajectories arrive exact (drift 0), steps run."""
     run_dir = tmp_path / "run"
-    overrides = [f"run.dir={run_dir}", "rollout.agent=external", "model.vocab_size=4100", "learner.max_steps=2",
-                 f"rollout.agent_command={sys.executable} {REPO / 'tools' / 'example_agent.py'}",
-                 "learner.batch_size=2", "learner.dump_trajectories=2", "env.max_turns=2", "learner.checkpoint_every=0"]
-    proc = subprocess.run(CLI + overrides, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = _rows(run_dir)
-    assert [r["step"] for r in rows] == [1, 2] and sum(r["trajectories"] for r in rows) == 4
-    assert all(r["drift_tokens"] == 0 for r in rows)
+    rows = _two_tool_call_steps(run_dir, "rollout.agent=external", 
+                                f"rollout.agent_command=python {REPO / 'tools' / 'example_agent.py'}")
     # the example agent keeps its history append-only and stops after env.max_turns completions
     reasons = {k for r in rows for k in r["finish_reasons"]}
     assert "history_break" not in reasons and reasons & {"agent_exit", "end_signal"}

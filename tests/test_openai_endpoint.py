@@ -15,18 +15,15 @@ from types import SimpleNamespace
 import numpy as np
 import openai
 import pytest
-import torch
 
 from t1async.actors.rollout import RolloutActor
 from t1async.actors.agent_rollout import HISTORY_BREAK, HistoryBreak, run_agent_episode, segment_builder
-from t1async.actors.sampler import EmbeddedSampler
-from t1async.config import EnvConfig, GenerationConfig, ModelConfig, RolloutConfig, SamplerConfig, TransportConfig
-from t1async.model import Qwen3MoeForCausalLM
+from t1async.config import EnvConfig, GenerationConfig, ModelConfig, RolloutConfig, TransportConfig
 from t1async.openai_endpoint import OpenAIEndpoint, SessionLimits, render_messages
 from t1async.sampler_client import HttpSampler
 from t1async.tokenizer import ChatTokenizer
 from t1async.trajectory import TOOL_CALL_ERRORS, decode, encode
-from t1async.weight_sync import DistributedWeightSync
+from tests.test_rollout import serve_random_policy
 from tests.test_tito import E, FakeEnv, ScriptedSampler
 from tools.example_agent import post
 
@@ -61,14 +58,7 @@ def endpoint():
 
 @pytest.fixture(scope="module")
 def sampler_url():
-    s = EmbeddedSampler(MODEL, SamplerConfig(), seed=0)
-    sync = DistributedWeightSync("gloo", timeout_s=30)
-    sync.connect([s.url()])
-    torch.manual_seed(0)
-    sync.publish(Qwen3MoeForCausalLM(MODEL).named_parameters(), 0)
-    yield s.url()
-    sync.close()
-    s.shutdown()
+    yield from serve_random_policy(MODEL)
 
 
 def _client(endpoint, session):

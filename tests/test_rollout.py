@@ -46,16 +46,21 @@ class RecordingSampler:
         return r
 
 
-@pytest.fixture(scope="module")
-def sampler_url():
-    s = EmbeddedSampler(MODEL, SamplerConfig(), seed=0)
+def serve_random_policy(model: ModelConfig):
+    """An embedded sampler holding random weights (seed 0) as version 0; yields its URL (for module fixtures)."""
+    s = EmbeddedSampler(model, SamplerConfig(), seed=0)
     sync = DistributedWeightSync("gloo", timeout_s=30)
     sync.connect([s.url()])
     torch.manual_seed(0)
-    sync.publish(Qwen3MoeForCausalLM(MODEL).named_parameters(), 0)
+    sync.publish(Qwen3MoeForCausalLM(model).named_parameters(), 0)
     yield s.url()
     sync.close()
     s.shutdown()
+
+
+@pytest.fixture(scope="module")
+def sampler_url():
+    yield from serve_random_policy(MODEL)
 
 
 def test_episode_stream_is_exact_and_aligned(sampler_url, tmp_path):
