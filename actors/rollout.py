@@ -358,8 +358,8 @@ class RolloutActor:
                     call(controller.episode_failed, self.actor_id, f"{type(e).__name__}: {e}")
                     continue
                 traj = trajs[-1]  # the episode's last segment; earlier ones take slots of their own
-                call(controller.episode_finished, self.actor_id, traj.trajectory_id,  # before they can be consumed
-                     [t.trajectory_id for t in trajs[:-1]])
+                extra = [[t.trajectory_id for t in trajs[:-1]]] if len(trajs) > 1 else []
+                call(controller.episode_finished, self.actor_id, traj.trajectory_id, *extra)  # before they can be consumed
                 for t in trajs:
                     self.sender.send(t.trajectory_id, EncodedTrajectory(t))
                     if self._audit is not None:
