@@ -111,7 +111,7 @@ def canonical(msg: Any) -> tuple:
     if not isinstance(msg, dict) or msg.get("role") not in ("system", "developer", "user", "assistant", "tool"):
         raise RequestError(f"message {str(msg)[:80]!r} is not an object with role system/user/assistant/tool")
     role = "system" if msg["role"] == "developer" else msg["role"]
-    calls = json.dumps(_calls(msg), sort_keys=True) if role == "assistant" else ""
+    calls = tuple(_calls(msg)) if role == "assistant" else ()
     return role, _text(msg.get("content")), calls
 
 
@@ -267,6 +267,7 @@ class ChatRecorder:
         self.records: list[CompletionRecord] = []
         self.history_breaks = 0
         self._last: tuple[list[tuple], tuple, list[dict]] | None = None  # (request messages, returned message, tools)
+        self._canon: list[tuple] = []  # canonical messages of the request prompt() saw last
 
     def prompt(self, messages: Sequence[dict], tools: Sequence[dict]) -> tuple[list[int], int, int]:
         """(prompt ids, segment, routed-experts start) of a request: the previous completion
@@ -275,7 +276,7 @@ class ChatRecorder:
         Raises:
             RequestError: a message the template cannot render.
         """
-        canon = [canonical(m) for m in messages]
+        canon = self._canon = [canonical(m) for m in messages]  # kept for add()
         last = self.records[-1] if self.records else None
         if last is not None and self._last is not None:
             prev, returned, prev_tools = self._last
@@ -297,7 +298,8 @@ class ChatRecorder:
     def add(self, record: CompletionRecord, messages: Sequence[dict], returned: dict, tools: Sequence[dict]) -> None:
         """Keep one completion and what the agent must send back to extend it."""
         self.records.append(record)
-        self._last = ([canonical(m) for m in messages], canonical(returned), list(tools))
+        self._last = (self._canon if len(self._canon) == len(messages) else [canonical(m) for m in messages],
+                      canonical(returned), list(tools))
 
     def segments(self) -> list[list[CompletionRecord]]:
         """The records grouped by segment, in order."""
