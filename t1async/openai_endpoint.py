@@ -296,7 +296,8 @@ class ChatRecorder:
         return render_messages(self.tok, messages, tools), segment, 0
 
     def add(self, record: CompletionRecord, messages: Sequence[dict], returned: dict, tools: Sequence[dict]) -> None:
-        """Keep one completion and what the agent must send back to extend it."""
+        """Keep one completion and what the agent must send back to extend it (called right after
+        :meth:`prompt` for the same request, whose canonical messages it reuses)."""
         self.records.append(record)
         self._last = (self._canon if len(self._canon) == len(messages) else [canonical(m) for m in messages],
                       canonical(returned), list(tools))
@@ -352,6 +353,7 @@ class Session:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def end(self, reason: str) -> None:
+        """End the episode for the agent (the first reason given stays) and wake who waits on :attr:`done`."""
         if self.ended is None:
             self.ended = reason
         self.done.set()

@@ -257,3 +257,19 @@ def test_external_agent_config_is_checked():
         load_config(None, ["rollout.agent_command={python} a.py"])
     cfg = load_config(None, ["rollout.agent=external", "rollout.agent_command=python tools/example_agent.py"])
     assert cfg.rollout.agent_command == "python tools/example_agent.py" and cfg.rollout.history_break == "split"
+
+
+AGENT_HANGS = """
+import os, time, openai
+openai.OpenAI(max_retries=0).chat.completions.create(model="t1async", messages=[{"role": "user", "content": "hi"}])
+time.sleep(600)
+"""
+
+
+def test_an_agent_that_overruns_the_time_budget_is_killed_and_its_episode_kept(endpoint, tmp_path):
+    task = SimpleNamespace(name="t", agent_timeout_s=4.0)
+    cfg = RolloutConfig(agent="external", agent_command=f"python -c '{AGENT_HANGS}'")
+    sampler = ScriptedSampler([[*TOK.encode("ls"), TOK.im_end_id]])
+    [traj] = run_agent_episode(task, FakeEnv(), sampler, TOK, endpoint, cfg, EnvConfig(max_turns=4),
+                               GenerationConfig(max_new_tokens=8), MODEL, 0, tmp_path)
+    assert traj.finish_reason == "timeout" and traj.finished_at - traj.started_at < 30 and traj.drift_tokens == 0
