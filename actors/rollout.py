@@ -41,7 +41,9 @@ across the header or inside the decoded text, a sampled eos or special token, in
 stream wins, the count is a metric). Each turn's abnormal end (cut, aborted, command timed out,
 refused by a sandbox limit) is recorded in ``turn_status`` (codes in t1async/trajectory.py); the
 learner decides what to train of it (``learner.abnormal``). The rollout actor waits for admission from
-the controller before each episode (staleness control) and stops when admission says so.
+the controller before each episode (staleness control) and stops when admission says so. With
+``rollout.agent: external`` an agent program drives the episode instead, through this actor's
+OpenAI-compatible endpoint, and the trajectory is built from its records (actors/agent_rollout.py).
 """
 
 from __future__ import annotations
