@@ -49,6 +49,9 @@ def main() -> int:
         except openai.APIStatusError as e:  # the episode is over (turns spent, context full): stop
             print(f"endpoint refused: {e.status_code} {e.message}", file=sys.stderr)
             return 0
+        except openai.APIConnectionError as e:  # the rollout actor is gone (the run stopped)
+            print(f"endpoint unreachable: {e}", file=sys.stderr)
+            return 1
         msg = reply.choices[0].message
         messages.append(msg.model_dump(exclude_none=True, include={"role", "content", "tool_calls"}))
         if not msg.tool_calls:
