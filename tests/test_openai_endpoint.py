@@ -273,3 +273,27 @@ def test_an_agent_that_overruns_the_time_budget_is_killed_and_its_episode_kept(e
     [traj] = run_agent_episode(task, FakeEnv(), sampler, TOK, endpoint, cfg, EnvConfig(max_turns=4),
                                GenerationConfig(max_new_tokens=8), MODEL, 0, tmp_path)
     assert traj.finish_reason == "timeout" and traj.finished_at - traj.started_at < 30 and traj.drift_tokens == 0
+
+
+def test_two_calls_in_one_turn_and_their_grouped_results(endpoint):
+    """Two calls (one of an undeclared tool: returned, coded unknown_tool); both results sent back
+    become one user turn of two <tool_response> blocks (Qwen3), appended after the exact sampled ids."""
+    two = [*TOK.render_tool_call("bash", {"command": "ls"}), *TOK.encode("\n"),
+           *TOK.render_tool_call("python", {"code": "1"}), TOK.im_end_id]
+    session = _session(endpoint, ScriptedSampler([two, [*TOK.encode("exit"), TOK.im_end_id]]))
+    client = _client(endpoint, session)
+    messages = [USER]
+    msg = client.chat.completions.create(model="t1async", messages=messages, tools=[BASH]).choices[0].message
+    assert [c.function.name for c in msg.tool_calls] == ["bash", "python"] and msg.content is None
+    assert TOOL_CALL_ERRORS[session.recorder.records[0].status] == "unknown_tool"
+    messages += [_as_sent(msg), *({"role": "tool", "tool_call_id": c.id, "content": f"out {c.function.name}"}
+                                  for c in msg.tool_calls)]
+    client.chat.completions.create(model="t1async", messages=messages, tools=[BASH])
+    first, second = session.recorder.records
+    results = [TOK.im_start_id, *TOK.encode("user\n"), TOK.tool_response_id, *TOK.encode("\nout bash\n"),
+               TOK.tool_response_end_id, *TOK.encode("\n"), TOK.tool_response_id, *TOK.encode("\nout python\n"),
+               TOK.tool_response_end_id, TOK.im_end_id]
+    nl, head = TOK.encode("\n"), [TOK.im_start_id, *TOK.encode("assistant\n")]
+    assert second.prompt_ids == [*first.prompt_ids, *two, *nl, *results, *nl, *head]
+    assert second.prompt_ids == render_messages(TOK, messages, [BASH["function"]])
+    assert session.recorder.history_breaks == 0
