@@ -267,12 +267,14 @@ time.sleep(600)
 
 
 def test_an_agent_that_overruns_the_time_budget_is_killed_and_its_episode_kept(endpoint, tmp_path):
-    task = SimpleNamespace(name="t", agent_timeout_s=4.0)
+    """The budget leaves room for `import openai` on a loaded machine (the agent must get its one
+    request in before it hangs)."""
+    task = SimpleNamespace(name="t", agent_timeout_s=10.0)
     cfg = RolloutConfig(agent="external", agent_command=f"python -c '{AGENT_HANGS}'")
     sampler = ScriptedSampler([[*TOK.encode("ls"), TOK.im_end_id]])
     [traj] = run_agent_episode(task, FakeEnv(), sampler, TOK, endpoint, cfg, EnvConfig(max_turns=4),
                                GenerationConfig(max_new_tokens=8), MODEL, 0, tmp_path)
-    assert traj.finish_reason == "timeout" and traj.finished_at - traj.started_at < 30 and traj.drift_tokens == 0
+    assert traj.finish_reason == "timeout" and traj.finished_at - traj.started_at < 40 and traj.drift_tokens == 0
 
 
 def test_two_calls_in_one_turn_and_their_grouped_results(endpoint):
