@@ -272,8 +272,8 @@ class EmbeddedSampler:
             raise RequestError(f"unsupported sampling_params {sorted(unknown)}; supported: {sorted(known)}")
         params = SamplingParams(**sp)
         start = int(body.get("routed_experts_start_len", 0))
-        if self._draining:
-            raise NotReady("this sampler is draining (scaled down): send the request to another one")
+        if self._draining or self._closed.is_set():
+            raise NotReady("this sampler is draining (scaled down) or stopped: send the request to another one")
         if self.version < 0:
             with self._stats_lock:
                 self.not_ready += 1
