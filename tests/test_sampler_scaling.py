@@ -151,3 +151,54 @@ def test_backoff_doubles_starts_a_new_row_after_useful_work_and_gives_up():
     assert [b.next_wait(False) for _ in range(4)] == [5.0, 10.0, 12.0, None]
     assert b.next_wait(True) == 5.0 and b.restarts == 4 and b.in_row == 1
     assert Backoff(limit=0).next_wait(True) is None
+
+
+def _until(cond, timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return cond()
+
+
+def test_the_learner_loads_joiners_while_idle_and_publishes_anew_only_when_none_serves(tmp_path):
+    """Waiting for a batch with the weights of version v, the learner gives joiners v at once; once
+    a step moved the policy, a joiner waits for the next publish, unless no other sampler holds
+    weights (then nothing would ever reach that publish: the policy goes out as a new version)."""
+    import threading
+
+    from t1async.actors.learner import Learner
+    from t1async.config import LearnerConfig, TransportConfig, WeightSyncConfig
+    from t1async.trajectory import encode
+    from t1async.transport import ZmqSender
+    from tests.test_learner import MODEL, FakeController, synthetic
+
+    a, b, c = (EmbeddedSampler(MODEL, SamplerConfig(), seed=i) for i in range(3))
+    cfg = LearnerConfig(max_steps=0, batch_size=1, publish_every=2, max_staleness=2, batch_timeout_s=60)
+    learner = Learner(cfg, MODEL, TransportConfig(), WeightSyncConfig(timeout_s=30), str(tmp_path), seed=0)
+    tx = None
+    try:
+        learner.connect_samplers([a.url()])
+        th = threading.Thread(target=learner.run, args=(FakeController(),), daemon=True)
+        th.start()
+        pauses = count_pauses(a)
+        learner.set_samplers([a.url(), b.url()])
+        assert _until(lambda: b.version == 0) and pauses[0] == 0 and learner.version == 0
+
+        tx = ZmqSender(learner.endpoint())
+        traj = synthetic(version=0, seed=1)
+        tx.send(traj.trajectory_id, encode(traj))
+        assert _until(lambda: learner.step == 1)  # the policy moved; publish_every=2: no publish yet
+        learner.set_samplers([a.url(), b.url(), c.url()])
+        time.sleep(1.5)  # three idle rounds of the learner
+        assert c.version == -1 and learner.version == 0  # a and b serve: c waits for the next publish
+
+        learner.set_samplers([c.url()])  # a and b gone (dead, scaled down): nothing would publish again
+        assert _until(lambda: c.version == 1) and learner.version == 1 and a.version == b.version == 0
+        assert learner.status()["weight_group"]["held"] == {c.url(): 1}
+    finally:
+        learner.stop()
+        if tx is not None:
+            tx.close()
+        learner.close()
+        for s in (a, b, c):
+            s.shutdown()
