@@ -15,6 +15,7 @@ sampler answers /generate 503 until then, and is never routed before); the weigh
 are the ``joining`` and ``serving`` ones (a draining or dead sampler has left it, so no publish
 waits for it). How a joiner gets weights is the learner's side (actors/learner.py ``set_samplers``).
 
+Every change of a slot happens in the supervision thread (other threads read, or set ``target``).
 Waits on: Ray (actor start, death, drain) and the samplers' ``GET /health``. Stopped by :meth:`close`.
 """
 
@@ -104,6 +105,7 @@ class SamplerPool:
         self.restarts_limit, self.backoff_s = restarts, backoff_s
         self.slots: list[Slot] = []
         self.target = 0
+        self.restarts = 0  # restarts of every sampler, in all (also of places since removed)
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -120,7 +122,9 @@ class SamplerPool:
                 s.life_ref = h.wait_closed.remote()
                 self.slots.append(s)
             self.target = len(self.slots)
-            self._pushed = {"members": list(urls), "serving": list(urls)}
+            # the learner is told the membership at the first round: from then on it knows that failed
+            # samplers are replaced (it carries on when every sampler failed an update)
+            self._pushed = {"members": None, "serving": list(urls)}
 
     def learner_restarted(self) -> None:
         """A new learner joined the members it was started with; tell it the membership again."""
@@ -140,8 +144,7 @@ class SamplerPool:
         if m < 1:
             raise ValueError(f"sampler.num_samplers must be >= 1, got {m}")
         with self._lock:
-            self.target = m
-            self._reconcile()
+            self.target = m  # the supervision thread starts or drains (every change of a slot happens there)
         logger.info("samplers scaled to {}", m)
 
     def member_urls(self) -> list[str]:
@@ -300,6 +303,7 @@ class SamplerPool:
                              "t1async scale RUN_DIR sampler.num_samplers=M to replace it", s.name, why,
                              s.backoff.in_row + 1, s.name)
             else:
+                self.restarts += 1
                 s.state, s.restart_at = "backoff", time.monotonic() + wait
                 logger.error("{} died ({}); restart {} of {} in a row in {:.0f} s", s.name, why, s.backoff.in_row,
                              s.backoff.limit, wait)

@@ -126,7 +126,8 @@ class Service:
         try:
             ls = ray.get(self.roles["learner"].status.remote(), timeout=10)
             out.update({k: ls[k] for k in ("step", "version", "queue_depth", "dropped", "received", "rejected",
-                                           "duplicates", "trained", "max_steps", "ledger", "resumed")})
+                                           "duplicates", "trained", "max_steps", "ledger", "resumed",
+                                           "weight_group")})
         except Exception as e:
             out["learner_error"] = str(e).splitlines()[0] if str(e) else type(e).__name__
         try:
@@ -136,16 +137,17 @@ class Service:
             out["controller"] = cs
         except Exception as e:
             out["controller_error"] = str(e).splitlines()[0] if str(e) else type(e).__name__
-        samplers = []
-        if self.samplers is not None:
-            samplers = self.samplers.status()
-            out["restarts"] = {**self.restarts, "samplers": sum(s["restarts"] for s in samplers)}
-        for i, s in enumerate(self.roles.get("samplers", []) if self.samplers is None else []):
-            try:
-                samplers.append({"name": f"sampler{i}", "state": "serving", **ray.get(s.stats.remote(), timeout=10)})
-            except Exception:
-                samplers.append({"name": f"sampler{i}", "state": "unreachable"})
-        out["samplers"] = samplers
+        if self.samplers is not None:  # embedded: the pool's view (states, restarts, how each joined)
+            out["samplers"] = self.samplers.status()
+            out["restarts"] = {**self.restarts, "samplers": self.samplers.restarts}
+        else:
+            out["samplers"] = []
+            for i, s in enumerate(self.roles.get("samplers", [])):
+                try:
+                    out["samplers"].append({"name": f"sampler{i}", "state": "serving",
+                                            **ray.get(s.stats.remote(), timeout=10)})
+                except Exception:
+                    out["samplers"].append({"name": f"sampler{i}", "state": "unreachable"})
         out.update(trends(self.tail.rows))
         return out
 
