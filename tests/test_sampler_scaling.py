@@ -202,3 +202,29 @@ def test_the_learner_loads_joiners_while_idle_and_publishes_anew_only_when_none_
         learner.close()
         for s in (a, b, c):
             s.shutdown()
+
+
+def test_sampler_count_is_live_for_embedded_samplers_only_and_checked(tmp_path):
+    from t1async.config import load_config
+    from t1async.control import parse_changes
+    from t1async.service import Service
+
+    assert parse_changes(["sampler.num_samplers=3"]) == {"sampler.num_samplers": 3}
+
+    class Pool:  # the pool's side is the e2e test's (tests/test_sampler_service_e2e.py)
+        target = 1
+
+        def scale(self, m):
+            self.target = m
+
+    cfg = load_config("configs/local.yaml", ["run.tensorboard=false"])
+    pool = Pool()
+    svc = Service(cfg, tmp_path, {}, lambda: None, lambda names: None, samplers=pool)
+    assert svc.scale({"changes": {"sampler.num_samplers": 3}})["applied"] == {"sampler.num_samplers": 3}
+    assert pool.target == 3 and svc.cfg.sampler.num_samplers == 3
+    with pytest.raises(ValueError, match="sampler.num_samplers=0 is invalid"):
+        svc.scale({"changes": {"sampler.num_samplers": 0}})
+    sglang = Service(cfg, tmp_path, {}, lambda: None, lambda names: None, samplers=None)
+    with pytest.raises(ValueError, match="only with sampler.backend=embedded"):
+        sglang.scale({"changes": {"sampler.num_samplers": 2}})
+    assert '"sampler.num_samplers": 3' in (tmp_path / "config_history.jsonl").read_text()
