@@ -93,7 +93,7 @@ class Controller:
         self._started_at: dict[int, float] = {}  # actor_id -> time.time() it was started (status)
         self._first_episode: dict[int, float] = {}  # actor_id -> time.time() of its first admission
         self._pending: dict[str, int] = {}  # trajectory id -> admission version, until consumed/discarded
-        self._sampler_urls = list(sampler_urls or [])
+        self._sampler_urls = list(sampler_urls) if sampler_urls is not None else None
 
     # ---- called by rollout actors and the learner (concurrently) ------------------------
     def acquire(self, actor_id: int) -> str | None:
@@ -197,11 +197,12 @@ class Controller:
             self._sampler_urls = list(urls)
         logger.info("rollout actors routed to samplers {}", urls)
 
-    def sampler_urls(self) -> list[str]:
+    def sampler_urls(self) -> list[str] | None:
         """The samplers rollout actors may use now (each actor asks at the start of an episode
-        and when its sampler is unavailable: t1async.sampler_client.RoutedSampler)."""
+        and when its sampler is unavailable: t1async.sampler_client.RoutedSampler); None when
+        never given (the actors keep the list they were started with)."""
         with self._cond:
-            return list(self._sampler_urls)
+            return list(self._sampler_urls) if self._sampler_urls is not None else None
 
     def scale(self, num_actors: int) -> None:
         """Set the number of rollout actors; the supervision loop starts or retires actors to match."""

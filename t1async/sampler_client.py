@@ -257,7 +257,7 @@ class RoutedSampler:
         urls: the samplers at start (used until ``routes`` is set, and when it answers nothing new).
         actor_id: picks this actor's sampler among them (``urls[actor_id % len(urls)]``).
         make_client: ``url -> Sampler`` (an :class:`HttpSampler`).
-        routes: ``() -> list of urls`` serving now; None: ``urls`` for ever.
+        routes: ``() -> list of urls`` serving now (or None: no live list); None: ``urls`` for ever.
         unavailable_for_s: how long a request keeps looking for a sampler (waiting ``retry_wait_s``
             between rounds while none serves) before it raises.
 
@@ -280,8 +280,9 @@ class RoutedSampler:
             self.url = self._pick(exclude=())
 
     def _refresh(self) -> None:
-        if self.routes is not None:
-            self.urls = list(self.routes())
+        got = self.routes() if self.routes is not None else None
+        if got is not None:  # (None: no live list; keep the one at start)
+            self.urls = list(got)
 
     def _pick(self, exclude: Sequence[str]) -> str | None:
         ok = [u for u in self.urls if u not in exclude]
