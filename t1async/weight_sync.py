@@ -475,8 +475,13 @@ class DistributedWeightSync:
                 self._regroup = True
                 raise WeightSyncError(f"weight version {version} not published: the weight group could not be "
                                       f"formed ({e}); the next publish forms it again") from None
-            bad += [u for u in live if u not in self.urls]
+            left_out = [u for u in live if u not in self.urls]  # did not answer the probe: failed
             live = list(self.urls)
+            if not live:
+                raise WeightSyncError(f"weight version {version}: no sampler answered, now out of service: "
+                                      f"{[f'{u}: {self.failed[u]}' for u in left_out]}")
+        else:
+            left_out = []
         t0 = time.monotonic()
         try:
             errors = self._all("/pause_generation", {"mode": self.pause_mode}, live)
@@ -497,13 +502,16 @@ class DistributedWeightSync:
                     except WeightSyncError as e:
                         errors = {u: str(e) for u in live}
                         continue
-                    errors = self._send(buckets, live, version)
+                    bad += [u for u in live if u not in self.urls]
+                    live = list(self.urls)
+                    errors = self._send(buckets, live, version) if live else {}
                 elif live:
                     bad += live
                     for u in live:
                         self.failed[u] = "failed the reload after another sampler failed"
                     live = []
-            self._regroup = bool(bad)
+            self._regroup = bool(bad)  # a member failed mid-update: form the group anew next time
+            bad += left_out
             cont = self._all("/continue_generation", {}, live) if live else {}
         finally:
             self.last_pause_s = time.monotonic() - t0
