@@ -75,7 +75,7 @@ def run_bench(args: argparse.Namespace) -> int:
     tools = Path(__file__).resolve().parents[1] / "tools"
     script = tools / f"bench_{args.name.replace('-', '_')}.py"  # long-horizon -> bench_long_horizon.py
     if not script.is_file():
-        known = sorted(p.stem.removeprefix("bench_") for p in tools.glob("bench_*.py")) if tools.is_dir() else []
+        known = sorted(p.stem.removeprefix("bench_").replace("_", "-") for p in tools.glob("bench_*.py")) if tools.is_dir() else []
         print(f"t1async: error: no benchmark {args.name!r} (tools/bench_{args.name.replace('-', '_')}.py); known: {known}. "
               "Benchmarks run from a source checkout (pip install -e .)", file=sys.stderr)
         return 2
