@@ -243,8 +243,9 @@ class HttpSampler:
 
 
 class RoutedSampler:
-    """A rollout actor's sampler: one of the samplers that hold weights, kept for a whole episode
-    (its prefix cache holds the episode), and another one when a request finds it unavailable.
+    """A rollout actor's sampler: one of the samplers that hold weights, picked per episode and kept
+    for its whole length (its prefix cache holds the episode), and another one when a request finds
+    it unavailable.
 
     Routing is live: ``routes()`` answers the samplers that serve now (the controller's list,
     kept by the launch process's sampler pool: samplers that hold the current weights, less those
@@ -274,10 +275,11 @@ class RoutedSampler:
         self._clients: dict[str, Any] = {}
 
     def begin_episode(self) -> None:
-        """Refresh the routing list; keep this actor's sampler while it still serves."""
+        """Refresh the routing list and take this actor's sampler in it (``urls[actor_id % M]``:
+        actors spread over the samplers serving now, a new one included; a new episode has no
+        prefix cached anywhere, so moving costs nothing)."""
         self._refresh()
-        if self.url not in self.urls:
-            self.url = self._pick(exclude=())
+        self.url = self._pick(exclude=())
 
     def _refresh(self) -> None:
         got = self.routes() if self.routes is not None else None
