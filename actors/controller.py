@@ -62,10 +62,12 @@ class Controller:
         max_staleness: eta, the staleness bound.
         make_rollout: ``(actor_id, crash_after_episodes) -> Ray actor handle`` of a RolloutActor.
         seed: seed of the task order.
+        sampler_urls: samplers rollout actors are routed to (those holding weights; kept live by the
+            launch's sampler pool through :meth:`set_samplers`).
     """
 
     def __init__(self, cfg: RolloutConfig, task_names: list[str], *, rollouts_per_version: int, max_staleness: int,
-                 make_rollout: Callable[[int, int], Any], seed: int = 0):
+                 make_rollout: Callable[[int, int], Any], seed: int = 0, sampler_urls: list[str] | None = None):
         if not task_names:
             raise ValueError("the controller needs at least one task")
         self.cfg = cfg
@@ -91,6 +93,7 @@ class Controller:
         self._started_at: dict[int, float] = {}  # actor_id -> time.time() it was started (status)
         self._first_episode: dict[int, float] = {}  # actor_id -> time.time() of its first admission
         self._pending: dict[str, int] = {}  # trajectory id -> admission version, until consumed/discarded
+        self._sampler_urls = list(sampler_urls) if sampler_urls is not None else None
 
     # ---- called by rollout actors and the learner (concurrently) ------------------------
     def acquire(self, actor_id: int) -> str | None:
@@ -194,6 +197,20 @@ class Controller:
                 self._tasks, self._order = list(changes["tasks"]), []
             self._cond.notify_all()
         logger.info("live change: {}", changes)
+
+    def set_samplers(self, urls: list[str]) -> None:
+        """The samplers rollout actors may use from now on: those holding the current weights,
+        less any draining, dead or restarting (the launch's sampler pool keeps it)."""
+        with self._cond:
+            self._sampler_urls = list(urls)
+        logger.info("rollout actors routed to samplers {}", urls)
+
+    def sampler_urls(self) -> list[str] | None:
+        """The samplers rollout actors may use now (each actor asks at the start of an episode
+        and when its sampler is unavailable: t1async.sampler_client.RoutedSampler); None when
+        never given (the actors keep the list they were started with)."""
+        with self._cond:
+            return list(self._sampler_urls) if self._sampler_urls is not None else None
 
     def scale(self, num_actors: int) -> None:
         """Set the number of rollout actors; the supervision loop starts or retires actors to match."""

@@ -116,6 +116,8 @@ class Learner:
         self._log = ReceiveLog(self.run_dir / "receive_log", fsync=transport.log_fsync, reset=not cfg.resume)
         self.resumed: dict[str, Any] | None = None  # what a resume restored (status() reports it)
         self._republish_same = False  # resumed at a checkpoint whose weights are the last version published
+        self._weights_published = False  # the policy's weights are those of the last version published
+        self._sync_managed = False  # the launch's sampler pool sets the membership (set_samplers)
         if cfg.resume:
             self._resume(resume_from)
         self._backlog = [k for k in self._log.keys() if k not in self._consumed]  # replayed before the socket
@@ -155,6 +157,16 @@ class Learner:
         self._publish()
         return self.version
 
+    def set_samplers(self, urls: list[str]) -> None:
+        """The samplers to publish to from now on (the launch's sampler pool: live scaling, a
+        restarted sampler). Departed ones leave the group at the next publish, which never waits
+        for them. New ones get weights before they serve (:meth:`_serve_joiners`): at once, in a
+        group of their own, while this learner waits for a batch and its weights are still the
+        last version published; otherwise at the next publish (and at once, as a new version, when
+        no other sampler serves: nothing else would ever reach that publish)."""
+        self._sync_managed = True
+        self._sync.set_members(urls)
+
     def stop(self) -> None:
         """Ask :meth:`run` to finish after the current step (it then writes a final checkpoint)."""
         self._stop.set()
@@ -165,6 +177,7 @@ class Learner:
         return {"step": self.step, "version": self.version, "queue_depth": self._queue.qsize(),
                 "queue_bytes": self._queue.nbytes, **self.counters, "dropped": dict(self.dropped),
                 "resumed": self.resumed, "max_steps": self.cfg.max_steps,
+                "weight_group": self._sync.snapshot(),
                 "ledger": {"consumed": len(self._consumed), "streams": len(self._consumed.marks),
                            "holes": self._consumed.holes(), "others": len(self._consumed.others)}}
 
@@ -385,6 +398,7 @@ class Learner:
                 t0 = time.perf_counter()
                 wait_s, publish_s = t0 - t_wait, 0.0
                 metrics = self._train_step(batch)
+                self._weights_published = False  # the policy moved past the last version published
                 self.step += 1
                 self._consumed.update((t.trajectory_id, self.step) for t in batch)
                 if controller is not None:  # admission stops waiting for these (oldest-episode rule)
@@ -396,6 +410,8 @@ class Learner:
                     if controller is not None:
                         call(controller.set_version, self.version)
                 metrics.update(self._batch_metrics(batch, staleness))
+                if publish_s:  # samplers paused by this publish, and the group re-formed before it (seconds)
+                    metrics["publish_pause_s"], metrics["publish_form_s"] = self._sync.last_pause_s, self._sync.last_form_s
                 metrics["step_s"] = time.perf_counter() - t0  # train + publish (seconds)
                 metrics["batch_wait_s"], metrics["publish_s"] = wait_s, publish_s  # idle: waiting for the batch
                 metrics["tokens_per_s"] = metrics.pop("trained_tokens") / metrics["step_s"]
@@ -424,6 +440,7 @@ class Learner:
             try:
                 traj = self._queue.get(timeout=0.5)
             except queue.Empty:
+                self._serve_joiners()
                 continue
             staleness = self.version - traj.min_version
             if staleness > self.cfg.max_staleness:
@@ -577,17 +594,41 @@ class Learner:
             self.version += 1                                                  # before the first checkpoint)
         self._republish_same = False
         self._log.note_published(self.version)
+        self._weights_published = True
         t0 = time.perf_counter()
         try:
             self._sync.publish(self.backend.hf_weights(), self.version)
         except WeightSyncError as e:
             # failed samplers are out of service (paused, never serving partial weights); carry on
-            # while any sampler took the update, else this learner cannot publish at all
-            if not [u for u in self._sync.urls if u not in self._sync.failed]:
+            # while any sampler took the update, or while the launch's pool replaces failed
+            # samplers (set_samplers), else this learner cannot publish at all
+            if not self._sync_managed and not [u for u in self._sync.urls if u not in self._sync.failed]:
                 raise
             logger.error("weight version {}: {}", self.version, e)
         logger.info("published weight version {} in {:.2f} s (samplers paused {:.2f} s)", self.version,
                     time.perf_counter() - t0, self._sync.last_pause_s)
+
+    def _serve_joiners(self) -> None:
+        """Give new samplers weights while waiting for a batch (see :meth:`set_samplers`): the last
+        version at once, in a group of their own, when the policy has not moved since it was
+        published; a new version to everyone when it has and no other sampler serves."""
+        joiners = self._sync.joiners()
+        if not joiners:
+            return
+        if self._weights_published:
+            t0 = time.perf_counter()
+            try:
+                self._sync.load(self.backend.hf_weights(), self.version, joiners)
+            except WeightSyncError as e:
+                logger.error("{}", e)
+                return
+            logger.info("samplers {} joined with weight version {} in {:.2f} s (the others not paused)", joiners,
+                        self.version, time.perf_counter() - t0)
+        elif not [u for u in self._sync.members() if u in self._sync.held]:
+            logger.warning("no sampler holds weights: publishing the policy as a new version for {}", joiners)
+            self._publish()
+            if self._controller is not None:
+                call(self._controller.set_version, self.version)
 
     def _write_metrics(self, metrics: dict[str, Any]) -> None:
         metrics["time"] = time.time()

@@ -65,7 +65,7 @@ from t1async.envs.limits import unmount_all_under
 from t1async.envs.task import Task, discover_tasks
 from t1async.envs.terminal import TerminalEnv
 from t1async.fileio import claim_folder, dead_owner_folders
-from t1async.sampler_client import HttpSampler, Sampler, SamplerError
+from t1async.sampler_client import HttpSampler, RoutedSampler, Sampler, SamplerError
 from t1async.tokenizer import ChatTokenizer
 from t1async.trajectory import (TOOL_CALL_ERRORS, TURN_ABORTED, TURN_COMMAND_TIMEOUT, TURN_CUT_NOT_RUN,
                                 TURN_LENGTH_CUT, TURN_SANDBOX_REFUSED, EncodedTrajectory, Trajectory)
@@ -293,7 +293,9 @@ class RolloutActor:
     Args:
         actor_id: this actor's number (also picks its sampler: ``sampler_urls[actor_id % M]``).
         env_cfg, gen_cfg, model_cfg, transport: config sections.
-        sampler_urls: base URLs of the samplers.
+        sampler_urls: base URLs of the samplers at start; the live list comes from the controller's
+            ``sampler_urls()`` when it has one (:class:`~t1async.sampler_client.RoutedSampler`: asked
+            per episode; a request a sampler cannot take goes to another).
         endpoint: the learner's ZeroMQ address.
         crash_after_episodes: fault injection for tests (0 = off).
         request_timeout_s: HTTP timeout of one /generate call, seconds.
@@ -314,9 +316,9 @@ class RolloutActor:
         self.env_cfg, self.gen_cfg, self.model_cfg = env_cfg, gen_cfg, model_cfg
         self.tasks = {t.name: t for t in discover_tasks(tasks_dir(env_cfg), env_cfg.tasks, sandbox=env_cfg.sandbox)}
         self.tokenizer = ChatTokenizer.load()
-        url = sampler_urls[actor_id % len(sampler_urls)]
-        self.sampler = HttpSampler(url, num_layers=model_cfg.num_hidden_layers, top_k=model_cfg.num_experts_per_tok,
-                                   num_experts=model_cfg.num_experts, timeout_s=request_timeout_s)
+        self.sampler = RoutedSampler(sampler_urls, actor_id, lambda url: HttpSampler(
+            url, num_layers=model_cfg.num_hidden_layers, top_k=model_cfg.num_experts_per_tok,
+            num_experts=model_cfg.num_experts, timeout_s=request_timeout_s), unavailable_for_s=request_timeout_s)
         self.sender: TrajectorySender = ZmqSender.from_config(endpoint, transport)
         self.crash_after = crash_after_episodes
         self.episodes = 0
@@ -344,6 +346,8 @@ class RolloutActor:
         ``controller.trajectory_discarded``, so that its admission slot is returned. A finished
         episode's trajectory id is told to ``controller.episode_finished`` before it is sent.
         """
+        if hasattr(controller, "sampler_urls"):  # live routing (samplers scaled, restarted)
+            self.sampler.routes = lambda: call(controller.sampler_urls)
         try:
             while True:
                 self._report_rejections(controller)
@@ -383,7 +387,7 @@ class RolloutActor:
                 self._report_rejections(controller)  # REJs that came during the final flush
             except Exception as e:  # the controller may be gone at shutdown
                 logger.warning("rollout {} could not report rejected trajectories: {}", self.actor_id, e)
-        return {"episodes": self.episodes, "failed": self.failed}
+        return {"episodes": self.episodes, "failed": self.failed, "rerouted": self.sampler.rerouted}
 
     def _report_rejections(self, controller: Any) -> None:
         """Return the admission slot of each trajectory the learner rejected since the last call."""
@@ -400,6 +404,7 @@ class RolloutActor:
             self.tasks.update({t.name: t for t in discover_tasks(tasks_dir(self.env_cfg), [task_name],
                                                                  sandbox=self.env_cfg.sandbox)})
         task = self.tasks[task_name]
+        self.sampler.begin_episode()
         env = TerminalEnv.from_config(task, self.workdir, self.env_cfg)
         try:
             if self.endpoint is not None:

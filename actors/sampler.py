@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -76,6 +78,10 @@ class EmbeddedSampler:
         self._recv_next = 0
         self._paused = False  # by /pause_generation (see handle_pause)
         self._pause_lock = threading.Lock()
+        self._draining = False  # by drain(): /generate answers 503, so clients go to another sampler
+        self._closed = threading.Event()
+        self.not_ready = 0  # /generate answered 503 for want of weights (0 when routing is right)
+        self.first_request: dict[str, Any] | None = None  # the first answer served: weight version, time
         sampler = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -153,14 +159,32 @@ class EmbeddedSampler:
         """Base URL of this sampler's HTTP server."""
         return self._url
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, Any]:
         """Weight version held, requests served, tokens generated, seconds the engine spent in
         forwards (``busy_s``), prefix-cache hits and the prompt tokens they did not recompute,
-        packed forwards run and the sequences they carried."""
+        packed forwards run and the sequences they carried, requests refused for want of weights
+        (``not_ready``), the first answer served (``first_request``: ``weight_version``, ``at``
+        wall-clock seconds), requests running now (``in_flight``) and the process id."""
         e = self.engine
         return {"weight_version": self.version, "requests": self.requests, "generated_tokens": self.generated_tokens,
                 "busy_s": round(e.busy_s, 3), "prefix_cache_hits": e.cache_hits, "prefix_cached_tokens": e.cached_tokens,
-                "forwards": e.forwards, "forward_sequences": e.forward_sequences}
+                "forwards": e.forwards, "forward_sequences": e.forward_sequences, "not_ready": self.not_ready,
+                "first_request": self.first_request, "in_flight": e.in_flight, "pid": os.getpid()}
+
+    def drain(self, timeout_s: float = 30.0) -> int:
+        """Stop taking requests (``/generate`` answers 503: a rollout actor sends it to another
+        sampler) and wait up to ``timeout_s`` for the running ones to finish; returns how many
+        still ran at the end (0: drained)."""
+        self._draining = True
+        deadline = time.monotonic() + timeout_s
+        while self.engine.in_flight and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self.engine.in_flight
+
+    def wait_closed(self) -> None:
+        """Return when :meth:`shutdown` ran (the launch's sampler pool waits on this call: it
+        fails at once when the actor dies)."""
+        self._closed.wait()
 
     def model_info(self) -> dict[str, Any]:
         """SGLang ``GET /model_info``: where newer SGLang reports ``weight_version`` (a string)."""
@@ -248,13 +272,19 @@ class EmbeddedSampler:
             raise RequestError(f"unsupported sampling_params {sorted(unknown)}; supported: {sorted(known)}")
         params = SamplingParams(**sp)
         start = int(body.get("routed_experts_start_len", 0))
+        if self._draining or self._closed.is_set():
+            raise NotReady("this sampler is draining (scaled down) or stopped: send the request to another one")
         if self.version < 0:
+            with self._stats_lock:
+                self.not_ready += 1
             raise NotReady("no weights loaded yet: the learner has not published version 0")
         out = self.engine.submit(ids, params, routed_experts_start_len=start).result()
         version = out.weight_version  # the weights every token of this answer came from
         with self._stats_lock:
             self.requests += 1
             self.generated_tokens += len(out.output_ids)
+            if self.first_request is None:
+                self.first_request = {"weight_version": version, "at": time.time()}
         meta: dict[str, Any] = {
             "output_token_logprobs": [[lp, t, None] for lp, t in zip(out.output_logprobs, out.output_ids)],
             "finish_reason": out.finish_reason,
@@ -391,10 +421,13 @@ class EmbeddedSampler:
         return {"success": True, "message": f"Succeeded to update parameter online. Weight version updated to {self.version}."}
 
     def shutdown(self) -> None:
-        """Stop serving (HTTP first, then the engine thread)."""
+        """Stop serving (HTTP first, then the engine thread); a second call does nothing."""
+        if self._closed.is_set():
+            return
         self._server.shutdown()
         self._server.server_close()
         self.engine.stop()
+        self._closed.set()
 
 
 class NotReady(RuntimeError):

@@ -49,6 +49,11 @@ class RunConfig:
     ``learner.resume`` does); a learner that trained a step before dying starts a new row. Restarts
     in a row wait 5, 10, 20, 40, 60, 60 ... s (back-off); beyond this many the run stops with one
     line saying how to resume (0: never restart)."""
+    sampler_restarts: int = 3
+    """Restarts in a row of an embedded sampler that died (its Ray actor died, it failed three
+    health checks in a row, or a weight update took it out of service), with the learner's
+    back-off (5, 10, 20 ... 60 s); one that served a request before dying starts a new row. Beyond
+    this many in a row it is left ``failed`` in ``t1async status`` (0: never restart)."""
 
 
 @dataclass
@@ -729,6 +734,7 @@ _VALUE_RULES: list[tuple[str, Any, str]] = [
     ("run.log_retention", lambda v: v >= 1, "an integer >= 1"),
     ("learner.episodes_per_step", lambda v: v >= 0, "an integer >= 0 (0: no transcripts)"),
     ("run.learner_restarts", lambda v: v >= 0, "an integer >= 0 (0: never restart)"),
+    ("run.sampler_restarts", lambda v: v >= 0, "an integer >= 0 (0: never restart)"),
     ("learner.keep_checkpoints", lambda v: v >= 1, "an integer >= 1 (the newest is needed to resume)"),
     ("learner.keep_every", lambda v: v >= 0, "an integer >= 0 (0: keep no older history)"),
     ("learner.checkpoint_every", lambda v: v >= 0, "an integer >= 0 (0: final checkpoint only)"),

@@ -33,6 +33,8 @@ from t1async.rundir import describe_holder, is_held, read_service
 
 LIVE_KEYS = {
     "rollout.num_actors": "rollout actors (started or retired at once; a retired actor finishes its episode)",
+    "sampler.num_samplers": "embedded samplers (a new one serves once it holds the current weights; a removed "
+                            "one is drained and leaves the weight group)",
     "learner.max_staleness": "staleness bound eta (admission and the learner's drop)",
     "learner.lr": "policy learning rate (from the next step)",
     "learner.max_steps": "step budget (0: run until stopped)",
@@ -186,12 +188,13 @@ def format_status(st: dict[str, Any]) -> str:
     ]
     for k, v in rows:
         head.add_row(k, str(v))
-    roles = Table("role", "state", "version", "episodes / requests")
+    roles = Table("role", "state", "version", "episodes / requests", "restarts")
     for a in st.get("actors", []):
-        roles.add_row(f"rollout{a['id']}", a["state"], f(a.get("version")), f(a.get("episodes")))
+        roles.add_row(f"rollout{a['id']}", a["state"], f(a.get("version")), f(a.get("episodes")), "-")
     for s in st.get("samplers", []):
-        roles.add_row(s.get("name", "sampler"), s.get("state", "serving"), f(s.get("weight_version")),
-                      f(s.get("requests")))
+        state = s.get("state", "serving") + (f" ({s['error']})" if s.get("error") and s.get("state") != "serving" else "")
+        roles.add_row(s.get("name", "sampler"), state[:60], f(s.get("weight_version")), f(s.get("requests")),
+                      f(s.get("restarts")))
     console = Console(width=110, record=True, file=open("/dev/null", "w"))  # noqa: SIM115 (record only)
     console.print(head)
     console.print(roles)

@@ -3,7 +3,8 @@
     config (+ the run's live-change history on a resume) -> input checks (tokenizer, tasks,
            sandbox, port, keys) -> run directory (locked, never mixed with an earlier run) -> reaper -> Ray
            -> samplers (HTTP, SGLang protocol) -> learner (ZeroMQ ROUTER, weight group, version 0)
-           -> controller (admission, supervision) -> rollout actors (episodes -> ZeroMQ DEALER, ACKed)
+           -> controller (admission, supervision, sampler routing) -> rollout actors (episodes -> ZeroMQ
+              DEALER, ACKed) -> sampler pool (live sampler count, sampler restarts)
            -> service: control socket (status/stop/scale), learner restarts, status line, TensorBoard;
               until max_steps (0: until stopped), t1async stop, or a signal -> stop everything -> summary
 
@@ -29,6 +30,7 @@ from t1async.control import ControlServer
 from t1async.envs.limits import unmount_all_under
 from t1async.reaper import Reaper, kill_sandboxes_under
 from t1async.rundir import RunDirLock, check_reuse, history_overrides, resolve_run_dir
+from t1async.sampler_pool import SamplerPool
 from t1async.service import LearnerDied, Service
 from t1async.tokenizer import check_model_vocab
 
@@ -67,7 +69,7 @@ def launch(config_path: str | None, overrides: list[str] | tuple[str, ...] = ())
     actor = _actor_factory(run_dir, cfg.run)
     summary: dict[str, Any] = {"run_dir": str(run_dir), "max_steps": cfg.learner.max_steps}
     roles: dict[str, Any] = {}
-    control = None
+    control = pool = None
     try:
         roles["samplers"], urls = start_samplers(cfg, actor, run_dir)
         if cfg.sampler.backend == "sglang":  # processes, not Ray actors: stopped below
@@ -75,8 +77,11 @@ def launch(config_path: str | None, overrides: list[str] | tuple[str, ...] = ())
         roles["learner"], endpoint = start_learner(cfg, actor, run_dir, urls)  # publishes weight version 0
         announce_resume(cfg, roles["learner"], run_dir)
         roles["controller"] = start_controller(cfg, actor, task_names, urls, endpoint)  # starts the rollout actors
-        service = Service(cfg, run_dir, roles, lambda: restart_learner(service.cfg, actor, run_dir, urls, endpoint),
-                          lambda names: check_tasks(service.cfg, names))
+        pool = sampler_pool(cfg, actor, roles, urls)  # live scaling and restarts of embedded samplers
+        service = Service(cfg, run_dir, roles,
+                          lambda: restart_learner(service.cfg, actor, run_dir, pool.member_urls() if pool else urls,
+                                                  endpoint),
+                          lambda names: check_tasks(service.cfg, names), samplers=pool)
         control = ControlServer(cfg.transport.host, service.handlers())
         lock.write(control=control.address)
         logger.info("control: t1async status|stop|scale {}", run_dir)
@@ -89,6 +94,9 @@ def launch(config_path: str | None, overrides: list[str] | tuple[str, ...] = ())
     finally:
         if control is not None:
             control.close()
+        if pool is not None:
+            pool.close()
+            roles["samplers"] = pool.handles()
         # t1async stop --now: running episodes are abandoned (nothing finished is lost: spools keep it);
         # t1async stop: they get 30 s to finish and spool; otherwise 5 s
         grace = {"now": 0.0, "drain": 30.0}.get(summary.get("stop_request") or "", 5.0)
@@ -227,12 +235,27 @@ def start_samplers(cfg: Config, actor: Any, run_dir: Path | None = None) -> tupl
 
         return start_servers(cfg.sampler, run_dir or Path(cfg.run.dir))
 
+    samplers = [start_sampler(cfg, actor, i) for i in range(cfg.sampler.num_samplers)]
+    return samplers, ray.get([s.url.remote() for s in samplers])
+
+
+def start_sampler(cfg: Config, actor: Any, index: int) -> Any:
+    """Embedded sampler ``index`` (a Ray actor, no weights yet; logs to ``logs/sampler<index>.log``)."""
     from t1async.actors.sampler import EmbeddedSampler
 
-    samplers = [actor(EmbeddedSampler, f"sampler{i}").remote(cfg.model, cfg.sampler, seed=cfg.run.seed + i,
-                                                             torch_threads=cfg.run.torch_threads)
-                for i in range(cfg.sampler.num_samplers)]
-    return samplers, ray.get([s.url.remote() for s in samplers])
+    return actor(EmbeddedSampler, f"sampler{index}").remote(cfg.model, cfg.sampler, seed=cfg.run.seed + index,
+                                                            torch_threads=cfg.run.torch_threads)
+
+
+def sampler_pool(cfg: Config, actor: Any, roles: dict[str, Any], urls: list[str]) -> SamplerPool | None:
+    """The embedded samplers' pool (t1async/sampler_pool.py), holding the ones launch started;
+    None for SGLang servers (not scaled or restarted live)."""
+    if cfg.sampler.backend != "embedded":
+        return None
+    pool = SamplerPool(lambda i: start_sampler(cfg, actor, i), lambda: roles["learner"], roles["controller"],
+                       restarts=cfg.run.sampler_restarts)
+    pool.adopt(roles["samplers"], urls)
+    return pool
 
 
 def start_learner(cfg: Config, actor: Any, run_dir: Path, urls: list[str]) -> tuple[Any, str]:
@@ -279,7 +302,7 @@ def start_controller(cfg: Config, actor: Any, task_names: list[str], urls: list[
 
     controller = actor(Controller, "controller").remote(
         cfg.rollout, task_names, rollouts_per_version=cfg.learner.batch_size * cfg.learner.publish_every,
-        max_staleness=cfg.learner.max_staleness, make_rollout=make_rollout, seed=cfg.run.seed)
+        max_staleness=cfg.learner.max_staleness, make_rollout=make_rollout, seed=cfg.run.seed, sampler_urls=urls)
     controller.run.remote()
     return controller
 

@@ -15,17 +15,25 @@ from __future__ import annotations
 import http.client
 import json
 import threading
+import time
 import urllib.parse
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
 import numpy as np
+from loguru import logger
 
 from t1async.trajectory import TrajectoryError, routed_experts_from_sglang
 
 
 class SamplerError(RuntimeError):
     """The sampler answered with an error, an unexpected body, or not at all."""
+
+
+class SamplerUnavailable(SamplerError):
+    """The sampler cannot take the request now: unreachable (dead, restarting, a dropped
+    connection, no answer in time) or HTTP 503 (no weights yet, draining). The same request may
+    be sent to another sampler (:class:`RoutedSampler`)."""
 
 
 def post_json(url: str, path: str, body: dict[str, Any] | None = None, *, timeout_s: float = 300.0,
@@ -80,11 +88,13 @@ def _exchange(conn: http.client.HTTPConnection, method: str, path: str, body: di
         resp = conn.getresponse()
         return resp.status, resp.read()
     except (OSError, http.client.HTTPException) as e:
-        raise SamplerError(f"sampler {url}{path} unreachable: {type(e).__name__}: {e}") from None
+        raise SamplerUnavailable(f"sampler {url}{path} unreachable: {type(e).__name__}: {e}") from None
 
 
 def _request(conn: http.client.HTTPConnection, method: str, path: str, body: dict | None, url: str) -> dict:
     status, raw = _exchange(conn, method, path, body, url)
+    if status == 503:
+        raise SamplerUnavailable(f"sampler {url}{path} answered HTTP 503: {raw[:300]!r}")
     if status // 100 != 2:
         raise SamplerError(f"sampler {url}{path} answered HTTP {status}: {raw[:500]!r}")
     try:
@@ -230,3 +240,90 @@ class HttpSampler:
             finish_reason=finish,
             weight_version=version,
         )
+
+
+class RoutedSampler:
+    """A rollout actor's sampler: one of the samplers that hold weights, picked per episode and kept
+    for its whole length (its prefix cache holds the episode), and another one when a request finds
+    it unavailable.
+
+    Routing is live: ``routes()`` answers the samplers that serve now (the controller's list,
+    kept by the launch process's sampler pool: samplers that hold the current weights, less those
+    draining, dead or restarting). It is asked at the start of each episode and after a failure.
+    A request that fails with :class:`SamplerUnavailable` (the sampler died mid-request, was
+    drained, restarts) is sent again, unchanged, to another sampler: it returned nothing, so the
+    episode's stream is untouched (TITO stays exact) and the answer carries its own weight version.
+
+    Args:
+        urls: the samplers at start (used until ``routes`` is set, and when it answers nothing new).
+        actor_id: picks this actor's sampler among them (``urls[actor_id % len(urls)]``).
+        make_client: ``url -> Sampler`` (an :class:`HttpSampler`).
+        routes: ``() -> list of urls`` serving now (or None: no live list); None: ``urls`` for ever.
+        unavailable_for_s: how long a request keeps looking for a sampler (waiting ``retry_wait_s``
+            between rounds while none serves) before it raises.
+
+    Attributes:
+        rerouted: requests sent again to another sampler after one was unavailable.
+    """
+
+    def __init__(self, urls: Sequence[str], actor_id: int, make_client: Any, *, routes: Any = None,
+                 unavailable_for_s: float = 300.0, retry_wait_s: float = 0.5):
+        self.urls, self.actor_id, self.make_client, self.routes = list(urls), actor_id, make_client, routes
+        self.unavailable_for_s, self.retry_wait_s = unavailable_for_s, retry_wait_s
+        self.rerouted = 0
+        self.url: str | None = None
+        self._clients: dict[str, Any] = {}
+
+    def begin_episode(self) -> None:
+        """Refresh the routing list and take this actor's sampler in it (``urls[actor_id % M]``:
+        actors spread over the samplers serving now, a new one included; a new episode has no
+        prefix cached anywhere, so moving costs nothing)."""
+        self._refresh()
+        self.url = self._pick(exclude=())
+
+    def _refresh(self) -> None:
+        got = self.routes() if self.routes is not None else None
+        if got is not None:  # (None: no live list; keep the one at start)
+            self.urls = list(got)
+
+    def _pick(self, exclude: Sequence[str]) -> str | None:
+        ok = [u for u in self.urls if u not in exclude]
+        return ok[self.actor_id % len(ok)] if ok else None
+
+    def client(self, url: str) -> Any:
+        if url not in self._clients:
+            self._clients = {u: c for u, c in self._clients.items() if u in self.urls}  # forget departed samplers
+            self._clients[url] = self.make_client(url)
+        return self._clients[url]
+
+    def generate(self, input_ids: Sequence[int], sampling_params: dict[str, Any], *,
+                 routed_experts_start_len: int = 0) -> SamplerResponse:
+        """One turn on this episode's sampler, or on another one when it is unavailable.
+
+        Raises:
+            SamplerUnavailable: no sampler answered within ``unavailable_for_s``.
+            SamplerError: any other failure (not retried: another sampler would answer alike).
+        """
+        deadline = time.monotonic() + self.unavailable_for_s
+        tried: list[str] = []
+        last: Exception | None = None
+        while True:
+            if self.url is None:
+                self._refresh()
+                self.url = self._pick(exclude=tried)
+            if self.url is None:  # none serves, or every one failed this request: wait for the pool
+                if time.monotonic() > deadline:
+                    raise SamplerUnavailable(f"no sampler answered within {self.unavailable_for_s:.0f} s "
+                                             f"(last: {last or 'none serving'})")
+                time.sleep(self.retry_wait_s)
+                tried = []
+                continue
+            try:
+                return self.client(self.url).generate(input_ids, sampling_params,
+                                                      routed_experts_start_len=routed_experts_start_len)
+            except SamplerUnavailable as e:
+                last = e
+                tried.append(self.url)
+                self.url = None
+                self.rerouted += 1
+                logger.warning("sampler unavailable, sending the request to another one: {}", e)

@@ -29,10 +29,10 @@ from loguru import logger
 from t1async.config import Config, ConfigError, check_values
 from t1async.control import LIVE_KEYS, live_change_refusal
 from t1async.rundir import append_history
+from t1async.sampler_pool import Backoff, SamplerPool
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 TB_SKIP = ("step", "version", "time", "phase", "train_policy")
-MAX_BACKOFF_S = 60.0  # longest wait before restarting a learner that keeps dying
 
 
 class LearnerDied(RuntimeError):
@@ -94,19 +94,22 @@ class Service:
         roles: ``{"learner", "controller", "samplers"}`` Ray handles.
         restart_learner: ``() -> new learner handle`` (resumed from the last checkpoint, same endpoint).
         check_tasks: ``(names) -> None``; raises a one-line error when a task set cannot be used.
+        samplers: the embedded samplers' pool (live scaling, restarts; t1async/sampler_pool.py),
+            None for SGLang servers.
     """
 
     def __init__(self, cfg: Config, run_dir: Path, roles: dict[str, Any], restart_learner: Callable[[], Any],
-                 check_tasks: Callable[[list[str]], None]):
+                 check_tasks: Callable[[list[str]], None], samplers: SamplerPool | None = None):
         self.cfg, self.run_dir, self.roles = cfg, run_dir, roles
-        self.restart_learner, self.check_tasks = restart_learner, check_tasks
+        self.restart_learner, self.check_tasks, self.samplers = restart_learner, check_tasks, samplers
         self.restarts = {"learner": 0}
+        self._learner_backoff = Backoff(cfg.run.learner_restarts)
         self.stop_request: str | None = None  # "drain" | "now" (t1async stop) | "signal"
         self.started = time.time()
         self.tail = MetricsTail(run_dir / "metrics.jsonl", cfg.run.tensorboard)
         self._lock = threading.Lock()
         self._live = None
-        self._life_started, self._quick_deaths = time.time(), 0  # (wall clock: compared with metrics rows)
+        self._life_started = time.time()  # (wall clock: compared with metrics rows)
 
     def handlers(self) -> dict[str, Callable[[dict[str, Any]], dict[str, Any]]]:
         return {"status": self.status, "stop": self.request_stop, "scale": self.scale}
@@ -123,7 +126,8 @@ class Service:
         try:
             ls = ray.get(self.roles["learner"].status.remote(), timeout=10)
             out.update({k: ls[k] for k in ("step", "version", "queue_depth", "dropped", "received", "rejected",
-                                           "duplicates", "trained", "max_steps", "ledger", "resumed")})
+                                           "duplicates", "trained", "max_steps", "ledger", "resumed",
+                                           "weight_group")})
         except Exception as e:
             out["learner_error"] = str(e).splitlines()[0] if str(e) else type(e).__name__
         try:
@@ -133,13 +137,17 @@ class Service:
             out["controller"] = cs
         except Exception as e:
             out["controller_error"] = str(e).splitlines()[0] if str(e) else type(e).__name__
-        samplers = []
-        for i, s in enumerate(self.roles.get("samplers", [])):
-            try:
-                samplers.append({"name": f"sampler{i}", "state": "serving", **ray.get(s.stats.remote(), timeout=10)})
-            except Exception:
-                samplers.append({"name": f"sampler{i}", "state": "unreachable"})
-        out["samplers"] = samplers
+        if self.samplers is not None:  # embedded: the pool's view (states, restarts, how each joined)
+            out["samplers"] = self.samplers.status()
+            out["restarts"] = {**self.restarts, "samplers": self.samplers.restarts}
+        else:
+            out["samplers"] = []
+            for i, s in enumerate(self.roles.get("samplers", [])):
+                try:
+                    out["samplers"].append({"name": f"sampler{i}", "state": "serving",
+                                            **ray.get(s.stats.remote(), timeout=10)})
+                except Exception:
+                    out["samplers"].append({"name": f"sampler{i}", "state": "unreachable"})
         out.update(trends(self.tail.rows))
         return out
 
@@ -175,6 +183,9 @@ class Service:
             raise ValueError(f"scale: {str(e).splitlines()[0]}") from None
         if "env.tasks" in changes:
             self.check_tasks(list(new.env.tasks))
+        if "sampler.num_samplers" in changes and self.samplers is None:
+            raise ValueError("sampler.num_samplers can change live only with sampler.backend=embedded; SGLang "
+                             "servers are given at launch (sampler.urls or sampler.num_samplers)")
         learner_keys = {k.split(".", 1)[1]: getattr(new.learner, k.split(".", 1)[1])
                         for k in changes if k.startswith("learner.")}
         if learner_keys:
@@ -190,6 +201,8 @@ class Service:
             ray.get(self.roles["controller"].set_live.remote(ctrl), timeout=30)
         if "rollout.num_actors" in changes:
             ray.get(self.roles["controller"].scale.remote(new.rollout.num_actors), timeout=30)
+        if "sampler.num_samplers" in changes and self.samplers is not None:
+            self.samplers.scale(new.sampler.num_samplers)
         self.cfg = new
         applied = {k: _get(new, k) for k in changes}
         append_history(self.run_dir, applied, "t1async scale")
@@ -222,6 +235,8 @@ class Service:
         run_ref = learner.run.remote(controller)
         asked = False
         self._start_status_line()
+        if self.samplers is not None:
+            self.samplers.start()
         try:
             while True:
                 ready, _ = ray.wait([run_ref], timeout=1.0)
@@ -247,6 +262,8 @@ class Service:
                     except Exception as e:  # a dead learner is seen by the wait above
                         logger.warning("could not ask the learner to stop: {}", e)
         finally:
+            if self.samplers is not None:
+                self.samplers.close()
             self._stop_status_line()
             self._show(self.tail.poll())
             self.tail.close()
@@ -254,23 +271,21 @@ class Service:
                 signal.signal(sig, handler)
 
     def _restart(self, err: Exception) -> Any:
-        """A new learner, resumed from the last checkpoint and the receive log, after a back-off of
-        min(5 x 2^k, 60) s, k = deaths in a row of learners that trained no step (a learner that
-        keeps dying is never restarted in a tight loop; past ``run.learner_restarts`` such deaths
-        in a row the service stops with one line). A learner that dies while starting (killed
-        again, its port not yet free) counts as one more death in the row."""
+        """A new learner, resumed from the last checkpoint and the receive log, after the back-off
+        of :class:`~t1async.sampler_pool.Backoff` (5 x 2^k s up to 60 s, k = deaths in a row of
+        learners that trained no step: a learner that keeps dying is never restarted in a tight
+        loop; past ``run.learner_restarts`` such deaths in a row the service stops with one line).
+        A learner that dies while starting (killed again, its port not yet free) counts as one
+        more death in the row."""
         while True:
             self.tail.poll()
-            if any(r.get("time", 0) > self._life_started for r in self.tail.rows[-1:]):
-                self._quick_deaths = 0  # it trained a step in this life: a new row of restarts
-            n = self._quick_deaths
-            if n >= self.cfg.run.learner_restarts:
-                raise LearnerDied(self._died_line(err, f"after {n} restarts in a row"))
-            self._quick_deaths = n + 1
+            worked = any(r.get("time", 0) > self._life_started for r in self.tail.rows[-1:])  # trained in this life
+            wait = self._learner_backoff.next_wait(worked)
+            if wait is None:
+                raise LearnerDied(self._died_line(err, f"after {self._learner_backoff.in_row} restarts in a row"))
             self.restarts["learner"] += 1
-            wait = min(5.0 * 2 ** n, MAX_BACKOFF_S)
             logger.error("the learner died ({}); restart {} of {} in a row in {:.0f} s from its last checkpoint",
-                         _first_line(err), n + 1, self.cfg.run.learner_restarts, wait)
+                         _first_line(err), self._learner_backoff.in_row, self.cfg.run.learner_restarts, wait)
             deadline = time.monotonic() + wait
             while time.monotonic() < deadline and not self.stop_request:
                 time.sleep(0.2)
@@ -280,6 +295,8 @@ class Service:
             except Exception as e:  # died again while starting: one more in the row
                 err = e
                 continue
+            if self.samplers is not None:
+                self.samplers.learner_restarted()
             return self.roles["learner"]
 
     def _died_line(self, err: Exception, when: str) -> str:
@@ -303,13 +320,18 @@ class Service:
             self._live.stop()
             self._live = None
 
+    def _samplers_line(self) -> str:
+        if self.samplers is None:
+            return str(self.cfg.sampler.num_samplers)
+        return f"{len(self.samplers.serving_urls())}/{self.samplers.target}"
+
     def _show(self, new_rows: list[dict[str, Any]]) -> None:
         if not new_rows and self._live is None:
             return
         t = trends(self.tail.rows)
         last = self.tail.rows[-1] if self.tail.rows else {}
         line = (f"step {last.get('step', 0)}  v{last.get('version', 0)}  actors {self.cfg.rollout.num_actors}  "
-                f"samplers {self.cfg.sampler.num_samplers}  traj/s {_fmt(t['trajectories_per_s'])}  "
+                f"samplers {self._samplers_line()}  traj/s {_fmt(t['trajectories_per_s'])}  "
                 f"reward {_fmt(t['reward_recent'])}  resolved {_fmt(t['resolved_recent'])}  "
                 f"staleness {last.get('staleness_max', '-')}  queue {last.get('queue_depth', '-')}  "
                 f"restarts {self.restarts['learner']}")

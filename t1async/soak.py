@@ -1,8 +1,9 @@
 """``t1async soak CONFIG --minutes N --kill-every S``: the chaos soak and its ledger.
 
 Runs the service (``t1async launch CONFIG learner.max_steps=0 run.audit=true``, a child process)
-for N minutes while killing a random role with SIGKILL every S seconds (a rollout actor or the
-learner; found as the launch's descendant processes titled ``ray::RolloutActor`` / ``ray::Learner``),
+for N minutes while killing a random role with SIGKILL every S seconds (a rollout actor 2 in 4, an
+embedded sampler or the learner 1 in 4 each; found as the launch's descendant processes titled
+``ray::RolloutActor`` / ``ray::EmbeddedSampler`` / ``ray::Learner``),
 scales the rollout actors up and down twice (``t1async scale``), then stops it (``t1async stop``)
 and prints the ledger, counted from what the run left on disk:
 
@@ -39,7 +40,7 @@ from t1async.delivery import ReceiveLog, latest_checkpoint, read_consumed
 from t1async.reaper import descendants
 from t1async.rundir import is_held
 
-ROLE_TITLES = {"rollout": b"ray::RolloutActor", "learner": b"ray::Learner"}
+ROLE_TITLES = {"rollout": b"ray::RolloutActor", "sampler": b"ray::EmbeddedSampler", "learner": b"ray::Learner"}
 
 
 def role_pids(launch_pid: int, role: str) -> list[int]:
@@ -97,7 +98,7 @@ def soak(config: str, minutes: float, kill_every: float, overrides: list[str], *
     run_dir.mkdir(parents=True, exist_ok=True)
     out = open(run_dir.parent / f"{run_dir.name}.launch.out", "w")  # noqa: SIM115
     proc = subprocess.Popen(launch_args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    kills: dict[str, int] = {"rollout": 0, "learner": 0}
+    kills: dict[str, int] = {"rollout": 0, "sampler": 0, "learner": 0}
     scales: list[int] = []
     last: dict[str, Any] | None = None
     hang = False
@@ -131,7 +132,7 @@ def soak(config: str, minutes: float, kill_every: float, overrides: list[str], *
                     scales.append(target)
             if time.monotonic() >= next_kill:
                 next_kill += kill_every
-                role = rng.choice(["rollout", "rollout", "learner"])
+                role = rng.choice(["rollout", "rollout", "sampler", "learner"])
                 pids = role_pids(proc.pid, role)
                 if pids:
                     os.kill(rng.choice(pids), signal.SIGKILL)
@@ -150,7 +151,8 @@ def soak(config: str, minutes: float, kill_every: float, overrides: list[str], *
             time.sleep(0.5)
     result = ledger(run_dir, cfg.learner.max_staleness, last)
     result.update({"minutes": minutes, "kill_every_s": kill_every, "kills": kills, "scales": scales,
-                   "learner_restarts": (last or {}).get("restarts", {}).get("learner"), "hang": hang,
+                   "learner_restarts": (last or {}).get("restarts", {}).get("learner"),
+                   "sampler_restarts": (last or {}).get("restarts", {}).get("samplers"), "hang": hang,
                    "exit_status": proc.returncode, "run_dir": str(run_dir)})
     return result
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import datetime
 import socket
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -254,8 +255,11 @@ class DistributedWeightSync:
         pause_mode: ``/pause_generation`` mode (only ``abort``, see :data:`PAUSE_MODES`).
 
     Attributes:
-        urls: samplers in service. failed: ``{url: reason}`` of samplers taken out of service.
-        last_pause_s: seconds the samplers were paused by the last publish.
+        urls: the group's members. failed: ``{url: reason}`` of samplers taken out of service.
+        held: ``{url: version}`` each member took from this learner (absent: a joiner).
+        last_pause_s: seconds the samplers were paused by the last publish (from the pause to the
+            continue; a re-formed group is formed before the pause and not counted).
+        last_form_s: seconds the last publish spent re-forming the group (0: it did not).
     """
 
     def __init__(self, backend: str = "gloo", master_address: str = "127.0.0.1", master_port: int = 0,
@@ -272,7 +276,12 @@ class DistributedWeightSync:
         self.tp_sizes = list(tp_sizes) if tp_sizes is not None else None
         self.urls: list[str] = []
         self.failed: dict[str, str] = {}
+        self.held: dict[str, int] = {}  # sampler -> weight version it took from this learner
         self.last_pause_s = 0.0
+        self.last_form_s = 0.0
+        self._want: list[str] | None = None  # membership asked for by set_members (None: those connected)
+        self._members_lock = threading.Lock()
+        self._connected = False
         self._group = None
         self._regroup = False
         self._send_bufs: list[torch.Tensor] = []
@@ -285,28 +294,111 @@ class DistributedWeightSync:
             WeightSyncError: a sampler refused to join or the rendezvous timed out.
         """
         self.failed = {}
-        self._form(list(sampler_urls))
+        self.held = {}
+        with self._members_lock:
+            self._want = None
+        self._form(list(sampler_urls), probe=False)
+        self._connected = True
 
-    def _form(self, urls: list[str]) -> None:
+    # ---- live membership (t1async scale sampler.num_samplers, a restarted sampler) ----------
+    def set_members(self, urls: list[str]) -> None:
+        """The samplers to publish to from now on (thread-safe; the launch's sampler pool calls it
+        through the learner). Departed ones leave at the next publish, which re-forms the group
+        *before* pausing anyone (the others keep serving during the rendezvous) and never waits
+        for them; new ones get weights from :meth:`load` or that publish."""
+        with self._members_lock:
+            self._want = list(urls)
+
+    def members(self) -> list[str]:
+        """Samplers in service to publish to: the last :meth:`set_members` (else those connected)
+        less those taken out of service. Forgets failures and versions of departed samplers."""
+        with self._members_lock:
+            want = list(self._want) if self._want is not None else list(self.urls)
+        for d in (self.failed, self.held):
+            for u in [u for u in d if u not in want]:
+                del d[u]
+        return [u for u in want if u not in self.failed]
+
+    def snapshot(self) -> dict[str, Any]:
+        """``{"members", "failed", "held"}`` copied for another thread (the learner's status)."""
+        for _ in range(5):
+            try:
+                return {"members": list(self.urls), "failed": dict(self.failed), "held": dict(self.held)}
+            except RuntimeError:  # changed size while copied by a publish in the learner's thread
+                time.sleep(0.01)
+        return {"members": list(self.urls), "failed": {}, "held": {}}
+
+    def joiners(self) -> list[str]:
+        """Members that hold no weights from this learner yet (new or restarted samplers)."""
+        return [u for u in self.members() if u not in self.held]
+
+    def load(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, urls: list[str]) -> None:
+        """Give ``urls`` (joiners) ``version`` at once, in a group of their own: the samplers in
+        service are neither paused nor re-formed (they join the new members' group at the next
+        publish). Only call it with the weights ``version`` was published as.
+
+        Raises:
+            WeightSyncError: a joiner failed (it is listed in ``failed`` and left out of service).
+        """
+        own = DistributedWeightSync(self.backend, self.master_address, 0, self.timeout_s,
+                                    sampler_backend=self.sampler_backend, bucket_mb=self.bucket_bytes / (1 << 20),
+                                    pause_mode=self.pause_mode)
+        try:
+            own.connect(urls)
+            own.publish(named_tensors, version)
+            own._all("/destroy_weights_update_group", {"group_name": GROUP_NAME}, urls)
+        except WeightSyncError as e:
+            bad = own.failed or {u: str(e) for u in urls}
+            self.failed.update(bad)
+            raise WeightSyncError(f"joiners could not load weight version {version}: {bad}") from None
+        finally:
+            own.close()
+        for u in urls:
+            self.held[u] = version
+        self._regroup = True  # the group in service does not hold them yet
+
+    def _form(self, urls: list[str], *, probe: bool = True) -> list[str]:
+        """A new group of this process (rank 0) and ``urls``; returns the members. With ``probe``,
+        a sampler that does not answer ``/server_info`` (dead, restarting) is taken out of service
+        first instead of holding the rendezvous for ``timeout_s``.
+
+        Raises:
+            WeightSyncError: a sampler refused to join, or the rendezvous failed.
+        """
         if self._group is not None:
             leave_group(self._group)
             self._group = None
-        self.urls = urls
         self._regroup = False
-        try:
-            tp = self.tp_sizes or [int(post_json(u, "/server_info", method="GET", timeout_s=self.timeout_s).get("tp_size") or 1)
-                                   for u in self.urls]
-            embedded = [self.sampler_backend == "embedded" or (self.sampler_backend == "auto" and post_json(
-                u, "/model_info", method="GET", timeout_s=self.timeout_s).get("model_path") == "t1async-embedded")
-                for u in self.urls]
-        except SamplerError as e:
-            raise WeightSyncError(f"cannot reach a sampler before forming the weight group: {e}") from None
-        if len(tp) != len(self.urls) or min(tp, default=1) < 1:
+        t0 = time.monotonic()
+        if self._pool is None or self._pool._max_workers < 2 * len(urls):  # one blocked call per member
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
+            self._pool = ThreadPoolExecutor(max_workers=max(8, 2 * len(urls)), thread_name_prefix="weight-sync")
+        if self.tp_sizes and len(self.tp_sizes) < len(urls):
+            raise WeightSyncError(f"tp_sizes {self.tp_sizes} must give a positive size for each of {len(urls)} samplers")
+        tp, embedded, ok = [], [], []
+        for i, u in enumerate(urls):
+            try:
+                size = self.tp_sizes[i] if self.tp_sizes else int(post_json(
+                    u, "/server_info", method="GET", timeout_s=self.timeout_s).get("tp_size") or 1)
+                emb = self.sampler_backend == "embedded" or (self.sampler_backend == "auto" and post_json(
+                    u, "/model_info", method="GET", timeout_s=self.timeout_s).get("model_path") == "t1async-embedded")
+            except SamplerError as e:
+                if not probe:
+                    raise WeightSyncError(f"cannot reach a sampler before forming the weight group: {e}") from None
+                self.failed[u] = f"unreachable when the weight group was formed: {e}"
+                logger.error("sampler {} left out of the weight group: {}", u, e)
+                continue
+            tp.append(size)
+            embedded.append(emb)
+            ok.append(u)
+        self.urls = ok
+        if min(tp, default=1) < 1:
             raise WeightSyncError(f"tp_sizes {tp} must give a positive size for each of {len(self.urls)} samplers")
+        if not self.urls:
+            return []
         world = 1 + sum(tp)
         port = self.master_port or free_port(self.master_address)
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(self.urls)), thread_name_prefix="weight-sync")
         # a server keeps its group by name until told (a learner restart, or a re-formed group
         # after a failure, would otherwise be refused "group name already created")
         self._all("/destroy_weights_update_group", {"group_name": GROUP_NAME}, self.urls)
@@ -320,17 +412,22 @@ class DistributedWeightSync:
             self._group = join_group(self.backend, self.master_address, port, 0, world, GROUP_NAME, self.timeout_s)
         except Exception as e:
             errors = [f"{u}: {f.exception()}" for u, f in zip(self.urls, futures) if f.done() and f.exception()]
+            self._regroup = True
             raise WeightSyncError(f"weight group rendezvous at {self.master_address}:{port} failed within "
                                   f"{self.timeout_s:.0f} s ({type(e).__name__}: {e}); sampler errors: {errors}") from None
         for url, f in zip(self.urls, futures):
             try:
                 res = f.result(timeout=self.timeout_s)
             except (SamplerError, FutureTimeout) as e:
+                self._regroup = True
                 raise WeightSyncError(f"sampler {url} could not join the weight group: {e}") from None
             if not res.get("success", False):
+                self._regroup = True
                 raise WeightSyncError(f"sampler {url} could not join the weight group: {res.get('message')}")
-        logger.info("weight group {} ready: {} samplers ({} ranks), backend {}, rendezvous port {}", GROUP_NAME,
-                    len(self.urls), world - 1, self.backend, port)
+        self.last_form_s = time.monotonic() - t0
+        logger.info("weight group {} ready: {} samplers ({} ranks), backend {}, rendezvous port {}, {:.2f} s",
+                    GROUP_NAME, len(self.urls), world - 1, self.backend, port, self.last_form_s)
+        return self.urls
 
     def _all(self, path: str, body: dict, urls: list[str]) -> dict[str, str]:
         """POST ``body`` to every url at once; ``{url: error}`` of those that failed."""
@@ -349,29 +446,47 @@ class DistributedWeightSync:
     def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Pause every sampler, broadcast every bucket, make each hold ``version``, continue them.
 
-        When a sampler fails, the others may hold part of the new weights (SGLang applies each
-        bucket on arrival), so they stay paused while the group is re-formed without the failed
-        ones and the whole update is sent to them again; only samplers holding all of ``version``
-        are continued.
+        When the membership changed (:meth:`set_members`) or a sampler failed last time, the group
+        is re-formed first, before anyone is paused. When a sampler fails, the others may hold part
+        of the new weights (SGLang applies each bucket on arrival), so they stay paused while the
+        group is re-formed without the failed ones and the whole update is sent to them again;
+        only samplers holding all of ``version`` are continued. With no member at all (every
+        sampler departed: the launch's pool is restarting them) nothing is sent; joiners get the
+        version from :meth:`load` or the next publish.
 
         Raises:
             WeightSyncError: called before :meth:`connect`, or samplers failed (they are out of
                 service from now on: paused, left out of later publishes, listed in ``failed``).
         """
-        if self._group is None or self._pool is None:
+        if not self._connected:
             raise WeightSyncError("publish() before connect(): call connect(sampler_urls) first")
         buckets = plan_buckets(named_tensors, self.bucket_bytes)
-        live = [u for u in self.urls if u not in self.failed]
+        live = self.members()
+        self.last_form_s = 0.0
+        self.last_pause_s = 0.0
         if not live:
-            raise WeightSyncError(f"no sampler in service (failed: {self.failed})")
+            logger.warning("weight version {}: no sampler in service to publish to (failed: {})", version, self.failed)
+            return
+        bad: list[str] = []
+        if self._regroup or self._group is None or live != self.urls:  # before the pause: the others keep serving
+            try:
+                self._form(live)
+            except WeightSyncError as e:  # nobody was paused: they keep serving the last version; tried again next time
+                self._regroup = True
+                raise WeightSyncError(f"weight version {version} not published: the weight group could not be "
+                                      f"formed ({e}); the next publish forms it again") from None
+            left_out = [u for u in live if u not in self.urls]  # did not answer the probe: failed
+            live = list(self.urls)
+            if not live:
+                raise WeightSyncError(f"weight version {version}: no sampler answered, now out of service: "
+                                      f"{[f'{u}: {self.failed[u]}' for u in left_out]}")
+        else:
+            left_out = []
         t0 = time.monotonic()
         try:
-            if self._regroup:  # a member failed last time: the group is re-formed without it
-                self._form(live)
             errors = self._all("/pause_generation", {"mode": self.pause_mode}, live)
             if not errors:
                 errors = self._send(buckets, live, version)
-            bad: list[str] = []
             for attempt in range(2):
                 if not errors:
                     break
@@ -387,16 +502,22 @@ class DistributedWeightSync:
                     except WeightSyncError as e:
                         errors = {u: str(e) for u in live}
                         continue
-                    errors = self._send(buckets, live, version)
+                    bad += [u for u in live if u not in self.urls]
+                    live = list(self.urls)
+                    errors = self._send(buckets, live, version) if live else {}
                 elif live:
                     bad += live
                     for u in live:
                         self.failed[u] = "failed the reload after another sampler failed"
                     live = []
-            self._regroup = bool(bad)
+            self._regroup = bool(bad)  # a member failed mid-update: form the group anew next time
+            bad += left_out
             cont = self._all("/continue_generation", {}, live) if live else {}
         finally:
             self.last_pause_s = time.monotonic() - t0
+        for u in live:
+            if u not in cont:
+                self.held[u] = version
         if bad:
             logger.error("weight version {}: samplers taken out of service (left paused): {}", version,
                          {u: self.failed[u] for u in bad})
@@ -443,6 +564,7 @@ class DistributedWeightSync:
 
     def close(self) -> None:
         """Leave the group and release the worker threads."""
+        self._connected = False
         if self._group is not None:
             leave_group(self._group)
             self._group = None
