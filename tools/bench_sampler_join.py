@@ -21,7 +21,6 @@ Usage: ``t1async bench sampler-join [--config configs/local.yaml] [--steps-befor
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
