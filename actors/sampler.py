@@ -258,7 +258,7 @@ class EmbeddedSampler:
 
         Raises:
             RequestError: missing or malformed ``input_ids`` / ``sampling_params``.
-            NotReady: no weights received yet.
+            NotReady: no weights received yet, or the sampler is draining (scaled down) or stopped.
         """
         ids = body.get("input_ids")
         if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
