@@ -67,10 +67,8 @@ from t1async.envs.terminal import TerminalEnv
 from t1async.fileio import claim_folder, dead_owner_folders
 from t1async.sampler_client import HttpSampler, RoutedSampler, Sampler, SamplerError
 from t1async.tokenizer import ChatTokenizer
-from t1async.trajectory import (TOOL_CALL_ERRORS, TURN_ABORTED, TURN_COMMAND_TIMEOUT, TURN_CUT_NOT_RUN,
+from t1async.trajectory import (TOOL_CALL_CODES, TURN_ABORTED, TURN_COMMAND_TIMEOUT, TURN_CUT_NOT_RUN,
                                 TURN_LENGTH_CUT, TURN_SANDBOX_REFUSED, EncodedTrajectory, Trajectory)
-
-_TOOL_CALL_CODE = {reason: code for code, reason in TOOL_CALL_ERRORS.items()}
 from t1async.transport import TrajectorySender, ZmqSender
 
 CUT_NOTE = "[your message was cut at the limit of {n} tokens; the command was not run]"
@@ -248,7 +246,7 @@ def run_episode(task: Task, env: TerminalEnv, sampler: Sampler, tokenizer: ChatT
         elif cut and not run_it:
             ep.turn_status[-1], output = TURN_CUT_NOT_RUN, CUT_NOTE.format(n=gen_cfg.max_new_tokens)
         elif action.error is not None:  # a malformed tool call: not run, the agent is told why
-            ep.turn_status[-1] = TURN_CUT_NOT_RUN if cut else _TOOL_CALL_CODE[action.error]
+            ep.turn_status[-1] = TURN_CUT_NOT_RUN if cut else TOOL_CALL_CODES[action.error]
             output = action.message
         elif command:
             result = env.step(command)

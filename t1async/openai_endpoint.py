@@ -53,9 +53,7 @@ from starlette.concurrency import run_in_threadpool
 
 from t1async.sampler_client import Sampler, SamplerError
 from t1async.tokenizer import ChatTokenizer
-from t1async.trajectory import TOOL_CALL_ERRORS
-
-_CODE = {reason: code for code, reason in TOOL_CALL_ERRORS.items()}
+from t1async.trajectory import TOOL_CALL_CODES
 
 
 class RequestError(ValueError):
@@ -204,7 +202,7 @@ def completion_message(tok: ChatTokenizer, body: Sequence[int], tool_names: set[
         return {"role": "assistant", "content": text.strip() or None}, 0
     if len(opens) != len(closes) or any(c < o for o, c in zip(opens, closes)) or any(
             o < c for o, c in zip(opens[1:], closes[:-1])):
-        return {"role": "assistant", "content": text.strip() or None}, _CODE["unbalanced"]
+        return {"role": "assistant", "content": text.strip() or None}, TOOL_CALL_CODES["unbalanced"]
     calls, content, prev, status = [], [], 0, 0
     for k, (o, c) in enumerate(zip(opens, closes)):
         content.append(tok.decode(body[prev:o]))
@@ -214,9 +212,9 @@ def completion_message(tok: ChatTokenizer, body: Sequence[int], tool_names: set[
         except json.JSONDecodeError:
             call = None
         if not (isinstance(call, dict) and isinstance(call.get("name"), str) and isinstance(call.get("arguments"), dict)):
-            return {"role": "assistant", "content": text.strip() or None}, _CODE["bad_json"]
+            return {"role": "assistant", "content": text.strip() or None}, TOOL_CALL_CODES["bad_json"]
         if tool_names and call["name"] not in tool_names:
-            status = _CODE["unknown_tool"]
+            status = TOOL_CALL_CODES["unknown_tool"]
         calls.append({"id": f"{call_prefix}_{k}", "type": "function",
                       "function": {"name": call["name"], "arguments": json.dumps(call["arguments"], ensure_ascii=False)}})
     content.append(tok.decode(body[prev:]))

@@ -111,6 +111,8 @@ TOOL_CALL_ERRORS = {6: "no_tool_call", 7: "unbalanced", 8: "bad_json", 9: "unkno
                     11: "multiple_calls"}
 """``turn_status`` code -> reason of a malformed tool call (``env.action_format`` tool_call, see
 t1async/actions.py): the call was not run, the agent saw an error observation."""
+TOOL_CALL_CODES = {reason: code for code, reason in TOOL_CALL_ERRORS.items()}
+"""Reason -> ``turn_status`` code of a malformed tool call (the inverse of :data:`TOOL_CALL_ERRORS`)."""
 TURN_STATUS = {TURN_OK: "ok", TURN_LENGTH_CUT: "length_cut", TURN_ABORTED: "aborted",
                TURN_COMMAND_TIMEOUT: "command_timeout", TURN_SANDBOX_REFUSED: "sandbox_refused",
                TURN_CUT_NOT_RUN: "length_cut_not_run",
