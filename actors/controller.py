@@ -56,7 +56,8 @@ class Controller:
 
     Args:
         cfg: rollout section (actor count, restarts, fault injection).
-        task_names: tasks to draw episodes from (shuffled round robin).
+        task_names: tasks to draw episodes from (shuffled round robin, each ``cfg.group_size``
+            times in a row).
         rollouts_per_version: trajectories the learner consumes per published weight version
             (batch size x ``publish_every``).
         max_staleness: eta, the staleness bound.
@@ -113,8 +114,9 @@ class Controller:
                     self._running[actor_id] = self.version
                     self._episodes[actor_id] = self._episodes.get(actor_id, 0) + 1
                     self._first_episode.setdefault(actor_id, time.time())
-                    if not self._order:
-                        self._order = self._rng.sample(self._tasks, len(self._tasks))
+                    if not self._order:  # popped from the end: each task's group_size episodes in a row
+                        self._order = [t for t in self._rng.sample(self._tasks, len(self._tasks))
+                                       for _ in range(self.cfg.group_size)]
                     return self._order.pop()
                 left = deadline - time.monotonic()
                 if left <= 0:

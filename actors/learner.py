@@ -40,7 +40,7 @@ from t1async.backend import LearnerBackend, make_backend
 from t1async.config import GenerationConfig, LearnerConfig, ModelConfig, TransportConfig, WeightSyncConfig
 from t1async.delivery import (ByteQueue, ConsumedLedger, ReceiveLog, commit, latest_checkpoint, read_consumed,
                               rotate_checkpoints, staging_dir, write_consumed)
-from t1async.rl import gae, k3, policy_loss, routing_differs, value_loss
+from t1async.rl import gae, group_baselines, k3, policy_loss, routing_differs, value_loss
 from t1async.tokenizer import ChatTokenizer
 from t1async.torch_backend import ValueModel  # noqa: F401  (the critic's home before the backends; tests import it here)
 from t1async.trajectory import Trajectory, TrajectoryError, decode
@@ -111,6 +111,7 @@ class Learner:
         self.step = 0
         self.counters = {"received": 0, "rejected": 0, "dropped_stale": 0, "trained": 0, "duplicates": 0, "replayed": 0}
         self.dropped = dict.fromkeys(DROP_REASONS, 0)  # trajectories dropped, by reason (cumulative)
+        self._task_rewards: dict[str, list[tuple[int, float]]] = {}  # advantage: group (step, reward) per task, recent
         self._consumed = ConsumedLedger()  # trajectory id -> step that trained it (-1: dropped), bounded
         self._rejected_keys: collections.OrderedDict[str, str] = collections.OrderedDict()  # id -> reason, newest last
         self._log = ReceiveLog(self.run_dir / "receive_log", fsync=transport.log_fsync, reset=not cfg.resume)
@@ -475,7 +476,8 @@ class Learner:
         cfg, backend = self.cfg, self.backend
         items = []
         dev = backend.device  # the batch's tensors live where the backend computes (cpu: no copy)
-        for traj in batch:
+        baselines = self._group_baselines(batch) if cfg.advantage == "group" else [None] * len(batch)
+        for traj, baseline in zip(batch, baselines):
             ids = torch.from_numpy(traj.token_ids.astype(np.int64)).to(dev)
             inp, tgt = ids[:-1].unsqueeze(0), ids[1:].unsqueeze(0)
             vmask = torch.from_numpy(traj.loss_mask[1:].astype(np.float32)).unsqueeze(0).to(dev)
@@ -488,6 +490,8 @@ class Learner:
             rewards = np.zeros(idx.numel(), dtype=np.float32)
             rewards[-1] = episode_reward(traj, cfg.reward)
             adv_s, ret_s = gae(rewards, old_v[0, idx].cpu().numpy(), cfg.gamma, cfg.lam)
+            if baseline is not None:  # leave-one-out over the task's episodes; the critic still learns ret_s
+                adv_s = np.full_like(adv_s, rewards[-1] - baseline)
             adv, ret = torch.zeros_like(vmask), torch.zeros_like(vmask)
             adv[0, idx], ret[0, idx] = torch.from_numpy(adv_s).to(dev), torch.from_numpy(ret_s).to(dev)
             items.append({"inp": inp, "tgt": tgt, "mask": mask, "vmask": vmask, "mu": mu, "replay": replay,
@@ -553,7 +557,21 @@ class Learner:
                 "drift_tokens": int(sum(t.drift_tokens for t in batch)),
                 "template_mismatches": int(sum(t.template_mismatches for t in batch)),
                 "train_policy": train_policy, "phase": "rl" if train_policy else "critic_warmup",
-                "explained_variance": ev, "trained_tokens": n_value}
+                "explained_variance": ev, "trained_tokens": n_value,
+                **({"group_baselined_frac": sum(b is not None for b in baselines) / len(batch)}
+                   if cfg.advantage == "group" else {})}
+
+    def _group_baselines(self, batch: list[Trajectory]) -> list[float | None]:
+        """:func:`t1async.rl.group_baselines` of ``batch`` (trained as step ``self.step + 1``), then
+        remember its rewards for the next ``group_window_steps`` steps (older ones are forgotten)."""
+        step, window = self.step + 1, self.cfg.group_window_steps
+        rewards = [episode_reward(t, self.cfg.reward) for t in batch]
+        out = group_baselines([t.task for t in batch], rewards, self._task_rewards, step, window)
+        for t, r in zip(batch, rewards):
+            self._task_rewards.setdefault(t.task, []).append((step, r))
+        self._task_rewards = {k: kept for k, v in self._task_rewards.items()
+                              if (kept := [(s, r) for s, r in v if step + 1 - s <= window])}
+        return out
 
     def _policy_lr(self) -> float:
         """Linear warm-up of the policy's learning rate over its first ``lr_warmup_steps`` updates
@@ -584,6 +602,10 @@ class Learner:
             "staleness_counts": {str(s): stale.count(s) for s in sorted(set(stale))},  # trajectories by staleness
             "versions_in_batch": sorted({int(v) for t in batch for v in np.unique(t.versions[t.loss_mask.astype(bool)])}),
             "tokens": int(sum(t.num_tokens for t in batch)),
+            # mean sampler log-prob of the sampled tokens: minus a Monte-Carlo estimate of the
+            # sampling distribution's entropy per token (nats); rises toward 0 as RL sharpens the policy
+            "sampled_logprob_mean": float(np.mean(lp)) if (lp := np.concatenate(
+                [t.logprobs[t.loss_mask.astype(bool)] for t in batch])).size else 0.0,
             "turns_mean": float(np.mean([t.turn_offsets.shape[0] for t in batch])),
             "queue_depth": self._queue.qsize(),
         }

@@ -286,6 +286,9 @@ class RolloutConfig:
     crash_after_episodes: int = 0
     """Fault injection for tests: the first rollout actor raises after this many episodes
     (0 = off). Its replacement runs without it."""
+    group_size: int = 1
+    """Episodes of each drawn task admitted back to back (G), so the learner can compare them
+    (``learner.advantage: group``, as GRPO and RLOO sample G completions per prompt)."""
     admission: str = "oldest_episode"
     """Admission rule (actors/controller.py): ``oldest_episode`` (default) lets a rollout start
     while ``started < (v + max_staleness + 1) x batch_size x publish_every`` with ``v`` the
@@ -514,6 +517,16 @@ class LearnerConfig:
     """GAE lambda."""
     normalize_advantages: bool = True
     """Whiten advantages over the batch's loss tokens (mean 0, std 1)."""
+    advantage: str = "gae"
+    """How each sampled token's advantage is estimated: ``gae`` (the critic, GAE over sampled
+    tokens) or ``group`` (leave-one-out: the episode's reward less the mean reward of the other
+    episodes of its task, the same for every token; :func:`t1async.rl.group_baselines`; with
+    ``rollout.group_size`` > 1 so each task's episodes come in groups). A trajectory with no peer
+    of its task falls back to GAE; ``group_baselined_frac`` in metrics.jsonl is the share that had
+    one. The critic trains either way."""
+    group_window_steps: int = 2
+    """``advantage: group``: peers trained up to this many steps before the current one count too
+    (members of a group that landed in an earlier batch)."""
     critic_warmup_steps: int = 0
     """Initial steps that train only the critic, on rollouts of the starting (warm-started)
     policy, before the first policy update (``phase`` is ``critic_warmup`` in metrics.jsonl)."""
@@ -744,6 +757,9 @@ _VALUE_RULES: list[tuple[str, Any, str]] = [
     ("learner.gamma", lambda v: 0 <= v <= 1, "a float in [0, 1]"),
     ("learner.lam", lambda v: 0 <= v <= 1, "a float in [0, 1]"),
     ("rollout.num_actors", lambda v: v >= 1, "an integer >= 1 (scale live through the controller)"),
+    ("rollout.group_size", lambda v: v >= 1, "an integer >= 1 (episodes per drawn task)"),
+    ("learner.advantage", lambda v: v in ("gae", "group"), "'gae' (the critic) or 'group' (leave-one-out over a task's episodes)"),
+    ("learner.group_window_steps", lambda v: v >= 0, "an integer >= 0"),
     ("rollout.admission", lambda v: v in ("oldest_episode", "learner_version"),
      "'oldest_episode' (never drops slow episodes) or 'learner_version' (AReaL's rule)"),
     ("rollout.agent", lambda v: v in ("builtin", "external"),

@@ -178,6 +178,48 @@ def gae(rewards: np.ndarray, values: np.ndarray, gamma: float, lam: float) -> tu
     return adv32, (adv + values).astype(np.float32)
 
 
+def group_baselines(tasks: list[str], rewards: list[float], history: dict[str, list[tuple[int, float]]], step: int,
+                    window_steps: int) -> list[float | None]:
+    """Leave-one-out baseline of each trajectory from the other episodes of its task (RLOO).
+
+    The baseline of trajectory i is the mean reward of its peers: the other trajectories of the
+    same task in this batch, plus those of that task trained in the last ``window_steps`` learner
+    steps (``history``). The advantage ``R_i - baseline`` then compares episodes of one task
+    instance against each other, so the task's difficulty cancels out and a task every episode
+    resolves (or every episode fails) gives no gradient. Sources: REINFORCE leave-one-out
+    (Kool et al. 2019, "Buy 4 REINFORCE Samples, Get a Baseline for Free!"; Ahmadian et al. 2024,
+    "Back to Basics"); GRPO's group-relative advantage (Shao et al. 2024, DeepSeekMath) without
+    its per-group standard deviation (Liu et al. 2025, "Understanding R1-Zero-Like Training").
+    The window admits group members that landed in an earlier batch: with ``rollout.group_size``
+    episodes of a task admitted back to back, they finish within a few steps of each other.
+
+    Args:
+        tasks: ``[B]`` task name of each trajectory in the batch.
+        rewards: ``[B]`` episode rewards (same order).
+        history: task -> ``[(step, reward)]`` of trajectories trained earlier; read, not changed.
+        step: the learner step this batch trains as; history entries with
+            ``step - entry_step > window_steps`` are ignored.
+        window_steps: >= 0.
+
+    Returns:
+        ``[B]`` baselines (float), None where a trajectory has no peer (the caller falls back to
+        the critic).
+
+    Raises:
+        ValueError: ``tasks`` and ``rewards`` differ in length, or ``window_steps`` < 0.
+    """
+    if len(tasks) != len(rewards):
+        raise ValueError(f"{len(tasks)} task names for {len(rewards)} rewards")
+    if window_steps < 0:
+        raise ValueError(f"window_steps must be >= 0, got {window_steps}")
+    out: list[float | None] = []
+    for i, task in enumerate(tasks):
+        peers = [r for j, (t, r) in enumerate(zip(tasks, rewards)) if t == task and j != i]
+        peers += [r for s, r in history.get(task, ()) if step - s <= window_steps]
+        out.append(sum(peers) / len(peers) if peers else None)
+    return out
+
+
 @dataclass
 class PolicyLossOutput:
     """Policy loss and its diagnostics (all scalars, over loss tokens)."""

@@ -54,6 +54,14 @@ def test_tasks_are_drawn_round_robin_over_shuffles():
     assert sorted(first) == ["a", "b", "c"]
 
 
+def test_group_size_admits_each_task_that_many_times_in_a_row():
+    c = Controller(RolloutConfig(num_actors=1, group_size=3), ["a", "b", "c"], rollouts_per_version=100,
+                   max_staleness=0, make_rollout=lambda aid, crash: None, seed=0)
+    got = [c.acquire(0) for _ in range(9)]
+    assert [got[i:i + 3] for i in range(0, 9, 3)] == [[t] * 3 for t in got[::3]]
+    assert sorted(got[::3]) == ["a", "b", "c"]  # still one pass over the shuffled tasks
+
+
 def test_stop_and_retire_answer_none():
     c = make()
     c._retired.add(3)

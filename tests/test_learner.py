@@ -368,3 +368,42 @@ def test_policy_steps_raise_the_rewarded_trajectory_and_lower_the_unrewarded_one
         assert after[1] < before[1] - 0.05, (before, after)
     finally:
         learner.close()
+
+
+def test_group_advantage_leaves_a_task_every_episode_resolves_untouched_and_moves_a_mixed_one(tmp_path):
+    """advantage: group. Two episodes of one task with equal rewards have zero advantage, so the
+    policy does not move (GAE, whose critic does not know the reward, would move it); two episodes
+    of a task with rewards 2 and 0 get +1 and -1 and move it. A peer trained in the step before
+    counts (group members split across batches)."""
+    def make(advantage):
+        cfg = LearnerConfig(max_steps=4, batch_size=2, lr=1e-3, lam=1.0, routing_replay=False, batch_timeout_s=30,
+                            advantage=advantage, normalize_advantages=False)
+        return Learner(cfg, MODEL, TransportConfig(), WeightSyncConfig(), str(tmp_path / f"run-{advantage}"), seed=0)
+
+    def params(learner):
+        return torch.cat([p.detach().flatten().clone() for p in learner.policy.parameters()])
+
+    group, gae_ = make("group"), make("gae")
+    try:
+        same = [synthetic(0, 1, reward=2.0), synthetic(0, 2, reward=2.0)]
+        for learner in (group, gae_):
+            before = params(learner)
+            m = learner._train_step(same)
+            learner.step += 1
+            moved = float((params(learner) - before).abs().max())
+            assert (moved == 0.0) == (learner is group), (learner.cfg.advantage, moved)
+        assert "group_baselined_frac" not in m  # the gae learner's metrics
+        mixed = synthetic(0, 3, reward=2.0)
+        mixed.task = "other"
+        before = params(group)
+        m = group._train_step([mixed])  # alone: no peer, falls back to GAE
+        assert m["group_baselined_frac"] == 0.0
+        group.step += 1
+        peer = synthetic(0, 4, reward=0.0)
+        peer.task = "other"
+        m = group._train_step([peer, synthetic(0, 5, reward=2.0)])  # its peer came one step before
+        assert m["group_baselined_frac"] == 1.0  # peer: "other" one step back; the synthetic: "synthetic" 2 steps back
+        assert float((params(group) - before).abs().max()) > 0
+    finally:
+        group.close()
+        gae_.close()

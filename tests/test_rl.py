@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from t1async.rl import gae, policy_loss, token_logprobs, value_loss
+from t1async.rl import gae, group_baselines, policy_loss, token_logprobs, value_loss
 
 
 def test_gae_matches_direct_definition():
@@ -100,3 +100,19 @@ def test_token_logprobs_temperature_and_top_k():
         args = {"temperature": 1.0, "top_k": -1, "top_p": 1.0, **bad}
         with pytest.raises(ValueError, match=next(iter(bad))):
             token_logprobs(logits, tgt, **args)
+
+
+def test_group_baselines_leave_one_out_within_the_batch_and_the_window():
+    # task a: 3 episodes in this batch; b: 1 here and 1 trained 2 steps ago; c: alone; d: only an
+    # episode too old to count
+    tasks = ["a", "a", "a", "b", "c", "d"]
+    rewards = [4.0, 2.0, 0.0, 3.0, 1.0, 2.0]
+    history = {"b": [(8, 1.0)], "d": [(6, 4.0)], "a": [(9, 1.0)]}
+    got = group_baselines(tasks, rewards, history, step=10, window_steps=2)
+    assert got[:3] == [(2 + 0 + 1) / 3, (4 + 0 + 1) / 3, (4 + 2 + 1) / 3]  # never itself
+    assert got[3] == 1.0 and got[4] is None and got[5] is None
+    assert group_baselines(["a"], [1.0], {"a": [(9, 3.0)]}, step=10, window_steps=0) == [None]
+    with pytest.raises(ValueError, match="window_steps"):
+        group_baselines(["a"], [1.0], {}, step=1, window_steps=-1)
+    with pytest.raises(ValueError, match="2 task names for 1 rewards"):
+        group_baselines(["a", "b"], [1.0], {}, step=1, window_steps=0)

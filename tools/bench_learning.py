@@ -72,6 +72,9 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--eval-samples", type=at_least_one, default=2, help="episodes per held-out task per evaluation")
     p.add_argument("--eval-every", type=float, default=10.0, help="minutes between policy snapshots for the curve")
     p.add_argument("--config", default=str(RL_CONFIG), help="config of the RL runs (and of SFT's model/env/generation)")
+    p.add_argument("--warm-start", default="",
+                   help="checkpoint folder to start RL from instead of running SFT (e.g. OUT/seed0/sft-checkpoint "
+                        "of an earlier run of the same split and config); the warm start is still evaluated")
     p.add_argument("--out", default="", help="output folder (default runs/bench-learning-<time>)")
     p.add_argument("overrides", nargs="*", default=[], help="key=value overrides of --config, e.g. sft.steps=200")
     args = p.parse_args(argv)
@@ -86,6 +89,9 @@ def parse_args(argv: list[str] | None = None):
                 "that were not demonstrations")
     if args.minutes <= 0 or args.eval_every <= 0:
         p.error("--minutes and --eval-every must be positive")
+    if args.warm_start and not all((Path(args.warm_start) / f).is_file() for f in ("config.json", "model.safetensors")):
+        p.error(f"--warm-start {args.warm_start}: no config.json + model.safetensors there (a checkpoint folder, "
+                "e.g. OUT/seed0/sft-checkpoint of an earlier run)")
     return args
 
 
@@ -312,10 +318,16 @@ def main(argv: list[str] | None = None) -> int:
     warm: dict[int, Any] = {}
     for seed in args.seed_list:
         seed_cfg = load_config(args.config, [*args.overrides, f"run.seed={seed}", f"sft.seed={seed}"])
-        sft_dir = out / f"seed{seed}" / "sft-checkpoint"
-        sft = run_sft(seed_cfg, split["dirs"]["sft"], sft_dir)
+        if args.warm_start:
+            sft_dir = Path(args.warm_start).resolve()
+            sft = {"demonstrations": None, "skipped_by_reason": None, "curve": None, "seconds": 0.0,
+                   "reused_checkpoint": str(sft_dir)}
+        else:
+            sft_dir = out / f"seed{seed}" / "sft-checkpoint"
+            sft = run_sft(seed_cfg, split["dirs"]["sft"], sft_dir)
         warm_eval = evaluate_policy(sft_dir, split["dirs"]["heldout"], seed_cfg, samples=args.eval_samples)
-        warm[seed] = {"sft": {k: sft[k] for k in ("demonstrations", "skipped_by_reason", "curve", "seconds")},
+        warm[seed] = {"sft": {k: sft[k] for k in ("demonstrations", "skipped_by_reason", "curve", "seconds",
+                                                   "reused_checkpoint") if k in sft},
                       "heldout": warm_eval}
         logger.info("bench learning: seed {} warm start resolves {:.1%} of held-out episodes", seed,
                     warm_eval["resolved_rate"])
