@@ -85,9 +85,80 @@ def ledger(run_dir: Path, max_staleness: int, last_status: dict[str, Any] | None
     }
 
 
+def tree_rss_bytes(root: int) -> int:
+    """Resident memory of ``root`` and every descendant (``VmRSS`` of /proc/PID/status summed;
+    pages shared between processes count once per process), bytes; processes gone meanwhile are skipped."""
+    total = 0
+    for pid in [root, *descendants(root)]:
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+                    break
+        except (OSError, ValueError):
+            continue
+    return total
+
+
+def dir_bytes(root: Path) -> int:
+    """Bytes of the regular files under ``root`` (files removed meanwhile are skipped)."""
+    total = 0
+    for f in root.rglob("*"):
+        try:
+            if f.is_file() and not f.is_symlink():
+                total += f.stat().st_size
+        except OSError:
+            continue
+    return total
+
+
+def growth_per_10k(samples: list[dict[str, float]], key: str) -> float | None:
+    """Least-squares slope of ``key`` against ``sent`` (trajectories spooled so far) over
+    ``samples``, times 10,000: the growth of that resource per 10,000 trajectories. None with
+    fewer than 3 samples or no spread in ``sent``."""
+    pts = [(x["sent"], x[key]) for x in samples]
+    if len(pts) < 3:
+        return None
+    mx = sum(p[0] for p in pts) / len(pts)
+    my = sum(p[1] for p in pts) / len(pts)
+    var = sum((p[0] - mx) ** 2 for p in pts)
+    if var == 0:
+        return None
+    return sum((p[0] - mx) * (p[1] - my) for p in pts) / var * 10_000
+
+
+def resources(samples: list[dict[str, float]]) -> dict[str, Any]:
+    """Summary of the soak's disk and memory samples (see :func:`soak`): first and last values, the
+    peaks, and the growth per 10,000 trajectories of the samples after the first quarter of the
+    soak (start-up, first checkpoints and caches filling are not growth)."""
+    if not samples:
+        return {"samples": 0}
+    late = samples[len(samples) // 4:]
+    return {"samples": len(samples), "sent_first": samples[0]["sent"], "sent_last": samples[-1]["sent"],
+            "disk_bytes_first": samples[0]["disk"], "disk_bytes_last": samples[-1]["disk"],
+            "disk_bytes_max": max(x["disk"] for x in samples),
+            "rss_bytes_first": samples[0]["rss"], "rss_bytes_last": samples[-1]["rss"],
+            "rss_bytes_max": max(x["rss"] for x in samples),
+            "disk_growth_bytes_per_10k_trajectories": growth_per_10k(late, "disk"),
+            "rss_growth_bytes_per_10k_trajectories": growth_per_10k(late, "rss")}
+
+
+def _sent_count(run_dir: Path) -> int:
+    n = 0
+    for f in (run_dir / "audit").glob("sent-*.txt"):
+        try:
+            n += f.read_bytes().count(b"\n")
+        except OSError:
+            continue
+    return n
+
+
 def soak(config: str, minutes: float, kill_every: float, overrides: list[str], *, seed: int = 0,
-         hang_s: float = 300.0, run_dir: Path | None = None) -> dict[str, Any]:
-    """Run the soak; returns the ledger plus ``kills``, ``scales``, ``hang`` and ``run_dir``."""
+         hang_s: float = 300.0, run_dir: Path | None = None, sample_every_s: float = 30.0) -> dict[str, Any]:
+    """Run the soak; returns the ledger plus ``kills``, ``scales``, ``hang``, ``run_dir`` and
+    ``resources``: every ``sample_every_s`` seconds the run directory's bytes and the resident
+    memory of the launch's process tree are sampled with the trajectories spooled so far
+    (:func:`resources`). ``kill_every`` <= 0 kills nothing (a plain long run, to measure growth)."""
     from t1async.config import load_config
 
     rng = random.Random(seed)
@@ -100,6 +171,7 @@ def soak(config: str, minutes: float, kill_every: float, overrides: list[str], *
     proc = subprocess.Popen(launch_args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     kills: dict[str, int] = {"rollout": 0, "sampler": 0, "learner": 0}
     scales: list[int] = []
+    samples: list[dict[str, float]] = []
     last: dict[str, Any] | None = None
     hang = False
     try:
@@ -113,10 +185,15 @@ def soak(config: str, minutes: float, kill_every: float, overrides: list[str], *
         end = t0 + minutes * 60
         n = cfg.rollout.num_actors
         scale_at = [t0 + f * minutes * 60 for f in (0.2, 0.4, 0.6, 0.8)]
-        next_kill = t0 + kill_every
+        next_kill = t0 + kill_every if kill_every > 0 else float("inf")
+        next_sample = t0
         last_step, last_step_t = last.get("step", 0), time.monotonic()
         while time.monotonic() < end and proc.poll() is None:
             time.sleep(1)
+            if time.monotonic() >= next_sample:
+                next_sample += sample_every_s
+                samples.append({"minutes": round((time.monotonic() - t0) / 60, 2), "sent": _sent_count(run_dir),
+                                "disk": dir_bytes(run_dir), "rss": tree_rss_bytes(proc.pid)})
             st = _try_status(run_dir)
             if st is not None:
                 last = st
@@ -153,7 +230,7 @@ def soak(config: str, minutes: float, kill_every: float, overrides: list[str], *
     result.update({"minutes": minutes, "kill_every_s": kill_every, "kills": kills, "scales": scales,
                    "learner_restarts": (last or {}).get("restarts", {}).get("learner"),
                    "sampler_restarts": (last or {}).get("restarts", {}).get("samplers"), "hang": hang,
-                   "exit_status": proc.returncode, "run_dir": str(run_dir)})
+                   "exit_status": proc.returncode, "run_dir": str(run_dir), "resources": resources(samples)})
     return result
 
 
@@ -174,7 +251,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", default=[], help="key=value overrides of the config")
     p.add_argument("--minutes", type=float, default=20.0, help="soak duration (default 20)")
-    p.add_argument("--kill-every", type=float, default=20.0, help="seconds between kills (default 20)")
+    p.add_argument("--kill-every", type=float, default=20.0, help="seconds between kills (default 20; 0: none)")
     p.add_argument("--seed", type=int, default=0, help="seed of the choice of victims")
     p.add_argument("--run-dir", default=None, help="run directory (default runs/soak-TIME)")
     p.set_defaults(func=run_soak)

@@ -1,0 +1,48 @@
+"""The soak's disk and memory accounting (t1async/soak.py): growth per 10,000 trajectories."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+from t1async.soak import dir_bytes, growth_per_10k, resources, tree_rss_bytes
+
+
+def test_growth_is_the_least_squares_slope_per_10k_trajectories():
+    samples = [{"sent": s, "disk": 1_000 + 5 * s + (3 if s % 2 else -3), "rss": 7.0} for s in range(0, 400, 20)]
+    assert abs(growth_per_10k(samples, "disk") - 50_000) < 50  # 5 bytes per trajectory, noise +-3
+    assert growth_per_10k(samples, "rss") == 0.0
+    assert growth_per_10k(samples[:2], "disk") is None  # too few points
+    assert growth_per_10k([{"sent": 5, "disk": d} for d in (1, 2, 3)], "disk") is None  # no spread in sent
+
+
+def test_resources_leave_out_the_first_quarter_as_start_up():
+    start = [{"sent": s, "disk": 10 ** 9 * (s + 1), "rss": 1} for s in range(4)]  # start-up: steep
+    flat = [{"sent": s, "disk": 5 * 10 ** 9, "rss": 2} for s in range(4, 16)]
+    r = resources(start + flat)
+    assert r["samples"] == 16 and r["disk_bytes_max"] == 5 * 10 ** 9 and r["rss_bytes_first"] == 1
+    assert r["disk_growth_bytes_per_10k_trajectories"] == 0.0 and r["rss_growth_bytes_per_10k_trajectories"] == 0.0
+    assert resources([]) == {"samples": 0}
+
+
+def test_dir_bytes_counts_regular_files(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "x").write_bytes(b"1" * 1000)
+    (tmp_path / "y").write_bytes(b"2" * 24)
+    (tmp_path / "link").symlink_to(tmp_path / "y")
+    assert dir_bytes(tmp_path) == 1024
+
+
+def test_tree_rss_counts_descendants():
+    own = tree_rss_bytes(os.getpid())
+    child = subprocess.Popen([sys.executable, "-c", "b = bytearray(96 << 20); b[::4096] = b'x' * len(b[::4096]); "
+                              "print('ready', flush=True); import time; time.sleep(60)"], stdout=subprocess.PIPE)
+    try:
+        assert child.stdout.readline().strip() == b"ready"
+        time.sleep(0.2)
+        assert tree_rss_bytes(os.getpid()) - own > 90 << 20
+    finally:
+        child.kill()
+        child.wait()
