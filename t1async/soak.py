@@ -112,6 +112,24 @@ def dir_bytes(root: Path) -> int:
     return total
 
 
+def disk_by_part(run_dir: Path) -> dict[str, int]:
+    """:func:`dir_bytes` of each top-level entry of ``run_dir`` (a file counts as its own part;
+    symbolic links are skipped, as in :func:`dir_bytes`)."""
+    out: dict[str, int] = {}
+    try:
+        entries = list(run_dir.iterdir())
+    except OSError:
+        return out
+    for e in entries:
+        try:
+            if e.is_symlink():
+                continue
+            out[e.name] = dir_bytes(e) if e.is_dir() else e.stat().st_size
+        except OSError:
+            continue
+    return out
+
+
 def growth_per_10k(samples: list[dict[str, float]], key: str) -> float | None:
     """Least-squares slope of ``key`` against ``sent`` (trajectories spooled so far) over
     ``samples``, times 10,000: the growth of that resource per 10,000 trajectories. None with
@@ -130,17 +148,24 @@ def growth_per_10k(samples: list[dict[str, float]], key: str) -> float | None:
 def resources(samples: list[dict[str, float]]) -> dict[str, Any]:
     """Summary of the soak's disk and memory samples (see :func:`soak`): first and last values, the
     peaks, and the growth per 10,000 trajectories of the samples after the first quarter of the
-    soak (start-up, first checkpoints and caches filling are not growth)."""
+    soak (start-up, first checkpoints and caches filling are not growth), in all and per top-level
+    part of the run directory (``parts``: checkpoints rotate, so their slope is noise around zero,
+    while metrics.jsonl and TensorBoard events grow with every step)."""
     if not samples:
         return {"samples": 0}
     late = samples[len(samples) // 4:]
+    parts = sorted({k for x in late for k in x.get("parts", {})})
+    by_part = {p: growth_per_10k([{"sent": x["sent"], p: x.get("parts", {}).get(p, 0)} for x in late], p)
+               for p in parts}
     return {"samples": len(samples), "sent_first": samples[0]["sent"], "sent_last": samples[-1]["sent"],
             "disk_bytes_first": samples[0]["disk"], "disk_bytes_last": samples[-1]["disk"],
             "disk_bytes_max": max(x["disk"] for x in samples),
             "rss_bytes_first": samples[0]["rss"], "rss_bytes_last": samples[-1]["rss"],
             "rss_bytes_max": max(x["rss"] for x in samples),
             "disk_growth_bytes_per_10k_trajectories": growth_per_10k(late, "disk"),
-            "rss_growth_bytes_per_10k_trajectories": growth_per_10k(late, "rss")}
+            "rss_growth_bytes_per_10k_trajectories": growth_per_10k(late, "rss"),
+            "disk_growth_bytes_per_10k_trajectories_by_part": by_part,
+            "disk_bytes_last_by_part": samples[-1].get("parts", {})}
 
 
 def _sent_count(run_dir: Path) -> int:
@@ -192,8 +217,9 @@ def soak(config: str, minutes: float, kill_every: float, overrides: list[str], *
             time.sleep(1)
             if time.monotonic() >= next_sample:
                 next_sample += sample_every_s
+                parts = disk_by_part(run_dir)
                 samples.append({"minutes": round((time.monotonic() - t0) / 60, 2), "sent": _sent_count(run_dir),
-                                "disk": dir_bytes(run_dir), "rss": tree_rss_bytes(proc.pid)})
+                                "disk": sum(parts.values()), "parts": parts, "rss": tree_rss_bytes(proc.pid)})
             st = _try_status(run_dir)
             if st is not None:
                 last = st

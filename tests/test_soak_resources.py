@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from t1async.soak import dir_bytes, growth_per_10k, resources, tree_rss_bytes
+from t1async.soak import dir_bytes, disk_by_part, growth_per_10k, resources, tree_rss_bytes
 
 
 def test_growth_is_the_least_squares_slope_per_10k_trajectories():
@@ -25,6 +25,9 @@ def test_resources_leave_out_the_first_quarter_as_start_up():
     assert r["samples"] == 16 and r["disk_bytes_max"] == 5 * 10 ** 9 and r["rss_bytes_first"] == 1
     assert r["disk_growth_bytes_per_10k_trajectories"] == 0.0 and r["rss_growth_bytes_per_10k_trajectories"] == 0.0
     assert resources([]) == {"samples": 0}
+    parts = resources([{"sent": s, "disk": 0, "rss": 0, "parts": {"metrics.jsonl": 100 * s, "checkpoints": 7}}
+                       for s in range(8)])
+    assert parts["disk_growth_bytes_per_10k_trajectories_by_part"] == {"checkpoints": 0.0, "metrics.jsonl": 1_000_000.0}
 
 
 def test_dir_bytes_counts_regular_files(tmp_path):
@@ -33,6 +36,7 @@ def test_dir_bytes_counts_regular_files(tmp_path):
     (tmp_path / "y").write_bytes(b"2" * 24)
     (tmp_path / "link").symlink_to(tmp_path / "y")
     assert dir_bytes(tmp_path) == 1024
+    assert disk_by_part(tmp_path) == {"a": 1000, "y": 24}
 
 
 def test_tree_rss_counts_descendants():
