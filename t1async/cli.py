@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 
 SUBCOMMANDS = [
@@ -106,14 +107,33 @@ def at_least_one(value: str) -> int:
     return n
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``t1async`` console script; returns the exit status."""
+OVERRIDE = re.compile(r"[A-Za-z_][\w.]*=.*", re.S)
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse a command line. ``key=value`` overrides may also come after the options
+    (``t1async soak CONFIG --minutes 5 learner.lr=1e-4``): argparse stops filling a positional
+    ``nargs="*"`` at the first option, so such trailing overrides are appended to ``overrides``.
+
+    Raises:
+        SystemExit: 2, with one ``t1async: error:`` line, on anything argparse or this does not accept.
+    """
     parser = OneLineErrors(prog="t1async", description="Asynchronous RL for MoE terminal agents.")
     sub = parser.add_subparsers(dest="command", required=True)
     for spec in SUBCOMMANDS:
         module, func = spec.split(":")
         getattr(importlib.import_module(module), func)(sub)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if not hasattr(args, "overrides") or not all(OVERRIDE.fullmatch(x) for x in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``t1async`` console script; returns the exit status."""
+    args = parse(argv)
 
     from t1async.launch import user_errors
 

@@ -185,6 +185,10 @@ def check_inputs(cfg: Config) -> list[str]:
     if cfg.sampler.backend == "sglang" and cfg.weight_sync.backend != "nccl":
         logger.warning("sampler.backend=sglang with weight_sync.backend={}: SGLang servers receive on GPUs, "
                        "use weight_sync.backend=nccl", cfg.weight_sync.backend)
+    if cfg.learner.advantage == "group" and cfg.rollout.group_size < 2:
+        logger.warning("learner.advantage=group with rollout.group_size={}: a task's episodes rarely meet in "
+                       "the learner's window, so most trajectories fall back to GAE (group_baselined_frac in "
+                       "metrics.jsonl); set rollout.group_size=4 or so", cfg.rollout.group_size)
     if cfg.transport.curve:
         from t1async.keys import client_keys, server_keys
 

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 LOCAL = str(REPO / "configs" / "local.yaml")
 
@@ -146,3 +148,17 @@ def test_control_commands_on_a_bad_run_dir(capsys, tmp_path):
     assert_main_one_line(capsys, ["status", str(tmp_path / "nope")], "no run directory")
     assert_main_one_line(capsys, ["stop", str(tmp_path)], "not running")
     assert_main_one_line(capsys, ["scale", str(tmp_path), "env.max_turns=3"], "cannot change live")
+
+
+def test_overrides_may_follow_the_options(capsys):
+    from t1async.cli import parse
+
+    args = parse(["soak", "configs/local.yaml", "a.b=1", "--minutes", "0.5", "learner.lr=2e-4", "x=y z"])
+    assert args.overrides == ["a.b=1", "learner.lr=2e-4", "x=y z"] and args.minutes == 0.5
+    for argv in (["soak", "configs/local.yaml", "--minutes", "1", "junk"],  # not key=value
+                 ["status", "RUN", "a.b=1"]):  # a command without overrides
+        with pytest.raises(SystemExit) as e:
+            parse(argv)
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "unrecognized arguments" in err, err
