@@ -505,6 +505,9 @@ class Learner:
             mean, std = flat.mean(), flat.std(unbiased=False).clamp(min=1e-6)
             for it in items:
                 it["adv"] = (it["adv"] - mean) / std * it["mask"]
+        if cfg.negative_advantage_weight != 1.0:
+            for it in items:
+                it["adv"] = torch.where(it["adv"] < 0, it["adv"] * cfg.negative_advantage_weight, it["adv"])
         train_policy = self.step >= cfg.critic_warmup_steps
         sums = {"policy_loss": 0.0, "value_loss": 0.0, "clip_frac": 0.0, "is_weight_mean": 0.0, "is_truncated_frac": 0.0}
         diff_sum, is_max = 0.0, 0.0

@@ -527,6 +527,15 @@ class LearnerConfig:
     group_window_steps: int = 2
     """``advantage: group``: peers trained up to this many steps before the current one count too
     (members of a group that landed in an earlier batch)."""
+    negative_advantage_weight: float = 1.0
+    """Multiplier of negative advantages, after whitening (0..1). 1: the usual policy gradient.
+    Below 1 the update leans toward the episodes that did better than their baseline: 0 trains
+    only on those (reward-filtered imitation of the policy's own better episodes, RAFT++ in
+    Xiong et al. 2025, "A Minimalist Approach to LLM Reasoning"; Arnal et al. 2025, "Asymmetric
+    REINFORCE", show why a baseline below the mean is the stable side off-policy). Pushing
+    failed episodes' tokens down has no floor, and on a sharp warm start it is what destabilises
+    larger learning rates (README, issue 8); positive updates only sharpen what the policy already
+    samples."""
     critic_warmup_steps: int = 0
     """Initial steps that train only the critic, on rollouts of the starting (warm-started)
     policy, before the first policy update (``phase`` is ``critic_warmup`` in metrics.jsonl)."""
@@ -760,6 +769,7 @@ _VALUE_RULES: list[tuple[str, Any, str]] = [
     ("rollout.group_size", lambda v: v >= 1, "an integer >= 1 (episodes per drawn task)"),
     ("learner.advantage", lambda v: v in ("gae", "group"), "'gae' (the critic) or 'group' (leave-one-out over a task's episodes)"),
     ("learner.group_window_steps", lambda v: v >= 0, "an integer >= 0"),
+    ("learner.negative_advantage_weight", lambda v: 0 <= v <= 1, "a number in [0, 1]"),
     ("rollout.admission", lambda v: v in ("oldest_episode", "learner_version"),
      "'oldest_episode' (never drops slow episodes) or 'learner_version' (AReaL's rule)"),
     ("rollout.agent", lambda v: v in ("builtin", "external"),

@@ -407,3 +407,30 @@ def test_group_advantage_leaves_a_task_every_episode_resolves_untouched_and_move
     finally:
         group.close()
         gae_.close()
+
+
+def test_negative_advantage_weight_zero_trains_only_on_episodes_above_their_baseline(tmp_path):
+    """learner.negative_advantage_weight. An episode that did worse than its task's peer (reward 0
+    after a peer's 2, so advantage -2) moves the policy at weight 1 and leaves it exactly unchanged
+    at weight 0; an episode that did better (reward 2 after a peer's 0) moves it at weight 0."""
+    def params(learner):
+        return torch.cat([p.detach().flatten().clone() for p in learner.policy.parameters()])
+
+    def moved_by(weight: float, first: float, second: float) -> float:
+        cfg = LearnerConfig(max_steps=4, batch_size=1, lr=1e-3, routing_replay=False, batch_timeout_s=30,
+                            advantage="group", normalize_advantages=False, negative_advantage_weight=weight)
+        learner = Learner(cfg, MODEL, TransportConfig(), WeightSyncConfig(), str(tmp_path / f"run-{weight}-{first}"), seed=0)
+        try:
+            # the peer, as if trained one step before (a real earlier step would leave Adam momentum
+            # that moves the weights even on a zero gradient)
+            learner._task_rewards = {synthetic(0, 1).task: [(learner.step, first)]}
+            before = params(learner)
+            m = learner._train_step([synthetic(0, 2, reward=second)])
+            assert m["group_baselined_frac"] == 1.0
+            return float((params(learner) - before).abs().max())
+        finally:
+            learner.close()
+
+    assert moved_by(1.0, 2.0, 0.0) > 0
+    assert moved_by(0.0, 2.0, 0.0) == 0.0
+    assert moved_by(0.0, 0.0, 2.0) > 0
