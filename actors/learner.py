@@ -477,6 +477,11 @@ class Learner:
         items = []
         dev = backend.device  # the batch's tensors live where the backend computes (cpu: no copy)
         baselines = self._group_baselines(batch) if cfg.advantage == "group" else [None] * len(batch)
+        n_peered = sum(b is not None for b in baselines)
+        if not cfg.critic:  # no peer of its task: the mean reward of the rest of the batch
+            rewards_b = [episode_reward(t, cfg.reward) for t in batch]
+            baselines = [b if b is not None else (sum(rewards_b) - r) / (len(batch) - 1) if len(batch) > 1 else r
+                         for b, r in zip(baselines, rewards_b)]
         for traj, baseline in zip(batch, baselines):
             ids = torch.from_numpy(traj.token_ids.astype(np.int64)).to(dev)
             inp, tgt = ids[:-1].unsqueeze(0), ids[1:].unsqueeze(0)
@@ -485,7 +490,7 @@ class Learner:
             mu = torch.from_numpy(traj.logprobs[1:].astype(np.float32)).unsqueeze(0).to(dev)
             recorded = torch.from_numpy(traj.routed_experts.astype(np.int64)).unsqueeze(0).to(dev)  # [1, T-1, L, K]
             replay = recorded if cfg.routing_replay else None
-            old_v = backend.values(inp, grad=False)
+            old_v = backend.values(inp, grad=False) if cfg.critic else torch.zeros_like(vmask)
             idx = vmask[0].nonzero().squeeze(-1)
             rewards = np.zeros(idx.numel(), dtype=np.float32)
             rewards[-1] = episode_reward(traj, cfg.reward)
@@ -499,7 +504,7 @@ class Learner:
         n_tokens = float(sum(it["mask"].sum() for it in items))  # policy-loss tokens
         n_value = float(sum(it["vmask"].sum() for it in items))  # every sampled token
         ev = explained_variance(torch.cat([it["old_v"][it["vmask"].bool()] for it in items]),
-                                torch.cat([it["ret"][it["vmask"].bool()] for it in items]))
+                                torch.cat([it["ret"][it["vmask"].bool()] for it in items])) if cfg.critic else None
         if cfg.normalize_advantages:
             flat = torch.cat([it["adv"][it["mask"].bool()] for it in items])
             mean, std = flat.mean(), flat.std(unbiased=False).clamp(min=1e-6)
@@ -541,7 +546,7 @@ class Learner:
                     if epoch == cfg.ppo_epochs - 1:
                         sums["kl_ref"] = sums.get("kl_ref", 0.0) + float(kl.detach())
                 vl = value_loss(backend.values(it["inp"], grad=True), it["old_v"], it["ret"], it["vmask"], clip=cfg.value_clip,
-                                denom=n_value)
+                                denom=n_value) if cfg.critic else torch.zeros(())
                 loss = cfg.value_coef * vl + (pl.loss + kl_term if train_policy else 0.0)
                 backend.backward(loss)
                 if epoch == cfg.ppo_epochs - 1:
@@ -554,14 +559,16 @@ class Learner:
             gn = backend.step(policy=train_policy, policy_lr=self._policy_lr())
             if train_policy:
                 sums["grad_norm"] = gn
+        if not cfg.critic:
+            del sums["value_loss"]
         return {**sums, "is_weight_max": is_max, "logprob_diff_mean": diff_sum / max(n_value, 1.0),
                 "kl_k3": k3_sum / max(n_value, 1.0), "nucleus_boundary_tokens": boundary,
                 "routing_diff_frac": used_diff / max(routed_pos, 1), "router_diff_frac": own_diff / max(routed_pos, 1),
                 "drift_tokens": int(sum(t.drift_tokens for t in batch)),
                 "template_mismatches": int(sum(t.template_mismatches for t in batch)),
                 "train_policy": train_policy, "phase": "rl" if train_policy else "critic_warmup",
-                "explained_variance": ev, "trained_tokens": n_value,
-                **({"group_baselined_frac": sum(b is not None for b in baselines) / len(batch)}
+                **({"explained_variance": ev} if cfg.critic else {}), "trained_tokens": n_value,
+                **({"group_baselined_frac": n_peered / len(batch)}
                    if cfg.advantage == "group" else {})}
 
     def _group_baselines(self, batch: list[Trajectory]) -> list[float | None]:

@@ -527,6 +527,13 @@ class LearnerConfig:
     group_window_steps: int = 2
     """``advantage: group``: peers trained up to this many steps before the current one count too
     (members of a group that landed in an earlier batch)."""
+    critic: bool = True
+    """Run and train the critic. ``advantage: group`` needs it only for trajectories without a
+    peer of their task; off, those take the mean reward of the rest of the batch as baseline
+    (REINFORCE's batch baseline), and each step skips the critic's forward, backward and optimiser
+    step (measured: the critic is a copy of the policy's trunk, so about a third of a step).
+    Off requires ``advantage: group`` and ``critic_warmup_steps: 0``; ``value_loss`` and
+    ``explained_variance`` are then absent from metrics.jsonl."""
     negative_advantage_weight: float = 1.0
     """Multiplier of negative advantages, after whitening (0..1). 1: the usual policy gradient.
     Below 1 the update leans toward the episodes that did better than their baseline: 0 trains
@@ -868,8 +875,10 @@ def check_values(cfg: Config, source: str = "config") -> None:
 
 
 def check_trainable(cfg: Config) -> None:
-    """Refuse generation settings the learner cannot reproduce (``t1async launch``, ``t1async
-    mismatch``; not :func:`load_config`, so ``t1async eval`` may still sample greedily).
+    """Refuse settings the learner cannot train with (``t1async launch``, ``t1async mismatch``;
+    not :func:`load_config`, so ``t1async eval`` may still sample greedily): a critic turned off
+    while the advantage or a critic warm-up needs it, and generation settings the learner cannot
+    reproduce.
 
     Temperature 0 is greedy: the sampled distribution is a point mass, which has no density to
     score a token under, so its log-prob carries no gradient.
@@ -877,6 +886,12 @@ def check_trainable(cfg: Config) -> None:
     Raises:
         ConfigError: one line naming the key, the value and what to use instead.
     """
+    if not cfg.learner.critic and cfg.learner.advantage != "group":
+        raise ConfigError(f"learner.critic=false needs learner.advantage=group (advantage "
+                          f"{cfg.learner.advantage!r} estimates from the critic); turn the critic on or use group")
+    if not cfg.learner.critic and cfg.learner.critic_warmup_steps > 0:
+        raise ConfigError("learner.critic=false with learner.critic_warmup_steps > 0: there is no critic to warm "
+                          "up; set critic_warmup_steps=0")
     if cfg.generation.temperature == 0:
         raise ConfigError("generation.temperature=0 (greedy) cannot be trained on: a point mass has no "
                           "density, so its log-prob carries no gradient; use a temperature > 0 for training "

@@ -434,3 +434,43 @@ def test_negative_advantage_weight_zero_trains_only_on_episodes_above_their_base
     assert moved_by(1.0, 2.0, 0.0) > 0
     assert moved_by(0.0, 2.0, 0.0) == 0.0
     assert moved_by(0.0, 0.0, 2.0) > 0
+
+
+def test_critic_off_leaves_the_critic_untouched_and_baselines_a_lone_episode_on_the_batch(tmp_path):
+    """learner.critic=false (advantage: group). The critic's weights do not change, the policy
+    still learns from a mixed group, a trajectory without a peer of its task is baselined on the
+    mean reward of the rest of the batch (so two lone episodes of equal reward give no gradient),
+    and the metrics carry no critic figures."""
+    cfg = LearnerConfig(max_steps=4, batch_size=2, lr=1e-3, routing_replay=False, batch_timeout_s=30,
+                        advantage="group", normalize_advantages=False, critic=False)
+    learner = Learner(cfg, MODEL, TransportConfig(), WeightSyncConfig(), str(tmp_path / "run"), seed=0)
+
+    def params(module):
+        return torch.cat([p.detach().flatten().clone() for p in module.parameters()])
+
+    try:
+        critic0, policy0 = params(learner.critic), params(learner.policy)
+        lone = [synthetic(0, 1, reward=2.0), synthetic(0, 2, reward=2.0)]
+        lone[0].task, lone[1].task = "a", "b"
+        m = learner._train_step(lone)
+        assert m["group_baselined_frac"] == 0.0
+        assert float((params(learner.policy) - policy0).abs().max()) == 0.0
+        assert "value_loss" not in m and "explained_variance" not in m
+        learner.step += 1
+        mixed = [synthetic(0, 3, reward=2.0), synthetic(0, 4, reward=0.0)]
+        learner._train_step(mixed)
+        assert float((params(learner.policy) - policy0).abs().max()) > 0
+        assert torch.equal(params(learner.critic), critic0)
+    finally:
+        learner.close()
+
+
+def test_critic_off_is_refused_where_the_critic_is_needed():
+    from t1async.config import ConfigError, check_trainable, load_config
+
+    with pytest.raises(ConfigError, match="learner.critic=false needs learner.advantage=group"):
+        check_trainable(load_config(None, ["learner.critic=false"]))
+    with pytest.raises(ConfigError, match="critic_warmup_steps"):
+        check_trainable(load_config(None, ["learner.critic=false", "learner.advantage=group",
+                                           "learner.critic_warmup_steps=5"]))
+    check_trainable(load_config(None, ["learner.critic=false", "learner.advantage=group"]))
