@@ -298,7 +298,10 @@ def evaluate_policy(checkpoint: str | Path, tasks_dir: str | Path, cfg: Config, 
     env, generation and sampler sections.
 
     Returns:
-        :func:`t1async.envs.evaluate.summary` over all episodes, plus ``samples``.
+        :func:`t1async.envs.evaluate.summary` over all episodes, plus ``samples`` and
+        :func:`breakdown`'s ``pass_at_k`` (the share of tasks at least one of the ``samples``
+        episodes resolved: about what sharpening the policy toward its own best samples can reach,
+        Chen et al. 2021's pass@k with k = n) and ``per_family``.
     """
     import copy
 
@@ -309,7 +312,24 @@ def evaluate_policy(checkpoint: str | Path, tasks_dir: str | Path, cfg: Config, 
         cfg_k = copy.deepcopy(cfg)
         cfg_k.run.seed = cfg.run.seed + 1000 * k  # each pass draws its own samples
         rows += evaluate(tasks_dir, f"policy:{checkpoint}", concurrency=2, sandbox=cfg.env.sandbox, config=cfg_k)
-    return {**summary(rows), "samples": samples}
+    return {**summary(rows), "samples": samples, **breakdown(rows)}
+
+
+def breakdown(rows: list[Any]) -> dict[str, Any]:
+    """``{"pass_at_k", "per_family"}`` of eval rows (:class:`t1async.envs.evaluate.EvalRow`, several
+    per task): the share of tasks with at least one resolved row, and family -> resolved rate of
+    its rows, the family being the task name less its two trailing ``-seed-index`` parts (as
+    ``t1async synth`` names tasks; other names count as their own family)."""
+    by_task: dict[str, list[bool]] = {}
+    for r in rows:
+        by_task.setdefault(r.task, []).append(bool(r.resolved))
+    by_family: dict[str, list[bool]] = {}
+    for task, got in by_task.items():
+        parts = task.rsplit("-", 2)
+        family = parts[0] if len(parts) == 3 and parts[1].isdigit() and parts[2].isdigit() else task
+        by_family.setdefault(family, []).extend(got)
+    return {"pass_at_k": round(sum(any(v) for v in by_task.values()) / len(by_task), 4) if by_task else 0.0,
+            "per_family": {f: round(sum(v) / len(v), 4) for f, v in sorted(by_family.items())}}
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -96,3 +96,18 @@ def test_cli_refuses_bad_folders_in_one_line(args, message):
                        timeout=120)
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and message in r.stderr
+
+
+def test_breakdown_counts_a_task_once_for_pass_at_k_and_groups_synth_families():
+    from t1async.envs.evaluate import EvalRow
+    from t1async.sft import breakdown
+
+    def row(task, resolved):
+        return EvalRow(task=task, passed=int(resolved), total=1, resolved=resolved, seconds=0.1, error=None)
+
+    rows = [row("copy-count-2000-0000", False), row("copy-count-2000-0000", True),
+            row("copy-count-2000-0001", False), row("copy-count-2000-0001", False),
+            row("grep-count-2000-0000", True), row("grep-count-2000-0000", True), row("hello-world", False)]
+    got = breakdown(rows)
+    assert got["pass_at_k"] == round(2 / 4, 4)  # tasks with any resolved episode: copy-count-0000, grep-count-0000
+    assert got["per_family"] == {"copy-count": 0.25, "grep-count": 1.0, "hello-world": 0.0}

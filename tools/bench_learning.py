@@ -26,9 +26,11 @@ One command, in this order (everything through the product's own commands and co
    takes CPU from training).
 
 Prints ONE JSON object: ``warm_start_resolved``, ``final_resolved``, ``delta_points`` (mean over
-seeds, of the first reward mode), ``minutes``, ``trajectories``, ``steps``, and ``runs``: per
-seed and reward the held-out ``curve`` ([minutes, resolved rate]), training reward per step,
-trajectories, steps; ``spread``: min/max ``delta_points`` over seeds per reward. Writes
+seeds, of the first reward mode), ``warm_start_pass_at_k`` (held-out tasks any of the
+``--eval-samples`` episodes resolves: about the ceiling of sharpening the warm start),
+``minutes``, ``trajectories``, ``steps``, and ``runs``: per seed and reward the held-out
+``curve`` ([minutes, resolved rate]), per-family resolved rates at the start and the end,
+training reward per step, trajectories, steps; ``spread``: min/max ``delta_points`` over seeds per reward. Writes
 ``learning.png`` (matplotlib): held-out resolved rate against minutes, and training reward.
 Everything lands under ``--out`` (default ``runs/bench-learning-<time>``).
 """
@@ -350,7 +352,11 @@ def main(argv: list[str] | None = None) -> int:
                          "dropped_stale": rows[-1]["dropped_stale"] if rows else 0,
                          "train_reward": _smoothed_reward(rows, t0),
                          "warm_start_resolved": warm_eval["resolved_rate"], "final_resolved": curve[-1][1],
-                         "delta_points": round(100 * (curve[-1][1] - warm_eval["resolved_rate"]), 1)}
+                         "delta_points": round(100 * (curve[-1][1] - warm_eval["resolved_rate"]), 1),
+                         "warm_start_pass_at_k": warm_eval["pass_at_k"],
+                         "final_pass_at_k": evals[-1]["pass_at_k"] if evals else warm_eval["pass_at_k"],
+                         "warm_start_per_family": warm_eval["per_family"],
+                         "final_per_family": evals[-1]["per_family"] if evals else warm_eval["per_family"]}
             (out / "result.partial.json").write_text(json.dumps(runs, indent=1))
     first = [r for r in runs.values() if r["reward"] == rewards[0]]
     mean = lambda xs: round(sum(xs) / len(xs), 4) if xs else 0.0  # noqa: E731
@@ -358,6 +364,9 @@ def main(argv: list[str] | None = None) -> int:
         "warm_start_resolved": mean([r["warm_start_resolved"] for r in first]),
         "final_resolved": mean([r["final_resolved"] for r in first]),
         "delta_points": round(mean([r["delta_points"] for r in first]), 1),
+        # the share of held-out tasks any of --eval-samples episodes resolves: about the most that
+        # sharpening the warm start toward its own best samples can reach
+        "warm_start_pass_at_k": mean([r["warm_start_pass_at_k"] for r in first]),
         "reward": rewards[0], "minutes": args.minutes, "seeds": args.seed_list,
         "trajectories": mean([r["trajectories"] for r in first]), "steps": mean([r["steps"] for r in first]),
         "spread": {rw: {"delta_points_min": min(r["delta_points"] for r in runs.values() if r["reward"] == rw),
