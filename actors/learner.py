@@ -193,7 +193,8 @@ class Learner:
 
     # ---- resume -------------------------------------------------------------------------
     def _resume(self, path: Path | None) -> None:
-        """Restore checkpoint ``path`` (critic, optimisers, step, version, counters, consumed ids;
+        """Restore checkpoint ``path`` (critic, optimisers, step, version, counters, consumed ids,
+        the group advantage's recent rewards per task;
         the policy was loaded in ``__init__``); None: no checkpoint yet, start at step 0 and replay
         the whole receive log. metrics.jsonl rows past the restored step are dropped."""
         if path is not None:
@@ -204,6 +205,10 @@ class Learner:
             self.counters.update({k: int(state[k]) for k in self.counters if k in state})
             self.dropped.update({k: int(v) for k, v in state.get("dropped", {}).items()})
             self._consumed = read_consumed(path / "consumed.json")
+            # advantage: group's window of recent rewards per task (peers of a group split across
+            # the checkpoint); absent from checkpoints written before it was saved
+            self._task_rewards = {task: [(int(s), float(r)) for s, r in rows]
+                                  for task, rows in state.get("group_rewards", {}).items()}
         # Weights published after that checkpoint are lost: the next publication takes a new,
         # higher number (see _publish), so versions never repeat.
         # ...unless the checkpoint was written right after a publication and nothing was published
@@ -671,14 +676,15 @@ class Learner:
 
     def save_checkpoint(self) -> Path:
         """Write ``checkpoints/step_NNNNNN/`` atomically: policy safetensors + config.json, critic,
-        optimisers, trainer state, and ``consumed.json`` (every trajectory id this model state
+        optimisers, trainer state (with the group advantage's recent rewards per task), and ``consumed.json`` (every trajectory id this model state
         trained on or dropped), staged in a hidden folder and renamed into place."""
         root = self.run_dir / "checkpoints"
         tmp = staging_dir(root, self.step)
         self.backend.save(tmp)
         write_consumed(tmp / "consumed.json", self._consumed)
         (tmp / "trainer_state.json").write_text(json.dumps({"step": self.step, "version": self.version, **self.counters,
-                                                            "dropped": self.dropped}))
+                                                            "dropped": self.dropped,
+                                                            "group_rewards": self._task_rewards}))
         path = commit(tmp, root / f"step_{self.step:06d}", fsync=self._log.fsync)
         rotate_checkpoints(root, self.cfg.keep_checkpoints, self.cfg.keep_every)
         self._log.drop_consumed(self._consumed)

@@ -474,3 +474,25 @@ def test_critic_off_is_refused_where_the_critic_is_needed():
         check_trainable(load_config(None, ["learner.critic=false", "learner.advantage=group",
                                            "learner.critic_warmup_steps=5"]))
     check_trainable(load_config(None, ["learner.critic=false", "learner.advantage=group"]))
+
+
+def test_a_resumed_learner_keeps_the_group_advantage_window(tmp_path):
+    """advantage: group. The recent rewards per task go into the checkpoint, so a group split by a
+    restart still finds its peers: the resumed learner baselines the rest of the group on them
+    instead of falling back."""
+    cfg = LearnerConfig(max_steps=4, batch_size=1, routing_replay=False, batch_timeout_s=30, advantage="group")
+    learner = Learner(cfg, MODEL, TransportConfig(), WeightSyncConfig(), str(tmp_path), seed=0)
+    try:
+        learner._train_step([synthetic(0, 1, reward=2.0)])
+        learner.step += 1
+        window = copy.deepcopy(learner._task_rewards)
+        learner.save_checkpoint()
+    finally:
+        learner.close()
+    assert window == {"synthetic": [(1, 2.0)]}
+    again = Learner(dataclasses.replace(cfg, resume=True), MODEL, TransportConfig(), WeightSyncConfig(), str(tmp_path), seed=0)
+    try:
+        assert again._task_rewards == window
+        assert again._train_step([synthetic(0, 2, reward=0.0)])["group_baselined_frac"] == 1.0
+    finally:
+        again.close()
