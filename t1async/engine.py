@@ -168,6 +168,10 @@ class _Cached:
     rows: torch.Tensor
 
 
+class EngineStopped(RuntimeError):
+    """A request was still queued or running when :meth:`Engine.stop` was called."""
+
+
 class Request:
     """One submitted generation (:meth:`Engine.submit`); :meth:`result` waits for its answer.
 
@@ -500,13 +504,23 @@ class Engine:
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop the engine thread after its current step (queued requests stay queued)."""
+        """Stop the engine thread after its current step, then fail every request still queued
+        or running with :class:`EngineStopped` (their :meth:`Request.result` raises it at once,
+        so no caller waits forever on a stopped engine)."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        with self._cond:
+            left = list(self._pending) + list(self._active)
+            self._pending.clear()
+            self._active.clear()
+        for req in left:
+            req.error = EngineStopped("the engine was stopped before this request finished; send it again to a "
+                                      "running sampler")
+            req.done.set()
 
     def _loop(self) -> None:
         """Engine thread: consumes submitted requests, produces finished ones; waits on

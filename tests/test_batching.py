@@ -208,3 +208,20 @@ def test_http_sampler_batches_concurrent_requests_exactly():
         assert s.stats()["forward_sequences"] > s.stats()["forwards"]  # some forwards carried several
     finally:
         s.shutdown()
+
+
+def test_stop_fails_requests_still_queued_instead_of_leaving_their_callers_waiting():
+    """Engine.stop: a request queued behind a running one (max_batch 1) and the running one
+    are finished with EngineStopped, so a caller blocked in result() wakes up with an error."""
+    from t1async.engine import EngineStopped
+
+    e = Engine(_model(), max_batch=1)
+    p = SamplingParams(max_new_tokens=200, stop_token_ids=[])
+    first = e.submit(_prompt(5, 1), p)
+    second = e.submit(_prompt(5, 2), p)
+    e.step()  # `first` is now running, `second` waits for its slot
+    e.stop()  # no thread was started: nothing else would ever finish them
+    for req in (first, second):
+        assert req.done.is_set()
+        with pytest.raises(EngineStopped, match="engine was stopped"):
+            req.result(timeout=0)
