@@ -25,13 +25,16 @@ sequence with its own :class:`KVCache`; every row-wise op (norms, projections, r
 LM head) runs over the N tokens at once, attention runs per sequence on exactly the shapes a lone
 forward of that sequence uses. No padding token exists, so none can route or be attended to.
 
-Batch invariance: every linear layer is a :class:`Linear` that feeds its matmul a multiple of 4
-rows (zero rows appended). Measured on this machine kind (torch 2.13 CPU, float32, 1 and 2
-threads): the BLAS picks a different kernel for 1-3 rows and splits remainder rows differently
-across threads, so a token's output depended on how many other rows shared its matmul; with a
-multiple of 4 rows it is bitwise the same whatever the batch (tests/test_batching.py). Hence a
-sequence decoded in a packed batch gets bitwise the logits and routing of the same sequence
-decoded alone.
+Batch invariance: every linear layer is a :class:`Linear` that feeds its matmul at least 16 rows
+and a multiple of 4 (zero rows appended). Measured with torch 2.13 CPU, float32, 1 and 2
+threads: the BLAS picks a different kernel for small row counts (1-3 rows on one Xeon; up to 5,
+and up to 10 when the inner dimension is 256 or more, on an AVX-512 Xeon) and splits remainder
+rows differently across threads, so a token's output depended on how many other rows shared its
+matmul; with 16 rows or more, in multiples of 4, it is bitwise the same whatever the batch on
+both (tests/test_batching.py). The experts' SiLU runs on the same padded rows: on the AVX-512
+machine the elements left over after its vectorised loop take a path whose exp differs in the
+last bit. Hence a sequence decoded in a packed batch gets bitwise the logits and routing of the
+same sequence decoded alone.
 
 Newer transformers (v5) store a layer's experts fused as 3D tensors
 (``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]) and convert the
@@ -140,24 +143,35 @@ def _check_config(cfg: ModelConfig) -> None:
 
 ROW_MULTIPLE = 4
 """Rows a :class:`Linear` matmul is padded to a multiple of (see the module docstring)."""
+ROW_MIN = 16
+"""Fewest rows a :class:`Linear` matmul runs on (see the module docstring)."""
 
 
 class Linear(nn.Linear):
     """``nn.Linear`` whose result for one row never depends on the other rows of the batch.
 
-    The input's leading dims are flattened to M rows and zero rows are appended up to a multiple
-    of :data:`ROW_MULTIPLE` (at most 3; the BLAS' kernel choice and thread split then treat
-    every row alike), then cut off again. Same parameters and state_dict names as ``nn.Linear``;
+    The input's leading dims are flattened to M rows and zero rows are appended up to
+    ``max(ROW_MIN, M rounded up to a multiple of ROW_MULTIPLE)`` (the BLAS' kernel choice and
+    thread split then treat every row alike), then cut off again. Same parameters and
+    state_dict names as ``nn.Linear``;
     gradients flow as usual (the padding rows get none).
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        m = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        pad = -m % ROW_MULTIPLE
-        if not pad:
+        rows, m = padded_rows(x)
+        if rows.shape[0] == m:
             return F.linear(x, self.weight, self.bias)
-        y = F.linear(F.pad(x.reshape(m, x.shape[-1]), (0, 0, 0, pad)), self.weight, self.bias)
+        y = F.linear(rows, self.weight, self.bias)
         return y[:m].reshape(*x.shape[:-1], y.shape[-1])
+
+
+def padded_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``x [..., D]`` flattened to ``[P, D]`` rows with zero rows appended, P = ``max(ROW_MIN, M
+    rounded up to a multiple of ROW_MULTIPLE)``, and M, the rows that are real (the first M)."""
+    m = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    pad = max(ROW_MIN - m, -m % ROW_MULTIPLE)
+    rows = x.reshape(m, x.shape[-1])
+    return (F.pad(rows, (0, 0, 0, pad)) if pad else rows), m
 
 
 # ----------------------------------------------------------------------------- KV cache
@@ -348,7 +362,12 @@ class Qwen3MoeMLP(nn.Module):
         self.down_proj = Linear(inter, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        """x ``[N, hidden]`` -> ``[N, hidden]``. The SiLU runs on the row-padded batch (see
+        :func:`padded_rows`): on an AVX-512 CPU its vectorised exp and the leftover elements' path
+        differ in the last bit, so an unpadded SiLU made a row's result depend on the row count."""
+        rows, m = padded_rows(x)
+        y = self.down_proj(F.silu(self.gate_proj(rows)) * self.up_proj(rows))
+        return y[:m].reshape(x.shape)
 
 
 class Qwen3MoeSparseMoeBlock(nn.Module):
