@@ -27,6 +27,8 @@ from t1async.envs.evaluate import choose_sandbox, short_error
 from t1async.envs.images import (
     Engine,
     context_hash,
+    ensure_task_image,
+    resolve_engine,
     expand_heredocs,
     from_images,
     normalise,
@@ -184,6 +186,40 @@ def test_fork_beyond_the_process_limit_gets_eagain_and_the_command_goes_on(tmp_p
         assert "survived" in result.output and not result.timed_out and result.exit_code == 0
         assert "processes" in result.refused and "process limit (32) reached" in result.output
         assert box.exec("echo ok").output == "ok\n"
+    finally:
+        box.close()
+
+
+@pytest.mark.container
+def test_task_image_is_rebuilt_when_its_base_image_changes(tmp_path):
+    """The cache key covers the image ID ``FROM`` resolves to: a re-bootstrapped stand-in (or a
+    pulled real image) under the same name must not leave tasks on the old one."""
+    base = base_image()
+    engine = resolve_engine()
+    ref = f"localhost/t1async-test/rebase-{os.getpid()}:latest"
+    (tmp_path / "Dockerfile").write_text(f"FROM {ref}\nRUN echo built > /built.txt\n")
+    built: list[str] = []
+    try:
+        engine.run("tag", base, ref)
+        built.append(ensure_task_image(engine, name="rebase", dockerfile=tmp_path / "Dockerfile", context_dir=tmp_path))
+        assert ensure_task_image(engine, name="rebase", dockerfile=tmp_path / "Dockerfile", context_dir=tmp_path) == built[0]
+        engine.run("tag", built[0], ref)  # the same name now resolves to another image
+        built.append(ensure_task_image(engine, name="rebase", dockerfile=tmp_path / "Dockerfile", context_dir=tmp_path))
+        assert built[1] != built[0]
+    finally:
+        engine.run("rmi", ref, *built, check=False)
+
+
+@pytest.mark.container
+def test_pip_may_replace_the_stand_ins_preinstalled_packages(tmp_path):
+    """In the official python images every preinstalled distribution came from pip, so a task's
+    ``pip install`` may upgrade one (mlflow pulls a newer ``packaging``); the Debian stand-in's
+    must be as removable (offline here: an uninstall is what an upgrade does first)."""
+    box = _box(tmp_path, max_processes=64, memory_mb=256, cpu_time_s=30)
+    try:
+        result = box.exec("pip uninstall -y packaging 2>&1; python3 -c 'import packaging' 2>&1 | tail -1", timeout_s=60)
+        assert "Successfully uninstalled packaging" in result.output, result.output
+        assert "No module named 'packaging'" in result.output, result.output
     finally:
         box.close()
 
