@@ -575,7 +575,8 @@ def _finish(task: Task, dockerfile: Path | None, compose: Path) -> Task:
 
     task.dockerfile = dockerfile
     if compose.is_file():
-        _read_compose(task, compose)
+        _read_compose(task, compose)  # the agent's service may build from another folder
+    dockerfile = task.dockerfile
     if dockerfile is not None:
         try:
             task.steps = parse_dockerfile(dockerfile.read_text(), task.environment_dir, where=str(dockerfile))
@@ -623,6 +624,16 @@ def _read_compose(task: Task, compose: Path) -> None:
         task.services = [_compose_service(task, compose, str(name), body, main)
                          for name, body in services.items() if name != main_name]
     service = services[main_name] if main_name else next(iter(services.values()))
+    build = service.get("build") if isinstance(service, dict) else None
+    if build:  # e.g. TB1 `client: {build: {context: client}}`: the image comes from client/Dockerfile
+        spec = build if isinstance(build, dict) else {"context": build}
+        context, name = str(spec.get("context", ".")), str(spec.get("dockerfile", "Dockerfile"))
+        if (context, name) not in ((".", "Dockerfile"), ("./", "Dockerfile")):
+            folder = (compose.parent / context).resolve()
+            if not (folder / name).is_file():
+                raise _error(task.path, f"{compose.name}: the agent's service builds from {folder / name}, which "
+                             "does not exist", "add it or fix build.context/dockerfile")
+            task.context_dir, task.dockerfile = folder, folder / name
     if isinstance(service, dict):
         if service.get("image") and not service.get("build") and not task.docker_image:
             task.docker_image = str(service["image"])
@@ -667,6 +678,8 @@ def _compose_service(task: Task, compose: Path, name: str, body: Any, main: dict
             raise _error(task.path, f"{compose.name}: service {name!r} builds from {dockerfile}, which does not exist",
                          "add it or fix build.context/dockerfile")
     image = str(body.get("image") or "")
+    if "${" in image:  # a harness-chosen name (TB1's ${T_BENCH_...}), not an image to use
+        image = ""
     if not build and not image:
         raise _error(task.path, f"{compose.name}: service {name!r} has neither build nor image", "give it one")
     command = body.get("command")

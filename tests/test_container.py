@@ -196,6 +196,21 @@ def test_compose_sidecars_are_parsed(tmp_path):
     with pytest.raises(TaskError, match="none is the agent's"):
         load_task(folder)
 
+    # TB1 simple-web-scraper style: the agent's image and the server's each from their own folder
+    (folder / "Dockerfile").unlink()
+    for sub in ("client", "server"):
+        (folder / sub).mkdir()
+        (folder / sub / "Dockerfile").write_text(f"FROM python:3.13-slim-bookworm\nRUN echo {sub} > /role\n")
+    (folder / "docker-compose.yaml").write_text(
+        "services:\n  client:\n    build: {context: client, dockerfile: Dockerfile}\n"
+        "    image: ${T_BENCH_TASK_DOCKER_CLIENT_IMAGE_NAME}\n"
+        "  server:\n    build: {context: server}\n    image: ${T_BENCH_TASK_DOCKER_NAME_PREFIX}__server\n")
+    task = load_task(folder)
+    assert task.dockerfile == (folder / "client" / "Dockerfile").resolve() and task.context_dir == (folder / "client").resolve()
+    assert task.docker_image == "python:3.13-slim-bookworm"
+    [server] = task.services
+    assert server.dockerfile == (folder / "server" / "Dockerfile").resolve() and server.image == ""
+
 
 def _box(tmp_path: Path, **limits) -> ContainerSandbox:
     spec = SandboxSpec(episode_dir=tmp_path, command_timeout_s=10.0, docker_image=base_image(),
