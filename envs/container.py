@@ -24,7 +24,13 @@ Lifecycle:
   (``pids.events``, ``memory.oom_control``) when visible, as the local backend does.
 * Files: :meth:`put` streams a tar archive into ``exec -i tar -x`` (one call, Docker COPY
   semantics, owned by the container's user); :meth:`clear`/:meth:`read` are one ``exec`` each.
-* :meth:`close`: ``<engine> rm -f`` (the container and every process in it).
+* Sidecars (:attr:`SandboxSpec.services`, a docker-compose.yaml's other services): each image
+  is built like the task's, and each runs as its own container in the agent container's network
+  namespace (``--network container:NAME``: no network beyond the agent's; the task's memory and
+  process limits apply to each), its name mapped to
+  127.0.0.1 in the agent's ``/etc/hosts``; when the agent's service ``depends_on`` one with
+  ``condition: service_healthy``, start waits for its health check (run inside it) to pass.
+* :meth:`close`: ``<engine> rm -f`` (the sidecars, then the container and every process in it).
 
 What the agent sees is what the task's author built: any path writable, the image's tools and
 users. ``/app``, ``/tests`` and ``/logs`` are created at start; the tests are copied in only at
@@ -47,7 +53,7 @@ from t1async.config import ContainerConfig
 
 from .images import BuildError, Engine, ca_mounts, ensure_task_image, ensure_verifier_image, resolve_engine
 from .limits import LimitGroup
-from .protocol import CommandResult, SandboxError, SandboxSpec, split_root
+from .protocol import CommandResult, SandboxError, SandboxSpec, ServiceSpec, split_root
 from .shell_io import (
     EOF,
     KILL_SCRIPT,
@@ -122,6 +128,9 @@ class ContainerSandbox:
         self._shell_pid = 0
         self._group: LimitGroup | None = None
         self.restarts = 0
+        self._service_images: list[str] = []
+        self._services: list[str] = []
+        """Names of the running sidecar containers (removed before the main one)."""
 
     @classmethod
     def from_spec(cls, spec: SandboxSpec) -> ContainerSandbox:
@@ -148,9 +157,14 @@ class ContainerSandbox:
             except BuildError as exc:
                 self.notes.append(f"verifier layer not built, tests use the image's python3: {str(exc)[:300]}")
                 logger.warning("task {}: {}", spec.name, self.notes[-1])
+        self._service_images = [
+            ensure_task_image(self.engine, name=f"{spec.name}-{svc.name}", dockerfile=svc.dockerfile,
+                              context_dir=svc.context_dir, docker_image=svc.image, log=log)
+            for svc in spec.services]
         self.timings["image"] = time.monotonic() - started
         try:
             self._run_container()
+            self._run_services()
             self._start_shell()
         except BaseException:
             self.close()
@@ -186,6 +200,57 @@ class ContainerSandbox:
         self.timings["run"] = time.monotonic() - started
         self._watch_cgroups()
         self._exec_simple(["sh", "-c", "mkdir -p /app /tests /logs/verifier"], user="0")
+
+    def _run_services(self) -> None:
+        """Start the sidecars in the container's network namespace, name them in its /etc/hosts,
+        and wait for the health checks the agent's service depends on (see the module docstring).
+
+        Raises:
+            SandboxError: a sidecar did not start, or its health check did not pass in time
+                (the message has the tail of its log).
+        """
+        assert self.engine is not None
+        if not self.spec.services:
+            return
+        started = time.monotonic()
+        for svc, image in zip(self.spec.services, self._service_images):
+            name = f"{self.name}-{_slug(svc.name)}"
+            env = [opt for key, value in svc.environment for opt in ("-e", f"{key}={value}")]
+            limits = self.spec.limits  # each sidecar gets the task's memory and process limits too
+            if limits.memory_mb:
+                env += ["--memory", f"{int(limits.memory_mb)}m", "--memory-swap", f"{int(limits.memory_mb)}m"]
+            if limits.max_processes:
+                env += ["--pids-limit", str(int(limits.max_processes))]
+            self.engine.run("run", "-d", "--name", name, "--label", LABEL, "--network", f"container:{self.name}",
+                            *self.engine.ulimits(), *env, image, *(svc.command or ()), timeout_s=self.cfg.start_timeout_s)
+            self._services.append(name)
+        hosts = "".join(f"127.0.0.1 {svc.name}\n" for svc in self.spec.services)
+        self._exec_simple(["sh", "-c", 'printf "%s" "$1" >> /etc/hosts', "sh", hosts], user="0")
+        for svc, name in zip(self.spec.services, self._services):
+            if svc.wait_healthy and svc.healthcheck:
+                self._wait_healthy(svc, name)
+        self.timings["services"] = time.monotonic() - started
+
+    def _wait_healthy(self, svc: ServiceSpec, name: str) -> None:
+        """Run ``svc``'s health check inside ``name`` until it passes (start period, then up to
+        ``health_retries`` failures ``health_interval_s`` apart)."""
+        assert self.engine is not None and svc.healthcheck
+        deadline = time.monotonic() + svc.health_start_period_s + svc.health_retries * svc.health_interval_s
+        failures, last = 0, b""
+        while True:
+            done = self.engine.run("exec", name, *svc.healthcheck, check=False, timeout_s=CALL_TIMEOUT_S)
+            if done.returncode == 0:
+                return
+            last = (done.stdout or b"") + (done.stderr or b"")
+            failures += 1
+            if time.monotonic() >= deadline and failures >= svc.health_retries:
+                break
+            time.sleep(svc.health_interval_s)
+        logs = self.engine.run("logs", "--tail", "20", name, check=False, timeout_s=30)
+        raise SandboxError(
+            f"service {svc.name!r} of task {self.spec.name} did not become healthy ({failures} failed checks; last: "
+            f"{last.decode('utf-8', 'replace').strip()[-300:]!r}); its log ends: "
+            f"{((logs.stdout or b'') + (logs.stderr or b'')).decode('utf-8', 'replace').strip()[-600:]!r}")
 
     def _watch_cgroups(self) -> None:
         """Find the container's pids/memory cgroup v1 folders on the host, for refusal notes."""
@@ -238,12 +303,17 @@ class ContainerSandbox:
         """Remove the container (every process in it) and stop the shell's client. Idempotent."""
         self._stop_shell()
         name, self.name = self.name, ""
-        if name and self.engine is not None:
+        services, self._services = self._services, []
+        if self.engine is None:
+            return
+        force = ["-f", "-t", "0"] if self.engine.name == "podman" else ["-f"]
+        for victim in [*services, name]:  # sidecars first: they hold the main container's network
+            if not victim:
+                continue
             try:
-                force = ["-f", "-t", "0"] if self.engine.name == "podman" else ["-f"]
-                self.engine.run("rm", *force, name, check=False, timeout_s=60)
+                self.engine.run("rm", *force, victim, check=False, timeout_s=60)
             except SandboxError as exc:
-                logger.warning("could not remove container {}: {}", name, exc)
+                logger.warning("could not remove container {}: {}", victim, exc)
 
     def __enter__(self) -> ContainerSandbox:
         self.start()

@@ -8,8 +8,10 @@ inspect``, ``tag``, ``import``, ``rm``).
 
 **Task images** (:func:`ensure_task_image`): the task's own Dockerfile and build context, tagged
 ``localhost/t1async-task/<name>:<hash>`` where the hash (sha256, 16 hex digits) covers the
-Dockerfile, every file of the context (path, executable bit, bytes; ``.git`` skipped) and the
-build options, so an unchanged task is built once and a changed one is rebuilt. Before the
+Dockerfile, every file of the context (path, executable bit, bytes; ``.git`` skipped), the
+image IDs its ``FROM`` names resolve to and the build options, so an unchanged task is built once
+and a changed one, or one whose base image changed (a new bootstrap, a pulled real image), is
+rebuilt. Before the
 build: ``COPY``/``RUN`` heredocs are rewritten (:func:`expand_heredocs`: podman 4.3's buildah
 lacks them), each ``FROM`` image missing locally is replaced by its bootstrapped stand-in
 (:func:`ensure_base`), and the host CA bundle is mounted (podman ``build -v``; TLS to package
@@ -44,8 +46,10 @@ import json
 import os
 import re
 import resource
+import shlex
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from contextlib import contextmanager
@@ -72,9 +76,48 @@ VERIFIER_DIR = "/opt/t1async-verifier"
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
 HOST_CA_FILES = ("/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/certs/ca-bundle.crt")
 PROXY_VARS = ("HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "no_proxy")
+BASE_REPO = "localhost/t1async-base"
+"""Repository of the bootstrapped root filesystems (``<BASE_REPO>/<suite>:<ROOTFS_VERSION>``)."""
+
+ROOTFS_VERSION = 2
+"""Bumped whenever :func:`build_rootfs` makes a different root filesystem (2: pip ``RECORD`` files
+for Debian's Python packages), so that ``t1async images bootstrap`` builds and re-tags anew."""
+
 BOOTSTRAP_PACKAGES = ("python3", "python3-pip", "python3-venv", "python-is-python3", "ca-certificates",
                       "procps", "netbase")
 """Packages every stand-in root filesystem gets on top of ``minbase``."""
+
+
+PIP_RECORDS_SCRIPT = r"""
+import os, re, sys
+root = sys.argv[1]
+info = os.path.join(root, "var/lib/dpkg/info")
+meta = re.compile(r"(/usr/lib/python3[^/]*/dist-packages)/([^/]+\.(dist-info|egg-info))")
+for name in sorted(os.listdir(info)):
+    if not name.endswith(".list"):
+        continue
+    with open(os.path.join(info, name)) as handle:
+        owned = [line.rstrip("\n") for line in handle if line.strip()]
+    for entry in owned:
+        match = meta.fullmatch(entry)
+        if not match or not os.path.isdir(root + entry):
+            continue
+        site, kind = match.group(1), match.group(3)
+        files = [q for q in owned if q.startswith(site + "/") and os.path.isfile(root + q)]
+        if kind == "dist-info" and not os.path.exists(root + entry + "/RECORD"):
+            lines = [os.path.relpath(q, site) + ",," for q in files] + [os.path.relpath(entry, site) + "/RECORD,,"]
+            with open(root + entry + "/RECORD", "w") as out:
+                out.write("\n".join(lines) + "\n")
+        elif kind == "egg-info" and not os.path.exists(root + entry + "/installed-files.txt"):
+            with open(root + entry + "/installed-files.txt", "w") as out:
+                out.write("\n".join(os.path.relpath(q, entry) for q in files) + "\n")
+"""
+"""Customize hook (host Python, the root filesystem as argv[1]): give every Python distribution a
+Debian package installed (pip, wheel, packaging; setuptools on bookworm) the file list pip needs
+to uninstall it (``RECORD`` / ``installed-files.txt``, from dpkg's own list of the package's
+files under dist-packages). In the official python images every preinstalled distribution was
+installed by pip, so ``pip install mlflow`` may upgrade ``packaging``; without these lists pip
+stops with "Cannot uninstall packaging: no RECORD file was found ... installed by debian"."""
 
 
 class BuildError(SandboxError):
@@ -121,6 +164,11 @@ class Engine:
     def image_exists(self, ref: str) -> bool:
         """Whether the image ``ref`` is in local storage (never pulls)."""
         return self.run("image", "inspect", "--format", "{{.Id}}", ref, check=False, timeout_s=60).returncode == 0
+
+    def image_id(self, ref: str) -> str:
+        """The ID of the local image ``ref`` ("" when missing; never pulls)."""
+        done = self.run("image", "inspect", "--format", "{{.Id}}", ref, check=False, timeout_s=60)
+        return done.stdout.decode().strip().removeprefix("sha256:") if done.returncode == 0 else ""
 
     def image_config(self, ref: str) -> dict:
         """The image's ``Config`` (WorkingDir, Env, User, ...) from ``image inspect``."""
@@ -391,9 +439,9 @@ def ensure_task_image(engine: Engine, *, name: str, dockerfile: Path | None, con
         return ensure_base(engine, docker_image or "debian:bookworm")
     original = dockerfile.read_text()
     text, files = expand_heredocs(original)
-    for image in from_images(text):
-        ensure_base(engine, image)
-    key = context_hash(original, context_dir, extra=f"{engine.name}|{sorted(files)}")
+    bases = [engine.image_id(ref) or engine.image_id(qualified(ref))
+             for ref in (ensure_base(engine, image) for image in from_images(text))]
+    key = context_hash(original, context_dir, extra=f"{engine.name}|{sorted(files)}|{bases}")
     tag = f"{TASK_REPO}/{_safe_name(name)}:{key}"
     with _build_lock(tag):
         if not engine.image_exists(tag):
@@ -535,7 +583,7 @@ def stand_in_for(ref: str) -> StandIn | None:
 def rootfs_tag(rule: StandIn) -> str:
     """Local tag of the root filesystem a stand-in is imported as."""
     suffix = "-".join((rule.suite, *rule.extra))
-    return f"localhost/t1async-base/{suffix}:1"
+    return f"{BASE_REPO}/{suffix}:{ROOTFS_VERSION}"
 
 
 def ensure_base(engine: Engine, ref: str, *, bootstrap_missing: bool = False) -> str:
@@ -579,6 +627,7 @@ def build_rootfs(engine: Engine, rule: StandIn, *, mirror: str = DEBIAN_MIRROR, 
         'mkdir -p "$1"/usr/local/bin && ln -sf /usr/bin/python3 "$1"/usr/local/bin/python3 && '
         'ln -sf /usr/bin/python3 "$1"/usr/local/bin/python && ln -sf /usr/bin/pip3 "$1"/usr/local/bin/pip',
         'rm -rf "$1"/var/lib/apt/lists/* "$1"/var/cache/apt/*.bin',
+        f'{shlex.quote(sys.executable)} -c {shlex.quote(PIP_RECORDS_SCRIPT)} "$1"',  # pip may upgrade them
     ]
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="t1async-rootfs-", dir=CACHE_DIR) as tmp:
@@ -638,7 +687,7 @@ def bootstrap(engine: Engine, names: list[str], *, mirror: str = DEBIAN_MIRROR, 
                     report.built[tag] = round(build_rootfs(engine, rule, mirror=mirror, log=log), 1)
     for ref, rule in rules.items():
         target = qualified(ref)
-        if not rebuild and engine.image_exists(target) and not _is_tag_of(engine, target, rootfs_tag(rule)):
+        if not rebuild and engine.image_exists(target) and not _is_stand_in(engine, target):
             report.present.append(ref)
             continue
         engine.run("tag", rootfs_tag(rule), target, timeout_s=60)
@@ -646,6 +695,11 @@ def bootstrap(engine: Engine, names: list[str], *, mirror: str = DEBIAN_MIRROR, 
     return report
 
 
-def _is_tag_of(engine: Engine, ref: str, other: str) -> bool:
-    ids = [engine.run("image", "inspect", "--format", "{{.Id}}", r, check=False, timeout_s=60).stdout.strip() for r in (ref, other)]
-    return bool(ids[0]) and ids[0] == ids[1]
+def _is_stand_in(engine: Engine, ref: str) -> bool:
+    """Whether ``ref`` is a tag of a bootstrapped root filesystem (this version's or an older
+    one's, which a new bootstrap replaces), rather than a pulled image, which it leaves alone."""
+    image_id = engine.image_id(ref)
+    listed = engine.run("images", "--no-trunc", "--format", "{{.ID}} {{.Repository}}", check=False, timeout_s=60)
+    ours = {line.split()[0].removeprefix("sha256:") for line in listed.stdout.decode().splitlines()
+            if len(line.split()) == 2 and line.split()[1].startswith(BASE_REPO + "/")}
+    return bool(image_id) and image_id in ours

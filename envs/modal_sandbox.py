@@ -165,6 +165,10 @@ class ModalSandbox:
         """
         if self._sb is not None:
             raise SandboxError("sandbox already started: call close() before starting it again")
+        if self.spec.services:
+            raise SandboxError(f"task {self.spec.name} has compose services beside the agent's "
+                               f"({', '.join(s.name for s in self.spec.services)}); a Modal sandbox runs one "
+                               "container: use the container backend (--sandbox container)")
         if self._modal is None:
             check_modal_available()
             self._modal = _import_modal()

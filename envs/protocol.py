@@ -87,6 +87,42 @@ class SandboxLimits:
     disk_mb: int = 1024
 
 
+@dataclass(frozen=True)
+class ServiceSpec:
+    """An extra service of a task's docker-compose.yaml (a sidecar beside the agent's container,
+    e.g. an API server the agent talks to), as the ``container`` backend starts it.
+
+    The backend runs it in the agent container's network namespace (no network of its own, as
+    the agent's) and maps its name to 127.0.0.1 in the agent's ``/etc/hosts``, so
+    ``http://NAME:PORT`` reaches it as on a Compose network (two services must not listen on one
+    port).
+
+    Attributes:
+        name: the compose service name (also its host name for the agent).
+        dockerfile: its Dockerfile (``build.dockerfile``, default ``Dockerfile`` in the context), or None.
+        context_dir: its build context (``build`` / ``build.context``), or None with ``image``.
+        image: ``image`` when it is not built.
+        command: ``command`` as an argv (a string one runs under ``sh -c``), or None: the image's own.
+        environment: its ``environment`` entries.
+        healthcheck: ``healthcheck.test`` as an argv run inside the service, or None.
+        wait_healthy: the agent's service ``depends_on`` it with ``condition: service_healthy``:
+            the episode starts only once the health check passes.
+        health_interval_s, health_retries, health_start_period_s: the health check's schedule.
+    """
+
+    name: str
+    dockerfile: Path | None = None
+    context_dir: Path | None = None
+    image: str = ""
+    command: tuple[str, ...] | None = None
+    environment: tuple[tuple[str, str], ...] = ()
+    healthcheck: tuple[str, ...] | None = None
+    wait_healthy: bool = False
+    health_interval_s: float = 2.0
+    health_retries: int = 15
+    health_start_period_s: float = 0.0
+
+
 @dataclass
 class SandboxSpec:
     """Everything a backend needs to create one episode's sandbox.
@@ -113,6 +149,9 @@ class SandboxSpec:
         verifier_debs, verifier_requirements: what the task's test script would install at test
             time (Debian packages, Python requirements), for backends that can pre-install it in
             a verifier layer (``container``); ``verifier_requirements`` None: no layer.
+        services: the task's extra compose services (:class:`ServiceSpec`), started beside the
+            agent's container by the ``container`` backend (the ``local`` backend refuses such
+            tasks).
     """
 
     episode_dir: Path
@@ -131,6 +170,7 @@ class SandboxSpec:
     writable: tuple[str, ...] = ()
     verifier_debs: tuple[str, ...] = ()
     verifier_requirements: tuple[str, ...] | None = None
+    services: tuple[ServiceSpec, ...] = ()
 
 
 @runtime_checkable

@@ -16,7 +16,8 @@ Terminal-Bench 1 layout (:func:`load_tb1_task`)::
 
     task.yaml               instruction, difficulty, max_agent_timeout_sec (360),
                             max_test_timeout_sec (60), parser_name (pytest), run_tests_in_same_shell
-    Dockerfile, docker-compose.yaml   the image (build context: the task folder); one service only
+    Dockerfile, docker-compose.yaml   the image (build context: the task folder); the ``client``
+                            service is the agent's, others run beside it (container backend)
     run-tests.sh            the verifier, staged as /tests/run-tests.sh with tests/ (TEST_DIR=/tests)
     tests/...               e.g. test_outputs.py
     solution.sh             optional oracle; solution.yaml (tmux keystrokes) is refused for the oracle
@@ -43,6 +44,8 @@ from pathlib import Path
 from typing import Any
 
 from loguru import logger
+
+from .protocol import ServiceSpec
 
 LAYOUT_HINT = "see envs/tasks/* for the layout"
 DEFAULT_AGENT_TIMEOUT_S = 600.0
@@ -119,6 +122,8 @@ class Task:
         run_tests_in_same_shell: TB1: run the tests in the agent's shell (its cwd and exported
             variables) instead of a clean one.
         compose_env: variables from docker-compose.yaml's service ``environment`` (TB1/TB2).
+        services: the compose file's other services (sidecars such as an API server), which the
+            ``container`` backend starts beside the agent's container (see :func:`_read_compose`).
         local_refusal: why the ``local`` backend cannot run this task faithfully, else None.
         local_test_script: the test script as the local backend runs it (test-runner downloads
             replaced by the host's pytest; see :mod:`t1async.envs.adapt`), or None if unchanged.
@@ -154,6 +159,7 @@ class Task:
     storage_mb: int | None = None
     run_tests_in_same_shell: bool = False
     compose_env: dict[str, str] = field(default_factory=dict)
+    services: list[ServiceSpec] = field(default_factory=list)
     local_refusal: str | None = None
     local_test_script: str | None = None
     notes: list[str] = field(default_factory=list)
@@ -569,7 +575,8 @@ def _finish(task: Task, dockerfile: Path | None, compose: Path) -> Task:
 
     task.dockerfile = dockerfile
     if compose.is_file():
-        _read_compose(task, compose)
+        _read_compose(task, compose)  # the agent's service may build from another folder
+    dockerfile = task.dockerfile
     if dockerfile is not None:
         try:
             task.steps = parse_dockerfile(dockerfile.read_text(), task.environment_dir, where=str(dockerfile))
@@ -585,9 +592,16 @@ def _finish(task: Task, dockerfile: Path | None, compose: Path) -> Task:
     return task
 
 
+MAIN_SERVICES = ("main", "client")
+"""Names of the agent's own service in a docker-compose.yaml: Harbor's ``main`` (TB2), the TB1
+harness's ``client``. Every other service is a sidecar (:attr:`Task.services`)."""
+
+
 def _read_compose(task: Task, compose: Path) -> None:
-    """docker-compose.yaml: one service only (else a local refusal); its ``environment`` entries
-    (except the harness's ``${T_BENCH_...}`` ones) become :attr:`Task.compose_env`."""
+    """docker-compose.yaml: the agent's service (the only one, or :data:`MAIN_SERVICES`) gives
+    :attr:`Task.compose_env` (its ``environment`` entries except the harness's ``${T_BENCH_...}``
+    ones); every other service becomes a :class:`~t1async.envs.protocol.ServiceSpec` in
+    :attr:`Task.services` (run by the ``container`` backend; a local refusal)."""
     import yaml
 
     try:
@@ -597,13 +611,29 @@ def _read_compose(task: Task, compose: Path) -> None:
     services = data.get("services") if isinstance(data, dict) else None
     if not isinstance(services, dict) or not services:
         return
+    main_name = next((n for n in MAIN_SERVICES if n in services), None)
     if len(services) > 1:
         task.local_refusal = task.local_refusal or (
             f"{compose.name} defines {len(services)} services ({', '.join(sorted(services))}): a multi-container "
             "task needs Docker Compose, which the local sandbox does not reproduce"
         )
-        return
-    service = next(iter(services.values())) or {}
+        if main_name is None:
+            raise _error(task.path, f"{compose.name} defines services {sorted(services)} but none is the agent's",
+                         "name the agent's service 'main' (Harbor) or 'client' (Terminal-Bench 1)")
+        main = services[main_name] if isinstance(services[main_name], dict) else {}
+        task.services = [_compose_service(task, compose, str(name), body, main)
+                         for name, body in services.items() if name != main_name]
+    service = services[main_name] if main_name else next(iter(services.values()))
+    build = service.get("build") if isinstance(service, dict) else None
+    if build:  # e.g. TB1 `client: {build: {context: client}}`: the image comes from client/Dockerfile
+        spec = build if isinstance(build, dict) else {"context": build}
+        context, name = str(spec.get("context", ".")), str(spec.get("dockerfile", "Dockerfile"))
+        if (context, name) not in ((".", "Dockerfile"), ("./", "Dockerfile")):
+            folder = (compose.parent / context).resolve()
+            if not (folder / name).is_file():
+                raise _error(task.path, f"{compose.name}: the agent's service builds from {folder / name}, which "
+                             "does not exist", "add it or fix build.context/dockerfile")
+            task.context_dir, task.dockerfile = folder, folder / name
     if isinstance(service, dict):
         if service.get("image") and not service.get("build") and not task.docker_image:
             task.docker_image = str(service["image"])
@@ -613,6 +643,73 @@ def _read_compose(task: Task, compose: Path) -> None:
             value = "" if value is None else str(value)
             if "${" not in value and _ENV_KEY.match(str(key)):
                 task.compose_env[str(key)] = value
+
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(us|ms|s|m|h)")
+
+
+def _duration_s(value: Any, default: float) -> float:
+    """A compose duration (``2s``, ``1m30s``, ``500ms``, or a number of seconds) in seconds."""
+    if value is None:
+        return default
+    if isinstance(value, (int, float)):
+        return float(value)
+    parts = _DURATION.findall(str(value))
+    if not parts or "".join(a + b for a, b in parts) != str(value).strip():
+        return default
+    scale = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+    return sum(float(number) * scale[unit] for number, unit in parts)
+
+
+def _compose_service(task: Task, compose: Path, name: str, body: Any, main: dict) -> ServiceSpec:
+    """One sidecar of a docker-compose.yaml as a :class:`ServiceSpec` (paths relative to the compose file).
+
+    Raises:
+        TaskError: it has neither ``build`` nor ``image``, or its Dockerfile is missing.
+    """
+    body = body if isinstance(body, dict) else {}
+    build = body.get("build")
+    context = dockerfile = None
+    if build:
+        spec = build if isinstance(build, dict) else {"context": build}
+        context = (compose.parent / str(spec.get("context", "."))).resolve()
+        dockerfile = context / str(spec.get("dockerfile", "Dockerfile"))
+        if not dockerfile.is_file():
+            raise _error(task.path, f"{compose.name}: service {name!r} builds from {dockerfile}, which does not exist",
+                         "add it or fix build.context/dockerfile")
+    image = str(body.get("image") or "")
+    if "${" in image:  # a harness-chosen name (TB1's ${T_BENCH_...}), not an image to use
+        image = ""
+    if not build and not image:
+        raise _error(task.path, f"{compose.name}: service {name!r} has neither build nor image", "give it one")
+    command = body.get("command")
+    if isinstance(command, str):
+        command = ("sh", "-c", command)
+    elif isinstance(command, list):
+        command = tuple(str(c) for c in command)
+    else:
+        command = None
+    env = body.get("environment") or {}
+    pairs = env.items() if isinstance(env, dict) else (str(e).partition("=")[::2] for e in env)
+    environment = tuple((str(k), "" if v is None else str(v)) for k, v in pairs if "${" not in str(v or ""))
+    check = body.get("healthcheck") if isinstance(body.get("healthcheck"), dict) else {}
+    test = check.get("test")
+    if isinstance(test, str):
+        healthcheck: tuple[str, ...] | None = ("sh", "-c", test)
+    elif isinstance(test, list) and test and test[0] == "CMD":
+        healthcheck = tuple(str(t) for t in test[1:])
+    elif isinstance(test, list) and len(test) == 2 and test[0] == "CMD-SHELL":
+        healthcheck = ("sh", "-c", str(test[1]))
+    else:  # absent, or ["NONE"]
+        healthcheck = None
+    depends = main.get("depends_on") or {}
+    condition = depends.get(name) if isinstance(depends, dict) else None
+    wait = isinstance(condition, dict) and condition.get("condition") == "service_healthy"
+    return ServiceSpec(
+        name=name, dockerfile=dockerfile, context_dir=context, image=image, command=command, environment=environment,
+        healthcheck=healthcheck, wait_healthy=wait and healthcheck is not None,
+        health_interval_s=_duration_s(check.get("interval"), 2.0), health_retries=int(check.get("retries", 15)),
+        health_start_period_s=_duration_s(check.get("start_period"), 0.0))
 
 
 def task_folders(root: str | Path) -> list[Path]:

@@ -186,6 +186,7 @@ class TerminalEnv:
             limits=self.limits, workdir=workdir if not builds else "/app", dockerfile=self.task.dockerfile,
             context_dir=self.task.context_dir, docker_image=self.task.docker_image, name=self.task.name,
             container=self.container, log_dir=self.log_dir, writable=self.task.writable,
+            services=tuple(self.task.services),
         )
         needs = self.task.verifier_needs
         if builds and needs is not None:

@@ -13,8 +13,10 @@ stands for N tests. A missing summary is a parse error; zero parsed tests never 
 The reward is dense: the absolute number of passed tests.
 
 A Terminal-Bench 2 / Harbor verifier may also write the task's own reward to
-``/logs/verifier/reward.txt`` (a number) or ``reward.json`` (a number, or an object with a numeric
-``reward``). It is recorded as :attr:`VerifierResult.task_reward`. When there is no pytest
+``/logs/verifier/reward.txt`` (a number) or ``reward.json`` (a number, an object with a numeric
+``reward``, or Harbor's multi-dimensional object of named numeric rewards such as
+``{"correctness": 1, "performance": 0}``, which counts as its smallest value so that it resolves
+only when every dimension reaches 1). It is recorded as :attr:`VerifierResult.task_reward`. When there is no pytest
 summary at all, that reward stands in as the one test (passed when it is >= 1); when there is a
 summary and the task's own reward says < 1 although every test passed, the run is not resolved
 and ``error`` says why (the two verdicts disagree).
@@ -176,10 +178,19 @@ def parse_task_reward(reward_txt: str | None, reward_json: str | None) -> tuple[
             data = json.loads(reward_json)
         except json.JSONDecodeError as exc:
             return None, f"reward.json is not JSON ({exc})"
-        if isinstance(data, dict):
+        if isinstance(data, dict) and "reward" not in data and data:
+            # Harbor's multi-dimensional form: {"correctness": 1, "performance": 0, ...}. Every
+            # named reward must be a number; the run counts as its weakest dimension (min), so it
+            # resolves only when every dimension reaches 1.
+            if any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in data.values()):
+                return None, (f"reward.json's named rewards are not all numbers ({json.dumps(data)[:80]}); "
+                              "expected a number, {\"reward\": number} or {\"NAME\": number, ...}")
+            data = min(data.values())
+        elif isinstance(data, dict):
             data = data.get("reward")
         if isinstance(data, bool) or not isinstance(data, (int, float)):
-            return None, "reward.json holds no number (expected a number or {\"reward\": number})"
+            return None, ("reward.json holds no number (expected a number, {\"reward\": number} "
+                          "or {\"NAME\": number, ...})")
         value = float(data)
     else:
         return None, None

@@ -4,7 +4,9 @@ podman runs of the fidelity fixtures in tests/fixtures/container and of escape a
 The fixtures are this project's own: ``tb2-fidelity`` (COPY and RUN heredocs writing outside
 /app, a Terminal-Bench-2-style test.sh that fetches curl, uv, pytest and the ctrf plugin at test
 time) and ``tb1-uv-helpers`` (the TB1 ``setup-uv-pytest.sh``/``run-uv-pytest.sh`` pair that the
-task folder lacks, ``uv add``, a ``solution.yaml`` oracle of plain commands).
+task folder lacks, ``uv add``, a ``solution.yaml`` oracle of plain commands) and ``tb2-sidecar``
+(a docker-compose.yaml with a second service, built from its own Dockerfile, that the agent
+reaches by name once its health check passes).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from t1async.envs.evaluate import choose_sandbox, short_error
 from t1async.envs.images import (
     Engine,
     context_hash,
+    ensure_task_image,
+    resolve_engine,
     expand_heredocs,
     from_images,
     normalise,
@@ -34,7 +38,7 @@ from t1async.envs.images import (
     stand_in_for,
 )
 from t1async.envs.protocol import SandboxLimits, SandboxSpec
-from t1async.envs.task import load_task
+from t1async.envs.task import TaskError, load_task
 from t1async.envs.terminal import TerminalEnv, validate_task
 
 FIXTURES = Path(__file__).parent / "fixtures" / "container"
@@ -163,6 +167,51 @@ def test_auto_sandbox_keeps_local_for_the_shipped_tasks(tmp_path):
 # ------------------------------------------------------------------------------ real containers
 
 
+def test_compose_sidecars_are_parsed(tmp_path):
+    task = load_task(FIXTURES / "tb2-sidecar")
+    [kv] = task.services
+    assert kv.name == "kv" and kv.context_dir == (FIXTURES / "tb2-sidecar" / "environment" / "kv").resolve()
+    assert kv.dockerfile.name == "Dockerfile" and kv.environment == (("KV_SECRET", "sidecar-7f3a"),)
+    assert kv.healthcheck[:2] == ("python3", "-c") and kv.wait_healthy
+    assert (kv.health_interval_s, kv.health_retries, kv.health_start_period_s) == (1.0, 20, 2.0)
+    assert "2 services" in task.local_refusal
+
+    folder = tmp_path / "tb1-db"  # TB1 names the agent's service `client`
+    folder.mkdir()
+    (folder / "task.yaml").write_text("instruction: x\n")
+    (folder / "Dockerfile").write_text("FROM python:3.13-slim-bookworm\nWORKDIR /app\n")
+    (folder / "run-tests.sh").write_text("true\n")
+    (folder / "docker-compose.yaml").write_text(
+        "services:\n  client:\n    build: {dockerfile: Dockerfile}\n    environment:\n"
+        "      - TEST_DIR=${T_BENCH_TEST_DIR}\n      - MODE=ci\n"
+        "  db:\n    image: postgres:16\n    command: postgres -c fsync=off\n"
+        "    healthcheck: {test: [CMD-SHELL, pg_isready], interval: 1m30s}\n")
+    task = load_task(folder)
+    [db] = task.services
+    assert (db.image, db.command, db.healthcheck) == ("postgres:16", ("sh", "-c", "postgres -c fsync=off"), ("sh", "-c", "pg_isready"))
+    assert db.health_interval_s == 90.0 and not db.wait_healthy  # no depends_on condition: not awaited
+    assert task.compose_env == {"MODE": "ci"}
+
+    (folder / "docker-compose.yaml").write_text("services:\n  app:\n    build: .\n  db:\n    image: postgres:16\n")
+    with pytest.raises(TaskError, match="none is the agent's"):
+        load_task(folder)
+
+    # TB1 simple-web-scraper style: the agent's image and the server's each from their own folder
+    (folder / "Dockerfile").unlink()
+    for sub in ("client", "server"):
+        (folder / sub).mkdir()
+        (folder / sub / "Dockerfile").write_text(f"FROM python:3.13-slim-bookworm\nRUN echo {sub} > /role\n")
+    (folder / "docker-compose.yaml").write_text(
+        "services:\n  client:\n    build: {context: client, dockerfile: Dockerfile}\n"
+        "    image: ${T_BENCH_TASK_DOCKER_CLIENT_IMAGE_NAME}\n"
+        "  server:\n    build: {context: server}\n    image: ${T_BENCH_TASK_DOCKER_NAME_PREFIX}__server\n")
+    task = load_task(folder)
+    assert task.dockerfile == (folder / "client" / "Dockerfile").resolve() and task.context_dir == (folder / "client").resolve()
+    assert task.docker_image == "python:3.13-slim-bookworm"
+    [server] = task.services
+    assert server.dockerfile == (folder / "server" / "Dockerfile").resolve() and server.image == ""
+
+
 def _box(tmp_path: Path, **limits) -> ContainerSandbox:
     spec = SandboxSpec(episode_dir=tmp_path, command_timeout_s=10.0, docker_image=base_image(),
                        limits=SandboxLimits(**{"max_processes": 32, "memory_mb": 128, "cpu_time_s": 5, **limits}))
@@ -184,6 +233,40 @@ def test_fork_beyond_the_process_limit_gets_eagain_and_the_command_goes_on(tmp_p
         assert "survived" in result.output and not result.timed_out and result.exit_code == 0
         assert "processes" in result.refused and "process limit (32) reached" in result.output
         assert box.exec("echo ok").output == "ok\n"
+    finally:
+        box.close()
+
+
+@pytest.mark.container
+def test_task_image_is_rebuilt_when_its_base_image_changes(tmp_path):
+    """The cache key covers the image ID ``FROM`` resolves to: a re-bootstrapped stand-in (or a
+    pulled real image) under the same name must not leave tasks on the old one."""
+    base = base_image()
+    engine = resolve_engine()
+    ref = f"localhost/t1async-test/rebase-{os.getpid()}:latest"
+    (tmp_path / "Dockerfile").write_text(f"FROM {ref}\nRUN echo built > /built.txt\n")
+    built: list[str] = []
+    try:
+        engine.run("tag", base, ref)
+        built.append(ensure_task_image(engine, name="rebase", dockerfile=tmp_path / "Dockerfile", context_dir=tmp_path))
+        assert ensure_task_image(engine, name="rebase", dockerfile=tmp_path / "Dockerfile", context_dir=tmp_path) == built[0]
+        engine.run("tag", built[0], ref)  # the same name now resolves to another image
+        built.append(ensure_task_image(engine, name="rebase", dockerfile=tmp_path / "Dockerfile", context_dir=tmp_path))
+        assert built[1] != built[0]
+    finally:
+        engine.run("rmi", ref, *built, check=False)
+
+
+@pytest.mark.container
+def test_pip_may_replace_the_stand_ins_preinstalled_packages(tmp_path):
+    """In the official python images every preinstalled distribution came from pip, so a task's
+    ``pip install`` may upgrade one (mlflow pulls a newer ``packaging``); the Debian stand-in's
+    must be as removable (offline here: an uninstall is what an upgrade does first)."""
+    box = _box(tmp_path, max_processes=64, memory_mb=256, cpu_time_s=30)
+    try:
+        result = box.exec("pip uninstall -y packaging 2>&1; python3 -c 'import packaging' 2>&1 | tail -1", timeout_s=60)
+        assert "Successfully uninstalled packaging" in result.output, result.output
+        assert "No module named 'packaging'" in result.output, result.output
     finally:
         box.close()
 
@@ -220,14 +303,31 @@ def test_escapes_are_contained(tmp_path):
 
 
 @pytest.mark.container
-@pytest.mark.parametrize("name", ["tb2-fidelity", "tb1-uv-helpers"])
+@pytest.mark.parametrize("name", ["tb2-fidelity", "tb1-uv-helpers", "tb2-sidecar"])
 def test_fidelity_fixtures_resolve_with_the_oracle_and_not_without(name, tmp_path):
     base_image()
     task = load_task(FIXTURES / name)
     report = validate_task(task, tmp_path, sandbox="container")
     assert report.error is None, report.error
-    assert report.oracle.resolved and report.oracle.total == (3 if name == "tb2-fidelity" else 2), report.oracle.output
+    tests = {"tb2-fidelity": 3, "tb1-uv-helpers": 2, "tb2-sidecar": 1}[name]
+    assert report.oracle.resolved and report.oracle.total == tests, report.oracle.output
     assert not report.noop.resolved
+
+
+@pytest.mark.container
+def test_sidecars_are_removed_with_the_sandbox(tmp_path):
+    base_image()
+    task = load_task(FIXTURES / "tb2-sidecar")
+    with TerminalEnv(task, root=tmp_path / "episodes", sandbox="container", command_timeout_s=60) as env:
+        env.reset()
+        box = env.sandbox
+        names = [box.name, *box._services]
+        assert len(names) == 2
+        assert "sidecar-7f3a" in box.exec("python3 -c \"import urllib.request; "
+                                           "print(urllib.request.urlopen('http://kv:8080/secret').read())\"").output
+    engine = box.engine
+    left = engine.run("ps", "-a", "--format", "{{.Names}}", check=False).stdout.decode().split()
+    assert not set(names) & set(left)
 
 
 @pytest.mark.container

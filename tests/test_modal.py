@@ -87,3 +87,13 @@ def test_image_limits_and_network_requested_from_modal(tmp_path):
     registry.close()
     assert FakeSandbox.instances[-1].kwargs["image"].how == "registry"
     assert FakeSandbox.instances[-1].kwargs["block_network"] is False
+
+
+def test_compose_sidecars_are_refused_with_the_reason(tmp_path):
+    """A Modal sandbox is one container: a task with compose services beside the agent's must
+    fail clearly, not run without them."""
+    from t1async.envs.protocol import SandboxError, ServiceSpec
+
+    spec = SandboxSpec(episode_dir=tmp_path, name="web", services=(ServiceSpec(name="api-server", image="x:1"),))
+    with pytest.raises(SandboxError, match="api-server.*--sandbox container"):
+        ModalSandbox(spec).start()

@@ -180,7 +180,8 @@ def test_task_reward_files():
     assert parse_task_reward(None, "0.25") == (0.25, None)
     assert parse_task_reward(None, None) == (None, None)
     assert parse_task_reward("yes", None)[1].startswith("reward.txt holds")
-    assert "no number" in parse_task_reward(None, '{"score": 1}')[1]
+    assert "no number" in parse_task_reward(None, '{}')[1]
+    assert "no number" in parse_task_reward(None, '[1]')[1]
     both = verifier_result(SUMMARY, seconds=0.1, reward_txt="1")
     assert both.task_reward == 1.0 and both.passed == 7 and not both.resolved
 
@@ -198,3 +199,21 @@ def test_task_reward_disagreeing_with_tests_is_not_resolved():
     text = "=== short test summary info ===\nPASSED t.py::a\nPASSED t.py::b\n"
     result = verifier_result(text, seconds=0.1, reward_txt="0")
     assert result.passed == 2 and not result.resolved and "own reward is 0" in result.error
+
+
+def test_multi_dimensional_reward_json_counts_as_its_weakest_dimension():
+    """Harbor's multi-reward form (a recipe writes {"correctness": c, "performance": p}): every
+    named reward must be a number, and the run resolves only when every dimension reaches 1."""
+    from t1async.envs.verifier import parse_task_reward
+
+    assert parse_task_reward(None, '{"correctness": 1, "performance": 1}') == (1.0, None)
+    assert parse_task_reward(None, '{"correctness": 1, "performance": 0}') == (0.0, None)
+    assert parse_task_reward(None, '{"score": 0.5}') == (0.5, None)
+    assert parse_task_reward(None, '{"reward": 1, "aux": 0}') == (1.0, None)  # "reward" wins
+    assert "not all numbers" in parse_task_reward(None, '{"correctness": 1, "note": "fast"}')[1]
+    assert "not all numbers" in parse_task_reward(None, '{"correctness": true}')[1]
+    text = "=== short test summary info ===\nPASSED t.py::a\nPASSED t.py::b\n"
+    both = verifier_result(text, seconds=0.1, reward_json='{"correctness": 1, "performance": 1}')
+    assert both.resolved and both.task_reward == 1.0
+    slow = verifier_result(text, seconds=0.1, reward_json='{"correctness": 1, "performance": 0}')
+    assert not slow.resolved and "own reward is 0" in slow.error
