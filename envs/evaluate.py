@@ -136,8 +136,10 @@ def run_task(folder: Path, agent: str, root: Path, *, sandbox: str = "local", po
     try:
         task = load_task(folder)
         container = config.env.container if config is not None else None
+        keep = bool(config.env.keep_agent_processes) if config is not None else False
         make = env_factory or (lambda t, r: TerminalEnv(t, root=r, sandbox=sandbox, command_timeout_s=t.agent_timeout_s,
-                                                        container=container, log_dir=task_logs))
+                                                        container=container, log_dir=task_logs,
+                                                        keep_agent_processes=keep))
         with make(task, root) as env:
             if agent.startswith("policy:"):
                 assert policy is not None

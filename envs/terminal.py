@@ -95,6 +95,8 @@ class TerminalEnv:
         limits: resource limits (default: :func:`task_limits` of the task).
         container: settings of the ``container`` backend (default: its defaults).
         log_dir: where to keep this episode's logs (the image build's ``build.log``); None: none.
+        keep_agent_processes: leave what the agent left running alive through the verifier (the
+            harnesses' behaviour); False: kill it first (``env.keep_agent_processes``).
 
     Raises:
         SandboxUnavailable: at construction, when the backend cannot run here.
@@ -114,6 +116,7 @@ class TerminalEnv:
         limits: SandboxLimits | None = None,
         container: ContainerConfig | None = None,
         log_dir: Path | None = None,
+        keep_agent_processes: bool = False,
     ):
         check_sandbox_available(sandbox)
         if not SANDBOXES[sandbox].builds_image and task.local_refusal:
@@ -127,6 +130,7 @@ class TerminalEnv:
         self.limits = limits or task_limits(task)
         self.container = container
         self.log_dir = log_dir
+        self.keep_agent_processes = keep_agent_processes
         self.episode_dir: Path | None = None
         self.sandbox: Sandbox | None = None
         self.workdir = APP
@@ -142,7 +146,8 @@ class TerminalEnv:
                              cpu_time_s=env_cfg.cpu_time_s, max_file_mb=env_cfg.max_file_mb, disk_mb=env_cfg.disk_mb)
         return cls(task, root=root, sandbox=env_cfg.sandbox, command_timeout_s=env_cfg.command_timeout_s,
                    max_output_bytes=env_cfg.max_output_bytes, verifier_timeout_s=env_cfg.verifier_timeout_s or None,
-                   limits=task_limits(task, base), container=env_cfg.container)
+                   limits=task_limits(task, base), container=env_cfg.container,
+                   keep_agent_processes=env_cfg.keep_agent_processes)
 
     @property
     def workspace(self) -> Path:
@@ -317,8 +322,8 @@ class TerminalEnv:
         verifier_env = f"T1ASYNC_VERIFIER_PYTHON={shlex.quote(python)} " if python else ""
         # Nothing the agent started may run beside the verifier: a left-over process of the same
         # uid could kill pytest and forge its output (reward hacking). Tasks whose tests need a
-        # service the agent started are not supported by this rule (documented in the README).
-        stopped = self.sandbox.end_agent()
+        # service the agent started need env.keep_agent_processes (the harnesses' behaviour).
+        stopped = 0 if self.keep_agent_processes else self.sandbox.end_agent()
         if stopped:
             logger.debug("stopped {} process(es) the agent left running before verifying {}", stopped, task.name)
         self.sandbox.clear("/logs/verifier")  # the agent may have planted files or symlinks there

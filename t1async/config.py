@@ -213,6 +213,12 @@ class EnvConfig:
     """Settings of the ``container`` backend."""
     max_turns: int = 4
     """Assistant turns per episode before it is ended."""
+    keep_agent_processes: bool = False
+    """Leave the processes the agent started running while the verifier runs, as the
+    Terminal-Bench and Harbor harnesses do (tasks whose tests query a server the agent started in
+    the background need it, e.g. TB1 ``mlflow-register``). Off (default, for training): they are
+    killed before the verifier, so nothing of the agent's can kill the tests or forge their
+    output (reward hacking)."""
     max_context_tokens: int = 0
     """Longest episode stream, tokens (0: ``model.max_position_embeddings``; a larger value is
     capped at it). Before each turn the rollout checks that the stream plus

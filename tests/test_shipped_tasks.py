@@ -78,3 +78,35 @@ def test_agent_daemon_cannot_forge_verifier_output(tmp_path):
                  ">/dev/null 2>&1 &) && sleep 0.2 && pgrep -f forge.sh >/dev/null && echo running")
         result = env.verify()
     assert result.passed == 0 and not result.resolved and result.total == 3
+
+
+def test_keep_agent_processes_leaves_a_server_the_agent_started_alive_for_the_verifier(tmp_path):
+    """env.keep_agent_processes: a background process the agent started (a stand-in for a server
+    the tests query, as TB1 mlflow-register needs) is alive when the tests run; by default it is
+    killed first, and the same tests fail."""
+    import textwrap
+
+    from t1async.envs.synth import TaskFiles, write_task
+
+    tests = textwrap.dedent('''
+        from pathlib import Path
+
+        def test_the_server_is_running():
+            cmdlines = []
+            for p in Path("/proc").iterdir():
+                try:
+                    cmdlines.append((p / "cmdline").read_bytes())
+                except OSError:
+                    pass
+            assert any(b"4321" in c for c in cmdlines)
+    ''')
+    folder = write_task(tmp_path / "tasks", "needs-server", "server",
+                        TaskFiles("Start the server in the background.", {"README.txt": "x\n"}, tests,
+                                  "(setsid nohup sleep 4321 >/dev/null 2>&1 &)\n"))
+    task = load_task(folder)
+    for keep in (False, True):
+        with TerminalEnv(task, root=tmp_path / f"run-{keep}", keep_agent_processes=keep) as env:
+            env.reset()
+            env.step("(setsid nohup sleep 4321 >/dev/null 2>&1 &) ; sleep 0.2")
+            result = env.verify()
+        assert result.resolved == keep and result.total == 1, (keep, result)
