@@ -95,8 +95,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sandbox", default="auto",
                    help="sandbox backend: local, container, modal, or auto (default: local for the shipped tasks, "
                         "container for other task folders where podman or docker is installed, else local)")
-    p.add_argument("--config", help="YAML config (env.container for the container backend; env/generation/sampler "
-                                    "sections for policy:)")
+    p.add_argument("--config", help="YAML config, read for every agent: env.container for the container backend, "
+                                    "env.keep_agent_processes (tasks whose tests query a server the agent started), "
+                                    "env/generation/sampler sections for policy:")
     p.add_argument("--logs", help="folder for per-task logs: build log, commands with output, verifier output, reward "
                                   "files, timings (default: beside --out, FILE.logs/; none without --out)")
     p.set_defaults(func=_guard(run_eval))

@@ -529,7 +529,7 @@ class LearnerConfig:
     episodes of its task, the same for every token; :func:`t1async.rl.group_baselines`; with
     ``rollout.group_size`` > 1 so each task's episodes come in groups). A trajectory with no peer
     of its task falls back to GAE; ``group_baselined_frac`` in metrics.jsonl is the share that had
-    one. The critic trains either way."""
+    one. The critic trains either way unless ``critic`` is off."""
     group_window_steps: int = 2
     """``advantage: group``: peers trained up to this many steps before the current one count too
     (members of a group that landed in an earlier batch)."""

@@ -59,7 +59,7 @@ def launch(config_path: str | None, overrides: list[str] | tuple[str, ...] = ())
     lock = claim_run_dir(cfg, run_dir)
     cfg.transport.spool_dir = cfg.transport.spool_dir or str(run_dir / "spool")  # resent by a resumed run
     logger.info("run directory: {}", run_dir)
-    logger.info("{} tasks, {} rollout actors, {} samplers, {} learner steps", len(task_names), cfg.rollout.num_actors,
+    logger.info("{} tasks, {} rollout actors, {} sampler(s), {} learner steps", len(task_names), cfg.rollout.num_actors,
                 cfg.sampler.num_samplers, cfg.learner.max_steps or "unlimited (until t1async stop)")
     t_start = time.time()
     reaper = Reaper.start(run_dir)  # cleans up Ray and the sandboxes should this process be killed
