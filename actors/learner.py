@@ -483,10 +483,11 @@ class Learner:
         dev = backend.device  # the batch's tensors live where the backend computes (cpu: no copy)
         baselines = self._group_baselines(batch) if cfg.advantage == "group" else [None] * len(batch)
         n_peered = sum(b is not None for b in baselines)
-        if not cfg.critic:  # no peer of its task: the mean reward of the rest of the batch
-            rewards_b = [episode_reward(t, cfg.reward) for t in batch]
-            baselines = [b if b is not None else (sum(rewards_b) - r) / (len(batch) - 1) if len(batch) > 1 else r
-                         for b, r in zip(baselines, rewards_b)]
+        if not cfg.critic:  # no peer of its task: the mean reward of the rest of the batch (itself if alone)
+            batch_rewards = [episode_reward(t, cfg.reward) for t in batch]
+            total = sum(batch_rewards)
+            others = [(total - r) / (len(batch) - 1) if len(batch) > 1 else r for r in batch_rewards]
+            baselines = [b if b is not None else o for b, o in zip(baselines, others)]
         for traj, baseline in zip(batch, baselines):
             ids = torch.from_numpy(traj.token_ids.astype(np.int64)).to(dev)
             inp, tgt = ids[:-1].unsqueeze(0), ids[1:].unsqueeze(0)
@@ -676,8 +677,9 @@ class Learner:
 
     def save_checkpoint(self) -> Path:
         """Write ``checkpoints/step_NNNNNN/`` atomically: policy safetensors + config.json, critic,
-        optimisers, trainer state (with the group advantage's recent rewards per task), and ``consumed.json`` (every trajectory id this model state
-        trained on or dropped), staged in a hidden folder and renamed into place."""
+        optimisers, trainer state (with the group advantage's recent rewards per task), and
+        ``consumed.json`` (every trajectory id this model state trained on or dropped), staged in a
+        hidden folder and renamed into place."""
         root = self.run_dir / "checkpoints"
         tmp = staging_dir(root, self.step)
         self.backend.save(tmp)

@@ -163,7 +163,7 @@ class Engine:
 
     def image_exists(self, ref: str) -> bool:
         """Whether the image ``ref`` is in local storage (never pulls)."""
-        return self.run("image", "inspect", "--format", "{{.Id}}", ref, check=False, timeout_s=60).returncode == 0
+        return bool(self.image_id(ref))
 
     def image_id(self, ref: str) -> str:
         """The ID of the local image ``ref`` ("" when missing; never pulls)."""
@@ -439,8 +439,7 @@ def ensure_task_image(engine: Engine, *, name: str, dockerfile: Path | None, con
         return ensure_base(engine, docker_image or "debian:bookworm")
     original = dockerfile.read_text()
     text, files = expand_heredocs(original)
-    bases = [engine.image_id(ref) or engine.image_id(qualified(ref))
-             for ref in (ensure_base(engine, image) for image in from_images(text))]
+    bases = [ensure_base_id(engine, image) for image in from_images(text)]
     key = context_hash(original, context_dir, extra=f"{engine.name}|{sorted(files)}|{bases}")
     tag = f"{TASK_REPO}/{_safe_name(name)}:{key}"
     with _build_lock(tag):
@@ -587,15 +586,22 @@ def rootfs_tag(rule: StandIn) -> str:
 
 
 def ensure_base(engine: Engine, ref: str, *, bootstrap_missing: bool = False) -> str:
+    """Make ``ref`` resolvable locally (:func:`ensure_base_id`). Returns ``ref``."""
+    ensure_base_id(engine, ref, bootstrap_missing=bootstrap_missing)
+    return ref
+
+
+def ensure_base_id(engine: Engine, ref: str, *, bootstrap_missing: bool = False) -> str:
     """Make ``ref`` resolvable locally: present, or tagged from its stand-in's root filesystem
-    (bootstrapped first when ``bootstrap_missing``). Returns ``ref``.
+    (bootstrapped first when ``bootstrap_missing``). Returns the image ID it resolves to.
 
     Raises:
         SandboxError: missing, with no stand-in (or its root filesystem not bootstrapped); the
             message says to run ``t1async images bootstrap`` or pull it.
     """
-    if engine.image_exists(ref) or engine.image_exists(qualified(ref)):
-        return ref
+    found = engine.image_id(ref) or engine.image_id(qualified(ref))
+    if found:
+        return found
     rule = stand_in_for(ref)
     if rule is None:
         raise SandboxError(f"base image {ref!r} is not in local storage and t1async has no stand-in for it: "
@@ -608,7 +614,7 @@ def ensure_base(engine: Engine, ref: str, *, bootstrap_missing: bool = False) ->
         build_rootfs(engine, rule)
     engine.run("tag", base, qualified(ref), timeout_s=60)
     logger.info("{} stands in for {}: {}", base, ref, rule.differences)
-    return ref
+    return engine.image_id(base)
 
 
 def build_rootfs(engine: Engine, rule: StandIn, *, mirror: str = DEBIAN_MIRROR, log: Path | None = None) -> float:

@@ -625,15 +625,10 @@ def _read_compose(task: Task, compose: Path) -> None:
                          for name, body in services.items() if name != main_name]
     service = services[main_name] if main_name else next(iter(services.values()))
     build = service.get("build") if isinstance(service, dict) else None
-    if build:  # e.g. TB1 `client: {build: {context: client}}`: the image comes from client/Dockerfile
-        spec = build if isinstance(build, dict) else {"context": build}
-        context, name = str(spec.get("context", ".")), str(spec.get("dockerfile", "Dockerfile"))
-        if (context, name) not in ((".", "Dockerfile"), ("./", "Dockerfile")):
-            folder = (compose.parent / context).resolve()
-            if not (folder / name).is_file():
-                raise _error(task.path, f"{compose.name}: the agent's service builds from {folder / name}, which "
-                             "does not exist", "add it or fix build.context/dockerfile")
-            task.context_dir, task.dockerfile = folder, folder / name
+    spec = build if isinstance(build, dict) else {"context": build}
+    if build and (str(spec.get("context", ".")), str(spec.get("dockerfile", "Dockerfile"))) not in (
+            (".", "Dockerfile"), ("./", "Dockerfile")):  # e.g. TB1 `client: {build: {context: client}}`
+        task.context_dir, task.dockerfile = _compose_build(task, compose, "the agent's service", build)
     if isinstance(service, dict):
         if service.get("image") and not service.get("build") and not task.docker_image:
             task.docker_image = str(service["image"])
@@ -661,6 +656,22 @@ def _duration_s(value: Any, default: float) -> float:
     return sum(float(number) * scale[unit] for number, unit in parts)
 
 
+def _compose_build(task: Task, compose: Path, who: str, build: Any) -> tuple[Path, Path]:
+    """A compose ``build`` (a context path, or ``{context, dockerfile}``, relative to the compose
+    file) as (context folder, Dockerfile), both resolved.
+
+    Raises:
+        TaskError: the Dockerfile does not exist (``who`` names the service in the message).
+    """
+    spec = build if isinstance(build, dict) else {"context": build}
+    context = (compose.parent / str(spec.get("context", "."))).resolve()
+    dockerfile = context / str(spec.get("dockerfile", "Dockerfile"))
+    if not dockerfile.is_file():
+        raise _error(task.path, f"{compose.name}: {who} builds from {dockerfile}, which does not exist",
+                     "add it or fix build.context/dockerfile")
+    return context, dockerfile
+
+
 def _compose_service(task: Task, compose: Path, name: str, body: Any, main: dict) -> ServiceSpec:
     """One sidecar of a docker-compose.yaml as a :class:`ServiceSpec` (paths relative to the compose file).
 
@@ -669,14 +680,7 @@ def _compose_service(task: Task, compose: Path, name: str, body: Any, main: dict
     """
     body = body if isinstance(body, dict) else {}
     build = body.get("build")
-    context = dockerfile = None
-    if build:
-        spec = build if isinstance(build, dict) else {"context": build}
-        context = (compose.parent / str(spec.get("context", "."))).resolve()
-        dockerfile = context / str(spec.get("dockerfile", "Dockerfile"))
-        if not dockerfile.is_file():
-            raise _error(task.path, f"{compose.name}: service {name!r} builds from {dockerfile}, which does not exist",
-                         "add it or fix build.context/dockerfile")
+    context, dockerfile = _compose_build(task, compose, f"service {name!r}", build) if build else (None, None)
     image = str(body.get("image") or "")
     if "${" in image:  # a harness-chosen name (TB1's ${T_BENCH_...}), not an image to use
         image = ""

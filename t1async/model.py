@@ -153,8 +153,7 @@ class Linear(nn.Linear):
     The input's leading dims are flattened to M rows and zero rows are appended up to
     ``max(ROW_MIN, M rounded up to a multiple of ROW_MULTIPLE)`` (the BLAS' kernel choice and
     thread split then treat every row alike), then cut off again. Same parameters and
-    state_dict names as ``nn.Linear``;
-    gradients flow as usual (the padding rows get none).
+    state_dict names as ``nn.Linear``; gradients flow as usual (the padding rows get none).
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

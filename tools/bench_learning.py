@@ -30,8 +30,8 @@ seeds, of the first reward mode), ``warm_start_pass_at_k`` (held-out tasks any o
 ``--eval-samples`` episodes resolves: about the ceiling of sharpening the warm start),
 ``minutes``, ``trajectories``, ``steps``, and ``runs``: per seed and reward the held-out
 ``curve`` ([minutes, resolved rate]), per-family resolved rates at the start and the end,
-training reward per step, trajectories, steps; ``spread``: min/max ``delta_points`` over seeds per reward. Writes
-``learning.png`` (matplotlib): held-out resolved rate against minutes, and training reward.
+training reward per step, trajectories, steps; ``spread``: min/max ``delta_points`` over seeds
+per reward. Writes ``learning.png`` (matplotlib): held-out resolved rate against minutes, and training reward.
 Everything lands under ``--out`` (default ``runs/bench-learning-<time>``).
 """
 
