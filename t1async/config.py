@@ -541,13 +541,14 @@ class LearnerConfig:
     Off requires ``advantage: group`` and ``critic_warmup_steps: 0``; ``value_loss`` and
     ``explained_variance`` are then absent from metrics.jsonl."""
     negative_advantage_weight: float = 1.0
-    """Multiplier of negative advantages, after whitening (0..1). 1: the usual policy gradient.
-    Below 1 the update leans toward the episodes that did better than their baseline: 0 trains
-    only on those (reward-filtered imitation of the policy's own better episodes, RAFT++ in
+    """Multiplier of negative advantages, after whitening when ``normalize_advantages`` (0..1).
+    1: the usual policy gradient. Below 1 the update leans toward what did better than the
+    baseline: with group advantages and whitening off, 0 trains only on the episodes above their
+    baseline; with whitening on, only on tokens above the batch's mean advantage (reward-filtered imitation of the policy's own better episodes, RAFT++ in
     Xiong et al. 2025, "A Minimalist Approach to LLM Reasoning"; Arnal et al. 2025, "Asymmetric
     REINFORCE", show why a baseline below the mean is the stable side off-policy): pushing
-    failed episodes' tokens down has no floor. Measured here it did not help: at lr 1e-3 with
-    weight 0 the policy drifted as fast as with 1 (README, "Warm start and learning")."""
+    failed episodes' tokens down has no floor. Measured once here it did not help: at lr 1e-3 with
+    weight 0 the policy drifted within 3 minutes (README, "Warm start and learning")."""
     critic_warmup_steps: int = 0
     """Initial steps that train only the critic, on rollouts of the starting (warm-started)
     policy, before the first policy update (``phase`` is ``critic_warmup`` in metrics.jsonl)."""
