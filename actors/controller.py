@@ -128,9 +128,27 @@ class Controller:
         finished), or the learner's version when there is none or it is older; always the
         learner's version under ``rollout.admission: learner_version`` (AReaL's rule)."""
         with self._cond:
-            if self.cfg.admission == "learner_version":
+            if self.cfg.admission in ("learner_version", "learner_wait"):
                 return self.version
             return min([self.version, *self._running.values(), *self._pending.values()])
+
+    def holds_publish(self) -> bool:
+        """Whether the learner must ask :meth:`publish_allowed` before each publish (the
+        ``learner_wait`` rule: admission runs ahead, the learner holds the bound)."""
+        return self.cfg.admission == "learner_wait"
+
+    def publish_allowed(self, next_version: int, held_ids: list[str]) -> bool:
+        """Under ``rollout.admission: learner_wait``: may the learner publish ``next_version``?
+        False while an episode the learner does not hold yet (running, or finished and on its
+        way; ``held_ids`` are those it holds and judges itself) was admitted at a version ``a``
+        with ``next_version - a > max_staleness``: publishing would make it too stale to train,
+        so the learner waits for it instead of dropping it. Always True under the other rules."""
+        with self._cond:
+            if self.cfg.admission != "learner_wait":
+                return True
+            skip = set(held_ids)
+            versions = [*self._running.values(), *(a for tid, a in self._pending.items() if tid not in skip)]
+            return not versions or next_version - min(versions) <= self.max_staleness
 
     def episode_finished(self, actor_id: int, trajectory_id: str, extra_ids: list[str] | tuple[str, ...] = ()) -> None:
         """The actor's running episode became trajectory ``trajectory_id`` (called before it is

@@ -109,6 +109,8 @@ class Learner:
                                                     resume_from or cfg.init_checkpoint or None)
         self.version = 0
         self.step = 0
+        self._held: list[Trajectory] = []  # received, kept, not yet trained (rollout.admission: learner_wait)
+        self._hold_publish, self._hold_s = False, 0.0
         self.counters = {"received": 0, "rejected": 0, "dropped_stale": 0, "trained": 0, "duplicates": 0, "replayed": 0}
         self.dropped = dict.fromkeys(DROP_REASONS, 0)  # trajectories dropped, by reason (cumulative)
         self._task_rewards: dict[str, list[tuple[int, float]]] = {}  # advantage: group (step, reward) per task, recent
@@ -175,7 +177,7 @@ class Learner:
     def status(self) -> dict[str, Any]:
         """Step, version, queue depth, counters, dropped trajectories by reason, what a resume
         restored, and the consumed-id ledger's size (ids in all, streams, holes)."""
-        return {"step": self.step, "version": self.version, "queue_depth": self._queue.qsize(),
+        return {"step": self.step, "version": self.version, "queue_depth": self._queue.qsize() + len(self._held),
                 "queue_bytes": self._queue.nbytes, **self.counters, "dropped": dict(self.dropped),
                 "resumed": self.resumed, "max_steps": self.cfg.max_steps,
                 "weight_group": self._sync.snapshot(),
@@ -389,6 +391,8 @@ class Learner:
         with self._discard_lock:
             self._controller = controller
             pending, self._pending_discards = self._pending_discards, []
+        self._hold_publish = controller is not None and hasattr(controller, "holds_publish") and bool(
+            call(controller.holds_publish))
         if controller is not None:
             if self.version > 0:  # resumed: admission must follow the restored version
                 call(controller.set_version, self.version)
@@ -420,6 +424,7 @@ class Learner:
                     metrics["publish_pause_s"], metrics["publish_form_s"] = self._sync.last_pause_s, self._sync.last_form_s
                 metrics["step_s"] = time.perf_counter() - t0  # train + publish (seconds)
                 metrics["batch_wait_s"], metrics["publish_s"] = wait_s, publish_s  # idle: waiting for the batch
+                metrics["hold_s"] = self._hold_s  # of batch_wait_s: held for a slow episode (learner_wait)
                 metrics["tokens_per_s"] = metrics.pop("trained_tokens") / metrics["step_s"]
                 self._write_metrics(metrics)
                 write_transcripts(self.run_dir / "episodes", self.step, batch, self.cfg.episodes_per_step, self._tok)
@@ -431,9 +436,25 @@ class Learner:
             self._stop.set()
         return self.status()
 
+    def _keep(self, traj: Trajectory) -> bool:
+        """Whether ``traj`` may be trained: within the staleness bound and not to be dropped for an
+        abnormal end (:func:`t1async.abnormal.drop_reason`); otherwise it is dropped and counted."""
+        staleness = self.version - traj.min_version
+        if staleness > self.cfg.max_staleness:
+            self.counters["dropped_stale"] += 1
+            self._drop(traj, "stale", f"{staleness} > {self.cfg.max_staleness}")
+            return False
+        reason = drop_reason(traj, self.cfg.abnormal)
+        if reason is not None:
+            self._drop(traj, reason, drop_detail(traj, reason))
+            return False
+        return True
+
     def _collect_batch(self) -> list[Trajectory] | None:
-        """Take ``batch_size`` trajectories within the staleness bound and not to be dropped for an
-        abnormal end (:func:`t1async.abnormal.drop_reason`); drop and count the others."""
+        """Take ``batch_size`` trajectories that :meth:`_keep` keeps, in arrival order (under
+        ``rollout.admission: learner_wait``, :meth:`_collect_held_batch`)."""
+        if self._hold_publish:
+            return self._collect_held_batch()
         batch: list[Trajectory] = []
         deadline = time.monotonic() + self.cfg.batch_timeout_s
         while len(batch) < self.cfg.batch_size:
@@ -448,17 +469,66 @@ class Learner:
             except queue.Empty:
                 self._serve_joiners()
                 continue
-            staleness = self.version - traj.min_version
-            if staleness > self.cfg.max_staleness:
-                self.counters["dropped_stale"] += 1
-                self._drop(traj, "stale", f"{staleness} > {self.cfg.max_staleness}")
-                continue
-            reason = drop_reason(traj, self.cfg.abnormal)
-            if reason is not None:
-                self._drop(traj, reason, drop_detail(traj, reason))
-                continue
-            batch.append(traj)
+            if self._keep(traj):
+                batch.append(traj)
         return batch
+
+    def _collect_held_batch(self) -> list[Trajectory] | None:
+        """``rollout.admission: learner_wait``: the ``batch_size`` oldest trajectories received
+        (smallest ``min_version`` first, then arrival order), taken once the controller allows the
+        publish that follows this step (:meth:`actors.controller.Controller.publish_allowed`).
+
+        Admission there follows the learner's version, so fast episodes run up to
+        ``max_staleness`` versions ahead while a slow one is still running or verifying; the
+        learner, not the actors, waits for the slow one before publishing a version it could not
+        be trained at, and then trains it first. No trajectory becomes stale, so none is dropped
+        for it, and the actors keep sampling meanwhile. After ``batch_timeout_s`` the learner
+        publishes anyway (logged; what then becomes too stale is dropped and counted, never
+        trained). Time spent holding is reported per step as ``hold_s``.
+
+        Returns:
+            The batch, or None when the learner is stopped or starved (fewer than ``batch_size``
+            trajectories received within ``batch_timeout_s``).
+        """
+        cfg = self.cfg
+        publishes = (self.step + 1) % cfg.publish_every == 0
+        deadline = time.monotonic() + cfg.batch_timeout_s
+        held_since: float | None = None
+        self._hold_s = 0.0
+        while True:
+            if self._stop.is_set():
+                return None
+            if len(self._held) >= cfg.batch_size:
+                self._held = [t for t in self._held if self._keep(t)]  # a bound changed live
+                self._held.sort(key=lambda t: t.min_version)  # stable: arrival order within a version
+            if len(self._held) >= cfg.batch_size:
+                batch, rest = self._held[:cfg.batch_size], self._held[cfg.batch_size:]
+                # wait only for episodes not here yet (judged by their admission version): waiting
+                # cannot save one already held that the batch has no room for (it is dropped as stale)
+                ok = not publishes or call(self._controller.publish_allowed, self.version + 1,
+                                           [t.trajectory_id for t in self._held])
+                if not ok and time.monotonic() > deadline:
+                    logger.warning("learner waited {} s for a slow episode; publishing version {} anyway (what "
+                                   "that makes too stale is dropped and counted)", cfg.batch_timeout_s,
+                                   self.version + 1)
+                    ok = True
+                if ok:
+                    self._held = rest
+                    if held_since is not None:
+                        self._hold_s = time.monotonic() - held_since
+                    return batch
+                held_since = held_since if held_since is not None else time.monotonic()
+            elif time.monotonic() > deadline:
+                logger.error("learner starved: {} of {} trajectories in {} s; stopping", len(self._held),
+                             cfg.batch_size, cfg.batch_timeout_s)
+                return None
+            try:
+                traj = self._queue.get(timeout=0.5)
+            except queue.Empty:
+                self._serve_joiners()
+                continue
+            if self._keep(traj):
+                self._held.append(traj)
 
     def _drop(self, traj: Trajectory, reason: str, detail: str) -> None:
         """Never train ``traj``: count it under ``reason``, mark its id consumed (-1: a resend or a

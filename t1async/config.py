@@ -300,8 +300,10 @@ class RolloutConfig:
     while ``started < (v + max_staleness + 1) x batch_size x publish_every`` with ``v`` the
     version of the oldest episode not yet trained (slow episodes are never dropped; they hold
     admission back); ``learner_version`` uses the learner's version (AReaL's rule: the fast run
-    ahead of a slow episode, which the learner may then drop as stale). With
-    ``learner.max_staleness=0`` either rule is synchronous RL."""
+    ahead of a slow episode, which the learner may then drop as stale); ``learner_wait`` admits
+    as AReaL does, but the learner trains oldest first and waits for a slow episode before
+    publishing a version it could not be trained at (no stale drops; the actors keep sampling
+    while it waits). With ``learner.max_staleness=0`` every rule is synchronous RL."""
     agent: str = "builtin"
     """Who drives an episode: ``builtin`` (the rollout loop of actors/rollout.py) or ``external``
     (the program ``agent_command``, talking to an OpenAI-compatible endpoint that records every
@@ -783,8 +785,9 @@ _VALUE_RULES: list[tuple[str, Any, str]] = [
     ("learner.advantage", lambda v: v in ("gae", "group"), "'gae' (the critic) or 'group' (leave-one-out over a task's episodes)"),
     ("learner.group_window_steps", lambda v: v >= 0, "an integer >= 0"),
     ("learner.negative_advantage_weight", lambda v: 0 <= v <= 1, "a number in [0, 1]"),
-    ("rollout.admission", lambda v: v in ("oldest_episode", "learner_version"),
-     "'oldest_episode' (never drops slow episodes) or 'learner_version' (AReaL's rule)"),
+    ("rollout.admission", lambda v: v in ("oldest_episode", "learner_version", "learner_wait"),
+     "'oldest_episode' (actors wait for slow episodes), 'learner_version' (AReaL's rule: drops what gets too"
+     " stale) or 'learner_wait' (actors run ahead, the learner waits for slow episodes)"),
     ("rollout.agent", lambda v: v in ("builtin", "external"),
      "'builtin' (the rollout loop) or 'external' (rollout.agent_command through the OpenAI-compatible endpoint)"),
     ("rollout.history_break", lambda v: v in ("split", "drop"), "'split' (exact segments) or 'drop' (the episode)"),

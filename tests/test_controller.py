@@ -171,3 +171,28 @@ def test_extra_segments_of_an_episode_take_and_return_their_own_slots():
     assert c.oldest_version() == 0  # seg1 and last are still pending at version 0
     c.trajectories_consumed(["seg1", "last"])
     assert c.oldest_version() == 1 and c.acquire(0)
+
+
+def test_learner_wait_admits_as_areal_and_allows_a_publish_only_within_every_unheld_episodes_bound():
+    """``learner_wait``: admission follows the learner's version (a slow episode does not hold it),
+    and :meth:`publish_allowed` refuses a version that would leave an episode the learner does not
+    hold yet (running, or sent and on its way) more than ``max_staleness`` versions behind; the
+    other rules never hold a publish."""
+    c = Controller(RolloutConfig(num_actors=1, admission="learner_wait"), ["a"], rollouts_per_version=1,
+                   max_staleness=1, make_rollout=lambda aid, crash: None, seed=0)
+    assert c.holds_publish()
+    assert c.acquire(0) and c.acquire(1)  # the slow one (actor 0) and a fast one, version 0
+    c.episode_finished(1, "f1")
+    assert c.publish_allowed(1, ["f1"])  # the slow one would be 1 behind: allowed
+    c.trajectories_consumed(["f1"])
+    c.set_version(1)
+    assert c.acquire(1)  # admission follows the learner, not the slow episode
+    c.episode_finished(1, "f2")
+    assert not c.publish_allowed(2, ["f2"])  # the slow one, still running, would be 2 behind
+    c.episode_finished(0, "slow")
+    assert not c.publish_allowed(2, ["f2"])  # sent, not yet held by the learner
+    assert c.publish_allowed(2, ["f2", "slow"])  # held: the learner judges it by its own versions
+    for rule in ("oldest_episode", "learner_version"):
+        o = Controller(RolloutConfig(num_actors=1, admission=rule), ["a"], rollouts_per_version=1, max_staleness=0,
+                       make_rollout=lambda aid, crash: None, seed=0)
+        assert o.acquire(0) and not o.holds_publish() and o.publish_allowed(5, [])

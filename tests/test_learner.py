@@ -496,3 +496,67 @@ def test_a_resumed_learner_keeps_the_group_advantage_window(tmp_path):
         assert again._train_step([synthetic(0, 2, reward=0.0)])["group_baselined_frac"] == 1.0
     finally:
         again.close()
+
+
+@pytest.mark.parametrize("rule", ["learner_wait", "learner_version"])
+def test_learner_wait_holds_the_publish_for_a_slow_episode_instead_of_dropping_it(tmp_path, rule):
+    """Batch 1, bound 1, the real controller. A slow episode S starts at version 0 beside fast
+    ones. After F1 trains (version 1), F2 is ready but publishing version 2 would leave S, still
+    running, two versions stale. ``learner_wait``: the learner holds, then trains S first (oldest
+    first) and F2 after, nothing dropped. ``learner_version`` (AReaL's rule): it publishes and
+    drops S as stale when it arrives."""
+    from t1async.actors.controller import Controller
+    from t1async.config import RolloutConfig
+
+    ctl = Controller(RolloutConfig(num_actors=0, admission=rule), ["t"], rollouts_per_version=1, max_staleness=1,
+                     make_rollout=None, seed=0)
+    cfg = LearnerConfig(max_steps=3, batch_size=1, publish_every=1, max_staleness=1,
+                        batch_timeout_s=60, lr=1e-3)
+    learner = Learner(cfg, MODEL, TransportConfig(), WeightSyncConfig(timeout_s=30), str(tmp_path), seed=0)
+    sampler = EmbeddedSampler(MODEL, SamplerConfig(), seed=0)
+    slow, f1, f2 = synthetic(0, 1), synthetic(0, 2), synthetic(1, 3)
+    try:
+        assert learner.connect_samplers([sampler.url()]) == 0
+        tx = ZmqSender(learner.endpoint())
+        assert ctl.acquire(0) == "t" and ctl.acquire(1) == "t"  # S (actor 0) and F1 (actor 1) at version 0
+        ctl.episode_finished(1, f1.trajectory_id)
+        _send(tx, f1)
+        th = threading.Thread(target=learner.run, args=(ctl,))
+        th.start()
+        deadline = time.monotonic() + 60
+        while ctl.version < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert learner.version == 1 and ctl.version == 1
+        assert ctl.acquire(1) == "t"  # F2 at version 1: admission follows the learner under both rules
+        ctl.episode_finished(1, f2.trajectory_id)
+        _send(tx, f2)
+        time.sleep(2.0)
+        if rule == "learner_wait":
+            assert learner.version == 1 and learner.step == 1  # held: S would be 2 versions stale
+            assert ctl.publish_allowed(2, [f2.trajectory_id]) is False
+        else:
+            assert learner.version == 2  # AReaL's rule ran ahead
+        ctl.episode_finished(0, slow.trajectory_id)
+        _send(tx, slow)
+        if rule == "learner_version":  # the third step trains F3; S is dropped on the way
+            f3 = synthetic(2, 4)
+            assert ctl.acquire(1) == "t"
+            ctl.episode_finished(1, f3.trajectory_id)
+            _send(tx, f3)
+        th.join(timeout=60)
+        assert not th.is_alive()
+        tx.close()
+        rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+        if rule == "learner_wait":
+            assert learner._consumed[slow.trajectory_id] == 2 and learner._consumed[f2.trajectory_id] == 3
+            assert rows[-1]["dropped_stale"] == 0 and [r["staleness_max"] for r in rows] == [0, 1, 1]
+            assert rows[1]["hold_s"] >= 1.5 and rows[0]["hold_s"] == 0
+        else:
+            assert learner.dropped["stale"] == 1 and learner._consumed[slow.trajectory_id] == -1
+            deadline = time.monotonic() + 10
+            while ctl.discarded < 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert ctl.discarded == 1  # its slot returned
+    finally:
+        learner.close()
+        sampler.shutdown()

@@ -1,7 +1,7 @@
 """Asynchronous against synchronous RL on long-tailed terminal episodes, side by side in one command.
 
 Run: ``t1async bench async [--seeds 0] [--steps 10] [--batch 8] [--actors 8] [--bounds 1,2,4]
-[--rules oldest_episode,learner_version] [--out DIR] [key=value ...]``. Prints ONE JSON object.
+[--rules oldest_episode,learner_version,learner_wait] [--out DIR] [key=value ...]``. Prints ONE JSON object.
 
 Workload: ``--tasks`` instances of the ``slow-build`` synth family (envs/synth.py: every
 verifier sleeps a lognormal time drawn per task, median 1.5 s, p99 about 30 s, Terminal-Bench
@@ -14,7 +14,9 @@ batch and number of trajectories trained (``--steps`` x ``--batch``), differing 
   it and published; actors/controller.py);
 * ``async-<rule>-<bound>``: bounds ``--bounds`` under each admission rule in ``--rules``
   (``rollout.admission``: ``oldest_episode``, the default, never drops a slow episode;
-  ``learner_version``, AReaL's rule, lets fast episodes run ahead and drops what gets too stale).
+  ``learner_version``, AReaL's rule, lets fast episodes run ahead and drops what gets too stale;
+  ``learner_wait`` admits as AReaL does and has the learner, not the actors, wait for a slow
+  episode before a publish that would make it too stale, training oldest first: no drops).
 
 Per run, from RUN_DIR/metrics.jsonl, summary.json and the rollout logs: ``wall_s`` (from the
 learner's start to its last step; ``launch_s`` is the whole command), ``speedup`` (sync's
@@ -55,8 +57,8 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--batch", type=at_least_one, default=8, help="trajectories per learner step")
     p.add_argument("--actors", type=at_least_one, default=8, help="rollout actors (the same in every mode)")
     p.add_argument("--bounds", default="1,2,4", help="staleness bounds of the async runs")
-    p.add_argument("--rules", default="oldest_episode,learner_version",
-                   help="admission rules of the async runs (rollout.admission); learner_version runs only the largest bound")
+    p.add_argument("--rules", default="oldest_episode,learner_version,learner_wait",
+                   help="admission rules of the async runs (rollout.admission); all but oldest_episode run only the largest bound")
     p.add_argument("--tasks", type=at_least_one, default=200, help="slow-build task instances")
     p.add_argument("--final-steps", type=at_least_one, default=4, help="steps averaged for final_reward")
     p.add_argument("--target", type=float, default=3.0, help="speedup target over sync")
@@ -71,9 +73,10 @@ def parse_args(argv: list[str] | None = None):
     args.rule_list = [r.strip() for r in args.rules.split(",") if r.strip()]
     if not args.seed_list or not args.bound_list or min(args.bound_list) < 1:
         p.error("--seeds needs a seed and --bounds integers >= 1 (bound 0 is the sync run)")
-    bad = set(args.rule_list) - {"oldest_episode", "learner_version"}
+    bad = set(args.rule_list) - {"oldest_episode", "learner_version", "learner_wait"}
     if bad or not args.rule_list:
-        p.error(f"--rules: unknown admission rule(s) {sorted(bad)}; use oldest_episode and/or learner_version")
+        p.error(f"--rules: unknown admission rule(s) {sorted(bad)}; use oldest_episode, learner_version and/or "
+                "learner_wait")
     return args
 
 
@@ -154,6 +157,7 @@ def measure(run_dir: Path, verifier_s: dict[str, float], args) -> dict[str, Any]
             "learner_train_s": round(train - sum(r["publish_s"] for r in rows), 1),
             "learner_publish_s": round(sum(r["publish_s"] for r in rows), 1),
             "learner_wait_s": round(waited, 1),
+            "learner_hold_s": round(sum(r.get("hold_s", 0.0) for r in rows), 1),  # of wait: for a slow episode
             "sampler_busy_s": round(busy, 1),
             "actor_s": round(actor_s, 1),
             "episodes": len(eps),

@@ -33,7 +33,8 @@ Reports:
 - ``learner``: per run, tokens, seconds of one step, peak RSS above the process's RSS before the
   step (sampled every 2 ms; MiB and KiB per token), the process's peak RSS, and the step's
   ``logprob_diff_mean`` / ``routing_diff_frac`` (sampler vs learner on the same weights: about 0
-  and exactly 0 under replay).
+  and exactly 0 under replay; on a tiled trajectory, marked ``"trajectory": "tiled..."``, the
+  recorded log-probs belong to the original positions, so only the routing difference is a check).
 
 Usage: ``t1async bench long-horizon [--turns 300] [--max-new-tokens 8] [--learner-tokens 0]
 [--threads 2]``. Needs bubblewrap (``tools/setup.sh`` installs it).
@@ -133,15 +134,16 @@ class TimedSampler:
         self.inner, self.engine, self.no_cache, self.marks = inner, engine, no_cache, marks
         self.turns: list[dict] = []
         self._engine_s = 0.0
-        generate = engine.generate
+        submit = engine.submit
 
-        def timed(*a, **kw):  # the engine alone, inside the HTTP handler
+        def timed(*a, **kw):  # the engine alone: the HTTP handler submits, then waits for the result
             t0 = time.perf_counter()
-            out = generate(*a, **kw)
+            req = submit(*a, **kw)
+            req.result()
             self._engine_s = time.perf_counter() - t0
-            return out
+            return req
 
-        engine.generate = timed  # type: ignore[method-assign]
+        engine.submit = timed  # type: ignore[method-assign]
 
     def generate(self, input_ids, sampling_params, *, routed_experts_start_len=0):
         cached0 = self.engine.cached_tokens
@@ -350,7 +352,10 @@ def main(argv: list[str] | None = None) -> dict:
             validate(t, num_experts=mc.num_experts, num_layers=mc.num_hidden_layers, top_k=mc.num_experts_per_tok)
             for c in (chunk, 0):
                 if c or t.num_tokens <= args.plain_max_tokens:
-                    runs.append(learner_step(t, c, args.threads, args.max_context, work))
+                    run = learner_step(t, c, args.threads, args.max_context, work)
+                    if t is not traj:  # its repeats sit at new positions after a longer history than when sampled
+                        run["trajectory"] = "tiled: logprob_diff_mean compares to log-probs sampled at other positions"
+                    runs.append(run)
         out = {"model_parameters": learner.backend.num_parameters(), "threads": args.threads,
                "max_new_tokens": args.max_new_tokens, "sampler": sampler_out, "trajectory": traj_out,
                "routing_memory": routing, "learner": runs}
