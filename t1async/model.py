@@ -646,7 +646,10 @@ def save_hf(path: str | Path, cfg: ModelConfig, state_dict: dict[str, torch.Tens
     d = model_config_to_hf(cfg)
     d["torch_dtype"] = str(state_dict["model.embed_tokens.weight"].dtype).removeprefix("torch.")
     (path / "config.json").write_text(json.dumps(d, indent=2) + "\n")
+    # safetensors refuses tensors sharing a storage (a packed policy, t1async/weight_sync.py
+    # pack_parameters): such views are copied out
     sd = {k: v.detach().contiguous() for k, v in state_dict.items()}
+    sd = {k: v if v.untyped_storage().nbytes() == v.numel() * v.element_size() else v.clone() for k, v in sd.items()}
     if cfg.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
     save_file(sd, str(path / "model.safetensors"), metadata={"format": "pt"})

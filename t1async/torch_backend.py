@@ -16,6 +16,7 @@ from t1async.backend import AdamWPair, PolicyForward
 from t1async.config import GenerationConfig, LearnerConfig, ModelConfig
 from t1async.model import Qwen3MoeForCausalLM, Qwen3MoeModel
 from t1async.rl import token_logprobs
+from t1async.weight_sync import pack_parameters
 
 __all__ = ["TorchBackend", "ValueModel", "chunked_token_logprobs", "layer_checkpointing", "load_policy"]
 
@@ -130,6 +131,7 @@ class TorchBackend(AdamWPair):
                 if m is not None:
                     m.to(self.device, dtype)
             self.critic.head.float()
+        pack_parameters(self.policy)  # each publish bucket is a view of the policy: no concatenation
         self._init_optimizers()
 
     def _chunk(self, inp: torch.Tensor) -> int:
@@ -143,8 +145,8 @@ class TorchBackend(AdamWPair):
         ``learner.max_tokens_per_chunk`` runs the trunk with per-layer activation checkpointing
         and the LM head plus log-probs in chunks of that many positions, each recomputed in the
         backward (:func:`chunked_token_logprobs`): memory linear in tokens at a small constant,
-        never the full [T, V] logits; the same log-probs (up to float summation order) and the
-        same routing, replayed or not."""
+        never the full [T, V] logits; bitwise the same log-probs and routing, replayed or not
+        (gradients equal up to float summation order)."""
         g = self.generation
         chunk = self._chunk(inp)
         with torch.set_grad_enabled(grad):

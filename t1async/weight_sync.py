@@ -162,13 +162,69 @@ class Bucket:
     nbytes: int
 
     def flatten(self, out: torch.Tensor | None = None) -> torch.Tensor:
-        """uint8 [nbytes]: every tensor's bytes concatenated (SGLang ``FlattenedTensorBucket``),
-        written into ``out`` when it is a uint8 tensor of that size on the tensors' device."""
+        """uint8 [nbytes]: every tensor's bytes concatenated (SGLang ``FlattenedTensorBucket``).
+
+        When the tensors already lie back to back in one storage, in this order (a module laid
+        out by :func:`pack_parameters`), this is a view of those bytes: nothing is copied, and it
+        aliases the tensors (send it before they change). Otherwise the bytes are copied, into
+        ``out`` when it is a uint8 tensor of that size on the tensors' device."""
+        view = self._packed_view()
+        if view is not None:
+            return view
         parts = [t.reshape(-1).view(torch.uint8) for t in self.tensors]
         if out is not None and out.numel() == self.nbytes and out.dtype == torch.uint8 \
                 and out.device == self.tensors[0].device:
             return torch.cat(parts, out=out)
         return torch.cat(parts)
+
+
+    def _packed_view(self) -> torch.Tensor | None:
+        """uint8 view of the bucket's bytes when its tensors are adjacent in one storage, else None."""
+        first = self.tensors[0]
+        storage = first.untyped_storage()
+        at = first.data_ptr()
+        for t in self.tensors:
+            if not t.is_contiguous() or t.untyped_storage().data_ptr() != storage.data_ptr() or t.data_ptr() != at:
+                return None
+            at += t.numel() * t.element_size()
+        offset = first.data_ptr() - storage.data_ptr()
+        return torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage, offset, (self.nbytes,))
+
+
+def publish_order(names: Iterable[str]) -> list[str]:
+    """``names`` in the order :func:`plan_buckets` sends them: non-expert parameters first, then
+    experts, each in the given order."""
+    names = list(names)
+    return [n for n in names if not is_expert(n)] + [n for n in names if is_expert(n)]
+
+
+def pack_parameters(module: torch.nn.Module) -> bool:
+    """Lay ``module``'s parameters out back to back in one flat storage, in :func:`publish_order`,
+    so that every bucket of a publish is a view of it (:meth:`Bucket.flatten` copies nothing),
+    as Megatron's contiguous parameter buffer and DDP's gradient buckets do.
+
+    Each parameter keeps its identity, name, shape and values (its ``.data`` becomes a view;
+    build optimizers before or after, as they hold the parameter objects). Anything that later
+    gives a parameter new storage (``Module.to`` to another dtype or device, ``load_state_dict``
+    with ``assign=True``) undoes the packing for that parameter, which only costs the copy again.
+
+    Returns:
+        False, and nothing changes, when the parameters differ in dtype or device; else True.
+    """
+    params = dict(module.named_parameters())
+    if not params or len({(p.dtype, p.device) for p in params.values()}) != 1:
+        return False
+    order = [params[n] for n in publish_order(params)]
+    first = order[0]
+    flat = torch.empty(sum(p.numel() for p in order), dtype=first.dtype, device=first.device)
+    at = 0
+    with torch.no_grad():
+        for p in order:
+            n = p.numel()
+            flat[at:at + n].copy_(p.data.reshape(-1))
+            p.data = flat[at:at + n].view(p.shape)
+            at += n
+    return True
 
 
 def plan_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[Bucket]:
@@ -183,7 +239,8 @@ def plan_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes
     items = [(n, t.detach().contiguous()) for n, t in named_tensors]
     if not items:
         raise WeightSyncError("no tensors to publish")
-    items = [x for x in items if not is_expert(x[0])] + [x for x in items if is_expert(x[0])]
+    by_name = dict(items)
+    items = [(n, by_name[n]) for n in publish_order(by_name)]
     buckets: list[Bucket] = []
     cur: Bucket | None = None
     for n, t in items:

@@ -68,13 +68,14 @@ def test_chunked_forward_equals_the_plain_one_in_logprobs_routing_values_and_gra
     assert chunked._chunk(inp) == 64 and plain._chunk(inp) == 0
     o1, v1, r1, g1 = _step(plain, inp, tgt, replay, adv)
     o2, v2, r2, g2 = _step(chunked, inp, tgt, replay, adv)
-    torch.testing.assert_close(o2.logp, o1.logp, rtol=0, atol=1e-5)
+    # bitwise: the decoder layers run over the whole sequence either way (checkpointed, not split),
+    # and the LM head's row-padded matmuls (t1async/model.py padded_rows) treat each row alike
+    assert torch.equal(o2.logp, o1.logp), (o2.logp - o1.logp).abs().max()
     assert torch.equal(o2.outside, o1.outside)
     assert torch.equal(o2.routed_experts, o1.routed_experts) and torch.equal(o2.router_experts, o1.router_experts)
     if replayed:  # routing replay stays exact in chunks: every layer used the recorded experts
         assert torch.equal(o2.routed_experts, replay)
-    torch.testing.assert_close(v2, v1, rtol=0, atol=1e-5)
-    torch.testing.assert_close(r2, r1, rtol=0, atol=1e-5)
+    assert torch.equal(v2, v1) and torch.equal(r2, r1)
     assert g1.keys() == g2.keys() and len(g1) > 10
     for name in g1:
         torch.testing.assert_close(g2[name], g1[name], rtol=1e-4, atol=1e-6, msg=name)

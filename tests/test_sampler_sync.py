@@ -95,3 +95,40 @@ def test_sampler_side_of_the_group_gives_up_after_weight_sync_timeout(samplers):
         assert samplers[0].version == -1  # nothing was swapped in
     finally:
         sync.close()
+
+
+def test_a_packed_policy_publishes_views_not_copies_and_trains_and_saves_unchanged(tmp_path):
+    """:func:`pack_parameters` lays the policy out in publish order: every bucket's bytes are then a
+    view of the parameters (no concatenation), byte-identical to the copied concatenation; the
+    forward, an optimizer step and a checkpoint round trip are unchanged by the packing."""
+    import copy
+
+    from t1async.model import Qwen3MoeForCausalLM
+    from t1async.weight_sync import pack_parameters, plan_buckets
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                      head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)
+    torch.manual_seed(0)
+    plain = Qwen3MoeForCausalLM(cfg)
+    packed = copy.deepcopy(plain)
+    assert pack_parameters(packed)
+    ids = torch.randint(0, 64, (1, 12))
+    assert torch.equal(packed(ids).logits, plain(ids).logits)
+    for m in (plain, packed):  # one identical step each
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        m(ids).logits.logsumexp(-1).sum().backward()
+        opt.step()
+    buckets = plan_buckets(packed.named_parameters(), 4096)  # several buckets
+    assert len(buckets) > 2
+    ref = plan_buckets(plain.named_parameters(), 4096)
+    storage = next(packed.parameters()).untyped_storage().data_ptr()
+    for b, r in zip(buckets, ref):
+        flat = b.flatten()
+        assert flat.untyped_storage().data_ptr() == storage  # a view of the policy: nothing copied
+        assert b.names == r.names and torch.equal(flat, r.flatten())  # the same bytes as the trained unpacked one
+        if len(r.tensors) > 1:  # unpacked, several tensors: copied
+            assert r.flatten().untyped_storage().data_ptr() != r.tensors[0].untyped_storage().data_ptr()
+    assert any(len(r.tensors) > 1 for r in ref)
+    packed.save_pretrained(tmp_path / "ckpt")
+    back = Qwen3MoeForCausalLM.from_pretrained(tmp_path / "ckpt")
+    assert all(torch.equal(p, plain.get_parameter(n)) for n, p in back.named_parameters())

@@ -10,9 +10,14 @@ shared and noisy); each round's ``ratio`` is raw time / publish time measured ba
 of the publish over bytes/s of the raw broadcast), and the median over rounds is reported with
 both medians beside it.
 
-Also reported: ``flatten_s`` (median seconds to concatenate every bucket once, the copy the raw
-broadcast does not make; the embedded sampler makes one more, staging to weights, inside the
-pause), ``pause_s`` (median seconds the samplers were paused per publish: pause request
+The publish runs from the policy as the learner holds it: laid out by
+:func:`t1async.weight_sync.pack_parameters`, so each bucket is a view of the parameters. The same
+policy unpacked (separate tensors; each bucket concatenated into a send buffer) is published in
+every round too: ``ratio_unpacked`` and ``publish_unpacked_s``, side by side.
+
+Also reported: ``flatten_s`` (median seconds to concatenate every bucket of the unpacked policy
+once, the copy packing removes; the embedded sampler makes one more, staging to weights, inside
+the pause), ``pause_s`` (median seconds the samplers were paused per publish: pause request
 to continue answer) and ``pause_s_per_1b_params`` (that, per 10^9 parameters published).
 
 Usage: ``t1async bench weight-sync [--rounds 5] [--samplers 2] [--hidden 256] [--experts 16] [--bucket-mb 64]``.
@@ -21,6 +26,7 @@ Usage: ``t1async bench weight-sync [--rounds 5] [--samplers 2] [--hidden 256] [-
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import multiprocessing as mp
 import statistics
@@ -30,7 +36,7 @@ import torch
 
 from t1async.cli import OneLineErrors, at_least_one
 from t1async.config import ModelConfig, SamplerConfig
-from t1async.weight_sync import DistributedWeightSync, free_port, join_group, plan_buckets
+from t1async.weight_sync import DistributedWeightSync, free_port, join_group, pack_parameters, plan_buckets
 
 
 def model_cfg(a: argparse.Namespace) -> ModelConfig:
@@ -77,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     named = [(n, p.detach()) for n, p in policy.named_parameters()]
     params = sum(p.numel() for _, p in named)
     buckets = plan_buckets(named, int(a.bucket_mb * (1 << 20)))
+    packed_policy = copy.deepcopy(policy)
+    if not pack_parameters(packed_policy):
+        raise SystemExit("the policy could not be packed (mixed dtypes or devices)")
+    packed = [(n, p.detach()) for n, p in packed_policy.named_parameters()]
     sizes = [b.nbytes for b in buckets]
     nbytes = sum(sizes)
 
@@ -102,11 +112,16 @@ def main(argv: list[str] | None = None) -> int:
     flats = [b.flatten() for b in buckets]  # raw sends prepared bytes: only the broadcast is timed
 
     publish_s, raw_s, pause_s, ratios, flatten_s = [], [], [], [], []
+    unpacked_s, ratios_unpacked = [], []
     for r in range(a.rounds):
-        t0 = time.perf_counter()
-        sync.publish(named, r + 1)
-        tp = time.perf_counter() - t0
-        pause_s.append(sync.last_pause_s)
+        times = {}
+        for k, which in enumerate(("unpacked", "packed") if r % 2 == 0 else ("packed", "unpacked")):  # alternate
+            t0 = time.perf_counter()
+            sync.publish(named if which == "unpacked" else packed, 2 * r + 1 + k)
+            times[which] = time.perf_counter() - t0
+            if which == "packed":
+                pause_s.append(sync.last_pause_s)
+        tp, tu = times["packed"], times["unpacked"]
         t0 = time.perf_counter()
         for f in flats:
             raw_group.broadcast(f, 0).wait()
@@ -116,8 +131,10 @@ def main(argv: list[str] | None = None) -> int:
             b.flatten()
         flatten_s.append(time.perf_counter() - t0)
         publish_s.append(tp)
+        unpacked_s.append(tu)
         raw_s.append(tr)
         ratios.append(tr / tp)
+        ratios_unpacked.append(tr / tu)
     sync.close()
     raw_group.close()
     for p in raws:
@@ -134,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         "publish_bytes_per_s": round(nbytes / med(publish_s)), "raw_bytes_per_s": round(nbytes / med(raw_s)),
         "ratio": round(med(ratios), 3), "ratio_of_medians": round(med(raw_s) / med(publish_s), 3),
         "publish_s": round(med(publish_s), 4), "raw_s": round(med(raw_s), 4),
+        "ratio_unpacked": round(med(ratios_unpacked), 3), "publish_unpacked_s": round(med(unpacked_s), 4),
         "flatten_s": round(med(flatten_s), 4), "pause_s": round(med(pause_s), 4), "pause_s_per_1b_params": round(med(pause_s) / (params / 1e9), 3),
         "rounds_ratio": [round(x, 3) for x in ratios],
     }
