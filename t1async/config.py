@@ -295,15 +295,17 @@ class RolloutConfig:
     group_size: int = 1
     """Episodes of each drawn task admitted back to back (G), so the learner can compare them
     (``learner.advantage: group``, as GRPO and RLOO sample G completions per prompt)."""
-    admission: str = "oldest_episode"
-    """Admission rule (actors/controller.py): ``oldest_episode`` (default) lets a rollout start
-    while ``started < (v + max_staleness + 1) x batch_size x publish_every`` with ``v`` the
-    version of the oldest episode not yet trained (slow episodes are never dropped; they hold
-    admission back); ``learner_version`` uses the learner's version (AReaL's rule: the fast run
-    ahead of a slow episode, which the learner may then drop as stale); ``learner_wait`` admits
-    as AReaL does, but the learner trains oldest first and waits for a slow episode before
-    publishing a version it could not be trained at (no stale drops; the actors keep sampling
-    while it waits). With ``learner.max_staleness=0`` every rule is synchronous RL."""
+    admission: str = "learner_wait"
+    """Admission rule (actors/controller.py), each keeping every trajectory trained within
+    ``learner.max_staleness`` versions of its sampling: ``learner_wait`` (default) lets a rollout
+    start while ``started < (v + max_staleness + 1) x batch_size x publish_every`` with ``v`` the
+    learner's version (AReaL's rule), and the learner trains oldest first and waits for a slow
+    episode before publishing a version it could not be trained at (no stale drops; the actors
+    keep sampling meanwhile); ``oldest_episode`` takes ``v`` from the oldest episode not yet
+    trained, so the actors wait with a slow episode instead (no drops, slower: ``t1async bench
+    async``); ``learner_version`` is AReaL's rule alone: the fast run ahead and the learner drops
+    a slow episode that became too stale (fastest; slow tasks are trained less often than they
+    are started). With ``learner.max_staleness=0`` every rule is synchronous RL."""
     agent: str = "builtin"
     """Who drives an episode: ``builtin`` (the rollout loop of actors/rollout.py) or ``external``
     (the program ``agent_command``, talking to an OpenAI-compatible endpoint that records every

@@ -196,3 +196,15 @@ def test_learner_wait_admits_as_areal_and_allows_a_publish_only_within_every_unh
         o = Controller(RolloutConfig(num_actors=1, admission=rule), ["a"], rollouts_per_version=1, max_staleness=0,
                        make_rollout=lambda aid, crash: None, seed=0)
         assert o.acquire(0) and not o.holds_publish() and o.publish_allowed(5, [])
+
+
+def test_learner_wait_keeps_slow_tasks_share_of_training_without_drops():
+    """The workload of test_slow_tasks_keep_their_share_of_training under ``learner_wait``: the
+    actors run ahead of the slow episodes, the learner waits for them instead of dropping them,
+    so each task's share of training stays within 5 points of its share of episodes started."""
+    b = admission_bench()
+    durations = {"fast-a": 0.002, "fast-b": 0.002, "fast-c": 0.002, "slow": 0.15}
+    started, trained, dropped = b.simulate("learner_wait", durations=durations, steps=60, batch=4, bound=1, actors=4)
+    assert not dropped
+    for name in durations:
+        assert abs(started.count(name) / len(started) - trained.count(name) / len(trained)) <= 0.05, name

@@ -6,11 +6,14 @@ Rollout actors and a learner run as threads around a real :class:`~t1async.actor
 3 fast tasks and one slow one (``--slow-s`` per episode, standing in for a long verifier), batch 4,
 one weight version per step, staleness bound ``--bound``. Each episode is sampled at the version
 admission saw; the learner takes trajectories in arrival order and drops those beyond the bound,
-as actors/learner.py does. Two admission rules side by side, same workload:
+as actors/learner.py does. Three admission rules side by side, same workload:
 
 * ``learner_version``: AReaL's rule, ``started < (learner version + bound + 1) x R``;
-* ``oldest_episode``: t1async's default, the same with the admission version of the oldest episode
-  not yet consumed (actors/controller.py; ``rollout.admission`` picks the rule).
+* ``oldest_episode``: the same with the admission version of the oldest episode not yet consumed
+  (actors/controller.py; ``rollout.admission`` picks the rule);
+* ``learner_wait``: AReaL's admission, and the learner trains oldest first and holds a publish
+  that would make an episode it does not hold yet too stale (``Controller.publish_allowed``), as
+  actors/learner.py does under that rule.
 
 Per rule: the slow task's share of episodes started and of trajectories trained, the largest gap
 between the two shares over all tasks (in points), trajectories dropped as stale, and seconds.
@@ -59,17 +62,28 @@ def simulate(admission: str, *, durations: dict[str, float], steps: int, batch: 
     for t in threads:
         t.start()
     version = 0
+    held: list[tuple[str, str, int]] = []  # received, not yet trained: (id, task, version)
+    hold = admission == "learner_wait"
     for _ in range(steps):
-        got: list[tuple[str, str]] = []
-        while len(got) < batch:
-            tid, name, v = inbox.get(timeout=60)
+        while True:
+            if len(held) >= batch:
+                if not hold:
+                    break
+                held.sort(key=lambda x: x[2])  # oldest first, as actors/learner.py under learner_wait
+                if c.publish_allowed(version + 1, [tid for tid, _, _ in held]):
+                    break
+            try:
+                tid, name, v = inbox.get(timeout=0.01 if len(held) >= batch else 60)
+            except queue.Empty:
+                continue
             if version - v > bound:
                 dropped.append(name)
                 c.trajectory_discarded("stale", tid)
                 continue
-            got.append((tid, name))
-        trained += [n for _, n in got]
-        c.trajectories_consumed([tid for tid, _ in got])
+            held.append((tid, name, v))
+        got, held = held[:batch], held[batch:]
+        trained += [n for _, n, _ in got]
+        c.trajectories_consumed([tid for tid, _, _ in got])
         version += 1
         c.set_version(version)
     done.set()
@@ -99,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--slow-s must be positive and --bound >= 0")
     durations = {"fast-a": 0.002, "fast-b": 0.002, "fast-c": 0.002, "slow": args.slow_s}
     out: dict[str, Any] = {"slow_s": args.slow_s, "bound": args.bound, "steps": args.steps, "batch": 4}
-    for name in ("learner_version", "oldest_episode"):
+    for name in ("learner_version", "oldest_episode", "learner_wait"):
         t0 = time.perf_counter()
         s, t, d = simulate(name, durations=durations, steps=args.steps, batch=4, bound=args.bound, actors=4)
         out[name] = {**shares(s, t, d, "slow"), "seconds": round(time.perf_counter() - t0, 2)}

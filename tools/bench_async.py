@@ -13,14 +13,15 @@ batch and number of trajectories trained (``--steps`` x ``--batch``), differing 
   each version's batch on that version's weights and nothing more until the learner has trained
   it and published; actors/controller.py);
 * ``async-<rule>-<bound>``: bounds ``--bounds`` under each admission rule in ``--rules``
-  (``rollout.admission``: ``oldest_episode``, the default, never drops a slow episode;
+  (``rollout.admission``: ``oldest_episode`` never drops a slow episode, the actors wait for it;
   ``learner_version``, AReaL's rule, lets fast episodes run ahead and drops what gets too stale;
-  ``learner_wait`` admits as AReaL does and has the learner, not the actors, wait for a slow
-  episode before a publish that would make it too stale, training oldest first: no drops).
+  ``learner_wait``, the default, admits as AReaL does and has the learner, not the actors, wait
+  for a slow episode before a publish that would make it too stale, training oldest first: no drops).
 
 Per run, from RUN_DIR/metrics.jsonl, summary.json and the rollout logs: ``wall_s`` (from the
 learner's start to its last step; ``launch_s`` is the whole command), ``speedup`` (sync's
-``wall_s`` / this run's), ``trajectories_per_s``, ``learner_idle_frac`` (time waiting for a
+``wall_s`` / this run's), ``trajectories_per_s`` (trained), ``episodes_per_s`` (finished by the
+last step, trained or not: an async run ends with a backlog of up to (bound + 1) x batch), ``learner_idle_frac`` (time waiting for a
 batch / wall), ``sampler_idle_frac`` (1 - generation time / wall), the staleness histogram of the
 trajectories trained, dropped-stale count, ``final_reward`` (mean reward of the last
 ``--final-steps`` steps) and ``reward_mean`` (all steps), and ``time`` (where the time goes:
@@ -146,6 +147,9 @@ def measure(run_dir: Path, verifier_s: dict[str, float], args) -> dict[str, Any]
         "wall_s": round(wall, 1),
         "trajectories": trained,
         "trajectories_per_s": round(trained / wall, 3),
+        # finished by the last step, trained or not: the rollout rate, less the end of a short run
+        # (an async run ends with up to (bound + 1) x batch episodes done and not yet trained)
+        "episodes_per_s": round(len(eps) / wall, 3),
         "learner_idle_frac": round(waited / wall, 3),
         "sampler_idle_frac": round(1 - busy / wall, 3),
         "staleness_hist": dict(sorted(stale.items(), key=lambda kv: int(kv[0]))),
