@@ -160,8 +160,10 @@ def test_learner_version_rule_lets_fast_episodes_overtake_a_slow_one():
 
 def test_extra_segments_of_an_episode_take_and_return_their_own_slots():
     """An external agent's episode split into 3 exact segments is 3 trajectories for the learner: they take
-    3 slots, hold admission at their version until consumed, and a discarded one returns only its own."""
-    c = make(batch=2, eta=0)
+    3 slots, hold admission at their version until consumed, and a discarded one returns only its own
+    (``oldest_episode``, the rule under which pending trajectories hold admission)."""
+    c = Controller(RolloutConfig(num_actors=1, admission="oldest_episode"), ["a", "b", "c"], rollouts_per_version=2,
+                   max_staleness=0, make_rollout=lambda aid, crash: None, seed=0)
     assert c.acquire(0)
     c.episode_finished(0, "last", ["seg0", "seg1"])
     assert c.started == 3 and c.acquire(0) == ""  # (0 + 0 + 1) x 2 = 2 slots, 3 taken
