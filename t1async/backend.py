@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
+from loguru import logger
 from safetensors.torch import load_file, save_file
 
 from t1async.config import GenerationConfig, LearnerConfig, ModelConfig
@@ -128,31 +129,35 @@ class AdamWPair:
     clipping, and their checkpoint file.
 
     A subclass sets ``self.cfg`` (LearnerConfig) and calls :meth:`_init_optimizers` with its
-    policy and critic modules (``self.policy``, ``self.critic``) built. AdamW and the clip are
+    policy and critic modules (``self.policy``, ``self.critic``) built; ``self.critic`` is None
+    under ``learner.critic: false`` (no critic weights, optimiser state or file at all). AdamW and the clip are
     elementwise and a sum over every element, so a fused layout (Megatron's qkv, fc1) takes the
     same step as the split one.
     """
 
     cfg: LearnerConfig
     policy: torch.nn.Module
-    critic: torch.nn.Module
+    critic: torch.nn.Module | None
     name = "?"
 
     def _init_optimizers(self) -> None:
         cfg = self.cfg
         self.policy_opt = torch.optim.AdamW(self.policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-        self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=cfg.critic_lr, weight_decay=cfg.weight_decay)
+        self.critic_opt = (torch.optim.AdamW(self.critic.parameters(), lr=cfg.critic_lr, weight_decay=cfg.weight_decay)
+                           if self.critic is not None else None)
 
     def zero_grad(self) -> None:
         self.policy_opt.zero_grad(set_to_none=True)
-        self.critic_opt.zero_grad(set_to_none=True)
+        if self.critic_opt is not None:
+            self.critic_opt.zero_grad(set_to_none=True)
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
     def step(self, *, policy: bool, policy_lr: float) -> float | None:
-        torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.cfg.max_grad_norm)
-        self.critic_opt.step()
+        if self.critic is not None and self.critic_opt is not None:
+            torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.cfg.max_grad_norm)
+            self.critic_opt.step()
         if not policy:
             return None
         gn = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.cfg.max_grad_norm)
@@ -165,9 +170,13 @@ class AdamWPair:
         return sum(p.numel() for p in self.policy.parameters())
 
     # critic and optimiser files (the policy's are the subclass's: HF config.json + safetensors)
-    def _save_state(self, folder: Path, critic_hf: dict[str, torch.Tensor]) -> None:
-        save_file({k: v.detach().contiguous().cpu() for k, v in critic_hf.items()}, str(folder / "critic.safetensors"))
-        torch.save({"policy": self.policy_opt.state_dict(), "critic": self.critic_opt.state_dict(),
+    def _save_state(self, folder: Path, critic_hf: dict[str, torch.Tensor] | None) -> None:
+        """critic.safetensors (unless there is no critic) and optimizers.pt."""
+        if critic_hf is not None:
+            save_file({k: v.detach().contiguous().cpu() for k, v in critic_hf.items()},
+                      str(folder / "critic.safetensors"))
+        torch.save({"policy": self.policy_opt.state_dict(),
+                    "critic": self.critic_opt.state_dict() if self.critic_opt is not None else None,
                     "backend": self.name}, folder / "optimizers.pt")
 
     def _load_optimizers(self, folder: Path) -> bool:
@@ -177,9 +186,18 @@ class AdamWPair:
         if opt.get("backend", "torch") != self.name:
             return False
         self.policy_opt.load_state_dict(opt["policy"])
-        self.critic_opt.load_state_dict(opt["critic"])
+        if self.critic_opt is not None and opt.get("critic") is not None:
+            self.critic_opt.load_state_dict(opt["critic"])
         return True
 
-    @staticmethod
-    def _critic_file(folder: Path) -> dict[str, torch.Tensor]:
-        return load_file(str(folder / "critic.safetensors"))
+    def _critic_file(self, folder: Path) -> dict[str, torch.Tensor] | None:
+        """The saved critic to restore: None when this learner has no critic, or when the checkpoint
+        has none (saved under ``learner.critic: false``; the critic then starts afresh, logged)."""
+        if self.critic is None:
+            return None
+        path = folder / "critic.safetensors"
+        if not path.exists():
+            logger.warning("{} holds no critic (saved with learner.critic=false): the critic starts from its "
+                           "initial weights", folder)
+            return None
+        return load_file(str(path))

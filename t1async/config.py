@@ -540,8 +540,10 @@ class LearnerConfig:
     critic: bool = True
     """Run and train the critic. ``advantage: group`` needs it only for trajectories without a
     peer of their task; off, those take the mean reward of the rest of the batch as baseline
-    (REINFORCE's batch baseline), and each step skips the critic's forward, backward and optimiser
-    step (the critic is a copy of the policy's trunk, so these cost about what the policy's do).
+    (REINFORCE's batch baseline), no critic is built (no weights, optimiser state or
+    ``critic.safetensors``: one model fewer in memory) and each step skips the critic's forward,
+    backward and optimiser step (the critic is a copy of the policy's trunk, so these cost about
+    what the policy's do).
     Off requires ``advantage: group`` and ``critic_warmup_steps: 0``; ``value_loss`` and
     ``explained_variance`` are then absent from metrics.jsonl."""
     negative_advantage_weight: float = 1.0

@@ -221,10 +221,10 @@ class MegatronBackend(AdamWPair):
         init_megatron(self.device)
         # the torch backend's initial weights (same seed, same numbers), converted
         hf_policy = load_policy(model_cfg, init)
-        hf_critic = ValueModel(hf_policy).state_dict()
         kw = dict(dtype=self.dtype, device=self.device, dispatcher=mc.dispatcher)
         self.policy = build_gpt(model_cfg, hf_policy.state_dict(), replay=True, **kw)
-        self.critic = build_gpt(model_cfg, hf_critic, critic=True, **kw)
+        self.critic = (build_gpt(model_cfg, ValueModel(hf_policy).state_dict(), critic=True, **kw) if cfg.critic
+                       else None)  # learner.critic: false builds none
         self.reference: GPTModel | None = None
         if cfg.kl_coef > 0:
             ref = load_policy(model_cfg, cfg.init_checkpoint) if cfg.init_checkpoint else hf_policy
@@ -299,6 +299,8 @@ class MegatronBackend(AdamWPair):
             return token_logprobs(self._run(self.reference, inp).float(), tgt, g.temperature, g.top_k, g.top_p)
 
     def values(self, inp, *, grad) -> torch.Tensor:
+        if self.critic is None:
+            raise RuntimeError("no critic: learner.critic is false")
         with torch.set_grad_enabled(grad):
             return self._run(self.critic, inp).squeeze(-1)
 
@@ -320,8 +322,10 @@ class MegatronBackend(AdamWPair):
 
     def save(self, folder: Path) -> None:
         save_hf(folder, self.model_cfg, {k: v.cpu() for k, v in self.hf_state().items()})
-        self._save_state(folder, self.critic_hf_state())
+        self._save_state(folder, self.critic_hf_state() if self.critic is not None else None)
 
     def load_state(self, folder: Path) -> bool:
-        load_megatron(self.critic, hf_to_megatron(self._critic_file(folder), self.model_cfg, CRITIC))
+        saved = self._critic_file(folder)
+        if saved is not None and self.critic is not None:
+            load_megatron(self.critic, hf_to_megatron(saved, self.model_cfg, CRITIC))
         return self._load_optimizers(folder)

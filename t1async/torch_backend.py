@@ -121,7 +121,7 @@ class TorchBackend(AdamWPair):
         self.cfg, self.generation = cfg, generation
         self.device = torch.device(device)
         self.policy = load_policy(model_cfg, init)
-        self.critic = ValueModel(self.policy)
+        self.critic = ValueModel(self.policy) if cfg.critic else None  # learner.critic: false builds none
         self.reference: Qwen3MoeForCausalLM | None = None
         if cfg.kl_coef > 0:
             self.reference = (Qwen3MoeForCausalLM.from_pretrained(cfg.init_checkpoint) if cfg.init_checkpoint
@@ -130,7 +130,8 @@ class TorchBackend(AdamWPair):
             for m in (self.policy, self.critic, self.reference):
                 if m is not None:
                     m.to(self.device, dtype)
-            self.critic.head.float()
+            if self.critic is not None:
+                self.critic.head.float()
         pack_parameters(self.policy)  # each publish bucket is a view of the policy: no concatenation
         self._init_optimizers()
 
@@ -173,6 +174,8 @@ class TorchBackend(AdamWPair):
             return chunked_token_logprobs(self.reference.lm_head, hidden, tgt, g, chunk)[0]
 
     def values(self, inp, *, grad) -> torch.Tensor:
+        if self.critic is None:
+            raise RuntimeError("no critic: learner.critic is false")
         with torch.set_grad_enabled(grad):
             if not self._chunk(inp):
                 return self.critic(inp)
@@ -184,8 +187,10 @@ class TorchBackend(AdamWPair):
 
     def save(self, folder: Path) -> None:
         self.policy.save_pretrained(folder)
-        self._save_state(folder, self.critic.state_dict())
+        self._save_state(folder, self.critic.state_dict() if self.critic is not None else None)
 
     def load_state(self, folder: Path) -> bool:
-        self.critic.load_state_dict(self._critic_file(folder))
+        saved = self._critic_file(folder)
+        if saved is not None and self.critic is not None:
+            self.critic.load_state_dict(saved)
         return self._load_optimizers(folder)

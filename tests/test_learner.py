@@ -436,11 +436,12 @@ def test_negative_advantage_weight_zero_trains_only_on_episodes_above_their_base
     assert moved_by(0.0, 0.0, 2.0) > 0
 
 
-def test_critic_off_leaves_the_critic_untouched_and_baselines_a_lone_episode_on_the_batch(tmp_path):
-    """learner.critic=false (advantage: group). The critic's weights do not change, the policy
-    still learns from a mixed group, a trajectory without a peer of its task is baselined on the
-    mean reward of the rest of the batch (so two lone episodes of equal reward give no gradient),
-    and the metrics carry no critic figures."""
+def test_critic_off_builds_no_critic_and_baselines_a_lone_episode_on_the_batch(tmp_path):
+    """learner.critic=false (advantage: group). No critic is built (no weights, optimiser or
+    checkpoint file), the policy still learns from a mixed group, a trajectory without a peer of
+    its task is baselined on the mean reward of the rest of the batch (so two lone episodes of
+    equal reward give no gradient), and the metrics carry no critic figures. A run resumed from
+    that checkpoint with the critic on starts its critic afresh."""
     cfg = LearnerConfig(max_steps=4, batch_size=2, lr=1e-3, routing_replay=False, batch_timeout_s=30,
                         advantage="group", normalize_advantages=False, critic=False)
     learner = Learner(cfg, MODEL, TransportConfig(), WeightSyncConfig(), str(tmp_path / "run"), seed=0)
@@ -449,7 +450,8 @@ def test_critic_off_leaves_the_critic_untouched_and_baselines_a_lone_episode_on_
         return torch.cat([p.detach().flatten().clone() for p in module.parameters()])
 
     try:
-        critic0, policy0 = params(learner.critic), params(learner.policy)
+        assert learner.critic is None and learner.critic_opt is None
+        policy0 = params(learner.policy)
         lone = [synthetic(0, 1, reward=2.0), synthetic(0, 2, reward=2.0)]
         lone[0].task, lone[1].task = "a", "b"
         m = learner._train_step(lone)
@@ -460,7 +462,17 @@ def test_critic_off_leaves_the_critic_untouched_and_baselines_a_lone_episode_on_
         mixed = [synthetic(0, 3, reward=2.0), synthetic(0, 4, reward=0.0)]
         learner._train_step(mixed)
         assert float((params(learner.policy) - policy0).abs().max()) > 0
-        assert torch.equal(params(learner.critic), critic0)
+        learner.step += 1
+        learner.save_checkpoint()
+        saved = sorted((tmp_path / "run" / "checkpoints").iterdir())[-1]
+        assert (saved / "model.safetensors").exists() and not (saved / "critic.safetensors").exists()
+    finally:
+        learner.close()
+    on = dataclasses.replace(cfg, critic=True, advantage="gae", resume=True)
+    learner = Learner(on, MODEL, TransportConfig(), WeightSyncConfig(), str(tmp_path / "run"), seed=0)
+    try:
+        assert learner.step == 2 and learner.critic is not None
+        assert torch.equal(params(learner.policy), params(Qwen3MoeForCausalLM.from_pretrained(saved)))
     finally:
         learner.close()
 

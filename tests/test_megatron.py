@@ -307,3 +307,20 @@ def test_bench_learner_reports_both_backends_on_the_same_step(capsys):
     assert len(t["step_s_all"]) == len(m["step_s_all"]) == 2
     # same init, batch and steps: the second step's loss agrees too (the first step moved both alike)
     assert m["policy_loss_last"] == pytest.approx(t["policy_loss_last"], rel=1e-4, abs=1e-7)
+
+
+def test_critic_off_builds_no_critic_and_checkpoints_without_one(tmp_path):
+    """``learner.critic: false`` on the megatron backend: no critic GPTModel, no critic optimiser,
+    no critic.safetensors; values() says why it cannot answer; a torch run resumed from it with
+    the critic on starts that critic afresh."""
+    cfg = LearnerConfig(critic=False, advantage="group")
+    torch.manual_seed(0)
+    mb = MegatronBackend(cfg, MODEL, GenerationConfig())
+    assert mb.critic is None and mb.critic_opt is None
+    with pytest.raises(RuntimeError, match="learner.critic is false"):
+        mb.values(torch.zeros(1, 4, dtype=torch.long), grad=False)
+    mb.save(tmp_path)
+    assert (tmp_path / "model.safetensors").exists() and not (tmp_path / "critic.safetensors").exists()
+    assert mb.load_state(tmp_path) is True
+    tb = TorchBackend(LearnerConfig(), MODEL, GenerationConfig(), tmp_path)
+    assert tb.load_state(tmp_path) is False and tb.critic is not None
