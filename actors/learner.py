@@ -481,8 +481,11 @@ class Learner:
         Admission there follows the learner's version, so fast episodes run up to
         ``max_staleness`` versions ahead while a slow one is still running or verifying; the
         learner, not the actors, waits for the slow one before publishing a version it could not
-        be trained at, and then trains it first. No trajectory becomes stale, so none is dropped
-        for it, and the actors keep sampling meanwhile. After ``batch_timeout_s`` the learner
+        be trained at, and then trains it first (oldest first is earliest-deadline-first: each
+        version's admissions fit in the ``max_staleness + 1`` batches that may train them). No
+        trajectory becomes stale, so none is dropped for it, and the actors keep sampling
+        meanwhile. Held trajectories count in ``queue_depth``; they are bounded by the admission
+        window, ``(max_staleness + 1) x batch_size x publish_every``. After ``batch_timeout_s`` the learner
         publishes anyway (logged; what then becomes too stale is dropped and counted, never
         trained). Time spent holding is reported per step as ``hold_s``.
 

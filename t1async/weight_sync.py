@@ -177,7 +177,6 @@ class Bucket:
             return torch.cat(parts, out=out)
         return torch.cat(parts)
 
-
     def _packed_view(self) -> torch.Tensor | None:
         """uint8 view of the bucket's bytes when its tensors are adjacent in one storage, else None."""
         first = self.tensors[0]
