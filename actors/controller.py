@@ -3,7 +3,7 @@
 Three admission rules (``rollout.admission``) keep every trajectory trained within ``max_staleness``
 versions; the default, ``learner_wait``, is described last, after the two it combines.
 
-``oldest_episode`` is AReaL's rule measured from the oldest unfinished episode: a rollout may start only while
+``oldest_episode`` is AReaL's formula measured from the oldest unfinished episode: a rollout may start only while
 
     started_rollouts < (oldest_version + max_staleness + 1) * rollouts_per_version
 
@@ -12,16 +12,16 @@ is the smaller of the learner's version and the admission version of every episo
 not yet consumed by the learner (running, or finished and on its way). AReaL uses the learner's
 version there; with it, a long episode (a slow verifier, many turns) is overtaken: the learner
 trains on the fast episodes admitted after it, publishes past its bound, and drops it as stale,
-so slow tasks are trained on less than they are started (measured: a task with a 30 s verifier
-was 25 % of the episodes started and 5 % of those trained, bound 1). Measuring from the oldest
+so slow tasks are trained on less than they are started (``t1async bench admission``, bound 1:
+the slow task was 25.1 % of the episodes started and 0.8 % of those trained). Measuring from the oldest
 unfinished episode is the stale-synchronous-parallel rule (Ho et al. 2013, "More Effective
 Distributed ML via a Stale Synchronous Parallel Parameter Server"): the fastest may run at most
 ``max_staleness`` versions ahead of the slowest. It guarantees the bound without drops: an
 episode admitted at version v is one of at most (v + eta + 1) x R trajectories, so the learner
 (which needs (v + eta + 1) x R trajectories to publish version v + eta + 1) must train it while
 its version is at most v + eta. Slow episodes cost throughput (admission waits for them), never
-representation. The learner's staleness drop remains as the last resort (a resumed run, an
-episode older than this controller). Episodes are tracked by the rollout actor while they run
+representation. The learner's staleness drop remains as the last resort (a resumed run: an
+episode older than this controller; under ``learner_wait``, a hold past ``learner.batch_timeout_s``). Episodes are tracked by the rollout actor while they run
 (:meth:`acquire`) and by trajectory id from :meth:`episode_finished` until the learner reports
 them consumed (:meth:`trajectories_consumed`), dropped or rejected (:meth:`trajectory_discarded`). Episodes that fail, and trajectories the learner drops or rejects, return their slot:
 otherwise the learner could wait for data that admission will never allow (a deadlock). Each is

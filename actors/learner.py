@@ -483,8 +483,9 @@ class Learner:
         learner, not the actors, waits for the slow one before publishing a version it could not
         be trained at, and then trains it first (oldest first is earliest-deadline-first: each
         version's admissions fit in the ``max_staleness + 1`` batches that may train them). No
-        trajectory becomes stale, so none is dropped for it, and the actors keep sampling
-        meanwhile. Held trajectories count in ``queue_depth``; they are bounded by the admission
+        trajectory becomes stale while the learner waits, and the actors keep sampling meanwhile
+        (what can still be dropped: a held trajectory that more than a batch of older ones keep
+        out of the last batch that may train it, and what a hold past the timeout makes stale). Held trajectories count in ``queue_depth``; they are bounded by the admission
         window, ``(max_staleness + 1) x batch_size x publish_every``. After ``batch_timeout_s`` the learner
         publishes anyway (logged; what then becomes too stale is dropped and counted, never
         trained). Time spent holding is reported per step as ``hold_s``.

@@ -107,6 +107,28 @@ def at_least_one(value: str) -> int:
     return n
 
 
+def at_least_zero(value: str) -> int:
+    """argparse ``type``: an integer >= 0 (a length where 0 means off)."""
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {n}")
+    return n
+
+
+def positive_float(value: str) -> float:
+    """argparse ``type``: a number > 0 (sizes, seconds)."""
+    try:
+        x = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {value!r}") from None
+    if not x > 0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {value}")
+    return x
+
+
 OVERRIDE = re.compile(r"[A-Za-z_][\w.]*=.*", re.S)
 
 

@@ -576,7 +576,9 @@ class LearnerConfig:
     """Write the first N received trajectory frames to RUN_DIR/trajectories/ (``ID.traj``; read
     them with ``t1async.trajectory.decode``) for inspection."""
     batch_timeout_s: float = 600.0
-    """Longest wait for one batch before the learner reports it is starved and stops."""
+    """Longest wait for one batch before the learner reports it is starved and stops; under
+    ``rollout.admission: learner_wait`` also the longest it holds a publish for a slow episode
+    (it then publishes anyway, logged, and drops what that makes too stale)."""
     max_tokens_per_chunk: int = 4096
     """``torch`` backend: a trajectory longer than this many tokens is trained in chunks, so a
     long episode (100k tokens and more) fits in memory: the LM head and its log-probs run this

@@ -1,6 +1,7 @@
 """``t1async bench long-horizon``: a 300-turn episode through the real sampler, sandbox, trajectory and learner.
 
-Prints ONE JSON object. One process holds every part, each the real one:
+Prints ONE JSON object. One process holds every part, each the real one, except the learner's
+steps, each run in a fresh child process (an honest peak RSS):
 
 - the sampler: an :class:`~t1async.actors.sampler.EmbeddedSampler` (t1async/engine.py behind
   its SGLang-shaped HTTP server, prefix cache on, ``sampler.prefix_cache`` default) reached
@@ -37,7 +38,9 @@ Reports:
   recorded log-probs belong to the original positions, so only the routing difference is a check).
 
 Usage: ``t1async bench long-horizon [--turns 300] [--max-new-tokens 8] [--learner-tokens 0]
-[--threads 2]``. Needs bubblewrap (``tools/setup.sh`` installs it).
+[--plain-max-tokens 16384] [--max-context 65536] [--threads 2]`` (``--max-context`` is the
+model's ``max_position_embeddings``: raise it for ``--learner-tokens`` above it). Needs
+bubblewrap (``tools/setup.sh`` installs it).
 """
 
 from __future__ import annotations
@@ -62,7 +65,7 @@ from loguru import logger
 from t1async.actors.learner import Learner
 from t1async.actors.rollout import run_episode, tasks_dir
 from t1async.actors.sampler import EmbeddedSampler
-from t1async.cli import OneLineErrors, at_least_one
+from t1async.cli import OneLineErrors, at_least_one, at_least_zero
 from t1async.config import (EnvConfig, GenerationConfig, LearnerConfig, ModelConfig, SamplerConfig, TransportConfig,
                             WeightSyncConfig)
 from t1async.engine import Engine
@@ -259,8 +262,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--commands", default=COMMANDS, help="';'-separated shell commands, cycled ({i}: the turn)")
     p.add_argument("--task", default="create-hello-file", help="shipped task to run in")
     p.add_argument("--max-context", type=at_least_one, default=65536, help="model.max_position_embeddings")
-    p.add_argument("--learner-tokens", type=int, default=0, help="also train on the episode tiled to this many tokens")
-    p.add_argument("--plain-max-tokens", type=int, default=16384, help="run the unchunked step only up to this length")
+    p.add_argument("--learner-tokens", type=at_least_zero, default=0,
+                   help="also train on the episode tiled to at least this many tokens (cut after a whole turn; 0: off)")
+    p.add_argument("--plain-max-tokens", type=at_least_zero, default=16384,
+                   help="run the unchunked step only up to this length (0: never)")
     p.add_argument("--threads", type=at_least_one, default=2, help="torch intra-op threads")
     p.add_argument("--learner-child", help=argparse.SUPPRESS)
     p.add_argument("--chunk", type=int, default=0, help=argparse.SUPPRESS)

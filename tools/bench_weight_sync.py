@@ -16,8 +16,8 @@ policy unpacked (separate tensors; each bucket concatenated into a send buffer) 
 every round too: ``ratio_unpacked`` and ``publish_unpacked_s``, side by side.
 
 Also reported: ``flatten_s`` (median seconds to concatenate every bucket of the unpacked policy
-once, the copy packing removes; the embedded sampler makes one more, staging to weights, inside
-the pause), ``pause_s`` (median seconds the samplers were paused per publish: pause request
+once, the copy packing removes; the embedded sampler receives into reused buffers and makes each
+weight a view of them, so it copies nothing inside the pause), ``pause_s`` (median seconds the samplers were paused per publish: pause request
 to continue answer) and ``pause_s_per_1b_params`` (that, per 10^9 parameters published).
 
 Usage: ``t1async bench weight-sync [--rounds 5] [--samplers 2] [--hidden 256] [--experts 16] [--bucket-mb 64]``.
@@ -34,7 +34,7 @@ import time
 
 import torch
 
-from t1async.cli import OneLineErrors, at_least_one
+from t1async.cli import OneLineErrors, at_least_one, positive_float
 from t1async.config import ModelConfig, SamplerConfig
 from t1async.weight_sync import DistributedWeightSync, free_port, join_group, pack_parameters, plan_buckets
 
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=at_least_one, default=4)
     ap.add_argument("--experts", type=at_least_one, default=16)
     ap.add_argument("--vocab", type=at_least_one, default=16000)
-    ap.add_argument("--bucket-mb", type=float, default=64.0)
+    ap.add_argument("--bucket-mb", type=positive_float, default=64.0)
     a = ap.parse_args(argv)
     from t1async.model import Qwen3MoeForCausalLM
 
