@@ -13,15 +13,16 @@ not yet consumed by the learner (running, or finished and on its way). AReaL use
 version there; with it, a long episode (a slow verifier, many turns) is overtaken: the learner
 trains on the fast episodes admitted after it, publishes past its bound, and drops it as stale,
 so slow tasks are trained on less than they are started (``t1async bench admission``, bound 1:
-the slow task was 25.1 % of the episodes started and 0.8 % of those trained). Measuring from the oldest
-unfinished episode is the stale-synchronous-parallel rule (Ho et al. 2013, "More Effective
+the slow task was 25.1 % of the episodes started and 0.8 % of those trained). Measuring from the
+oldest unfinished episode is the stale-synchronous-parallel rule (Ho et al. 2013, "More Effective
 Distributed ML via a Stale Synchronous Parallel Parameter Server"): the fastest may run at most
 ``max_staleness`` versions ahead of the slowest. It guarantees the bound without drops: an
 episode admitted at version v is one of at most (v + eta + 1) x R trajectories, so the learner
 (which needs (v + eta + 1) x R trajectories to publish version v + eta + 1) must train it while
 its version is at most v + eta. Slow episodes cost throughput (admission waits for them), never
 representation. The learner's staleness drop remains as the last resort (a resumed run: an
-episode older than this controller; under ``learner_wait``, a hold past ``learner.batch_timeout_s``). Episodes are tracked by the rollout actor while they run
+episode older than this controller; under ``learner_wait``, a hold past
+``learner.batch_timeout_s``). Episodes are tracked by the rollout actor while they run
 (:meth:`acquire`) and by trajectory id from :meth:`episode_finished` until the learner reports
 them consumed (:meth:`trajectories_consumed`), dropped or rejected (:meth:`trajectory_discarded`). Episodes that fail, and trajectories the learner drops or rejects, return their slot:
 otherwise the learner could wait for data that admission will never allow (a deadlock). Each is

@@ -464,14 +464,20 @@ class Learner:
                 logger.error("learner starved: {} of {} trajectories in {} s; stopping", len(batch),
                              self.cfg.batch_size, self.cfg.batch_timeout_s)
                 return None
-            try:
-                traj = self._queue.get(timeout=0.5)
-            except queue.Empty:
-                self._serve_joiners()
-                continue
-            if self._keep(traj):
+            traj = self._receive()
+            if traj is not None:
                 batch.append(traj)
         return batch
+
+    def _receive(self) -> Trajectory | None:
+        """The next received trajectory that :meth:`_keep` keeps, waiting up to 0.5 s; None when
+        none came (samplers waiting to join are served meanwhile) or it was dropped."""
+        try:
+            traj = self._queue.get(timeout=0.5)
+        except queue.Empty:
+            self._serve_joiners()
+            return None
+        return traj if self._keep(traj) else None
 
     def _collect_held_batch(self) -> list[Trajectory] | None:
         """``rollout.admission: learner_wait``: the ``batch_size`` oldest trajectories received
@@ -485,10 +491,11 @@ class Learner:
         version's admissions fit in the ``max_staleness + 1`` batches that may train them). No
         trajectory becomes stale while the learner waits, and the actors keep sampling meanwhile
         (what can still be dropped: a held trajectory that more than a batch of older ones keep
-        out of the last batch that may train it, and what a hold past the timeout makes stale). Held trajectories count in ``queue_depth``; they are bounded by the admission
-        window, ``(max_staleness + 1) x batch_size x publish_every``. After ``batch_timeout_s`` the learner
-        publishes anyway (logged; what then becomes too stale is dropped and counted, never
-        trained). Time spent holding is reported per step as ``hold_s``.
+        out of the last batch that may train it, and what a hold past the timeout makes stale).
+        Held trajectories count in ``queue_depth``; they are bounded by the admission window,
+        ``(max_staleness + 1) x batch_size x publish_every``. After ``batch_timeout_s`` the
+        learner publishes anyway (logged; what then becomes too stale is dropped and counted,
+        never trained). Time spent holding is reported per step as ``hold_s``.
 
         Returns:
             The batch, or None when the learner is stopped or starved (fewer than ``batch_size``
@@ -526,12 +533,8 @@ class Learner:
                 logger.error("learner starved: {} of {} trajectories in {} s; stopping", len(self._held),
                              cfg.batch_size, cfg.batch_timeout_s)
                 return None
-            try:
-                traj = self._queue.get(timeout=0.5)
-            except queue.Empty:
-                self._serve_joiners()
-                continue
-            if self._keep(traj):
+            traj = self._receive()
+            if traj is not None:
                 self._held.append(traj)
 
     def _drop(self, traj: Trajectory, reason: str, detail: str) -> None:

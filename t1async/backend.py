@@ -130,9 +130,9 @@ class AdamWPair:
 
     A subclass sets ``self.cfg`` (LearnerConfig) and calls :meth:`_init_optimizers` with its
     policy and critic modules (``self.policy``, ``self.critic``) built; ``self.critic`` is None
-    under ``learner.critic: false`` (no critic weights, optimiser state or file at all). AdamW and the clip are
-    elementwise and a sum over every element, so a fused layout (Megatron's qkv, fc1) takes the
-    same step as the split one.
+    under ``learner.critic: false`` (no critic weights, optimiser state or file at all). AdamW and
+    the clip are elementwise and a sum over every element, so a fused layout (Megatron's qkv, fc1)
+    takes the same step as the split one.
     """
 
     cfg: LearnerConfig
@@ -155,7 +155,7 @@ class AdamWPair:
         loss.backward()
 
     def step(self, *, policy: bool, policy_lr: float) -> float | None:
-        if self.critic is not None and self.critic_opt is not None:
+        if self.critic is not None:
             torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.cfg.max_grad_norm)
             self.critic_opt.step()
         if not policy:

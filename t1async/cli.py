@@ -18,6 +18,7 @@ import argparse
 import importlib
 import re
 import sys
+from typing import Any, Callable
 
 SUBCOMMANDS = [
     "t1async.cli:register_launch",
@@ -96,37 +97,27 @@ class OneLineErrors(argparse.ArgumentParser):
         self.exit(2, f"t1async: error: {where + ': ' if where else ''}{message} (see {self.prog} --help)\n")
 
 
-def at_least_one(value: str) -> int:
-    """argparse ``type``: an integer >= 1 (counts of rounds, commands, workers)."""
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {n}")
-    return n
+def _bounded(cast: Callable[[str], Any], ok: Callable[[Any], bool], what: str, doc: str) -> Callable[[str], Any]:
+    """An argparse ``type``: ``cast(value)``, refused with "must be WHAT" unless ``ok`` of it."""
+
+    def parse(value: str):
+        try:
+            x = cast(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {value!r}") from None
+        if not ok(x):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {x}")
+        return x
+
+    parse.__doc__, parse.__name__ = doc, f"{getattr(cast, '__name__', 'value')} ({what})"
+    return parse
 
 
-def at_least_zero(value: str) -> int:
-    """argparse ``type``: an integer >= 0 (a length where 0 means off)."""
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {n}")
-    return n
-
-
-def positive_float(value: str) -> float:
-    """argparse ``type``: a number > 0 (sizes, seconds)."""
-    try:
-        x = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {value!r}") from None
-    if not x > 0:
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {value}")
-    return x
+at_least_one = _bounded(int, lambda n: n >= 1, "an integer >= 1",
+                        "argparse ``type``: an integer >= 1 (counts of rounds, commands, workers).")
+at_least_zero = _bounded(int, lambda n: n >= 0, "an integer >= 0",
+                         "argparse ``type``: an integer >= 0 (a length where 0 means off).")
+positive_float = _bounded(float, lambda x: x > 0, "a number > 0", "argparse ``type``: a number > 0 (sizes, seconds).")
 
 
 OVERRIDE = re.compile(r"[A-Za-z_][\w.]*=.*", re.S)

@@ -21,8 +21,8 @@ batch and number of trajectories trained (``--steps`` x ``--batch``), differing 
 Per run, from RUN_DIR/metrics.jsonl, summary.json and the rollout logs: ``wall_s`` (from the
 learner's start to its last step; ``launch_s`` is the whole command), ``speedup`` (sync's
 ``wall_s`` / this run's), ``trajectories_per_s`` (trained), ``episodes_per_s`` (finished by the
-last step, trained or not: an async run ends with a backlog of up to (bound + 1) x batch), ``learner_idle_frac`` (time waiting for a
-batch / wall), ``sampler_idle_frac`` (1 - generation time / wall), the staleness histogram of the
+last step, trained or not: an async run ends with a backlog of up to (bound + 1) x batch),
+``learner_idle_frac`` (time waiting for a batch / wall), ``sampler_idle_frac`` (1 - generation time / wall), the staleness histogram of the
 trajectories trained, dropped-stale count, ``final_reward`` (mean reward of the last
 ``--final-steps`` steps) and ``reward_mean`` (all steps), and ``time`` (where the time goes:
 learner training/publishing/waiting seconds; actor-seconds spent in episodes, of which in the
@@ -59,7 +59,8 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--actors", type=at_least_one, default=8, help="rollout actors (the same in every mode)")
     p.add_argument("--bounds", default="1,2,4", help="staleness bounds of the async runs")
     p.add_argument("--rules", default="oldest_episode,learner_version,learner_wait",
-                   help="admission rules of the async runs (rollout.admission); all but oldest_episode run only the largest bound")
+                   help="admission rules of the async runs (rollout.admission); all but oldest_episode run only "
+                        "the largest bound")
     p.add_argument("--tasks", type=at_least_one, default=200, help="slow-build task instances")
     p.add_argument("--final-steps", type=at_least_one, default=4, help="steps averaged for final_reward")
     p.add_argument("--target", type=float, default=3.0, help="speedup target over sync")

@@ -17,8 +17,9 @@ every round too: ``ratio_unpacked`` and ``publish_unpacked_s``, side by side.
 
 Also reported: ``flatten_s`` (median seconds to concatenate every bucket of the unpacked policy
 once, the copy packing removes; the embedded sampler receives into reused buffers and makes each
-weight a view of them, so it copies nothing inside the pause), ``pause_s`` (median seconds the samplers were paused per publish: pause request
-to continue answer) and ``pause_s_per_1b_params`` (that, per 10^9 parameters published).
+weight a view of them, so it copies nothing inside the pause), ``pause_s`` (median seconds the
+samplers were paused per publish: pause request to continue answer) and
+``pause_s_per_1b_params`` (that, per 10^9 parameters published).
 
 Usage: ``t1async bench weight-sync [--rounds 5] [--samplers 2] [--hidden 256] [--experts 16] [--bucket-mb 64]``.
 """
