@@ -787,6 +787,7 @@ _VALUE_RULES: list[tuple[str, Any, str]] = [
     ("learner.clip_eps", lambda v: 0 < v < 1, "a float in (0, 1)"),
     ("learner.gamma", lambda v: 0 <= v <= 1, "a float in [0, 1]"),
     ("learner.lam", lambda v: 0 <= v <= 1, "a float in [0, 1]"),
+    ("learner.batch_timeout_s", lambda v: v > 0, "a positive number of seconds (the longest wait for a batch)"),
     ("rollout.num_actors", lambda v: v >= 1, "an integer >= 1 (scale live through the controller)"),
     ("rollout.group_size", lambda v: v >= 1, "an integer >= 1 (episodes per drawn task)"),
     ("learner.advantage", lambda v: v in ("gae", "group"), "'gae' (the critic) or 'group' (leave-one-out over a task's episodes)"),

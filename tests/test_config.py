@@ -52,7 +52,7 @@ def test_unknown_key_lists_the_valid_keys_of_its_section():
         load_config(None, ["learner.max_stepz=3"])
 
 
-@pytest.mark.parametrize("override", ["learner.max_steps=-1", "rollout.num_actors=0",
+@pytest.mark.parametrize("override", ["learner.max_steps=-1", "learner.batch_timeout_s=-5", "rollout.num_actors=0",
                                       "learner.batch_size=0", "learner.publish_every=0", "generation.top_p=1.5",
                                       "transport.scheme=udp", "sampler.dtype=float99", "weight_sync.backend=mpi",
                                       "model.num_experts_per_tok=999", "model.num_key_value_heads=3",

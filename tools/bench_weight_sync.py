@@ -68,13 +68,13 @@ def _raw_proc(port: int, rank: int, world: int, sizes: list[int], rounds: int) -
 
 def main(argv: list[str] | None = None) -> int:
     ap = OneLineErrors(prog="t1async bench weight-sync", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=at_least_one, default=5)
-    ap.add_argument("--samplers", type=at_least_one, default=2)
-    ap.add_argument("--hidden", type=at_least_one, default=256)
-    ap.add_argument("--layers", type=at_least_one, default=4)
-    ap.add_argument("--experts", type=at_least_one, default=16)
-    ap.add_argument("--vocab", type=at_least_one, default=16000)
-    ap.add_argument("--bucket-mb", type=positive_float, default=64.0)
+    ap.add_argument("--rounds", type=at_least_one, default=5, help="publish/raw rounds (default 5)")
+    ap.add_argument("--samplers", type=at_least_one, default=2, help="embedded samplers, each a process (default 2)")
+    ap.add_argument("--hidden", type=at_least_one, default=256, help="model hidden size (default 256: 34 M parameters)")
+    ap.add_argument("--layers", type=at_least_one, default=4, help="decoder layers (default 4)")
+    ap.add_argument("--experts", type=at_least_one, default=16, help="experts per MoE layer (default 16)")
+    ap.add_argument("--vocab", type=at_least_one, default=16000, help="vocabulary size (default 16000)")
+    ap.add_argument("--bucket-mb", type=positive_float, default=64.0, help="MiB per flattened bucket (default 64)")
     a = ap.parse_args(argv)
     from t1async.model import Qwen3MoeForCausalLM
 
