@@ -658,6 +658,14 @@ class SftConfig:
     """torch intra-op threads of the training process."""
     build_concurrency: int = 2
     """Demonstration episodes run at once, each in its own sandbox."""
+    early_stop_frac: float = 0.0
+    """An imperfect demonstrator (0 <= f < 1; default 0, the oracle): in this fraction of the
+    demonstrations (chosen by ``seed``, among tasks whose oracle has at least two commands) the
+    demonstrator sends the end signal one command early, and the demonstration is kept although
+    its verifier does not resolve it, as an unfiltered set of a weaker agent's episodes would be
+    (stopping before the task is done is a common failure of terminal agents). The warm start then
+    learns to stop early in about this fraction of its episodes: a behaviour the verifier's reward
+    can correct and imitation cannot (``t1async bench learning``)."""
 
 
 @dataclass
@@ -842,6 +850,7 @@ _VALUE_RULES: list[tuple[str, Any, str]] = [
     ("sft.max_demos", lambda v: v >= 0, "an integer >= 0 (0: all)"),
     ("sft.log_every", lambda v: v >= 1, "an integer >= 1"),
     ("sft.build_concurrency", lambda v: v >= 1, "an integer >= 1"),
+    ("sft.early_stop_frac", lambda v: 0 <= v < 1, "a float in [0, 1)"),
     ("model.num_hidden_layers", lambda v: v >= 1, "an integer >= 1"),
     ("learner.backend", lambda v: v in ("torch", "megatron"),
      "'torch' (plain PyTorch) or 'megatron' (megatron-core; pip install 't1async[megatron]')"),

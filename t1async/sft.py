@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 import tempfile
 import time
@@ -90,10 +91,13 @@ class Demonstrations:
         trajectories: one resolved demonstration episode per kept task.
         skipped: task name -> why it was not kept (no oracle, a command too long, too many
             commands, unresolved by its verifier, the sandbox failed).
+        stopped_early: names of the kept demonstrations whose demonstrator stopped one command
+            early (``sft.early_stop_frac``), kept whether resolved or not.
     """
 
     trajectories: list[Trajectory] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
+    stopped_early: list[str] = field(default_factory=list)
 
     def skipped_by_reason(self) -> dict[str, int]:
         """Counts of :attr:`skipped` by the reason's first word group (before ':')."""
@@ -104,11 +108,13 @@ class Demonstrations:
         return out
 
 
-def demonstration(task: Any, env: Any, cfg: Config, tokenizer: ChatTokenizer) -> Trajectory:
+def demonstration(task: Any, env: Any, cfg: Config, tokenizer: ChatTokenizer, *, stop_early: bool = False) -> Trajectory:
     """Play ``task``'s oracle through :func:`~t1async.actors.rollout.run_episode` and return the episode.
 
     Each complete command of the oracle solution is one assistant turn (its ids plus
-    ``<|im_end|>``), then the end signal. The environment is reset by ``run_episode``.
+    ``<|im_end|>``), then the end signal. With ``stop_early`` the demonstrator sends the end
+    signal in place of the last command (an oracle of one command is played whole). The
+    environment is reset by ``run_episode``.
 
     Raises:
         ValueError: the task has no oracle solution, a command is longer than
@@ -126,6 +132,8 @@ def demonstration(task: Any, env: Any, cfg: Config, tokenizer: ChatTokenizer) ->
     commands = oracle_commands(solve.read_text())
     if not commands:
         raise ValueError("no oracle: the solution holds no command")
+    if stop_early and len(commands) > 1:
+        commands = commands[:-1]
     fmt = cfg.env.action_format  # the rollout's own format (t1async/actions.py)
     turns = [action_turn_ids(tokenizer, c, fmt) for c in commands]
     turns.append(action_turn_ids(tokenizer, cfg.env.end_signal, "command"))  # the end signal: a plain message
@@ -144,6 +152,10 @@ def build_demonstrations(tasks_dir: str | Path, cfg: Config, *, limit: int = 0, 
     """One demonstration per task under ``tasks_dir`` (sorted by name; the first ``limit`` kept
     ones if ``limit`` > 0), each run in its own sandbox, ``concurrency`` at a time.
 
+    ``cfg.sft.early_stop_frac`` of the tasks (a sample seeded by ``cfg.sft.seed``, rounded) are
+    played by an imperfect demonstrator that stops one command early (:func:`demonstration`);
+    those are kept whether their verifier resolves them or not.
+
     Raises:
         TaskError: ``tasks_dir`` holds no loadable task.
     """
@@ -154,16 +166,18 @@ def build_demonstrations(tasks_dir: str | Path, cfg: Config, *, limit: int = 0, 
     tasks = sorted(discover_tasks(tasks_dir, [], sandbox=cfg.env.sandbox), key=lambda t: t.name)
     tokenizer = ChatTokenizer.load()
     out = Demonstrations()
+    names = [t.name for t in tasks]
+    early = set(random.Random(cfg.sft.seed).sample(names, round(cfg.sft.early_stop_frac * len(names))))
     with tempfile.TemporaryDirectory(prefix="t1async-sft-") as tmp:
         def one(task: Any) -> tuple[str, Trajectory | None, str]:
             try:
                 with TerminalEnv.from_config(task, Path(tmp), cfg.env) as env:
-                    traj = demonstration(task, env, cfg, tokenizer)
+                    traj = demonstration(task, env, cfg, tokenizer, stop_early=task.name in early)
             except ValueError as e:
                 return task.name, None, str(e)
             except SandboxError as e:
                 return task.name, None, f"sandbox failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
-            if not traj.resolved:
+            if not traj.resolved and task.name not in early:
                 why = traj.verifier_error or f"{traj.passed}/{traj.total} tests passed"
                 return task.name, None, f"oracle unresolved: {why}"
             return task.name, traj, ""
@@ -174,6 +188,8 @@ def build_demonstrations(tasks_dir: str | Path, cfg: Config, *, limit: int = 0, 
                     out.skipped[name] = why
                 elif not limit or len(out.trajectories) < limit:
                     out.trajectories.append(traj)
+                    if name in early:
+                        out.stopped_early.append(name)
     for name, why in out.skipped.items():
         logger.warning("sft: demonstration of {} skipped: {}", name, why)
     return out
@@ -268,8 +284,8 @@ def run_sft(cfg: Config, tasks_dir: str | Path, out: str | Path, *, heldout: str
     demos = build_demonstrations(tasks_dir, cfg, limit=cfg.sft.max_demos, concurrency=cfg.sft.build_concurrency)
     if not demos.trajectories:
         raise ValueError(f"no usable demonstration under {tasks_dir}: {demos.skipped_by_reason()}")
-    logger.info("sft: {} demonstrations ({} skipped: {})", len(demos.trajectories), len(demos.skipped),
-                demos.skipped_by_reason())
+    logger.info("sft: {} demonstrations ({} stopped early, {} skipped: {})", len(demos.trajectories),
+                len(demos.stopped_early), len(demos.skipped), demos.skipped_by_reason())
     if cfg.learner.init_checkpoint:
         model = Qwen3MoeForCausalLM.from_pretrained(cfg.learner.init_checkpoint)
     else:
@@ -281,6 +297,8 @@ def run_sft(cfg: Config, tasks_dir: str | Path, out: str | Path, *, heldout: str
     model.save_pretrained(out)
     result: dict[str, Any] = {
         "checkpoint": str(Path(out).resolve()), "demonstrations": len(demos.trajectories),
+        "stopped_early": len(demos.stopped_early),
+        "resolved_demonstrations": int(sum(bool(t.resolved) for t in demos.trajectories)),
         "demonstration_tokens": int(sum(t.num_tokens for t in demos.trajectories)),
         "skipped": len(demos.skipped), "skipped_by_reason": demos.skipped_by_reason(), "curve": curve,
     }

@@ -111,3 +111,32 @@ def test_breakdown_counts_a_task_once_for_pass_at_k_and_groups_synth_families():
     got = breakdown(rows)
     assert got["pass_at_k"] == round(2 / 4, 4)  # tasks with any resolved episode: copy-count-0000, grep-count-0000
     assert got["per_family"] == {"copy-count": 0.25, "grep-count": 1.0, "hello-world": 0.0}
+
+
+def test_an_imperfect_demonstrator_stops_one_command_early_in_its_share_of_demonstrations(tmp_path):
+    """sft.early_stop_frac: that share of the demonstrations (seeded) ends with the end signal in
+    place of the oracle's last command, and is kept although unresolved; the rest are the oracle's."""
+    root = tmp_path / "tasks"
+    for i in range(4):
+        note_task(root, f"note-{i}")
+    tok = ChatTokenizer.load()
+    cfg = load_config(None, ["sft.early_stop_frac=0.5", "sft.seed=3"])
+    demos = build_demonstrations(root, cfg)
+    assert len(demos.trajectories) == 4 and not demos.skipped
+    assert len(demos.stopped_early) == 2
+    assert set(demos.stopped_early) == set(build_demonstrations(root, cfg).stopped_early)  # seeded
+    for traj in demos.trajectories:
+        turns = [traj.token_ids[s:e].tolist() for s, e in traj.turn_offsets]
+        if traj.task in demos.stopped_early:
+            assert turns == [[*tok.encode(c), tok.im_end_id] for c in ("cat note.txt", "exit")]
+            assert not traj.resolved and traj.passed == 1
+        else:
+            assert len(turns) == 3 and traj.resolved
+    assert build_demonstrations(root, load_config(None)).stopped_early == []
+
+
+def test_early_stop_frac_out_of_range_is_refused():
+    from t1async.config import ConfigError
+
+    with pytest.raises(ConfigError, match="early_stop_frac"):
+        load_config(None, ["sft.early_stop_frac=1.0"])
