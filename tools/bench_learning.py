@@ -328,8 +328,9 @@ def main(argv: list[str] | None = None) -> int:
             sft_dir = out / f"seed{seed}" / "sft-checkpoint"
             sft = run_sft(seed_cfg, split["dirs"]["sft"], sft_dir)
         warm_eval = evaluate_policy(sft_dir, split["dirs"]["heldout"], seed_cfg, samples=args.eval_samples)
-        warm[seed] = {"sft": {k: sft[k] for k in ("demonstrations", "skipped_by_reason", "curve", "seconds",
-                                                   "reused_checkpoint") if k in sft},
+        warm[seed] = {"sft": {k: sft[k] for k in ("demonstrations", "stopped_early", "resolved_demonstrations",
+                                                   "skipped_by_reason", "curve", "seconds", "reused_checkpoint")
+                              if k in sft},
                       "heldout": warm_eval}
         logger.info("bench learning: seed {} warm start resolves {:.1%} of held-out episodes", seed,
                     warm_eval["resolved_rate"])
@@ -378,7 +379,8 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {"config": args.config, "overrides": args.overrides, "train_per_family": args.train_per_family,
                      "heldout_per_family": args.heldout_per_family,
                      "sft_demos_per_family": args.sft_demos_per_family, "eval_samples": args.eval_samples,
-                     "temperature": cfg.generation.temperature},
+                     "temperature": cfg.generation.temperature, "sft_steps": cfg.sft.steps,
+                     "sft_early_stop_frac": cfg.sft.early_stop_frac},
         "out": str(out),
     }
     plot(out / "learning.png", runs)
