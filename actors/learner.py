@@ -778,4 +778,5 @@ class Learner:
         self._receiver.close()
         self._log.close()
         self._sync.close()
+        self.backend.close()  # (the megatron backend's expert-parallel ranks)
 

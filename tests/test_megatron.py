@@ -291,9 +291,12 @@ def test_two_process_expert_parallel_gloo_matches_the_torch_model(tmp_path):
 
 
 def test_megatron_sizes_other_than_one_are_refused_with_the_reason():
-    cfg = LearnerConfig(megatron=dataclasses.replace(LearnerConfig().megatron, expert_parallel=2))
-    with pytest.raises(ValueError, match="only 1 runs today"):
-        MegatronBackend(cfg, MODEL, GenerationConfig())
+    for key, match in (("tensor_parallel", "refuses MoE with tensor parallelism without sequence parallelism"),
+                       ("pipeline_parallel", "only 1 runs"), ("expert_parallel", "must divide model.num_experts=4")):
+        cfg = LearnerConfig(megatron=dataclasses.replace(LearnerConfig().megatron, **{key: 3 if key == "expert_parallel"
+                                                                                      else 2}))
+        with pytest.raises(ValueError, match=match):
+            MegatronBackend(cfg, MODEL, GenerationConfig())
 
 
 def test_bench_learner_reports_both_backends_on_the_same_step(capsys):
@@ -324,3 +327,66 @@ def test_critic_off_builds_no_critic_and_checkpoints_without_one(tmp_path):
     assert mb.load_state(tmp_path) is True
     tb = TorchBackend(LearnerConfig(), MODEL, GenerationConfig(), tmp_path)
     assert tb.load_state(tmp_path) is False and tb.critic is not None
+
+
+# ----------------------------------------------------------------------------- expert parallelism, 2 ranks
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """A local Ray (the follower ranks are Ray actors), shut down after this module's tests."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def _ep(n: int = 2):
+    return dataclasses.replace(LearnerConfig().megatron, expert_parallel=n, timeout_s=60.0)
+
+
+def test_two_rank_expert_parallel_learner_step_matches_the_torch_backend(tmp_path, local_ray):
+    """learner.megatron.expert_parallel=2 (rank 0 in this process, rank 1 a Ray actor, gloo): the
+    same batch through one learner update as the torch backend from the same weights, replay on.
+    Log-probs and routing equal; the step's metrics (grad_norm included: it sees the expert
+    gradients' 1/N scaling) and the gathered parameters after the AdamW step agree."""
+    out = {}
+    for backend, ep in (("torch", 1), ("megatron", 2)):
+        learner = _learner(tmp_path, backend, True, megatron=_ep(ep))
+        try:
+            b = learner.backend
+            before = {k: v.detach().clone() for k, v in b.hf_weights()}
+            t = _batch()[0]
+            ids = torch.from_numpy(t.token_ids.astype(np.int64))[None]
+            replay = torch.from_numpy(t.routed_experts.astype(np.int64))[None]
+            fwd = b.policy_logprobs(ids[:, :-1], ids[:, 1:], replay, grad=False, routing=True)
+            free = b.policy_logprobs(ids[:, :-1], ids[:, 1:], None, grad=False, routing=True)
+            metrics = learner._train_step(_batch())
+            if backend == "torch":  # its expert gradients' norm before clipping (the step clipped: norm > 1)
+                clipped = sum(float(p.grad.pow(2).sum()) for k, p in b.policy.named_parameters() if ".experts." in k)
+                metrics["expert_grad_norm"] = clipped ** 0.5 * (metrics["grad_norm"] + 1e-6) / learner.cfg.max_grad_norm
+            else:
+                metrics["expert_grad_norm"] = b.last_expert_grad_norm
+            out[backend] = fwd, free, metrics, {k: v.detach().clone() for k, v in b.hf_weights()}, b.num_parameters()
+        finally:
+            learner.close()
+    (ft, freet, mt, wt, nt), (fm, freem, mm, wm, nm) = out["torch"], out["megatron"]
+    lp = float((ft.logp - fm.logp).abs().max())
+    lp_free = float((freet.logp - freem.logp).abs().max())
+    print(f"EP=2 vs torch: log-prob max|diff| {lp:.2e} (replay), {lp_free:.2e} (own routing)")
+    assert lp < 1e-5 and lp_free < 1e-5 and torch.equal(ft.outside, fm.outside)
+    assert torch.equal(freet.routed_experts, freem.routed_experts)  # RECORD across both ranks' experts
+    assert not routing_differs(ft.router_experts, fm.router_experts).any()
+    for k, v in mt.items():
+        if isinstance(v, float):
+            assert mm[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+    assert mm["routing_diff_frac"] == mt["routing_diff_frac"] == 0 and mt["grad_norm"] > learner.cfg.max_grad_norm
+    # each expert saw both ranks' copies of its tokens: unscaled, its gradient would be 2x the true one
+    assert mm["expert_grad_norm"] == pytest.approx(mt["expert_grad_norm"], rel=1e-4) and mt["expert_grad_norm"] > 1e-3
+    assert wm.keys() == wt.keys() and nm == nt == sum(v.numel() for v in wt.values())
+    rel = max(float((wt[k] - wm[k]).norm() / wt[k].norm()) for k in wt)
+    moved = min(float((wt[k] - before[k]).norm() / before[k].norm()) for k in wt if "norm" not in k)
+    print(f"EP=2: params after one step, max over tensors of |torch - megatron| / |torch| = {rel:.2e}; "
+          f"smallest relative move {moved:.2e}; grad_norm torch {mt['grad_norm']:.6g} megatron {mm['grad_norm']:.6g}; "
+          f"expert grad norm torch {mt['expert_grad_norm']:.6g} megatron {mm['expert_grad_norm']:.6g}")
+    assert rel < 1e-5 and moved > 1e-3
