@@ -138,7 +138,11 @@ class RankGroup:
     @classmethod
     def join(cls, rank: int, world: int, host: str, port: int, device: torch.device) -> RankGroup:
         """A follower: join rank 0's world (see :meth:`start`)."""
+        import os
+        import socket
+
         store = dist.TCPStore(host, port, world, False, datetime.timedelta(seconds=600))
+        store.set(f"where/{rank}", f"{socket.gethostname()} pid {os.getpid()}")
         store.set(f"joining/{rank}", "1")
         group = cls(rank, world, device, _init_world(rank, world, device, store, FOLLOWER_TIMEOUT), 0.0)
         group._store = store
@@ -173,11 +177,18 @@ class RankGroup:
             if ref in done:
                 try:
                     ray.get(ref)
-                    why.append(f"rank {r} stopped serving")
+                    why.append(f"rank {r} ({self.where(r)}) stopped serving")
                 except Exception as e:  # RayActorError (died), RayTaskError (its call raised)
-                    why.append(f"rank {r} failed: {str(e).strip().splitlines()[-1][:300]}")
+                    why.append(f"rank {r} ({self.where(r)}) failed: {str(e).strip().splitlines()[-1][:300]}")
         self.failed = "megatron expert-parallel " + "; ".join(why)
         raise RankFailed(self.failed)
+
+    def where(self, rank: int) -> str:
+        """Rank 0: ``"HOST pid PID"`` of follower ``rank`` (as it said when joining), or ``"?"``."""
+        try:
+            return self._store.get(f"where/{rank}").decode() if self._store.check([f"where/{rank}"]) else "?"
+        except Exception:  # (the store is rank 0's own; this only guards a torn-down one)
+            return "?"
 
     def run(self, fn: Callable[[], Any]) -> Any:
         """Rank 0: ``fn()`` (an announced call's local part), with a failed collective turned into

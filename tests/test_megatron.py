@@ -390,3 +390,100 @@ def test_two_rank_expert_parallel_learner_step_matches_the_torch_backend(tmp_pat
           f"smallest relative move {moved:.2e}; grad_norm torch {mt['grad_norm']:.6g} megatron {mm['grad_norm']:.6g}; "
           f"expert grad norm torch {mt['expert_grad_norm']:.6g} megatron {mm['expert_grad_norm']:.6g}")
     assert rel < 1e-5 and moved > 1e-3
+
+
+def test_two_rank_checkpoint_is_one_hf_checkpoint_that_one_process_loads_bitwise(tmp_path, local_ray):
+    """A 2-rank backend's checkpoint: one HF model.safetensors with all 4 experts (both ranks'),
+    loaded bitwise by transformers-style loading, the torch backend and a 1-rank megatron backend
+    (which start their optimisers fresh); a 2-rank resume restores both ranks' optimiser state."""
+    learner = _learner(tmp_path, "megatron", True, megatron=_ep(2))
+    try:
+        learner._train_step(_batch())
+        learner.step = 1
+        ckpt = learner.save_checkpoint()
+        hf = {k: v.clone() for k, v in learner.backend.hf_weights()}
+        critic = learner.backend.critic_hf_state()
+    finally:
+        learner.close()
+    assert {p.name for p in ckpt.iterdir()} >= {"model.safetensors", "config.json", "critic.safetensors",
+                                               "optimizers.pt", "optimizers-ep1.pt"}
+    assert {int(k.split(".")[5]) for k in hf if ".experts." in k} == {0, 1, 2, 3}
+    loaded = Qwen3MoeForCausalLM.from_pretrained(ckpt)
+    assert dict(loaded.named_parameters()).keys() == hf.keys()
+    assert all(torch.equal(p, hf[n]) for n, p in loaded.named_parameters())
+    tb = TorchBackend(LearnerConfig(), MODEL, GenerationConfig(), ckpt)
+    assert tb.load_state(ckpt) is False  # another backend's optimiser layout: fresh optimisers
+    assert all(torch.equal(p, hf[n]) for n, p in tb.policy.named_parameters())
+    assert all(torch.equal(p, critic[n]) for n, p in tb.critic.named_parameters())
+    one = MegatronBackend(LearnerConfig(), MODEL, GenerationConfig(), ckpt)
+    assert one.load_state(ckpt) is False  # expert_parallel 1 vs 2: fresh optimisers
+    assert one.hf_state().keys() == hf.keys() and all(torch.equal(v, hf[k]) for k, v in one.hf_state().items())
+    assert all(torch.equal(v, critic[k]) for k, v in one.critic_hf_state().items())
+    del one
+    two = MegatronBackend(LearnerConfig(megatron=_ep(2)), MODEL, GenerationConfig(), ckpt)
+    try:
+        assert two.load_state(ckpt) is True
+        assert all(torch.equal(v, hf[k]) for k, v in two.hf_state().items())
+        assert all(torch.equal(v, critic[k]) for k, v in two.critic_hf_state().items())
+        two.save(tmp_path / "again")
+    finally:
+        two.close()
+    for name in ("optimizers.pt", "optimizers-ep1.pt"):  # both ranks' AdamW moments restored and saved again
+        a, b = (torch.load(d / name, weights_only=True) for d in (ckpt, tmp_path / "again"))
+        assert a["policy"]["state"] and len(a["policy"]["state"]) == len(b["policy"]["state"])
+        for i, st in a["policy"]["state"].items():
+            assert all(torch.equal(st[k], b["policy"]["state"][i][k]) for k in ("exp_avg", "exp_avg_sq"))
+
+
+def test_a_killed_follower_rank_fails_the_next_call_naming_it(local_ray):
+    """A follower rank killed between calls: the next call raises RankFailed naming rank 1 within
+    seconds (not after the timeout), and every later call raises it again."""
+    import time
+
+    from t1async.megatron_ranks import RankFailed
+
+    torch.manual_seed(0)
+    mb = MegatronBackend(LearnerConfig(megatron=_ep(2)), MODEL, GenerationConfig())
+    try:
+        ids = torch.randint(0, MODEL.vocab_size, (1, 8), generator=torch.Generator().manual_seed(1))
+        assert mb.values(ids, grad=False).shape == (1, 8)
+        local_ray.kill(mb._ranks.handles[0], no_restart=True)
+        t0 = time.monotonic()
+        with pytest.raises(RankFailed, match=r"rank 1 \(.* pid \d+\) failed: .*killed"):
+            mb.policy_logprobs(ids, ids, None, grad=True, routing=False)
+            mb.values(ids, grad=False)
+        took = time.monotonic() - t0
+        print(f"killed follower named after {took:.2f} s: {mb._ranks.failed}")
+        assert took < 20
+        with pytest.raises(RankFailed, match="rank 1"):
+            mb.values(ids, grad=False)
+    finally:
+        mb.close()
+
+
+def test_a_follower_killed_by_signal_fails_the_collective_naming_it(local_ray):
+    """SIGKILL to a follower's process, then a call that goes straight into its collectives (no
+    check of the followers first): gloo fails (connection closed) and the error still names rank 1
+    and its pid, well before timeout_s."""
+    import os
+    import signal
+    import time
+
+    from t1async.megatron_ranks import RankFailed
+
+    torch.manual_seed(0)
+    mb = MegatronBackend(LearnerConfig(megatron=_ep(2)), MODEL, GenerationConfig())
+    try:
+        ids = torch.randint(0, MODEL.vocab_size, (1, 8), generator=torch.Generator().manual_seed(1))
+        mb.policy_logprobs(ids, ids, None, grad=False, routing=False)
+        where = mb._ranks.where(1)
+        os.kill(int(where.split()[-1]), signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(RankFailed, match=f"rank 1 \\({where}\\)"):  # _call without its check first:
+            mb._ranks.run(lambda: (mb._ranks.announce("forward_values", (ids, False)),  # the collective fails
+                                   mb._forward_values(ids, False)))
+        took = time.monotonic() - t0
+        print(f"SIGKILLed follower named after {took:.2f} s: {mb._ranks.failed}")
+        assert took < 30
+    finally:
+        mb.close()
