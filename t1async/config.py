@@ -11,6 +11,7 @@ Source of the merge semantics: OmegaConf 2.x structured configs
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -479,7 +480,8 @@ class MegatronConfig:
     dtype: str = "float32"
     """Parameter and compute dtype: float32 or bfloat16 (router and value head stay float32)."""
     device: str = "auto"
-    """``cpu``, ``cuda`` or ``auto`` (cuda when available)."""
+    """``cpu``, ``cuda`` (the current CUDA device), ``cuda:K`` or ``auto`` (cuda when available).
+    With ``expert_parallel`` > 1 this is rank 0's; the other ranks get one GPU each from Ray."""
 
 
 @dataclass
@@ -862,7 +864,8 @@ _VALUE_RULES: list[tuple[str, Any, str]] = [
     ("learner.megatron.dispatcher", lambda v: v in ("auto", "allgather", "alltoall"),
      "'auto', 'allgather' or 'alltoall' (CUDA only)"),
     ("learner.megatron.dtype", lambda v: v in ("float32", "bfloat16"), "float32 or bfloat16"),
-    ("learner.megatron.device", lambda v: v in ("auto", "cpu", "cuda"), "'auto', 'cpu' or 'cuda'"),
+    ("learner.megatron.device", lambda v: v in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", v) is not None,
+     "'auto', 'cpu', 'cuda' or 'cuda:K'"),
     *[(f"learner.abnormal.{kind}", lambda v: v in ("train", "mask_turn", "drop"), "'train', 'mask_turn' or 'drop'")
       for kind in ("length_cut", "aborted", "command_timeout", "sandbox_refused", "tool_call_error")],
     *[(f"learner.abnormal.{kind}", lambda v: v in ("train", "drop"),

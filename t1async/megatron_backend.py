@@ -273,7 +273,10 @@ class MegatronBackend(AdamWPair):
         self.rank = ranks.rank if ranks is not None else 0
         try:
             init_megatron(self.device, expert_parallel=ep)
-            self._build(init)
+            if ranks is not None and self.rank == 0:
+                ranks.run(lambda: self._build(init))  # a follower failing meanwhile is named
+            else:
+                self._build(init)
         except BaseException:
             if ranks is not None and self.rank == 0:
                 ranks.kill()
@@ -583,8 +586,10 @@ class MegatronBackend(AdamWPair):
 
     def _load_rank_optimizers(self, ok: bool, blobs: list[bytes] | None = None) -> None:
         """Every follower loads its optimiser state from rank 0's ``blobs`` (when ``ok``)."""
-        data = scatter_bytes(self._ranks, blobs if ok else [b""] * self.expert_parallel, self.device)
-        if ok and self.rank != 0:
+        if not ok:  # (every rank got the same ok)
+            return
+        data = scatter_bytes(self._ranks, blobs, self.device)
+        if self.rank != 0:
             opt = from_bytes(data)
             self.policy_opt.load_state_dict(opt["policy"])
             if self.critic_opt is not None and opt.get("critic") is not None:

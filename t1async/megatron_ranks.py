@@ -125,6 +125,15 @@ class RankGroup:
                 waiting.pop(0)
             else:
                 time.sleep(0.2)
+        if cuda:  # NCCL needs one GPU per rank; Ray does not know the GPU the learner (rank 0) uses
+            gpus = [_gpu_id(device)] + [store.get(f"gpu/{r}").decode() for r in range(1, world)]
+            twice = [r for r in range(1, world) if gpus[r] in gpus[:r]]
+            if twice:
+                group.kill()
+                raise RankFailed(f"megatron expert-parallel ranks {twice} were given a GPU another rank uses "
+                                 f"({gpus}); NCCL needs one GPU per rank. Ray does not reserve the learner's GPU "
+                                 "(rank 0): let rank 0 use a GPU Ray does not hand out (learner.megatron.device=cuda:K "
+                                 "with K outside the GPUs Ray schedules) or give Ray more GPUs than it hands out")
         try:
             group.control = _init_world(0, world, device, store, timeout)
         except Exception as e:
@@ -143,6 +152,7 @@ class RankGroup:
 
         store = dist.TCPStore(host, port, world, False, datetime.timedelta(seconds=600))
         store.set(f"where/{rank}", f"{socket.gethostname()} pid {os.getpid()}")
+        store.set(f"gpu/{rank}", _gpu_id(device))
         store.set(f"joining/{rank}", "1")
         group = cls(rank, world, device, _init_world(rank, world, device, store, FOLLOWER_TIMEOUT), 0.0)
         group._store = store
@@ -229,6 +239,13 @@ class RankGroup:
             except Exception:  # already gone
                 pass
         self.handles, self.refs = [], []
+
+
+def _gpu_id(device: torch.device) -> str:
+    """The physical identity (UUID) of CUDA ``device``; ``"cpu"`` for the CPU."""
+    if device.type != "cuda":
+        return "cpu"
+    return str(torch.cuda.get_device_properties(device).uuid)
 
 
 def _is_comm_error(e: BaseException) -> bool:

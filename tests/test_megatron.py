@@ -236,7 +236,7 @@ def _ep_worker(rank: int, port: int, hf: dict, ids: torch.Tensor, replay: torch.
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=2)
-    megatron_backend.init_megatron(torch.device("cpu"))
+    megatron_backend.init_megatron(torch.device("cpu"), expert_parallel=2)
     model = megatron_backend.build_gpt(MODEL, hf, replay=True, ep_rank=rank, ep_size=2)
     routers = [layer.mlp.router for layer in model.decoder.layers]
     mask = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool).triu(1)[None, None]
