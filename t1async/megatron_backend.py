@@ -25,8 +25,33 @@ inference RNG tracker (no CUDA RNG), and ``moe_utils.te_general_gemm = None`` (i
 called without Transformer Engine). A causal mask is passed explicitly on CPU (the default one is
 built on CUDA). The ``alltoall`` dispatcher needs CUDA.
 
-Parallelism: one process (tensor, pipeline and expert parallel sizes 1). The converter already
-maps expert- and pipeline-parallel ranks; wiring several learner processes is left (README).
+Parallelism: expert parallelism over N processes (``learner.megatron.expert_parallel``, N
+dividing the number of experts; t1async/megatron_ranks.py). This object in the learner is rank 0;
+it starts ranks 1..N-1 as Ray actors, all join one torch.distributed world (gloo on CPU, nccl on
+CUDA) and Megatron's groups (1, 1, expert_model_parallel_size=N), and each builds its GPTModels
+with its own E/N experts per MoE layer (weights sent from rank 0). Every call is mirrored: rank 0
+announces it and every rank runs the same forward on the same micro-batch (replicated data).
+Backward leaves the learner's RL code unchanged: the learner computes its scalar loss on rank 0
+from the tensors this backend returned; :meth:`MegatronBackend.backward` takes the gradient of
+that loss w.r.t. those outputs, sends it to every rank, and every rank backpropagates its own
+copies of the outputs. Shared weights then get the true gradient on every rank; each expert gets
+every rank's copy of its tokens (the dispatcher gathers all ranks' tokens), i.e. N times the true
+gradient, scaled by 1/N (verified against the torch backend in tests/test_megatron.py). The clip
+norm is sqrt(shared + sum over ranks of expert squares); every rank clips with it and steps AdamW
+on its own parameters. Checkpoints and the weight broadcast gather every rank's experts to rank 0
+in HF layout (one HF checkpoint, loadable by one process or another EP size); optimiser state is
+one file per rank (``optimizers.pt``, ``optimizers-ep{r}.pt``).
+
+What this buys is memory: each rank holds 1/N of the experts (and their AdamW moments). It is not
+faster: every rank computes every token, and the dispatcher's all-gather / reduce-scatter, the
+announcements and the shared-gradient broadcast come on top (tools/bench_expert_parallel.py). The
+next step is a data-parallel split of the batch: each rank its own micro-batches (the learner's
+items dealt round-robin), the loss and its normalisers (token counts, advantage statistics)
+reduced across ranks, shared gradients all-reduced (averaged) instead of broadcast, expert
+gradients left unscaled (each token then reaches its expert once), log-probs and values of each
+rank's items gathered back to rank 0 for the metrics; that changes the learner's loop, not only
+this backend. Tensor parallelism (MoE needs sequence parallelism, which the local spec's torch norm
+refuses in megatron-core 0.16.1) and pipeline parallelism are refused.
 """
 
 from __future__ import annotations
