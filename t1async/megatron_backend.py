@@ -57,6 +57,7 @@ refuses in megatron-core 0.16.1) and pipeline parallelism are refused.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -295,6 +296,7 @@ class MegatronBackend(AdamWPair):
                 cfg=cfg, model_cfg=model_cfg, generation=generation, device=self.device.type, dtype=self.dtype,
                 threads=torch.get_num_threads()))
         self._ranks = ranks
+        self._lock = threading.RLock()
         self.rank = ranks.rank if ranks is not None else 0
         try:
             init_megatron(self.device, expert_parallel=ep)
@@ -337,7 +339,7 @@ class MegatronBackend(AdamWPair):
 
     def _share(self, sd: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
         """Rank 0's HF state dict ``sd`` on this rank: the shared weights and this rank's experts."""
-        if self._ranks is None:
+        if self.expert_parallel == 1:
             return sd
         E, n = self.model_cfg.num_experts, self.expert_parallel
         return share_state(self._ranks, sd, lambda k: expert_owner(k, E, n) in (None, self.rank), self.device)
@@ -347,22 +349,39 @@ class MegatronBackend(AdamWPair):
         """Run ``self._<op>(*args, **leader)`` here and, with followers, ``self._<op>(*args)`` on
         each of them (``leader``: keyword arguments for rank 0 only, never sent)."""
         local = getattr(self, "_" + op)
-        if self._ranks is None:
+        if self.expert_parallel == 1 or self.rank != 0:
             return local(*args, **leader)
-        ranks = self._ranks
-        ranks.check()
+        with self._lock:  # one announced call at a time (the learner may close from another thread)
+            ranks = self._ranks
+            if ranks is None:
+                raise RuntimeError("the megatron backend's expert-parallel ranks were closed")
+            ranks.check()
 
-        def both():
-            ranks.announce(op, args)
-            return local(*args, **leader)
+            def both():
+                ranks.announce(op, args)
+                return local(*args, **leader)
 
-        return ranks.run(both)
+            return ranks.run(both)
 
     def close(self) -> None:
-        """Stop and kill the follower ranks and leave the world (a no-op with one process)."""
-        if self._ranks is not None and self.rank == 0:
+        """Stop and kill the follower ranks and leave the world (a no-op with one process). Waits
+        up to a minute for a call in progress on another thread, then kills the followers anyway
+        (that call then fails)."""
+        if self._ranks is None or self.rank != 0:
+            return
+        got = self._lock.acquire(timeout=60)
+        try:
             ranks, self._ranks = self._ranks, None
-            ranks.close()
+            if ranks is None:
+                return
+            if got:
+                ranks.close()
+            else:
+                logger.warning("megatron backend closing during a call: killing its expert-parallel ranks")
+                ranks.kill()
+        finally:
+            if got:
+                self._lock.release()
 
     def __del__(self):
         try:
@@ -469,7 +488,7 @@ class MegatronBackend(AdamWPair):
         Raises:
             RuntimeError: no output with a graph was returned since the last backward.
         """
-        if self._ranks is None:
+        if self.expert_parallel == 1:
             loss.backward()
             return
         if not self._outputs:
@@ -485,7 +504,7 @@ class MegatronBackend(AdamWPair):
         torch.autograd.backward(outs, [g.to(o.device, o.dtype) for g, o in zip(grads, outs)])
 
     def step(self, *, policy: bool, policy_lr: float) -> float | None:
-        if self._ranks is None:
+        if self.expert_parallel == 1:
             return AdamWPair.step(self, policy=policy, policy_lr=policy_lr)
         return self._call("step", policy, policy_lr)
 
@@ -545,7 +564,7 @@ class MegatronBackend(AdamWPair):
         model, layout = (self.policy, POLICY) if role == "policy" else (self.critic, CRITIC)
         local = self.megatron_state(model)
         n = self.expert_parallel
-        if self._ranks is None:
+        if self.expert_parallel == 1:
             return megatron_to_hf(local, self.model_cfg, layout)
         names = [k for k in local if _is_expert(k)]
         parts = gather_tensors(self._ranks, [local[k] for k in names])
@@ -575,7 +594,7 @@ class MegatronBackend(AdamWPair):
         N, optimizers-ep{r}.pt for ranks r = 1..N-1 (rank 0 writes them all)."""
         save_hf(folder, self.model_cfg, {k: v.cpu() for k, v in self.hf_state().items()})
         self._save_state(folder, self.critic_hf_state() if self.critic is not None else None)
-        if self._ranks is not None:
+        if self.expert_parallel > 1:
             self._call("save_optimizers", folder=folder)
 
     def _save_optimizers(self, folder: Path | None = None) -> None:
@@ -596,16 +615,16 @@ class MegatronBackend(AdamWPair):
         if saved is not None and self.critic is not None:
             self._call("load_hf", "critic", sd=saved)
         blobs = None
-        if self._ranks is not None:
+        if self.expert_parallel > 1:
             try:
                 blobs = [b""] + [(folder / f"optimizers-ep{r}.pt").read_bytes() for r in range(1, self.expert_parallel)]
             except FileNotFoundError as e:
                 logger.warning("{}: {}: optimisers start fresh", folder, e)
-        ok = self._load_optimizers(folder) if blobs is not None or self._ranks is None else False
+        ok = self._load_optimizers(folder) if blobs is not None or self.expert_parallel == 1 else False
         if not ok:
             logger.warning("{}: optimiser state of another backend or expert-parallel size (this run: megatron, "
                            "expert_parallel={}): optimisers start fresh", folder, self.expert_parallel)
-        if self._ranks is not None:
+        if self.expert_parallel > 1:
             self._call("load_rank_optimizers", ok, blobs=blobs if ok else None)
         return ok
 

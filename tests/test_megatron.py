@@ -428,6 +428,8 @@ def test_two_rank_checkpoint_is_one_hf_checkpoint_that_one_process_loads_bitwise
         two.save(tmp_path / "again")
     finally:
         two.close()
+    with pytest.raises(RuntimeError, match="ranks were closed"):  # never rank 0's experts alone
+        two.hf_state()
     for name in ("optimizers.pt", "optimizers-ep1.pt"):  # both ranks' AdamW moments restored and saved again
         a, b = (torch.load(d / name, weights_only=True) for d in (ckpt, tmp_path / "again"))
         assert a["policy"]["state"] and len(a["policy"]["state"]) == len(b["policy"]["state"])
