@@ -472,8 +472,9 @@ class MegatronConfig:
     on CPU); each rank holds E/N experts of every MoE layer and every rank runs every token
     (memory sharding of the experts, no data-parallel speed-up; t1async/megatron_ranks.py)."""
     timeout_s: float = 300.0
-    """Seconds rank 0 waits for its expert-parallel ranks (rendezvous, each collective) before
-    failing with an error naming them."""
+    """Seconds rank 0 waits for its expert-parallel ranks in a collective before failing with an
+    error (a dead rank is named at once); Megatron's own groups round it down to whole minutes (at
+    least one), and the ranks' start-up gets at least 120 s."""
     dispatcher: str = "auto"
     """MoE token dispatcher: ``allgather``, ``alltoall`` (CUDA only) or ``auto`` (alltoall on
     CUDA, allgather on CPU)."""

@@ -15,8 +15,10 @@ micro-batch. Weights, gradients and optimiser state move on the default group
 
 Failures: rank 0 checks its followers' Ray calls before each announcement and after any failed
 collective, and raises :class:`RankFailed` naming the rank and its error. Rank 0's collectives
-time out after ``learner.megatron.timeout_s`` (a follower alive but stuck); the followers' own
-timeout is a year (they wait for rank 0's next call however long the learner waits for data).
+time out after ``learner.megatron.timeout_s`` (a follower alive but stuck; those inside Megatron's
+forward after that many whole minutes, at least one: Megatron's groups take minutes), the
+rendezvous after the larger of it and :data:`STARTUP_S`; the followers' own timeout is a year
+(they wait for rank 0's next call however long the learner waits for data).
 A follower whose call fails tears its process group down, so rank 0's collectives fail at once.
 Followers are Ray actors owned by the learner: they die with it, and :meth:`RankGroup.close`
 stops and kills them.
@@ -35,9 +37,10 @@ import torch
 import torch.distributed as dist
 from loguru import logger
 
-__all__ = ["FOLLOWER_TIMEOUT", "Follower", "RankFailed", "RankGroup", "expert_owner"]
+__all__ = ["FOLLOWER_TIMEOUT", "STARTUP_S", "Follower", "RankFailed", "RankGroup", "expert_owner"]
 
 FOLLOWER_TIMEOUT = datetime.timedelta(days=365)  # a follower waits for rank 0's next call this long
+STARTUP_S = 120.0  # the least time rank 0 gives its followers' processes to start and say they join
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")  # HF expert names (policy model.*, critic backbone.*)
 
 
@@ -113,14 +116,16 @@ class RankGroup:
                 for r, h in zip(range(1, world), handles)]
         group = cls(0, world, device, None, timeout_s, handles, refs)
         group._store = store
-        deadline = time.monotonic() + timeout_s
+        startup_s = max(timeout_s, STARTUP_S)  # (a Ray worker to start, torch and megatron to import, a GPU)
+        deadline = time.monotonic() + startup_s
         waiting = list(range(1, world))
         while waiting:  # each follower says it is about to join; a follower that fails is named at once
             group.check()
             if time.monotonic() > deadline:
                 group.kill()
                 raise RankFailed(f"megatron expert-parallel ranks {waiting} did not join rank 0 at "
-                                 f"{host}:{store.port} within learner.megatron.timeout_s={timeout_s:g} s")
+                                 f"{host}:{store.port} within {startup_s:g} s (the larger of "
+                                 f"learner.megatron.timeout_s and {STARTUP_S:g} s)")
             if store.check([f"joining/{waiting[0]}"]):
                 waiting.pop(0)
             else:
@@ -149,6 +154,8 @@ class RankGroup:
         """A follower: join rank 0's world (see :meth:`start`)."""
         import os
         import socket
+
+        import megatron.core.parallel_state  # noqa: F401  (imported before saying it joins: it takes seconds)
 
         store = dist.TCPStore(host, port, world, False, datetime.timedelta(seconds=600))
         store.set(f"where/{rank}", f"{socket.gethostname()} pid {os.getpid()}")

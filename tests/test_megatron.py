@@ -489,3 +489,28 @@ def test_a_follower_killed_by_signal_fails_the_collective_naming_it(local_ray):
         assert took < 30
     finally:
         mb.close()
+
+
+def test_a_stuck_follower_rank_times_out_instead_of_hanging(local_ray):
+    """A follower alive but not answering (SIGSTOP): rank 0's collective gives up after
+    learner.megatron.timeout_s (3 s here) and says so, instead of waiting forever."""
+    import os
+    import signal
+    import time
+
+    from t1async.megatron_ranks import RankFailed
+
+    torch.manual_seed(0)
+    mb = MegatronBackend(LearnerConfig(megatron=dataclasses.replace(_ep(2), timeout_s=3.0)), MODEL, GenerationConfig())
+    pid = int(mb._ranks.where(1).split()[-1])
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(RankFailed, match="timeout_s=3"):
+            mb.hf_state()  # gathers every rank's experts: waits on rank 1
+        took = time.monotonic() - t0
+        print(f"stuck follower: gave up after {took:.1f} s: {mb._ranks.failed[:200]}")
+        assert took < 30
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        mb.close()
