@@ -70,7 +70,7 @@ from t1async.backend import AdamWPair, PolicyForward
 from t1async.config import GenerationConfig, LearnerConfig, MegatronConfig, ModelConfig
 from t1async.megatron_convert import CRITIC, POLICY, hf_to_megatron, megatron_to_hf
 from t1async.megatron_ranks import (RankGroup, all_reduce_sum, broadcast_, expert_owner, from_bytes, gather_bytes,
-                                    gather_tensors, scatter_bytes, share_state, to_bytes)
+                                    gather_tensors, leave_world, scatter_bytes, share_state, to_bytes)
 from t1async.model import save_hf
 from t1async.rl import token_logprobs
 from t1async.torch_backend import ValueModel, load_policy
@@ -305,8 +305,9 @@ class MegatronBackend(AdamWPair):
             else:
                 self._build(init)
         except BaseException:
-            if ranks is not None and self.rank == 0:
+            if ranks is not None and self.rank == 0:  # (the followers may wait mid-collective: no goodbye)
                 ranks.kill()
+                leave_world()
             raise
         self._init_optimizers()
 

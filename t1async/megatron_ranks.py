@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from loguru import logger
 
-__all__ = ["FOLLOWER_TIMEOUT", "STARTUP_S", "Follower", "RankFailed", "RankGroup", "expert_owner"]
+__all__ = ["FOLLOWER_TIMEOUT", "STARTUP_S", "Follower", "RankFailed", "RankGroup", "expert_owner", "leave_world"]
 
 FOLLOWER_TIMEOUT = datetime.timedelta(days=365)  # a follower waits for rank 0's next call this long
 STARTUP_S = 120.0  # the least time rank 0 gives its followers' processes to start and say they join
@@ -105,7 +105,7 @@ class RankGroup:
         if not ray.is_initialized():
             raise RuntimeError("learner.megatron.expert_parallel > 1 starts its follower ranks as Ray actors: "
                                "call ray.init() first (t1async launch does)")
-        _leave_world()
+        leave_world()
         host = ray.util.get_node_ip_address()
         timeout = datetime.timedelta(seconds=timeout_s)
         store = dist.TCPStore(host, 0, world, True, timeout, wait_for_workers=False)
@@ -217,9 +217,10 @@ class RankGroup:
         except Exception as e:
             if not _is_comm_error(e):
                 raise
-            self.check(wait_s=10.0)
-            self.failed = (f"megatron expert-parallel collective failed on rank 0 with every follower still "
-                           f"running (stuck longer than learner.megatron.timeout_s={self.timeout_s:g} s?): {e}")
+            self.check(wait_s=10.0)  # a follower that died: named
+            self.failed = (f"megatron expert-parallel call failed on rank 0 while every follower still runs (a "
+                           f"follower stuck longer than learner.megatron.timeout_s={self.timeout_s:g} s, or an "
+                           f"error on rank 0; the ranks are out of step and the backend must be rebuilt): {e}")
             raise RankFailed(self.failed) from e
 
     # ---- shutdown -------------------------------------------------------------------------
@@ -234,7 +235,7 @@ class RankGroup:
             except Exception as e:  # a dead follower: killed below anyway
                 logger.warning("megatron expert-parallel close: {}", e)
         self.kill()
-        _leave_world()
+        leave_world()
 
     def kill(self) -> None:
         """Rank 0: kill every follower actor (no restart)."""
@@ -259,7 +260,7 @@ def _is_comm_error(e: BaseException) -> bool:
     return isinstance(e, (RuntimeError, dist.DistError, ConnectionError, OSError))
 
 
-def _leave_world() -> None:
+def leave_world() -> None:
     """Destroy Megatron's groups and the default group of this process, if any."""
     from megatron.core import parallel_state
 
@@ -418,4 +419,4 @@ class Follower:
                     raise RuntimeError(f"rank {rank}: unknown call {op!r}")
                 getattr(backend, "_" + op)(*args)
         finally:
-            _leave_world()
+            leave_world()
