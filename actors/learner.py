@@ -772,10 +772,11 @@ class Learner:
         return path
 
     def close(self) -> None:
-        """Stop the receive thread and close the socket."""
+        """Stop the receive thread, close the socket, and stop the backend's other ranks (if any)."""
         self._stop.set()
         self._recv_thread.join(timeout=2)
         self._receiver.close()
         self._log.close()
         self._sync.close()
+        self.backend.close()  # (the megatron backend's expert-parallel ranks)
 

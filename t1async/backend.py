@@ -109,6 +109,10 @@ class LearnerBackend(Protocol):
         layouts differ): the optimisers then start fresh."""
         ...
 
+    def close(self) -> None:
+        """Release what the backend started (the megatron backend's expert-parallel ranks)."""
+        ...
+
 
 def make_backend(name: str, cfg: LearnerConfig, model_cfg: ModelConfig, generation: GenerationConfig,
                  init: str | Path | None) -> LearnerBackend:
@@ -169,6 +173,9 @@ class AdamWPair:
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.policy.parameters())
 
+    def close(self) -> None:
+        """Nothing to release (one process)."""
+
     # critic and optimiser files (the policy's are the subclass's: HF config.json + safetensors)
     def _save_state(self, folder: Path, critic_hf: dict[str, torch.Tensor] | None) -> None:
         """critic.safetensors (unless there is no critic) and optimizers.pt."""
@@ -177,13 +184,16 @@ class AdamWPair:
                       str(folder / "critic.safetensors"))
         torch.save({"policy": self.policy_opt.state_dict(),
                     "critic": self.critic_opt.state_dict() if self.critic_opt is not None else None,
-                    "backend": self.name}, folder / "optimizers.pt")
+                    "backend": self.name, "expert_parallel": getattr(self, "expert_parallel", 1)},
+                   folder / "optimizers.pt")
 
     def _load_optimizers(self, folder: Path) -> bool:
-        """Load optimizers.pt if it was written by this backend (older files, without a
-        ``backend`` key, are the torch backend's); returns False (fresh optimisers) otherwise."""
+        """Load optimizers.pt if it was written by this backend with this expert-parallel size
+        (older files, without a ``backend`` key, are the torch backend's; without an
+        ``expert_parallel`` key, one process's); returns False (fresh optimisers) otherwise."""
         opt = torch.load(folder / "optimizers.pt", weights_only=True)
-        if opt.get("backend", "torch") != self.name:
+        if (opt.get("backend", "torch") != self.name
+                or opt.get("expert_parallel", 1) != getattr(self, "expert_parallel", 1)):
             return False
         self.policy_opt.load_state_dict(opt["policy"])
         if self.critic_opt is not None and opt.get("critic") is not None:

@@ -11,6 +11,7 @@ Source of the merge semantics: OmegaConf 2.x structured configs
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -459,19 +460,29 @@ class MegatronConfig:
     """``learner.backend: megatron``: megatron-core's GPTModel (t1async/megatron_backend.py)."""
 
     tensor_parallel: int = 1
-    """Tensor-parallel size. Only 1 runs today: the learner is one process (see README)."""
+    """Tensor-parallel size. Only 1 runs: megatron-core 0.16.1 refuses MoE with tensor
+    parallelism unless sequence parallelism is on, and with it on the local layer spec's torch
+    norm refuses (measured on CPU; see README)."""
     pipeline_parallel: int = 1
-    """Pipeline-parallel size. Only 1 runs today: the learner is one process (see README)."""
+    """Pipeline-parallel size. Only 1 runs (the converter maps pipeline ranks; the learner does
+    not schedule pipeline stages)."""
     expert_parallel: int = 1
-    """Expert-parallel size (must divide ``model.num_experts``). Only 1 runs today: the learner
-    is one process (see README)."""
+    """Expert-parallel size N (must divide ``model.num_experts``). N > 1: the learner's backend
+    is rank 0 and starts N-1 more ranks as Ray actors (one GPU each on CUDA, no CPU reservation
+    on CPU); each rank holds E/N experts of every MoE layer and every rank runs every token
+    (memory sharding of the experts, no data-parallel speed-up; t1async/megatron_ranks.py)."""
+    timeout_s: float = 300.0
+    """Seconds rank 0 waits for its expert-parallel ranks in a collective before failing with an
+    error (a dead rank is named at once); Megatron's own groups round it down to whole minutes (at
+    least one), and the ranks' start-up gets at least 120 s."""
     dispatcher: str = "auto"
     """MoE token dispatcher: ``allgather``, ``alltoall`` (CUDA only) or ``auto`` (alltoall on
     CUDA, allgather on CPU)."""
     dtype: str = "float32"
     """Parameter and compute dtype: float32 or bfloat16 (router and value head stay float32)."""
     device: str = "auto"
-    """``cpu``, ``cuda`` or ``auto`` (cuda when available)."""
+    """``cpu``, ``cuda`` (the current CUDA device), ``cuda:K`` or ``auto`` (cuda when available).
+    With ``expert_parallel`` > 1 this is rank 0's; the other ranks get one GPU each from Ray."""
 
 
 @dataclass
@@ -854,13 +865,17 @@ _VALUE_RULES: list[tuple[str, Any, str]] = [
     ("model.num_hidden_layers", lambda v: v >= 1, "an integer >= 1"),
     ("learner.backend", lambda v: v in ("torch", "megatron"),
      "'torch' (plain PyTorch) or 'megatron' (megatron-core; pip install 't1async[megatron]')"),
-    *[(f"learner.megatron.{size}", lambda v: v == 1,
-       "1 (the learner is one process today; multi-process Megatron parallelism is not wired into launch yet)")
-      for size in ("tensor_parallel", "pipeline_parallel", "expert_parallel")],
+    ("learner.megatron.tensor_parallel", lambda v: v == 1,
+     "1 (megatron-core 0.16.1 refuses MoE + tensor parallelism without sequence parallelism, and with it the "
+     "local spec's torch norm refuses; use expert_parallel)"),
+    ("learner.megatron.pipeline_parallel", lambda v: v == 1, "1 (pipeline stages are not scheduled by the learner)"),
+    ("learner.megatron.expert_parallel", lambda v: v >= 1, "an integer >= 1 that divides model.num_experts"),
+    ("learner.megatron.timeout_s", lambda v: v > 0, "a positive number of seconds"),
     ("learner.megatron.dispatcher", lambda v: v in ("auto", "allgather", "alltoall"),
      "'auto', 'allgather' or 'alltoall' (CUDA only)"),
     ("learner.megatron.dtype", lambda v: v in ("float32", "bfloat16"), "float32 or bfloat16"),
-    ("learner.megatron.device", lambda v: v in ("auto", "cpu", "cuda"), "'auto', 'cpu' or 'cuda'"),
+    ("learner.megatron.device", lambda v: v in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", v) is not None,
+     "'auto', 'cpu', 'cuda' or 'cuda:K'"),
     *[(f"learner.abnormal.{kind}", lambda v: v in ("train", "mask_turn", "drop"), "'train', 'mask_turn' or 'drop'")
       for kind in ("length_cut", "aborted", "command_timeout", "sandbox_refused", "tool_call_error")],
     *[(f"learner.abnormal.{kind}", lambda v: v in ("train", "drop"),
@@ -878,6 +893,8 @@ _CROSS_RULES: list[tuple[Any, str, str]] = [
      "between 1 and model.num_experts"),
     (lambda c: c.model.num_key_value_heads >= 1 and c.model.num_attention_heads % c.model.num_key_value_heads == 0,
      "model.num_key_value_heads", "a divisor of model.num_attention_heads"),
+    (lambda c: c.model.num_experts % c.learner.megatron.expert_parallel == 0, "learner.megatron.expert_parallel",
+     "a divisor of model.num_experts (each rank holds num_experts / expert_parallel experts)"),
 ]
 
 
@@ -895,8 +912,9 @@ def check_values(cfg: Config, source: str = "config") -> None:
             raise ConfigError(f"{source}: {key}={value!r} is invalid: use {valid}")
     for ok, key, valid in _CROSS_RULES:
         if not ok(cfg):
-            section, name = key.split(".")
-            value = getattr(getattr(cfg, section), name)
+            value = cfg
+            for name in key.split("."):
+                value = getattr(value, name)
             raise ConfigError(f"{source}: {key}={value!r} is invalid: it must be {valid}")
 
 

@@ -25,22 +25,52 @@ inference RNG tracker (no CUDA RNG), and ``moe_utils.te_general_gemm = None`` (i
 called without Transformer Engine). A causal mask is passed explicitly on CPU (the default one is
 built on CUDA). The ``alltoall`` dispatcher needs CUDA.
 
-Parallelism: one process (tensor, pipeline and expert parallel sizes 1). The converter already
-maps expert- and pipeline-parallel ranks; wiring several learner processes is left (README).
+Parallelism: expert parallelism over N processes (``learner.megatron.expert_parallel``, N
+dividing the number of experts; t1async/megatron_ranks.py). This object in the learner is rank 0;
+it starts ranks 1..N-1 as Ray actors, all join one torch.distributed world (gloo on CPU, nccl on
+CUDA) and Megatron's groups (1, 1, expert_model_parallel_size=N), and each builds its GPTModels
+with its own E/N experts per MoE layer (weights sent from rank 0). Every call is mirrored: rank 0
+announces it and every rank runs the same forward on the same micro-batch (replicated data).
+Backward leaves the learner's RL code unchanged: the learner computes its scalar loss on rank 0
+from the tensors this backend returned; :meth:`MegatronBackend.backward` takes the gradient of
+that loss w.r.t. those outputs, sends it to every rank, and every rank backpropagates its own
+copies of the outputs. Shared weights then get the true gradient on every rank; each expert gets
+every rank's copy of its tokens (the dispatcher gathers all ranks' tokens), i.e. N times the true
+gradient, scaled by 1/N (verified against the torch backend in tests/test_megatron.py). The clip
+norm is sqrt(shared + sum over ranks of expert squares); every rank clips with it and steps AdamW
+on its own parameters. Checkpoints and the weight broadcast gather every rank's experts to rank 0
+in HF layout (one HF checkpoint, loadable by one process or another EP size); optimiser state is
+one file per rank (``optimizers.pt``, ``optimizers-ep{r}.pt``).
+
+What this buys is memory: each rank holds 1/N of the experts (and their AdamW moments). It is not
+faster: every rank computes every token, and the dispatcher's all-gather / reduce-scatter, the
+announcements and the shared-gradient broadcast come on top (tools/bench_expert_parallel.py). The
+next step is a data-parallel split of the batch: each rank its own micro-batches (the learner's
+items dealt round-robin), the loss and its normalisers (token counts, advantage statistics)
+reduced across ranks, shared gradients all-reduced (averaged) instead of broadcast, expert
+gradients left unscaled (each token then reaches its expert once), log-probs and values of each
+rank's items gathered back to rank 0 for the metrics; that changes the learner's loop, not only
+this backend. Tensor parallelism (MoE needs sequence parallelism, which the local spec's torch norm
+refuses in megatron-core 0.16.1) and pipeline parallelism are refused.
 """
 
 from __future__ import annotations
 
+import math
+import threading
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from loguru import logger
 from torch import nn
 
 from t1async.backend import AdamWPair, PolicyForward
 from t1async.config import GenerationConfig, LearnerConfig, MegatronConfig, ModelConfig
 from t1async.megatron_convert import CRITIC, POLICY, hf_to_megatron, megatron_to_hf
+from t1async.megatron_ranks import (RankGroup, all_reduce_sum, broadcast_, expert_owner, from_bytes, gather_bytes,
+                                    gather_tensors, leave_world, scatter_bytes, share_state, to_bytes)
 from t1async.model import save_hf
 from t1async.rl import token_logprobs
 from t1async.torch_backend import ValueModel, load_policy
@@ -58,13 +88,19 @@ except ImportError as e:  # the optional extra
 __all__ = ["MegatronBackend", "build_gpt", "init_megatron", "replay_rows", "transformer_config"]
 
 
-def init_megatron(device: torch.device, seed: int = 0) -> None:
-    """Make this process a one-rank Megatron world (idempotent).
+def init_megatron(device: torch.device, seed: int = 0, *, expert_parallel: int = 1) -> None:
+    """Make this process a Megatron rank (idempotent).
 
-    Starts torch.distributed's default group if it is not started (gloo on CPU, nccl on CUDA,
-    world size 1, an in-memory store), Megatron's model-parallel groups (all sizes 1) and its RNG
-    tracker; on CPU installs the shims described in the module docstring. The learner's weight
-    broadcast uses its own process groups (t1async/weight_sync.py), never the default one.
+    With ``expert_parallel`` 1: starts torch.distributed's default group if it is not started
+    (gloo on CPU, nccl on CUDA, world size 1, an in-memory store) and Megatron's model-parallel
+    groups (all sizes 1), first leaving a world of another shape (a closed expert-parallel
+    backend's in this process). With ``expert_parallel`` N > 1 the world of N ranks and
+    Megatron's groups were formed by t1async/megatron_ranks.py; this checks their sizes. Then
+    Megatron's RNG tracker; on CPU the shims described in the module docstring. The learner's
+    weight broadcast uses its own process groups (t1async/weight_sync.py), never the default one.
+
+    Raises:
+        RuntimeError: ``expert_parallel`` > 1 without a world of that size.
     """
     import torch.distributed as dist
 
@@ -72,11 +108,21 @@ def init_megatron(device: torch.device, seed: int = 0) -> None:
         torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
     if not hasattr(moe_utils, "te_general_gemm"):  # no Transformer Engine: the router's GEMM is torch's
         moe_utils.te_general_gemm = None  # (measured on an H200: NameError there too, not only on CPU)
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
-                                world_size=1)
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
+    if expert_parallel == 1:
+        if dist.is_initialized() and (dist.get_world_size() != 1 or (
+                parallel_state.model_parallel_is_initialized()
+                and parallel_state.get_expert_model_parallel_world_size() != 1)):
+            if parallel_state.model_parallel_is_initialized():
+                parallel_state.destroy_model_parallel()
+            dist.destroy_process_group()
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                                    world_size=1)
+        if not parallel_state.model_parallel_is_initialized():
+            parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
+    elif not (dist.is_initialized() and dist.get_world_size() == expert_parallel
+              and parallel_state.get_expert_model_parallel_world_size() == expert_parallel):
+        raise RuntimeError(f"expert_parallel={expert_parallel} needs a world of that size (t1async/megatron_ranks.py)")
     from megatron.core.tensor_parallel import random as mrandom
 
     if device.type == "cpu":
@@ -188,55 +234,161 @@ def replay_rows(routed: torch.Tensor, num_experts: int, lengths: torch.Tensor | 
     return [r[:, :, layer].transpose(0, 1).reshape(T * B, K) for layer in range(L)]
 
 
+# calls rank 0 mirrors to its followers (each runs MegatronBackend._<name>)
+FOLLOWER_OPS = frozenset({"forward_policy", "forward_values", "forward_reference", "zero_grad", "backward_outputs",
+                          "step", "gather_hf", "save_optimizers", "load_rank_optimizers", "load_hf"})
+
+
+def _is_expert(name: str) -> bool:
+    """A Megatron parameter of one expert (held by one expert-parallel rank), by its name."""
+    return ".mlp.experts." in name
+
+
 class MegatronBackend(AdamWPair):
     """Policy (with routing replay), critic and, with ``cfg.kl_coef`` > 0, a frozen reference as
-    megatron-core GPTModels in one process; settings in ``cfg.megatron``
-    (:class:`t1async.config.MegatronConfig`).
+    megatron-core GPTModels; settings in ``cfg.megatron`` (:class:`t1async.config.MegatronConfig`).
+
+    With ``cfg.megatron.expert_parallel`` N > 1 this object is rank 0 of N processes (module
+    docstring): it starts ranks 1..N-1 (t1async/megatron_ranks.py, Ray must be initialised) and
+    every public call runs on every rank; each rank holds E/N experts of each MoE layer. What it
+    returns (tensors on rank 0's device) and what it saves are the same as with one process.
 
     Args:
         cfg, model_cfg, generation, init: as :class:`t1async.backend.LearnerBackend`.
         device, dtype: override ``cfg.megatron.device`` / ``dtype`` (the bench uses them).
+        ranks: set on a follower rank only (t1async/megatron_ranks.py ``Follower``): its place
+            in the world; its weights come from rank 0, not from ``init``.
 
     Raises:
-        ValueError: a parallel size other than 1, alltoall on CPU, a checkpoint of another
-            architecture.
+        ValueError: tensor or pipeline parallel size other than 1, an expert-parallel size that
+            does not divide ``model_cfg.num_experts``, alltoall on CPU, a checkpoint of another
+            architecture. RuntimeError: expert parallelism without Ray initialised.
+            megatron_ranks.RankFailed: a follower rank failed to start or join.
     """
 
     name = "megatron"
 
     def __init__(self, cfg: LearnerConfig, model_cfg: ModelConfig, generation: GenerationConfig,
                  init: str | Path | None = None, *, device: str | torch.device | None = None,
-                 dtype: torch.dtype | None = None):
+                 dtype: torch.dtype | None = None, ranks: RankGroup | None = None):
         mc: MegatronConfig = cfg.megatron
-        sizes = {"tensor_parallel": mc.tensor_parallel, "pipeline_parallel": mc.pipeline_parallel,
-                 "expert_parallel": mc.expert_parallel}
+        sizes = {"tensor_parallel": mc.tensor_parallel, "pipeline_parallel": mc.pipeline_parallel}
         if any(v != 1 for v in sizes.values()):
-            raise ValueError(f"learner.megatron {sizes}: only 1 runs today (the learner is one process)")
+            raise ValueError(f"learner.megatron {sizes}: only 1 runs (megatron-core 0.16.1 refuses MoE with tensor "
+                             "parallelism without sequence parallelism, and its local spec's torch norm refuses "
+                             "sequence parallelism; pipeline parallelism is not wired)")
+        ep = mc.expert_parallel
+        if ep < 1 or model_cfg.num_experts % ep:
+            raise ValueError(f"learner.megatron.expert_parallel={ep} must divide model.num_experts="
+                             f"{model_cfg.num_experts}")
         self.cfg, self.generation, self.model_cfg = cfg, generation, model_cfg
         want = device or mc.device
         if want == "auto":
             want = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(want)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = dtype or {"float32": torch.float32, "bfloat16": torch.bfloat16}[mc.dtype]
-        init_megatron(self.device)
-        # the torch backend's initial weights (same seed, same numbers), converted
-        hf_policy = load_policy(model_cfg, init)
-        kw = dict(dtype=self.dtype, device=self.device, dispatcher=mc.dispatcher)
-        self.policy = build_gpt(model_cfg, hf_policy.state_dict(), replay=True, **kw)
-        self.critic = (build_gpt(model_cfg, ValueModel(hf_policy).state_dict(), critic=True, **kw) if cfg.critic
+        self.expert_parallel = ep
+        self._outputs: list[torch.Tensor] = []  # outputs with a graph since the last backward (ep > 1)
+        if ep > 1 and ranks is None:
+            ranks = RankGroup.start(ep, self.device, mc.timeout_s, dict(
+                cfg=cfg, model_cfg=model_cfg, generation=generation, device=self.device.type, dtype=self.dtype,
+                threads=torch.get_num_threads()))
+        self._ranks = ranks
+        self._lock = threading.RLock()
+        self.rank = ranks.rank if ranks is not None else 0
+        try:
+            init_megatron(self.device, expert_parallel=ep)
+            if ranks is not None and self.rank == 0:
+                ranks.run(lambda: self._build(init))  # a follower failing meanwhile is named
+            else:
+                self._build(init)
+        except BaseException:
+            if ranks is not None and self.rank == 0:  # (the followers may wait mid-collective: no goodbye)
+                ranks.kill()
+                leave_world()
+            raise
+        self._init_optimizers()
+
+    def _build(self, init: str | Path | None) -> None:
+        """Policy, critic, reference: rank 0 loads them (the torch backend's initial weights, same
+        seed, same numbers, or the checkpoint ``init``), converted; followers get theirs from it."""
+        cfg, mc = self.cfg, self.cfg.megatron
+        lead = self.rank == 0
+        hf_policy = load_policy(self.model_cfg, init) if lead else None
+        policy_sd = hf_policy.state_dict() if lead else None
+        critic_sd = ValueModel(hf_policy).state_dict() if lead and cfg.critic else None
+        ref_sd = None
+        if lead and cfg.kl_coef > 0:
+            ref_sd = load_policy(self.model_cfg, cfg.init_checkpoint).state_dict() if cfg.init_checkpoint else policy_sd
+        kw = dict(dtype=self.dtype, device=self.device, dispatcher=mc.dispatcher, ep_rank=self.rank,
+                  ep_size=self.expert_parallel)
+        self.policy = build_gpt(self.model_cfg, self._share(policy_sd), replay=True, **kw)
+        self.critic = (build_gpt(self.model_cfg, self._share(critic_sd), critic=True, **kw) if cfg.critic
                        else None)  # learner.critic: false builds none
         self.reference: GPTModel | None = None
         if cfg.kl_coef > 0:
-            ref = load_policy(model_cfg, cfg.init_checkpoint) if cfg.init_checkpoint else hf_policy
-            self.reference = build_gpt(model_cfg, ref.state_dict(), **kw).eval().requires_grad_(False)
-        del hf_policy
+            self.reference = build_gpt(self.model_cfg, self._share(ref_sd), **kw).eval().requires_grad_(False)
+        del hf_policy, policy_sd, critic_sd, ref_sd
         self._routers = [layer.mlp.router for layer in self.policy.decoder.layers]
         self._router_inputs: list[torch.Tensor | None] = [None] * len(self._routers)
         for i, r in enumerate(self._routers):
             r.register_forward_pre_hook(lambda mod, args, i=i: self._keep_router_input(i, args[0]))
         self._capture = False
         self._masks: dict[int, torch.Tensor] = {}
-        self._init_optimizers()
+
+    def _share(self, sd: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        """Rank 0's HF state dict ``sd`` on this rank: the shared weights and this rank's experts."""
+        if self.expert_parallel == 1:
+            return sd
+        E, n = self.model_cfg.num_experts, self.expert_parallel
+        return share_state(self._ranks, sd, lambda k: expert_owner(k, E, n) in (None, self.rank), self.device)
+
+    # ---- mirroring ----------------------------------------------------------------------
+    def _call(self, op: str, *args, **leader):
+        """Run ``self._<op>(*args, **leader)`` here and, with followers, ``self._<op>(*args)`` on
+        each of them (``leader``: keyword arguments for rank 0 only, never sent)."""
+        local = getattr(self, "_" + op)
+        if self.expert_parallel == 1 or self.rank != 0:
+            return local(*args, **leader)
+        with self._lock:  # one announced call at a time (the learner may close from another thread)
+            ranks = self._ranks
+            if ranks is None:
+                raise RuntimeError("the megatron backend's expert-parallel ranks were closed")
+            ranks.check()
+
+            def both():
+                ranks.announce(op, args)
+                return local(*args, **leader)
+
+            return ranks.run(both)
+
+    def close(self) -> None:
+        """Stop and kill the follower ranks and leave the world (a no-op with one process). Waits
+        up to a minute for a call in progress on another thread, then kills the followers anyway
+        (that call then fails)."""
+        if self._ranks is None or self.rank != 0:
+            return
+        got = self._lock.acquire(timeout=60)
+        try:
+            ranks, self._ranks = self._ranks, None
+            if ranks is None:
+                return
+            if got:
+                ranks.close()
+            else:
+                logger.warning("megatron backend closing during a call: killing its expert-parallel ranks")
+                ranks.kill()
+        finally:
+            if got:
+                self._lock.release()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
 
     # ---- forward ------------------------------------------------------------------------
     def _keep_router_input(self, i: int, x: torch.Tensor) -> None:
@@ -254,14 +406,23 @@ class MegatronBackend(AdamWPair):
             mask = self._masks[T]
         return model(inp.to(self.device), pos, mask)
 
+    def _keep(self, out: torch.Tensor, grad: bool) -> torch.Tensor:
+        """Remember ``out`` for :meth:`backward` when it carries a graph (expert parallelism)."""
+        if grad and self.expert_parallel > 1 and out.requires_grad:
+            self._outputs.append(out)
+        return out
+
     def policy_logprobs(self, inp, tgt, replay, *, grad, routing) -> PolicyForward:
-        g, cfg = self.generation, self.model_cfg
+        rows = replay_rows(replay, self.model_cfg.num_experts) if replay is not None else None  # refused here first
+        return self._call("forward_policy", inp, tgt, replay, rows, grad, routing)
+
+    def _forward_policy(self, inp, tgt, replay, rows, grad, routing) -> PolicyForward:
+        g = self.generation
         B, T = inp.shape
         replays = [r.router_replay for r in self._routers]
-        if replay is not None:
-            rows = replay_rows(replay.to(self.device), cfg.num_experts)
+        if rows is not None:
             for rr, row in zip(replays, rows):
-                rr.set_target_indices(row)
+                rr.set_target_indices(row.to(self.device))
                 rr.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
         elif routing:
             for rr in replays:
@@ -270,7 +431,8 @@ class MegatronBackend(AdamWPair):
         try:
             with torch.set_grad_enabled(grad):
                 logits = self._run(self.policy, inp).float()
-                logp, outside = token_logprobs(logits, tgt, g.temperature, g.top_k, g.top_p, return_outside=True)
+                logp, outside = token_logprobs(logits, tgt.to(self.device), g.temperature, g.top_k, g.top_p,
+                                               return_outside=True)
             used = own = None
             if routing:
                 own = torch.stack([self._own_topk(r, x, B, T) for r, x in zip(self._routers, self._router_inputs)], 2)
@@ -284,7 +446,7 @@ class MegatronBackend(AdamWPair):
             for rr in replays:
                 rr.clear_indices()
                 rr.clear_router_replay_action()
-        return PolicyForward(logp, outside, used, own)
+        return PolicyForward(self._keep(logp, grad), outside, used, own)
 
     def _own_topk(self, router: nn.Module, x: torch.Tensor, B: int, T: int) -> torch.Tensor:
         """The router's own top-k [B, T, K] from its input (what it would choose without replay)."""
@@ -294,38 +456,192 @@ class MegatronBackend(AdamWPair):
     def reference_logprobs(self, inp, tgt) -> torch.Tensor:
         if self.reference is None:
             raise RuntimeError("no reference policy: learner.kl_coef is 0")
+        return self._call("forward_reference", inp, tgt)
+
+    def _forward_reference(self, inp, tgt) -> torch.Tensor:
         g = self.generation
         with torch.no_grad():
-            return token_logprobs(self._run(self.reference, inp).float(), tgt, g.temperature, g.top_k, g.top_p)
+            return token_logprobs(self._run(self.reference, inp).float(), tgt.to(self.device), g.temperature, g.top_k,
+                                  g.top_p)
 
     def values(self, inp, *, grad) -> torch.Tensor:
         if self.critic is None:
             raise RuntimeError("no critic: learner.critic is false")
+        return self._call("forward_values", inp, grad)
+
+    def _forward_values(self, inp, grad) -> torch.Tensor:
         with torch.set_grad_enabled(grad):
-            return self._run(self.critic, inp).squeeze(-1)
+            return self._keep(self._run(self.critic, inp).squeeze(-1), grad)
+
+    # ---- gradients and steps ------------------------------------------------------------
+    def zero_grad(self) -> None:
+        self._call("zero_grad")
+
+    def _zero_grad(self) -> None:
+        self._outputs = []
+        AdamWPair.zero_grad(self)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``; with expert parallelism: the gradient of ``loss`` w.r.t. the outputs
+        returned since the last backward (rank 0), sent to every rank, each of which backpropagates
+        its own copies of those outputs (every rank computed the same forward).
+
+        Raises:
+            RuntimeError: no output with a graph was returned since the last backward.
+        """
+        if self.expert_parallel == 1:
+            loss.backward()
+            return
+        if not self._outputs:
+            raise RuntimeError("backward(): no policy log-probs or values with grad=True since the last backward")
+        grads = torch.autograd.grad(loss, self._outputs, allow_unused=True)
+        grads = [torch.zeros_like(o) if g is None else g for g, o in zip(grads, self._outputs)]
+        self._call("backward_outputs", grads)
+
+    def _backward_outputs(self, grads: list[torch.Tensor]) -> None:
+        outs, self._outputs = self._outputs, []
+        if len(outs) != len(grads):
+            raise RuntimeError(f"rank {self.rank}: {len(outs)} outputs with a graph, {len(grads)} gradients")
+        torch.autograd.backward(outs, [g.to(o.device, o.dtype) for g, o in zip(grads, outs)])
+
+    def step(self, *, policy: bool, policy_lr: float) -> float | None:
+        if self.expert_parallel == 1:
+            return AdamWPair.step(self, policy=policy, policy_lr=policy_lr)
+        return self._call("step", policy, policy_lr)
+
+    def _step(self, policy: bool, policy_lr: float) -> float | None:
+        if self.critic is not None:
+            self._clip(self.critic)
+            self.critic_opt.step()
+        if not policy:
+            return None
+        gn = self._clip(self.policy)
+        for group in self.policy_opt.param_groups:
+            group["lr"] = policy_lr
+        self.policy_opt.step()
+        return gn
+
+    def _clip(self, model: nn.Module) -> float:
+        """Expert-parallel gradients made exact, then clipped to ``cfg.max_grad_norm`` by their
+        global norm, which is returned (before clipping).
+
+        Every rank ran every token, so each expert received every rank's copy of its tokens:
+        its gradient is N times the true one (tests/test_megatron.py checks it) and is scaled
+        by 1/N. Shared (non-expert) gradients are the same on every rank up to the order of the
+        reduce-scatter's sums; rank 0's are copied to every rank so the replicas cannot drift.
+        Norm: sqrt(shared squares + the sum over ranks of each rank's expert squares).
+        """
+        n = self.expert_parallel
+        named = [(k, p) for k, p in model.named_parameters() if p.grad is not None]
+        experts = [p.grad for k, p in named if _is_expert(k)]
+        shared = [p.grad for k, p in named if not _is_expert(k)]
+        for g in experts:
+            g.mul_(1.0 / n)
+        broadcast_(self._ranks, shared)
+        sq = lambda gs: float(sum(g.float().pow(2).sum() for g in gs)) if gs else 0.0  # noqa: E731
+        expert_sq = all_reduce_sum(sq(experts), self.device)
+        total = math.sqrt(sq(shared) + expert_sq)
+        self.last_expert_grad_norm = math.sqrt(expert_sq)  # (after the 1/N scaling, before clipping)
+        coef = min(1.0, self.cfg.max_grad_norm / (total + 1e-6))
+        if coef < 1.0:
+            for g in experts + shared:
+                g.mul_(coef)
+        return total
+
+    def num_parameters(self) -> int:
+        """Parameters of the whole policy (every rank's experts counted)."""
+        named = list(self.policy.named_parameters())
+        return (sum(p.numel() for k, p in named if not _is_expert(k))
+                + self.expert_parallel * sum(p.numel() for k, p in named if _is_expert(k)))
 
     # ---- weights and checkpoints ----------------------------------------------------------
     def megatron_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """This rank's Megatron-named parameters of ``model`` (detached, its own experts only)."""
         return {n: p.detach() for n, p in model.named_parameters()}
 
+    def _gather_hf(self, role: str) -> dict[str, torch.Tensor] | None:
+        """The whole ``role`` model (policy or critic) in HF layout on rank 0, every rank's experts
+        gathered there; None on followers."""
+        model, layout = (self.policy, POLICY) if role == "policy" else (self.critic, CRITIC)
+        local = self.megatron_state(model)
+        n = self.expert_parallel
+        if self.expert_parallel == 1:
+            return megatron_to_hf(local, self.model_cfg, layout)
+        names = [k for k in local if _is_expert(k)]
+        parts = gather_tensors(self._ranks, [local[k] for k in names])
+        if self.rank != 0:
+            return None
+        out = megatron_to_hf(local, self.model_cfg, layout, ep_rank=0, ep_size=n)
+        for r in range(1, n):
+            out.update(megatron_to_hf({k: p[r] for k, p in zip(names, parts)}, self.model_cfg, layout, ep_rank=r,
+                                      ep_size=n))
+        return out
+
     def hf_state(self) -> dict[str, torch.Tensor]:
-        """The policy under its HF names (contiguous tensors on the backend's device)."""
-        sd = megatron_to_hf(self.megatron_state(self.policy), self.model_cfg, POLICY)
-        return {k: v.contiguous() for k, v in sd.items()}
+        """The policy under its HF names (contiguous tensors on rank 0's device; with expert
+        parallelism every rank's experts are gathered to rank 0)."""
+        return {k: v.contiguous() for k, v in self._call("gather_hf", "policy").items()}
 
     def hf_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
         return self.hf_state().items()
 
     def critic_hf_state(self) -> dict[str, torch.Tensor]:
-        sd = megatron_to_hf(self.megatron_state(self.critic), self.model_cfg, CRITIC)
-        return {k: v.contiguous() for k, v in sd.items()}
+        """The critic under its HF names (``backbone.*``, ``head.*``), gathered as :meth:`hf_state`."""
+        return {k: v.contiguous() for k, v in self._call("gather_hf", "critic").items()}
 
     def save(self, folder: Path) -> None:
+        """One HF checkpoint (every rank's experts gathered): config.json + model.safetensors,
+        critic.safetensors, optimizers.pt (rank 0's optimiser state) and, with expert parallelism
+        N, optimizers-ep{r}.pt for ranks r = 1..N-1 (rank 0 writes them all)."""
         save_hf(folder, self.model_cfg, {k: v.cpu() for k, v in self.hf_state().items()})
         self._save_state(folder, self.critic_hf_state() if self.critic is not None else None)
+        if self.expert_parallel > 1:
+            self._call("save_optimizers", folder=folder)
+
+    def _save_optimizers(self, folder: Path | None = None) -> None:
+        blobs = gather_bytes(self._ranks, b"" if self.rank == 0 else to_bytes(self._optimizer_state()), self.device)
+        for r in range(1, self.expert_parallel) if self.rank == 0 else ():
+            (folder / f"optimizers-ep{r}.pt").write_bytes(blobs[r])
+
+    def _optimizer_state(self) -> dict:
+        return {"policy": self.policy_opt.state_dict(),
+                "critic": self.critic_opt.state_dict() if self.critic_opt is not None else None,
+                "backend": self.name, "expert_parallel": self.expert_parallel, "rank": self.rank}
 
     def load_state(self, folder: Path) -> bool:
+        """Restore the critic and every rank's optimisers. Returns False (optimisers start fresh,
+        logged) when the checkpoint's optimisers are another backend's or another expert-parallel
+        size's, or a rank's file is missing."""
         saved = self._critic_file(folder)
         if saved is not None and self.critic is not None:
-            load_megatron(self.critic, hf_to_megatron(saved, self.model_cfg, CRITIC))
-        return self._load_optimizers(folder)
+            self._call("load_hf", "critic", sd=saved)
+        blobs = None
+        if self.expert_parallel > 1:
+            try:
+                blobs = [b""] + [(folder / f"optimizers-ep{r}.pt").read_bytes() for r in range(1, self.expert_parallel)]
+            except FileNotFoundError as e:
+                logger.warning("{}: {}: optimisers start fresh", folder, e)
+        ok = self._load_optimizers(folder) if blobs is not None or self.expert_parallel == 1 else False
+        if not ok:
+            logger.warning("{}: optimiser state of another backend or expert-parallel size (this run: megatron, "
+                           "expert_parallel={}): optimisers start fresh", folder, self.expert_parallel)
+        if self.expert_parallel > 1:
+            self._call("load_rank_optimizers", ok, blobs=blobs if ok else None)
+        return ok
+
+    def _load_rank_optimizers(self, ok: bool, blobs: list[bytes] | None = None) -> None:
+        """Every follower loads its optimiser state from rank 0's ``blobs`` (when ``ok``)."""
+        if not ok:  # (every rank got the same ok)
+            return
+        data = scatter_bytes(self._ranks, blobs, self.device)
+        if self.rank != 0:
+            opt = from_bytes(data)
+            self.policy_opt.load_state_dict(opt["policy"])
+            if self.critic_opt is not None and opt.get("critic") is not None:
+                self.critic_opt.load_state_dict(opt["critic"])
+
+    def _load_hf(self, role: str, sd: dict[str, torch.Tensor] | None = None) -> None:
+        model, layout = (self.policy, POLICY) if role == "policy" else (self.critic, CRITIC)
+        sd = self._share(sd)
+        load_megatron(model, hf_to_megatron(sd, self.model_cfg, layout, ep_rank=self.rank,
+                                            ep_size=self.expert_parallel))

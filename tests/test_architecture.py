@@ -15,7 +15,8 @@ CORE = Path(__file__).resolve().parents[1] / "t1async"
 ALLOWED = {"launch.py", "cli.py", "mismatch.py", "sft.py",  # tools that wire the rollout loop and envs in one process
            "service.py",  # the launch process's supervision of the Ray roles (status, restarts, live changes)
            "sampler_pool.py",  # the launch process's embedded samplers (live scaling, restarts)
-           "reaper.py"}  # the launch's clean-up process: detaches sandbox mounts (envs.limits) after a kill -9
+           "reaper.py",  # the launch's clean-up process: detaches sandbox mounts (envs.limits) after a kill -9
+           "megatron_ranks.py"}  # expert_parallel > 1 only: the megatron backend's other ranks are Ray actors
 FORBIDDEN = ("ray", "t1async.actors", "t1async.envs")
 
 

@@ -106,3 +106,17 @@ def test_greedy_generation_is_refused_for_training_but_allowed_for_eval(tmp_path
         assert len(r.output_ids) == 4 and r.logprobs == [0.0] * 4  # a point mass: log-prob 0
     finally:
         agent.close()
+
+
+def test_megatron_parallel_sizes_are_checked_in_one_line():
+    cfg = load_config(None, ["learner.backend=megatron", "learner.megatron.expert_parallel=2", "model.num_experts=4"])
+    assert cfg.learner.megatron.expert_parallel == 2
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["learner.megatron.expert_parallel=3", "model.num_experts=4"])
+    assert "\n" not in str(e.value) and "learner.megatron.expert_parallel=3" in str(e.value)
+    assert "a divisor of model.num_experts" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["learner.megatron.tensor_parallel=2"])
+    assert "\n" not in str(e.value) and "refuses MoE + tensor parallelism without sequence parallelism" in str(e.value)
+    with pytest.raises(ConfigError, match="learner.megatron.pipeline_parallel=2 is invalid"):
+        load_config(None, ["learner.megatron.pipeline_parallel=2"])

@@ -160,3 +160,31 @@ def test_sync_mode_trains_every_trajectory_at_staleness_zero(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["dropped_stale"] == 0 and summary["trajectories"] == 8
     assert all(s["busy_s"] > 0 for s in summary["samplers"])
+
+
+def test_launch_with_the_megatron_learner_on_two_expert_parallel_ranks(tmp_path):
+    """``learner.backend=megatron learner.megatron.expert_parallel=2``: the learner's backend is rank
+    0 and starts rank 1 as a Ray actor (gloo on CPU); the run trains exactly (no drift, replayed
+    routing used), publishes every step's weights (gathered from both ranks) to the sampler, and
+    checkpoints one HF model plus both ranks' optimiser files."""
+    pytest.importorskip("megatron.core")
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(CLI + [f"run.dir={run_dir}", "learner.backend=megatron", "learner.megatron.expert_parallel=2",
+                                 "learner.max_steps=3", "learner.batch_size=2", "learner.publish_every=1",
+                                 "env.max_turns=2", "generation.max_new_tokens=16", "learner.checkpoint_every=0"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = _rows(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3] and [r["version"] for r in rows] == [1, 2, 3]
+    assert all(r["drift_tokens"] == 0 and r["routing_diff_frac"] == 0 for r in rows)
+    # trajectories of the version the learner held: the sampler's log-probs are the learner's
+    assert all(r["logprob_diff_mean"] < 1e-4 for r in rows if r["staleness_max"] == 0)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert [s["weight_version"] for s in summary["samplers"]] == [3]  # every publish reached the sampler
+    assert "megatron expert parallelism: 2 ranks (gloo" in (run_dir / "logs" / "learner.log").read_text()
+    ckpt = run_dir / "checkpoints" / "step_000003"
+    assert (ckpt / "optimizers.pt").exists() and (ckpt / "optimizers-ep1.pt").exists()
+    from safetensors import safe_open
+
+    with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
+        assert {int(k.split(".")[5]) for k in f.keys() if ".experts." in k} == set(range(8))  # both ranks' experts

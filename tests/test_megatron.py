@@ -236,7 +236,7 @@ def _ep_worker(rank: int, port: int, hf: dict, ids: torch.Tensor, replay: torch.
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=2)
-    megatron_backend.init_megatron(torch.device("cpu"))
+    megatron_backend.init_megatron(torch.device("cpu"), expert_parallel=2)
     model = megatron_backend.build_gpt(MODEL, hf, replay=True, ep_rank=rank, ep_size=2)
     routers = [layer.mlp.router for layer in model.decoder.layers]
     mask = torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool).triu(1)[None, None]
@@ -291,9 +291,12 @@ def test_two_process_expert_parallel_gloo_matches_the_torch_model(tmp_path):
 
 
 def test_megatron_sizes_other_than_one_are_refused_with_the_reason():
-    cfg = LearnerConfig(megatron=dataclasses.replace(LearnerConfig().megatron, expert_parallel=2))
-    with pytest.raises(ValueError, match="only 1 runs today"):
-        MegatronBackend(cfg, MODEL, GenerationConfig())
+    for key, match in (("tensor_parallel", "refuses MoE with tensor parallelism without sequence parallelism"),
+                       ("pipeline_parallel", "only 1 runs"), ("expert_parallel", "must divide model.num_experts=4")):
+        cfg = LearnerConfig(megatron=dataclasses.replace(LearnerConfig().megatron, **{key: 3 if key == "expert_parallel"
+                                                                                      else 2}))
+        with pytest.raises(ValueError, match=match):
+            MegatronBackend(cfg, MODEL, GenerationConfig())
 
 
 def test_bench_learner_reports_both_backends_on_the_same_step(capsys):
@@ -324,3 +327,190 @@ def test_critic_off_builds_no_critic_and_checkpoints_without_one(tmp_path):
     assert mb.load_state(tmp_path) is True
     tb = TorchBackend(LearnerConfig(), MODEL, GenerationConfig(), tmp_path)
     assert tb.load_state(tmp_path) is False and tb.critic is not None
+
+
+# ----------------------------------------------------------------------------- expert parallelism, 2 ranks
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """A local Ray (the follower ranks are Ray actors), shut down after this module's tests."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def _ep(n: int = 2):
+    return dataclasses.replace(LearnerConfig().megatron, expert_parallel=n, timeout_s=60.0)
+
+
+def test_two_rank_expert_parallel_learner_step_matches_the_torch_backend(tmp_path, local_ray):
+    """learner.megatron.expert_parallel=2 (rank 0 in this process, rank 1 a Ray actor, gloo): the
+    same batch through one learner update as the torch backend from the same weights, replay on.
+    Log-probs and routing equal; the step's metrics (grad_norm included: it sees the expert
+    gradients' 1/N scaling) and the gathered parameters after the AdamW step agree."""
+    out = {}
+    for backend, ep in (("torch", 1), ("megatron", 2)):
+        learner = _learner(tmp_path, backend, True, megatron=_ep(ep))
+        try:
+            b = learner.backend
+            before = {k: v.detach().clone() for k, v in b.hf_weights()}
+            t = _batch()[0]
+            ids = torch.from_numpy(t.token_ids.astype(np.int64))[None]
+            replay = torch.from_numpy(t.routed_experts.astype(np.int64))[None]
+            fwd = b.policy_logprobs(ids[:, :-1], ids[:, 1:], replay, grad=False, routing=True)
+            free = b.policy_logprobs(ids[:, :-1], ids[:, 1:], None, grad=False, routing=True)
+            metrics = learner._train_step(_batch())
+            if backend == "torch":  # its expert gradients' norm before clipping (the step clipped: norm > 1)
+                clipped = sum(float(p.grad.pow(2).sum()) for k, p in b.policy.named_parameters() if ".experts." in k)
+                metrics["expert_grad_norm"] = clipped ** 0.5 * (metrics["grad_norm"] + 1e-6) / learner.cfg.max_grad_norm
+            else:
+                metrics["expert_grad_norm"] = b.last_expert_grad_norm
+            out[backend] = fwd, free, metrics, {k: v.detach().clone() for k, v in b.hf_weights()}, b.num_parameters()
+        finally:
+            learner.close()
+    (ft, freet, mt, wt, nt), (fm, freem, mm, wm, nm) = out["torch"], out["megatron"]
+    lp = float((ft.logp - fm.logp).abs().max())
+    lp_free = float((freet.logp - freem.logp).abs().max())
+    print(f"EP=2 vs torch: log-prob max|diff| {lp:.2e} (replay), {lp_free:.2e} (own routing)")
+    assert lp < 1e-5 and lp_free < 1e-5 and torch.equal(ft.outside, fm.outside)
+    assert torch.equal(freet.routed_experts, freem.routed_experts)  # RECORD across both ranks' experts
+    assert not routing_differs(ft.router_experts, fm.router_experts).any()
+    for k, v in mt.items():
+        if isinstance(v, float):
+            assert mm[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+    assert mm["routing_diff_frac"] == mt["routing_diff_frac"] == 0 and mt["grad_norm"] > learner.cfg.max_grad_norm
+    # each expert saw both ranks' copies of its tokens: unscaled, its gradient would be 2x the true one
+    assert mm["expert_grad_norm"] == pytest.approx(mt["expert_grad_norm"], rel=1e-4) and mt["expert_grad_norm"] > 1e-3
+    assert wm.keys() == wt.keys() and nm == nt == sum(v.numel() for v in wt.values())
+    rel = max(float((wt[k] - wm[k]).norm() / wt[k].norm()) for k in wt)
+    moved = min(float((wt[k] - before[k]).norm() / before[k].norm()) for k in wt if "norm" not in k)
+    print(f"EP=2: params after one step, max over tensors of |torch - megatron| / |torch| = {rel:.2e}; "
+          f"smallest relative move {moved:.2e}; grad_norm torch {mt['grad_norm']:.6g} megatron {mm['grad_norm']:.6g}; "
+          f"expert grad norm torch {mt['expert_grad_norm']:.6g} megatron {mm['expert_grad_norm']:.6g}")
+    assert rel < 1e-5 and moved > 1e-3
+
+
+def test_two_rank_checkpoint_is_one_hf_checkpoint_that_one_process_loads_bitwise(tmp_path, local_ray):
+    """A 2-rank backend's checkpoint: one HF model.safetensors with all 4 experts (both ranks'),
+    loaded bitwise by transformers-style loading, the torch backend and a 1-rank megatron backend
+    (which start their optimisers fresh); a 2-rank resume restores both ranks' optimiser state."""
+    learner = _learner(tmp_path, "megatron", True, megatron=_ep(2))
+    try:
+        learner._train_step(_batch())
+        learner.step = 1
+        ckpt = learner.save_checkpoint()
+        hf = {k: v.clone() for k, v in learner.backend.hf_weights()}
+        critic = learner.backend.critic_hf_state()
+    finally:
+        learner.close()
+    assert {p.name for p in ckpt.iterdir()} >= {"model.safetensors", "config.json", "critic.safetensors",
+                                               "optimizers.pt", "optimizers-ep1.pt"}
+    assert {int(k.split(".")[5]) for k in hf if ".experts." in k} == {0, 1, 2, 3}
+    loaded = Qwen3MoeForCausalLM.from_pretrained(ckpt)
+    assert dict(loaded.named_parameters()).keys() == hf.keys()
+    assert all(torch.equal(p, hf[n]) for n, p in loaded.named_parameters())
+    tb = TorchBackend(LearnerConfig(), MODEL, GenerationConfig(), ckpt)
+    assert tb.load_state(ckpt) is False  # another backend's optimiser layout: fresh optimisers
+    assert all(torch.equal(p, hf[n]) for n, p in tb.policy.named_parameters())
+    assert all(torch.equal(p, critic[n]) for n, p in tb.critic.named_parameters())
+    one = MegatronBackend(LearnerConfig(), MODEL, GenerationConfig(), ckpt)
+    assert one.load_state(ckpt) is False  # expert_parallel 1 vs 2: fresh optimisers
+    assert one.hf_state().keys() == hf.keys() and all(torch.equal(v, hf[k]) for k, v in one.hf_state().items())
+    assert all(torch.equal(v, critic[k]) for k, v in one.critic_hf_state().items())
+    del one
+    two = MegatronBackend(LearnerConfig(megatron=_ep(2)), MODEL, GenerationConfig(), ckpt)
+    try:
+        assert two.load_state(ckpt) is True
+        assert all(torch.equal(v, hf[k]) for k, v in two.hf_state().items())
+        assert all(torch.equal(v, critic[k]) for k, v in two.critic_hf_state().items())
+        two.save(tmp_path / "again")
+    finally:
+        two.close()
+    with pytest.raises(RuntimeError, match="ranks were closed"):  # never rank 0's experts alone
+        two.hf_state()
+    for name in ("optimizers.pt", "optimizers-ep1.pt"):  # both ranks' AdamW moments restored and saved again
+        a, b = (torch.load(d / name, weights_only=True) for d in (ckpt, tmp_path / "again"))
+        assert a["policy"]["state"] and len(a["policy"]["state"]) == len(b["policy"]["state"])
+        for i, st in a["policy"]["state"].items():
+            assert all(torch.equal(st[k], b["policy"]["state"][i][k]) for k in ("exp_avg", "exp_avg_sq"))
+
+
+def test_a_killed_follower_rank_fails_the_next_call_naming_it(local_ray):
+    """A follower rank killed between calls: the next call raises RankFailed naming rank 1 within
+    seconds (not after the timeout), and every later call raises it again."""
+    import time
+
+    from t1async.megatron_ranks import RankFailed
+
+    torch.manual_seed(0)
+    mb = MegatronBackend(LearnerConfig(megatron=_ep(2)), MODEL, GenerationConfig())
+    try:
+        ids = torch.randint(0, MODEL.vocab_size, (1, 8), generator=torch.Generator().manual_seed(1))
+        assert mb.values(ids, grad=False).shape == (1, 8)
+        local_ray.kill(mb._ranks.handles[0], no_restart=True)
+        t0 = time.monotonic()
+        with pytest.raises(RankFailed, match=r"rank 1 \(.* pid \d+\) failed: .*killed"):
+            mb.policy_logprobs(ids, ids, None, grad=True, routing=False)
+            mb.values(ids, grad=False)
+        took = time.monotonic() - t0
+        print(f"killed follower named after {took:.2f} s: {mb._ranks.failed}")
+        assert took < 20
+        with pytest.raises(RankFailed, match="rank 1"):
+            mb.values(ids, grad=False)
+    finally:
+        mb.close()
+
+
+def test_a_follower_killed_by_signal_fails_the_collective_naming_it(local_ray):
+    """SIGKILL to a follower's process, then a call that goes straight into its collectives (no
+    check of the followers first): gloo fails (connection closed) and the error still names rank 1
+    and its pid, well before timeout_s."""
+    import os
+    import signal
+    import time
+
+    from t1async.megatron_ranks import RankFailed
+
+    torch.manual_seed(0)
+    mb = MegatronBackend(LearnerConfig(megatron=_ep(2)), MODEL, GenerationConfig())
+    try:
+        ids = torch.randint(0, MODEL.vocab_size, (1, 8), generator=torch.Generator().manual_seed(1))
+        mb.policy_logprobs(ids, ids, None, grad=False, routing=False)
+        where = mb._ranks.where(1)
+        os.kill(int(where.split()[-1]), signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(RankFailed, match=f"rank 1 \\({where}\\)"):  # _call without its check first:
+            mb._ranks.run(lambda: (mb._ranks.announce("forward_values", (ids, False)),  # the collective fails
+                                   mb._forward_values(ids, False)))
+        took = time.monotonic() - t0
+        print(f"SIGKILLed follower named after {took:.2f} s: {mb._ranks.failed}")
+        assert took < 30
+    finally:
+        mb.close()
+
+
+def test_a_stuck_follower_rank_times_out_instead_of_hanging(local_ray):
+    """A follower alive but not answering (SIGSTOP): rank 0's collective gives up after
+    learner.megatron.timeout_s (3 s here) and says so, instead of waiting forever."""
+    import os
+    import signal
+    import time
+
+    from t1async.megatron_ranks import RankFailed
+
+    torch.manual_seed(0)
+    mb = MegatronBackend(LearnerConfig(megatron=dataclasses.replace(_ep(2), timeout_s=3.0)), MODEL, GenerationConfig())
+    pid = int(mb._ranks.where(1).split()[-1])
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(RankFailed, match="timeout_s=3"):
+            mb.hf_state()  # gathers every rank's experts: waits on rank 1
+        took = time.monotonic() - t0
+        print(f"stuck follower: gave up after {took:.1f} s: {mb._ranks.failed[:200]}")
+        assert took < 30
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        mb.close()

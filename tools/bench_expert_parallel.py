@@ -1,0 +1,107 @@
+"""Learner step time of the megatron backend on one process against ``expert_parallel`` N processes.
+
+Prints ONE JSON object. Builds the megatron backend with ``learner.megatron.expert_parallel`` 1,
+times ``--steps`` learner micro-batch steps (tools/bench_learner.py ``rl_step``: old values,
+policy log-probs with replay, values, PPO + value loss, backward, clip + AdamW) on one batch after
+``--warmup`` untimed ones, closes it, then does the same with N ranks (rank 0 here, ranks 1..N-1
+Ray actors on this machine, gloo on CPU / nccl on CUDA), from the same seeded init on the same
+batch. One backend at a time (a process holds one torch.distributed world), so a load change on a
+shared machine between the two phases moves one and not the other: compare medians of several runs.
+
+Every rank runs every token (t1async/megatron_ranks.py), so N ranks do not train faster: they
+hold 1/N of the experts each (``parameters_rank0``) and pay the dispatcher's all-gather and
+reduce-scatter, the announcements and the gradient broadcast on top.
+
+Usage: ``python tools/bench_expert_parallel.py [--ranks 2] [--model local|mid] [--batch 4]
+[--seq 128] [--steps 5] [--warmup 1] [--threads 1]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_learner import MODELS, make_batch, rl_step  # noqa: E402
+
+from t1async.config import GenerationConfig, LearnerConfig  # noqa: E402
+
+
+def time_backend(ranks: int, args: argparse.Namespace, device: torch.device) -> dict:
+    """Build the megatron backend with ``ranks`` expert-parallel ranks, time its steps, close it."""
+    from t1async.megatron_backend import MegatronBackend
+
+    model = MODELS[args.model]
+    cfg = LearnerConfig(lr=1e-5, critic_lr=1e-5)
+    cfg.megatron = dataclasses.replace(cfg.megatron, expert_parallel=ranks)
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    backend = MegatronBackend(cfg, model, GenerationConfig(), device=device, dtype=torch.float32)
+    build_s = time.perf_counter() - t0
+    try:
+        b = make_batch(model, args.batch, args.seq, device)
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        times, last = [], {}
+        for i in range(args.warmup + args.steps):
+            sync()
+            t0 = time.perf_counter()
+            last = rl_step(backend, b, cfg)
+            sync()
+            if i >= args.warmup:
+                times.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        hf = backend.hf_state()
+        gather_s = time.perf_counter() - t0
+        local = sum(p.numel() for p in backend.policy.parameters())
+        return {"ranks": ranks, "step_s_median": round(statistics.median(times), 4),
+                "step_s_all": [round(t, 4) for t in times], "tokens_per_s": round(args.batch * args.seq
+                                                                                 / statistics.median(times), 1),
+                "build_s": round(build_s, 2), "hf_state_s": round(gather_s, 3), "parameters": backend.num_parameters(),
+                "parameters_rank0": local, "hf_tensors": len(hf), "policy_loss_last": last["policy_loss"],
+                "grad_norm_last": last["grad_norm"]}
+    finally:
+        backend.close()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", type=int, default=2, help="expert-parallel ranks of the second phase")
+    p.add_argument("--model", choices=sorted(MODELS), default="local")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    args = p.parse_args(argv)
+    import warnings
+
+    import ray
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(args.threads)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        device = torch.device(args.device)
+        one = time_backend(1, args, device)
+        many = time_backend(args.ranks, args, device)
+    finally:
+        ray.shutdown()
+    loss = one["policy_loss_last"]
+    out = {"model": args.model, "batch": args.batch, "seq": args.seq, "threads_per_rank": args.threads,
+           "device": args.device, "one_rank": one, f"{args.ranks}_ranks": many,
+           "step_time_ratio": round(many["step_s_median"] / one["step_s_median"], 3),
+           "same_loss": abs(loss - many["policy_loss_last"]) <= 1e-5 * max(1.0, abs(loss))}
+    print(json.dumps(out))
+    return out
+
+
+if __name__ == "__main__":
+    main()
