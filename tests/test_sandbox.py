@@ -168,6 +168,16 @@ def test_no_network(sb):
     assert interfaces == ["lo"]
 
 
+def python_skeleton(folder: str) -> set[str] | None:
+    """The entries of host ``folder`` the sandbox shows because the interpreter's own folders (bound
+    read-only at their host paths) lie below it; None when none does."""
+    from t1async.envs.local import _python_paths
+
+    below = [p for p in map(Path, [*_python_paths(), sys.prefix, sys.base_prefix]) if p.is_relative_to(folder)
+             and p != Path(folder)]
+    return {p.relative_to(folder).parts[0] for p in below} if below else None
+
+
 def test_host_files_are_invisible(sb):
     host_root = sorted(os.listdir("/root"))
     inside_root = sb.exec("ls -A /root").output.split()
@@ -176,6 +186,11 @@ def test_host_files_are_invisible(sb):
     for path in ("/work", str(REPO / "pyproject.toml"), str(REPO / "envs"), "/etc/shadow", "/etc/gshadow",
                  "/root/.ssh", os.path.expanduser("~/.bash_history"), "/etc/pip.conf", "/etc/gitconfig"):
         if Path(path).is_relative_to(sys.prefix) or Path(path).is_relative_to(sys.base_prefix):
+            continue
+        skeleton = python_skeleton(path)
+        if skeleton is not None:  # an ancestor of the interpreter's folders: only the way down to them shows
+            inside = sb.exec(f"ls -A {path}").output.split()
+            assert set(inside) <= skeleton, f"{path} inside shows {inside}, not only the way to the interpreter"
             continue
         assert sb.exec(f"test -e {path}").exit_code == 1, f"{path} is visible inside the sandbox"
     assert sb.exec("test -f /etc/passwd && test -f /etc/hosts").exit_code == 0

@@ -16,6 +16,7 @@ import pytest
 from t1async.envs.limits import cgroups_usable
 from t1async.envs.local import SANDBOX_UID, LocalSandbox
 from t1async.envs.protocol import SandboxLimits
+from tests.test_sandbox import python_skeleton
 
 ROOT = os.geteuid() == 0
 CGROUPS = {"pids", "memory"} <= set(cgroups_usable())
@@ -48,10 +49,13 @@ def test_shell_is_an_unprivileged_host_uid_without_capabilities(sb):
 def test_host_files_cannot_be_read_or_written(sb, tmp_path):
     secret = tmp_path / "host-secret.txt"
     secret.write_text("do not read\n")
-    for probe in (f"cat {secret}", "cat /etc/shadow", "ls /work", "cat /proc/1/root/etc/shadow",
-                  f"ls /proc/1/root{tmp_path}"):
+    for probe in (f"cat {secret}", "cat /etc/shadow", "cat /proc/1/root/etc/shadow", f"ls /proc/1/root{tmp_path}"):
         result = sb.exec(probe)
         assert result.exit_code != 0 and "do not read" not in result.output, probe
+    # /work holds nothing but, where the interpreter's venv lies below it, the way down to it
+    skeleton = python_skeleton("/work")
+    result = sb.exec("ls -A /work")
+    assert (result.exit_code != 0) if skeleton is None else set(result.output.split()) <= skeleton, result.output
     for target in ("/usr/bin/t1async-probe", "/etc/t1async-probe", "/t1async-probe", "/tests/probe"):
         assert sb.exec(f"touch {target}").exit_code != 0, target
     assert not Path("/usr/bin/t1async-probe").exists() and not Path("/etc/t1async-probe").exists()
