@@ -1,4 +1,5 @@
-"""Weight sync: the learner (rank 0) broadcasts the policy to every sampler with SGLang's own protocol.
+"""Weight sync: the learner hands the policy to every sampler with SGLang's own protocol, by broadcast
+(``weight_sync.mode: distributed``, below) or by handles to its memory (``tensor``, further below).
 
 Protocol (SGLang 0.5.10.post1, ``tests/fixtures/sglang_schema.json``; ``model_runner.py``
 ``init_weights_update_group`` / ``update_weights_from_distributed``, ``utils/common.py``
@@ -36,6 +37,68 @@ server out of service.
 Backends: gloo (CPU) and nccl (GPUs, one rank per GPU: two NCCL ranks on one GPU fail with
 "Duplicate GPU detected"). The group is a standalone process group, never the default one a
 Megatron learner uses.
+
+**Tensor mode** (``weight_sync.mode: tensor``, :class:`TensorWeightSync`): for samplers on the
+learner's machine, including its own GPU, where no group can be formed. Same pause -> buckets ->
+continue sequence, same ``bucket_mb``, publish order, ``timeout_s`` and out-of-service rule; per
+bucket ``POST /update_weights_from_tensor``. What it relies on, read from the pinned release:
+
+- Body (``managers/io_struct.py`` ``UpdateWeightsFromTensorReqInput``): ``serialized_named_tensors:
+  List[Union[str, bytes]]`` (required), ``load_format: Optional[str] = None``, ``flush_cache: bool =
+  True``, ``abort_all_requests: bool = False``, ``weight_version: Optional[str] = None`` (and
+  ``disable_draft_model``). t1async sends exactly the five first (:func:`tensor_update_body`):
+  ``flush_cache`` false and ``weight_version`` null except on the last bucket (the default
+  ``flush_cache`` is true, so it is sent explicitly).
+- Per TP rank (``managers/tp_worker.py`` ``update_weights_from_tensor``): rank ``r`` loads
+  ``MultiprocessingSerializer.deserialize(serialized_named_tensors[r])`` after
+  ``monkey_patch_torch_reductions()``; so the list holds one entry per rank (a short list fails a
+  rank). ``utils/common.py`` ``MultiprocessingSerializer``: ``ForkingPickler(buf).dump(obj)``,
+  base64 (``output_str=True``); ``deserialize`` base64-decodes a str (``validate=True``) and loads it
+  with ``SafeUnpickler``, which allows modules by prefix (``torch.``, ``builtins.``,
+  ``multiprocessing.reduction.``, ``sglang.srt.weight_sync.tensor_bucket.`` ...) and denies
+  ``os.system``, ``eval`` and a few more. ``utils/patch_torch.py``: the patched reduction puts the
+  GPU's UUID in place of the device index (argument 6 of ``rebuild_cuda_tensor``) and the patched
+  rebuild takes an index or a UUID; the patch assumes a CUDA tensor (it breaks CPU tensors, so
+  :func:`_reduce_tensor` rewrites CUDA tensors only).
+- Loading (``model_executor/model_runner.py`` ``update_weights_from_tensor``): ``load_format`` null
+  means a list of ``(name, tensor)``, each ``.to(device)`` (``_unwrap_tensor``, which also unwraps
+  ``LocalSerializedTensor``, a per-rank wrapper t1async does not need: every rank gets the whole
+  tensor) then ``model.load_weights``, which copies into the server's parameters during the request;
+  the HTTP answer (``entrypoints/http_server.py``: 200, or 400 with ``success`` false) means the
+  bytes were copied and the sender may reuse them. ``flattened_bucket`` means one dict
+  ``{"flattened_tensor", "metadata"}`` whose metadata are objects with ``name, shape, dtype,
+  start_idx, end_idx, numel`` attributes (``weight_sync/tensor_bucket.py``
+  ``FlattenedTensorMetadata``): t1async sends the plain list instead, which needs no SGLang class in
+  the pickle (the learner does not install SGLang) and goes through ``_unwrap_tensor``'s per-rank
+  ``.to(device)``, which the flattened path skips (sglang#12664: wrong device with TP > 1). What
+  the flattened form saves, one CUDA IPC handle per bucket instead of one per tensor (slow for
+  thousands of tensors, vime#175), the plain list gets here too: every tensor of a bucket is a view
+  of one storage (the packed policy, or a staging buffer) and torch's receiver opens a storage
+  once (``shared_cache`` by handle).
+- ``managers/tokenizer_communicator_mixin.py``: while paused the update runs at once (no writer
+  lock); a ``weight_version`` is taken only on success. No ``try`` around the load in
+  ``model_runner``: an exception there (a name the model lacks) ends SGLang's scheduler, and the
+  server with it; the learner sees no answer and takes it out of service, as for a 400.
+- Handles (torch ``multiprocessing/reductions.py``): a CUDA tensor pickles as a CUDA IPC handle of
+  its allocation with a producer-side reference count (the producer keeps the memory while a
+  consumer holds it); a CPU tensor as shared memory: the default ``file_descriptor`` strategy
+  sends an fd that only a process holding this one's multiprocessing authkey can fetch, so the
+  pickler here uses ``file_system`` (a named file in ``/dev/shm``) whatever the process-wide
+  strategy (:func:`serialize_named_tensors`). Each pickle takes one reference that its reader gives
+  back, so every rank gets its own pickle (as SGLang's ``weight_sync/utils.py`` does); a pickle
+  that is never read (the sampler died first) leaves its shared-memory file until torch's
+  ``torch_shm_manager`` removes it when the learner exits.
+- verl and slime (read, not copied) call the same route for colocated engines with SGLang imported
+  in the trainer (``MultiprocessingSerializer``, ``monkey_patch_torch_reductions``, and
+  ``FlattenedTensorBucket`` where the release has it; verl's earlier FSDP path sent per-tensor
+  ``LocalSerializedTensor`` lists): a bucket per call, one entry per TP rank. t1async imports no
+  SGLang, hence its own pickler with the same output.
+
+The embedded sampler implements the route (actors/sampler.py), atomically: it loads the pickle with
+an exact allow-list of torch's rebuild functions (:func:`deserialize_named_tensors`; SGLang's
+prefix list would admit any ``torch.`` callable), checks names, shapes and dtypes (400 naming the
+tensor), copies into its receive buffers during the request and swaps all buckets in at the last.
+Needs the same machine; launch refuses ``sampler.urls`` on another host. Not run on a GPU yet.
 """
 
 from __future__ import annotations
@@ -43,6 +106,7 @@ from __future__ import annotations
 import base64
 import datetime
 import io
+import os
 import pickle
 import socket
 import threading
@@ -885,6 +949,7 @@ class TensorWeightSync(_SamplerSet):
         if not live:
             logger.warning("weight version {}: no sampler in service to publish to (failed: {})", version, self.failed)
             return
+        self._check_shared_memory(buckets)
         self._ensure_pool(len(live))
         self.urls = live
         live, gone = self._reachable(live)
@@ -905,9 +970,11 @@ class TensorWeightSync(_SamplerSet):
         Raises:
             WeightSyncError: a joiner failed (it is listed in ``failed`` and left out of service).
         """
+        buckets = plan_buckets(named_tensors, self.bucket_bytes)
+        self._check_shared_memory(buckets)
         self._ensure_pool(len(urls))
         live, gone = self._reachable(list(urls))
-        bad, cont = self._update(plan_buckets(named_tensors, self.bucket_bytes), live, version)
+        bad, cont = self._update(buckets, live, version)
         bad = {u: self.failed[u] for u in bad + gone + list(cont)}
         if bad:
             raise WeightSyncError(f"joiners could not load weight version {version}: {bad}")
@@ -931,6 +998,34 @@ class TensorWeightSync(_SamplerSet):
         self.failed.update(errors)
         self.failed.update(cont)
         return [u for u in urls if u in errors], cont
+
+    def _check_shared_memory(self, buckets: list[Bucket], shm: str = "/dev/shm") -> None:
+        """On CPU, refuse before anyone is paused when what must move into shared memory now (the
+        packed policy's storage at its first publish, the staging buffers) does not fit in ``shm``
+        (a container's default is 64 MiB; writing past it kills the process with SIGBUS).
+
+        Raises:
+            WeightSyncError: one line with the MiB needed and free.
+        """
+        if buckets[0].tensors[0].device.type != "cpu" or not os.path.isdir(shm):
+            return
+        need, seen, staged = 0, set(), 0
+        for b in buckets:
+            if b._packed_view() is not None:
+                st = b.tensors[0].untyped_storage()
+                if st.data_ptr() not in seen and not st.is_shared():
+                    need += st.nbytes()
+                seen.add(st.data_ptr())
+            else:
+                staged = max(staged, sum(aligned_bytes(t.numel() * t.element_size()) for t in b.tensors))
+        have = [t.numel() for t in self._stage]
+        need += sum(max(0, staged - (have[k] if k < len(have) else 0)) for k in range(2 if staged else 0))
+        st = os.statvfs(shm)
+        free = st.f_bavail * st.f_frsize
+        if need > free:
+            raise WeightSyncError(f"weight_sync.mode=tensor on CPU must put {need / 2**20:.0f} MiB in {shm}, which has "
+                                  f"{free / 2**20:.0f} MiB free: enlarge it (docker run --shm-size) or use "
+                                  "weight_sync.mode=distributed")
 
     def _named(self, bucket: Bucket, i: int) -> list[tuple[str, torch.Tensor]]:
         """The ``(name, tensor)`` list sent for ``bucket`` (number ``i``): views of the policy when

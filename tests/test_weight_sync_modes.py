@@ -72,3 +72,34 @@ def test_launch_refuses_tensor_mode_with_samplers_on_another_host():
                ["weight_sync.mode=tensor"],  # embedded samplers on 127.0.0.1
                ["sampler.backend=sglang", "sampler.urls=[http://192.0.2.7:30000]"]):  # distributed: anywhere
         check_weight_sync_hosts(load_config(None, ok))
+
+
+def test_tensor_mode_on_cpu_refuses_before_pausing_when_shared_memory_is_too_small(monkeypatch):
+    """A container's /dev/shm (64 MiB by default) smaller than the policy: one line, nobody paused,
+    the sampler keeps serving what it had (writing past the limit would kill the learner: SIGBUS)."""
+    import os
+
+    from t1async.model import Qwen3MoeForCausalLM
+    from t1async.sampler_client import weight_version
+
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(MODEL).eval()
+    sampler = EmbeddedSampler(MODEL, SamplerConfig(), seed=0)
+    sync = TensorWeightSync(timeout_s=30, bucket_mb=0.02)
+    real = os.statvfs("/dev/shm")
+
+    class Tiny:
+        f_bavail, f_frsize = 1, real.f_frsize
+    try:
+        sync.connect([sampler.url()])
+        monkeypatch.setattr(os, "statvfs", lambda path: Tiny())
+        with pytest.raises(WeightSyncError) as e:
+            sync.publish(model.named_parameters(), 0)
+        assert "\n" not in str(e.value) and "/dev/shm" in str(e.value) and "MiB" in str(e.value)
+        assert not sampler._paused and weight_version(sampler.url()) == "-1" and not sync.failed
+        monkeypatch.undo()
+        sync.publish(model.named_parameters(), 0)
+        assert weight_version(sampler.url()) == "0"
+    finally:
+        sync.close()
+        sampler.shutdown()
