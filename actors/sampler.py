@@ -449,20 +449,25 @@ class EmbeddedSampler:
             RequestError: ``serialized_named_tensors`` missing or empty, or a ``load_format`` other
                 than null.
         """
+        def drop_staged() -> None:  # a refused bucket ends the update: nothing staged may be swapped in later
+            self._staged.clear()
+            self._recv_next = 0
+
+        def refuse(message: str) -> dict:
+            drop_staged()
+            return {"success": False, "message": f"{message}. Nothing was swapped in: the sampler keeps weight "
+                                                 f"version {self.version} whole."}
+
         entries = body.get("serialized_named_tensors")
         if not isinstance(entries, list) or not entries or not isinstance(entries[0], (str, bytes)):
+            drop_staged()
             raise RequestError("update_weights_from_tensor needs serialized_named_tensors: one base64 string "
                                "per TP rank")
         if body.get("load_format") is not None:
+            drop_staged()
             raise RequestError(f"load_format {body['load_format']!r} is not supported by the embedded sampler: "
                                "send null (a list of (name, tensor))")
         params = dict(self.engine.model.named_parameters())
-
-        def refuse(message: str) -> dict:
-            self._staged.clear()
-            self._recv_next = 0
-            return {"success": False, "message": f"{message}. Nothing was swapped in: the sampler keeps weight "
-                                                 f"version {self.version} whole."}
 
         try:
             named = deserialize_named_tensors(entries[0])

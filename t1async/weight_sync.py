@@ -1048,12 +1048,14 @@ class TensorWeightSync(_SamplerSet):
             at += aligned_bytes(size)
         return out
 
-    def _post(self, url: str, named: list[tuple[str, torch.Tensor]], last: bool, version: int) -> dict:
-        # one pickle per TP rank: each carries a reference its reader gives back (SGLang's own
-        # weight_sync/utils.py update_weights also serializes once per rank)
-        body = tensor_update_body([serialize_named_tensors(named) for _ in range(self._tp.get(url, 1))],
-                                  last=last, version=version)
-        return post_json(url, "/update_weights_from_tensor", body, timeout_s=self.timeout_s)
+    def _bodies(self, urls: list[str], named: list[tuple[str, torch.Tensor]], last: bool,
+                version: int) -> dict[str, dict[str, Any]]:
+        """Each sampler's body for one bucket, serialized here in the calling thread (the first
+        serialization may move a storage into shared memory; never two threads at once). One
+        pickle per TP rank: each carries a reference its reader gives back (SGLang's own
+        weight_sync/utils.py ``update_weights`` also serializes once per rank)."""
+        return {u: tensor_update_body([serialize_named_tensors(named) for _ in range(self._tp.get(u, 1))],
+                                      last=last, version=version) for u in urls}
 
     def _send(self, buckets: list[Bucket], urls: list[str], version: int) -> dict[str, str]:
         """Every bucket to ``urls``; ``{url: error}`` of those that failed (each stops receiving)."""
@@ -1063,7 +1065,9 @@ class TensorWeightSync(_SamplerSet):
         named = self._named(buckets[0], 0)
         for i in range(len(buckets)):
             last = i == len(buckets) - 1
-            futures = {u: self._pool.submit(self._post, u, named, last, version) for u in live}
+            bodies = self._bodies(live, named, last, version)
+            futures = {u: self._pool.submit(post_json, u, "/update_weights_from_tensor", body, timeout_s=self.timeout_s)
+                       for u, body in bodies.items()}
             if not last:  # staged while this bucket is in flight (the other staging buffer)
                 named = self._named(buckets[i + 1], i + 1)
             for u, f in futures.items():
