@@ -46,7 +46,7 @@ from t1async.torch_backend import ValueModel  # noqa: F401  (the critic's home b
 from t1async.trajectory import Trajectory, TrajectoryError, decode
 from t1async.transcripts import write_transcripts
 from t1async.transport import Delivery, ZmqReceiver
-from t1async.weight_sync import DistributedWeightSync, WeightSyncError
+from t1async.weight_sync import WeightSyncError, make_weight_sync
 
 MAX_QUARANTINED_FILES = 100
 GROUP_COMMIT_BYTES = 256 << 20  # most bytes stored with one receive-log flush (held in memory until ACKed)
@@ -131,9 +131,7 @@ class Learner:
         self._pending_discards: list[tuple[str, str]] = []  # (reason, trajectory id)
         self._discard_lock = threading.Lock()
         self._receiver = ZmqReceiver.from_config(transport)
-        self._sync = DistributedWeightSync(weight_sync.backend, weight_sync.master_address, weight_sync.master_port,
-                                           weight_sync.timeout_s, bucket_mb=weight_sync.bucket_mb,
-                                           pause_mode=weight_sync.pause_mode)
+        self._sync = make_weight_sync(weight_sync)  # weight_sync.mode: distributed or tensor
         self._recv_thread = threading.Thread(target=self._receive_loop, name="learner-recv", daemon=True)
         self._recv_thread.start()
         (self.run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)

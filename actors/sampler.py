@@ -7,6 +7,9 @@ Endpoints (the subset of SGLang 0.5.x that t1async uses; bodies and answers are 
 - ``POST /init_weights_update_group``: join the learner's torch.distributed broadcast group.
 - ``POST /update_weights_from_distributed``: receive every tensor the learner broadcasts into
   staging buffers, then swap them in between two requests and take the new version.
+- ``POST /update_weights_from_tensor``: the same from a learner on this machine, each bucket as
+  handles to its memory (CUDA IPC or named shared memory), copied into staging buffers during the
+  request; swapped in as above.
 - ``POST /pause_generation``, ``POST /continue_generation``: hold new requests during an update.
 - ``GET /model_info`` (``weight_version``), ``GET /health``, ``/flush_cache`` (plain text; 400 while
   a request runs), ``POST /get_weights_by_name``; ``/get_weight_version`` answers 404 as in SGLang 0.5.10.
@@ -36,7 +39,7 @@ from loguru import logger
 from t1async.config import ModelConfig, SamplerConfig, WeightSyncConfig
 from t1async.engine import Engine, SamplingParams
 from t1async.model import Qwen3MoeForCausalLM
-from t1async.weight_sync import join_group, leave_group
+from t1async.weight_sync import aligned_bytes, deserialize_named_tensors, join_group, leave_group
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -119,6 +122,7 @@ class EmbeddedSampler:
                     "/generate": sampler.handle_generate,
                     "/init_weights_update_group": sampler.handle_init_group,
                     "/update_weights_from_distributed": sampler.handle_update_weights,
+                    "/update_weights_from_tensor": sampler.handle_update_weights_from_tensor,
                     "/destroy_weights_update_group": sampler.handle_destroy_group,
                     "/pause_generation": sampler.handle_pause,
                     "/continue_generation": sampler.handle_continue,
@@ -403,6 +407,10 @@ class EmbeddedSampler:
         self._staged.update(zip(names, bufs))
         if body.get("weight_version") is None:
             return {"success": True, "message": f"staged {len(self._staged)} tensors"}
+        return self._swap_staged(params, body["weight_version"])
+
+    def _swap_staged(self, params: dict[str, torch.nn.Parameter], version: Any) -> dict:
+        """Swap every staged tensor in at once, between requests, and take ``version``."""
         full = set(self._staged) == set(params) and all(b.dtype == params[n].dtype for n, b in self._staged.items())
         with self.engine.between_requests(), torch.no_grad():  # in-flight requests finish first
             for name, buf in self._staged.items():
@@ -413,12 +421,87 @@ class EmbeddedSampler:
             if full:
                 self._recv_side = 1 - self._recv_side  # the previous weights' buffers receive next
             self.engine.flush_cache()  # cached prefixes hold the old weights' KV and routing
-            self.version = self.engine.weight_version = int(body["weight_version"])
+            self.version = self.engine.weight_version = int(version)
         n = len(self._staged)
         self._staged.clear()
         self._recv_next = 0
         logger.info("sampler {} now holds weight version {} ({} tensors)", self._url, self.version, n)
         return {"success": True, "message": f"Succeeded to update parameter online. Weight version updated to {self.version}."}
+
+    def handle_update_weights_from_tensor(self, body: dict) -> dict:
+        """SGLang ``/update_weights_from_tensor``: ``serialized_named_tensors[0]`` (this sampler is
+        TP rank 0 of 1) is a pickle of ``[(name, tensor), ...]`` whose tensors are handles to the
+        sender's memory (CUDA IPC or named shared memory; t1async.weight_sync
+        ``serialize_named_tensors``), loaded through an allow-list of torch's rebuild functions.
+        Each tensor is checked against the model (name, shape, a float dtype) and copied, during
+        the request, into this update's receive buffers in the model's dtype; nothing is kept that
+        points into the sender's memory. As for ``/update_weights_from_distributed``, everything is
+        staged until the body that carries ``weight_version`` (the learner's last bucket), then
+        swapped in at once between requests (atomic): a refused bucket drops everything staged and
+        the old weights stay whole. ``flush_cache`` and ``abort_all_requests`` need nothing here
+        (the prefix cache is flushed on every swap; the learner pauses with ``abort`` first).
+
+        Returns:
+            ``{"success", "message"}``; ``success`` false (HTTP 400) naming the first bad tensor, or
+            when the payload cannot be opened (another machine, memory already released).
+
+        Raises:
+            RequestError: ``serialized_named_tensors`` missing or empty, or a ``load_format`` other
+                than null.
+        """
+        def drop_staged() -> None:  # a refused bucket ends the update: nothing staged may be swapped in later
+            self._staged.clear()
+            self._recv_next = 0
+
+        def refuse(message: str) -> dict:
+            drop_staged()
+            return {"success": False, "message": f"{message}. Nothing was swapped in: the sampler keeps weight "
+                                                 f"version {self.version} whole."}
+
+        entries = body.get("serialized_named_tensors")
+        if not isinstance(entries, list) or not entries or not isinstance(entries[0], (str, bytes)):
+            drop_staged()
+            raise RequestError("update_weights_from_tensor needs serialized_named_tensors: one base64 string "
+                               "per TP rank")
+        if body.get("load_format") is not None:
+            drop_staged()
+            raise RequestError(f"load_format {body['load_format']!r} is not supported by the embedded sampler: "
+                               "send null (a list of (name, tensor))")
+        params = dict(self.engine.model.named_parameters())
+
+        try:
+            named = deserialize_named_tensors(entries[0])
+        except Exception as e:
+            return refuse(f"cannot open serialized_named_tensors[0]: {type(e).__name__}: {e}")
+        if not isinstance(named, (list, tuple)):
+            return refuse(f"serialized_named_tensors[0] holds a {type(named).__name__}, not a list of (name, tensor)")
+        for k, item in enumerate(named):
+            if not (isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[0], str)
+                    and isinstance(item[1], torch.Tensor)):
+                return refuse(f"entry {k} of serialized_named_tensors[0] is not a (name, tensor) pair")
+            name, t = item
+            if name not in params:
+                return refuse(f"tensor {name!r}: the model has no such parameter")
+            if tuple(t.shape) != tuple(params[name].shape):
+                return refuse(f"tensor {name!r}: shape {list(t.shape)}, the model's is {list(params[name].shape)}")
+            if t.dtype not in _DTYPES.values():
+                return refuse(f"tensor {name!r}: dtype {str(t.dtype).removeprefix('torch.')}, not one of "
+                              f"{sorted(_DTYPES)}")
+        dtypes = [params[name].dtype for name, _ in named]
+        sizes = [t.numel() * dt.itemsize for (_, t), dt in zip(named, dtypes)]
+        flat = self._recv_buffer(sum(aligned_bytes(n) for n in sizes))
+        bufs, off = [], 0
+        with torch.no_grad():
+            for (name, t), dt, n in zip(named, dtypes, sizes):
+                buf = flat[off:off + n].view(dt).view(t.shape)
+                buf.copy_(t)  # out of the sender's memory (and onto this device, in the model's dtype)
+                bufs.append(buf)
+                off += aligned_bytes(n)
+        self._staged.update((name, b) for (name, _), b in zip(named, bufs))
+        del named
+        if body.get("weight_version") is None:
+            return {"success": True, "message": f"staged {len(self._staged)} tensors"}
+        return self._swap_staged(params, body["weight_version"])
 
     def shutdown(self) -> None:
         """Stop serving (HTTP first, then the engine thread); a second call does nothing."""

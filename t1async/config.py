@@ -386,23 +386,32 @@ class TransportConfig:
 
 @dataclass
 class WeightSyncConfig:
-    """Weight broadcast from the learner (rank 0) to every sampler."""
+    """How the learner hands its weights to every sampler (t1async/weight_sync.py)."""
 
+    mode: str = "distributed"
+    """``distributed``: SGLang's ``/update_weights_from_distributed``, the learner broadcasts each
+    bucket over a torch.distributed group it forms with the samplers (samplers anywhere; on GPUs one
+    rank per GPU). ``tensor``: SGLang's ``/update_weights_from_tensor``, for samplers on the
+    learner's machine, including its own GPU (where NCCL refuses a second rank): each bucket goes
+    as handles to the learner's memory, CUDA IPC on GPU or named shared memory on CPU, and the
+    sampler copies it during the request; no group is formed, so ``backend``, ``master_address``
+    and ``master_port`` are unused. Launch refuses ``tensor`` with ``sampler.urls`` on another host."""
     backend: str = "gloo"
-    """torch.distributed backend: ``gloo`` (CPU) or ``nccl`` (GPUs)."""
+    """torch.distributed backend of ``mode: distributed``: ``gloo`` (CPU) or ``nccl`` (GPUs)."""
     master_address: str = "127.0.0.1"
     """Address of the learner's rendezvous TCPStore."""
     master_port: int = 0
     """Port of the rendezvous TCPStore; 0 picks a free one."""
     timeout_s: float = 120.0
-    """Timeout of the group's rendezvous, of each broadcast and of each weight-sync HTTP call,
-    seconds. Both ends for embedded samplers (the learner sends it when the group is formed); an
+    """Timeout of the group's rendezvous, of each broadcast and of each weight-sync HTTP call
+    (in ``tensor`` mode: of each call, the receiver's copy of a bucket included), seconds. Both ends for embedded samplers (the learner sends it when the group is formed); an
     SGLang server keeps torch's 30-minute group timeout, so the learner stops waiting after this
     long and takes that server out of service (left paused, never serving partial weights)."""
     bucket_mb: float = 512.0
-    """Most MiB broadcast at once (SGLang ``load_format: flattened_bucket``: one uint8 tensor per
-    bucket); non-expert parameters first, then experts. Each bucket is allocated once more on
-    both ends while it is in flight."""
+    """Most MiB sent at once (distributed: SGLang ``load_format: flattened_bucket``, one uint8
+    tensor per bucket; tensor: one ``/update_weights_from_tensor`` call per bucket); non-expert
+    parameters first, then experts. Each bucket is allocated once more on both ends while it is in
+    flight (tensor mode: on the learner's side only when its parameters are not packed)."""
     pause_mode: str = "abort"
     """``/pause_generation`` mode during an update. Only ``abort``: running requests end and the
     client sends them again after the update (the pinned SGLang reports no per-token weight
@@ -847,6 +856,8 @@ _VALUE_RULES: list[tuple[str, Any, str]] = [
     ("sampler.tp_size", lambda v: v >= 1, "an integer >= 1"),
     ("sampler.start_timeout_s", lambda v: v > 0, "a positive number of seconds"),
     ("sampler.dtype", lambda v: v in ("float32", "bfloat16", "float16"), "float32, bfloat16 or float16"),
+    ("weight_sync.mode", lambda v: v in ("distributed", "tensor"),
+     "'distributed' (a broadcast group, samplers anywhere) or 'tensor' (CUDA IPC / shared memory, samplers on this machine)"),
     ("weight_sync.backend", lambda v: v in ("gloo", "nccl"), "'gloo' (CPU) or 'nccl' (GPUs)"),
     ("weight_sync.timeout_s", lambda v: v > 0, "a positive number of seconds"),
     ("weight_sync.bucket_mb", lambda v: v > 0, "a positive number of MiB"),

@@ -18,8 +18,10 @@ import copy
 import json
 import os
 import shutil
+import socket
 import sys
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -182,7 +184,8 @@ def check_inputs(cfg: Config) -> list[str]:
     if cfg.sampler.backend == "sglang" and not cfg.sampler.urls and not cfg.sampler.model_path:
         raise ConfigError("sampler.backend=sglang needs sampler.urls (running servers) or sampler.model_path "
                           "(a Hugging Face model folder for the servers launch starts)")
-    if cfg.sampler.backend == "sglang" and cfg.weight_sync.backend != "nccl":
+    check_weight_sync_hosts(cfg)
+    if cfg.sampler.backend == "sglang" and cfg.weight_sync.mode == "distributed" and cfg.weight_sync.backend != "nccl":
         logger.warning("sampler.backend=sglang with weight_sync.backend={}: SGLang servers receive on GPUs, "
                        "use weight_sync.backend=nccl", cfg.weight_sync.backend)
     if cfg.learner.advantage == "group" and cfg.rollout.group_size < 2:
@@ -195,6 +198,43 @@ def check_inputs(cfg: Config) -> list[str]:
         server_keys(cfg.transport.keys_dir)
         client_keys(cfg.transport.keys_dir)
     return [t.name for t in tasks]
+
+
+def is_local_host(host: str) -> bool:
+    """Whether ``host`` (a name or an address) is this machine: it resolves to an address a socket
+    here can bind to (loopback included)."""
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except OSError:
+        return False
+    for family, _, _, _, addr in infos:
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.bind((addr[0], 0))
+            return True
+        except OSError:
+            continue
+    return False
+
+
+def check_weight_sync_hosts(cfg: Config) -> None:
+    """``weight_sync.mode=tensor`` hands samplers handles to the learner's memory (CUDA IPC, shared
+    memory), which only a process on the same machine can open: refuse samplers elsewhere.
+
+    Raises:
+        ConfigError: one line naming the sampler URL (or ``sampler.host``) that is not this machine.
+    """
+    if cfg.weight_sync.mode != "tensor":
+        return
+    urls = cfg.sampler.urls if cfg.sampler.backend == "sglang" else []
+    for url in urls:
+        host = urllib.parse.urlsplit(url if "://" in url else f"http://{url}").hostname or ""
+        if not is_local_host(host):
+            raise ConfigError(f"weight_sync.mode=tensor needs samplers on this machine (CUDA IPC / shared memory), "
+                              f"but sampler.urls has {url} on host {host!r}; use weight_sync.mode=distributed")
+    if cfg.sampler.backend == "embedded" and not is_local_host(cfg.sampler.host):
+        raise ConfigError(f"weight_sync.mode=tensor needs samplers on this machine, but sampler.host="
+                          f"{cfg.sampler.host!r} is not an address of it; use weight_sync.mode=distributed")
 
 
 def check_port_free(transport: Any) -> None:

@@ -11,6 +11,11 @@ shapes (``meta_info`` with ``finish_reason`` dict, ``output_token_logprobs`` ``[
 with SGLang's own recipe (``tcp://`` rendezvous, ``PrefixStore(group_name, store)``, torch's
 ``_new_process_group_helper``, rank ``rank_offset + tp_rank``) and receives every broadcast
 (``flattened_bucket`` or one tensor per name), applying each bucket at once like SGLang (not atomic).
+``/update_weights_from_tensor`` needs one ``serialized_named_tensors`` entry per TP rank; each worker
+decodes its own entry (``[tp_rank]``, base64, an unpickler with the release's ``SafeUnpickler``
+allow-list), so CPU shared-memory handles are really opened by another process, copies the
+``(name, tensor)`` list and the ranks must agree byte for byte. CUDA IPC payloads are not exercised
+(CPU only; the release's receiver also maps a GPU UUID in the device slot back to an index).
 
 What is fake: generation. Tokens, log-probs and routing come from a seeded RNG, one token every
 ``token_delay_s``, not from the received weights.
@@ -22,6 +27,7 @@ import base64
 import hashlib
 import json
 import multiprocessing as mp
+import pickle
 import threading
 import time
 import urllib.parse
@@ -89,6 +95,27 @@ def _tp_worker(conn, tp_rank: int, group_timeout_s: float) -> None:
                     weights[n] = b  # applied at once, bucket by bucket: not atomic, as in SGLang
                     digest.update(b.reshape(-1).view(torch.uint8).numpy().tobytes())
                 conn.send({"success": True, "digest": digest.hexdigest()})
+            elif op == "tensor":
+                # SGLang tp_worker.update_weights_from_tensor: MultiprocessingSerializer.deserialize(
+                # serialized_named_tensors[tp_rank]) (base64, SafeUnpickler), then model_runner
+                # loads the list of (name, tensor) (load_format null) bucket by bucket, not atomic
+                import base64
+                import io
+                raw = base64.b64decode(kw["entry"], validate=True) if isinstance(kw["entry"], str) else kw["entry"]
+                named = _SGLangSafeUnpickler(io.BytesIO(raw)).load()
+                if kw.get("load_format") is not None:
+                    raise ValueError(f"the fake takes load_format null only, got {kw['load_format']!r}")
+                if not isinstance(named, list) or not all(
+                        isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str) and isinstance(x[1], torch.Tensor)
+                        for x in named):
+                    raise TypeError("serialized_named_tensors entry is not a list of (name, tensor) tuples")
+                digest = hashlib.sha256()
+                for n, t in named:
+                    weights[n] = t.detach().clone()  # copied during the request, as SGLang's load_weights
+                    digest.update(n.encode())
+                    digest.update(weights[n].reshape(-1).view(torch.uint8).numpy().tobytes())
+                del named
+                conn.send({"success": True, "digest": digest.hexdigest()})
             elif op == "get":
                 t = weights.get(kw["name"])
                 conn.send({"success": t is not None,
@@ -97,6 +124,31 @@ def _tp_worker(conn, tp_rank: int, group_timeout_s: float) -> None:
                 conn.send({"success": False, "message": f"unknown op {op}"})
         except Exception as e:
             conn.send({"success": False, "message": f"{type(e).__name__}: {e}"})
+
+
+_SGLANG_ALLOWED_PREFIXES = (
+    "builtins.", "collections.", "copyreg.", "functools.", "itertools.", "operator.", "types.", "weakref.",
+    "torch.", "torch._tensor.", "torch.storage.", "torch.nn.parameter.", "torch.autograd.function.",
+    "torch.distributed.", "torch.distributed._shard.", "torch.distributed._composable.", "torch._C._distributed_c10d.",
+    "torch._C._distributed_fsdp.", "torch.distributed.optim.", "multiprocessing.resource_sharer.",
+    "multiprocessing.reduction.", "pickletools.", "peft.", "transformers.", "huggingface_hub.",
+    "sglang.srt.weight_sync.tensor_bucket.", "sglang.srt.model_executor.model_runner.", "sglang.srt.layers.",
+    "sglang.srt.utils.", "torch_npu.",
+)
+"""Module prefixes SGLang 0.5.10.post1's ``SafeUnpickler`` (``srt/utils/common.py``) lets a
+``/update_weights_from_tensor`` payload load; its deny list is below."""
+_SGLANG_DENIED = {("builtins", "eval"), ("builtins", "exec"), ("builtins", "compile"), ("os", "system"),
+                  ("subprocess", "Popen"), ("subprocess", "run"), ("codecs", "decode"), ("types", "CodeType"),
+                  ("types", "FunctionType")}
+
+
+class _SGLangSafeUnpickler(pickle.Unpickler):
+    """SGLang's ``SafeUnpickler`` rule: the deny list first, then the module-prefix allow-list."""
+
+    def find_class(self, module, name):
+        if (module, name) in _SGLANG_DENIED or not any((module + ".").startswith(p) for p in _SGLANG_ALLOWED_PREFIXES):
+            raise RuntimeError(f"Blocked unsafe class loading ({module}.{name})")
+        return super().find_class(module, name)
 
 
 class FakeSGLangServer:
@@ -113,6 +165,7 @@ class FakeSGLangServer:
 
     Attributes:
         rejected: requests answered 422, by route. weight_version: the version string held.
+        tensor_bodies: every ``/update_weights_from_tensor`` body that passed the schema check.
     """
 
     def __init__(self, *, num_layers: int, top_k: int, num_experts: int, vocab_size: int, tp_size: int = 1,
@@ -124,6 +177,7 @@ class FakeSGLangServer:
         self.routing_fault = routing_fault
         self.weight_version = "default"
         self.rejected: dict[str, int] = {}
+        self.tensor_bodies: list[dict] = []
         self._running = 0
         self._abort = False
         self._paused = False
@@ -258,6 +312,20 @@ class FakeSGLangServer:
             if body.get("weight_version") is not None:
                 self.weight_version = body["weight_version"]
             return 200, {"success": True, "message": "Succeeded to update parameter online."}
+        if path == "/update_weights_from_tensor":
+            self.tensor_bodies.append(body)
+            entries = body["serialized_named_tensors"]
+            if not isinstance(entries, list) or len(entries) != self.tp_size:
+                # SGLang indexes serialized_named_tensors[tp_rank]: a short list fails a rank
+                return 400, {"success": False, "message": f"serialized_named_tensors has {len(entries)} entries "
+                             f"for tp_size {self.tp_size}: one per TP rank"}
+            res = self._workers("tensor", [{"entry": e, "load_format": body.get("load_format")} for e in entries])
+            ok = all(r["success"] for r in res) and len({r.get("digest") for r in res}) == 1
+            if not ok:
+                return 400, {"success": False, "message": f"Failed to update weights from tensor: {res}"}
+            if body.get("weight_version") is not None:
+                self.weight_version = body["weight_version"]
+            return 200, {"success": True, "message": "Success"}
         if path == "/get_weights_by_name":
             r = self._workers("get", {"name": body["name"], "truncate_size": body.get("truncate_size", 100)})[0]
             return (200, r["values"]) if r["success"] else (400, {"error": {"message": "Get parameter by name failed"}})
@@ -265,10 +333,11 @@ class FakeSGLangServer:
             return self._generate(body)
         return 404, {"detail": "Not Found"}
 
-    def _workers(self, op: str, kw: dict) -> list[dict]:
+    def _workers(self, op: str, kw: dict | list[dict]) -> list[dict]:
+        """Send ``op`` to every TP worker (``kw`` one dict for all, or a list: one per rank)."""
         with self._worker_lock:
-            for p in self._pipes:
-                p.send((op, kw))
+            for r, p in enumerate(self._pipes):
+                p.send((op, kw[r] if isinstance(kw, list) else kw))
             return [p.recv() for p in self._pipes]
 
     def _generate(self, body: dict) -> tuple[int, Any]:

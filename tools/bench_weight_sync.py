@@ -21,6 +21,13 @@ weight a view of them, so it copies nothing inside the pause), ``pause_s`` (medi
 samplers were paused per publish: pause request to continue answer) and
 ``pause_s_per_1b_params`` (that, per 10^9 parameters published).
 
+Tensor mode (``weight_sync.mode=tensor``, :class:`t1async.weight_sync.TensorWeightSync`: SGLang's
+``/update_weights_from_tensor``, each bucket as handles to this process's shared memory, copied by
+the sampler during the request) publishes the same policy, packed and unpacked, to the same sampler
+processes in every round: ``tensor_publish_s``, ``tensor_pause_s``, ``tensor_publish_unpacked_s``,
+``tensor_pause_unpacked_s`` beside ``publish_s``/``pause_s`` of the distributed mode (the four
+publishes of a round run in a rotating order).
+
 Usage: ``t1async bench weight-sync [--rounds 5] [--samplers 2] [--hidden 256] [--experts 16] [--bucket-mb 64]``.
 """
 
@@ -37,7 +44,8 @@ import torch
 
 from t1async.cli import OneLineErrors, at_least_one, positive_float
 from t1async.config import ModelConfig, SamplerConfig
-from t1async.weight_sync import DistributedWeightSync, free_port, join_group, pack_parameters, plan_buckets
+from t1async.weight_sync import (DistributedWeightSync, TensorWeightSync, free_port, join_group, pack_parameters,
+                                 plan_buckets)
 
 
 def model_cfg(a: argparse.Namespace) -> ModelConfig:
@@ -109,20 +117,32 @@ def main(argv: list[str] | None = None) -> int:
     raw_group = join_group("gloo", "127.0.0.1", port, 0, world, "bench-raw", 300)
     sync = DistributedWeightSync("gloo", timeout_s=300, bucket_mb=a.bucket_mb)
     sync.connect(urls)
+    tsync = TensorWeightSync(timeout_s=300, bucket_mb=a.bucket_mb)
+    tsync.connect(urls)
     sync.publish(named, 0)  # warm-up: first allocations on both ends
+    tsync.publish(packed, 0)  # (and the packed policy's storage moves into shared memory, once)
+    tsync.publish(named, 0)
     flats = [b.flatten() for b in buckets]  # raw sends prepared bytes: only the broadcast is timed
 
     publish_s, raw_s, pause_s, ratios, flatten_s = [], [], [], [], []
     unpacked_s, ratios_unpacked = [], []
+    tensor = {"packed": [], "unpacked": [], "pause_packed": [], "pause_unpacked": []}
+    kinds = [("distributed", "packed"), ("distributed", "unpacked"), ("tensor", "packed"), ("tensor", "unpacked")]
+    version = 1
     for r in range(a.rounds):
         times = {}
-        for k, which in enumerate(("unpacked", "packed") if r % 2 == 0 else ("packed", "unpacked")):  # alternate
+        for mode, which in kinds[r % 4:] + kinds[:r % 4]:  # rotate the order (a shared, noisy machine)
+            s = sync if mode == "distributed" else tsync
             t0 = time.perf_counter()
-            sync.publish(named if which == "unpacked" else packed, 2 * r + 1 + k)
-            times[which] = time.perf_counter() - t0
-            if which == "packed":
+            s.publish(named if which == "unpacked" else packed, version)
+            version += 1
+            times[(mode, which)] = time.perf_counter() - t0
+            if mode == "distributed" and which == "packed":
                 pause_s.append(sync.last_pause_s)
-        tp, tu = times["packed"], times["unpacked"]
+            if mode == "tensor":
+                tensor[which].append(times[(mode, which)])
+                tensor["pause_" + which].append(tsync.last_pause_s)
+        tp, tu = times[("distributed", "packed")], times[("distributed", "unpacked")]
         t0 = time.perf_counter()
         for f in flats:
             raw_group.broadcast(f, 0).wait()
@@ -137,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         ratios.append(tr / tp)
         ratios_unpacked.append(tr / tu)
     sync.close()
+    tsync.close()
     raw_group.close()
     for p in raws:
         p.join(30)
@@ -155,6 +176,10 @@ def main(argv: list[str] | None = None) -> int:
         "ratio_unpacked": round(med(ratios_unpacked), 3), "publish_unpacked_s": round(med(unpacked_s), 4),
         "flatten_s": round(med(flatten_s), 4), "pause_s": round(med(pause_s), 4), "pause_s_per_1b_params": round(med(pause_s) / (params / 1e9), 3),
         "rounds_ratio": [round(x, 3) for x in ratios],
+        "tensor_publish_s": round(med(tensor["packed"]), 4), "tensor_pause_s": round(med(tensor["pause_packed"]), 4),
+        "tensor_publish_unpacked_s": round(med(tensor["unpacked"]), 4),
+        "tensor_pause_unpacked_s": round(med(tensor["pause_unpacked"]), 4),
+        "tensor_publish_bytes_per_s": round(nbytes / med(tensor["packed"])),
     }
     print(json.dumps(out))
     return 0
