@@ -333,6 +333,14 @@ def evaluate_policy(checkpoint: str | Path, tasks_dir: str | Path, cfg: Config, 
     return {**summary(rows), "samples": samples, **breakdown(rows)}
 
 
+def synth_family(task: str) -> str:
+    """The family of a task named as ``t1async synth`` names them (``count-matches-1000-0121`` ->
+    ``count-matches``: the name less its two trailing ``-seed-index`` parts); other names are their
+    own family."""
+    parts = task.rsplit("-", 2)
+    return parts[0] if len(parts) == 3 and parts[1].isdigit() and parts[2].isdigit() else task
+
+
 def breakdown(rows: list[Any]) -> dict[str, Any]:
     """``{"pass_at_k", "per_family"}`` of eval rows (:class:`t1async.envs.evaluate.EvalRow`, several
     per task): the share of tasks with at least one resolved row, and family -> resolved rate of
@@ -343,9 +351,7 @@ def breakdown(rows: list[Any]) -> dict[str, Any]:
         by_task.setdefault(r.task, []).append(bool(r.resolved))
     by_family: dict[str, list[bool]] = {}
     for task, got in by_task.items():
-        parts = task.rsplit("-", 2)
-        family = parts[0] if len(parts) == 3 and parts[1].isdigit() and parts[2].isdigit() else task
-        by_family.setdefault(family, []).extend(got)
+        by_family.setdefault(synth_family(task), []).extend(got)
     return {"pass_at_k": round(sum(any(v) for v in by_task.values()) / len(by_task), 4) if by_task else 0.0,
             "per_family": {f: round(sum(v) / len(v), 4) for f, v in sorted(by_family.items())}}
 

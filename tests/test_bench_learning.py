@@ -59,3 +59,33 @@ def test_bad_arguments_are_one_line(args, message):
     r = subprocess.run([sys.executable, "-m", "t1async.cli", "bench", "learning", *args], capture_output=True,
                        text=True, cwd=REPO, timeout=120)
     assert r.returncode == 2 and message in r.stderr and r.stderr.count("\n") == 1
+
+
+def test_training_by_family_splits_a_runs_episodes_by_finish_time_and_family(tmp_path, capsys):
+    """tools/training_by_family.py: the receive log's episodes, ordered by finish time, in equal parts;
+    per synth family the resolved rate and the turns (every assistant turn)."""
+    import dataclasses
+    import json
+
+    from t1async.delivery import ReceiveLog
+    from t1async.trajectory import encode
+    from tests.test_trajectory import make_traj
+
+    spec = importlib.util.spec_from_file_location("training_by_family", REPO / "tools" / "training_by_family.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    log = ReceiveLog(tmp_path / "run" / "receive_log", fsync="never", reset=True)
+    base = make_traj()  # two assistant turns
+    episodes = [("grep-count-1000-0001", False, 4.0), ("grep-count-1000-0002", True, 3.0),
+                ("tar-folder-1000-0001", True, 1.0), ("odd-name", False, 2.0)]
+    for i, (task, resolved, finished) in enumerate(episodes):
+        t = dataclasses.replace(base, task=task, resolved=resolved, passed=3 if resolved else 2, reward=3.0 if resolved else 2.0,
+                                tests=[("a", True), ("b", True), ("c", resolved)], finished_at=finished,
+                                trajectory_id=f"id-{i}")
+        log.append(t.trajectory_id, encode(t))
+    log.close()
+    assert tool.main([str(tmp_path / "run"), "--parts", "2"]) == 0
+    first, second = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert first["families"] == {"tar-folder": {"episodes": 1, "resolved_rate": 1.0, "turns_mean": 2.0},
+                                 "odd-name": {"episodes": 1, "resolved_rate": 0.0, "turns_mean": 2.0}}
+    assert second["families"] == {"grep-count": {"episodes": 2, "resolved_rate": 0.5, "turns_mean": 2.0}}
