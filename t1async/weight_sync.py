@@ -493,6 +493,14 @@ class _SamplerSet:
         WeightSyncError: a pause mode other than those of :data:`PAUSE_MODES`.
     """
 
+    def _out_of_service(self, version: int, bad: list[str]) -> None:
+        """Log and raise :class:`WeightSyncError` for the samplers ``bad`` that failed ``version``
+        (already in ``self.failed``): out of service, left paused."""
+        logger.error("weight version {}: samplers taken out of service (left paused): {}", version,
+                     {u: self.failed[u] for u in bad})
+        raise WeightSyncError(f"weight version {version} failed on {len(bad)} sampler(s), now out of service "
+                              f"(paused, never serving partial weights): {[f'{u}: {self.failed[u]}' for u in bad]}")
+
     def __init__(self, timeout_s: float, *, bucket_mb: float, pause_mode: str,
                  tp_sizes: Sequence[int] | None = None) -> None:
         if pause_mode not in PAUSE_MODES:
@@ -568,6 +576,19 @@ class _SamplerSet:
             except (SamplerError, FutureTimeout) as e:
                 errors[u] = str(e) or type(e).__name__
         return errors
+
+
+def _collect_answers(futures: dict[str, Any], bucket: int, timeout_s: float, errors: dict[str, str]) -> None:
+    """Wait for each sampler's answer to the update of ``bucket`` (futures of
+    :func:`~t1async.sampler_client.post_json`, keyed by URL) and record in ``errors`` every sampler
+    that answered ``success: false``, failed or did not answer within ``timeout_s`` (+5 s)."""
+    for u, f in futures.items():
+        try:
+            res = f.result(timeout=timeout_s + 5)
+            if not res.get("success", False):
+                errors[u] = f"bucket {bucket}: {res.get('message')}"
+        except (SamplerError, FutureTimeout) as e:
+            errors[u] = f"bucket {bucket}: {e or type(e).__name__}"
 
 
 class DistributedWeightSync(_SamplerSet):
@@ -789,10 +810,7 @@ class DistributedWeightSync(_SamplerSet):
             if u not in cont:
                 self.held[u] = version
         if bad:
-            logger.error("weight version {}: samplers taken out of service (left paused): {}", version,
-                         {u: self.failed[u] for u in bad})
-            raise WeightSyncError(f"weight version {version} failed on {len(bad)} sampler(s), now out of service "
-                                  f"(paused, never serving partial weights): {[f'{u}: {self.failed[u]}' for u in bad]}")
+            self._out_of_service(version, bad)
         if cont:
             self.failed.update(cont)
             self._regroup = True
@@ -821,13 +839,7 @@ class DistributedWeightSync(_SamplerSet):
                 work.wait()
             except Exception as e:
                 errors["(group)"] = f"broadcast of bucket {i} failed: {type(e).__name__}: {e}"
-            for u, f in futures.items():
-                try:
-                    res = f.result(timeout=self.timeout_s + 5)
-                    if not res.get("success", False):
-                        errors[u] = f"bucket {i}: {res.get('message')}"
-                except (SamplerError, FutureTimeout) as e:
-                    errors[u] = f"bucket {i}: {e or type(e).__name__}"
+            _collect_answers(futures, i, self.timeout_s, errors)
             if errors:
                 break  # the group is out of step once a member missed a broadcast
         return errors
@@ -956,10 +968,7 @@ class TensorWeightSync(_SamplerSet):
         bad, cont = self._update(buckets, live, version)
         bad += gone
         if bad:
-            logger.error("weight version {}: samplers taken out of service (left paused): {}", version,
-                         {u: self.failed[u] for u in bad})
-            raise WeightSyncError(f"weight version {version} failed on {len(bad)} sampler(s), now out of service "
-                                  f"(paused, never serving partial weights): {[f'{u}: {self.failed[u]}' for u in bad]}")
+            self._out_of_service(version, bad)
         if cont:
             raise WeightSyncError(f"samplers did not continue after weight version {version}: {cont}")
 
@@ -1070,13 +1079,7 @@ class TensorWeightSync(_SamplerSet):
                        for u, body in bodies.items()}
             if not last:  # staged while this bucket is in flight (the other staging buffer)
                 named = self._named(buckets[i + 1], i + 1)
-            for u, f in futures.items():
-                try:
-                    res = f.result(timeout=self.timeout_s + 5)
-                    if not res.get("success", False):
-                        errors[u] = f"bucket {i}: {res.get('message')}"
-                except (SamplerError, FutureTimeout) as e:
-                    errors[u] = f"bucket {i}: {e or type(e).__name__}"
+            _collect_answers(futures, i, self.timeout_s, errors)
             live = [u for u in live if u not in errors]
             if not live:
                 break

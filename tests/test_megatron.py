@@ -195,8 +195,10 @@ def test_one_learner_step_matches_the_torch_backend(tmp_path, replay):
     assert rel < 1e-5 and moved > 1e-3  # the step moved every matrix, and both backends moved it alike
 
 
-def test_checkpoint_is_hugging_face_and_a_run_can_switch_backend(tmp_path):
-    learner = _learner(tmp_path, "megatron", True)
+def _trained_checkpoint(tmp_path, **kw):
+    """A megatron learner (``kw``: _learner's) after one step: (its checkpoint folder, its policy's HF
+    weights, its critic's HF weights)."""
+    learner = _learner(tmp_path, "megatron", True, **kw)
     try:
         learner._train_step(_batch())
         learner.step = 1
@@ -205,6 +207,11 @@ def test_checkpoint_is_hugging_face_and_a_run_can_switch_backend(tmp_path):
         critic = learner.backend.critic_hf_state()
     finally:
         learner.close()
+    return ckpt, hf, critic
+
+
+def test_checkpoint_is_hugging_face_and_a_run_can_switch_backend(tmp_path):
+    ckpt, hf, critic = _trained_checkpoint(tmp_path)
     loaded = Qwen3MoeForCausalLM.from_pretrained(ckpt)  # what samplers, eval and transformers read
     assert all(torch.equal(p, hf[n]) for n, p in loaded.named_parameters())
     assert json.loads((ckpt / "config.json").read_text())["model_type"] == "qwen3_moe"
@@ -396,15 +403,7 @@ def test_two_rank_checkpoint_is_one_hf_checkpoint_that_one_process_loads_bitwise
     """A 2-rank backend's checkpoint: one HF model.safetensors with all 4 experts (both ranks'),
     loaded bitwise by transformers-style loading, the torch backend and a 1-rank megatron backend
     (which start their optimisers fresh); a 2-rank resume restores both ranks' optimiser state."""
-    learner = _learner(tmp_path, "megatron", True, megatron=_ep(2))
-    try:
-        learner._train_step(_batch())
-        learner.step = 1
-        ckpt = learner.save_checkpoint()
-        hf = {k: v.clone() for k, v in learner.backend.hf_weights()}
-        critic = learner.backend.critic_hf_state()
-    finally:
-        learner.close()
+    ckpt, hf, critic = _trained_checkpoint(tmp_path, megatron=_ep(2))
     assert {p.name for p in ckpt.iterdir()} >= {"model.safetensors", "config.json", "critic.safetensors",
                                                "optimizers.pt", "optimizers-ep1.pt"}
     assert {int(k.split(".")[5]) for k in hf if ".experts." in k} == {0, 1, 2, 3}
