@@ -679,10 +679,10 @@ class SftConfig:
     build_concurrency: int = 2
     """Demonstration episodes run at once, each in its own sandbox."""
     early_stop_frac: float = 0.0
-    """An imperfect demonstrator (0 <= f < 1; default 0, the oracle): in this fraction of the
-    demonstrations (chosen by ``seed``, among tasks whose oracle has at least two commands) the
-    demonstrator sends the end signal one command early, and the demonstration is kept although
-    its verifier does not resolve it, as an unfiltered set of a weaker agent's episodes would be
+    """An imperfect demonstrator (0 <= f < 1; default 0, the oracle): this fraction of the tasks
+    (chosen by ``seed``) is played by a demonstrator that sends the end signal in place of the
+    oracle's last command (an oracle of one command is played whole, and not counted as stopped
+    early), and the demonstration is kept although its verifier does not resolve it, as an unfiltered set of a weaker agent's episodes would be
     (stopping before the task is done is a common failure of terminal agents). The warm start then
     learns to stop early in about this fraction of its episodes: a behaviour the verifier's reward
     can correct and imitation cannot (``t1async bench learning``)."""
@@ -906,6 +906,8 @@ _CROSS_RULES: list[tuple[Any, str, str]] = [
      "model.num_key_value_heads", "a divisor of model.num_attention_heads"),
     (lambda c: c.model.num_experts % c.learner.megatron.expert_parallel == 0, "learner.megatron.expert_parallel",
      "a divisor of model.num_experts (each rank holds num_experts / expert_parallel experts)"),
+    (lambda c: not c.sampler.urls or c.sampler.backend == "sglang", "sampler.urls",
+     "empty unless sampler.backend=sglang (the embedded samplers start on this machine and would ignore it)"),
 ]
 
 

@@ -91,8 +91,9 @@ class Demonstrations:
         trajectories: one resolved demonstration episode per kept task.
         skipped: task name -> why it was not kept (no oracle, a command too long, too many
             commands, unresolved by its verifier, the sandbox failed).
-        stopped_early: names of the kept demonstrations whose demonstrator stopped one command
-            early (``sft.early_stop_frac``), kept whether resolved or not.
+        stopped_early: names of the kept demonstrations whose demonstrator left the oracle's last
+            command out (``sft.early_stop_frac``; oracles of one command are played whole and not
+            listed), kept whether resolved or not.
     """
 
     trajectories: list[Trajectory] = field(default_factory=list)
@@ -154,12 +155,14 @@ def build_demonstrations(tasks_dir: str | Path, cfg: Config, *, limit: int = 0, 
 
     ``cfg.sft.early_stop_frac`` of the tasks (a sample seeded by ``cfg.sft.seed``, rounded) are
     played by an imperfect demonstrator that stops one command early (:func:`demonstration`);
-    those are kept whether their verifier resolves them or not.
+    those whose oracle has more than one command lose it, are kept whether their verifier resolves
+    them or not, and are listed in ``stopped_early``.
 
     Raises:
         TaskError: ``tasks_dir`` holds no loadable task.
     """
     from t1async.envs.protocol import SandboxError
+    from t1async.envs.synth import oracle_commands
     from t1async.envs.task import discover_tasks
     from t1async.envs.terminal import TerminalEnv
 
@@ -169,15 +172,19 @@ def build_demonstrations(tasks_dir: str | Path, cfg: Config, *, limit: int = 0, 
     names = [t.name for t in tasks]
     early = set(random.Random(cfg.sft.seed).sample(names, round(cfg.sft.early_stop_frac * len(names))))
     with tempfile.TemporaryDirectory(prefix="t1async-sft-") as tmp:
+        cut: set[str] = set()  # played by the imperfect demonstrator with a command left out
+
         def one(task: Any) -> tuple[str, Trajectory | None, str]:
             try:
                 with TerminalEnv.from_config(task, Path(tmp), cfg.env) as env:
                     traj = demonstration(task, env, cfg, tokenizer, stop_early=task.name in early)
+                if task.name in early and len(oracle_commands(task.solution_path.read_text())) > 1:
+                    cut.add(task.name)
             except ValueError as e:
                 return task.name, None, str(e)
             except SandboxError as e:
                 return task.name, None, f"sandbox failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
-            if not traj.resolved and task.name not in early:
+            if not traj.resolved and task.name not in cut:
                 why = traj.verifier_error or f"{traj.passed}/{traj.total} tests passed"
                 return task.name, None, f"oracle unresolved: {why}"
             return task.name, traj, ""
@@ -188,7 +195,7 @@ def build_demonstrations(tasks_dir: str | Path, cfg: Config, *, limit: int = 0, 
                     out.skipped[name] = why
                 elif not limit or len(out.trajectories) < limit:
                     out.trajectories.append(traj)
-                    if name in early:
+                    if name in cut:
                         out.stopped_early.append(name)
     for name, why in out.skipped.items():
         logger.warning("sft: demonstration of {} skipped: {}", name, why)

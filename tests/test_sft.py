@@ -140,3 +140,12 @@ def test_early_stop_frac_out_of_range_is_refused():
 
     with pytest.raises(ConfigError, match="early_stop_frac"):
         load_config(None, ["sft.early_stop_frac=1.0"])
+
+
+def test_a_one_command_oracle_is_played_whole_and_not_counted_as_stopped_early(tmp_path):
+    root = tmp_path / "tasks"
+    for i in range(2):
+        note_task(root, f"one-{i}", solution="echo done > out.txt\n")
+    demos = build_demonstrations(root, load_config(None, ["sft.early_stop_frac=0.5"]))
+    assert len(demos.trajectories) == 2 and demos.stopped_early == []
+    assert all(t.resolved and len(t.turn_offsets) == 2 for t in demos.trajectories)
