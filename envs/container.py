@@ -51,7 +51,7 @@ from loguru import logger
 
 from t1async.config import ContainerConfig
 
-from .images import BuildError, Engine, ca_mounts, ensure_task_image, ensure_verifier_image, resolve_engine
+from .images import ENGINE_CWD, BuildError, Engine, ca_mounts, ensure_task_image, ensure_verifier_image, resolve_engine
 from .limits import LimitGroup
 from .protocol import CommandResult, SandboxError, SandboxSpec, ServiceSpec, split_root
 from .shell_io import (
@@ -280,7 +280,8 @@ class ContainerSandbox:
             # streams, which would reorder a command's error after its end-of-command marker
             [*self.engine.argv, "exec", "-i", "-w", self.workdir, *env, self.name, "bash", "--noprofile", "--norc",
              "-c", "exec 2>&1; exec bash --noprofile --norc"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+            cwd=ENGINE_CWD)
         status, output, _ = self._run("printf '%s\\n' \"$$\"", self.cfg.start_timeout_s)
         if status != 0 or not output.strip().isdigit():
             raise SandboxError(f"the container's shell did not answer at start (status {status}, output "

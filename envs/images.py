@@ -62,6 +62,11 @@ from loguru import logger
 from t1async.config import ContainerConfig
 
 from .protocol import SandboxError, SandboxUnavailable
+
+ENGINE_CWD = tempfile.gettempdir()
+"""Working directory of every engine process (podman/docker and the conmon it starts): on an
+out-of-memory kill conmon writes a file ``oom`` into it (measured: tests run from a checkout left
+an empty ``oom`` in the checkout), so never the caller's folder."""
 from .task import heredoc_terminators
 
 CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "t1async" / "images"
@@ -153,7 +158,7 @@ class Engine:
         try:
             done = subprocess.run(argv, input=stdin, stdout=stdout if stdout is not None else subprocess.PIPE,
                                   stderr=subprocess.STDOUT if stdout is not None else subprocess.PIPE,
-                                  timeout=timeout_s)
+                                  timeout=timeout_s, cwd=ENGINE_CWD)
         except subprocess.TimeoutExpired:
             raise SandboxError(f"`{' '.join(argv[:6])} ...` did not finish within {timeout_s:g} s") from None
         if check and done.returncode != 0:

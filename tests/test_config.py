@@ -120,3 +120,10 @@ def test_megatron_parallel_sizes_are_checked_in_one_line():
     assert "\n" not in str(e.value) and "refuses MoE + tensor parallelism without sequence parallelism" in str(e.value)
     with pytest.raises(ConfigError, match="learner.megatron.pipeline_parallel=2 is invalid"):
         load_config(None, ["learner.megatron.pipeline_parallel=2"])
+
+
+def test_sampler_urls_are_refused_unless_the_backend_is_sglang():
+    """The embedded samplers start on this machine and would ignore sampler.urls (silently, before)."""
+    with pytest.raises(ConfigError, match="sampler.urls.*unless sampler.backend=sglang"):
+        load_config(None, ["sampler.urls=[http://10.9.9.9:30000]"])
+    assert load_config(None, ["sampler.backend=sglang", "sampler.urls=[http://10.9.9.9:30000]"]).sampler.urls
