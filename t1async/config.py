@@ -404,8 +404,9 @@ class WeightSyncConfig:
     """Port of the rendezvous TCPStore; 0 picks a free one."""
     timeout_s: float = 120.0
     """Timeout of the group's rendezvous, of each broadcast and of each weight-sync HTTP call
-    (in ``tensor`` mode: of each call, the receiver's copy of a bucket included), seconds. Both ends for embedded samplers (the learner sends it when the group is formed); an
-    SGLang server keeps torch's 30-minute group timeout, so the learner stops waiting after this
+    (in ``tensor`` mode: of each call, the receiver's copy of a bucket included), seconds. Both
+    ends for embedded samplers (the learner sends it when the group is formed); an SGLang server
+    keeps torch's 30-minute group timeout, so the learner stops waiting after this
     long and takes that server out of service (left paused, never serving partial weights)."""
     bucket_mb: float = 512.0
     """Most MiB sent at once (distributed: SGLang ``load_format: flattened_bucket``, one uint8
@@ -682,10 +683,11 @@ class SftConfig:
     """An imperfect demonstrator (0 <= f < 1; default 0, the oracle): this fraction of the tasks
     (chosen by ``seed``) is played by a demonstrator that sends the end signal in place of the
     oracle's last command (an oracle of one command is played whole, and not counted as stopped
-    early), and the demonstration is kept although its verifier does not resolve it, as an unfiltered set of a weaker agent's episodes would be
-    (stopping before the task is done is a common failure of terminal agents). The warm start then
-    learns to stop early in about this fraction of its episodes: a behaviour the verifier's reward
-    can correct and imitation cannot (``t1async bench learning``)."""
+    early), and the demonstration is kept although its verifier does not resolve it, as an
+    unfiltered set of a weaker agent's episodes would be (stopping before the task is done is a
+    common failure of terminal agents). The warm start then learns to stop early on tasks whose
+    oracle has several commands: a behaviour the verifier's reward can correct and imitation
+    cannot (``t1async bench learning``)."""
 
 
 @dataclass

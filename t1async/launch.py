@@ -226,8 +226,7 @@ def check_weight_sync_hosts(cfg: Config) -> None:
     """
     if cfg.weight_sync.mode != "tensor":
         return
-    urls = cfg.sampler.urls if cfg.sampler.backend == "sglang" else []
-    for url in urls:
+    for url in cfg.sampler.urls:  # set only with sampler.backend=sglang (config refuses it otherwise)
         host = urllib.parse.urlsplit(url if "://" in url else f"http://{url}").hostname or ""
         if not is_local_host(host):
             raise ConfigError(f"weight_sync.mode=tensor needs samplers on this machine (CUDA IPC / shared memory), "
