@@ -74,6 +74,7 @@ from t1async.megatron_ranks import (RankGroup, all_reduce_sum, broadcast_, exper
 from t1async.model import save_hf
 from t1async.rl import token_logprobs
 from t1async.torch_backend import ValueModel, load_policy
+from t1async.weight_sync import is_expert
 
 try:
     from megatron.core import parallel_state
@@ -237,11 +238,6 @@ def replay_rows(routed: torch.Tensor, num_experts: int, lengths: torch.Tensor | 
 # calls rank 0 mirrors to its followers (each runs MegatronBackend._<name>)
 FOLLOWER_OPS = frozenset({"forward_policy", "forward_values", "forward_reference", "zero_grad", "backward_outputs",
                           "step", "gather_hf", "save_optimizers", "load_rank_optimizers", "load_hf"})
-
-
-def _is_expert(name: str) -> bool:
-    """A Megatron parameter of one expert (held by one expert-parallel rank), by its name."""
-    return ".mlp.experts." in name
 
 
 class MegatronBackend(AdamWPair):
@@ -533,8 +529,8 @@ class MegatronBackend(AdamWPair):
         """
         n = self.expert_parallel
         named = [(k, p) for k, p in model.named_parameters() if p.grad is not None]
-        experts = [p.grad for k, p in named if _is_expert(k)]
-        shared = [p.grad for k, p in named if not _is_expert(k)]
+        experts = [p.grad for k, p in named if is_expert(k)]
+        shared = [p.grad for k, p in named if not is_expert(k)]
         for g in experts:
             g.mul_(1.0 / n)
         broadcast_(self._ranks, shared)
@@ -551,8 +547,8 @@ class MegatronBackend(AdamWPair):
     def num_parameters(self) -> int:
         """Parameters of the whole policy (every rank's experts counted)."""
         named = list(self.policy.named_parameters())
-        return (sum(p.numel() for k, p in named if not _is_expert(k))
-                + self.expert_parallel * sum(p.numel() for k, p in named if _is_expert(k)))
+        return (sum(p.numel() for k, p in named if not is_expert(k))
+                + self.expert_parallel * sum(p.numel() for k, p in named if is_expert(k)))
 
     # ---- weights and checkpoints ----------------------------------------------------------
     def megatron_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
@@ -567,7 +563,7 @@ class MegatronBackend(AdamWPair):
         n = self.expert_parallel
         if self.expert_parallel == 1:
             return megatron_to_hf(local, self.model_cfg, layout)
-        names = [k for k in local if _is_expert(k)]
+        names = [k for k in local if is_expert(k)]
         parts = gather_tensors(self._ranks, [local[k] for k in names])
         if self.rank != 0:
             return None

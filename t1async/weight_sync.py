@@ -208,7 +208,8 @@ def leave_group(group: WeightGroup) -> None:
 
 
 def is_expert(name: str) -> bool:
-    """Whether a Hugging Face parameter name is an MoE expert's (``...mlp.experts.N...``)."""
+    """Whether a parameter name is an MoE expert's: Hugging Face ``...mlp.experts.N...`` or
+    Megatron ``...mlp.experts.local_experts.N...`` (the megatron backend's expert-parallel ranks)."""
     return ".experts." in name
 
 
