@@ -42,6 +42,20 @@ def test_heldout_shares_no_instruction_command_sequence_or_files_with_training(t
     assert split["heldout_per_family"]["grep-count"] == 3 and split["heldout"] == len(heldout)
 
 
+def test_rl_trains_only_on_measured_families_unless_asked_for_all(tmp_path):
+    """--rl-families measured: RL's tasks are the families with held-out instances (make-executable
+    has none); SFT still demonstrates every family."""
+    b = bench()
+    cfg = load_config(REPO / "configs" / "learning.yaml")
+    split = b.make_split(tmp_path / "m", ["grep-count", "make-executable"], 12, 3, 2, cfg, rl_families="measured")
+    rl = {p.name for p in (tmp_path / "m" / "rl").iterdir()}
+    sft = {p.name for p in (tmp_path / "m" / "sft").iterdir()}
+    assert split["rl_families"] == ["grep-count"] and len(rl) == 10 and split["rl_tasks"] == 10
+    assert all(n.startswith("grep-count-") for n in rl) and any(n.startswith("make-executable-") for n in sft)
+    split = b.make_split(tmp_path / "a", ["grep-count", "make-executable"], 12, 3, 2, cfg, rl_families="all")
+    assert split["rl_families"] == ["grep-count", "make-executable"] and split["rl_tasks"] == 20
+
+
 def test_families_whose_commands_do_not_fit_are_left_out():
     b = bench()
     fit = b.fitting_families(load_config(REPO / "configs" / "learning.yaml", ["generation.max_new_tokens=24"]))

@@ -17,8 +17,8 @@ One command, in this order (everything through the product's own commands and co
 3. **Held-out resolved rate** of the warm start: ``t1async eval --agent policy:CKPT``'s path,
    ``--eval-samples`` episodes per held-out task at the training temperature.
 4. **RL**: ``t1async launch configs/learning.yaml`` from that checkpoint on the training tasks
-   that were not demonstrations
-   for ``--minutes`` of wall clock (then SIGTERM: the learner finishes its step and writes a final
+   that were not demonstrations, of the families with held-out instances (``--rl-families
+   measured``; ``all``: every family), for ``--minutes`` of wall clock (then SIGTERM: the learner finishes its step and writes a final
    checkpoint), once per reward (``learner.reward=dense``: tests passed, the reference's choice;
    ``binary``: 1 if resolved else 0), same seed and budget. The policy is snapshotted every
    ``--eval-every`` minutes (the latest checkpoint's weights).
@@ -71,6 +71,9 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--train-per-family", type=at_least_one, default=150, help="training instances per family")
     p.add_argument("--heldout-per-family", type=at_least_one, default=8, help="held-out instances per family")
     p.add_argument("--sft-demos-per-family", type=at_least_one, default=100, help="SFT demonstrations per family")
+    p.add_argument("--rl-families", choices=("measured", "all"), default="measured",
+                   help="families RL trains on: measured (those with held-out instances) or all; SFT always "
+                        "demonstrates every family")
     p.add_argument("--eval-samples", type=at_least_one, default=2, help="episodes per held-out task per evaluation")
     p.add_argument("--eval-every", type=float, default=10.0, help="minutes between policy snapshots for the curve")
     p.add_argument("--config", default=str(RL_CONFIG), help="config of the RL runs (and of SFT's model/env/generation)")
@@ -143,13 +146,18 @@ def _signature(task_dir: Path) -> tuple[str, tuple[str, ...]]:
             tuple(oracle_commands((task_dir / "solution" / "solve.sh").read_text())))
 
 
-def make_split(root: Path, families: list[str], n_train: int, n_heldout: int, n_demos: int, cfg: Config) -> dict[str, Any]:
+def make_split(root: Path, families: list[str], n_train: int, n_heldout: int, n_demos: int, cfg: Config,
+               rl_families: str = "all") -> dict[str, Any]:
     """Write train/, heldout/, sft/ (the first ``n_demos`` training instances per family) and rl/
     (the other training instances) under ``root``.
 
     RL trains on rl/, not on the demonstrations: a policy that has memorised its demonstrations
     resolves them all (measured: 100 % over 23 steps), so their advantages are zero and RL on them
-    learns nothing.
+    learns nothing. With ``rl_families="measured"`` rl/ holds only the families that have held-out
+    instances (the families the bench measures); the others are demonstrated but not trained on
+    by RL. Measured (stop 22, ``tools/training_by_family.py``): the warm start resolves the four
+    families without held-out instances at 0.86-1.0 during RL, so their groups of episodes mostly
+    share one reward (group advantage 0) and take about 44 % of the rollouts while teaching nothing.
 
     Held-out instances are new in what a policy could memorise: each is kept only if its
     instruction, its oracle command sequence and its files all differ from every training
@@ -160,6 +168,7 @@ def make_split(root: Path, families: list[str], n_train: int, n_heldout: int, n_
     """
     from t1async.envs.decontam import decontaminate
     from t1async.envs.synth import synthesize
+    from t1async.sft import synth_family
 
     train, heldout, sft, pool = root / "train", root / "heldout", root / "sft", root / "pool"
     rl = root / "rl"
@@ -182,12 +191,19 @@ def make_split(root: Path, families: list[str], n_train: int, n_heldout: int, n_
                 shutil.move(str(p), heldout / p.name)
                 kept[fam] += 1
         shutil.rmtree(pool, ignore_errors=True)
+    if rl_families not in ("measured", "all"):
+        raise ValueError(f"rl_families={rl_families!r}: use 'measured' or 'all'")
+    unmeasured = {f for f, k in kept.items() if k == 0} if rl_families == "measured" else set()
+    for p in list(rl.iterdir()) if rl.is_dir() else []:
+        if synth_family(p.name) in unmeasured:
+            shutil.rmtree(p)
     rows = decontaminate(train, heldout, n=cfg.env.decontam_ngram, threshold=cfg.env.decontam_threshold)
     flagged = [r for r in rows if r.flagged]
     return {"families": families, "train": len(list(train.iterdir())), "heldout": len(list(heldout.iterdir())),
             "heldout_per_family": kept, "families_without_heldout": [f for f, k in kept.items() if k == 0],
             "sft_demonstrations": len(list(sft.iterdir())),
             "rl_tasks": len(list(rl.iterdir())) if rl.is_dir() else 0,
+            "rl_families": sorted({synth_family(p.name) for p in rl.iterdir()}) if rl.is_dir() else [],
             "heldout_sharing_instruction_commands_or_files_with_train": 0,
             "decontam_flagged": len(flagged), "decontam_checked": len(rows),
             "decontam_note": "t1async decontam (word n-grams) of training against held-out: instances of one family "
@@ -313,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     logger.add(out / "bench.log", level="DEBUG")
     families = [f for f in args.families.split(",") if f] or fitting_families(cfg)
     split = make_split(out / "tasks", families, args.train_per_family, args.heldout_per_family,
-                       args.sft_demos_per_family, cfg)
+                       args.sft_demos_per_family, cfg, rl_families=args.rl_families)
     logger.info("bench learning: split {}", json.dumps({k: v for k, v in split.items() if k != "decontam_note"}))
     rewards = ["dense", "binary"] if args.reward == "both" else [args.reward]
     runs: dict[str, Any] = {}
@@ -379,6 +395,7 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {"config": args.config, "overrides": args.overrides, "train_per_family": args.train_per_family,
                      "heldout_per_family": args.heldout_per_family,
                      "sft_demos_per_family": args.sft_demos_per_family, "eval_samples": args.eval_samples,
+                     "rl_families": args.rl_families,
                      "temperature": cfg.generation.temperature, "sft_steps": cfg.sft.steps,
                      "sft_early_stop_frac": cfg.sft.early_stop_frac},
         "out": str(out),
