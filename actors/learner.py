@@ -40,7 +40,7 @@ from t1async.backend import LearnerBackend, make_backend
 from t1async.config import GenerationConfig, LearnerConfig, ModelConfig, TransportConfig, WeightSyncConfig
 from t1async.delivery import (ByteQueue, ConsumedLedger, ReceiveLog, commit, latest_checkpoint, read_consumed,
                               rotate_checkpoints, staging_dir, write_consumed)
-from t1async.rl import gae, group_baselines, k3, policy_loss, routing_differs, value_loss
+from t1async.rl import gae, group_baselines, k3, micro_batches, policy_loss, routing_differs, value_loss
 from t1async.tokenizer import ChatTokenizer
 from t1async.torch_backend import ValueModel  # noqa: F401  (the critic's home before the backends; tests import it here)
 from t1async.trajectory import Trajectory, TrajectoryError, decode
@@ -544,7 +544,8 @@ class Learner:
         logger.warning("dropped trajectory {} of {}: {} ({})", traj.trajectory_id, traj.task, reason, detail)
 
     def _train_step(self, batch: list[Trajectory]) -> dict[str, float]:
-        """One actor-critic update on ``batch`` (micro-batches of one trajectory, accumulated).
+        """One actor-critic update on ``batch``, accumulated over micro-batches of trajectories
+        (``learner.micro_batch_tokens``; right-padded, the padding masked out of every sum).
 
         Two masks per trajectory: ``vmask`` (every sampled token) and ``mask``, the policy's
         (:func:`t1async.abnormal.policy_mask`: ``vmask`` less the turns set to ``mask_turn``).
@@ -558,30 +559,25 @@ class Learner:
         dev = backend.device  # the batch's tensors live where the backend computes (cpu: no copy)
         baselines = self._group_baselines(batch) if cfg.advantage == "group" else [None] * len(batch)
         n_peered = sum(b is not None for b in baselines)
+        rewards_all = [episode_reward(t, cfg.reward) for t in batch]
         if not cfg.critic:  # no peer of its task: the mean reward of the rest of the batch (itself if alone)
-            batch_rewards = [episode_reward(t, cfg.reward) for t in batch]
-            total = sum(batch_rewards)
-            others = [(total - r) / (len(batch) - 1) if len(batch) > 1 else r for r in batch_rewards]
+            total = sum(rewards_all)
+            others = [(total - r) / (len(batch) - 1) if len(batch) > 1 else r for r in rewards_all]
             baselines = [b if b is not None else o for b, o in zip(baselines, others)]
-        for traj, baseline in zip(batch, baselines):
-            ids = torch.from_numpy(traj.token_ids.astype(np.int64)).to(dev)
-            inp, tgt = ids[:-1].unsqueeze(0), ids[1:].unsqueeze(0)
-            vmask = torch.from_numpy(traj.loss_mask[1:].astype(np.float32)).unsqueeze(0).to(dev)
-            mask = torch.from_numpy(policy_mask(traj, cfg.abnormal)[1:].astype(np.float32)).unsqueeze(0).to(dev)
-            mu = torch.from_numpy(traj.logprobs[1:].astype(np.float32)).unsqueeze(0).to(dev)
-            recorded = torch.from_numpy(traj.routed_experts.astype(np.int64)).unsqueeze(0).to(dev)  # [1, T-1, L, K]
-            replay = recorded if cfg.routing_replay else None
-            old_v = backend.values(inp, grad=False) if cfg.critic else torch.zeros_like(vmask)
-            idx = vmask[0].nonzero().squeeze(-1)
-            rewards = np.zeros(idx.numel(), dtype=np.float32)
-            rewards[-1] = episode_reward(traj, cfg.reward)
-            adv_s, ret_s = gae(rewards, old_v[0, idx].cpu().numpy(), cfg.gamma, cfg.lam)
-            if baseline is not None:  # leave-one-out over the task's episodes; the critic still learns ret_s
-                adv_s = np.full_like(adv_s, rewards[-1] - baseline)
-            adv, ret = torch.zeros_like(vmask), torch.zeros_like(vmask)
-            adv[0, idx], ret[0, idx] = torch.from_numpy(adv_s).to(dev), torch.from_numpy(ret_s).to(dev)
-            items.append({"inp": inp, "tgt": tgt, "mask": mask, "vmask": vmask, "mu": mu, "replay": replay,
-                          "recorded": recorded, "old_v": old_v, "adv": adv, "ret": ret})
+        lengths = [t.num_tokens - 1 for t in batch]  # positions: inputs ids[:-1], targets ids[1:]
+        for group in micro_batches(lengths, cfg.micro_batch_tokens):
+            it = self._micro_batch([batch[i] for i in group], dev)
+            old_v = backend.values(it["inp"], grad=False) if cfg.critic else torch.zeros_like(it["vmask"])
+            adv, ret = torch.zeros_like(it["vmask"]), torch.zeros_like(it["vmask"])
+            for row, i in enumerate(group):
+                idx = it["vmask"][row].nonzero().squeeze(-1)
+                rewards = np.zeros(idx.numel(), dtype=np.float32)
+                rewards[-1] = rewards_all[i]
+                adv_s, ret_s = gae(rewards, old_v[row, idx].cpu().numpy(), cfg.gamma, cfg.lam)
+                if baselines[i] is not None:  # leave-one-out over the task's episodes; the critic still learns ret_s
+                    adv_s = np.full_like(adv_s, rewards[-1] - baselines[i])
+                adv[row, idx], ret[row, idx] = torch.from_numpy(adv_s).to(dev), torch.from_numpy(ret_s).to(dev)
+            items.append({**it, "old_v": old_v, "adv": adv, "ret": ret})
         n_tokens = float(sum(it["mask"].sum() for it in items))  # policy-loss tokens
         n_value = float(sum(it["vmask"].sum() for it in items))  # every sampled token
         ev = explained_variance(torch.cat([it["old_v"][it["vmask"].bool()] for it in items]),
@@ -604,7 +600,8 @@ class Learner:
                 # scored under the sampler's processing (temperature, top-k, top-p); a sampled id
                 # just outside this model's own nucleus is kept in it (counted below)
                 out = backend.policy_logprobs(it["inp"], it["tgt"], it["replay"], grad=train_policy, routing=epoch == 0)
-                logp, outside = out.logp, out.outside
+                # padding's log-probs set to 0: no extreme value there can turn into inf * 0 = nan in a masked sum
+                logp, outside = torch.where(it["valid"], out.logp, 0.0), out.outside
                 if epoch == 0:
                     boundary += int((outside & it["mask"].bool()).sum())
                     it["prox"] = logp.detach()  # proximal policy = the weights before this update
@@ -612,15 +609,15 @@ class Learner:
                     k3_sum += float((k3(it["prox"], it["mu"]) * it["vmask"]).sum())
                     # routing vs the sampler's rows: the experts used (0 under replay) and the
                     # router's own top-k from this same forward (what no replay would use)
-                    routed_pos += it["recorded"].shape[1]
-                    used_diff += int(routing_differs(out.routed_experts, it["recorded"]).sum())
-                    own_diff += int(routing_differs(out.router_experts, it["recorded"]).sum())
+                    routed_pos += int(it["valid"].sum())
+                    used_diff += int((routing_differs(out.routed_experts, it["recorded"]) & it["valid"]).sum())
+                    own_diff += int((routing_differs(out.router_experts, it["recorded"]) & it["valid"]).sum())
                 pl = policy_loss(logp, it["prox"], it["mu"], it["adv"], it["mask"], clip_eps=cfg.clip_eps,
                                  is_cap=cfg.is_cap, denom=n_tokens)
                 kl_term: torch.Tensor | float = 0.0
                 if cfg.kl_coef > 0 and train_policy:
                     if epoch == 0:
-                        it["ref"] = backend.reference_logprobs(it["inp"], it["tgt"])
+                        it["ref"] = torch.where(it["valid"], backend.reference_logprobs(it["inp"], it["tgt"]), 0.0)
                     # k3 estimate of KL(pi_theta || pi_ref) on tokens sampled from (nearly) pi_theta
                     kl = (k3(it["ref"], logp) * it["mask"]).sum() / n_tokens
                     kl_term = cfg.kl_coef * kl
@@ -651,6 +648,38 @@ class Learner:
                 **({"explained_variance": ev} if cfg.critic else {}), "trained_tokens": n_value,
                 **({"group_baselined_frac": n_peered / len(batch)}
                    if cfg.advantage == "group" else {})}
+
+    def _micro_batch(self, trajs: list[Trajectory], dev: torch.device) -> dict[str, torch.Tensor]:
+        """Trajectories right-padded to the longest into ``[B, T]`` tensors (``T`` = its positions).
+
+        Returns ``inp``, ``tgt`` (int64; padding id 0), ``valid`` (bool: a real position),
+        ``vmask`` (float: every sampled token), ``mask`` (float: the policy's,
+        :func:`t1async.abnormal.policy_mask`), ``mu`` (float32 sampler log-probs, 0 on padding),
+        ``recorded`` (int64 ``[B, T, L, K]`` routed experts; padding holds the distinct ids
+        ``arange(K) % num_experts``, as Megatron's replay needs) and ``replay`` (``recorded``
+        under ``learner.routing_replay``, else None), all on ``dev``.
+        """
+        T = max(t.num_tokens for t in trajs) - 1
+        B = len(trajs)
+        L, K = trajs[0].routed_experts.shape[1:]
+        E = self.model_cfg.num_experts
+        ids = torch.zeros(B, T + 1, dtype=torch.int64)
+        valid = torch.zeros(B, T, dtype=torch.bool)
+        vmask, mask, mu = (torch.zeros(B, T, dtype=torch.float32) for _ in range(3))
+        recorded = (torch.arange(K, dtype=torch.int64) % E).expand(B, T, L, K).clone()
+        for b, traj in enumerate(trajs):
+            n = traj.num_tokens - 1
+            ids[b, :n + 1] = torch.from_numpy(traj.token_ids.astype(np.int64))
+            valid[b, :n] = True
+            vmask[b, :n] = torch.from_numpy(traj.loss_mask[1:].astype(np.float32))
+            mask[b, :n] = torch.from_numpy(policy_mask(traj, self.cfg.abnormal)[1:].astype(np.float32))
+            mu[b, :n] = torch.from_numpy(traj.logprobs[1:].astype(np.float32))
+            recorded[b, :n] = torch.from_numpy(traj.routed_experts.astype(np.int64))
+        out = {"inp": ids[:, :-1], "tgt": ids[:, 1:], "valid": valid, "vmask": vmask, "mask": mask, "mu": mu,
+               "recorded": recorded}
+        out = {k: v.to(dev) for k, v in out.items()}
+        out["replay"] = out["recorded"] if self.cfg.routing_replay else None
+        return out
 
     def _group_baselines(self, batch: list[Trajectory]) -> list[float | None]:
         """:func:`t1async.rl.group_baselines` of ``batch`` (trained as step ``self.step + 1``), then

@@ -600,6 +600,11 @@ class LearnerConfig:
     """Longest wait for one batch before the learner reports it is starved and stops; under
     ``rollout.admission: learner_wait`` also the longest it holds a publish for a slow episode
     (it then publishes anyway, logged, and drops what that makes too stale)."""
+    micro_batch_tokens: int = 4096
+    """Trajectories trained in one padded forward and backward, up to this many positions
+    (sequences x the longest, :func:`t1async.rl.micro_batches`; longest first). Results equal
+    one forward per trajectory up to float summation order (tests/test_learner.py); fewer,
+    larger matmuls are faster (``t1async bench learner``). 0 = one trajectory per micro-batch."""
     max_tokens_per_chunk: int = 4096
     """``torch`` backend: a trajectory longer than this many tokens is trained in chunks, so a
     long episode (100k tokens and more) fits in memory: the LM head and its log-probs run this
@@ -832,6 +837,7 @@ _VALUE_RULES: list[tuple[str, Any, str]] = [
     ("sampler.num_samplers", lambda v: v >= 1, "an integer >= 1"),
     ("env.max_turns", lambda v: v >= 1, "an integer >= 1"),
     ("env.max_context_tokens", lambda v: v >= 0, "an integer >= 0 (0: model.max_position_embeddings)"),
+    ("learner.micro_batch_tokens", lambda v: v >= 0, "an integer >= 0 (0: one trajectory per micro-batch)"),
     ("learner.max_tokens_per_chunk", lambda v: v >= 0, "an integer >= 0 (0: never chunk)"),
     ("env.action_format", lambda v: v in ("command", "tool_call"),
      "'command' (the message is the shell command) or 'tool_call' (Qwen3 tool calls of a bash tool)"),

@@ -220,6 +220,40 @@ def group_baselines(tasks: list[str], rewards: list[float], history: dict[str, l
     return out
 
 
+def micro_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Group sequences into micro-batches for one padded forward each.
+
+    Sequences are taken longest first (so each micro-batch holds similar lengths and little
+    padding) and a micro-batch grows while ``count x longest`` stays within ``max_tokens``; a
+    sequence longer than ``max_tokens`` gets a micro-batch of its own. Right padding leaves every
+    real position's result unchanged: attention is causal (a position never sees the padding
+    after it) and MoE routing is per token without a capacity limit, so only the float
+    summation order of batched matmuls differs from one forward per sequence.
+
+    Args:
+        lengths: ``[N]`` positions of each sequence (>= 1).
+        max_tokens: padded positions per micro-batch; 0 puts every sequence alone.
+
+    Returns:
+        Lists of indices into ``lengths``, each list longest first; every index exactly once.
+
+    Raises:
+        ValueError: ``max_tokens`` < 0.
+    """
+    if max_tokens < 0:
+        raise ValueError(f"max_tokens must be >= 0 (0: one sequence per micro-batch), got {max_tokens}")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    if max_tokens == 0:
+        return [[i] for i in order]
+    out: list[list[int]] = []
+    for i in order:  # longest first: a micro-batch's first sequence is its longest
+        if out and (len(out[-1]) + 1) * lengths[out[-1][0]] <= max_tokens:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
+
+
 @dataclass
 class PolicyLossOutput:
     """Policy loss and its diagnostics (all scalars, over loss tokens)."""

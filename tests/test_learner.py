@@ -28,16 +28,17 @@ MODEL = ModelConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_att
                     head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 
 
-def synthetic(version: int, seed: int, reward: float = 1.0) -> Trajectory:
+def synthetic(version: int, seed: int, reward: float = 1.0, T: int = 40) -> Trajectory:
+    """Two assistant turns, [T/4, T/2) and [0.7 T, T) (T = 40: [10, 20) and [28, 40))."""
     rng = np.random.default_rng(seed)
-    T = 40
+    a, b, c = T // 4, T // 2, int(0.7 * T)
     mask = np.zeros(T, np.uint8)
-    mask[10:20] = 1
-    mask[28:40] = 1
+    mask[a:b] = 1
+    mask[c:T] = 1
     return Trajectory(
         task="synthetic", actor_id=0, token_ids=rng.integers(0, 256, T).astype(np.uint32), loss_mask=mask,
         logprobs=np.where(mask == 1, -5.5, 0.0).astype(np.float32), versions=np.where(mask == 1, version, -1).astype(np.int32),
-        turn_offsets=np.array([[10, 20], [28, 40]], np.int32),
+        turn_offsets=np.array([[a, b], [c, T]], np.int32),
         routed_experts=rng.integers(0, 4, (T - 1, 2, 2)).astype(np.uint8), num_experts=4,
         reward=reward, passed=int(reward), total=2, resolved=reward == 2, finish_reason="max_turns",
         tests=[("a", reward >= 1), ("b", reward >= 2)],
@@ -336,6 +337,64 @@ def test_a_restart_sends_the_last_published_version_again_unless_later_weights_w
             assert again.connect_samplers([sampler.url()]) == expected and sampler.version == expected
         finally:
             again.close()
+
+
+def varied_batch() -> list[Trajectory]:
+    """Five trajectories of 8 to 40 tokens (two tasks of two episodes, one lone), rewards 0-2."""
+    batch = []
+    for i, (T, reward, task) in enumerate([(17, 2.0, "a"), (40, 0.0, "a"), (29, 1.0, "b"), (8, 2.0, "b"), (23, 1.0, "c")]):
+        t = synthetic(0, 10 + i, reward=reward, T=T)
+        t.task = task
+        batch.append(t)
+    return batch
+
+
+@pytest.mark.parametrize("advantage", ["gae", "group"])
+def test_padded_micro_batches_train_like_one_trajectory_per_forward(tmp_path, advantage):
+    """learner.micro_batch_tokens: five trajectories of different lengths in one right-padded
+    forward give the metrics and, after two steps, the weights of one forward per trajectory (up to
+    float summation order), under a filtered sampling distribution (top-p: padding's targets may lie
+    outside it), routing replay, the critic's GAE or group advantages, and a KL penalty."""
+    gen = GenerationConfig(temperature=0.7, top_p=0.9)
+    out = {}
+    for mbt in (0, 4096):
+        cfg = LearnerConfig(batch_size=5, lr=1e-3, kl_coef=0.1, advantage=advantage, critic=advantage == "gae",
+                            micro_batch_tokens=mbt)
+        learner = Learner(cfg, MODEL, TransportConfig(), WeightSyncConfig(), str(tmp_path / str(mbt)),
+                          generation=gen, seed=0)
+        try:
+            before = {k: v.detach().clone() for k, v in learner.backend.hf_weights()}
+            forwards = []
+            real = learner.backend.policy_logprobs
+            learner.backend.policy_logprobs = lambda inp, *a, **kw: forwards.append(inp.shape) or real(inp, *a, **kw)
+            metrics = [learner._train_step(varied_batch()) for _ in range(2)]
+            out[mbt] = metrics, {k: v.detach().clone() for k, v in learner.backend.hf_weights()}, forwards
+        finally:
+            learner.close()
+    (m1, w1, f1), (mb, wb, fb) = out[0], out[4096]
+    assert [tuple(s) for s in f1[:5]] == [(1, 39), (1, 28), (1, 22), (1, 16), (1, 7)]
+    assert [tuple(s) for s in fb] == [(5, 39), (5, 39)]  # one padded forward per step
+    for a, b in zip(m1, mb):
+        for k, v in a.items():
+            if isinstance(v, float):
+                assert b[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+        assert a["routing_diff_frac"] == b["routing_diff_frac"] == 0.0 and a["router_diff_frac"] == b["router_diff_frac"]
+        assert a["trained_tokens"] == b["trained_tokens"] and a["nucleus_boundary_tokens"] == b["nucleus_boundary_tokens"]
+    rel = max(float((w1[k] - wb[k]).norm() / w1[k].norm()) for k in w1)
+    moved = min(float((w1[k] - before[k]).norm() / before[k].norm()) for k in w1 if "norm" not in k)
+    assert rel < 1e-5 and moved > 1e-3, (rel, moved)
+
+
+def test_micro_batches_group_longest_first_within_the_token_budget():
+    from t1async.rl import micro_batches
+
+    lengths = [10, 40, 25, 40, 5, 100]
+    # longest first: 100 alone; 2 x 40 (a third: 3 x 40 > 100); 25, 10, 5 padded to 3 x 25
+    assert micro_batches(lengths, 100) == [[5], [1, 3], [2, 0, 4]]
+    assert micro_batches(lengths, 0) == [[5], [1], [3], [2], [0], [4]]  # 0: each alone
+    assert micro_batches([300, 7], 100) == [[0], [1]]  # longer than the budget: alone
+    with pytest.raises(ValueError, match="max_tokens must be >= 0"):
+        micro_batches(lengths, -1)
 
 
 def test_policy_steps_raise_the_rewarded_trajectory_and_lower_the_unrewarded_one(tmp_path):

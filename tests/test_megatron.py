@@ -195,6 +195,33 @@ def test_one_learner_step_matches_the_torch_backend(tmp_path, replay):
     assert rel < 1e-5 and moved > 1e-3  # the step moved every matrix, and both backends moved it alike
 
 
+def test_padded_micro_batches_train_like_one_trajectory_per_forward(tmp_path):
+    """learner.micro_batch_tokens on the megatron backend: five trajectories of 8 to 40 tokens in
+    one right-padded forward (padding replays the distinct ids Megatron needs) give the metrics and
+    weights of one forward per trajectory, with replay and a KL penalty."""
+    from test_learner import varied_batch
+
+    def batch():
+        out = varied_batch()
+        for i, t in enumerate(out):
+            t.routed_experts = _distinct_rows(1, t.routed_experts.shape[0], seed=i)[0].numpy().astype(np.uint8)
+        return out
+
+    out = {}
+    for mbt in (0, 4096):
+        learner = _learner(tmp_path / str(mbt), "megatron", True, kl_coef=0.1, micro_batch_tokens=mbt)
+        try:
+            out[mbt] = learner._train_step(batch()), {k: v.detach().clone() for k, v in learner.backend.hf_weights()}
+        finally:
+            learner.close()
+    (m1, w1), (mb, wb) = out[0], out[4096]
+    for k, v in m1.items():
+        if isinstance(v, float):
+            assert mb[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+    assert m1["routing_diff_frac"] == mb["routing_diff_frac"] == 0.0
+    assert max(float((w1[k] - wb[k]).norm() / w1[k].norm()) for k in w1) < 1e-5
+
+
 def _trained_checkpoint(tmp_path, **kw):
     """A megatron learner (``kw``: _learner's) after one step: (its checkpoint folder, its policy's HF
     weights, its critic's HF weights)."""
