@@ -366,7 +366,8 @@ def test_padded_micro_batches_train_like_one_trajectory_per_forward(tmp_path, ad
             before = {k: v.detach().clone() for k, v in learner.backend.hf_weights()}
             forwards = []
             real = learner.backend.policy_logprobs
-            learner.backend.policy_logprobs = lambda inp, *a, **kw: forwards.append(inp.shape) or real(inp, *a, **kw)
+            learner.backend.policy_logprobs = (lambda inp, *a, _f=forwards, _real=real, **kw:
+                                               _f.append(inp.shape) or _real(inp, *a, **kw))
             metrics = [learner._train_step(varied_batch()) for _ in range(2)]
             out[mbt] = metrics, {k: v.detach().clone() for k, v in learner.backend.hf_weights()}, forwards
         finally:
