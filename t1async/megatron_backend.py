@@ -69,8 +69,8 @@ from torch import nn
 from t1async.backend import AdamWPair, PolicyForward
 from t1async.config import GenerationConfig, LearnerConfig, MegatronConfig, ModelConfig
 from t1async.megatron_convert import CRITIC, POLICY, hf_to_megatron, megatron_to_hf
-from t1async.megatron_ranks import (RankGroup, all_reduce_sum, broadcast_, expert_owner, from_bytes, gather_bytes,
-                                    gather_tensors, leave_world, scatter_bytes, share_state, to_bytes)
+from t1async.megatron_ranks import (RankGroup, all_reduce_, all_reduce_sum, expert_owner, from_bytes, gather_bytes,
+                                    gather_tensors, leave_world, scatter_bytes, scatter_flat, share_state, to_bytes)
 from t1async.model import save_hf
 from t1async.rl import token_logprobs
 from t1async.torch_backend import ValueModel, load_policy
@@ -237,7 +237,25 @@ def replay_rows(routed: torch.Tensor, num_experts: int, lengths: torch.Tensor | 
 
 # calls rank 0 mirrors to its followers (each runs MegatronBackend._<name>)
 FOLLOWER_OPS = frozenset({"forward_policy", "forward_values", "forward_reference", "zero_grad", "backward_outputs",
-                          "step", "gather_hf", "save_optimizers", "load_rank_optimizers", "load_hf"})
+                          "step", "gather_hf", "save_optimizers", "load_rank_optimizers", "load_hf", "forward_counts"})
+
+
+def deal_rows(batch: int, ranks: int) -> list[torch.Tensor]:
+    """The rows of a ``[batch, T]`` micro-batch each of ``ranks`` ranks forwards: contiguous
+    chunks of ``ceil(batch / ranks)`` row indices (int64), rank r the r-th; the last chunks are
+    filled up with row 0 (dummy rows: forwarded, never returned, zero output gradient), so every
+    rank forwards the same number of rows (Megatron's dispatcher exchanges equal token counts)
+    and at least one.
+
+    Raises:
+        ValueError: ``batch`` < 1 or ``ranks`` < 1.
+    """
+    if batch < 1 or ranks < 1:
+        raise ValueError(f"deal_rows: batch={batch} and ranks={ranks} must be >= 1")
+    per = -(-batch // ranks)
+    idx = torch.arange(per * ranks)
+    idx[idx >= batch] = 0
+    return list(idx.view(ranks, per))
 
 
 class MegatronBackend(AdamWPair):
@@ -286,7 +304,9 @@ class MegatronBackend(AdamWPair):
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = dtype or {"float32": torch.float32, "bfloat16": torch.bfloat16}[mc.dtype]
         self.expert_parallel = ep
-        self._outputs: list[torch.Tensor] = []  # outputs with a graph since the last backward (ep > 1)
+        self._outputs: list[torch.Tensor] = []  # this rank's outputs with a graph since the last backward (ep > 1)
+        self._returned: list[torch.Tensor] = []  # rank 0: the gathered [B, ...] leaves it returned for them
+        self.forwarded = {"forwards": 0, "rows": 0, "tokens": 0}  # this rank's model forwards since it was built
         if ep > 1 and ranks is None:
             ranks = RankGroup.start(ep, self.device, mc.timeout_s, dict(
                 cfg=cfg, model_cfg=model_cfg, generation=generation, device=self.device.type, dtype=self.dtype,
@@ -342,12 +362,15 @@ class MegatronBackend(AdamWPair):
         return share_state(self._ranks, sd, lambda k: expert_owner(k, E, n) in (None, self.rank), self.device)
 
     # ---- mirroring ----------------------------------------------------------------------
-    def _call(self, op: str, *args, **leader):
+    def _call(self, op: str, *args, parts: list[tuple] | None = None, **leader):
         """Run ``self._<op>(*args, **leader)`` here and, with followers, ``self._<op>(*args)`` on
-        each of them (``leader``: keyword arguments for rank 0 only, never sent)."""
+        each of them (``leader``: keyword arguments for rank 0 only, never sent). With ``parts``
+        (one argument tuple per rank) rank r runs ``self._<op>(*parts[r])`` instead, each
+        follower receiving only its own part."""
         local = getattr(self, "_" + op)
+        mine = args if parts is None else parts[0]
         if self.expert_parallel == 1 or self.rank != 0:
-            return local(*args, **leader)
+            return local(*mine, **leader)
         with self._lock:  # one announced call at a time (the learner may close from another thread)
             ranks = self._ranks
             if ranks is None:
@@ -355,10 +378,43 @@ class MegatronBackend(AdamWPair):
             ranks.check()
 
             def both():
-                ranks.announce(op, args)
-                return local(*args, **leader)
+                ranks.announce(op, args, parts)
+                return local(*mine, **leader)
 
             return ranks.run(both)
+
+    def _call_rows(self, op: str, rows: tuple[torch.Tensor | None, ...], *args):
+        """An announced forward of a micro-batch split by rows (:func:`deal_rows`): rank r runs
+        ``self._<op>(*(its rows of each of rows), *args, B)``; ``B`` = the micro-batch's rows
+        (``rows[0].shape[0]``); None stays None. One process: the whole micro-batch."""
+        B = rows[0].shape[0]
+        if self.expert_parallel == 1:
+            return self._call(op, *rows, *args, B)
+        parts = [tuple(None if t is None else t[i.to(t.device)] for t in rows) + (*args, B)
+                 for i in deal_rows(B, self.expert_parallel)]
+        return self._call(op, parts=parts)
+
+    def _gather_rows(self, tensors: list[torch.Tensor | None], batch: int, grad: bool) -> list[torch.Tensor | None]:
+        """Each rank's outputs of its rows -> the micro-batch's ``[batch, ...]`` outputs on rank 0
+        (rank order = row order, dummy rows dropped; None on followers). With ``grad`` the first
+        tensor, when it has a graph, is kept for :meth:`backward` on every rank, and rank 0 returns
+        it as a new leaf that requires grad (the learner's loss is differentiated w.r.t. it)."""
+        if self.expert_parallel == 1:
+            return tensors
+        first = tensors[0]
+        if grad and first.requires_grad:
+            self._outputs.append(first)
+        present = [t for t in tensors if t is not None]
+        sent = [t.to(torch.uint8) if t.dtype == torch.bool else t for t in present]
+        parts = gather_tensors(self._ranks, sent)
+        if self.rank != 0:
+            return [None] * len(tensors)
+        full = iter([torch.cat(p)[:batch].to(t.dtype) for p, t in zip(parts, present)])
+        out = [None if t is None else next(full) for t in tensors]
+        if grad and first.requires_grad:
+            out[0] = out[0].requires_grad_()
+            self._returned.append(out[0])
+        return out
 
     def close(self) -> None:
         """Stop and kill the follower ranks and leave the world (a no-op with one process). Waits
@@ -394,6 +450,9 @@ class MegatronBackend(AdamWPair):
     def _run(self, model: GPTModel, inp: torch.Tensor) -> torch.Tensor:
         """GPTModel forward of inp [B, T]: its output [B, T, V] (or [B, T, 1] for the critic)."""
         B, T = inp.shape
+        self.forwarded["forwards"] += 1
+        self.forwarded["rows"] += B
+        self.forwarded["tokens"] += B * T
         pos = torch.arange(T, device=self.device).expand(B, T)
         mask = None  # CUDA: Megatron's own causal mask
         if self.device.type == "cpu":
@@ -402,19 +461,23 @@ class MegatronBackend(AdamWPair):
             mask = self._masks[T]
         return model(inp.to(self.device), pos, mask)
 
-    def _keep(self, out: torch.Tensor, grad: bool) -> torch.Tensor:
-        """Remember ``out`` for :meth:`backward` when it carries a graph (expert parallelism)."""
-        if grad and self.expert_parallel > 1 and out.requires_grad:
-            self._outputs.append(out)
-        return out
-
     def policy_logprobs(self, inp, tgt, replay, *, grad, routing) -> PolicyForward:
-        rows = replay_rows(replay, self.model_cfg.num_experts) if replay is not None else None  # refused here first
-        return self._call("forward_policy", inp, tgt, replay, rows, grad, routing)
+        """See :class:`t1async.backend.LearnerBackend`; with expert parallelism each rank forwards
+        its rows and rank 0 returns the gathered ``[B, T]`` outputs (module docstring).
 
-    def _forward_policy(self, inp, tgt, replay, rows, grad, routing) -> PolicyForward:
+        Raises:
+            ValueError: a replay row repeats an expert id (:func:`replay_rows`), before any rank runs.
+        """
+        if replay is not None and self.expert_parallel > 1:
+            replay_rows(replay, self.model_cfg.num_experts)  # refused here, before the ranks are told
+        return self._call_rows("forward_policy", (inp, tgt, replay), grad, routing)
+
+    def _forward_policy(self, inp, tgt, replay, grad, routing, batch) -> PolicyForward | None:
+        """This rank's rows ``inp``, ``tgt`` [b, T] (``replay`` [b, T, L, K] or None) of a
+        ``batch``-row micro-batch; returns the micro-batch's outputs on rank 0, None on followers."""
         g = self.generation
         B, T = inp.shape
+        rows = replay_rows(replay, self.model_cfg.num_experts) if replay is not None else None
         replays = [r.router_replay for r in self._routers]
         if rows is not None:
             for rr, row in zip(replays, rows):
@@ -442,7 +505,8 @@ class MegatronBackend(AdamWPair):
             for rr in replays:
                 rr.clear_indices()
                 rr.clear_router_replay_action()
-        return PolicyForward(self._keep(logp, grad), outside, used, own)
+        out = self._gather_rows([logp, outside, used, own], batch, grad)
+        return PolicyForward(*out) if out[0] is not None else None
 
     def _own_topk(self, router: nn.Module, x: torch.Tensor, B: int, T: int) -> torch.Tensor:
         """The router's own top-k [B, T, K] from its input (what it would choose without replay)."""
@@ -452,35 +516,51 @@ class MegatronBackend(AdamWPair):
     def reference_logprobs(self, inp, tgt) -> torch.Tensor:
         if self.reference is None:
             raise RuntimeError("no reference policy: learner.kl_coef is 0")
-        return self._call("forward_reference", inp, tgt)
+        return self._call_rows("forward_reference", (inp, tgt))
 
-    def _forward_reference(self, inp, tgt) -> torch.Tensor:
+    def _forward_reference(self, inp, tgt, batch) -> torch.Tensor | None:
         g = self.generation
         with torch.no_grad():
-            return token_logprobs(self._run(self.reference, inp).float(), tgt.to(self.device), g.temperature, g.top_k,
+            logp = token_logprobs(self._run(self.reference, inp).float(), tgt.to(self.device), g.temperature, g.top_k,
                                   g.top_p)
+        return self._gather_rows([logp], batch, False)[0]
 
     def values(self, inp, *, grad) -> torch.Tensor:
         if self.critic is None:
             raise RuntimeError("no critic: learner.critic is false")
-        return self._call("forward_values", inp, grad)
+        return self._call_rows("forward_values", (inp,), grad)
 
-    def _forward_values(self, inp, grad) -> torch.Tensor:
+    def _forward_values(self, inp, grad, batch) -> torch.Tensor | None:
         with torch.set_grad_enabled(grad):
-            return self._keep(self._run(self.critic, inp).squeeze(-1), grad)
+            v = self._run(self.critic, inp).squeeze(-1)
+        return self._gather_rows([v], batch, grad)[0]
+
+    def forward_counts(self) -> list[dict[str, int]]:
+        """Per rank (list index = rank): the model forwards it ran since it was built, the rows
+        and the tokens (rows x positions, dummy rows included) they held."""
+        return self._call("forward_counts")
+
+    def _forward_counts(self) -> list[dict[str, int]] | None:
+        keys = sorted(self.forwarded)
+        mine = torch.tensor([self.forwarded[k] for k in keys], dtype=torch.int64, device=self.device)
+        if self.expert_parallel == 1:
+            return [dict(self.forwarded)]
+        parts = gather_tensors(self._ranks, [mine])
+        return None if parts is None else [dict(zip(keys, map(int, p.tolist()))) for p in parts[0]]
 
     # ---- gradients and steps ------------------------------------------------------------
     def zero_grad(self) -> None:
         self._call("zero_grad")
 
     def _zero_grad(self) -> None:
-        self._outputs = []
+        self._outputs, self._returned = [], []
         AdamWPair.zero_grad(self)
 
     def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()``; with expert parallelism: the gradient of ``loss`` w.r.t. the outputs
-        returned since the last backward (rank 0), sent to every rank, each of which backpropagates
-        its own copies of those outputs (every rank computed the same forward).
+        """``loss.backward()``; with expert parallelism: the gradient of ``loss`` w.r.t. the
+        ``[B, ...]`` outputs returned with a graph since the last backward (rank 0), split by rows
+        as their forwards were (dummy rows: zeros), each rank sent only its rows' part, and every
+        rank backpropagates its own outputs with it.
 
         Raises:
             RuntimeError: no output with a graph was returned since the last backward.
@@ -488,17 +568,40 @@ class MegatronBackend(AdamWPair):
         if self.expert_parallel == 1:
             loss.backward()
             return
-        if not self._outputs:
+        if not self._returned:
             raise RuntimeError("backward(): no policy log-probs or values with grad=True since the last backward")
-        grads = torch.autograd.grad(loss, self._outputs, allow_unused=True)
-        grads = [torch.zeros_like(o) if g is None else g for g, o in zip(grads, self._outputs)]
-        self._call("backward_outputs", grads)
+        returned = self._returned
+        grads = torch.autograd.grad(loss, returned, allow_unused=True)
+        grads = [torch.zeros_like(o) if g is None else g for g, o in zip(grads, returned)]
+        n = self.expert_parallel
+        per_rank: list[list[torch.Tensor]] = [[] for _ in range(n)]
+        for g in grads:  # rank r's rows of each output, as deal_rows dealt them; dummy rows get zeros
+            chunks = deal_rows(g.shape[0], n)
+            keep = torch.cat([torch.ones(g.shape[0], dtype=torch.bool),
+                              torch.zeros(n * len(chunks[0]) - g.shape[0], dtype=torch.bool)]).view(n, -1)
+            for r, (i, k) in enumerate(zip(chunks, keep)):
+                part = g[i.to(g.device)].float()
+                part[~k.to(g.device)] = 0.0
+                per_rank[r].append(part.reshape(-1))
+        shapes = [(len(deal_rows(g.shape[0], n)[0]), *g.shape[1:]) for g in grads]
+        self._call("backward_outputs", shapes, flat=[torch.cat(p) for p in per_rank])
 
-    def _backward_outputs(self, grads: list[torch.Tensor]) -> None:
-        outs, self._outputs = self._outputs, []
-        if len(outs) != len(grads):
-            raise RuntimeError(f"rank {self.rank}: {len(outs)} outputs with a graph, {len(grads)} gradients")
-        torch.autograd.backward(outs, [g.to(o.device, o.dtype) for g, o in zip(grads, outs)])
+    def _backward_outputs(self, shapes: list[tuple[int, ...]], flat: list[torch.Tensor] | None = None) -> None:
+        """Receive this rank's part (float32, flattened in ``shapes``' order) of the output
+        gradients and backpropagate this rank's outputs with it (``flat``: every rank's parts, on
+        rank 0 only).
+
+        Raises:
+            RuntimeError: this rank's outputs with a graph do not have ``shapes``.
+        """
+        outs, self._outputs, self._returned = self._outputs, [], []
+        if [tuple(o.shape) for o in outs] != [tuple(s) for s in shapes]:
+            raise RuntimeError(f"rank {self.rank}: outputs with a graph of shapes {[tuple(o.shape) for o in outs]}, "
+                               f"gradients of shapes {shapes}")
+        sizes = [math.prod(s) for s in shapes]
+        buf = scatter_flat(self._ranks, flat, sum(sizes), torch.float32, self.device)
+        grads = [g.view(o.shape).to(o.dtype) for g, o in zip(buf.split(sizes), outs)]
+        torch.autograd.backward(outs, grads)
 
     def step(self, *, policy: bool, policy_lr: float) -> float | None:
         if self.expert_parallel == 1:
@@ -518,26 +621,23 @@ class MegatronBackend(AdamWPair):
         return gn
 
     def _clip(self, model: nn.Module) -> float:
-        """Expert-parallel gradients made exact, then clipped to ``cfg.max_grad_norm`` by their
+        """Expert-parallel gradients made whole, then clipped to ``cfg.max_grad_norm`` by their
         global norm, which is returned (before clipping).
 
-        Every rank ran every token, so each expert received every rank's copy of its tokens:
-        its gradient is N times the true one (tests/test_megatron.py checks it) and is scaled
-        by 1/N. Shared (non-expert) gradients are the same on every rank up to the order of the
-        reduce-scatter's sums; rank 0's are copied to every rank so the replicas cannot drift.
-        Norm: sqrt(shared squares + the sum over ranks of each rank's expert squares).
+        Each rank forwarded its own rows, so each token reached its experts once: an expert's
+        gradient (on the one rank holding it) is already the whole batch's and is left as it is.
+        Shared (non-expert) gradients hold this rank's rows only and are summed over ranks
+        (all-reduce), leaving the same values on every rank. Norm: sqrt(shared squares + the sum
+        over ranks of each rank's expert squares), the same on every rank.
         """
-        n = self.expert_parallel
         named = [(k, p) for k, p in model.named_parameters() if p.grad is not None]
         experts = [p.grad for k, p in named if is_expert(k)]
         shared = [p.grad for k, p in named if not is_expert(k)]
-        for g in experts:
-            g.mul_(1.0 / n)
-        broadcast_(self._ranks, shared)
+        all_reduce_(shared)
         sq = lambda gs: float(sum(g.float().pow(2).sum() for g in gs)) if gs else 0.0  # noqa: E731
         expert_sq = all_reduce_sum(sq(experts), self.device)
         total = math.sqrt(sq(shared) + expert_sq)
-        self.last_expert_grad_norm = math.sqrt(expert_sq)  # (after the 1/N scaling, before clipping)
+        self.last_expert_grad_norm = math.sqrt(expert_sq)  # (before clipping)
         coef = min(1.0, self.cfg.max_grad_norm / (total + 1e-6))
         if coef < 1.0:
             for g in experts + shared:

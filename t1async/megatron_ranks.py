@@ -166,15 +166,27 @@ class RankGroup:
         return group
 
     # ---- announcements --------------------------------------------------------------------
-    def announce(self, op: str, args: tuple) -> None:
-        """Rank 0: send (op, args) to every follower (tensors go as CPU copies)."""
-        dist.broadcast_object_list([(op, _cpu(args))], src=0, group=self.control)
+    def announce(self, op: str, args: tuple, parts: list[tuple] | None = None) -> None:
+        """Rank 0: send (op, args) to every follower (tensors go as CPU copies); with ``parts``
+        (one argument tuple per rank, ``parts[0]`` rank 0's own), follower r gets ``parts[r]``
+        instead of ``args``, sent to it alone (a scatter after the announcement)."""
+        dist.broadcast_object_list([(op, _cpu(args), parts is not None)], src=0, group=self.control)
+        if parts is not None:
+            if len(parts) != self.world:
+                raise ValueError(f"announce({op!r}): {len(parts)} argument parts for {self.world} ranks")
+            dist.scatter_object_list([None], [_cpu(p) for p in parts], src=0, group=self.control)
 
     def receive(self) -> tuple[str, tuple]:
-        """A follower: wait (up to a year) for rank 0's next (op, args)."""
+        """A follower: wait (up to a year) for rank 0's next (op, args); ``args`` is this rank's
+        own part when rank 0 sent one per rank."""
         box: list[Any] = [None]
         dist.broadcast_object_list(box, src=0, group=self.control)
-        return box[0]
+        op, args, split = box[0]
+        if split:
+            mine: list[Any] = [None]
+            dist.scatter_object_list(mine, None, src=0, group=self.control)
+            args = mine[0]
+        return op, args
 
     def check(self, wait_s: float = 0.0) -> None:
         """Rank 0: raise :class:`RankFailed` naming every follower whose Ray call has ended (it
@@ -309,19 +321,29 @@ def share_state(group: RankGroup, sd: dict[str, torch.Tensor] | None, keep: Call
     return out
 
 
-def broadcast_(group: RankGroup, tensors: list[torch.Tensor]) -> None:
-    """Overwrite ``tensors`` (same shapes and dtypes on every rank) with rank 0's, in place, one
-    flat buffer per dtype."""
+def all_reduce_(tensors: list[torch.Tensor]) -> None:
+    """Replace each of ``tensors`` (same names, shapes and dtypes on every rank, in the same
+    order) by its sum over ranks, in place: one flat buffer and one all-reduce per dtype. An
+    all-reduce leaves the same bits on every rank (each element's sum is computed once and
+    passed on, by gloo and NCCL alike), so replicas summed this way cannot drift apart."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
     for dtype in sorted(by_dtype, key=str):
         ts = by_dtype[dtype]
         flat = torch.cat([t.reshape(-1) for t in ts])
-        dist.broadcast(flat, src=0)
-        if group.rank != 0:
-            for t, part in zip(ts, flat.split([t.numel() for t in ts])):
-                t.copy_(part.view_as(t))
+        dist.all_reduce(flat)
+        for t, part in zip(ts, flat.split([t.numel() for t in ts])):
+            t.copy_(part.view_as(t))
+
+
+def scatter_flat(group: RankGroup, parts: list[torch.Tensor] | None, numel: int, dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor:
+    """Rank r receives rank 0's 1-D ``parts[r]`` (``parts`` given on rank 0 only, one per rank,
+    each ``numel`` long, of ``dtype``); returns it on ``device``."""
+    buf = torch.empty(numel, dtype=dtype, device=device)
+    dist.scatter(buf, [p.to(device, dtype).contiguous() for p in parts] if group.rank == 0 else None, src=0)
+    return buf
 
 
 def all_reduce_sum(value: float, device: torch.device) -> float:

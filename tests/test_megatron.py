@@ -382,8 +382,10 @@ def _ep(n: int = 2):
 def test_two_rank_expert_parallel_learner_step_matches_the_torch_backend(tmp_path, local_ray):
     """learner.megatron.expert_parallel=2 (rank 0 in this process, rank 1 a Ray actor, gloo): the
     same batch through one learner update as the torch backend from the same weights, replay on.
-    Log-probs and routing equal; the step's metrics (grad_norm included: it sees the expert
-    gradients' 1/N scaling) and the gathered parameters after the AdamW step agree."""
+    Log-probs and routing equal (one sequence: rank 1 forwards a dummy row); the step's metrics
+    (grad_norm included: it sees whether each token reached its experts once and whether the
+    shared gradients were summed over the ranks) and the gathered parameters after the AdamW step
+    agree."""
     out = {}
     for backend, ep in (("torch", 1), ("megatron", 2)):
         learner = _learner(tmp_path, backend, True, megatron=_ep(ep))
@@ -415,7 +417,7 @@ def test_two_rank_expert_parallel_learner_step_matches_the_torch_backend(tmp_pat
         if isinstance(v, float):
             assert mm[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
     assert mm["routing_diff_frac"] == mt["routing_diff_frac"] == 0 and mt["grad_norm"] > learner.cfg.max_grad_norm
-    # each expert saw both ranks' copies of its tokens: unscaled, its gradient would be 2x the true one
+    # each token reached its experts once (rank 0 row 0, rank 1 row 1): the expert gradients are the true ones
     assert mm["expert_grad_norm"] == pytest.approx(mt["expert_grad_norm"], rel=1e-4) and mt["expert_grad_norm"] > 1e-3
     assert wm.keys() == wt.keys() and nm == nt == sum(v.numel() for v in wt.values())
     rel = max(float((wt[k] - wm[k]).norm() / wt[k].norm()) for k in wt)
@@ -424,6 +426,89 @@ def test_two_rank_expert_parallel_learner_step_matches_the_torch_backend(tmp_pat
           f"smallest relative move {moved:.2e}; grad_norm torch {mt['grad_norm']:.6g} megatron {mm['grad_norm']:.6g}; "
           f"expert grad norm torch {mt['expert_grad_norm']:.6g} megatron {mm['expert_grad_norm']:.6g}")
     assert rel < 1e-5 and moved > 1e-3
+
+
+def _varied_batch():
+    """tests/test_learner.py's five trajectories of 8 to 40 tokens, each with its own routed-expert rows."""
+    from test_learner import varied_batch
+
+    out = varied_batch()
+    for i, t in enumerate(out):
+        t.routed_experts = _distinct_rows(1, t.routed_experts.shape[0], seed=i)[0].numpy().astype(np.uint8)
+    return out
+
+
+@pytest.mark.parametrize("mbt", [4096, 0])
+def test_two_rank_data_parallel_split_of_varied_lengths_matches_the_torch_backend(tmp_path, local_ray, mbt):
+    """expert_parallel=2 on five trajectories of 8 to 40 tokens, replay and a KL penalty on:
+    ``micro_batch_tokens=4096`` gives one right-padded micro-batch of B=5 (rank 0 forwards rows
+    0-2, rank 1 rows 3-4 and a dummy row), ``0`` gives five micro-batches of B=1 (rank 1 forwards
+    only a dummy row). The learner's metrics and the parameters after its AdamW step equal the
+    torch backend's; every forward held ceil(B / 2) rows on each rank."""
+    out = {}
+    for backend, ep in (("torch", 1), ("megatron", 2)):
+        learner = _learner(tmp_path, backend, True, megatron=_ep(ep), kl_coef=0.1,
+                           micro_batch_tokens=mbt)
+        try:
+            before = {k: v.detach().clone() for k, v in learner.backend.hf_weights()}
+            metrics = learner._train_step(_varied_batch())
+            counts = learner.backend.forward_counts() if backend == "megatron" else None
+            out[backend] = metrics, {k: v.detach().clone() for k, v in learner.backend.hf_weights()}, counts
+        finally:
+            learner.close()
+    (mt, wt, _), (mm, wm, counts) = out["torch"], out["megatron"]
+    for k, v in mt.items():
+        if isinstance(v, float):
+            assert mm[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+    assert mm["routing_diff_frac"] == mt["routing_diff_frac"] == 0 and mm["phase"] == "rl" and mm["kl_ref"] > 0
+    rel = max(float((wt[k] - wm[k]).norm() / wt[k].norm()) for k in wt)
+    moved = min(float((wt[k] - before[k]).norm() / before[k].norm()) for k in wt if "norm" not in k)
+    print(f"EP=2 split, micro_batch_tokens={mbt}: params after one step, max over tensors of |torch - megatron| / "
+          f"|torch| = {rel:.2e}; smallest relative move {moved:.2e}; grad_norm torch {mt['grad_norm']:.6g} "
+          f"megatron {mm['grad_norm']:.6g}; forwards per rank {counts}")
+    assert rel < 1e-5 and moved > 1e-3
+    # per micro-batch: old values, then policy, reference and values (ppo_epochs=1): 4 forwards on each rank
+    micro = 1 if mbt else 5
+    per = 3 if mbt else 1
+    assert counts[0] == counts[1] and counts[1]["forwards"] == 4 * micro and counts[1]["rows"] == 4 * micro * per
+
+
+def test_each_rank_forwards_only_its_rows_and_rank_0_returns_the_whole_micro_batch(local_ray):
+    """2 ranks, B=5 rows of 9 positions: each rank's model sees ceil(5/2)=3 rows per forward
+    (rank 1: rows 3, 4 and a dummy copy of row 0), and rank 0 returns [5, 9] outputs in row order
+    equal to the torch backend's; B=1: rank 1 forwards one dummy row, rank 0 returns [1, 9]."""
+    cfg = LearnerConfig(kl_coef=0.1, megatron=_ep(2))
+    torch.manual_seed(0)
+    tb = TorchBackend(cfg, MODEL, GenerationConfig())
+    torch.manual_seed(0)
+    mb = MegatronBackend(cfg, MODEL, GenerationConfig())
+    try:
+        ids = torch.randint(0, MODEL.vocab_size, (5, 10), generator=torch.Generator().manual_seed(2))
+        inp, tgt, replay = ids[:, :-1], ids[:, 1:], _distinct_rows(5, 9, seed=3)
+        start = mb.forward_counts()
+        assert len(start) == 2 and start[0] == start[1]
+        got = mb.policy_logprobs(inp, tgt, replay, grad=False, routing=True)
+        want = tb.policy_logprobs(inp, tgt, replay, grad=False, routing=True)
+        assert got.logp.shape == got.outside.shape == (5, 9) and got.outside.dtype == torch.bool
+        assert float((got.logp - want.logp).abs().max()) < 1e-5 and torch.equal(got.outside, want.outside)
+        assert torch.equal(got.routed_experts, replay) and not routing_differs(got.router_experts,
+                                                                              want.router_experts).any()
+        v = mb.values(inp, grad=False)
+        assert v.shape == (5, 9) and float((v - tb.values(inp, grad=False)).abs().max()) < 1e-5
+        ref = mb.reference_logprobs(inp, tgt)
+        assert ref.shape == (5, 9) and float((ref - tb.reference_logprobs(inp, tgt)).abs().max()) < 1e-5
+        after = mb.forward_counts()
+        for r in range(2):
+            assert {k: after[r][k] - start[r][k] for k in after[r]} == {"forwards": 3, "rows": 9, "tokens": 81}, r
+        one = mb.policy_logprobs(inp[3:4], tgt[3:4], replay[3:4], grad=True, routing=False)
+        assert one.logp.shape == (1, 9) and one.logp.requires_grad
+        assert float((one.logp.detach() - want.logp[3:4]).abs().max()) < 1e-5
+        mb.backward(one.logp.sum())  # rank 1 backpropagates its dummy row with a zero output gradient
+        last = mb.forward_counts()
+        for r in range(2):
+            assert last[r]["rows"] - after[r]["rows"] == 1 and last[r]["tokens"] - after[r]["tokens"] == 9
+    finally:
+        mb.close()
 
 
 def test_two_rank_checkpoint_is_one_hf_checkpoint_that_one_process_loads_bitwise(tmp_path, local_ray):
@@ -508,8 +593,8 @@ def test_a_follower_killed_by_signal_fails_the_collective_naming_it(local_ray):
         os.kill(int(where.split()[-1]), signal.SIGKILL)
         t0 = time.monotonic()
         with pytest.raises(RankFailed, match=f"rank 1 \\({where}\\)"):  # _call without its check first:
-            mb._ranks.run(lambda: (mb._ranks.announce("forward_values", (ids, False)),  # the collective fails
-                                   mb._forward_values(ids, False)))
+            mb._ranks.run(lambda: (mb._ranks.announce("forward_values", (ids, False, 1)),  # the collective fails
+                                   mb._forward_values(ids, False, 1)))
         took = time.monotonic() - t0
         print(f"SIGKILLed follower named after {took:.2f} s: {mb._ranks.failed}")
         assert took < 30
