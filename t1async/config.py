@@ -479,8 +479,11 @@ class MegatronConfig:
     expert_parallel: int = 1
     """Expert-parallel size N (must divide ``model.num_experts``). N > 1: the learner's backend
     is rank 0 and starts N-1 more ranks as Ray actors (one GPU each on CUDA, no CPU reservation
-    on CPU); each rank holds E/N experts of every MoE layer and every rank runs every token
-    (memory sharding of the experts, no data-parallel speed-up; t1async/megatron_ranks.py)."""
+    on CPU); each rank holds E/N experts of every MoE layer and forwards ceil(B/N) of the rows of
+    each ``[B, T]`` micro-batch (the last chunks filled up with dummy rows: with
+    ``learner.micro_batch_tokens`` 0, B = 1 and only rank 0 does useful work); rank 0 gathers the
+    outputs, so metrics and the learner's loss are the same as with one process (shared gradients
+    summed over ranks; t1async/megatron_backend.py, t1async/megatron_ranks.py)."""
     timeout_s: float = 300.0
     """Seconds rank 0 waits for its expert-parallel ranks in a collective before failing with an
     error (a dead rank is named at once); Megatron's own groups round it down to whole minutes (at

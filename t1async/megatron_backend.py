@@ -29,29 +29,43 @@ Parallelism: expert parallelism over N processes (``learner.megatron.expert_para
 dividing the number of experts; t1async/megatron_ranks.py). This object in the learner is rank 0;
 it starts ranks 1..N-1 as Ray actors, all join one torch.distributed world (gloo on CPU, nccl on
 CUDA) and Megatron's groups (1, 1, expert_model_parallel_size=N), and each builds its GPTModels
-with its own E/N experts per MoE layer (weights sent from rank 0). Every call is mirrored: rank 0
-announces it and every rank runs the same forward on the same micro-batch (replicated data).
-Backward leaves the learner's RL code unchanged: the learner computes its scalar loss on rank 0
-from the tensors this backend returned; :meth:`MegatronBackend.backward` takes the gradient of
-that loss w.r.t. those outputs, sends it to every rank, and every rank backpropagates its own
-copies of the outputs. Shared weights then get the true gradient on every rank; each expert gets
-every rank's copy of its tokens (the dispatcher gathers all ranks' tokens), i.e. N times the true
-gradient, scaled by 1/N (verified against the torch backend in tests/test_megatron.py). The clip
-norm is sqrt(shared + sum over ranks of expert squares); every rank clips with it and steps AdamW
-on its own parameters. Checkpoints and the weight broadcast gather every rank's experts to rank 0
-in HF layout (one HF checkpoint, loadable by one process or another EP size); optimiser state is
-one file per rank (``optimizers.pt``, ``optimizers-ep{r}.pt``).
+with its own E/N experts per MoE layer (weights sent from rank 0). Every call is announced by rank
+0 and run by every rank. Within the expert-parallel group the data is split (data parallelism, as
+Megatron lays out EP within DP), while the learner's loop and the LearnerBackend interface stay as
+with one process:
 
-What this buys is memory: each rank holds 1/N of the experts (and their AdamW moments). It is not
-faster: every rank computes every token, and the dispatcher's all-gather / reduce-scatter, the
-announcements and the shared-gradient broadcast come on top (tools/bench_expert_parallel.py). The
-next step is a data-parallel split of the batch: each rank its own micro-batches (the learner's
-items dealt round-robin), the loss and its normalisers (token counts, advantage statistics)
-reduced across ranks, shared gradients all-reduced (averaged) instead of broadcast, expert
-gradients left unscaled (each token then reaches its expert once), log-probs and values of each
-rank's items gathered back to rank 0 for the metrics; that changes the learner's loop, not only
-this backend. Tensor parallelism (MoE needs sequence parallelism, which the local spec's torch norm
-refuses in megatron-core 0.16.1) and pipeline parallelism are refused.
+- forward: a micro-batch ``[B, T]`` (int64 token ids, integer replay ``[B, T, L, K]``) is dealt by
+  rows (:func:`deal_rows`): rank r forwards the contiguous chunk r of ``ceil(B/N)`` rows; the last
+  chunks are filled up with dummy copies of row 0 (and its replay rows), so every rank forwards
+  the same number of tokens, at least one row (Megatron's dispatcher exchanges equal token counts
+  between all ranks of the group) and the code path is the same for every B. Rank 0 alone receives
+  the micro-batch; each follower is sent only its own rows.
+- outputs: each rank's log-probs (float32), outside flags (bool), routing tensors (int64
+  ``[b, T, L, K]``), values and reference log-probs are gathered to rank 0, dummy rows dropped,
+  and returned as the ``[B, ...]`` tensors one process returns (``PolicyForward`` etc.).
+- backward: the learner computes its scalar loss on rank 0 from those tensors;
+  :meth:`MegatronBackend.backward` takes its gradient w.r.t. them, splits it by rows as the forward
+  was split (dummy rows: zeros), sends each rank only its rows' part (a scatter), and every rank
+  backpropagates its own outputs with it (the dispatcher's collectives run in that backward).
+- gradients: each token reaches its experts once, so an expert's gradient, on the one rank that
+  holds it, is the whole micro-batch's, unscaled; shared (non-expert) gradients hold one rank's
+  rows each and are summed over the ranks (one all-reduce per dtype) before the clip. The clip norm
+  is the true global norm, sqrt(shared squares + sum over ranks of expert squares); every rank clips
+  with it and steps AdamW on its own parameters (verified against the torch backend to 1e-5 in
+  tests/test_megatron.py, with B = 1, 2 and 5).
+
+Checkpoints and the weight broadcast gather every rank's experts to rank 0 in HF layout (one HF
+checkpoint, loadable by one process or another EP size); optimiser state is one file per rank
+(``optimizers.pt``, ``optimizers-ep{r}.pt``).
+
+What this buys: each rank holds 1/N of the experts (and their AdamW moments) and computes 1/N of
+each micro-batch's rows. Speed needs a micro-batch of at least N rows (B = 1 leaves N-1 ranks a
+dummy row each) and devices that compute in parallel; the dispatcher's all-gather / reduce-scatter,
+the announcements, the output gathers and the gradient all-reduce come on top
+(tools/bench_expert_parallel.py). The loss normalisers and advantage statistics stay the learner's
+(rank 0 holds every output), so nothing of the RL maths is reduced across ranks. Tensor parallelism
+(MoE needs sequence parallelism, which the local spec's torch norm refuses in megatron-core 0.16.1)
+and pipeline parallelism are refused.
 """
 
 from __future__ import annotations
@@ -235,7 +249,7 @@ def replay_rows(routed: torch.Tensor, num_experts: int, lengths: torch.Tensor | 
     return [r[:, :, layer].transpose(0, 1).reshape(T * B, K) for layer in range(L)]
 
 
-# calls rank 0 mirrors to its followers (each runs MegatronBackend._<name>)
+# calls rank 0 announces to its followers (each runs MegatronBackend._<name>)
 FOLLOWER_OPS = frozenset({"forward_policy", "forward_values", "forward_reference", "zero_grad", "backward_outputs",
                           "step", "gather_hf", "save_optimizers", "load_rank_optimizers", "load_hf", "forward_counts"})
 
@@ -264,8 +278,9 @@ class MegatronBackend(AdamWPair):
 
     With ``cfg.megatron.expert_parallel`` N > 1 this object is rank 0 of N processes (module
     docstring): it starts ranks 1..N-1 (t1async/megatron_ranks.py, Ray must be initialised) and
-    every public call runs on every rank; each rank holds E/N experts of each MoE layer. What it
-    returns (tensors on rank 0's device) and what it saves are the same as with one process.
+    every public call runs on every rank; each rank holds E/N experts of each MoE layer and
+    forwards its share of each micro-batch's rows. What it returns (tensors on rank 0's device)
+    and what it saves are the same as with one process.
 
     Args:
         cfg, model_cfg, generation, init: as :class:`t1async.backend.LearnerBackend`.
@@ -361,7 +376,7 @@ class MegatronBackend(AdamWPair):
         E, n = self.model_cfg.num_experts, self.expert_parallel
         return share_state(self._ranks, sd, lambda k: expert_owner(k, E, n) in (None, self.rank), self.device)
 
-    # ---- mirroring ----------------------------------------------------------------------
+    # ---- announced calls ----------------------------------------------------------------
     def _call(self, op: str, *args, parts: list[tuple] | None = None, **leader):
         """Run ``self._<op>(*args, **leader)`` here and, with followers, ``self._<op>(*args)`` on
         each of them (``leader``: keyword arguments for rank 0 only, never sent). With ``parts``
@@ -575,15 +590,13 @@ class MegatronBackend(AdamWPair):
         grads = [torch.zeros_like(o) if g is None else g for g, o in zip(grads, returned)]
         n = self.expert_parallel
         per_rank: list[list[torch.Tensor]] = [[] for _ in range(n)]
-        for g in grads:  # rank r's rows of each output, as deal_rows dealt them; dummy rows get zeros
-            chunks = deal_rows(g.shape[0], n)
-            keep = torch.cat([torch.ones(g.shape[0], dtype=torch.bool),
-                              torch.zeros(n * len(chunks[0]) - g.shape[0], dtype=torch.bool)]).view(n, -1)
-            for r, (i, k) in enumerate(zip(chunks, keep)):
-                part = g[i.to(g.device)].float()
-                part[~k.to(g.device)] = 0.0
+        shapes = []
+        for g in grads:  # rank r's rows of each output, as deal_rows dealt them (dummy rows last): zeros there
+            B, per = g.shape[0], -(-g.shape[0] // n)
+            padded = torch.cat([g.float(), g.new_zeros(n * per - B, *g.shape[1:], dtype=torch.float32)])
+            for r, part in enumerate(padded.split(per)):
                 per_rank[r].append(part.reshape(-1))
-        shapes = [(len(deal_rows(g.shape[0], n)[0]), *g.shape[1:]) for g in grads]
+            shapes.append((per, *g.shape[1:]))
         self._call("backward_outputs", shapes, flat=[torch.cat(p) for p in per_rank])
 
     def _backward_outputs(self, shapes: list[tuple[int, ...]], flat: list[torch.Tensor] | None = None) -> None:

@@ -1,4 +1,5 @@
-"""Several processes for the ``megatron`` learner backend: expert parallelism by mirroring (SPMD).
+"""Several processes for the ``megatron`` learner backend: expert parallelism (SPMD), each rank its
+share of every micro-batch's rows.
 
 With ``learner.megatron.expert_parallel: N`` (N > 1) the learner's backend is rank 0 of N. It
 starts ranks 1..N-1 as Ray actors (:class:`Follower`; on CUDA each asks Ray for one GPU, on CPU
@@ -8,10 +9,12 @@ for no CPU so they fit a 2-core Ray), and the N processes form one ``torch.distr
 
 Every backend call on rank 0 is announced to the followers on a gloo control group (the default
 group on CPU, a gloo group beside the nccl one on CUDA: a follower waiting for its next call then
-sleeps in a socket read instead of spinning a GPU kernel), with its arguments (token ids, replay
-rows, output gradients: small CPU tensors, pickled); every rank then runs the same code on the same
-micro-batch. Weights, gradients and optimiser state move on the default group
-(:func:`share_state`, :func:`gather_tensors`, :func:`gather_bytes`, ...).
+sleeps in a socket read instead of spinning a GPU kernel), with its arguments (small CPU objects,
+pickled): the same for every rank, or one part per rank scattered after the announcement (a
+forward's token ids and replay rows: each follower receives only its own rows). Every rank then
+runs the same code on its arguments. Outputs, output gradients, weights, gradients and optimiser
+state move on the default group (:func:`gather_tensors`, :func:`scatter_flat`, :func:`all_reduce_`,
+:func:`share_state`, :func:`gather_bytes`, ...).
 
 Failures: rank 0 checks its followers' Ray calls before each announcement and after any failed
 collective, and raises :class:`RankFailed` naming the rank and its error. Rank 0's collectives
@@ -411,7 +414,7 @@ def from_bytes(data: bytes) -> Any:
 
 
 class Follower:
-    """A follower rank's Ray actor: one long :meth:`serve` call runs the mirrored backend."""
+    """A follower rank's Ray actor: one long :meth:`serve` call runs rank 0's announced backend calls."""
 
     def serve(self, *, rank: int, world: int, host: str, port: int, cfg: Any, model_cfg: Any, generation: Any,
               device: str, dtype: torch.dtype, threads: int) -> int:

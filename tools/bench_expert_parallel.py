@@ -8,9 +8,12 @@ Ray actors on this machine, gloo on CPU / nccl on CUDA), from the same seeded in
 batch. One backend at a time (a process holds one torch.distributed world), so a load change on a
 shared machine between the two phases moves one and not the other: compare medians of several runs.
 
-Every rank runs every token (t1async/megatron_ranks.py), so N ranks do not train faster: they
-hold 1/N of the experts each (``parameters_rank0``) and pay the dispatcher's all-gather and
-reduce-scatter, the announcements and the gradient broadcast on top.
+Each rank forwards ceil(B/N) of the batch's B rows (t1async/megatron_backend.py: a data-parallel
+split inside the expert-parallel group; ``forwarded_rows_per_rank`` shows it) and holds 1/N of the
+experts (``parameters_rank0``); on top come the dispatcher's all-gather and reduce-scatter, the
+announcements, the output gathers and the shared-gradient all-reduce. ``--batch`` should be at
+least N (the default 4 sequences of ``--seq`` tokens): with B < N some ranks forward only dummy
+rows. N ranks run faster only where they compute in parallel (one GPU each, or free CPU cores).
 
 Usage: ``python tools/bench_expert_parallel.py [--ranks 2] [--model local|mid] [--batch 4]
 [--seq 128] [--steps 5] [--warmup 1] [--threads 1]``.
@@ -56,6 +59,7 @@ def time_backend(ranks: int, args: argparse.Namespace, device: torch.device) -> 
             sync()
             if i >= args.warmup:
                 times.append(time.perf_counter() - t0)
+        counts = backend.forward_counts()  # every rank's forwards since it was built (warm-up included)
         t0 = time.perf_counter()
         hf = backend.hf_state()
         gather_s = time.perf_counter() - t0
@@ -65,7 +69,8 @@ def time_backend(ranks: int, args: argparse.Namespace, device: torch.device) -> 
                                                                                  / statistics.median(times), 1),
                 "build_s": round(build_s, 2), "hf_state_s": round(gather_s, 3), "parameters": backend.num_parameters(),
                 "parameters_rank0": local, "hf_tensors": len(hf), "policy_loss_last": last["policy_loss"],
-                "grad_norm_last": last["grad_norm"]}
+                "grad_norm_last": last["grad_norm"],
+                "forwarded_rows_per_rank": [c["rows"] / max(c["forwards"], 1) for c in counts]}
     finally:
         backend.close()
 
@@ -74,7 +79,7 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, default=2, help="expert-parallel ranks of the second phase")
     p.add_argument("--model", choices=sorted(MODELS), default="local")
-    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--batch", type=int, default=4, help="sequences per micro-batch (split across the ranks)")
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
