@@ -100,7 +100,7 @@ try:
 except ImportError as e:  # the optional extra
     raise ImportError(f"learner.backend=megatron needs megatron-core: pip install 't1async[megatron]' ({e})") from None
 
-__all__ = ["MegatronBackend", "build_gpt", "init_megatron", "replay_rows", "transformer_config"]
+__all__ = ["MegatronBackend", "build_gpt", "deal_rows", "init_megatron", "replay_rows", "transformer_config"]
 
 
 def init_megatron(device: torch.device, seed: int = 0, *, expert_parallel: int = 1) -> None:

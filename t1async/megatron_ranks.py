@@ -177,7 +177,7 @@ class RankGroup:
         if parts is not None:
             if len(parts) != self.world:
                 raise ValueError(f"announce({op!r}): {len(parts)} argument parts for {self.world} ranks")
-            dist.scatter_object_list([None], [_cpu(p) for p in parts], src=0, group=self.control)
+            dist.scatter_object_list([None], [None] + [_cpu(p) for p in parts[1:]], src=0, group=self.control)
 
     def receive(self) -> tuple[str, tuple]:
         """A follower: wait (up to a year) for rank 0's next (op, args); ``args`` is this rank's
