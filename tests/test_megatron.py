@@ -1,6 +1,6 @@
 """The Megatron-core learner backend against the torch one: the weight converter (bitwise), forward
 parity with and without routing replay, RECORD vs the torch model's routing, one learner step,
-checkpoints, and a two-process expert-parallel run over gloo (CPU)."""
+checkpoints, and two-process expert-parallel runs over gloo (CPU), each rank forwarding its share of the rows."""
 
 from __future__ import annotations
 
@@ -98,6 +98,17 @@ def test_replay_rows_are_sequence_major_with_distinct_padding_and_refuse_repeate
     r[1, 2, 0] = torch.tensor([3, 3])
     with pytest.raises(ValueError, match="sequence 1, token 2, layer 0.*distinct"):
         megatron_backend.replay_rows(r, MODEL.num_experts)
+
+
+def test_deal_rows_gives_each_rank_a_contiguous_chunk_filled_up_with_row_0():
+    deal = megatron_backend.deal_rows
+    assert [c.tolist() for c in deal(5, 2)] == [[0, 1, 2], [3, 4, 0]]
+    assert [c.tolist() for c in deal(1, 2)] == [[0], [0]]  # rank 1: a dummy row only
+    assert [c.tolist() for c in deal(4, 2)] == [[0, 1], [2, 3]]
+    assert [c.tolist() for c in deal(5, 4)] == [[0, 1], [2, 3], [4, 0], [0, 0]]
+    assert [c.tolist() for c in deal(3, 1)] == [[0, 1, 2]]
+    with pytest.raises(ValueError, match="must be >= 1"):
+        deal(0, 2)
 
 
 # ----------------------------------------------------------------------------- parity
