@@ -75,6 +75,21 @@ def test_bad_arguments_are_one_line(args, message):
     assert r.returncode == 2 and message in r.stderr and r.stderr.count("\n") == 1
 
 
+def test_warm_start_per_seed_names_the_missing_checkpoint(tmp_path):
+    """--warm-start OUT/seed{seed}/sft-checkpoint: each seed's folder is checked; a missing one is named."""
+    ok = tmp_path / "seed0" / "sft-checkpoint"
+    ok.mkdir(parents=True)
+    for f in ("config.json", "model.safetensors"):
+        (ok / f).write_text("{}")
+    b = bench()
+    args = b.parse_args(["--seeds", "0", "--warm-start", str(tmp_path / "seed{seed}" / "sft-checkpoint")])
+    assert args.warm_start.replace("{seed}", "0") == str(ok)
+    r = subprocess.run([sys.executable, "-m", "t1async.cli", "bench", "learning", "--seeds", "0,1", "--warm-start",
+                        str(tmp_path / "seed{seed}" / "sft-checkpoint")], capture_output=True, text=True, cwd=REPO,
+                       timeout=120)
+    assert r.returncode == 2 and str(tmp_path / "seed1" / "sft-checkpoint") in r.stderr and r.stderr.count("\n") == 1
+
+
 def test_training_by_family_splits_a_runs_episodes_by_finish_time_and_family(tmp_path, capsys):
     """tools/training_by_family.py: the receive log's episodes, ordered by finish time, in equal parts;
     per synth family the resolved rate and the turns (every assistant turn)."""

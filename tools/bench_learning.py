@@ -79,7 +79,8 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--config", default=str(RL_CONFIG), help="config of the RL runs (and of SFT's model/env/generation)")
     p.add_argument("--warm-start", default="",
                    help="checkpoint folder to start RL from instead of running SFT (e.g. OUT/seed0/sft-checkpoint "
-                        "of an earlier run of the same split and config); the warm start is still evaluated")
+                        "of an earlier run of the same split and config; '{seed}' in it is replaced by each seed, "
+                        "e.g. OUT/seed{seed}/sft-checkpoint); the warm start is still evaluated")
     p.add_argument("--out", default="", help="output folder (default runs/bench-learning-<time>)")
     p.add_argument("overrides", nargs="*", default=[], help="key=value overrides of --config, e.g. sft.steps=200")
     args = p.parse_args(argv)
@@ -94,9 +95,11 @@ def parse_args(argv: list[str] | None = None):
                 "that were not demonstrations")
     if args.minutes <= 0 or args.eval_every <= 0:
         p.error("--minutes and --eval-every must be positive")
-    if args.warm_start and not all((Path(args.warm_start) / f).is_file() for f in ("config.json", "model.safetensors")):
-        p.error(f"--warm-start {args.warm_start}: no config.json + model.safetensors there (a checkpoint folder, "
-                "e.g. OUT/seed0/sft-checkpoint of an earlier run)")
+    for seed in args.seed_list if args.warm_start else []:
+        folder = Path(args.warm_start.replace("{seed}", str(seed)))
+        if not all((folder / f).is_file() for f in ("config.json", "model.safetensors")):
+            p.error(f"--warm-start {folder}: no config.json + model.safetensors there (a checkpoint folder, "
+                    "e.g. OUT/seed0/sft-checkpoint of an earlier run)")
     return args
 
 
@@ -337,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     for seed in args.seed_list:
         seed_cfg = load_config(args.config, [*args.overrides, f"run.seed={seed}", f"sft.seed={seed}"])
         if args.warm_start:
-            sft_dir = Path(args.warm_start).resolve()
+            sft_dir = Path(args.warm_start.replace("{seed}", str(seed))).resolve()
             sft = {"demonstrations": None, "skipped_by_reason": None, "curve": None, "seconds": 0.0,
                    "reused_checkpoint": str(sft_dir)}
         else:
