@@ -905,8 +905,8 @@ _VALUE_RULES: list[tuple[str, Any, str]] = [
       for kind in ("context_full", "episode_timeout")],
 ]
 
-# (rule over the whole config, the keys it concerns, what must hold)
-_CROSS_RULES: list[tuple[Any, str, str]] = [
+# (rule over the whole config, the keys it concerns, what must hold: text, or a function of the config)
+_CROSS_RULES: list[tuple[Any, str, Any]] = [
     (lambda c: c.env.max_context_tokens == 0 or c.env.max_context_tokens > c.generation.max_new_tokens,
      "env.max_context_tokens", "0 (the model's context) or more than generation.max_new_tokens"),
     (lambda c: c.rollout.agent != "external" or c.rollout.agent_command.strip() != "", "rollout.agent_command",
@@ -916,7 +916,9 @@ _CROSS_RULES: list[tuple[Any, str, str]] = [
     (lambda c: c.model.num_key_value_heads >= 1 and c.model.num_attention_heads % c.model.num_key_value_heads == 0,
      "model.num_key_value_heads", "a divisor of model.num_attention_heads"),
     (lambda c: c.model.num_experts % c.learner.megatron.expert_parallel == 0, "learner.megatron.expert_parallel",
-     "a divisor of model.num_experts (each rank holds num_experts / expert_parallel experts)"),
+     lambda c: (f"a divisor of model.num_experts={c.model.num_experts}, one of "
+                f"{[d for d in range(1, c.model.num_experts + 1) if c.model.num_experts % d == 0]} "
+                "(each rank holds num_experts / expert_parallel experts)")),
     (lambda c: not c.sampler.urls or c.sampler.backend == "sglang", "sampler.urls",
      "empty unless sampler.backend=sglang (the embedded samplers start on this machine and would ignore it)"),
 ]
@@ -939,7 +941,8 @@ def check_values(cfg: Config, source: str = "config") -> None:
             value = cfg
             for name in key.split("."):
                 value = getattr(value, name)
-            raise ConfigError(f"{source}: {key}={value!r} is invalid: it must be {valid}")
+            raise ConfigError(f"{source}: {key}={value!r} is invalid: it must be "
+                              f"{valid(cfg) if callable(valid) else valid}")
 
 
 def check_trainable(cfg: Config) -> None:

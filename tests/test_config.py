@@ -114,7 +114,7 @@ def test_megatron_parallel_sizes_are_checked_in_one_line():
     with pytest.raises(ConfigError) as e:
         load_config(None, ["learner.megatron.expert_parallel=3", "model.num_experts=4"])
     assert "\n" not in str(e.value) and "learner.megatron.expert_parallel=3" in str(e.value)
-    assert "a divisor of model.num_experts" in str(e.value)
+    assert "a divisor of model.num_experts=4, one of [1, 2, 4]" in str(e.value)
     with pytest.raises(ConfigError) as e:
         load_config(None, ["learner.megatron.tensor_parallel=2"])
     assert "\n" not in str(e.value) and "refuses MoE + tensor parallelism without sequence parallelism" in str(e.value)
