@@ -339,6 +339,22 @@ def test_a_restart_sends_the_last_published_version_again_unless_later_weights_w
             again.close()
 
 
+def assert_same_metrics(a: dict, b: dict) -> None:
+    """Every float metric of ``a`` equals ``b``'s to 1e-5 relative (1e-6 absolute)."""
+    for k, v in a.items():
+        if isinstance(v, float):
+            assert b[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+
+
+def weight_gap(w: dict, w2: dict, before: dict) -> tuple[float, float]:
+    """(max over tensors of norm(w - w2) / norm(w), min over non-norm tensors of
+    norm(w - before) / norm(before)): how far two updates' weights differ, and how far the smallest
+    matrix moved."""
+    rel = max(float((w[k] - w2[k]).norm() / w[k].norm()) for k in w)
+    moved = min(float((w[k] - before[k]).norm() / before[k].norm()) for k in w if "norm" not in k)
+    return rel, moved
+
+
 def varied_batch() -> list[Trajectory]:
     """Five trajectories of 8 to 40 tokens (two tasks of two episodes, one lone), rewards 0-2."""
     batch = []
@@ -376,13 +392,10 @@ def test_padded_micro_batches_train_like_one_trajectory_per_forward(tmp_path, ad
     assert [tuple(s) for s in f1[:5]] == [(1, 39), (1, 28), (1, 22), (1, 16), (1, 7)]
     assert [tuple(s) for s in fb] == [(5, 39), (5, 39)]  # one padded forward per step
     for a, b in zip(m1, mb):
-        for k, v in a.items():
-            if isinstance(v, float):
-                assert b[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+        assert_same_metrics(a, b)
         assert a["routing_diff_frac"] == b["routing_diff_frac"] == 0.0 and a["router_diff_frac"] == b["router_diff_frac"]
         assert a["trained_tokens"] == b["trained_tokens"] and a["nucleus_boundary_tokens"] == b["nucleus_boundary_tokens"]
-    rel = max(float((w1[k] - wb[k]).norm() / w1[k].norm()) for k in w1)
-    moved = min(float((w1[k] - before[k]).norm() / before[k].norm()) for k in w1 if "norm" not in k)
+    rel, moved = weight_gap(w1, wb, before)
     assert rel < 1e-5 and moved > 1e-3, (rel, moved)
 
 

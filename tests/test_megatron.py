@@ -15,6 +15,7 @@ import torch
 
 from t1async.config import GenerationConfig, LearnerConfig, ModelConfig, TransportConfig, WeightSyncConfig
 from t1async.megatron_convert import CRITIC, POLICY, hf_to_megatron, megatron_to_hf, pack_qkv
+from test_learner import assert_same_metrics, weight_gap
 from t1async.model import Qwen3MoeForCausalLM
 from t1async.rl import routing_differs
 from t1async.torch_backend import TorchBackend, ValueModel
@@ -195,12 +196,9 @@ def test_one_learner_step_matches_the_torch_backend(tmp_path, replay):
         finally:
             learner.close()
     (mt, wt), (mm, wm) = out["torch"], out["megatron"]
-    for k, v in mt.items():
-        if isinstance(v, float):
-            assert mm[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+    assert_same_metrics(mt, mm)
     assert mm["routing_diff_frac"] == mt["routing_diff_frac"] and mm["phase"] == "rl"
-    rel = max(float((wt[k] - wm[k]).norm() / wt[k].norm()) for k in wt)
-    moved = min(float((wt[k] - before[k]).norm() / before[k].norm()) for k in wt if "norm" not in k)
+    rel, moved = weight_gap(wt, wm, before)
     print(f"replay={replay}: params after one step, max over tensors of |torch - megatron| / |torch| = {rel:.2e}; "
           f"smallest relative move {moved:.2e}")
     assert rel < 1e-5 and moved > 1e-3  # the step moved every matrix, and both backends moved it alike
@@ -210,27 +208,17 @@ def test_padded_micro_batches_train_like_one_trajectory_per_forward(tmp_path):
     """learner.micro_batch_tokens on the megatron backend: five trajectories of 8 to 40 tokens in
     one right-padded forward (padding replays the distinct ids Megatron needs) give the metrics and
     weights of one forward per trajectory, with replay and a KL penalty."""
-    from test_learner import varied_batch
-
-    def batch():
-        out = varied_batch()
-        for i, t in enumerate(out):
-            t.routed_experts = _distinct_rows(1, t.routed_experts.shape[0], seed=i)[0].numpy().astype(np.uint8)
-        return out
-
     out = {}
     for mbt in (0, 4096):
         learner = _learner(tmp_path / str(mbt), "megatron", True, kl_coef=0.1, micro_batch_tokens=mbt)
         try:
-            out[mbt] = learner._train_step(batch()), {k: v.detach().clone() for k, v in learner.backend.hf_weights()}
+            out[mbt] = learner._train_step(_varied_batch()), {k: v.detach().clone() for k, v in learner.backend.hf_weights()}
         finally:
             learner.close()
     (m1, w1), (mb, wb) = out[0], out[4096]
-    for k, v in m1.items():
-        if isinstance(v, float):
-            assert mb[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+    assert_same_metrics(m1, mb)
     assert m1["routing_diff_frac"] == mb["routing_diff_frac"] == 0.0
-    assert max(float((w1[k] - wb[k]).norm() / w1[k].norm()) for k in w1) < 1e-5
+    assert weight_gap(w1, wb, w1)[0] < 1e-5
 
 
 def _trained_checkpoint(tmp_path, **kw):
@@ -424,15 +412,12 @@ def test_two_rank_expert_parallel_learner_step_matches_the_torch_backend(tmp_pat
     assert lp < 1e-5 and lp_free < 1e-5 and torch.equal(ft.outside, fm.outside)
     assert torch.equal(freet.routed_experts, freem.routed_experts)  # RECORD across both ranks' experts
     assert not routing_differs(ft.router_experts, fm.router_experts).any()
-    for k, v in mt.items():
-        if isinstance(v, float):
-            assert mm[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+    assert_same_metrics(mt, mm)
     assert mm["routing_diff_frac"] == mt["routing_diff_frac"] == 0 and mt["grad_norm"] > learner.cfg.max_grad_norm
     # each token reached its experts once (rank 0 row 0, rank 1 row 1): the expert gradients are the true ones
     assert mm["expert_grad_norm"] == pytest.approx(mt["expert_grad_norm"], rel=1e-4) and mt["expert_grad_norm"] > 1e-3
     assert wm.keys() == wt.keys() and nm == nt == sum(v.numel() for v in wt.values())
-    rel = max(float((wt[k] - wm[k]).norm() / wt[k].norm()) for k in wt)
-    moved = min(float((wt[k] - before[k]).norm() / before[k].norm()) for k in wt if "norm" not in k)
+    rel, moved = weight_gap(wt, wm, before)
     print(f"EP=2: params after one step, max over tensors of |torch - megatron| / |torch| = {rel:.2e}; "
           f"smallest relative move {moved:.2e}; grad_norm torch {mt['grad_norm']:.6g} megatron {mm['grad_norm']:.6g}; "
           f"expert grad norm torch {mt['expert_grad_norm']:.6g} megatron {mm['expert_grad_norm']:.6g}")
@@ -468,12 +453,9 @@ def test_two_rank_data_parallel_split_of_varied_lengths_matches_the_torch_backen
         finally:
             learner.close()
     (mt, wt, _), (mm, wm, counts) = out["torch"], out["megatron"]
-    for k, v in mt.items():
-        if isinstance(v, float):
-            assert mm[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+    assert_same_metrics(mt, mm)
     assert mm["routing_diff_frac"] == mt["routing_diff_frac"] == 0 and mm["phase"] == "rl" and mm["kl_ref"] > 0
-    rel = max(float((wt[k] - wm[k]).norm() / wt[k].norm()) for k in wt)
-    moved = min(float((wt[k] - before[k]).norm() / before[k].norm()) for k in wt if "norm" not in k)
+    rel, moved = weight_gap(wt, wm, before)
     print(f"EP=2 split, micro_batch_tokens={mbt}: params after one step, max over tensors of |torch - megatron| / "
           f"|torch| = {rel:.2e}; smallest relative move {moved:.2e}; grad_norm torch {mt['grad_norm']:.6g} "
           f"megatron {mm['grad_norm']:.6g}; forwards per rank {counts}")
