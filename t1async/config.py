@@ -761,7 +761,8 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
             key = getattr(e, "full_key", None) or "?"
             reason = str(e).splitlines()[0]
             hint = _valid_keys_hint(key) if isinstance(e, ConfigKeyError) else ""
-            raise ConfigError(f"{source}: bad key {key!r}: {reason}{hint}") from None
+            what = "bad key" if isinstance(e, ConfigKeyError) else "bad value of"  # unknown key, or a wrong type
+            raise ConfigError(f"{source}: {what} {key!r}: {reason}{hint}") from None
     cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
     check_values(cfg, source=" / ".join(s for s, _ in layers) or "defaults")
     return cfg

@@ -411,6 +411,25 @@ def test_micro_batches_group_longest_first_within_the_token_budget():
         micro_batches(lengths, -1)
 
 
+def test_bench_micro_batch_compares_both_on_one_batch_and_refuses_bad_counts(capsys):
+    """t1async bench micro-batch: one JSON with each value's tokens/s and speedup over the first;
+    the two learners took the same update (same loss); bad counts are one line, rc 2."""
+    import json
+
+    from t1async.cli import main
+
+    for args in (["--warmup", "-1"], ["--micro-batch-tokens", "0,x"], ["--min-tokens", "50", "--max-tokens", "10"]):
+        assert main(["bench", "micro-batch", *args]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("t1async: error: bench micro-batch:") and err.count("\n") == 1, err
+    assert main(["bench", "micro-batch", "--batch", "4", "--steps", "1", "--warmup", "0", "--min-tokens", "8",
+                 "--max-tokens", "24"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    a, b = doc["results"]["0"], doc["results"]["4096"]
+    assert a["speedup"] == 1.0 and b["speedup"] == pytest.approx(b["tokens_per_s"] / a["tokens_per_s"], rel=1e-2)
+    assert b["policy_loss_last"] == pytest.approx(a["policy_loss_last"], rel=1e-4, abs=1e-7)
+
+
 def test_policy_steps_raise_the_rewarded_trajectory_and_lower_the_unrewarded_one(tmp_path):
     """The direction of learning, end to end through the learner (GAE, whitening, decoupled PPO
     loss, optimiser): two trajectories sampled on-policy, one passing both tests (reward 2) and one

@@ -76,14 +76,17 @@ def time_backend(ranks: int, args: argparse.Namespace, device: torch.device) -> 
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ranks", type=int, default=2, help="expert-parallel ranks of the second phase")
-    p.add_argument("--model", choices=sorted(MODELS), default="local")
-    p.add_argument("--batch", type=int, default=4, help="sequences per micro-batch (split across the ranks)")
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    from t1async.cli import OneLineErrors, at_least_one, at_least_zero
+
+    p = OneLineErrors(prog="t1async bench expert-parallel", description=__doc__.split("\n\n")[0],
+                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--ranks", type=at_least_one, default=2, help="expert-parallel ranks of the second phase")
+    p.add_argument("--model", choices=sorted(MODELS), default="local", help="model size (tools/bench_learner.py)")
+    p.add_argument("--batch", type=at_least_one, default=4, help="sequences per micro-batch (split across the ranks)")
+    p.add_argument("--seq", type=at_least_one, default=128, help="tokens per sequence")
+    p.add_argument("--steps", type=at_least_one, default=5, help="timed steps")
+    p.add_argument("--warmup", type=at_least_zero, default=1, help="untimed steps first")
+    p.add_argument("--threads", type=at_least_one, default=1, help="torch threads per rank")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = p.parse_args(argv)
     import warnings

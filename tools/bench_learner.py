@@ -44,7 +44,7 @@ import time
 import torch
 
 from t1async.backend import LearnerBackend
-from t1async.cli import OneLineErrors, at_least_one
+from t1async.cli import OneLineErrors, at_least_one, at_least_zero
 from t1async.config import GenerationConfig, LearnerConfig, ModelConfig
 from t1async.rl import policy_loss, value_loss
 
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--batch", type=at_least_one, default=4, help="sequences per step")
     p.add_argument("--seq", type=at_least_one, default=256, help="tokens per sequence")
     p.add_argument("--steps", type=at_least_one, default=5, help="timed steps")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    p.add_argument("--warmup", type=at_least_zero, default=1, help="untimed steps first")
     p.add_argument("--backends", default="torch,megatron", help="comma-separated learner backends")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",

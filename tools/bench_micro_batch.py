@@ -27,7 +27,7 @@ import time
 import numpy as np
 import torch
 
-from t1async.cli import OneLineErrors, at_least_one
+from t1async.cli import OneLineErrors, at_least_one, at_least_zero
 from t1async.config import GenerationConfig, LearnerConfig, ModelConfig, TransportConfig, WeightSyncConfig
 from t1async.trajectory import Trajectory
 
@@ -71,10 +71,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--min-tokens", type=at_least_one, default=100, help="shortest trajectory")
     p.add_argument("--max-tokens", type=at_least_one, default=300, help="longest trajectory")
     p.add_argument("--steps", type=at_least_one, default=5, help="timed steps per value")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    p.add_argument("--warmup", type=at_least_zero, default=1, help="untimed steps first")
     p.add_argument("--advantage", choices=["group", "gae"], default="group",
                    help="group: no critic (configs/learning.yaml); gae: with the critic")
-    p.add_argument("--model", choices=sorted(MODELS), default="local")
+    p.add_argument("--model", choices=sorted(MODELS), default="local",
+                   help="local: configs/local.yaml's model (4.4 M parameters); mid: about 390 M (tools/bench_learner.py)")
     p.add_argument("--threads", type=at_least_one, default=2, help="torch intra-op threads")
     args = p.parse_args(argv)
     try:
