@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> dict:
     if not values or min(values) < 0:
         p.error("--micro-batch-tokens needs at least one value, each >= 0 (0: one trajectory per forward)")
     if args.min_tokens < 2 or args.min_tokens > args.max_tokens:
-        p.error("--min-tokens must be >= 2 and <= --max-tokens")
+        p.error(f"--min-tokens must be >= 2 and <= --max-tokens, got --min-tokens {args.min_tokens} "
+                f"--max-tokens {args.max_tokens}")
     torch.set_num_threads(args.threads)
     model = MODELS[args.model]
     batch = make_trajectories(model, args.batch, args.min_tokens, args.max_tokens)
