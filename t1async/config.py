@@ -607,7 +607,7 @@ class LearnerConfig:
     """Trajectories trained in one padded forward and backward, up to this many positions
     (sequences x the longest, :func:`t1async.rl.micro_batches`; longest first). Results equal
     one forward per trajectory up to float summation order (tests/test_learner.py); fewer,
-    larger matmuls are faster (``t1async bench learner``). 0 = one trajectory per micro-batch."""
+    larger matmuls are faster (``t1async bench micro-batch``). 0 = one trajectory per micro-batch."""
     max_tokens_per_chunk: int = 4096
     """``torch`` backend: a trajectory longer than this many tokens is trained in chunks, so a
     long episode (100k tokens and more) fits in memory: the LM head and its log-probs run this

@@ -25,16 +25,18 @@ import tempfile
 import time
 
 import numpy as np
+import sys
+from pathlib import Path
+
 import torch
 
-from t1async.cli import OneLineErrors, at_least_one, at_least_zero
-from t1async.config import GenerationConfig, LearnerConfig, ModelConfig, TransportConfig, WeightSyncConfig
-from t1async.trajectory import Trajectory
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_learner import MODELS  # noqa: E402  (the same model sizes as t1async bench learner)
 
-MODELS = {"local": ModelConfig(),
-          "mid": ModelConfig(vocab_size=32768, hidden_size=1024, num_hidden_layers=8, num_attention_heads=16,
-                             num_key_value_heads=4, head_dim=64, num_experts=16, num_experts_per_tok=2,
-                             moe_intermediate_size=768, max_position_embeddings=8192)}
+from t1async.cli import OneLineErrors, at_least_one, at_least_zero  # noqa: E402
+from t1async.config import (GenerationConfig, LearnerConfig, ModelConfig, TransportConfig,  # noqa: E402
+                            WeightSyncConfig)
+from t1async.trajectory import Trajectory  # noqa: E402
 
 
 def make_trajectories(model: ModelConfig, n: int, lo: int, hi: int, seed: int = 1) -> list[Trajectory]:
