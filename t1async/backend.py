@@ -188,12 +188,13 @@ class AdamWPair:
                    folder / "optimizers.pt")
 
     def _load_optimizers(self, folder: Path) -> bool:
-        """Load optimizers.pt if it was written by this backend with this expert-parallel size
-        (older files, without a ``backend`` key, are the torch backend's; without an
-        ``expert_parallel`` key, one process's); returns False (fresh optimisers) otherwise."""
+        """Load optimizers.pt if it was written by this backend with these tensor- and
+        expert-parallel sizes (older files, without a ``backend`` key, are the torch backend's;
+        without a size key, one process's); returns False (fresh optimisers) otherwise."""
         opt = torch.load(folder / "optimizers.pt", weights_only=True)
         if (opt.get("backend", "torch") != self.name
-                or opt.get("expert_parallel", 1) != getattr(self, "expert_parallel", 1)):
+                or opt.get("expert_parallel", 1) != getattr(self, "expert_parallel", 1)
+                or opt.get("tensor_parallel", 1) != getattr(self, "tensor_parallel", 1)):
             return False
         self.policy_opt.load_state_dict(opt["policy"])
         if self.critic_opt is not None and opt.get("critic") is not None:

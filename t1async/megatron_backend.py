@@ -56,7 +56,7 @@ with one process:
 
 Checkpoints and the weight broadcast gather every rank's experts to rank 0 in HF layout (one HF
 checkpoint, loadable by one process or another EP size); optimiser state is one file per rank
-(``optimizers.pt``, ``optimizers-ep{r}.pt``).
+(``optimizers.pt``, ``optimizers-rank{r}.pt``).
 
 What this buys: each rank holds 1/N of the experts (and their AdamW moments) and computes 1/N of
 each micro-batch's rows. Speed needs a micro-batch of at least N rows (B = 1 leaves N-1 ranks a
@@ -82,7 +82,7 @@ from torch import nn
 
 from t1async.backend import AdamWPair, PolicyForward
 from t1async.config import GenerationConfig, LearnerConfig, MegatronConfig, ModelConfig
-from t1async.megatron_convert import CRITIC, POLICY, hf_to_megatron, megatron_to_hf
+from t1async.megatron_convert import CRITIC, POLICY, hf_to_megatron, megatron_to_hf, merge_tp, shard_tp, tp_partition
 from t1async.megatron_ranks import (RankGroup, all_reduce_, all_reduce_sum, expert_owner, from_bytes, gather_bytes,
                                     gather_tensors, leave_world, scatter_bytes, scatter_flat, share_state, to_bytes)
 from t1async.model import save_hf
@@ -94,6 +94,11 @@ try:
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.tensor_parallel.mappings import (gather_from_sequence_parallel_region,
+                                                        gather_from_tensor_model_parallel_region)
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
     from megatron.core.transformer.moe import moe_utils
     from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -103,19 +108,20 @@ except ImportError as e:  # the optional extra
 __all__ = ["MegatronBackend", "build_gpt", "deal_rows", "init_megatron", "replay_rows", "transformer_config"]
 
 
-def init_megatron(device: torch.device, seed: int = 0, *, expert_parallel: int = 1) -> None:
+def init_megatron(device: torch.device, seed: int = 0, *, expert_parallel: int = 1, tensor_parallel: int = 1) -> None:
     """Make this process a Megatron rank (idempotent).
 
-    With ``expert_parallel`` 1: starts torch.distributed's default group if it is not started
-    (gloo on CPU, nccl on CUDA, world size 1, an in-memory store) and Megatron's model-parallel
-    groups (all sizes 1), first leaving a world of another shape (a closed expert-parallel
-    backend's in this process). With ``expert_parallel`` N > 1 the world of N ranks and
-    Megatron's groups were formed by t1async/megatron_ranks.py; this checks their sizes. Then
+    With ``expert_parallel`` and ``tensor_parallel`` 1: starts torch.distributed's default group
+    if it is not started (gloo on CPU, nccl on CUDA, world size 1, an in-memory store) and
+    Megatron's model-parallel groups (all sizes 1), first leaving a world of another shape (a
+    closed multi-rank backend's in this process). Otherwise the world of ``tensor_parallel x
+    expert_parallel`` ranks and Megatron's groups were formed by t1async/megatron_ranks.py; this
+    checks their sizes. Then
     Megatron's RNG tracker; on CPU the shims described in the module docstring. The learner's
     weight broadcast uses its own process groups (t1async/weight_sync.py), never the default one.
 
     Raises:
-        RuntimeError: ``expert_parallel`` > 1 without a world of that size.
+        RuntimeError: several ranks asked for without a world of that shape.
     """
     import torch.distributed as dist
 
@@ -123,7 +129,7 @@ def init_megatron(device: torch.device, seed: int = 0, *, expert_parallel: int =
         torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
     if not hasattr(moe_utils, "te_general_gemm"):  # no Transformer Engine: the router's GEMM is torch's
         moe_utils.te_general_gemm = None  # (measured on an H200: NameError there too, not only on CPU)
-    if expert_parallel == 1:
+    if expert_parallel == 1 and tensor_parallel == 1:
         if dist.is_initialized() and (dist.get_world_size() != 1 or (
                 parallel_state.model_parallel_is_initialized()
                 and parallel_state.get_expert_model_parallel_world_size() != 1)):
@@ -135,9 +141,11 @@ def init_megatron(device: torch.device, seed: int = 0, *, expert_parallel: int =
                                     world_size=1)
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
-    elif not (dist.is_initialized() and dist.get_world_size() == expert_parallel
-              and parallel_state.get_expert_model_parallel_world_size() == expert_parallel):
-        raise RuntimeError(f"expert_parallel={expert_parallel} needs a world of that size (t1async/megatron_ranks.py)")
+    elif not (dist.is_initialized() and dist.get_world_size() == expert_parallel * tensor_parallel
+              and parallel_state.get_expert_model_parallel_world_size() == expert_parallel
+              and parallel_state.get_tensor_model_parallel_world_size() == tensor_parallel):
+        raise RuntimeError(f"tensor_parallel={tensor_parallel} x expert_parallel={expert_parallel} needs a world of "
+                           "that shape (t1async/megatron_ranks.py)")
     from megatron.core.tensor_parallel import random as mrandom
 
     if device.type == "cpu":
@@ -147,9 +155,12 @@ def init_megatron(device: torch.device, seed: int = 0, *, expert_parallel: int =
 
 
 def transformer_config(cfg: ModelConfig, *, replay: bool, dtype: torch.dtype, device: torch.device,
-                       dispatcher: str = "auto", expert_parallel: int = 1) -> TransformerConfig:
-    """Megatron's TransformerConfig for the HF Qwen3-MoE architecture ``cfg`` (tensor and pipeline
-    parallel sizes 1; ``expert_parallel`` must match Megatron's initialised groups).
+                       dispatcher: str = "auto", expert_parallel: int = 1,
+                       tensor_parallel: int = 1) -> TransformerConfig:
+    """Megatron's TransformerConfig for the HF Qwen3-MoE architecture ``cfg`` (pipeline parallel
+    size 1; ``expert_parallel`` and ``tensor_parallel`` must match Megatron's initialised groups).
+    ``tensor_parallel`` > 1 turns on sequence parallelism, which megatron-core requires for MoE
+    with tensor parallelism (experts are split over the tensor-parallel ranks too).
 
     Raises:
         ValueError: ``alltoall`` asked for on CPU.
@@ -170,43 +181,98 @@ def transformer_config(cfg: ModelConfig, *, replay: bool, dtype: torch.dtype, de
         params_dtype=dtype, bf16=dtype == torch.bfloat16, use_cpu_initialization=device.type == "cpu",
         perform_initialization=False, bias_dropout_fusion=False, apply_rope_fusion=False,
         masked_softmax_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
-        expert_model_parallel_size=expert_parallel)
+        expert_model_parallel_size=expert_parallel, tensor_model_parallel_size=tensor_parallel,
+        sequence_parallel=tensor_parallel > 1)
 
 
 class _ValueHead(nn.Module):
-    """The critic's head in GPTModel's ``output_layer`` slot: float32 ``hidden -> 1`` with a bias."""
+    """The critic's head in GPTModel's ``output_layer`` slot: float32 ``hidden -> 1`` with a bias.
 
-    def __init__(self, hidden: int, device: torch.device):
+    With sequence parallelism its input is this rank's slice of the sequence ``[T/TP, B, H]``:
+    the values of the slice are gathered along the sequence (backward: each rank takes its own
+    slice of the gradient, as every rank backpropagates the same whole output), and the head's
+    gradients, one slice's each, are summed over the ranks (``sequence_parallel`` attribute)."""
+
+    def __init__(self, hidden: int, device: torch.device, sequence_parallel: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(1, hidden, device=device))
         self.bias = nn.Parameter(torch.zeros(1, device=device))
+        self.sequence_parallel = sequence_parallel
+        for w in (self.weight, self.bias):
+            w.sequence_parallel = sequence_parallel
 
     def forward(self, x: torch.Tensor, weight=None, runtime_gather_output=None):
-        return F.linear(x.float(), self.weight, self.bias), None
+        v = F.linear(x.float(), self.weight, self.bias)
+        if self.sequence_parallel:
+            v = gather_from_sequence_parallel_region(v, tensor_parallel_output_grad=False)
+        return v, None
+
+
+class _Norm(nn.RMSNorm):
+    """Megatron's local-spec norm (``WrappedTorchNorm`` builds ``torch.nn.RMSNorm(hidden, eps)``,
+    the same module and numbers) that also runs under sequence parallelism, which megatron-core
+    0.16.1's wrapper refuses. A norm is per token, so it runs unchanged on a rank's slice of the
+    sequence; its weight's gradient then holds that slice's share and is marked
+    ``sequence_parallel`` (summed over the tensor-parallel ranks, as Megatron's TE norm is)."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: object):
+        if config.normalization != "RMSNorm":
+            raise ValueError(f"t1async's Megatron spec has RMSNorm only, got {config.normalization}")
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = config.sequence_parallel
+
+
+def _with_norm(spec, norm: type) -> None:
+    """Replace ``WrappedTorchNorm`` by ``norm`` everywhere in a Megatron module spec (in place)."""
+    import dataclasses
+
+    if isinstance(spec, ModuleSpec):
+        if spec.module is WrappedTorchNorm:
+            spec.module = norm
+        if spec.submodules is not None:
+            _with_norm(spec.submodules, norm)
+    elif dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        for f in dataclasses.fields(spec):
+            v = getattr(spec, f.name)
+            if v is WrappedTorchNorm:
+                setattr(spec, f.name, norm)
+            elif isinstance(v, (ModuleSpec, list, tuple)) or (dataclasses.is_dataclass(v) and not isinstance(v, type)):
+                _with_norm(v, norm)
+    elif isinstance(spec, (list, tuple)):
+        for v in spec:
+            _with_norm(v, norm)
 
 
 def build_gpt(cfg: ModelConfig, hf: dict[str, torch.Tensor], *, critic: bool = False, replay: bool = False,
               dtype: torch.dtype = torch.float32, device: torch.device = torch.device("cpu"),
-              dispatcher: str = "auto", ep_rank: int = 0, ep_size: int = 1) -> GPTModel:
+              dispatcher: str = "auto", ep_rank: int = 0, ep_size: int = 1, tp_rank: int = 0,
+              tp_size: int = 1) -> GPTModel:
     """A GPTModel holding the HF weights ``hf`` (policy layout, or the critic's with ``critic``);
-    with ``ep_size`` > 1 (Megatron's expert-parallel groups of that size initialised) only this
-    rank's experts.
+    with ``ep_size`` > 1 only this rank's experts, with ``tp_size`` > 1 only this rank's
+    tensor-parallel slices (Megatron's groups of those sizes initialised).
+
+    The layer spec is megatron-core's local one (``get_gpt_layer_local_spec``) with its norms
+    replaced by :class:`_Norm`, the same RMSNorm that also runs under sequence parallelism.
 
     Raises:
         RuntimeError: the converted weights do not cover the model's parameters exactly.
     """
     tc = transformer_config(cfg, replay=replay, dtype=dtype, device=device, dispatcher=dispatcher,
-                            expert_parallel=ep_size)
-    spec = get_gpt_layer_local_spec(num_experts=cfg.num_experts, moe_grouped_gemm=False, qk_layernorm=True,
-                                    normalization="RMSNorm")
-    model = GPTModel(tc, spec, vocab_size=cfg.vocab_size, max_sequence_length=cfg.max_position_embeddings,
+                            expert_parallel=ep_size, tensor_parallel=tp_size)
+    layer = get_gpt_layer_local_spec(num_experts=cfg.num_experts, moe_grouped_gemm=False, qk_layernorm=True,
+                                     normalization="RMSNorm")
+    block = TransformerBlockSubmodules(layer_specs=[layer] * cfg.num_hidden_layers, layer_norm=_Norm)
+    _with_norm(block, _Norm)
+    model = GPTModel(tc, block, vocab_size=cfg.vocab_size, max_sequence_length=cfg.max_position_embeddings,
                      position_embedding_type="rope", rotary_base=cfg.rope_theta,
                      share_embeddings_and_output_weights=cfg.tie_word_embeddings and not critic)
     if critic:
-        model.output_layer = _ValueHead(cfg.hidden_size, device)
+        model.output_layer = _ValueHead(cfg.hidden_size, device, sequence_parallel=tp_size > 1)
     model.to(device)
     RouterReplay.clear_global_router_replay_instances()  # each router keeps its own; no process-wide list
-    load_megatron(model, hf_to_megatron(hf, cfg, CRITIC if critic else POLICY, ep_rank=ep_rank, ep_size=ep_size))
+    layout = CRITIC if critic else POLICY
+    load_megatron(model, shard_tp(hf_to_megatron(hf, cfg, layout, ep_rank=ep_rank, ep_size=ep_size), layout,
+                                  tp_rank, tp_size))
     return model
 
 
@@ -254,6 +320,13 @@ FOLLOWER_OPS = frozenset({"forward_policy", "forward_values", "forward_reference
                           "step", "gather_hf", "save_optimizers", "load_rank_optimizers", "load_hf", "forward_counts"})
 
 
+def tp_divides(cfg: ModelConfig) -> dict[str, int]:
+    """The sizes ``learner.megatron.tensor_parallel`` must divide (Megatron splits each over the
+    tensor-parallel ranks: heads and query groups, the vocabulary, the expert MLP's width)."""
+    return {"num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
+            "vocab_size": cfg.vocab_size, "moe_intermediate_size": cfg.moe_intermediate_size}
+
+
 def deal_rows(batch: int, ranks: int) -> list[torch.Tensor]:
     """The rows of a ``[batch, T]`` micro-batch each of ``ranks`` ranks forwards: contiguous
     chunks of ``ceil(batch / ranks)`` row indices (int64), rank r the r-th; the last chunks are
@@ -289,10 +362,11 @@ class MegatronBackend(AdamWPair):
             in the world; its weights come from rank 0, not from ``init``.
 
     Raises:
-        ValueError: tensor or pipeline parallel size other than 1, an expert-parallel size that
-            does not divide ``model_cfg.num_experts``, alltoall on CPU, a checkpoint of another
-            architecture. RuntimeError: expert parallelism without Ray initialised.
-            megatron_ranks.RankFailed: a follower rank failed to start or join.
+        ValueError: a pipeline-parallel size other than 1, an expert-parallel size that does not
+            divide ``model_cfg.num_experts``, a tensor-parallel size that does not divide the
+            attention heads, key/value heads, vocabulary and expert width, alltoall on CPU, a
+            checkpoint of another architecture. RuntimeError: several ranks without Ray
+            initialised. megatron_ranks.RankFailed: a follower rank failed to start or join.
     """
 
     name = "megatron"
@@ -301,15 +375,16 @@ class MegatronBackend(AdamWPair):
                  init: str | Path | None = None, *, device: str | torch.device | None = None,
                  dtype: torch.dtype | None = None, ranks: RankGroup | None = None):
         mc: MegatronConfig = cfg.megatron
-        sizes = {"tensor_parallel": mc.tensor_parallel, "pipeline_parallel": mc.pipeline_parallel}
-        if any(v != 1 for v in sizes.values()):
-            raise ValueError(f"learner.megatron {sizes}: only 1 runs (megatron-core 0.16.1 refuses MoE with tensor "
-                             "parallelism without sequence parallelism, and its local spec's torch norm refuses "
-                             "sequence parallelism; pipeline parallelism is not wired)")
-        ep = mc.expert_parallel
+        if mc.pipeline_parallel != 1:
+            raise ValueError(f"learner.megatron.pipeline_parallel={mc.pipeline_parallel}: only 1 runs (the learner "
+                             "does not schedule pipeline stages)")
+        ep, tp = mc.expert_parallel, mc.tensor_parallel
         if ep < 1 or model_cfg.num_experts % ep:
             raise ValueError(f"learner.megatron.expert_parallel={ep} must divide model.num_experts="
                              f"{model_cfg.num_experts}")
+        split = tp_divides(model_cfg)
+        if tp < 1 or any(v % tp for v in split.values()):
+            raise ValueError(f"learner.megatron.tensor_parallel={tp} must divide each of {split}")
         self.cfg, self.generation, self.model_cfg = cfg, generation, model_cfg
         want = device or mc.device
         if want == "auto":
@@ -318,19 +393,21 @@ class MegatronBackend(AdamWPair):
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = dtype or {"float32": torch.float32, "bfloat16": torch.bfloat16}[mc.dtype]
-        self.expert_parallel = ep
+        self.expert_parallel, self.tensor_parallel, self.world = ep, tp, ep * tp
         self._outputs: list[torch.Tensor] = []  # this rank's outputs with a graph since the last backward (ep > 1)
         self._returned: list[torch.Tensor] = []  # rank 0: the gathered [B, ...] leaves it returned for them
         self.forwarded = {"forwards": 0, "rows": 0, "tokens": 0}  # this rank's model forwards since it was built
-        if ep > 1 and ranks is None:
-            ranks = RankGroup.start(ep, self.device, mc.timeout_s, dict(
+        if self.world > 1 and ranks is None:
+            ranks = RankGroup.start(self.world, self.device, mc.timeout_s, dict(
                 cfg=cfg, model_cfg=model_cfg, generation=generation, device=self.device.type, dtype=self.dtype,
-                threads=torch.get_num_threads()))
+                threads=torch.get_num_threads()), tensor_parallel=tp)
         self._ranks = ranks
         self._lock = threading.RLock()
         self.rank = ranks.rank if ranks is not None else 0
+        # Megatron's rank order puts tensor parallelism innermost (t1async/megatron_ranks.py)
+        self.tp_rank, self.dp_rank = self.rank % tp, self.rank // tp  # dp_rank = the expert-parallel rank
         try:
-            init_megatron(self.device, expert_parallel=ep)
+            init_megatron(self.device, expert_parallel=ep, tensor_parallel=tp)
             if ranks is not None and self.rank == 0:
                 ranks.run(lambda: self._build(init))  # a follower failing meanwhile is named
             else:
@@ -353,8 +430,8 @@ class MegatronBackend(AdamWPair):
         ref_sd = None
         if lead and cfg.kl_coef > 0:
             ref_sd = load_policy(self.model_cfg, cfg.init_checkpoint).state_dict() if cfg.init_checkpoint else policy_sd
-        kw = dict(dtype=self.dtype, device=self.device, dispatcher=mc.dispatcher, ep_rank=self.rank,
-                  ep_size=self.expert_parallel)
+        kw = dict(dtype=self.dtype, device=self.device, dispatcher=mc.dispatcher, ep_rank=self.dp_rank,
+                  ep_size=self.expert_parallel, tp_rank=self.tp_rank, tp_size=self.tensor_parallel)
         self.policy = build_gpt(self.model_cfg, self._share(policy_sd), replay=True, **kw)
         self.critic = (build_gpt(self.model_cfg, self._share(critic_sd), critic=True, **kw) if cfg.critic
                        else None)  # learner.critic: false builds none
@@ -362,6 +439,13 @@ class MegatronBackend(AdamWPair):
         if cfg.kl_coef > 0:
             self.reference = build_gpt(self.model_cfg, self._share(ref_sd), **kw).eval().requires_grad_(False)
         del hf_policy, policy_sd, critic_sd, ref_sd
+        if self.tensor_parallel > 1:  # _clip sums a gradient over the ranks by what the weight is: check each is known
+            for model, layout in ((self.policy, POLICY), (self.critic, CRITIC)):
+                for k, p in model.named_parameters() if model is not None else ():
+                    if not (is_expert(k) or tp_partition(k, layout) is not None
+                            or getattr(p, "sequence_parallel", False)):
+                        raise RuntimeError(f"Megatron weight {k} is neither split over the tensor-parallel ranks "
+                                           "nor marked sequence_parallel: its gradient would not be summed right")
         self._routers = [layer.mlp.router for layer in self.policy.decoder.layers]
         self._router_inputs: list[torch.Tensor | None] = [None] * len(self._routers)
         for i, r in enumerate(self._routers):
@@ -370,11 +454,12 @@ class MegatronBackend(AdamWPair):
         self._masks: dict[int, torch.Tensor] = {}
 
     def _share(self, sd: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
-        """Rank 0's HF state dict ``sd`` on this rank: the shared weights and this rank's experts."""
-        if self.expert_parallel == 1:
+        """Rank 0's HF state dict ``sd`` on this rank: the shared weights and this rank's experts
+        (whole: this rank slices its tensor-parallel part when it converts them)."""
+        if self.world == 1:
             return sd
         E, n = self.model_cfg.num_experts, self.expert_parallel
-        return share_state(self._ranks, sd, lambda k: expert_owner(k, E, n) in (None, self.rank), self.device)
+        return share_state(self._ranks, sd, lambda k: expert_owner(k, E, n) in (None, self.dp_rank), self.device)
 
     # ---- announced calls ----------------------------------------------------------------
     def _call(self, op: str, *args, parts: list[tuple] | None = None, **leader):
@@ -384,7 +469,7 @@ class MegatronBackend(AdamWPair):
         follower receiving only its own part."""
         local = getattr(self, "_" + op)
         mine = args if parts is None else parts[0]
-        if self.expert_parallel == 1 or self.rank != 0:
+        if self.world == 1 or self.rank != 0:
             return local(*mine, **leader)
         with self._lock:  # one announced call at a time (the learner may close from another thread)
             ranks = self._ranks
@@ -399,22 +484,24 @@ class MegatronBackend(AdamWPair):
             return ranks.run(both)
 
     def _call_rows(self, op: str, rows: tuple[torch.Tensor | None, ...], *args):
-        """An announced forward of a micro-batch split by rows (:func:`deal_rows`): rank r runs
-        ``self._<op>(*(its rows of each of rows), *args, B)``; ``B`` = the micro-batch's rows
-        (``rows[0].shape[0]``); None stays None. One process: the whole micro-batch."""
+        """An announced forward of a micro-batch split by rows (:func:`deal_rows`) over the
+        data-parallel (= expert-parallel) ranks: rank r runs ``self._<op>(*(its rows of each of
+        rows), *args, B)``, the tensor-parallel ranks of one data-parallel rank the same rows;
+        ``B`` = the micro-batch's rows (``rows[0].shape[0]``); None stays None. One process: the
+        whole micro-batch."""
         B = rows[0].shape[0]
-        if self.expert_parallel == 1:
+        if self.world == 1:
             return self._call(op, *rows, *args, B)
-        parts = [tuple(None if t is None else t[i.to(t.device)] for t in rows) + (*args, B)
+        dealt = [tuple(None if t is None else t[i.to(t.device)] for t in rows) + (*args, B)
                  for i in deal_rows(B, self.expert_parallel)]
-        return self._call(op, parts=parts)
+        return self._call(op, parts=[dealt[r // self.tensor_parallel] for r in range(self.world)])
 
     def _gather_rows(self, tensors: list[torch.Tensor | None], batch: int, grad: bool) -> list[torch.Tensor | None]:
         """Each rank's outputs of its rows -> the micro-batch's ``[batch, ...]`` outputs on rank 0
         (rank order = row order, dummy rows dropped; None on followers). With ``grad`` the first
         tensor, when it has a graph, is kept for :meth:`backward` on every rank, and rank 0 returns
         it as a new leaf that requires grad (the learner's loss is differentiated w.r.t. it)."""
-        if self.expert_parallel == 1:
+        if self.world == 1:
             return tensors
         first = tensors[0]
         if grad and first.requires_grad:
@@ -424,7 +511,8 @@ class MegatronBackend(AdamWPair):
         parts = gather_tensors(self._ranks, sent)
         if self.rank != 0:
             return [None] * len(tensors)
-        full = iter([torch.cat(p)[:batch].to(t.dtype) for p, t in zip(parts, present)])
+        # the tensor-parallel ranks of one data-parallel rank hold the same outputs: take the first's
+        full = iter([torch.cat(p[::self.tensor_parallel])[:batch].to(t.dtype) for p, t in zip(parts, present)])
         out = [None if t is None else next(full) for t in tensors]
         if grad and first.requires_grad:
             out[0] = out[0].requires_grad_()
@@ -462,8 +550,11 @@ class MegatronBackend(AdamWPair):
         if self._capture:
             self._router_inputs[i] = x.detach()
 
-    def _run(self, model: GPTModel, inp: torch.Tensor) -> torch.Tensor:
-        """GPTModel forward of inp [B, T]: its output [B, T, V] (or [B, T, 1] for the critic)."""
+    def _run(self, model: GPTModel, inp: torch.Tensor, *, vocab: bool = True) -> torch.Tensor:
+        """GPTModel forward of inp [B, T]: its output [B, T, V] (``vocab``; with tensor
+        parallelism each rank's vocabulary slice gathered, backward: each rank its own slice) or
+        [B, T, 1] for the critic. With tensor parallelism T must be a multiple of it
+        (:meth:`_pad_tp`): sequence parallelism splits the sequence evenly over the ranks."""
         B, T = inp.shape
         self.forwarded["forwards"] += 1
         self.forwarded["rows"] += B
@@ -474,7 +565,41 @@ class MegatronBackend(AdamWPair):
             if T not in self._masks:
                 self._masks[T] = torch.ones(T, T, dtype=torch.bool).triu(1)[None, None]  # True: masked
             mask = self._masks[T]
-        return model(inp.to(self.device), pos, mask)
+        out = model(inp.to(self.device), pos, mask)
+        if vocab and self.tensor_parallel > 1:
+            out = gather_from_tensor_model_parallel_region(out)
+        return out
+
+    def _pad_tp(self, inp: torch.Tensor, *more: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        """Right-pad ``[b, T, ...]`` tensors to a multiple of the tensor-parallel size in T
+        (sequence parallelism splits the sequence evenly): token ids with 0, replay rows
+        ``[b, T, L, K]`` with the distinct ids ``arange(K) % E``; None stays None. Causal attention
+        keeps the real positions' results unchanged; callers cut the outputs back to T."""
+        pad = -inp.shape[1] % self.tensor_parallel
+        if pad == 0:
+            return (inp, *more)
+        out = []
+        for t in (inp, *more):
+            if t is None or t.dim() == 2:
+                out.append(None if t is None else F.pad(t, (0, pad)))
+            else:
+                K = t.shape[-1]
+                fill = (torch.arange(K, device=t.device) % self.model_cfg.num_experts).to(t.dtype)
+                out.append(torch.cat([t, fill.expand(t.shape[0], pad, *t.shape[2:])], 1))
+        return tuple(out)
+
+    def _tp_tokens(self, rows: torch.Tensor) -> torch.Tensor:
+        """This rank's ``[T/TP * b, ...]`` token rows (sequence-major, its slice of the sequence
+        under sequence parallelism) -> every tensor-parallel rank's, ``[T * b, ...]`` in sequence
+        order (no gradient). One rank: ``rows``."""
+        if self.tensor_parallel == 1:
+            return rows
+        import torch.distributed as dist
+
+        rows = rows.contiguous()
+        out = rows.new_empty(rows.shape[0] * self.tensor_parallel, *rows.shape[1:])
+        dist.all_gather_into_tensor(out, rows, group=parallel_state.get_tensor_model_parallel_group())
+        return out
 
     def policy_logprobs(self, inp, tgt, replay, *, grad, routing) -> PolicyForward:
         """See :class:`t1async.backend.LearnerBackend`; with expert parallelism each rank forwards
@@ -483,7 +608,7 @@ class MegatronBackend(AdamWPair):
         Raises:
             ValueError: a replay row repeats an expert id (:func:`replay_rows`), before any rank runs.
         """
-        if replay is not None and self.expert_parallel > 1:
+        if replay is not None and self.world > 1:
             replay_rows(replay, self.model_cfg.num_experts)  # refused here, before the ranks are told
         return self._call_rows("forward_policy", (inp, tgt, replay), grad, routing)
 
@@ -492,11 +617,15 @@ class MegatronBackend(AdamWPair):
         ``batch``-row micro-batch; returns the micro-batch's outputs on rank 0, None on followers."""
         g = self.generation
         B, T = inp.shape
+        given = replay
+        inp, tgt, replay = self._pad_tp(inp, tgt, replay)
+        Tp, tp = inp.shape[1], self.tensor_parallel
         rows = replay_rows(replay, self.model_cfg.num_experts) if replay is not None else None
         replays = [r.router_replay for r in self._routers]
         if rows is not None:
+            n = Tp // tp * B  # sequence parallelism: this rank's routers see its slice of the sequence
             for rr, row in zip(replays, rows):
-                rr.set_target_indices(row.to(self.device))
+                rr.set_target_indices(row[self.tp_rank * n:(self.tp_rank + 1) * n].to(self.device))
                 rr.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
         elif routing:
             for rr in replays:
@@ -507,13 +636,16 @@ class MegatronBackend(AdamWPair):
                 logits = self._run(self.policy, inp).float()
                 logp, outside = token_logprobs(logits, tgt.to(self.device), g.temperature, g.top_k, g.top_p,
                                                return_outside=True)
+                logp, outside = logp[:, :T], outside[:, :T]
             used = own = None
             if routing:
-                own = torch.stack([self._own_topk(r, x, B, T) for r, x in zip(self._routers, self._router_inputs)], 2)
-                if replay is None:
-                    used = torch.stack([rr.get_recorded_indices().view(T, B, -1).transpose(0, 1) for rr in replays], 2)
+                own = torch.stack([self._own_topk(r, x, B, Tp) for r, x in zip(self._routers, self._router_inputs)],
+                                  2)[:, :T]
+                if given is None:
+                    used = torch.stack([self._tp_tokens(rr.get_recorded_indices()).view(Tp, B, -1).transpose(0, 1)
+                                        for rr in replays], 2)[:, :T]
                 else:
-                    used = replay.to(self.device).long()
+                    used = given.to(self.device).long()
         finally:
             self._capture = False
             self._router_inputs = [None] * len(self._routers)
@@ -524,9 +656,11 @@ class MegatronBackend(AdamWPair):
         return PolicyForward(*out) if out[0] is not None else None
 
     def _own_topk(self, router: nn.Module, x: torch.Tensor, B: int, T: int) -> torch.Tensor:
-        """The router's own top-k [B, T, K] from its input (what it would choose without replay)."""
+        """The router's own top-k [B, T, K] from its input (what it would choose without replay;
+        with sequence parallelism its input is this rank's slice, the top-k rows are gathered)."""
         logits = x.reshape(-1, x.shape[-1]).float() @ router.weight.float().t()  # [T * B, E], float32 as it routes
-        return logits.topk(self.model_cfg.num_experts_per_tok, dim=-1).indices.view(T, B, -1).transpose(0, 1)
+        top = self._tp_tokens(logits.topk(self.model_cfg.num_experts_per_tok, dim=-1).indices)
+        return top.view(T, B, -1).transpose(0, 1)
 
     def reference_logprobs(self, inp, tgt) -> torch.Tensor:
         if self.reference is None:
@@ -535,9 +669,11 @@ class MegatronBackend(AdamWPair):
 
     def _forward_reference(self, inp, tgt, batch) -> torch.Tensor | None:
         g = self.generation
+        T = inp.shape[1]
+        inp, tgt = self._pad_tp(inp, tgt)
         with torch.no_grad():
             logp = token_logprobs(self._run(self.reference, inp).float(), tgt.to(self.device), g.temperature, g.top_k,
-                                  g.top_p)
+                                  g.top_p)[:, :T]
         return self._gather_rows([logp], batch, False)[0]
 
     def values(self, inp, *, grad) -> torch.Tensor:
@@ -546,8 +682,10 @@ class MegatronBackend(AdamWPair):
         return self._call_rows("forward_values", (inp,), grad)
 
     def _forward_values(self, inp, grad, batch) -> torch.Tensor | None:
+        T = inp.shape[1]
+        (inp,) = self._pad_tp(inp)
         with torch.set_grad_enabled(grad):
-            v = self._run(self.critic, inp).squeeze(-1)
+            v = self._run(self.critic, inp, vocab=False).squeeze(-1)[:, :T]
         return self._gather_rows([v], batch, grad)[0]
 
     def forward_counts(self) -> list[dict[str, int]]:
@@ -558,7 +696,7 @@ class MegatronBackend(AdamWPair):
     def _forward_counts(self) -> list[dict[str, int]] | None:
         keys = sorted(self.forwarded)
         mine = torch.tensor([self.forwarded[k] for k in keys], dtype=torch.int64, device=self.device)
-        if self.expert_parallel == 1:
+        if self.world == 1:
             return [dict(self.forwarded)]
         parts = gather_tensors(self._ranks, [mine])
         return None if parts is None else [dict(zip(keys, map(int, p.tolist()))) for p in parts[0]]
@@ -580,7 +718,7 @@ class MegatronBackend(AdamWPair):
         Raises:
             RuntimeError: no output with a graph was returned since the last backward.
         """
-        if self.expert_parallel == 1:
+        if self.world == 1:
             loss.backward()
             return
         if not self._returned:
@@ -588,7 +726,7 @@ class MegatronBackend(AdamWPair):
         returned = self._returned
         grads = torch.autograd.grad(loss, returned, allow_unused=True)
         grads = [torch.zeros_like(o) if g is None else g for g, o in zip(grads, returned)]
-        n = self.expert_parallel
+        n = self.expert_parallel  # the data-parallel ranks; each of its tensor-parallel ranks gets the same part
         per_rank: list[list[torch.Tensor]] = [[] for _ in range(n)]
         shapes = []
         for g in grads:  # rank r's rows of each output, as deal_rows dealt them (dummy rows last): zeros there
@@ -597,7 +735,8 @@ class MegatronBackend(AdamWPair):
             for r, part in enumerate(padded.split(per)):
                 per_rank[r].append(part.reshape(-1))
             shapes.append((per, *g.shape[1:]))
-        self._call("backward_outputs", shapes, flat=[torch.cat(p) for p in per_rank])
+        self._call("backward_outputs", shapes,
+                   flat=[torch.cat(per_rank[r // self.tensor_parallel]) for r in range(self.world)])
 
     def _backward_outputs(self, shapes: list[tuple[int, ...]], flat: list[torch.Tensor] | None = None) -> None:
         """Receive this rank's part (float32, flattened in ``shapes``' order) of the output
@@ -617,7 +756,7 @@ class MegatronBackend(AdamWPair):
         torch.autograd.backward(outs, grads)
 
     def step(self, *, policy: bool, policy_lr: float) -> float | None:
-        if self.expert_parallel == 1:
+        if self.world == 1:
             return AdamWPair.step(self, policy=policy, policy_lr=policy_lr)
         return self._call("step", policy, policy_lr)
 
@@ -634,34 +773,43 @@ class MegatronBackend(AdamWPair):
         return gn
 
     def _clip(self, model: nn.Module) -> float:
-        """Expert-parallel gradients made whole, then clipped to ``cfg.max_grad_norm`` by their
-        global norm, which is returned (before clipping).
+        """Gradients of several ranks made whole, then clipped to ``cfg.max_grad_norm`` by their
+        global norm, which is returned (before clipping). One process: the plain global norm.
 
-        Each rank forwarded its own rows, so each token reached its experts once: an expert's
-        gradient (on the one rank holding it) is already the whole batch's and is left as it is.
-        Shared (non-expert) gradients hold this rank's rows only and are summed over ranks
-        (all-reduce), leaving the same values on every rank. Norm: sqrt(shared squares + the sum
-        over ranks of each rank's expert squares), the same on every rank.
+        Each data-parallel rank forwarded its own rows, and Megatron's dispatcher brings each
+        token to its experts once: an expert's gradient (on the ranks holding its slices) is
+        already the whole batch's and is left as it is. Tensor-parallel slices of the other
+        weights hold their data-parallel rank's rows: summed over the data-parallel group. Weights
+        every rank holds whole under sequence parallelism (norms, routers, the critic's head:
+        attribute ``sequence_parallel``) hold one slice of one rank's rows: summed over the world.
+        Norm: sqrt of the sum of squares of every distinct slice (experts on every rank, the
+        tensor-parallel slices on data-parallel rank 0, the whole weights on rank 0), the same on
+        every rank.
         """
         named = [(k, p) for k, p in model.named_parameters() if p.grad is not None]
         experts = [p.grad for k, p in named if is_expert(k)]
-        shared = [p.grad for k, p in named if not is_expert(k)]
-        all_reduce_(shared)
+        whole = [p.grad for k, p in named if not is_expert(k) and getattr(p, "sequence_parallel", False)]
+        sliced = [p.grad for k, p in named if not is_expert(k) and not getattr(p, "sequence_parallel", False)]
+        if self.world > 1:
+            all_reduce_(sliced, parallel_state.get_data_parallel_group() if self.tensor_parallel > 1 else None)
+            all_reduce_(whole)
         sq = lambda gs: float(sum(g.float().pow(2).sum() for g in gs)) if gs else 0.0  # noqa: E731
-        expert_sq = all_reduce_sum(sq(experts), self.device)
-        total = math.sqrt(sq(shared) + expert_sq)
+        mine = [sq(experts), (sq(sliced) if self.dp_rank == 0 else 0.0) + (sq(whole) if self.rank == 0 else 0.0)]
+        expert_sq, other_sq = all_reduce_sum(mine, self.device) if self.world > 1 else mine
+        total = math.sqrt(expert_sq + other_sq)
         self.last_expert_grad_norm = math.sqrt(expert_sq)  # (before clipping)
         coef = min(1.0, self.cfg.max_grad_norm / (total + 1e-6))
         if coef < 1.0:
-            for g in experts + shared:
+            for g in experts + whole + sliced:
                 g.mul_(coef)
         return total
 
     def num_parameters(self) -> int:
-        """Parameters of the whole policy (every rank's experts counted)."""
+        """Parameters of the whole policy (every rank's experts and tensor-parallel slices counted)."""
         named = list(self.policy.named_parameters())
-        return (sum(p.numel() for k, p in named if not is_expert(k))
-                + self.expert_parallel * sum(p.numel() for k, p in named if is_expert(k)))
+        tp = self.tensor_parallel
+        return (sum(p.numel() * (tp if tp_partition(k, POLICY) is not None else 1) for k, p in named if not is_expert(k))
+                + self.world * sum(p.numel() for k, p in named if is_expert(k)))
 
     # ---- weights and checkpoints ----------------------------------------------------------
     def megatron_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
@@ -670,20 +818,24 @@ class MegatronBackend(AdamWPair):
 
     def _gather_hf(self, role: str) -> dict[str, torch.Tensor] | None:
         """The whole ``role`` model (policy or critic) in HF layout on rank 0, every rank's experts
-        gathered there; None on followers."""
+        and tensor-parallel slices gathered there (:func:`merge_tp`); None on followers."""
         model, layout = (self.policy, POLICY) if role == "policy" else (self.critic, CRITIC)
         local = self.megatron_state(model)
-        n = self.expert_parallel
-        if self.expert_parallel == 1:
+        n, tp = self.expert_parallel, self.tensor_parallel
+        if self.world == 1:
             return megatron_to_hf(local, self.model_cfg, layout)
-        names = [k for k in local if is_expert(k)]
+        # what rank 0 lacks: the other ranks' experts and tensor-parallel slices (whole weights are the same everywhere)
+        names = [k for k in local if is_expert(k) or (tp > 1 and tp_partition(k, layout) is not None)]
         parts = gather_tensors(self._ranks, [local[k] for k in names])
         if self.rank != 0:
             return None
-        out = megatron_to_hf(local, self.model_cfg, layout, ep_rank=0, ep_size=n)
-        for r in range(1, n):
-            out.update(megatron_to_hf({k: p[r] for k, p in zip(names, parts)}, self.model_cfg, layout, ep_rank=r,
-                                      ep_size=n))
+        out: dict[str, torch.Tensor] = {}
+        for e in range(n):  # expert-parallel rank e = ranks e*tp .. e*tp + tp-1
+            merged = merge_tp([{**local, **{k: p[r] for k, p in zip(names, parts)}} for r in range(e * tp, (e + 1) * tp)],
+                              layout)
+            if e > 0:
+                merged = {k: v for k, v in merged.items() if is_expert(k)}
+            out.update(megatron_to_hf(merged, self.model_cfg, layout, ep_rank=e, ep_size=n))
         return out
 
     def hf_state(self) -> dict[str, torch.Tensor]:
@@ -699,42 +851,51 @@ class MegatronBackend(AdamWPair):
         return {k: v.contiguous() for k, v in self._call("gather_hf", "critic").items()}
 
     def save(self, folder: Path) -> None:
-        """One HF checkpoint (every rank's experts gathered): config.json + model.safetensors,
-        critic.safetensors, optimizers.pt (rank 0's optimiser state) and, with expert parallelism
-        N, optimizers-ep{r}.pt for ranks r = 1..N-1 (rank 0 writes them all)."""
+        """One HF checkpoint (every rank's experts and slices gathered): config.json +
+        model.safetensors, critic.safetensors, optimizers.pt (rank 0's optimiser state) and, with
+        N ranks, optimizers-rank{r}.pt for ranks r = 1..N-1 (rank 0 writes them all)."""
         save_hf(folder, self.model_cfg, {k: v.cpu() for k, v in self.hf_state().items()})
         self._save_state(folder, self.critic_hf_state() if self.critic is not None else None)
-        if self.expert_parallel > 1:
+        if self.world > 1:
             self._call("save_optimizers", folder=folder)
 
     def _save_optimizers(self, folder: Path | None = None) -> None:
         blobs = gather_bytes(self._ranks, b"" if self.rank == 0 else to_bytes(self._optimizer_state()), self.device)
-        for r in range(1, self.expert_parallel) if self.rank == 0 else ():
-            (folder / f"optimizers-ep{r}.pt").write_bytes(blobs[r])
+        for r in range(1, self.world) if self.rank == 0 else ():
+            (folder / f"optimizers-rank{r}.pt").write_bytes(blobs[r])
 
     def _optimizer_state(self) -> dict:
         return {"policy": self.policy_opt.state_dict(),
                 "critic": self.critic_opt.state_dict() if self.critic_opt is not None else None,
-                "backend": self.name, "expert_parallel": self.expert_parallel, "rank": self.rank}
+                "backend": self.name, "expert_parallel": self.expert_parallel,
+                "tensor_parallel": self.tensor_parallel, "rank": self.rank}
+
+    def _rank_file(self, folder: Path, r: int) -> bytes:
+        """Rank r's saved optimiser state (``optimizers-ep{r}.pt``: written by expert-parallel runs
+        before tensor parallelism, where rank = expert-parallel rank)."""
+        path = folder / f"optimizers-rank{r}.pt"
+        old = folder / f"optimizers-ep{r}.pt"
+        return (old if not path.exists() and old.exists() and self.tensor_parallel == 1 else path).read_bytes()
 
     def load_state(self, folder: Path) -> bool:
         """Restore the critic and every rank's optimisers. Returns False (optimisers start fresh,
-        logged) when the checkpoint's optimisers are another backend's or another expert-parallel
-        size's, or a rank's file is missing."""
+        logged) when the checkpoint's optimisers are another backend's or another tensor- or
+        expert-parallel size's, or a rank's file is missing."""
         saved = self._critic_file(folder)
         if saved is not None and self.critic is not None:
             self._call("load_hf", "critic", sd=saved)
         blobs = None
-        if self.expert_parallel > 1:
+        if self.world > 1:
             try:
-                blobs = [b""] + [(folder / f"optimizers-ep{r}.pt").read_bytes() for r in range(1, self.expert_parallel)]
+                blobs = [b""] + [self._rank_file(folder, r) for r in range(1, self.world)]
             except FileNotFoundError as e:
                 logger.warning("{}: {}: optimisers start fresh", folder, e)
-        ok = self._load_optimizers(folder) if blobs is not None or self.expert_parallel == 1 else False
+        ok = self._load_optimizers(folder) if blobs is not None or self.world == 1 else False
         if not ok:
-            logger.warning("{}: optimiser state of another backend or expert-parallel size (this run: megatron, "
-                           "expert_parallel={}): optimisers start fresh", folder, self.expert_parallel)
-        if self.expert_parallel > 1:
+            logger.warning("{}: optimiser state of another backend or parallel layout (this run: megatron, "
+                           "tensor_parallel={}, expert_parallel={}): optimisers start fresh", folder,
+                           self.tensor_parallel, self.expert_parallel)
+        if self.world > 1:
             self._call("load_rank_optimizers", ok, blobs=blobs if ok else None)
         return ok
 
@@ -752,5 +913,6 @@ class MegatronBackend(AdamWPair):
     def _load_hf(self, role: str, sd: dict[str, torch.Tensor] | None = None) -> None:
         model, layout = (self.policy, POLICY) if role == "policy" else (self.critic, CRITIC)
         sd = self._share(sd)
-        load_megatron(model, hf_to_megatron(sd, self.model_cfg, layout, ep_rank=self.rank,
-                                            ep_size=self.expert_parallel))
+        load_megatron(model, shard_tp(hf_to_megatron(sd, self.model_cfg, layout, ep_rank=self.dp_rank,
+                                                     ep_size=self.expert_parallel), layout, self.tp_rank,
+                                      self.tensor_parallel))

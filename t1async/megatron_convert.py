@@ -28,8 +28,14 @@ lm_head.weight                             output_layer.weight (last stage; abse
 
 Parallel ranks: with expert parallelism EP a rank holds experts [ep_rank E/EP, (ep_rank+1) E/EP)
 as local ids 0..E/EP-1; with pipeline parallelism PP a rank holds layers
-[pp_rank L/PP, (pp_rank+1) L/PP) as local indices 0..L/PP-1. Tensor parallelism is not split
-here (TP = 1): the backend refuses TP > 1 before it would need it.
+[pp_rank L/PP, (pp_rank+1) L/PP) as local indices 0..L/PP-1. Tensor parallelism TP splits a
+rank's Megatron tensors further (:func:`shard_tp`, :func:`merge_tp`, applied after
+:func:`hf_to_megatron` and before :func:`megatron_to_hf`), as megatron-core's column- and
+row-parallel layers hold them: ``linear_qkv`` and the vocabulary (``word_embeddings``, the
+policy's ``output_layer``) by rows (rank r: query groups [r G/TP, (r+1) G/TP), as the fused layout
+is group-major), ``linear_proj`` and expert ``linear_fc2`` by columns, expert ``linear_fc1`` by
+rows of gate and of up separately (rank r: [gate_r; up_r], the halves Megatron's SwiGLU splits
+locally). Norms, routers and the critic's head are whole on every TP rank.
 
 The critic (t1async/torch_backend.py ``ValueModel``) is the same trunk under ``backbone.`` plus a
 scalar ``head.weight`` [1, H] / ``head.bias`` [1]; in Megatron it is a GPTModel whose
@@ -44,7 +50,8 @@ import torch
 
 from t1async.config import ModelConfig
 
-__all__ = ["CRITIC", "POLICY", "Layout", "hf_to_megatron", "megatron_to_hf", "pack_qkv", "unpack_qkv"]
+__all__ = ["CRITIC", "POLICY", "Layout", "hf_to_megatron", "megatron_to_hf", "merge_tp", "pack_qkv", "shard_tp",
+           "tp_partition", "unpack_qkv"]
 
 
 class Layout:
@@ -203,4 +210,78 @@ def megatron_to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig, layout: Layout
                 raise KeyError(f"no HF name for Megatron weight {name!r}")
         else:
             raise KeyError(f"no HF name for Megatron weight {name!r}")
+    return out
+
+
+_TP_SUFFIX = {  # Megatron weight suffix -> (dim split over TP ranks, gated: gate and up halves split apart)
+    "self_attention.linear_qkv.weight": (0, False),
+    "self_attention.linear_proj.weight": (1, False),
+    "linear_fc1.weight": (0, True),
+    "linear_fc2.weight": (1, False),
+}
+
+
+def tp_partition(name: str, layout: Layout = POLICY) -> tuple[int, bool] | None:
+    """How megatron-core's tensor parallelism splits Megatron weight ``name``: ``(dim, gated)``
+    (``gated``: the rows are [gate; up] and each half is split on its own), or None when every
+    TP rank holds it whole (norms, routers, the critic's head)."""
+    if name == "embedding.word_embeddings.weight" or (name == "output_layer.weight" and layout is POLICY):
+        return 0, False
+    for suffix, how in _TP_SUFFIX.items():
+        if name.endswith("." + suffix):
+            return how
+    return None
+
+
+def shard_tp(sd: dict[str, torch.Tensor], layout: Layout, tp_rank: int, tp_size: int) -> dict[str, torch.Tensor]:
+    """TP rank ``tp_rank``'s part of one (expert, pipeline) rank's Megatron state dict ``sd``.
+
+    Returns:
+        The same names; split tensors are contiguous copies of rank ``tp_rank``'s slice
+        (:func:`tp_partition`), whole ones are ``sd``'s own.
+
+    Raises:
+        ValueError: ``tp_rank`` out of range, or a split dimension (of each gated half) that
+            ``tp_size`` does not divide.
+    """
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank {tp_rank} out of range for tensor_parallel={tp_size}")
+    out = {}
+    for name, w in sd.items():
+        how = tp_partition(name, layout)
+        if how is None or tp_size == 1:
+            out[name] = w
+            continue
+        dim, gated = how
+        halves = w.chunk(2, dim) if gated else (w,)
+        for h in halves:
+            if h.shape[dim] % tp_size:
+                raise ValueError(f"tensor_parallel={tp_size} must divide dimension {dim} ({h.shape[dim]}) of "
+                                 f"Megatron weight {name}")
+        out[name] = torch.cat([h.chunk(tp_size, dim)[tp_rank] for h in halves], dim).contiguous()
+    return out
+
+
+def merge_tp(parts: list[dict[str, torch.Tensor]], layout: Layout) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`shard_tp`: every TP rank's state dict (list index = TP rank) -> the
+    whole one, bit for bit; whole tensors are taken from TP rank 0.
+
+    Raises:
+        ValueError: the ranks' state dicts do not hold the same names.
+    """
+    names = list(parts[0])
+    if any(set(p) != set(names) for p in parts[1:]):
+        raise ValueError("merge_tp: the tensor-parallel ranks hold different weight names")
+    out = {}
+    for name in names:
+        how = tp_partition(name, layout)
+        if how is None or len(parts) == 1:
+            out[name] = parts[0][name]
+            continue
+        dim, gated = how
+        if gated:
+            halves = [p[name].chunk(2, dim) for p in parts]
+            out[name] = torch.cat([torch.cat([h[0] for h in halves], dim), torch.cat([h[1] for h in halves], dim)], dim)
+        else:
+            out[name] = torch.cat([p[name] for p in parts], dim)
     return out

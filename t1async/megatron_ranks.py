@@ -1,11 +1,12 @@
-"""Several processes for the ``megatron`` learner backend: expert parallelism (SPMD), each rank its
-share of every micro-batch's rows.
+"""Several processes for the ``megatron`` learner backend: tensor and expert parallelism (SPMD).
 
-With ``learner.megatron.expert_parallel: N`` (N > 1) the learner's backend is rank 0 of N. It
-starts ranks 1..N-1 as Ray actors (:class:`Follower`; on CUDA each asks Ray for one GPU, on CPU
-for no CPU so they fit a 2-core Ray), and the N processes form one ``torch.distributed`` world
-(nccl on CUDA, gloo on CPU) through a ``tcp://`` rendezvous on a free port of rank 0's host (rank
-0 hosts the TCPStore), with Megatron's model-parallel groups ``(1, 1, expert_parallel=N)``.
+With ``learner.megatron.tensor_parallel: T`` and ``expert_parallel: P`` (N = T x P > 1) the
+learner's backend is rank 0 of N. It starts ranks 1..N-1 as Ray actors (:class:`Follower`; on
+CUDA each asks Ray for one GPU, on CPU for no CPU so they fit a 2-core Ray), and the N processes
+form one ``torch.distributed`` world (nccl on CUDA, gloo on CPU) through a ``tcp://`` rendezvous
+on a free port of rank 0's host (rank 0 hosts the TCPStore), with Megatron's model-parallel
+groups ``(T, 1, expert_parallel=P)``: P data-parallel groups of T ranks, each forwarding its share
+of every micro-batch's rows.
 
 Every backend call on rank 0 is announced to the followers on a gloo control group (the default
 group on CPU, a gloo group beside the nccl one on CUDA: a follower waiting for its next call then
@@ -91,13 +92,15 @@ class RankGroup:
 
     # ---- rendezvous -----------------------------------------------------------------------
     @classmethod
-    def start(cls, world: int, device: torch.device, timeout_s: float, follower_args: dict[str, Any]) -> RankGroup:
+    def start(cls, world: int, device: torch.device, timeout_s: float, follower_args: dict[str, Any], *,
+              tensor_parallel: int = 1) -> RankGroup:
         """Rank 0: start ranks 1..world-1 as Ray actors and form the world with them.
 
         Args:
             world: N > 1. device: rank 0's device (its type picks nccl or gloo and the followers'
                 GPU request). timeout_s: the bound on the rendezvous.
             follower_args: keyword arguments of :meth:`Follower.serve` besides the rendezvous.
+            tensor_parallel: Megatron's tensor-parallel size T (T divides N; expert parallel = N / T).
 
         Raises:
             RuntimeError: Ray is not initialised (``t1async launch`` initialises it; tests and
@@ -115,7 +118,8 @@ class RankGroup:
         cuda = device.type == "cuda"
         actor = ray.remote(num_cpus=0, num_gpus=1 if cuda else 0, max_restarts=0)(Follower)
         handles = [actor.options(name=None).remote() for _ in range(1, world)]
-        refs = [h.serve.remote(rank=r, world=world, host=host, port=store.port, **follower_args)
+        refs = [h.serve.remote(rank=r, world=world, host=host, port=store.port, tensor_parallel=tensor_parallel,
+                               **follower_args)
                 for r, h in zip(range(1, world), handles)]
         group = cls(0, world, device, None, timeout_s, handles, refs)
         group._store = store
@@ -143,17 +147,18 @@ class RankGroup:
                                  "(rank 0): let rank 0 use a GPU Ray does not hand out (learner.megatron.device=cuda:K "
                                  "with K outside the GPUs Ray schedules) or give Ray more GPUs than it hands out")
         try:
-            group.control = _init_world(0, world, device, store, timeout)
+            group.control = _init_world(0, world, device, store, timeout, tensor_parallel)
         except Exception as e:
             group.check(wait_s=5.0)
             group.kill()
             raise RankFailed(f"megatron expert-parallel rendezvous failed: {e}") from e
-        logger.info("megatron expert parallelism: {} ranks ({}, rendezvous {}:{})", world,
-                    "nccl" if cuda else "gloo", host, store.port)
+        logger.info("megatron ranks: {} (tensor parallel {}, expert parallel {}; {}, rendezvous {}:{})", world,
+                    tensor_parallel, world // tensor_parallel, "nccl" if cuda else "gloo", host, store.port)
         return group
 
     @classmethod
-    def join(cls, rank: int, world: int, host: str, port: int, device: torch.device) -> RankGroup:
+    def join(cls, rank: int, world: int, host: str, port: int, device: torch.device, *,
+             tensor_parallel: int = 1) -> RankGroup:
         """A follower: join rank 0's world (see :meth:`start`)."""
         import os
         import socket
@@ -164,7 +169,8 @@ class RankGroup:
         store.set(f"where/{rank}", f"{socket.gethostname()} pid {os.getpid()}")
         store.set(f"gpu/{rank}", _gpu_id(device))
         store.set(f"joining/{rank}", "1")
-        group = cls(rank, world, device, _init_world(rank, world, device, store, FOLLOWER_TIMEOUT), 0.0)
+        group = cls(rank, world, device, _init_world(rank, world, device, store, FOLLOWER_TIMEOUT, tensor_parallel),
+                    0.0)
         group._store = store
         return group
 
@@ -285,9 +291,12 @@ def leave_world() -> None:
         dist.destroy_process_group()
 
 
-def _init_world(rank: int, world: int, device: torch.device, store: Any, timeout: datetime.timedelta) -> Any:
+def _init_world(rank: int, world: int, device: torch.device, store: Any, timeout: datetime.timedelta,
+                tensor_parallel: int = 1) -> Any:
     """The default group (nccl on CUDA, gloo on CPU), the gloo control group, Megatron's groups
-    (expert parallel = world). Returns the control group. Every rank calls it in the same order."""
+    (tensor parallel T, expert parallel = data parallel = world / T; Megatron's rank order puts
+    TP innermost: rank = tp_rank + T * ep_rank). Returns the control group. Every rank calls it
+    in the same order."""
     from megatron.core import parallel_state
 
     cuda = device.type == "cuda"
@@ -297,7 +306,7 @@ def _init_world(rank: int, world: int, device: torch.device, store: Any, timeout
                             world_size=world, timeout=timeout)
     control = dist.new_group(backend="gloo", timeout=timeout) if cuda else dist.group.WORLD
     minutes = max(1, int(timeout.total_seconds() // 60))
-    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=world,
+    parallel_state.initialize_model_parallel(tensor_parallel, 1, expert_model_parallel_size=world // tensor_parallel,
                                              distributed_timeout_minutes=minutes)
     return control
 
@@ -324,9 +333,10 @@ def share_state(group: RankGroup, sd: dict[str, torch.Tensor] | None, keep: Call
     return out
 
 
-def all_reduce_(tensors: list[torch.Tensor]) -> None:
-    """Replace each of ``tensors`` (same names, shapes and dtypes on every rank, in the same
-    order) by its sum over ranks, in place: one flat buffer and one all-reduce per dtype. An
+def all_reduce_(tensors: list[torch.Tensor], group: Any = None) -> None:
+    """Replace each of ``tensors`` (same names, shapes and dtypes on every rank of ``group``, the
+    world by default, in the same order) by its sum over those ranks, in place: one flat buffer
+    and one all-reduce per dtype. An
     all-reduce leaves the same bits on every rank (each element's sum is computed once and
     passed on, by gloo and NCCL alike), so replicas summed this way cannot drift apart."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -335,7 +345,7 @@ def all_reduce_(tensors: list[torch.Tensor]) -> None:
     for dtype in sorted(by_dtype, key=str):
         ts = by_dtype[dtype]
         flat = torch.cat([t.reshape(-1) for t in ts])
-        dist.all_reduce(flat)
+        dist.all_reduce(flat, group=group)
         for t, part in zip(ts, flat.split([t.numel() for t in ts])):
             t.copy_(part.view_as(t))
 
@@ -349,11 +359,11 @@ def scatter_flat(group: RankGroup, parts: list[torch.Tensor] | None, numel: int,
     return buf
 
 
-def all_reduce_sum(value: float, device: torch.device) -> float:
-    """The sum over ranks of ``value`` (float64)."""
-    t = torch.tensor([value], dtype=torch.float64, device=device)
+def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+    """The sums over ranks of ``values`` (float64, one all-reduce)."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t)
-    return float(t)
+    return t.tolist()
 
 
 def gather_tensors(group: RankGroup, tensors: list[torch.Tensor]) -> list[list[torch.Tensor]] | None:
@@ -416,8 +426,8 @@ def from_bytes(data: bytes) -> Any:
 class Follower:
     """A follower rank's Ray actor: one long :meth:`serve` call runs rank 0's announced backend calls."""
 
-    def serve(self, *, rank: int, world: int, host: str, port: int, cfg: Any, model_cfg: Any, generation: Any,
-              device: str, dtype: torch.dtype, threads: int) -> int:
+    def serve(self, *, rank: int, world: int, host: str, port: int, tensor_parallel: int, cfg: Any, model_cfg: Any,
+              generation: Any, device: str, dtype: torch.dtype, threads: int) -> int:
         """Join rank 0's world, build this rank's part of the backend (weights from rank 0), then
         run each announced call until ``close``. Returns ``rank``.
 
@@ -433,7 +443,7 @@ class Follower:
         from t1async.megatron_backend import FOLLOWER_OPS, MegatronBackend
 
         dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
-        group = RankGroup.join(rank, world, host, port, dev)
+        group = RankGroup.join(rank, world, host, port, dev, tensor_parallel=tensor_parallel)
         try:
             backend = MegatronBackend(cfg, model_cfg, generation, device=dev, dtype=dtype, ranks=group)
             while True:

@@ -183,7 +183,7 @@ def test_launch_with_the_megatron_learner_on_two_expert_parallel_ranks(tmp_path)
     assert [s["weight_version"] for s in summary["samplers"]] == [3]  # every publish reached the sampler
     assert "megatron expert parallelism: 2 ranks (gloo" in (run_dir / "logs" / "learner.log").read_text()
     ckpt = run_dir / "checkpoints" / "step_000003"
-    assert (ckpt / "optimizers.pt").exists() and (ckpt / "optimizers-ep1.pt").exists()
+    assert (ckpt / "optimizers.pt").exists() and (ckpt / "optimizers-rank1.pt").exists()
     from safetensors import safe_open
 
     with safe_open(str(ckpt / "model.safetensors"), "pt") as f:

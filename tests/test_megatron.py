@@ -374,8 +374,8 @@ def local_ray():
     ray.shutdown()
 
 
-def _ep(n: int = 2):
-    return dataclasses.replace(LearnerConfig().megatron, expert_parallel=n, timeout_s=60.0)
+def _ep(n: int = 2, tp: int = 1):
+    return dataclasses.replace(LearnerConfig().megatron, expert_parallel=n, tensor_parallel=tp, timeout_s=60.0)
 
 
 def test_two_rank_expert_parallel_learner_step_matches_the_torch_backend(tmp_path, local_ray):
@@ -510,7 +510,7 @@ def test_two_rank_checkpoint_is_one_hf_checkpoint_that_one_process_loads_bitwise
     (which start their optimisers fresh); a 2-rank resume restores both ranks' optimiser state."""
     ckpt, hf, critic = _trained_checkpoint(tmp_path, megatron=_ep(2))
     assert {p.name for p in ckpt.iterdir()} >= {"model.safetensors", "config.json", "critic.safetensors",
-                                               "optimizers.pt", "optimizers-ep1.pt"}
+                                               "optimizers.pt", "optimizers-rank1.pt"}
     assert {int(k.split(".")[5]) for k in hf if ".experts." in k} == {0, 1, 2, 3}
     loaded = Qwen3MoeForCausalLM.from_pretrained(ckpt)
     assert dict(loaded.named_parameters()).keys() == hf.keys()
@@ -534,7 +534,7 @@ def test_two_rank_checkpoint_is_one_hf_checkpoint_that_one_process_loads_bitwise
         two.close()
     with pytest.raises(RuntimeError, match="ranks were closed"):  # never rank 0's experts alone
         two.hf_state()
-    for name in ("optimizers.pt", "optimizers-ep1.pt"):  # both ranks' AdamW moments restored and saved again
+    for name in ("optimizers.pt", "optimizers-rank1.pt"):  # both ranks' AdamW moments restored and saved again
         a, b = (torch.load(d / name, weights_only=True) for d in (ckpt, tmp_path / "again"))
         assert a["policy"]["state"] and len(a["policy"]["state"]) == len(b["policy"]["state"])
         for i, st in a["policy"]["state"].items():
