@@ -184,7 +184,8 @@ class AdamWPair:
                       str(folder / "critic.safetensors"))
         torch.save({"policy": self.policy_opt.state_dict(),
                     "critic": self.critic_opt.state_dict() if self.critic_opt is not None else None,
-                    "backend": self.name, "expert_parallel": getattr(self, "expert_parallel", 1)},
+                    "backend": self.name, "expert_parallel": getattr(self, "expert_parallel", 1),
+                    "tensor_parallel": getattr(self, "tensor_parallel", 1)},
                    folder / "optimizers.pt")
 
     def _load_optimizers(self, folder: Path) -> bool:

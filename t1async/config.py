@@ -470,20 +470,23 @@ class MegatronConfig:
     """``learner.backend: megatron``: megatron-core's GPTModel (t1async/megatron_backend.py)."""
 
     tensor_parallel: int = 1
-    """Tensor-parallel size. Only 1 runs: megatron-core 0.16.1 refuses MoE with tensor
-    parallelism unless sequence parallelism is on, and with it on the local layer spec's torch
-    norm refuses (measured on CPU; see README)."""
+    """Tensor-parallel size T (must divide the attention heads, key/value heads, vocabulary and
+    ``moe_intermediate_size``). T > 1 splits attention, vocabulary and every expert's MLP over T
+    ranks with sequence parallelism (megatron-core requires it for MoE with tensor parallelism);
+    with ``expert_parallel`` P the backend runs T x P ranks: P data-parallel groups of T, rank 0
+    in the learner and the rest as Ray actors. Sequences are right-padded to a multiple of T."""
     pipeline_parallel: int = 1
     """Pipeline-parallel size. Only 1 runs (the converter maps pipeline ranks; the learner does
     not schedule pipeline stages)."""
     expert_parallel: int = 1
     """Expert-parallel size N (must divide ``model.num_experts``). N > 1: the learner's backend
-    is rank 0 and starts N-1 more ranks as Ray actors (one GPU each on CUDA, no CPU reservation
-    on CPU); each rank holds E/N experts of every MoE layer and forwards ceil(B/N) of the rows of
-    each ``[B, T]`` micro-batch (the last chunks filled up with dummy rows: with
-    ``learner.micro_batch_tokens`` 0, B = 1 and only rank 0 does useful work); rank 0 gathers the
-    outputs, so metrics and the learner's loss are the same as with one process (shared gradients
-    summed over ranks; t1async/megatron_backend.py, t1async/megatron_ranks.py)."""
+    is rank 0 and starts the other ranks as Ray actors (one GPU each on CUDA, no CPU reservation
+    on CPU); each expert-parallel rank (with its ``tensor_parallel`` ranks) holds E/N experts of
+    every MoE layer and forwards ceil(B/N) of the rows of each ``[B, T]`` micro-batch (the last
+    chunks filled up with dummy rows: with ``learner.micro_batch_tokens`` 0, B = 1 and only rank
+    0 does useful work); rank 0 gathers the outputs, so metrics and the learner's loss are the
+    same as with one process (shared gradients summed over ranks; t1async/megatron_backend.py,
+    t1async/megatron_ranks.py)."""
     timeout_s: float = 300.0
     """Seconds rank 0 waits for its expert-parallel ranks in a collective before failing with an
     error (a dead rank is named at once); Megatron's own groups round it down to whole minutes (at
@@ -888,9 +891,8 @@ _VALUE_RULES: list[tuple[str, Any, str]] = [
     ("model.num_hidden_layers", lambda v: v >= 1, "an integer >= 1"),
     ("learner.backend", lambda v: v in ("torch", "megatron"),
      "'torch' (plain PyTorch) or 'megatron' (megatron-core; pip install 't1async[megatron]')"),
-    ("learner.megatron.tensor_parallel", lambda v: v == 1,
-     "1 (megatron-core 0.16.1 refuses MoE + tensor parallelism without sequence parallelism, and with it the "
-     "local spec's torch norm refuses; use expert_parallel)"),
+    ("learner.megatron.tensor_parallel", lambda v: v >= 1,
+     "an integer >= 1 that divides the attention heads, key/value heads, vocabulary and moe_intermediate_size"),
     ("learner.megatron.pipeline_parallel", lambda v: v == 1, "1 (pipeline stages are not scheduled by the learner)"),
     ("learner.megatron.expert_parallel", lambda v: v >= 1, "an integer >= 1 that divides model.num_experts"),
     ("learner.megatron.timeout_s", lambda v: v > 0, "a positive number of seconds"),
@@ -906,6 +908,18 @@ _VALUE_RULES: list[tuple[str, Any, str]] = [
       for kind in ("context_full", "episode_timeout")],
 ]
 
+def tensor_parallel_sizes(m: ModelConfig) -> dict[str, int]:
+    """The sizes ``learner.megatron.tensor_parallel`` must divide: Megatron splits the heads and
+    query groups, the vocabulary and each expert's MLP width over the tensor-parallel ranks."""
+    return {"num_attention_heads": m.num_attention_heads, "num_key_value_heads": m.num_key_value_heads,
+            "vocab_size": m.vocab_size, "moe_intermediate_size": m.moe_intermediate_size}
+
+
+def _tensor_parallel_choices(m: ModelConfig) -> list[int]:
+    sizes = tensor_parallel_sizes(m).values()
+    return [d for d in range(1, m.num_key_value_heads + 1) if all(v % d == 0 for v in sizes)]
+
+
 # (rule over the whole config, the keys it concerns, what must hold: text, or a function of the config)
 _CROSS_RULES: list[tuple[Any, str, Any]] = [
     (lambda c: c.env.max_context_tokens == 0 or c.env.max_context_tokens > c.generation.max_new_tokens,
@@ -920,6 +934,9 @@ _CROSS_RULES: list[tuple[Any, str, Any]] = [
      lambda c: (f"a divisor of model.num_experts={c.model.num_experts}, one of "
                 f"{[d for d in range(1, c.model.num_experts + 1) if c.model.num_experts % d == 0]} "
                 "(each rank holds num_experts / expert_parallel experts)")),
+    (lambda c: c.learner.megatron.tensor_parallel in _tensor_parallel_choices(c.model), "learner.megatron.tensor_parallel",
+     lambda c: (f"a divisor of each of {tensor_parallel_sizes(c.model)}, one of {_tensor_parallel_choices(c.model)} "
+                "(Megatron splits heads, vocabulary and expert width over the tensor-parallel ranks)")),
     (lambda c: not c.sampler.urls or c.sampler.backend == "sglang", "sampler.urls",
      "empty unless sampler.backend=sglang (the embedded samplers start on this machine and would ignore it)"),
 ]

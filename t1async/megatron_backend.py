@@ -81,7 +81,7 @@ from loguru import logger
 from torch import nn
 
 from t1async.backend import AdamWPair, PolicyForward
-from t1async.config import GenerationConfig, LearnerConfig, MegatronConfig, ModelConfig
+from t1async.config import GenerationConfig, LearnerConfig, MegatronConfig, ModelConfig, tensor_parallel_sizes
 from t1async.megatron_convert import CRITIC, POLICY, hf_to_megatron, megatron_to_hf, merge_tp, shard_tp, tp_partition
 from t1async.megatron_ranks import (RankGroup, all_reduce_, all_reduce_sum, expert_owner, from_bytes, gather_bytes,
                                     gather_tensors, leave_world, scatter_bytes, scatter_flat, share_state, to_bytes)
@@ -320,13 +320,6 @@ FOLLOWER_OPS = frozenset({"forward_policy", "forward_values", "forward_reference
                           "step", "gather_hf", "save_optimizers", "load_rank_optimizers", "load_hf", "forward_counts"})
 
 
-def tp_divides(cfg: ModelConfig) -> dict[str, int]:
-    """The sizes ``learner.megatron.tensor_parallel`` must divide (Megatron splits each over the
-    tensor-parallel ranks: heads and query groups, the vocabulary, the expert MLP's width)."""
-    return {"num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
-            "vocab_size": cfg.vocab_size, "moe_intermediate_size": cfg.moe_intermediate_size}
-
-
 def deal_rows(batch: int, ranks: int) -> list[torch.Tensor]:
     """The rows of a ``[batch, T]`` micro-batch each of ``ranks`` ranks forwards: contiguous
     chunks of ``ceil(batch / ranks)`` row indices (int64), rank r the r-th; the last chunks are
@@ -382,7 +375,7 @@ class MegatronBackend(AdamWPair):
         if ep < 1 or model_cfg.num_experts % ep:
             raise ValueError(f"learner.megatron.expert_parallel={ep} must divide model.num_experts="
                              f"{model_cfg.num_experts}")
-        split = tp_divides(model_cfg)
+        split = tensor_parallel_sizes(model_cfg)
         if tp < 1 or any(v % tp for v in split.values()):
             raise ValueError(f"learner.megatron.tensor_parallel={tp} must divide each of {split}")
         self.cfg, self.generation, self.model_cfg = cfg, generation, model_cfg

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from t1async.config import GenerationConfig, LearnerConfig, ModelConfig, TransportConfig, WeightSyncConfig
-from t1async.megatron_convert import CRITIC, POLICY, hf_to_megatron, megatron_to_hf, pack_qkv
+from t1async.megatron_convert import CRITIC, POLICY, hf_to_megatron, megatron_to_hf, merge_tp, pack_qkv, shard_tp
 from test_learner import assert_same_metrics, weight_gap
 from t1async.model import Qwen3MoeForCausalLM
 from t1async.rl import routing_differs
@@ -85,6 +85,52 @@ def test_converter_layouts_match_megatron_conventions():
     assert "embedding.word_embeddings.weight" not in mg and "output_layer.weight" in mg  # last stage only
     with pytest.raises(KeyError, match="no HF name"):
         megatron_to_hf({"decoder.layers.0.mlp.experts.linear_fc1.weight": fc1}, MODEL)
+
+
+@pytest.mark.parametrize("tp,ep", [(2, 1), (4, 1), (2, 2)])
+def test_tensor_parallel_slices_merge_back_bitwise_and_follow_megatrons_layout(tp, ep):
+    """shard_tp then merge_tp is the identity (every name, bit for bit, dtype kept) for the policy
+    and the critic; the slices are Megatron's: rank r holds query groups [r G/TP, (r+1) G/TP) of
+    linear_qkv, columns of linear_proj and linear_fc2, rows r of the vocabulary, and
+    [gate_r; up_r] of linear_fc1; norms, router and the critic's head are whole everywhere."""
+    cfg = dataclasses.replace(MODEL, num_attention_heads=8, num_key_value_heads=4)
+    torch.manual_seed(1)
+    for layout, sd in ((POLICY, Qwen3MoeForCausalLM(cfg).state_dict()),
+                       (CRITIC, ValueModel(Qwen3MoeForCausalLM(cfg)).state_dict())):
+        sd = {k: torch.randn_like(v) for k, v in sd.items()}
+        for er in range(ep):
+            whole = hf_to_megatron(sd, cfg, layout, ep_rank=er, ep_size=ep)
+            parts = [shard_tp(whole, layout, r, tp) for r in range(tp)]
+            back = merge_tp(parts, layout)
+            assert back.keys() == whole.keys()
+            assert all(torch.equal(back[k], whole[k]) and back[k].dtype == whole[k].dtype for k in whole)
+            hd, per, G = cfg.head_dim, cfg.num_attention_heads // cfg.num_key_value_heads, cfg.num_key_value_heads
+            qkv = whole["decoder.layers.1.self_attention.linear_qkv.weight"]
+            fc1 = whole["decoder.layers.1.mlp.experts.local_experts.0.linear_fc1.weight"]
+            gate, up = fc1.chunk(2)
+            I = cfg.moe_intermediate_size // tp
+            for r, part in enumerate(parts):
+                rows = (per + 2) * hd * (G // tp)
+                assert torch.equal(part["decoder.layers.1.self_attention.linear_qkv.weight"], qkv[r * rows:(r + 1) * rows])
+                assert torch.equal(part["decoder.layers.1.mlp.experts.local_experts.0.linear_fc1.weight"],
+                                   torch.cat([gate[r * I:(r + 1) * I], up[r * I:(r + 1) * I]]))
+                cols = cfg.num_attention_heads * hd // tp
+                assert torch.equal(part["decoder.layers.1.self_attention.linear_proj.weight"],
+                                   whole["decoder.layers.1.self_attention.linear_proj.weight"][:, r * cols:(r + 1) * cols])
+                assert torch.equal(part["decoder.layers.1.mlp.experts.local_experts.1.linear_fc2.weight"],
+                                   whole["decoder.layers.1.mlp.experts.local_experts.1.linear_fc2.weight"][:, r * I:(r + 1) * I])
+                v = cfg.vocab_size // tp
+                assert torch.equal(part["embedding.word_embeddings.weight"],
+                                   whole["embedding.word_embeddings.weight"][r * v:(r + 1) * v])
+                for k in ("decoder.layers.0.mlp.router.weight", "decoder.layers.0.self_attention.q_layernorm.weight",
+                          "decoder.final_layernorm.weight"):
+                    assert part[k] is whole[k]
+                if layout is CRITIC:
+                    assert part["output_layer.weight"] is whole["output_layer.weight"]  # the value head: whole
+                else:
+                    assert torch.equal(part["output_layer.weight"], whole["output_layer.weight"][r * v:(r + 1) * v])
+    with pytest.raises(ValueError, match="must divide dimension 0"):
+        shard_tp(hf_to_megatron(_hf(), MODEL), POLICY, 0, 3)
 
 
 # ----------------------------------------------------------------------------- replay rows
@@ -324,12 +370,12 @@ def test_two_process_expert_parallel_gloo_matches_the_torch_model(tmp_path):
 
 
 def test_megatron_sizes_other_than_one_are_refused_with_the_reason():
-    for key, match in (("tensor_parallel", "refuses MoE with tensor parallelism without sequence parallelism"),
+    for key, match in (("tensor_parallel", "tensor_parallel=2 must divide each of .*'num_key_value_heads': 1"),
                        ("pipeline_parallel", "only 1 runs"), ("expert_parallel", "must divide model.num_experts=4")):
         cfg = LearnerConfig(megatron=dataclasses.replace(LearnerConfig().megatron, **{key: 3 if key == "expert_parallel"
                                                                                       else 2}))
-        with pytest.raises(ValueError, match=match):
-            MegatronBackend(cfg, MODEL, GenerationConfig())
+        with pytest.raises(ValueError, match=match):  # (one key/value head: no tensor-parallel split of 2)
+            MegatronBackend(cfg, dataclasses.replace(MODEL, num_key_value_heads=1), GenerationConfig())
 
 
 def test_bench_learner_reports_both_backends_on_the_same_step(capsys):
@@ -378,16 +424,18 @@ def _ep(n: int = 2, tp: int = 1):
     return dataclasses.replace(LearnerConfig().megatron, expert_parallel=n, tensor_parallel=tp, timeout_s=60.0)
 
 
-def test_two_rank_expert_parallel_learner_step_matches_the_torch_backend(tmp_path, local_ray):
-    """learner.megatron.expert_parallel=2 (rank 0 in this process, rank 1 a Ray actor, gloo): the
-    same batch through one learner update as the torch backend from the same weights, replay on.
-    Log-probs and routing equal (one sequence: rank 1 forwards a dummy row); the step's metrics
-    (grad_norm included: it sees whether each token reached its experts once and whether the
-    shared gradients were summed over the ranks) and the gathered parameters after the AdamW step
-    agree."""
+@pytest.mark.parametrize("tp,ep", [(1, 2), (2, 1)])
+def test_two_rank_learner_step_matches_the_torch_backend(tmp_path, local_ray, tp, ep):
+    """learner.megatron.expert_parallel=2, or tensor_parallel=2 (with sequence parallelism), rank 0
+    in this process, rank 1 a Ray actor, gloo: the same batch through one learner update as the
+    torch backend from the same weights, replay on. Log-probs and routing equal (one sequence of
+    39 positions: with EP rank 1 forwards a dummy row; with TP the sequence is padded to 40 and
+    each rank's routers see its half); the step's metrics (grad_norm included: it sees whether
+    each token reached its experts once and whether the gradients of whole and sliced weights were
+    summed over the right ranks) and the gathered parameters after the AdamW step agree."""
     out = {}
-    for backend, ep in (("torch", 1), ("megatron", 2)):
-        learner = _learner(tmp_path, backend, True, megatron=_ep(ep))
+    for backend, (t_, e_) in (("torch", (1, 1)), ("megatron", (tp, ep))):
+        learner = _learner(tmp_path, backend, True, megatron=_ep(e_, t_))
         try:
             b = learner.backend
             before = {k: v.detach().clone() for k, v in b.hf_weights()}
@@ -408,7 +456,7 @@ def test_two_rank_expert_parallel_learner_step_matches_the_torch_backend(tmp_pat
     (ft, freet, mt, wt, nt), (fm, freem, mm, wm, nm) = out["torch"], out["megatron"]
     lp = float((ft.logp - fm.logp).abs().max())
     lp_free = float((freet.logp - freem.logp).abs().max())
-    print(f"EP=2 vs torch: log-prob max|diff| {lp:.2e} (replay), {lp_free:.2e} (own routing)")
+    print(f"TP={tp} EP={ep} vs torch: log-prob max|diff| {lp:.2e} (replay), {lp_free:.2e} (own routing)")
     assert lp < 1e-5 and lp_free < 1e-5 and torch.equal(ft.outside, fm.outside)
     assert torch.equal(freet.routed_experts, freem.routed_experts)  # RECORD across both ranks' experts
     assert not routing_differs(ft.router_experts, fm.router_experts).any()
@@ -418,7 +466,7 @@ def test_two_rank_expert_parallel_learner_step_matches_the_torch_backend(tmp_pat
     assert mm["expert_grad_norm"] == pytest.approx(mt["expert_grad_norm"], rel=1e-4) and mt["expert_grad_norm"] > 1e-3
     assert wm.keys() == wt.keys() and nm == nt == sum(v.numel() for v in wt.values())
     rel, moved = weight_gap(wt, wm, before)
-    print(f"EP=2: params after one step, max over tensors of |torch - megatron| / |torch| = {rel:.2e}; "
+    print(f"TP={tp} EP={ep}: params after one step, max over tensors of |torch - megatron| / |torch| = {rel:.2e}; "
           f"smallest relative move {moved:.2e}; grad_norm torch {mt['grad_norm']:.6g} megatron {mm['grad_norm']:.6g}; "
           f"expert grad norm torch {mt['expert_grad_norm']:.6g} megatron {mm['expert_grad_norm']:.6g}")
     assert rel < 1e-5 and moved > 1e-3
@@ -434,16 +482,17 @@ def _varied_batch():
     return out
 
 
-@pytest.mark.parametrize("mbt", [4096, 0])
-def test_two_rank_data_parallel_split_of_varied_lengths_matches_the_torch_backend(tmp_path, local_ray, mbt):
-    """expert_parallel=2 on five trajectories of 8 to 40 tokens, replay and a KL penalty on:
-    ``micro_batch_tokens=4096`` gives one right-padded micro-batch of B=5 (rank 0 forwards rows
-    0-2, rank 1 rows 3-4 and a dummy row), ``0`` gives five micro-batches of B=1 (rank 1 forwards
-    only a dummy row). The learner's metrics and the parameters after its AdamW step equal the
-    torch backend's; every forward held ceil(B / 2) rows on each rank."""
+@pytest.mark.parametrize("mbt,tp,ep", [(4096, 1, 2), (0, 1, 2), (0, 2, 1), (4096, 2, 2)])
+def test_multi_rank_data_parallel_split_of_varied_lengths_matches_the_torch_backend(tmp_path, local_ray, mbt, tp, ep):
+    """Five trajectories of 8 to 40 tokens, replay and a KL penalty on, over expert_parallel=2,
+    tensor_parallel=2 or both (4 ranks): ``micro_batch_tokens=4096`` gives one right-padded
+    micro-batch of B=5 (EP rank 0 forwards rows 0-2, EP rank 1 rows 3-4 and a dummy row), ``0``
+    gives five micro-batches of B=1 (with EP, rank 1 forwards only a dummy row; with TP, odd
+    lengths are padded to even ones). The learner's metrics and the parameters after its AdamW
+    step equal the torch backend's; every forward held ceil(B / EP) rows on each rank."""
     out = {}
-    for backend, ep in (("torch", 1), ("megatron", 2)):
-        learner = _learner(tmp_path, backend, True, megatron=_ep(ep), kl_coef=0.1,
+    for backend, (t_, e_) in (("torch", (1, 1)), ("megatron", (tp, ep))):
+        learner = _learner(tmp_path, backend, True, megatron=_ep(e_, t_), kl_coef=0.1,
                            micro_batch_tokens=mbt)
         try:
             before = {k: v.detach().clone() for k, v in learner.backend.hf_weights()}
@@ -456,14 +505,15 @@ def test_two_rank_data_parallel_split_of_varied_lengths_matches_the_torch_backen
     assert_same_metrics(mt, mm)
     assert mm["routing_diff_frac"] == mt["routing_diff_frac"] == 0 and mm["phase"] == "rl" and mm["kl_ref"] > 0
     rel, moved = weight_gap(wt, wm, before)
-    print(f"EP=2 split, micro_batch_tokens={mbt}: params after one step, max over tensors of |torch - megatron| / "
+    print(f"TP={tp} EP={ep} split, micro_batch_tokens={mbt}: params after one step, max over tensors of |torch - megatron| / "
           f"|torch| = {rel:.2e}; smallest relative move {moved:.2e}; grad_norm torch {mt['grad_norm']:.6g} "
           f"megatron {mm['grad_norm']:.6g}; forwards per rank {counts}")
     assert rel < 1e-5 and moved > 1e-3
     # per micro-batch: old values, then policy, reference and values (ppo_epochs=1): 4 forwards on each rank
     micro = 1 if mbt else 5
-    per = 3 if mbt else 1
-    assert counts[0] == counts[1] and counts[1]["forwards"] == 4 * micro and counts[1]["rows"] == 4 * micro * per
+    per = -(-5 // ep) if mbt else 1
+    assert len(counts) == tp * ep and all(c["forwards"] == 4 * micro and c["rows"] == 4 * micro * per for c in counts)
+    assert all(c["tokens"] % tp == 0 for c in counts)  # sequence parallelism: every forward's length a multiple of TP
 
 
 def test_each_rank_forwards_only_its_rows_and_rank_0_returns_the_whole_micro_batch(local_ray):
@@ -504,11 +554,13 @@ def test_each_rank_forwards_only_its_rows_and_rank_0_returns_the_whole_micro_bat
         mb.close()
 
 
-def test_two_rank_checkpoint_is_one_hf_checkpoint_that_one_process_loads_bitwise(tmp_path, local_ray):
-    """A 2-rank backend's checkpoint: one HF model.safetensors with all 4 experts (both ranks'),
-    loaded bitwise by transformers-style loading, the torch backend and a 1-rank megatron backend
-    (which start their optimisers fresh); a 2-rank resume restores both ranks' optimiser state."""
-    ckpt, hf, critic = _trained_checkpoint(tmp_path, megatron=_ep(2))
+@pytest.mark.parametrize("tp,ep", [(1, 2), (2, 1)])
+def test_two_rank_checkpoint_is_one_hf_checkpoint_that_one_process_loads_bitwise(tmp_path, local_ray, tp, ep):
+    """A 2-rank backend's checkpoint (expert- or tensor-parallel): one HF model.safetensors with all
+    4 experts, whole (both ranks' experts or slices), loaded bitwise by transformers-style loading,
+    the torch backend and a 1-rank megatron backend (which start their optimisers fresh); a 2-rank
+    resume restores both ranks' optimiser state."""
+    ckpt, hf, critic = _trained_checkpoint(tmp_path, megatron=_ep(ep, tp))
     assert {p.name for p in ckpt.iterdir()} >= {"model.safetensors", "config.json", "critic.safetensors",
                                                "optimizers.pt", "optimizers-rank1.pt"}
     assert {int(k.split(".")[5]) for k in hf if ".experts." in k} == {0, 1, 2, 3}
@@ -520,11 +572,11 @@ def test_two_rank_checkpoint_is_one_hf_checkpoint_that_one_process_loads_bitwise
     assert all(torch.equal(p, hf[n]) for n, p in tb.policy.named_parameters())
     assert all(torch.equal(p, critic[n]) for n, p in tb.critic.named_parameters())
     one = MegatronBackend(LearnerConfig(), MODEL, GenerationConfig(), ckpt)
-    assert one.load_state(ckpt) is False  # expert_parallel 1 vs 2: fresh optimisers
+    assert one.load_state(ckpt) is False  # 1 rank vs 2: fresh optimisers
     assert one.hf_state().keys() == hf.keys() and all(torch.equal(v, hf[k]) for k, v in one.hf_state().items())
     assert all(torch.equal(v, critic[k]) for k, v in one.critic_hf_state().items())
     del one
-    two = MegatronBackend(LearnerConfig(megatron=_ep(2)), MODEL, GenerationConfig(), ckpt)
+    two = MegatronBackend(LearnerConfig(megatron=_ep(ep, tp)), MODEL, GenerationConfig(), ckpt)
     try:
         assert two.load_state(ckpt) is True
         assert all(torch.equal(v, hf[k]) for k, v in two.hf_state().items())
