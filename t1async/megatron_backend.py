@@ -25,14 +25,30 @@ inference RNG tracker (no CUDA RNG), and ``moe_utils.te_general_gemm = None`` (i
 called without Transformer Engine). A causal mask is passed explicitly on CPU (the default one is
 built on CUDA). The ``alltoall`` dispatcher needs CUDA.
 
-Parallelism: expert parallelism over N processes (``learner.megatron.expert_parallel``, N
-dividing the number of experts; t1async/megatron_ranks.py). This object in the learner is rank 0;
-it starts ranks 1..N-1 as Ray actors, all join one torch.distributed world (gloo on CPU, nccl on
-CUDA) and Megatron's groups (1, 1, expert_model_parallel_size=N), and each builds its GPTModels
-with its own E/N experts per MoE layer (weights sent from rank 0). Every call is announced by rank
-0 and run by every rank. Within the expert-parallel group the data is split (data parallelism, as
-Megatron lays out EP within DP), while the learner's loop and the LearnerBackend interface stay as
-with one process:
+Parallelism: expert parallelism P (``learner.megatron.expert_parallel``, P dividing the number of
+experts) times tensor parallelism T (``tensor_parallel``) over N = T x P processes
+(t1async/megatron_ranks.py). This object in the learner is rank 0; it starts ranks 1..N-1 as Ray
+actors, all join one torch.distributed world (gloo on CPU, nccl on CUDA) and Megatron's groups
+(T, 1, expert_model_parallel_size=P; rank = tp_rank + T x ep_rank), and each builds its GPTModels
+with its own E/P experts per MoE layer and its own 1/T slices (weights sent from rank 0, sliced by
+t1async/megatron_convert.py ``shard_tp``). Every call is announced by rank 0 and run by every rank.
+Across the P expert-parallel ranks the data is split (data parallelism, as Megatron lays out EP
+within DP); the T tensor-parallel ranks of one of them forward the same rows, while the learner's
+loop and the LearnerBackend interface stay as with one process.
+
+Tensor parallelism, as megatron-core lays it out: attention heads (query groups), the vocabulary
+(embedding and LM head) and each expert's MLP width are split over the T ranks, with sequence
+parallelism (megatron-core requires it for MoE with TP): between the split layers each rank holds
+1/T of the sequence, so norms and routers run on that slice. Hence:
+
+- sequences are right-padded to a multiple of T (token 0, distinct replay ids), outputs cut back;
+- the sampler's replay rows are sliced per rank (its routers see its part of the sequence), and
+  the routing each rank records is all-gathered back in sequence order;
+- the LM head's vocabulary slices are all-gathered before the log-probs (the sampler's top-k /
+  top-p processing needs every logit); the critic's head runs on the sequence slice and its
+  values are all-gathered;
+- norms are megatron's local-spec RMSNorm made to accept sequence parallelism (:class:`_Norm`;
+  megatron-core 0.16.1's ``WrappedTorchNorm`` asserts it is off).
 
 - forward: a micro-batch ``[B, T]`` (int64 token ids, integer replay ``[B, T, L, K]``) is dealt by
   rows (:func:`deal_rows`): rank r forwards the contiguous chunk r of ``ceil(B/N)`` rows; the last
@@ -47,25 +63,27 @@ with one process:
   :meth:`MegatronBackend.backward` takes its gradient w.r.t. them, splits it by rows as the forward
   was split (dummy rows: zeros), sends each rank only its rows' part (a scatter), and every rank
   backpropagates its own outputs with it (the dispatcher's collectives run in that backward).
-- gradients: each token reaches its experts once, so an expert's gradient, on the one rank that
-  holds it, is the whole micro-batch's, unscaled; shared (non-expert) gradients hold one rank's
-  rows each and are summed over the ranks (one all-reduce per dtype) before the clip. The clip norm
-  is the true global norm, sqrt(shared squares + sum over ranks of expert squares); every rank clips
-  with it and steps AdamW on its own parameters (verified against the torch backend to 1e-5 in
-  tests/test_megatron.py, with B = 1, 2 and 5).
+- gradients: each token reaches its experts once, so an expert's gradient, on the ranks that
+  hold its slices, is the whole micro-batch's, unscaled; the other sliced gradients hold one
+  data-parallel rank's rows and are summed over the data-parallel group, whole weights (norms,
+  routers, the critic's head) are summed over every rank (:meth:`MegatronBackend._clip`). The clip
+  norm is the true global norm over every distinct slice; every rank clips with it and steps
+  AdamW on its own parameters (verified against the torch backend to 1e-5 in
+  tests/test_megatron.py, with B = 1, 2 and 5, TP x EP = 1 x 2, 2 x 1 and 2 x 2).
 
-Checkpoints and the weight broadcast gather every rank's experts to rank 0 in HF layout (one HF
-checkpoint, loadable by one process or another EP size); optimiser state is one file per rank
+Checkpoints and the weight broadcast gather every rank's experts and slices to rank 0 in HF layout
+(one HF checkpoint, loadable by one process or other parallel sizes); optimiser state is one file per rank
 (``optimizers.pt``, ``optimizers-rank{r}.pt``).
 
-What this buys: each rank holds 1/N of the experts (and their AdamW moments) and computes 1/N of
-each micro-batch's rows. Speed needs a micro-batch of at least N rows (B = 1 leaves N-1 ranks a
-dummy row each) and devices that compute in parallel; the dispatcher's all-gather / reduce-scatter,
-the announcements, the output gathers and the gradient all-reduce come on top
+What this buys: each rank holds 1/N of the experts (and their AdamW moments) and 1/T of the
+attention and vocabulary, and computes 1/P of each micro-batch's rows (1/T of each of their
+layers). Speed needs a micro-batch of at least P rows (B = 1 leaves P-1 expert-parallel ranks a
+dummy row each) and devices that compute in parallel; the dispatcher's all-gather /
+reduce-scatter, sequence parallelism's per-layer all-gathers and reduce-scatters, the
+announcements, the output gathers and the gradient all-reduces come on top
 (tools/bench_expert_parallel.py). The loss normalisers and advantage statistics stay the learner's
-(rank 0 holds every output), so nothing of the RL maths is reduced across ranks. Tensor parallelism
-(MoE needs sequence parallelism, which the local spec's torch norm refuses in megatron-core 0.16.1)
-and pipeline parallelism are refused.
+(rank 0 holds every output), so nothing of the RL maths is reduced across ranks. Pipeline
+parallelism is refused (the learner does not schedule stages).
 """
 
 from __future__ import annotations

@@ -115,9 +115,11 @@ def test_megatron_parallel_sizes_are_checked_in_one_line():
         load_config(None, ["learner.megatron.expert_parallel=3", "model.num_experts=4"])
     assert "\n" not in str(e.value) and "learner.megatron.expert_parallel=3" in str(e.value)
     assert "a divisor of model.num_experts=4, one of [1, 2, 4]" in str(e.value)
+    assert load_config(None, ["learner.megatron.tensor_parallel=2"]).learner.megatron.tensor_parallel == 2
     with pytest.raises(ConfigError) as e:
-        load_config(None, ["learner.megatron.tensor_parallel=2"])
-    assert "\n" not in str(e.value) and "refuses MoE + tensor parallelism without sequence parallelism" in str(e.value)
+        load_config(None, ["learner.megatron.tensor_parallel=3"])
+    assert "\n" not in str(e.value) and "learner.megatron.tensor_parallel=3" in str(e.value)
+    assert "one of [1, 2]" in str(e.value) and "'num_key_value_heads': 2" in str(e.value)
     with pytest.raises(ConfigError, match="learner.megatron.pipeline_parallel=2 is invalid"):
         load_config(None, ["learner.megatron.pipeline_parallel=2"])
 

@@ -1,11 +1,12 @@
-"""Learner step time of the megatron backend on one process against ``expert_parallel`` N processes.
+"""Learner step time of the megatron backend on one process against N = ``expert_parallel`` x
+``tensor_parallel`` processes.
 
-Prints ONE JSON object. Builds the megatron backend with ``learner.megatron.expert_parallel`` 1,
-times ``--steps`` learner micro-batch steps (tools/bench_learner.py ``rl_step``: old values,
-policy log-probs with replay, values, PPO + value loss, backward, clip + AdamW) on one batch after
-``--warmup`` untimed ones, closes it, then does the same with N ranks (rank 0 here, ranks 1..N-1
-Ray actors on this machine, gloo on CPU / nccl on CUDA), from the same seeded init on the same
-batch. One backend at a time (a process holds one torch.distributed world), so a load change on a
+Prints ONE JSON object. Builds the megatron backend on one process, times ``--steps`` learner
+micro-batch steps (tools/bench_learner.py ``rl_step``: old values, policy log-probs with replay,
+values, PPO + value loss, backward, clip + AdamW) on one batch after ``--warmup`` untimed ones,
+closes it, then does the same with ``--ranks`` expert-parallel ranks times ``--tensor-parallel``
+ranks (rank 0 here, the others Ray actors on this machine, gloo on CPU / nccl on CUDA), from the
+same seeded init on the same batch. One backend at a time (a process holds one torch.distributed world), so a load change on a
 shared machine between the two phases moves one and not the other: compare medians of several runs.
 
 Each rank forwards ceil(B/N) of the batch's B rows (t1async/megatron_backend.py: a data-parallel
@@ -13,10 +14,13 @@ split inside the expert-parallel group; ``forwarded_rows_per_rank`` shows it) an
 experts (``parameters_rank0``); on top come the dispatcher's all-gather and reduce-scatter, the
 announcements, the output gathers and the shared-gradient all-reduce. ``--batch`` should be at
 least N (the default 4 sequences of ``--seq`` tokens): with B < N some ranks forward only dummy
-rows. N ranks run faster only where they compute in parallel (one GPU each, or free CPU cores).
+rows. With tensor parallelism T the T ranks of each expert-parallel rank forward the same rows,
+each its 1/T slice of attention, vocabulary and experts and 1/T of the sequence between them
+(sequence parallelism), at the cost of all-gathers and reduce-scatters in every layer. N ranks run
+faster only where they compute in parallel (one GPU each, or free CPU cores).
 
-Usage: ``python tools/bench_expert_parallel.py [--ranks 2] [--model local|mid] [--batch 4]
-[--seq 128] [--steps 5] [--warmup 1] [--threads 1]``.
+Usage: ``python tools/bench_expert_parallel.py [--ranks 2] [--tensor-parallel 1] [--model local|mid]
+[--batch 4] [--seq 128] [--steps 5] [--warmup 1] [--threads 1]``.
 """
 
 from __future__ import annotations
@@ -37,13 +41,14 @@ from bench_learner import MODELS, make_batch, rl_step  # noqa: E402
 from t1async.config import GenerationConfig, LearnerConfig  # noqa: E402
 
 
-def time_backend(ranks: int, args: argparse.Namespace, device: torch.device) -> dict:
-    """Build the megatron backend with ``ranks`` expert-parallel ranks, time its steps, close it."""
+def time_backend(ranks: int, args: argparse.Namespace, device: torch.device, tensor_parallel: int = 1) -> dict:
+    """Build the megatron backend with ``ranks`` expert-parallel ranks times ``tensor_parallel``,
+    time its steps, close it."""
     from t1async.megatron_backend import MegatronBackend
 
     model = MODELS[args.model]
     cfg = LearnerConfig(lr=1e-5, critic_lr=1e-5)
-    cfg.megatron = dataclasses.replace(cfg.megatron, expert_parallel=ranks)
+    cfg.megatron = dataclasses.replace(cfg.megatron, expert_parallel=ranks, tensor_parallel=tensor_parallel)
     torch.manual_seed(0)
     t0 = time.perf_counter()
     backend = MegatronBackend(cfg, model, GenerationConfig(), device=device, dtype=torch.float32)
@@ -64,7 +69,8 @@ def time_backend(ranks: int, args: argparse.Namespace, device: torch.device) -> 
         hf = backend.hf_state()
         gather_s = time.perf_counter() - t0
         local = sum(p.numel() for p in backend.policy.parameters())
-        return {"ranks": ranks, "step_s_median": round(statistics.median(times), 4),
+        return {"ranks": ranks * tensor_parallel, "expert_parallel": ranks, "tensor_parallel": tensor_parallel,
+                "step_s_median": round(statistics.median(times), 4),
                 "step_s_all": [round(t, 4) for t in times], "tokens_per_s": round(args.batch * args.seq
                                                                                  / statistics.median(times), 1),
                 "build_s": round(build_s, 2), "hf_state_s": round(gather_s, 3), "parameters": backend.num_parameters(),
@@ -81,6 +87,8 @@ def main(argv: list[str] | None = None) -> dict:
     p = OneLineErrors(prog="t1async bench expert-parallel", description=__doc__.split("\n\n")[0],
                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--ranks", type=at_least_one, default=2, help="expert-parallel ranks of the second phase")
+    p.add_argument("--tensor-parallel", type=at_least_one, default=1,
+                   help="tensor-parallel ranks per expert-parallel rank in the second phase")
     p.add_argument("--model", choices=sorted(MODELS), default="local", help="model size (tools/bench_learner.py)")
     p.add_argument("--batch", type=at_least_one, default=4, help="sequences per micro-batch (split across the ranks)")
     p.add_argument("--seq", type=at_least_one, default=128, help="tokens per sequence")
@@ -99,12 +107,12 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         device = torch.device(args.device)
         one = time_backend(1, args, device)
-        many = time_backend(args.ranks, args, device)
+        many = time_backend(args.ranks, args, device, args.tensor_parallel)
     finally:
         ray.shutdown()
     loss = one["policy_loss_last"]
     out = {"model": args.model, "batch": args.batch, "seq": args.seq, "threads_per_rank": args.threads,
-           "device": args.device, "one_rank": one, f"{args.ranks}_ranks": many,
+           "device": args.device, "one_rank": one, f"{args.ranks * args.tensor_parallel}_ranks": many,
            "step_time_ratio": round(many["step_s_median"] / one["step_s_median"], 3),
            "same_loss": abs(loss - many["policy_loss_last"]) <= 1e-5 * max(1.0, abs(loss))}
     print(json.dumps(out))
