@@ -485,7 +485,7 @@ class MegatronBackend(AdamWPair):
         with self._lock:  # one announced call at a time (the learner may close from another thread)
             ranks = self._ranks
             if ranks is None:
-                raise RuntimeError("the megatron backend's expert-parallel ranks were closed")
+                raise RuntimeError("the megatron backend's ranks were closed")
             ranks.check()
 
             def both():
@@ -544,7 +544,7 @@ class MegatronBackend(AdamWPair):
             if got:
                 ranks.close()
             else:
-                logger.warning("megatron backend closing during a call: killing its expert-parallel ranks")
+                logger.warning("megatron backend closing during a call: killing its other ranks")
                 ranks.kill()
         finally:
             if got:

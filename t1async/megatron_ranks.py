@@ -71,7 +71,7 @@ def _cpu(obj: Any) -> Any:
 
 
 class RankGroup:
-    """One rank's membership of the expert-parallel world.
+    """One rank's membership of the world of the megatron learner ranks (tensor x expert parallel).
 
     Rank 0 (:meth:`start`) owns the followers' Ray handles and the refs of their
     :meth:`Follower.serve` calls; a follower's (:meth:`join`) has none.
@@ -130,7 +130,7 @@ class RankGroup:
             group.check()
             if time.monotonic() > deadline:
                 group.kill()
-                raise RankFailed(f"megatron expert-parallel ranks {waiting} did not join rank 0 at "
+                raise RankFailed(f"megatron learner ranks {waiting} did not join rank 0 at "
                                  f"{host}:{store.port} within {startup_s:g} s (the larger of "
                                  f"learner.megatron.timeout_s and {STARTUP_S:g} s)")
             if store.check([f"joining/{waiting[0]}"]):
@@ -142,7 +142,7 @@ class RankGroup:
             twice = [r for r in range(1, world) if gpus[r] in gpus[:r]]
             if twice:
                 group.kill()
-                raise RankFailed(f"megatron expert-parallel ranks {twice} were given a GPU another rank uses "
+                raise RankFailed(f"megatron learner ranks {twice} were given a GPU another rank uses "
                                  f"({gpus}); NCCL needs one GPU per rank. Ray does not reserve the learner's GPU "
                                  "(rank 0): let rank 0 use a GPU Ray does not hand out (learner.megatron.device=cuda:K "
                                  "with K outside the GPUs Ray schedules) or give Ray more GPUs than it hands out")
@@ -151,7 +151,7 @@ class RankGroup:
         except Exception as e:
             group.check(wait_s=5.0)
             group.kill()
-            raise RankFailed(f"megatron expert-parallel rendezvous failed: {e}") from e
+            raise RankFailed(f"megatron learner ranks: rendezvous failed: {e}") from e
         logger.info("megatron ranks: {} (tensor parallel {}, expert parallel {}; {}, rendezvous {}:{})", world,
                     tensor_parallel, world // tensor_parallel, "nccl" if cuda else "gloo", host, store.port)
         return group
@@ -218,7 +218,7 @@ class RankGroup:
                     why.append(f"rank {r} ({self.where(r)}) stopped serving")
                 except Exception as e:  # RayActorError (died), RayTaskError (its call raised)
                     why.append(f"rank {r} ({self.where(r)}) failed: {str(e).strip().splitlines()[-1][:300]}")
-        self.failed = "megatron expert-parallel " + "; ".join(why)
+        self.failed = "megatron learner ranks: " + "; ".join(why)
         raise RankFailed(self.failed)
 
     def where(self, rank: int) -> str:
@@ -239,7 +239,7 @@ class RankGroup:
             if not _is_comm_error(e):
                 raise
             self.check(wait_s=10.0)  # a follower that died: named
-            self.failed = (f"megatron expert-parallel call failed on rank 0 while every follower still runs (a "
+            self.failed = (f"megatron learner ranks: call failed on rank 0 while every follower still runs (a "
                            f"follower stuck longer than learner.megatron.timeout_s={self.timeout_s:g} s, or an "
                            f"error on rank 0; the ranks are out of step and the backend must be rebuilt): {e}")
             raise RankFailed(self.failed) from e
@@ -254,7 +254,7 @@ class RankGroup:
                 self.announce("close", ())
                 ray.wait(self.refs, num_returns=len(self.refs), timeout=10)
             except Exception as e:  # a dead follower: killed below anyway
-                logger.warning("megatron expert-parallel close: {}", e)
+                logger.warning("megatron learner ranks: close: {}", e)
         self.kill()
         leave_world()
 

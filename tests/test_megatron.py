@@ -1,6 +1,6 @@
 """The Megatron-core learner backend against the torch one: the weight converter (bitwise), forward
 parity with and without routing replay, RECORD vs the torch model's routing, one learner step,
-checkpoints, and two-process expert-parallel runs over gloo (CPU), each rank forwarding its share of the rows."""
+checkpoints, and multi-process expert- and tensor-parallel runs over gloo (CPU)."""
 
 from __future__ import annotations
 
