@@ -476,8 +476,12 @@ class MegatronConfig:
     with ``expert_parallel`` P the backend runs T x P ranks: P data-parallel groups of T, rank 0
     in the learner and the rest as Ray actors. Sequences are right-padded to a multiple of T."""
     pipeline_parallel: int = 1
-    """Pipeline-parallel size. Only 1 runs (the converter maps pipeline ranks; the learner does
-    not schedule pipeline stages)."""
+    """Pipeline-parallel size S (must divide ``model.num_hidden_layers``; not with
+    ``model.tie_word_embeddings``). S > 1 puts L/S consecutive layers on each of S stages (the
+    embedding on the first, the final norm and head on the last), T x S x P ranks in all; a
+    micro-batch's hidden states pass from stage to stage in the forward and their gradients back
+    in the backward, one micro-batch at a time (no overlap of stages: it shards layers and their
+    optimiser state, it does not run stages in parallel)."""
     expert_parallel: int = 1
     """Expert-parallel size N (must divide ``model.num_experts``). N > 1: the learner's backend
     is rank 0 and starts the other ranks as Ray actors (one GPU each on CUDA, no CPU reservation
@@ -893,7 +897,7 @@ _VALUE_RULES: list[tuple[str, Any, str]] = [
      "'torch' (plain PyTorch) or 'megatron' (megatron-core; pip install 't1async[megatron]')"),
     ("learner.megatron.tensor_parallel", lambda v: v >= 1,
      "an integer >= 1 that divides the attention heads, key/value heads, vocabulary and moe_intermediate_size"),
-    ("learner.megatron.pipeline_parallel", lambda v: v == 1, "1 (pipeline stages are not scheduled by the learner)"),
+    ("learner.megatron.pipeline_parallel", lambda v: v >= 1, "an integer >= 1 that divides model.num_hidden_layers"),
     ("learner.megatron.expert_parallel", lambda v: v >= 1, "an integer >= 1 that divides model.num_experts"),
     ("learner.megatron.timeout_s", lambda v: v > 0, "a positive number of seconds"),
     ("learner.megatron.dispatcher", lambda v: v in ("auto", "allgather", "alltoall"),
@@ -937,6 +941,13 @@ _CROSS_RULES: list[tuple[Any, str, Any]] = [
     (lambda c: c.learner.megatron.tensor_parallel in _tensor_parallel_choices(c.model), "learner.megatron.tensor_parallel",
      lambda c: (f"a divisor of each of {tensor_parallel_sizes(c.model)}, one of {_tensor_parallel_choices(c.model)} "
                 "(Megatron splits heads, vocabulary and expert width over the tensor-parallel ranks)")),
+    (lambda c: c.model.num_hidden_layers % c.learner.megatron.pipeline_parallel == 0, "learner.megatron.pipeline_parallel",
+     lambda c: (f"a divisor of model.num_hidden_layers={c.model.num_hidden_layers}, one of "
+                f"{[d for d in range(1, c.model.num_hidden_layers + 1) if c.model.num_hidden_layers % d == 0]} "
+                "(each stage holds num_hidden_layers / pipeline_parallel layers)")),
+    (lambda c: c.learner.megatron.pipeline_parallel == 1 or not c.model.tie_word_embeddings,
+     "learner.megatron.pipeline_parallel", "1 when model.tie_word_embeddings (the tied embedding and LM head would "
+     "sit on two stages)"),
     (lambda c: not c.sampler.urls or c.sampler.backend == "sglang", "sampler.urls",
      "empty unless sampler.backend=sglang (the embedded samplers start on this machine and would ignore it)"),
 ]

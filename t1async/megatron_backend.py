@@ -126,15 +126,16 @@ except ImportError as e:  # the optional extra
 __all__ = ["MegatronBackend", "build_gpt", "deal_rows", "init_megatron", "replay_rows", "transformer_config"]
 
 
-def init_megatron(device: torch.device, seed: int = 0, *, expert_parallel: int = 1, tensor_parallel: int = 1) -> None:
+def init_megatron(device: torch.device, seed: int = 0, *, expert_parallel: int = 1, tensor_parallel: int = 1,
+                  pipeline_parallel: int = 1) -> None:
     """Make this process a Megatron rank (idempotent).
 
-    With ``expert_parallel`` and ``tensor_parallel`` 1: starts torch.distributed's default group
-    if it is not started (gloo on CPU, nccl on CUDA, world size 1, an in-memory store) and
-    Megatron's model-parallel groups (all sizes 1), first leaving a world of another shape (a
-    closed multi-rank backend's in this process). Otherwise the world of ``tensor_parallel x
-    expert_parallel`` ranks and Megatron's groups were formed by t1async/megatron_ranks.py; this
-    checks their sizes. Then
+    With every size 1: starts torch.distributed's default group if it is not started (gloo on
+    CPU, nccl on CUDA, world size 1, an in-memory store) and Megatron's model-parallel groups (all
+    sizes 1), first leaving a world of another shape (a closed multi-rank backend's in this
+    process). Otherwise the world of ``tensor_parallel x pipeline_parallel x expert_parallel``
+    ranks and Megatron's groups were formed by t1async/megatron_ranks.py; this checks their sizes.
+    Then
     Megatron's RNG tracker; on CPU the shims described in the module docstring. The learner's
     weight broadcast uses its own process groups (t1async/weight_sync.py), never the default one.
 
@@ -147,7 +148,7 @@ def init_megatron(device: torch.device, seed: int = 0, *, expert_parallel: int =
         torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
     if not hasattr(moe_utils, "te_general_gemm"):  # no Transformer Engine: the router's GEMM is torch's
         moe_utils.te_general_gemm = None  # (measured on an H200: NameError there too, not only on CPU)
-    if expert_parallel == 1 and tensor_parallel == 1:
+    if expert_parallel == 1 and tensor_parallel == 1 and pipeline_parallel == 1:
         if dist.is_initialized() and (dist.get_world_size() != 1 or (
                 parallel_state.model_parallel_is_initialized()
                 and parallel_state.get_expert_model_parallel_world_size() != 1)):
@@ -159,11 +160,12 @@ def init_megatron(device: torch.device, seed: int = 0, *, expert_parallel: int =
                                     world_size=1)
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
-    elif not (dist.is_initialized() and dist.get_world_size() == expert_parallel * tensor_parallel
+    elif not (dist.is_initialized() and dist.get_world_size() == expert_parallel * tensor_parallel * pipeline_parallel
               and parallel_state.get_expert_model_parallel_world_size() == expert_parallel
-              and parallel_state.get_tensor_model_parallel_world_size() == tensor_parallel):
-        raise RuntimeError(f"tensor_parallel={tensor_parallel} x expert_parallel={expert_parallel} needs a world of "
-                           "that shape (t1async/megatron_ranks.py)")
+              and parallel_state.get_tensor_model_parallel_world_size() == tensor_parallel
+              and parallel_state.get_pipeline_model_parallel_world_size() == pipeline_parallel):
+        raise RuntimeError(f"tensor_parallel={tensor_parallel} x pipeline_parallel={pipeline_parallel} x "
+                           f"expert_parallel={expert_parallel} needs a world of that shape (t1async/megatron_ranks.py)")
     from megatron.core.tensor_parallel import random as mrandom
 
     if device.type == "cpu":
@@ -173,10 +175,10 @@ def init_megatron(device: torch.device, seed: int = 0, *, expert_parallel: int =
 
 
 def transformer_config(cfg: ModelConfig, *, replay: bool, dtype: torch.dtype, device: torch.device,
-                       dispatcher: str = "auto", expert_parallel: int = 1,
-                       tensor_parallel: int = 1) -> TransformerConfig:
-    """Megatron's TransformerConfig for the HF Qwen3-MoE architecture ``cfg`` (pipeline parallel
-    size 1; ``expert_parallel`` and ``tensor_parallel`` must match Megatron's initialised groups).
+                       dispatcher: str = "auto", expert_parallel: int = 1, tensor_parallel: int = 1,
+                       pipeline_parallel: int = 1) -> TransformerConfig:
+    """Megatron's TransformerConfig for the HF Qwen3-MoE architecture ``cfg`` (the parallel sizes
+    must match Megatron's initialised groups).
     ``tensor_parallel`` > 1 turns on sequence parallelism, which megatron-core requires for MoE
     with tensor parallelism (experts are split over the tensor-parallel ranks too).
 
@@ -200,7 +202,8 @@ def transformer_config(cfg: ModelConfig, *, replay: bool, dtype: torch.dtype, de
         perform_initialization=False, bias_dropout_fusion=False, apply_rope_fusion=False,
         masked_softmax_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
         expert_model_parallel_size=expert_parallel, tensor_model_parallel_size=tensor_parallel,
-        sequence_parallel=tensor_parallel > 1)
+        sequence_parallel=tensor_parallel > 1, pipeline_model_parallel_size=pipeline_parallel,
+        pipeline_dtype=dtype)
 
 
 class _ValueHead(nn.Module):
@@ -264,10 +267,12 @@ def _with_norm(spec, norm: type) -> None:
 def build_gpt(cfg: ModelConfig, hf: dict[str, torch.Tensor], *, critic: bool = False, replay: bool = False,
               dtype: torch.dtype = torch.float32, device: torch.device = torch.device("cpu"),
               dispatcher: str = "auto", ep_rank: int = 0, ep_size: int = 1, tp_rank: int = 0,
-              tp_size: int = 1) -> GPTModel:
+              tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1) -> GPTModel:
     """A GPTModel holding the HF weights ``hf`` (policy layout, or the critic's with ``critic``);
     with ``ep_size`` > 1 only this rank's experts, with ``tp_size`` > 1 only this rank's
-    tensor-parallel slices (Megatron's groups of those sizes initialised).
+    tensor-parallel slices, with ``pp_size`` > 1 only this pipeline stage's layers (the embedding
+    on the first stage, the final norm and head on the last; Megatron's groups of those sizes
+    initialised).
 
     The layer spec is megatron-core's local one (``get_gpt_layer_local_spec``) with its norms
     replaced by :class:`_Norm`, the same RMSNorm that also runs under sequence parallelism.
@@ -276,21 +281,23 @@ def build_gpt(cfg: ModelConfig, hf: dict[str, torch.Tensor], *, critic: bool = F
         RuntimeError: the converted weights do not cover the model's parameters exactly.
     """
     tc = transformer_config(cfg, replay=replay, dtype=dtype, device=device, dispatcher=dispatcher,
-                            expert_parallel=ep_size, tensor_parallel=tp_size)
+                            expert_parallel=ep_size, tensor_parallel=tp_size, pipeline_parallel=pp_size)
     layer = get_gpt_layer_local_spec(num_experts=cfg.num_experts, moe_grouped_gemm=False, qk_layernorm=True,
                                      normalization="RMSNorm")
-    block = TransformerBlockSubmodules(layer_specs=[layer] * cfg.num_hidden_layers, layer_norm=_Norm)
+    block = TransformerBlockSubmodules(layer_specs=[layer] * (cfg.num_hidden_layers // pp_size), layer_norm=_Norm)
     _with_norm(block, _Norm)
+    last = pp_rank == pp_size - 1
     model = GPTModel(tc, block, vocab_size=cfg.vocab_size, max_sequence_length=cfg.max_position_embeddings,
                      position_embedding_type="rope", rotary_base=cfg.rope_theta,
-                     share_embeddings_and_output_weights=cfg.tie_word_embeddings and not critic)
-    if critic:
+                     share_embeddings_and_output_weights=cfg.tie_word_embeddings and not critic,
+                     pre_process=pp_rank == 0, post_process=last)
+    if critic and last:
         model.output_layer = _ValueHead(cfg.hidden_size, device, sequence_parallel=tp_size > 1)
     model.to(device)
     RouterReplay.clear_global_router_replay_instances()  # each router keeps its own; no process-wide list
     layout = CRITIC if critic else POLICY
-    load_megatron(model, shard_tp(hf_to_megatron(hf, cfg, layout, ep_rank=ep_rank, ep_size=ep_size), layout,
-                                  tp_rank, tp_size))
+    load_megatron(model, shard_tp(hf_to_megatron(hf, cfg, layout, ep_rank=ep_rank, ep_size=ep_size, pp_rank=pp_rank,
+                                                 pp_size=pp_size), layout, tp_rank, tp_size))
     return model
 
 
@@ -336,6 +343,10 @@ def replay_rows(routed: torch.Tensor, num_experts: int, lengths: torch.Tensor | 
 # calls rank 0 announces to its followers (each runs MegatronBackend._<name>)
 FOLLOWER_OPS = frozenset({"forward_policy", "forward_values", "forward_reference", "zero_grad", "backward_outputs",
                           "step", "gather_hf", "save_optimizers", "load_rank_optimizers", "load_hf", "forward_counts"})
+
+
+def _cpu_state(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu() for k, v in sd.items()}
 
 
 def deal_rows(batch: int, ranks: int) -> list[torch.Tensor]:
@@ -386,10 +397,13 @@ class MegatronBackend(AdamWPair):
                  init: str | Path | None = None, *, device: str | torch.device | None = None,
                  dtype: torch.dtype | None = None, ranks: RankGroup | None = None):
         mc: MegatronConfig = cfg.megatron
-        if mc.pipeline_parallel != 1:
-            raise ValueError(f"learner.megatron.pipeline_parallel={mc.pipeline_parallel}: only 1 runs (the learner "
-                             "does not schedule pipeline stages)")
-        ep, tp = mc.expert_parallel, mc.tensor_parallel
+        ep, tp, pp = mc.expert_parallel, mc.tensor_parallel, mc.pipeline_parallel
+        if pp < 1 or model_cfg.num_hidden_layers % pp:
+            raise ValueError(f"learner.megatron.pipeline_parallel={pp} must divide model.num_hidden_layers="
+                             f"{model_cfg.num_hidden_layers}")
+        if pp > 1 and model_cfg.tie_word_embeddings:
+            raise ValueError("learner.megatron.pipeline_parallel > 1 with model.tie_word_embeddings: the tied "
+                             "embedding and LM head would sit on two stages, whose gradients t1async does not sum")
         if ep < 1 or model_cfg.num_experts % ep:
             raise ValueError(f"learner.megatron.expert_parallel={ep} must divide model.num_experts="
                              f"{model_cfg.num_experts}")
@@ -404,21 +418,30 @@ class MegatronBackend(AdamWPair):
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = dtype or {"float32": torch.float32, "bfloat16": torch.bfloat16}[mc.dtype]
-        self.expert_parallel, self.tensor_parallel, self.world = ep, tp, ep * tp
-        self._outputs: list[torch.Tensor] = []  # this rank's outputs with a graph since the last backward (ep > 1)
+        self.expert_parallel, self.tensor_parallel, self.pipeline_parallel = ep, tp, pp
+        self.world = ep * tp * pp
+        self._outputs: list[torch.Tensor] = []  # this rank's outputs with a graph since the last backward (ranks > 1)
+        self._stage_io: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []  # pipeline: (input, output) with a graph
         self._returned: list[torch.Tensor] = []  # rank 0: the gathered [B, ...] leaves it returned for them
         self.forwarded = {"forwards": 0, "rows": 0, "tokens": 0}  # this rank's model forwards since it was built
         if self.world > 1 and ranks is None:
             ranks = RankGroup.start(self.world, self.device, mc.timeout_s, dict(
                 cfg=cfg, model_cfg=model_cfg, generation=generation, device=self.device.type, dtype=self.dtype,
-                threads=torch.get_num_threads()), tensor_parallel=tp)
+                threads=torch.get_num_threads()), tensor_parallel=tp, pipeline_parallel=pp)
         self._ranks = ranks
         self._lock = threading.RLock()
         self.rank = ranks.rank if ranks is not None else 0
-        # Megatron's rank order puts tensor parallelism innermost (t1async/megatron_ranks.py)
-        self.tp_rank, self.dp_rank = self.rank % tp, self.rank // tp  # dp_rank = the expert-parallel rank
+        # Megatron's rank order: tensor parallel innermost, pipeline outermost (t1async/megatron_ranks.py);
+        # dp_rank = the expert-parallel rank
+        self.tp_rank, self.dp_rank, self.pp_rank = self._coords(self.rank)
         try:
-            init_megatron(self.device, expert_parallel=ep, tensor_parallel=tp)
+            init_megatron(self.device, expert_parallel=ep, tensor_parallel=tp, pipeline_parallel=pp)
+            if self.world > 1:
+                got = (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_data_parallel_rank(),
+                       parallel_state.get_pipeline_model_parallel_rank())
+                if got != (self.tp_rank, self.dp_rank, self.pp_rank):
+                    raise RuntimeError(f"rank {self.rank}: Megatron's (tp, dp, pp) ranks are {got}, t1async's "
+                                       f"{(self.tp_rank, self.dp_rank, self.pp_rank)}")
             if ranks is not None and self.rank == 0:
                 ranks.run(lambda: self._build(init))  # a follower failing meanwhile is named
             else:
@@ -443,6 +466,8 @@ class MegatronBackend(AdamWPair):
             ref_sd = load_policy(self.model_cfg, cfg.init_checkpoint).state_dict() if cfg.init_checkpoint else policy_sd
         kw = dict(dtype=self.dtype, device=self.device, dispatcher=mc.dispatcher, ep_rank=self.dp_rank,
                   ep_size=self.expert_parallel, tp_rank=self.tp_rank, tp_size=self.tensor_parallel)
+        self._num_parameters = sum(p.numel() for p in hf_policy.parameters()) if lead else 0
+        kw.update(pp_rank=self.pp_rank, pp_size=self.pipeline_parallel)
         self.policy = build_gpt(self.model_cfg, self._share(policy_sd), replay=True, **kw)
         self.critic = (build_gpt(self.model_cfg, self._share(critic_sd), critic=True, **kw) if cfg.critic
                        else None)  # learner.critic: false builds none
@@ -457,7 +482,8 @@ class MegatronBackend(AdamWPair):
                             or getattr(p, "sequence_parallel", False)):
                         raise RuntimeError(f"Megatron weight {k} is neither split over the tensor-parallel ranks "
                                            "nor marked sequence_parallel: its gradient would not be summed right")
-        self._routers = [layer.mlp.router for layer in self.policy.decoder.layers]
+        self._routers = [layer.mlp.router for layer in self.policy.decoder.layers]  # this stage's layers
+        self._first_layer = self.pp_rank * len(self._routers)
         self._router_inputs: list[torch.Tensor | None] = [None] * len(self._routers)
         for i, r in enumerate(self._routers):
             r.register_forward_pre_hook(lambda mod, args, i=i: self._keep_router_input(i, args[0]))
@@ -505,13 +531,27 @@ class MegatronBackend(AdamWPair):
             return self._call(op, *rows, *args, B)
         dealt = [tuple(None if t is None else t[i.to(t.device)] for t in rows) + (*args, B)
                  for i in deal_rows(B, self.expert_parallel)]
-        return self._call(op, parts=[dealt[r // self.tensor_parallel] for r in range(self.world)])
+        return self._call(op, parts=[dealt[self._coords(r)[1]] for r in range(self.world)])
 
-    def _gather_rows(self, tensors: list[torch.Tensor | None], batch: int, grad: bool) -> list[torch.Tensor | None]:
+    def _coords(self, rank: int) -> tuple[int, int, int]:
+        """(tensor-, data-, pipeline-parallel rank) of world rank ``rank`` in Megatron's order
+        (tp-cp-ep-dp-pp: rank = tp_rank + T dp_rank + T P pp_rank)."""
+        tp, dp = self.tensor_parallel, self.expert_parallel
+        return rank % tp, (rank // tp) % dp, rank // (tp * dp)
+
+    def _rank_at(self, tp_rank: int, dp_rank: int, pp_rank: int) -> int:
+        """Inverse of :meth:`_coords`."""
+        return tp_rank + self.tensor_parallel * (dp_rank + self.expert_parallel * pp_rank)
+
+    def _gather_rows(self, tensors: list[torch.Tensor | None], batch: int, grad: bool,
+                     staged: tuple[bool, ...] = ()) -> list[torch.Tensor | None]:
         """Each rank's outputs of its rows -> the micro-batch's ``[batch, ...]`` outputs on rank 0
-        (rank order = row order, dummy rows dropped; None on followers). With ``grad`` the first
-        tensor, when it has a graph, is kept for :meth:`backward` on every rank, and rank 0 returns
-        it as a new leaf that requires grad (the learner's loss is differentiated w.r.t. it)."""
+        (data-parallel rank order = row order, dummy rows dropped; None on followers), taken from
+        the last pipeline stage (tensor-parallel rank 0), or, for the tensors ``staged`` marks
+        (routing ``[b, T, L_s, K]`` of each stage's own layers), from every stage, concatenated
+        along the layers. With ``grad`` the first tensor, when it has a graph, is kept for
+        :meth:`backward` on every rank, and rank 0 returns it as a new leaf that requires grad (the
+        learner's loss is differentiated w.r.t. it)."""
         if self.world == 1:
             return tensors
         first = tensors[0]
@@ -523,9 +563,14 @@ class MegatronBackend(AdamWPair):
         if self.rank != 0:
             return [None] * len(tensors)
         # the tensor-parallel ranks of one data-parallel rank hold the same outputs: take the first's
-        full = iter([torch.cat(p[::self.tensor_parallel])[:batch].to(t.dtype) for p, t in zip(parts, present)])
+        staged = [st for st, t in zip(list(staged) + [False] * len(tensors), tensors) if t is not None]
+        last = self.pipeline_parallel - 1
+        rows = lambda p, stage: torch.cat([p[self._rank_at(0, d, stage)]  # noqa: E731
+                                           for d in range(self.expert_parallel)])[:batch]
+        full = iter([(torch.cat([rows(p, st) for st in range(last + 1)], 2) if stg else rows(p, last)).to(t.dtype)
+                     for p, t, stg in zip(parts, present, staged)])
         out = [None if t is None else next(full) for t in tensors]
-        if grad and first.requires_grad:
+        if grad:  # (a pipeline's rank 0 holds a placeholder: the last stage's output has the graph)
             out[0] = out[0].requires_grad_()
             self._returned.append(out[0])
         return out
@@ -561,11 +606,21 @@ class MegatronBackend(AdamWPair):
         if self._capture:
             self._router_inputs[i] = x.detach()
 
-    def _run(self, model: GPTModel, inp: torch.Tensor, *, vocab: bool = True) -> torch.Tensor:
+    def _run(self, model: GPTModel, inp: torch.Tensor, *, vocab: bool = True) -> torch.Tensor | None:
         """GPTModel forward of inp [B, T]: its output [B, T, V] (``vocab``; with tensor
         parallelism each rank's vocabulary slice gathered, backward: each rank its own slice) or
         [B, T, 1] for the critic. With tensor parallelism T must be a multiple of it
-        (:meth:`_pad_tp`): sequence parallelism splits the sequence evenly over the ranks."""
+        (:meth:`_pad_tp`): sequence parallelism splits the sequence evenly over the ranks.
+
+        With pipeline parallelism each stage but the first receives its input hidden states
+        ``[T/TP, B, H]`` from the previous stage's rank of the same tensor- and data-parallel
+        coordinates (``send``/``recv`` on the default group), and each stage but the last sends its
+        output to the next one and returns None. With gradients on, the stage keeps (its received
+        input, its sent output) for :meth:`_backward_outputs`, which runs the stages' backwards in
+        reverse order, one forward after another (no overlap of stages: one micro-batch at a time).
+        """
+        import torch.distributed as dist
+
         B, T = inp.shape
         self.forwarded["forwards"] += 1
         self.forwarded["rows"] += B
@@ -576,7 +631,22 @@ class MegatronBackend(AdamWPair):
             if T not in self._masks:
                 self._masks[T] = torch.ones(T, T, dtype=torch.bool).triu(1)[None, None]  # True: masked
             mask = self._masks[T]
+        first, last = self.pp_rank == 0, self.pp_rank == self.pipeline_parallel - 1
+        x = None
+        if not first:
+            x = torch.empty(T // self.tensor_parallel, B, self.model_cfg.hidden_size, dtype=self.dtype,
+                            device=self.device)
+            dist.recv(x, src=self._rank_at(self.tp_rank, self.dp_rank, self.pp_rank - 1))
+            x.requires_grad_(torch.is_grad_enabled())
+            model.set_input_tensor(x)
         out = model(inp.to(self.device), pos, mask)
+        if not last:
+            dist.send(out.detach().contiguous(), dst=self._rank_at(self.tp_rank, self.dp_rank, self.pp_rank + 1))
+            if out.requires_grad:
+                self._stage_io.append((x, out))
+            return None
+        if x is not None and torch.is_grad_enabled():
+            self._stage_io.append((x, None))  # the last stage sends its input's gradient back
         if vocab and self.tensor_parallel > 1:
             out = gather_from_tensor_model_parallel_region(out)
         return out
@@ -634,6 +704,7 @@ class MegatronBackend(AdamWPair):
         rows = replay_rows(replay, self.model_cfg.num_experts) if replay is not None else None
         replays = [r.router_replay for r in self._routers]
         if rows is not None:
+            rows = rows[self._first_layer:self._first_layer + len(replays)]  # this pipeline stage's layers
             n = Tp // tp * B  # sequence parallelism: this rank's routers see its slice of the sequence
             for rr, row in zip(replays, rows):
                 rr.set_target_indices(row[self.tp_rank * n:(self.tp_rank + 1) * n].to(self.device))
@@ -644,10 +715,14 @@ class MegatronBackend(AdamWPair):
         self._capture = routing
         try:
             with torch.set_grad_enabled(grad):
-                logits = self._run(self.policy, inp).float()
-                logp, outside = token_logprobs(logits, tgt.to(self.device), g.temperature, g.top_k, g.top_p,
-                                               return_outside=True)
-                logp, outside = logp[:, :T], outside[:, :T]
+                logits = self._run(self.policy, inp)
+                if logits is None:  # a pipeline stage before the last: placeholders for the gather
+                    logp, outside = torch.zeros(B, T, device=self.device), torch.zeros(B, T, dtype=torch.bool,
+                                                                                       device=self.device)
+                else:
+                    logp, outside = token_logprobs(logits.float(), tgt.to(self.device), g.temperature, g.top_k,
+                                                   g.top_p, return_outside=True)
+                    logp, outside = logp[:, :T], outside[:, :T]
             used = own = None
             if routing:
                 own = torch.stack([self._own_topk(r, x, B, Tp) for r, x in zip(self._routers, self._router_inputs)],
@@ -663,7 +738,7 @@ class MegatronBackend(AdamWPair):
             for rr in replays:
                 rr.clear_indices()
                 rr.clear_router_replay_action()
-        out = self._gather_rows([logp, outside, used, own], batch, grad)
+        out = self._gather_rows([logp, outside, used, own], batch, grad, staged=(False, False, given is None, True))
         return PolicyForward(*out) if out[0] is not None else None
 
     def _own_topk(self, router: nn.Module, x: torch.Tensor, B: int, T: int) -> torch.Tensor:
@@ -683,8 +758,9 @@ class MegatronBackend(AdamWPair):
         T = inp.shape[1]
         inp, tgt = self._pad_tp(inp, tgt)
         with torch.no_grad():
-            logp = token_logprobs(self._run(self.reference, inp).float(), tgt.to(self.device), g.temperature, g.top_k,
-                                  g.top_p)[:, :T]
+            logits = self._run(self.reference, inp)
+            logp = (torch.zeros(inp.shape[0], T, device=self.device) if logits is None else
+                    token_logprobs(logits.float(), tgt.to(self.device), g.temperature, g.top_k, g.top_p)[:, :T])
         return self._gather_rows([logp], batch, False)[0]
 
     def values(self, inp, *, grad) -> torch.Tensor:
@@ -696,7 +772,8 @@ class MegatronBackend(AdamWPair):
         T = inp.shape[1]
         (inp,) = self._pad_tp(inp)
         with torch.set_grad_enabled(grad):
-            v = self._run(self.critic, inp, vocab=False).squeeze(-1)[:, :T]
+            v = self._run(self.critic, inp, vocab=False)
+            v = torch.zeros(inp.shape[0], T, device=self.device) if v is None else v.squeeze(-1)[:, :T]
         return self._gather_rows([v], batch, grad)[0]
 
     def forward_counts(self) -> list[dict[str, int]]:
@@ -717,14 +794,14 @@ class MegatronBackend(AdamWPair):
         self._call("zero_grad")
 
     def _zero_grad(self) -> None:
-        self._outputs, self._returned = [], []
+        self._outputs, self._returned, self._stage_io = [], [], []
         AdamWPair.zero_grad(self)
 
     def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()``; with expert parallelism: the gradient of ``loss`` w.r.t. the
-        ``[B, ...]`` outputs returned with a graph since the last backward (rank 0), split by rows
-        as their forwards were (dummy rows: zeros), each rank sent only its rows' part, and every
-        rank backpropagates its own outputs with it.
+        """``loss.backward()``; with several ranks: the gradient of ``loss`` w.r.t. the ``[B, ...]``
+        outputs returned with a graph since the last backward (rank 0), split by rows as their
+        forwards were (dummy rows: zeros), each rank sent only its data-parallel rank's part, and
+        every rank backpropagates its own outputs with it (pipeline stages in reverse order).
 
         Raises:
             RuntimeError: no output with a graph was returned since the last backward.
@@ -746,25 +823,39 @@ class MegatronBackend(AdamWPair):
             for r, part in enumerate(padded.split(per)):
                 per_rank[r].append(part.reshape(-1))
             shapes.append((per, *g.shape[1:]))
-        self._call("backward_outputs", shapes,
-                   flat=[torch.cat(per_rank[r // self.tensor_parallel]) for r in range(self.world)])
+        self._call("backward_outputs", shapes, flat=[torch.cat(per_rank[self._coords(r)[1]]) for r in range(self.world)])
 
     def _backward_outputs(self, shapes: list[tuple[int, ...]], flat: list[torch.Tensor] | None = None) -> None:
         """Receive this rank's part (float32, flattened in ``shapes``' order) of the output
         gradients and backpropagate this rank's outputs with it (``flat``: every rank's parts, on
-        rank 0 only).
+        rank 0 only). With pipeline parallelism the last stage does so, then sends the gradient of
+        each input it received (in forward order) to the previous stage, which backpropagates its
+        output with it and sends its own input's gradient on, down to the first stage.
 
         Raises:
             RuntimeError: this rank's outputs with a graph do not have ``shapes``.
         """
+        import torch.distributed as dist
+
         outs, self._outputs, self._returned = self._outputs, [], []
-        if [tuple(o.shape) for o in outs] != [tuple(s) for s in shapes]:
+        io, self._stage_io = self._stage_io, []
+        last = self.pp_rank == self.pipeline_parallel - 1
+        if last and [tuple(o.shape) for o in outs] != [tuple(s) for s in shapes]:
             raise RuntimeError(f"rank {self.rank}: outputs with a graph of shapes {[tuple(o.shape) for o in outs]}, "
                                f"gradients of shapes {shapes}")
         sizes = [math.prod(s) for s in shapes]
         buf = scatter_flat(self._ranks, flat, sum(sizes), torch.float32, self.device)
-        grads = [g.view(o.shape).to(o.dtype) for g, o in zip(buf.split(sizes), outs)]
-        torch.autograd.backward(outs, grads)
+        if last:
+            grads = [g.view(o.shape).to(o.dtype) for g, o in zip(buf.split(sizes), outs)]
+            torch.autograd.backward(outs, grads)
+        for x, out in io:  # pipeline: this stage's forwards in order (the last stage's are done above)
+            if out is not None:
+                g = torch.empty_like(out)
+                dist.recv(g, src=self._rank_at(self.tp_rank, self.dp_rank, self.pp_rank + 1))
+                torch.autograd.backward(out, g)
+            if x is not None:
+                dist.send(x.grad if x.grad is not None else torch.zeros_like(x),
+                          dst=self._rank_at(self.tp_rank, self.dp_rank, self.pp_rank - 1))
 
     def step(self, *, policy: bool, policy_lr: float) -> float | None:
         if self.world == 1:
@@ -792,20 +883,23 @@ class MegatronBackend(AdamWPair):
         already the whole batch's and is left as it is. Tensor-parallel slices of the other
         weights hold their data-parallel rank's rows: summed over the data-parallel group. Weights
         every rank holds whole under sequence parallelism (norms, routers, the critic's head:
-        attribute ``sequence_parallel``) hold one slice of one rank's rows: summed over the world.
+        attribute ``sequence_parallel``) hold one slice of one rank's rows: summed over the
+        tensor- and data-parallel ranks (of this pipeline stage: each stage holds its own layers).
         Norm: sqrt of the sum of squares of every distinct slice (experts on every rank, the
-        tensor-parallel slices on data-parallel rank 0, the whole weights on rank 0), the same on
-        every rank.
+        tensor-parallel slices on data-parallel rank 0, the whole weights on tensor- and
+        data-parallel rank 0 of each stage), the same on every rank.
         """
         named = [(k, p) for k, p in model.named_parameters() if p.grad is not None]
         experts = [p.grad for k, p in named if is_expert(k)]
         whole = [p.grad for k, p in named if not is_expert(k) and getattr(p, "sequence_parallel", False)]
         sliced = [p.grad for k, p in named if not is_expert(k) and not getattr(p, "sequence_parallel", False)]
         if self.world > 1:
-            all_reduce_(sliced, parallel_state.get_data_parallel_group() if self.tensor_parallel > 1 else None)
-            all_reduce_(whole)
+            one_stage = self.pipeline_parallel == 1
+            all_reduce_(sliced, None if one_stage and self.tensor_parallel == 1 else parallel_state.get_data_parallel_group())
+            all_reduce_(whole, None if one_stage else parallel_state.get_tensor_and_data_parallel_group())
         sq = lambda gs: float(sum(g.float().pow(2).sum() for g in gs)) if gs else 0.0  # noqa: E731
-        mine = [sq(experts), (sq(sliced) if self.dp_rank == 0 else 0.0) + (sq(whole) if self.rank == 0 else 0.0)]
+        mine = [sq(experts), (sq(sliced) if self.dp_rank == 0 else 0.0)
+                + (sq(whole) if self.dp_rank == 0 and self.tp_rank == 0 else 0.0)]
         expert_sq, other_sq = all_reduce_sum(mine, self.device) if self.world > 1 else mine
         total = math.sqrt(expert_sq + other_sq)
         self.last_expert_grad_norm = math.sqrt(expert_sq)  # (before clipping)
@@ -816,11 +910,9 @@ class MegatronBackend(AdamWPair):
         return total
 
     def num_parameters(self) -> int:
-        """Parameters of the whole policy (every rank's experts and tensor-parallel slices counted)."""
-        named = list(self.policy.named_parameters())
-        tp = self.tensor_parallel
-        return (sum(p.numel() * (tp if tp_partition(k, POLICY) is not None else 1) for k, p in named if not is_expert(k))
-                + self.world * sum(p.numel() for k, p in named if is_expert(k)))
+        """Parameters of the whole policy (every rank's experts, slices and stages; counted on rank 0
+        from the HF model it built them from, 0 on followers)."""
+        return self._num_parameters
 
     # ---- weights and checkpoints ----------------------------------------------------------
     def megatron_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
@@ -828,25 +920,33 @@ class MegatronBackend(AdamWPair):
         return {n: p.detach() for n, p in model.named_parameters()}
 
     def _gather_hf(self, role: str) -> dict[str, torch.Tensor] | None:
-        """The whole ``role`` model (policy or critic) in HF layout on rank 0, every rank's experts
-        and tensor-parallel slices gathered there (:func:`merge_tp`); None on followers."""
+        """The whole ``role`` model (policy or critic) in HF layout on rank 0, every rank's experts,
+        tensor-parallel slices (:func:`merge_tp`) and pipeline stages gathered there; None on
+        followers."""
         model, layout = (self.policy, POLICY) if role == "policy" else (self.critic, CRITIC)
         local = self.megatron_state(model)
-        n, tp = self.expert_parallel, self.tensor_parallel
+        n, tp, pp = self.expert_parallel, self.tensor_parallel, self.pipeline_parallel
         if self.world == 1:
             return megatron_to_hf(local, self.model_cfg, layout)
-        # what rank 0 lacks: the other ranks' experts and tensor-parallel slices (whole weights are the same everywhere)
-        names = [k for k in local if is_expert(k) or (tp > 1 and tp_partition(k, layout) is not None)]
-        parts = gather_tensors(self._ranks, [local[k] for k in names])
-        if self.rank != 0:
-            return None
+        if pp == 1:  # what rank 0 lacks: the other ranks' experts and slices (whole weights are the same everywhere)
+            names = [k for k in local if is_expert(k) or (tp > 1 and tp_partition(k, layout) is not None)]
+            parts = gather_tensors(self._ranks, [local[k] for k in names])
+            if self.rank != 0:
+                return None
+            states = [{**local, **{k: p[r] for k, p in zip(names, parts)}} for r in range(self.world)]
+        else:  # stages hold different weights: each rank's whole state, serialised
+            blobs = gather_bytes(self._ranks, b"" if self.rank == 0 else to_bytes(_cpu_state(local)), self.device)
+            if self.rank != 0:
+                return None
+            states = [local] + [{k: v.to(self.device) for k, v in from_bytes(b).items()} for b in blobs[1:]]
         out: dict[str, torch.Tensor] = {}
-        for e in range(n):  # expert-parallel rank e = ranks e*tp .. e*tp + tp-1
-            merged = merge_tp([{**local, **{k: p[r] for k, p in zip(names, parts)}} for r in range(e * tp, (e + 1) * tp)],
-                              layout)
-            if e > 0:
-                merged = {k: v for k, v in merged.items() if is_expert(k)}
-            out.update(megatron_to_hf(merged, self.model_cfg, layout, ep_rank=e, ep_size=n))
+        for stage in range(pp):
+            for e in range(n):  # expert-parallel rank e of this stage: its tp ranks' slices merged
+                merged = merge_tp([states[self._rank_at(t, e, stage)] for t in range(tp)], layout)
+                if e > 0:
+                    merged = {k: v for k, v in merged.items() if is_expert(k)}
+                out.update(megatron_to_hf(merged, self.model_cfg, layout, ep_rank=e, ep_size=n, pp_rank=stage,
+                                          pp_size=pp))
         return out
 
     def hf_state(self) -> dict[str, torch.Tensor]:
@@ -925,5 +1025,6 @@ class MegatronBackend(AdamWPair):
         model, layout = (self.policy, POLICY) if role == "policy" else (self.critic, CRITIC)
         sd = self._share(sd)
         load_megatron(model, shard_tp(hf_to_megatron(sd, self.model_cfg, layout, ep_rank=self.dp_rank,
-                                                     ep_size=self.expert_parallel), layout, self.tp_rank,
+                                                     ep_size=self.expert_parallel, pp_rank=self.pp_rank,
+                                                     pp_size=self.pipeline_parallel), layout, self.tp_rank,
                                       self.tensor_parallel))

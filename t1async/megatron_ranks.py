@@ -93,14 +93,15 @@ class RankGroup:
     # ---- rendezvous -----------------------------------------------------------------------
     @classmethod
     def start(cls, world: int, device: torch.device, timeout_s: float, follower_args: dict[str, Any], *,
-              tensor_parallel: int = 1) -> RankGroup:
+              tensor_parallel: int = 1, pipeline_parallel: int = 1) -> RankGroup:
         """Rank 0: start ranks 1..world-1 as Ray actors and form the world with them.
 
         Args:
             world: N > 1. device: rank 0's device (its type picks nccl or gloo and the followers'
                 GPU request). timeout_s: the bound on the rendezvous.
             follower_args: keyword arguments of :meth:`Follower.serve` besides the rendezvous.
-            tensor_parallel: Megatron's tensor-parallel size T (T divides N; expert parallel = N / T).
+            tensor_parallel, pipeline_parallel: Megatron's tensor- and pipeline-parallel sizes T and S
+                (T x S divides N; expert parallel = data parallel = N / (T x S)).
 
         Raises:
             RuntimeError: Ray is not initialised (``t1async launch`` initialises it; tests and
@@ -119,7 +120,7 @@ class RankGroup:
         actor = ray.remote(num_cpus=0, num_gpus=1 if cuda else 0, max_restarts=0)(Follower)
         handles = [actor.options(name=None).remote() for _ in range(1, world)]
         refs = [h.serve.remote(rank=r, world=world, host=host, port=store.port, tensor_parallel=tensor_parallel,
-                               **follower_args)
+                               pipeline_parallel=pipeline_parallel, **follower_args)
                 for r, h in zip(range(1, world), handles)]
         group = cls(0, world, device, None, timeout_s, handles, refs)
         group._store = store
@@ -147,18 +148,19 @@ class RankGroup:
                                  "(rank 0): let rank 0 use a GPU Ray does not hand out (learner.megatron.device=cuda:K "
                                  "with K outside the GPUs Ray schedules) or give Ray more GPUs than it hands out")
         try:
-            group.control = _init_world(0, world, device, store, timeout, tensor_parallel)
+            group.control = _init_world(0, world, device, store, timeout, tensor_parallel, pipeline_parallel)
         except Exception as e:
             group.check(wait_s=5.0)
             group.kill()
             raise RankFailed(f"megatron learner ranks: rendezvous failed: {e}") from e
-        logger.info("megatron ranks: {} (tensor parallel {}, expert parallel {}; {}, rendezvous {}:{})", world,
-                    tensor_parallel, world // tensor_parallel, "nccl" if cuda else "gloo", host, store.port)
+        logger.info("megatron ranks: {} (tensor parallel {}, pipeline parallel {}, expert parallel {}; {}, "
+                    "rendezvous {}:{})", world, tensor_parallel, pipeline_parallel,
+                    world // (tensor_parallel * pipeline_parallel), "nccl" if cuda else "gloo", host, store.port)
         return group
 
     @classmethod
     def join(cls, rank: int, world: int, host: str, port: int, device: torch.device, *,
-             tensor_parallel: int = 1) -> RankGroup:
+             tensor_parallel: int = 1, pipeline_parallel: int = 1) -> RankGroup:
         """A follower: join rank 0's world (see :meth:`start`)."""
         import os
         import socket
@@ -169,8 +171,8 @@ class RankGroup:
         store.set(f"where/{rank}", f"{socket.gethostname()} pid {os.getpid()}")
         store.set(f"gpu/{rank}", _gpu_id(device))
         store.set(f"joining/{rank}", "1")
-        group = cls(rank, world, device, _init_world(rank, world, device, store, FOLLOWER_TIMEOUT, tensor_parallel),
-                    0.0)
+        group = cls(rank, world, device, _init_world(rank, world, device, store, FOLLOWER_TIMEOUT, tensor_parallel,
+                                                     pipeline_parallel), 0.0)
         group._store = store
         return group
 
@@ -292,11 +294,11 @@ def leave_world() -> None:
 
 
 def _init_world(rank: int, world: int, device: torch.device, store: Any, timeout: datetime.timedelta,
-                tensor_parallel: int = 1) -> Any:
+                tensor_parallel: int = 1, pipeline_parallel: int = 1) -> Any:
     """The default group (nccl on CUDA, gloo on CPU), the gloo control group, Megatron's groups
-    (tensor parallel T, expert parallel = data parallel = world / T; Megatron's rank order puts
-    TP innermost: rank = tp_rank + T * ep_rank). Returns the control group. Every rank calls it
-    in the same order."""
+    (tensor parallel T, pipeline parallel S, expert parallel = data parallel P = world / (T S);
+    Megatron's rank order puts TP innermost and PP outermost: rank = tp_rank + T dp_rank
+    + T P pp_rank). Returns the control group. Every rank calls it in the same order."""
     from megatron.core import parallel_state
 
     cuda = device.type == "cuda"
@@ -306,7 +308,8 @@ def _init_world(rank: int, world: int, device: torch.device, store: Any, timeout
                             world_size=world, timeout=timeout)
     control = dist.new_group(backend="gloo", timeout=timeout) if cuda else dist.group.WORLD
     minutes = max(1, int(timeout.total_seconds() // 60))
-    parallel_state.initialize_model_parallel(tensor_parallel, 1, expert_model_parallel_size=world // tensor_parallel,
+    parallel_state.initialize_model_parallel(tensor_parallel, pipeline_parallel,
+                                             expert_model_parallel_size=world // (tensor_parallel * pipeline_parallel),
                                              distributed_timeout_minutes=minutes)
     return control
 
@@ -426,8 +429,8 @@ def from_bytes(data: bytes) -> Any:
 class Follower:
     """A follower rank's Ray actor: one long :meth:`serve` call runs rank 0's announced backend calls."""
 
-    def serve(self, *, rank: int, world: int, host: str, port: int, tensor_parallel: int, cfg: Any, model_cfg: Any,
-              generation: Any, device: str, dtype: torch.dtype, threads: int) -> int:
+    def serve(self, *, rank: int, world: int, host: str, port: int, tensor_parallel: int, pipeline_parallel: int,
+              cfg: Any, model_cfg: Any, generation: Any, device: str, dtype: torch.dtype, threads: int) -> int:
         """Join rank 0's world, build this rank's part of the backend (weights from rank 0), then
         run each announced call until ``close``. Returns ``rank``.
 
@@ -443,7 +446,8 @@ class Follower:
         from t1async.megatron_backend import FOLLOWER_OPS, MegatronBackend
 
         dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
-        group = RankGroup.join(rank, world, host, port, dev, tensor_parallel=tensor_parallel)
+        group = RankGroup.join(rank, world, host, port, dev, tensor_parallel=tensor_parallel,
+                               pipeline_parallel=pipeline_parallel)
         try:
             backend = MegatronBackend(cfg, model_cfg, generation, device=dev, dtype=dtype, ranks=group)
             while True:
