@@ -184,18 +184,20 @@ class AdamWPair:
                       str(folder / "critic.safetensors"))
         torch.save({"policy": self.policy_opt.state_dict(),
                     "critic": self.critic_opt.state_dict() if self.critic_opt is not None else None,
-                    "backend": self.name, "expert_parallel": getattr(self, "expert_parallel", 1),
-                    "tensor_parallel": getattr(self, "tensor_parallel", 1)},
+                    "backend": self.name, **self.parallel_sizes()},
                    folder / "optimizers.pt")
 
+    def parallel_sizes(self) -> dict[str, int]:
+        """``{"tensor_parallel", "pipeline_parallel", "expert_parallel"}`` of this backend (all 1 for
+        one process): an optimiser state is only valid for the layout it was saved under."""
+        return {k: getattr(self, k, 1) for k in ("tensor_parallel", "pipeline_parallel", "expert_parallel")}
+
     def _load_optimizers(self, folder: Path) -> bool:
-        """Load optimizers.pt if it was written by this backend with these tensor- and
-        expert-parallel sizes (older files, without a ``backend`` key, are the torch backend's;
-        without a size key, one process's); returns False (fresh optimisers) otherwise."""
+        """Load optimizers.pt if it was written by this backend with these parallel sizes (older
+        files, without a ``backend`` key, are the torch backend's; without a size key, one
+        process's); returns False (fresh optimisers) otherwise."""
         opt = torch.load(folder / "optimizers.pt", weights_only=True)
-        if (opt.get("backend", "torch") != self.name
-                or opt.get("expert_parallel", 1) != getattr(self, "expert_parallel", 1)
-                or opt.get("tensor_parallel", 1) != getattr(self, "tensor_parallel", 1)):
+        if opt.get("backend", "torch") != self.name or any(opt.get(k, 1) != v for k, v in self.parallel_sizes().items()):
             return False
         self.policy_opt.load_state_dict(opt["policy"])
         if self.critic_opt is not None and opt.get("critic") is not None:

@@ -978,8 +978,7 @@ class MegatronBackend(AdamWPair):
     def _optimizer_state(self) -> dict:
         return {"policy": self.policy_opt.state_dict(),
                 "critic": self.critic_opt.state_dict() if self.critic_opt is not None else None,
-                "backend": self.name, "expert_parallel": self.expert_parallel,
-                "tensor_parallel": self.tensor_parallel, "rank": self.rank}
+                "backend": self.name, **self.parallel_sizes(), "rank": self.rank}
 
     def _rank_file(self, folder: Path, r: int) -> bytes:
         """Rank r's saved optimiser state (``optimizers-ep{r}.pt``: written by expert-parallel runs
@@ -1003,9 +1002,8 @@ class MegatronBackend(AdamWPair):
                 logger.warning("{}: {}: optimisers start fresh", folder, e)
         ok = self._load_optimizers(folder) if blobs is not None or self.world == 1 else False
         if not ok:
-            logger.warning("{}: optimiser state of another backend or parallel layout (this run: megatron, "
-                           "tensor_parallel={}, expert_parallel={}): optimisers start fresh", folder,
-                           self.tensor_parallel, self.expert_parallel)
+            logger.warning("{}: optimiser state of another backend or parallel layout (this run: megatron, {}): "
+                           "optimisers start fresh", folder, self.parallel_sizes())
         if self.world > 1:
             self._call("load_rank_optimizers", ok, blobs=blobs if ok else None)
         return ok
@@ -1017,6 +1015,10 @@ class MegatronBackend(AdamWPair):
         data = scatter_bytes(self._ranks, blobs, self.device)
         if self.rank != 0:
             opt = from_bytes(data)
+            saved = {k: opt.get(k, 1) for k in self.parallel_sizes()}
+            if opt.get("rank") != self.rank or saved != self.parallel_sizes():
+                raise RuntimeError(f"rank {self.rank}: its optimiser file holds rank {opt.get('rank')} of {saved}, "
+                                   f"this run is {self.parallel_sizes()}")
             self.policy_opt.load_state_dict(opt["policy"])
             if self.critic_opt is not None and opt.get("critic") is not None:
                 self.critic_opt.load_state_dict(opt["critic"])

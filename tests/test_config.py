@@ -120,8 +120,11 @@ def test_megatron_parallel_sizes_are_checked_in_one_line():
         load_config(None, ["learner.megatron.tensor_parallel=3"])
     assert "\n" not in str(e.value) and "learner.megatron.tensor_parallel=3" in str(e.value)
     assert "one of [1, 2]" in str(e.value) and "'num_key_value_heads': 2" in str(e.value)
-    with pytest.raises(ConfigError, match="learner.megatron.pipeline_parallel=2 is invalid"):
-        load_config(None, ["learner.megatron.pipeline_parallel=2"])
+    assert load_config(None, ["learner.megatron.pipeline_parallel=2"]).learner.megatron.pipeline_parallel == 2
+    with pytest.raises(ConfigError, match="learner.megatron.pipeline_parallel=3 is invalid.*one of \\[1, 2, 4\\]"):
+        load_config(None, ["learner.megatron.pipeline_parallel=3"])
+    with pytest.raises(ConfigError, match="pipeline_parallel=2 is invalid.*tie_word_embeddings"):
+        load_config(None, ["learner.megatron.pipeline_parallel=2", "model.tie_word_embeddings=true"])
 
 
 def test_sampler_urls_are_refused_unless_the_backend_is_sglang():

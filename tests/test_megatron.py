@@ -369,13 +369,17 @@ def test_two_process_expert_parallel_gloo_matches_the_torch_model(tmp_path):
         assert experts == {2 * r, 2 * r + 1}
 
 
-def test_megatron_sizes_other_than_one_are_refused_with_the_reason():
+def test_megatron_sizes_that_do_not_divide_are_refused_with_the_reason():
     for key, match in (("tensor_parallel", "tensor_parallel=2 must divide each of .*'num_key_value_heads': 1"),
-                       ("pipeline_parallel", "only 1 runs"), ("expert_parallel", "must divide model.num_experts=4")):
-        cfg = LearnerConfig(megatron=dataclasses.replace(LearnerConfig().megatron, **{key: 3 if key == "expert_parallel"
-                                                                                      else 2}))
+                       ("pipeline_parallel", "pipeline_parallel=3 must divide model.num_hidden_layers=2"),
+                       ("expert_parallel", "must divide model.num_experts=4")):
+        cfg = LearnerConfig(megatron=dataclasses.replace(LearnerConfig().megatron, **{key: 2 if key == "tensor_parallel"
+                                                                                      else 3}))
         with pytest.raises(ValueError, match=match):  # (one key/value head: no tensor-parallel split of 2)
             MegatronBackend(cfg, dataclasses.replace(MODEL, num_key_value_heads=1), GenerationConfig())
+    cfg = LearnerConfig(megatron=dataclasses.replace(LearnerConfig().megatron, pipeline_parallel=2))
+    with pytest.raises(ValueError, match="tie_word_embeddings"):  # embedding and LM head on two stages
+        MegatronBackend(cfg, dataclasses.replace(MODEL, tie_word_embeddings=True), GenerationConfig())
 
 
 def test_bench_learner_reports_both_backends_on_the_same_step(capsys):
@@ -420,22 +424,24 @@ def local_ray():
     ray.shutdown()
 
 
-def _ep(n: int = 2, tp: int = 1):
-    return dataclasses.replace(LearnerConfig().megatron, expert_parallel=n, tensor_parallel=tp, timeout_s=60.0)
+def _ep(n: int = 2, tp: int = 1, pp: int = 1):
+    return dataclasses.replace(LearnerConfig().megatron, expert_parallel=n, tensor_parallel=tp, pipeline_parallel=pp,
+                               timeout_s=60.0)
 
 
-@pytest.mark.parametrize("tp,ep", [(1, 2), (2, 1)])
-def test_two_rank_learner_step_matches_the_torch_backend(tmp_path, local_ray, tp, ep):
-    """learner.megatron.expert_parallel=2, or tensor_parallel=2 (with sequence parallelism), rank 0
-    in this process, rank 1 a Ray actor, gloo: the same batch through one learner update as the
-    torch backend from the same weights, replay on. Log-probs and routing equal (one sequence of
-    39 positions: with EP rank 1 forwards a dummy row; with TP the sequence is padded to 40 and
-    each rank's routers see its half); the step's metrics (grad_norm included: it sees whether
-    each token reached its experts once and whether the gradients of whole and sliced weights were
-    summed over the right ranks) and the gathered parameters after the AdamW step agree."""
+@pytest.mark.parametrize("tp,ep,pp", [(1, 2, 1), (2, 1, 1), (1, 1, 2)])
+def test_two_rank_learner_step_matches_the_torch_backend(tmp_path, local_ray, tp, ep, pp):
+    """learner.megatron.expert_parallel=2, tensor_parallel=2 (with sequence parallelism) or
+    pipeline_parallel=2, rank 0 in this process, rank 1 a Ray actor, gloo: the same batch through
+    one learner update as the torch backend from the same weights, replay on. Log-probs and
+    routing equal (one sequence of 39 positions: with EP rank 1 forwards a dummy row; with TP the
+    sequence is padded to 40 and each rank's routers see its half; with PP each stage replays and
+    records its own layer); the step's metrics (grad_norm included: it sees whether each token
+    reached its experts once and whether the gradients of whole and sliced weights were summed over
+    the right ranks) and the gathered parameters after the AdamW step agree."""
     out = {}
-    for backend, (t_, e_) in (("torch", (1, 1)), ("megatron", (tp, ep))):
-        learner = _learner(tmp_path, backend, True, megatron=_ep(e_, t_))
+    for backend, (t_, e_, p_) in (("torch", (1, 1, 1)), ("megatron", (tp, ep, pp))):
+        learner = _learner(tmp_path, backend, True, megatron=_ep(e_, t_, p_))
         try:
             b = learner.backend
             before = {k: v.detach().clone() for k, v in b.hf_weights()}
@@ -456,7 +462,7 @@ def test_two_rank_learner_step_matches_the_torch_backend(tmp_path, local_ray, tp
     (ft, freet, mt, wt, nt), (fm, freem, mm, wm, nm) = out["torch"], out["megatron"]
     lp = float((ft.logp - fm.logp).abs().max())
     lp_free = float((freet.logp - freem.logp).abs().max())
-    print(f"TP={tp} EP={ep} vs torch: log-prob max|diff| {lp:.2e} (replay), {lp_free:.2e} (own routing)")
+    print(f"TP={tp} EP={ep} PP={pp} vs torch: log-prob max|diff| {lp:.2e} (replay), {lp_free:.2e} (own routing)")
     assert lp < 1e-5 and lp_free < 1e-5 and torch.equal(ft.outside, fm.outside)
     assert torch.equal(freet.routed_experts, freem.routed_experts)  # RECORD across both ranks' experts
     assert not routing_differs(ft.router_experts, fm.router_experts).any()
@@ -466,7 +472,7 @@ def test_two_rank_learner_step_matches_the_torch_backend(tmp_path, local_ray, tp
     assert mm["expert_grad_norm"] == pytest.approx(mt["expert_grad_norm"], rel=1e-4) and mt["expert_grad_norm"] > 1e-3
     assert wm.keys() == wt.keys() and nm == nt == sum(v.numel() for v in wt.values())
     rel, moved = weight_gap(wt, wm, before)
-    print(f"TP={tp} EP={ep}: params after one step, max over tensors of |torch - megatron| / |torch| = {rel:.2e}; "
+    print(f"TP={tp} EP={ep} PP={pp}: params after one step, max over tensors of |torch - megatron| / |torch| = {rel:.2e}; "
           f"smallest relative move {moved:.2e}; grad_norm torch {mt['grad_norm']:.6g} megatron {mm['grad_norm']:.6g}; "
           f"expert grad norm torch {mt['expert_grad_norm']:.6g} megatron {mm['expert_grad_norm']:.6g}")
     assert rel < 1e-5 and moved > 1e-3
@@ -482,17 +488,20 @@ def _varied_batch():
     return out
 
 
-@pytest.mark.parametrize("mbt,tp,ep", [(4096, 1, 2), (0, 1, 2), (0, 2, 1), (4096, 2, 2)])
-def test_multi_rank_data_parallel_split_of_varied_lengths_matches_the_torch_backend(tmp_path, local_ray, mbt, tp, ep):
+@pytest.mark.parametrize("mbt,tp,ep,pp", [(4096, 1, 2, 1), (0, 1, 2, 1), (0, 2, 1, 1), (4096, 2, 2, 1),
+                                          (4096, 1, 2, 2)])
+def test_multi_rank_data_parallel_split_of_varied_lengths_matches_the_torch_backend(tmp_path, local_ray, mbt, tp, ep,
+                                                                                     pp):
     """Five trajectories of 8 to 40 tokens, replay and a KL penalty on, over expert_parallel=2,
-    tensor_parallel=2 or both (4 ranks): ``micro_batch_tokens=4096`` gives one right-padded
-    micro-batch of B=5 (EP rank 0 forwards rows 0-2, EP rank 1 rows 3-4 and a dummy row), ``0``
-    gives five micro-batches of B=1 (with EP, rank 1 forwards only a dummy row; with TP, odd
-    lengths are padded to even ones). The learner's metrics and the parameters after its AdamW
-    step equal the torch backend's; every forward held ceil(B / EP) rows on each rank."""
+    tensor_parallel=2, both (4 ranks), or expert_parallel=2 x pipeline_parallel=2 (4 ranks):
+    ``micro_batch_tokens=4096`` gives one right-padded micro-batch of B=5 (EP rank 0 forwards rows
+    0-2, EP rank 1 rows 3-4 and a dummy row), ``0`` gives five micro-batches of B=1 (with EP, rank
+    1 forwards only a dummy row; with TP, odd lengths are padded to even ones). The learner's
+    metrics and the parameters after its AdamW step equal the torch backend's; every forward held
+    ceil(B / EP) rows on each rank."""
     out = {}
-    for backend, (t_, e_) in (("torch", (1, 1)), ("megatron", (tp, ep))):
-        learner = _learner(tmp_path, backend, True, megatron=_ep(e_, t_), kl_coef=0.1,
+    for backend, (t_, e_, p_) in (("torch", (1, 1, 1)), ("megatron", (tp, ep, pp))):
+        learner = _learner(tmp_path, backend, True, megatron=_ep(e_, t_, p_), kl_coef=0.1,
                            micro_batch_tokens=mbt)
         try:
             before = {k: v.detach().clone() for k, v in learner.backend.hf_weights()}
@@ -505,14 +514,14 @@ def test_multi_rank_data_parallel_split_of_varied_lengths_matches_the_torch_back
     assert_same_metrics(mt, mm)
     assert mm["routing_diff_frac"] == mt["routing_diff_frac"] == 0 and mm["phase"] == "rl" and mm["kl_ref"] > 0
     rel, moved = weight_gap(wt, wm, before)
-    print(f"TP={tp} EP={ep} split, micro_batch_tokens={mbt}: params after one step, max over tensors of |torch - megatron| / "
+    print(f"TP={tp} EP={ep} PP={pp} split, micro_batch_tokens={mbt}: params after one step, max over tensors of |torch - megatron| / "
           f"|torch| = {rel:.2e}; smallest relative move {moved:.2e}; grad_norm torch {mt['grad_norm']:.6g} "
           f"megatron {mm['grad_norm']:.6g}; forwards per rank {counts}")
     assert rel < 1e-5 and moved > 1e-3
     # per micro-batch: old values, then policy, reference and values (ppo_epochs=1): 4 forwards on each rank
     micro = 1 if mbt else 5
     per = -(-5 // ep) if mbt else 1
-    assert len(counts) == tp * ep and all(c["forwards"] == 4 * micro and c["rows"] == 4 * micro * per for c in counts)
+    assert len(counts) == tp * ep * pp and all(c["forwards"] == 4 * micro and c["rows"] == 4 * micro * per for c in counts)
     assert all(c["tokens"] % tp == 0 for c in counts)  # sequence parallelism: every forward's length a multiple of TP
 
 
@@ -554,13 +563,14 @@ def test_each_rank_forwards_only_its_rows_and_rank_0_returns_the_whole_micro_bat
         mb.close()
 
 
-@pytest.mark.parametrize("tp,ep", [(1, 2), (2, 1)])
-def test_two_rank_checkpoint_is_one_hf_checkpoint_that_one_process_loads_bitwise(tmp_path, local_ray, tp, ep):
-    """A 2-rank backend's checkpoint (expert- or tensor-parallel): one HF model.safetensors with all
-    4 experts, whole (both ranks' experts or slices), loaded bitwise by transformers-style loading,
-    the torch backend and a 1-rank megatron backend (which start their optimisers fresh); a 2-rank
-    resume restores both ranks' optimiser state."""
-    ckpt, hf, critic = _trained_checkpoint(tmp_path, megatron=_ep(ep, tp))
+@pytest.mark.parametrize("tp,ep,pp", [(1, 2, 1), (2, 1, 1), (1, 1, 2)])
+def test_two_rank_checkpoint_is_one_hf_checkpoint_that_one_process_loads_bitwise(tmp_path, local_ray, tp, ep, pp):
+    """A 2-rank backend's checkpoint (expert-, tensor- or pipeline-parallel): one HF
+    model.safetensors with all 4 experts and both layers, whole (both ranks' experts, slices or
+    stages), loaded bitwise by transformers-style loading, the torch backend and a 1-rank megatron
+    backend (which start their optimisers fresh); a 2-rank resume restores both ranks' optimiser
+    state."""
+    ckpt, hf, critic = _trained_checkpoint(tmp_path, megatron=_ep(ep, tp, pp))
     assert {p.name for p in ckpt.iterdir()} >= {"model.safetensors", "config.json", "critic.safetensors",
                                                "optimizers.pt", "optimizers-rank1.pt"}
     assert {int(k.split(".")[5]) for k in hf if ".experts." in k} == {0, 1, 2, 3}
@@ -576,7 +586,7 @@ def test_two_rank_checkpoint_is_one_hf_checkpoint_that_one_process_loads_bitwise
     assert one.hf_state().keys() == hf.keys() and all(torch.equal(v, hf[k]) for k, v in one.hf_state().items())
     assert all(torch.equal(v, critic[k]) for k, v in one.critic_hf_state().items())
     del one
-    two = MegatronBackend(LearnerConfig(megatron=_ep(ep, tp)), MODEL, GenerationConfig(), ckpt)
+    two = MegatronBackend(LearnerConfig(megatron=_ep(ep, tp, pp)), MODEL, GenerationConfig(), ckpt)
     try:
         assert two.load_state(ckpt) is True
         assert all(torch.equal(v, hf[k]) for k, v in two.hf_state().items())
