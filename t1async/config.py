@@ -492,9 +492,9 @@ class MegatronConfig:
     same as with one process (shared gradients summed over ranks; t1async/megatron_backend.py,
     t1async/megatron_ranks.py)."""
     timeout_s: float = 300.0
-    """Seconds rank 0 waits for its expert-parallel ranks in a collective before failing with an
-    error (a dead rank is named at once); Megatron's own groups round it down to whole minutes (at
-    least one), and the ranks' start-up gets at least 120 s."""
+    """Seconds rank 0 waits for its other ranks (tensor, pipeline, expert parallel) in a
+    collective before failing with an error (a dead rank is named at once); Megatron's own groups
+    round it down to whole minutes (at least one), and the ranks' start-up gets at least 120 s."""
     dispatcher: str = "auto"
     """MoE token dispatcher: ``allgather``, ``alltoall`` (CUDA only) or ``auto`` (alltoall on
     CUDA, allgather on CPU)."""

@@ -26,15 +26,23 @@ called without Transformer Engine). A causal mask is passed explicitly on CPU (t
 built on CUDA). The ``alltoall`` dispatcher needs CUDA.
 
 Parallelism: expert parallelism P (``learner.megatron.expert_parallel``, P dividing the number of
-experts) times tensor parallelism T (``tensor_parallel``) over N = T x P processes
-(t1async/megatron_ranks.py). This object in the learner is rank 0; it starts ranks 1..N-1 as Ray
-actors, all join one torch.distributed world (gloo on CPU, nccl on CUDA) and Megatron's groups
-(T, 1, expert_model_parallel_size=P; rank = tp_rank + T x ep_rank), and each builds its GPTModels
-with its own E/P experts per MoE layer and its own 1/T slices (weights sent from rank 0, sliced by
-t1async/megatron_convert.py ``shard_tp``). Every call is announced by rank 0 and run by every rank.
-Across the P expert-parallel ranks the data is split (data parallelism, as Megatron lays out EP
-within DP); the T tensor-parallel ranks of one of them forward the same rows, while the learner's
-loop and the LearnerBackend interface stay as with one process.
+experts) times tensor parallelism T (``tensor_parallel``) times pipeline parallelism S
+(``pipeline_parallel``) over N = T x S x P processes (t1async/megatron_ranks.py). This object in
+the learner is rank 0; it starts ranks 1..N-1 as Ray actors, all join one torch.distributed world
+(gloo on CPU, nccl on CUDA) and Megatron's groups (T, S, expert_model_parallel_size=P; rank =
+tp_rank + T dp_rank + T P pp_rank), and each builds its GPTModels with its stage's L/S layers, its
+own E/P experts per MoE layer and its own 1/T slices (weights sent from rank 0, sliced by
+t1async/megatron_convert.py). Every call is announced by rank 0 and run by every rank. Across the
+P expert-parallel ranks the data is split (data parallelism, as Megatron lays out EP within DP);
+the T tensor-parallel ranks and the S stages of one of them work on the same rows, while the
+learner's loop and the LearnerBackend interface stay as with one process.
+
+Pipeline parallelism: stage s > 0 receives its input hidden states from stage s - 1 (the rank
+of the same tensor- and data-parallel coordinates, point-to-point) and the last stage computes
+the outputs; in the backward the gradients of those hidden states go back stage by stage. One
+micro-batch at a time, the stages one after another (no 1F1B schedule: this shards the layers and
+their optimiser state, it does not overlap stages). Each stage's routers replay and record their
+own layers' rows.
 
 Tensor parallelism, as megatron-core lays it out: attention heads (query groups), the vocabulary
 (embedding and LM head) and each expert's MLP width are split over the T ranks, with sequence
@@ -49,6 +57,8 @@ parallelism (megatron-core requires it for MoE with TP): between the split layer
   values are all-gathered;
 - norms are megatron's local-spec RMSNorm made to accept sequence parallelism (:class:`_Norm`;
   megatron-core 0.16.1's ``WrappedTorchNorm`` asserts it is off).
+
+Data parallelism within the expert-parallel group (N below is P, the expert-parallel size):
 
 - forward: a micro-batch ``[B, T]`` (int64 token ids, integer replay ``[B, T, L, K]``) is dealt by
   rows (:func:`deal_rows`): rank r forwards the contiguous chunk r of ``ceil(B/N)`` rows; the last
@@ -66,24 +76,24 @@ parallelism (megatron-core requires it for MoE with TP): between the split layer
 - gradients: each token reaches its experts once, so an expert's gradient, on the ranks that
   hold its slices, is the whole micro-batch's, unscaled; the other sliced gradients hold one
   data-parallel rank's rows and are summed over the data-parallel group, whole weights (norms,
-  routers, the critic's head) are summed over every rank (:meth:`MegatronBackend._clip`). The clip
-  norm is the true global norm over every distinct slice; every rank clips with it and steps
-  AdamW on its own parameters (verified against the torch backend to 1e-5 in
-  tests/test_megatron.py, with B = 1, 2 and 5, TP x EP = 1 x 2, 2 x 1 and 2 x 2).
+  routers, the critic's head) are summed over the stage's tensor- and data-parallel ranks
+  (:meth:`MegatronBackend._clip`). The clip norm is the true global norm over every distinct
+  slice; every rank clips with it and steps AdamW on its own parameters (verified against the
+  torch backend to 1e-5 in tests/test_megatron.py, with B = 1, 2 and 5, TP x EP x PP = 1x2x1,
+  2x1x1, 1x1x2, 2x2x1 and 1x2x2).
 
-Checkpoints and the weight broadcast gather every rank's experts and slices to rank 0 in HF layout
+Checkpoints and the weight broadcast gather every rank's experts, slices and stages to rank 0 in HF layout
 (one HF checkpoint, loadable by one process or other parallel sizes); optimiser state is one file per rank
 (``optimizers.pt``, ``optimizers-rank{r}.pt``).
 
-What this buys: each rank holds 1/N of the experts (and their AdamW moments) and 1/T of the
-attention and vocabulary, and computes 1/P of each micro-batch's rows (1/T of each of their
-layers). Speed needs a micro-batch of at least P rows (B = 1 leaves P-1 expert-parallel ranks a
+What this buys: each rank holds 1/S of the layers, 1/P of their experts (and their AdamW
+moments) and 1/T of the attention and vocabulary, and computes 1/P of each micro-batch's rows
+(1/T of each of their layers). Speed needs a micro-batch of at least P rows (B = 1 leaves P-1 expert-parallel ranks a
 dummy row each) and devices that compute in parallel; the dispatcher's all-gather /
 reduce-scatter, sequence parallelism's per-layer all-gathers and reduce-scatters, the
 announcements, the output gathers and the gradient all-reduces come on top
 (tools/bench_expert_parallel.py). The loss normalisers and advantage statistics stay the learner's
-(rank 0 holds every output), so nothing of the RL maths is reduced across ranks. Pipeline
-parallelism is refused (the learner does not schedule stages).
+(rank 0 holds every output), so nothing of the RL maths is reduced across ranks.
 """
 
 from __future__ import annotations

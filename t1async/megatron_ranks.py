@@ -1,12 +1,12 @@
-"""Several processes for the ``megatron`` learner backend: tensor and expert parallelism (SPMD).
+"""Several processes for the ``megatron`` learner backend: tensor, pipeline and expert parallelism (SPMD).
 
-With ``learner.megatron.tensor_parallel: T`` and ``expert_parallel: P`` (N = T x P > 1) the
-learner's backend is rank 0 of N. It starts ranks 1..N-1 as Ray actors (:class:`Follower`; on
-CUDA each asks Ray for one GPU, on CPU for no CPU so they fit a 2-core Ray), and the N processes
-form one ``torch.distributed`` world (nccl on CUDA, gloo on CPU) through a ``tcp://`` rendezvous
-on a free port of rank 0's host (rank 0 hosts the TCPStore), with Megatron's model-parallel
-groups ``(T, 1, expert_parallel=P)``: P data-parallel groups of T ranks, each forwarding its share
-of every micro-batch's rows.
+With ``learner.megatron.tensor_parallel: T``, ``pipeline_parallel: S`` and ``expert_parallel: P``
+(N = T x S x P > 1) the learner's backend is rank 0 of N. It starts ranks 1..N-1 as Ray actors
+(:class:`Follower`; on CUDA each asks Ray for one GPU, on CPU for no CPU so they fit a 2-core
+Ray), and the N processes form one ``torch.distributed`` world (nccl on CUDA, gloo on CPU)
+through a ``tcp://`` rendezvous on a free port of rank 0's host (rank 0 hosts the TCPStore), with
+Megatron's model-parallel groups ``(T, S, expert_parallel=P)``: on each of S pipeline stages, P
+data-parallel groups of T ranks, each group forwarding its share of every micro-batch's rows.
 
 Every backend call on rank 0 is announced to the followers on a gloo control group (the default
 group on CPU, a gloo group beside the nccl one on CUDA: a follower waiting for its next call then
@@ -339,7 +339,7 @@ def share_state(group: RankGroup, sd: dict[str, torch.Tensor] | None, keep: Call
 def all_reduce_(tensors: list[torch.Tensor], group: Any = None) -> None:
     """Replace each of ``tensors`` (same names, shapes and dtypes on every rank of ``group``, the
     world by default, in the same order) by its sum over those ranks, in place: one flat buffer
-    and one all-reduce per dtype. An
+    and one all-reduce per dtype (16-bit floats summed in float32, then rounded back). An
     all-reduce leaves the same bits on every rank (each element's sum is computed once and
     passed on, by gloo and NCCL alike), so replicas summed this way cannot drift apart."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -348,6 +348,8 @@ def all_reduce_(tensors: list[torch.Tensor], group: Any = None) -> None:
     for dtype in sorted(by_dtype, key=str):
         ts = by_dtype[dtype]
         flat = torch.cat([t.reshape(-1) for t in ts])
+        if dtype.is_floating_point and dtype.itemsize < 4:
+            flat = flat.float()  # bf16 / fp16 gradients summed in float32 (each rank's part rounded once, not per step)
         dist.all_reduce(flat, group=group)
         for t, part in zip(ts, flat.split([t.numel() for t in ts])):
             t.copy_(part.view_as(t))

@@ -1,11 +1,11 @@
 """Learner step time of the megatron backend on one process against N = ``expert_parallel`` x
-``tensor_parallel`` processes.
+``tensor_parallel`` x ``pipeline_parallel`` processes.
 
 Prints ONE JSON object. Builds the megatron backend on one process, times ``--steps`` learner
 micro-batch steps (tools/bench_learner.py ``rl_step``: old values, policy log-probs with replay,
 values, PPO + value loss, backward, clip + AdamW) on one batch after ``--warmup`` untimed ones,
 closes it, then does the same with ``--ranks`` expert-parallel ranks times ``--tensor-parallel``
-ranks (rank 0 here, the others Ray actors on this machine, gloo on CPU / nccl on CUDA), from the
+times ``--pipeline-parallel`` ranks (rank 0 here, the others Ray actors on this machine, gloo on CPU / nccl on CUDA), from the
 same seeded init on the same batch. One backend at a time (a process holds one torch.distributed world), so a load change on a
 shared machine between the two phases moves one and not the other: compare medians of several runs.
 
@@ -16,10 +16,12 @@ announcements, the output gathers and the shared-gradient all-reduce. ``--batch`
 least N (the default 4 sequences of ``--seq`` tokens): with B < N some ranks forward only dummy
 rows. With tensor parallelism T the T ranks of each expert-parallel rank forward the same rows,
 each its 1/T slice of attention, vocabulary and experts and 1/T of the sequence between them
-(sequence parallelism), at the cost of all-gathers and reduce-scatters in every layer. N ranks run
-faster only where they compute in parallel (one GPU each, or free CPU cores).
+(sequence parallelism), at the cost of all-gathers and reduce-scatters in every layer. With
+pipeline parallelism S each stage holds 1/S of the layers and the stages run one after another
+(memory, not speed). N ranks run faster only where they compute in parallel (one GPU each, or
+free CPU cores).
 
-Usage: ``python tools/bench_expert_parallel.py [--ranks 2] [--tensor-parallel 1] [--model local|mid]
+Usage: ``python tools/bench_expert_parallel.py [--ranks 2] [--tensor-parallel 1] [--pipeline-parallel 1] [--model local|mid]
 [--batch 4] [--seq 128] [--steps 5] [--warmup 1] [--threads 1]``.
 """
 
@@ -41,14 +43,16 @@ from bench_learner import MODELS, make_batch, rl_step  # noqa: E402
 from t1async.config import GenerationConfig, LearnerConfig  # noqa: E402
 
 
-def time_backend(ranks: int, args: argparse.Namespace, device: torch.device, tensor_parallel: int = 1) -> dict:
-    """Build the megatron backend with ``ranks`` expert-parallel ranks times ``tensor_parallel``,
-    time its steps, close it."""
+def time_backend(ranks: int, args: argparse.Namespace, device: torch.device, tensor_parallel: int = 1,
+                 pipeline_parallel: int = 1) -> dict:
+    """Build the megatron backend with ``ranks`` expert-parallel ranks times ``tensor_parallel``
+    times ``pipeline_parallel``, time its steps, close it."""
     from t1async.megatron_backend import MegatronBackend
 
     model = MODELS[args.model]
     cfg = LearnerConfig(lr=1e-5, critic_lr=1e-5)
-    cfg.megatron = dataclasses.replace(cfg.megatron, expert_parallel=ranks, tensor_parallel=tensor_parallel)
+    cfg.megatron = dataclasses.replace(cfg.megatron, expert_parallel=ranks, tensor_parallel=tensor_parallel,
+                                       pipeline_parallel=pipeline_parallel)
     torch.manual_seed(0)
     t0 = time.perf_counter()
     backend = MegatronBackend(cfg, model, GenerationConfig(), device=device, dtype=torch.float32)
@@ -69,7 +73,8 @@ def time_backend(ranks: int, args: argparse.Namespace, device: torch.device, ten
         hf = backend.hf_state()
         gather_s = time.perf_counter() - t0
         local = sum(p.numel() for p in backend.policy.parameters())
-        return {"ranks": ranks * tensor_parallel, "expert_parallel": ranks, "tensor_parallel": tensor_parallel,
+        return {"ranks": ranks * tensor_parallel * pipeline_parallel, "expert_parallel": ranks,
+                "tensor_parallel": tensor_parallel, "pipeline_parallel": pipeline_parallel,
                 "step_s_median": round(statistics.median(times), 4),
                 "step_s_all": [round(t, 4) for t in times], "tokens_per_s": round(args.batch * args.seq
                                                                                  / statistics.median(times), 1),
@@ -89,6 +94,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--ranks", type=at_least_one, default=2, help="expert-parallel ranks of the second phase")
     p.add_argument("--tensor-parallel", type=at_least_one, default=1,
                    help="tensor-parallel ranks per expert-parallel rank in the second phase")
+    p.add_argument("--pipeline-parallel", type=at_least_one, default=1,
+                   help="pipeline stages in the second phase (must divide the model's layers)")
     p.add_argument("--model", choices=sorted(MODELS), default="local", help="model size (tools/bench_learner.py)")
     p.add_argument("--batch", type=at_least_one, default=4, help="sequences per micro-batch (split across the ranks)")
     p.add_argument("--seq", type=at_least_one, default=128, help="tokens per sequence")
@@ -107,12 +114,15 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         device = torch.device(args.device)
         one = time_backend(1, args, device)
-        many = time_backend(args.ranks, args, device, args.tensor_parallel)
+        try:
+            many = time_backend(args.ranks, args, device, args.tensor_parallel, args.pipeline_parallel)
+        except ValueError as e:  # a size that does not divide the model (named by the backend)
+            p.error(str(e))
     finally:
         ray.shutdown()
     loss = one["policy_loss_last"]
     out = {"model": args.model, "batch": args.batch, "seq": args.seq, "threads_per_rank": args.threads,
-           "device": args.device, "one_rank": one, f"{args.ranks * args.tensor_parallel}_ranks": many,
+           "device": args.device, "one_rank": one, f"{many['ranks']}_ranks": many,
            "step_time_ratio": round(many["step_s_median"] / one["step_s_median"], 3),
            "same_loss": abs(loss - many["policy_loss_last"]) <= 1e-5 * max(1.0, abs(loss))}
     print(json.dumps(out))
