@@ -34,7 +34,7 @@ from safetensors.torch import load_file, save_file
 
 from t1async.config import GenerationConfig, LearnerConfig, ModelConfig
 
-__all__ = ["BACKENDS", "AdamWPair", "LearnerBackend", "PolicyForward", "make_backend"]
+__all__ = ["BACKENDS", "AdamWPair", "LearnerBackend", "MasterWeightAdamW", "PolicyForward", "make_backend"]
 
 # learner.backend -> "module:class", imported on use (megatron-core is an optional extra)
 BACKENDS = {
@@ -128,9 +128,86 @@ def make_backend(name: str, cfg: LearnerConfig, model_cfg: ModelConfig, generati
     return getattr(importlib.import_module(module), cls)(cfg, model_cfg, generation, init)
 
 
+class MasterWeightAdamW:
+    """``torch.optim.AdamW`` that steps float32 master copies of 16-bit (bfloat16 / float16)
+    parameters and copies the result back, rounded, into them (mixed-precision training,
+    Micikevicius et al. 2018; what Megatron's ``Float16OptimizerWithFloat16Params`` and its
+    distributed optimizer keep as "main params"). float32 parameters are stepped in place, as
+    plain AdamW does: with only float32 parameters this is AdamW itself, and its state dict is
+    AdamW's.
+
+    Why: a bfloat16 weight has 8 significant bits, so an update smaller than about 1/256 of the
+    weight rounds away. At RL learning rates (1e-6, Adam's step about lr per element) almost every
+    update vanished: measured with the torch backend in bfloat16, 5 steps at lr 1e-6 changed 1.8 %
+    of the policy's elements against 86 % in float32 (tests/test_learner.py).
+
+    Args:
+        params: the model's parameters (any dtypes). lr, weight_decay: AdamW's.
+
+    ``param_groups``, ``state`` and ``step`` / ``zero_grad`` / ``state_dict`` /
+    ``load_state_dict`` behave as AdamW's. The state dict adds ``master_weights`` (the float32
+    copies of the 16-bit parameters, in parameter order) when there are any; loading a state dict
+    without them (older files, or saved in float32) starts them from the parameters' values.
+    """
+
+    def __init__(self, params, *, lr: float, weight_decay: float):
+        self.params = list(params)
+        self.masters = [p.detach().float().clone() if p.dtype in (torch.bfloat16, torch.float16) else p
+                        for p in self.params]
+        self._low = [i for i, (p, m) in enumerate(zip(self.params, self.masters)) if m is not p]
+        self.opt = torch.optim.AdamW(self.masters, lr=lr, weight_decay=weight_decay)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.opt.param_groups
+
+    @property
+    def state(self):
+        return self.opt.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+        self.opt.zero_grad(set_to_none=set_to_none)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """AdamW on the masters (each 16-bit parameter's gradient cast to float32 first), then
+        each 16-bit parameter set to its master, rounded to nearest."""
+        for i in self._low:
+            g = self.params[i].grad
+            self.masters[i].grad = None if g is None else g.float()
+        self.opt.step()
+        for i in self._low:
+            self.params[i].copy_(self.masters[i])
+
+    def state_dict(self) -> dict:
+        sd = self.opt.state_dict()
+        if self._low:
+            sd["master_weights"] = [self.masters[i].detach().clone() for i in self._low]
+        return sd
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: dict) -> None:
+        """AdamW's state, and the masters from ``sd["master_weights"]`` (else from the parameters).
+
+        Raises:
+            ValueError: ``master_weights`` of other count or shapes than these 16-bit parameters.
+        """
+        sd = dict(sd)
+        saved = sd.pop("master_weights", None)
+        self.opt.load_state_dict(sd)
+        if saved is not None and [tuple(t.shape) for t in saved] != [tuple(self.masters[i].shape) for i in self._low]:
+            raise ValueError(f"optimiser state: {len(saved)} master weights do not match this model's "
+                             f"{len(self._low)} 16-bit parameters")
+        for j, i in enumerate(self._low):
+            self.masters[i].copy_(saved[j] if saved is not None else self.params[i])
+
+
 class AdamWPair:
-    """The optimisers both backends share: AdamW for the policy and for the critic, global-norm
-    clipping, and their checkpoint file.
+    """The optimisers both backends share: AdamW (:class:`MasterWeightAdamW`: float32 masters of
+    16-bit parameters) for the policy and for the critic, global-norm clipping, and their
+    checkpoint file.
 
     A subclass sets ``self.cfg`` (LearnerConfig) and calls :meth:`_init_optimizers` with its
     policy and critic modules (``self.policy``, ``self.critic``) built; ``self.critic`` is None
@@ -146,8 +223,8 @@ class AdamWPair:
 
     def _init_optimizers(self) -> None:
         cfg = self.cfg
-        self.policy_opt = torch.optim.AdamW(self.policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-        self.critic_opt = (torch.optim.AdamW(self.critic.parameters(), lr=cfg.critic_lr, weight_decay=cfg.weight_decay)
+        self.policy_opt = MasterWeightAdamW(self.policy.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.critic_opt = (MasterWeightAdamW(self.critic.parameters(), lr=cfg.critic_lr, weight_decay=cfg.weight_decay)
                            if self.critic is not None else None)
 
     def zero_grad(self) -> None:

@@ -664,3 +664,83 @@ def test_learner_wait_holds_the_publish_for_a_slow_episode_instead_of_dropping_i
     finally:
         learner.close()
         sampler.shutdown()
+
+
+def test_16_bit_parameters_are_stepped_through_float32_master_weights():
+    """bfloat16 parameters under AdamW at an RL learning rate: plain AdamW on them loses almost
+    every update to rounding (the bug this optimiser fixes); MasterWeightAdamW's float32 masters
+    take the float32 AdamW steps (same gradients: the same values to float32 rounding), the
+    bfloat16 parameters are their masters rounded, and a state-dict round trip restores the
+    masters bitwise. float32 parameters are stepped in place with AdamW's own state dict."""
+    from t1async.backend import MasterWeightAdamW
+
+    torch.manual_seed(0)
+    w = torch.randn(64, 64) * 0.05
+    grads = [torch.randn(64, 64) for _ in range(20)]
+
+    def run(param, opt, n=20):
+        for g in grads[:n]:
+            opt.zero_grad()
+            param.grad = g.to(param.dtype)
+            opt.step()
+
+    ref = torch.nn.Parameter(w.clone())
+    run(ref, torch.optim.AdamW([ref], lr=1e-5, weight_decay=0.0))
+    plain = torch.nn.Parameter(w.bfloat16())
+    run(plain, torch.optim.AdamW([plain], lr=1e-5, weight_decay=0.0))
+    lost = float((plain == w.bfloat16()).float().mean())
+    mixed = torch.nn.Parameter(w.bfloat16())
+    opt = MasterWeightAdamW([mixed], lr=1e-5, weight_decay=0.0)
+    master_start = opt.masters[0].clone()
+    run(mixed, opt)
+    master = opt.masters[0]
+    moved = (ref - w).abs()
+    gap = float(((master - master_start) - (ref - w)).abs().max())
+    print(f"bf16, 20 AdamW steps at lr 1e-5: plain AdamW left {lost:.1%} of the elements unchanged; the masters' "
+          f"moves differ from float32 AdamW's by at most {gap:.2e}, the mean move being {float(moved.mean()):.2e}")
+    assert lost > 0.5  # the failure: most bfloat16 weights never move
+    assert torch.equal(master_start, w.bfloat16().float())  # masters start at the parameters' values
+    assert gap < 0.05 * float(moved.mean())  # float32 AdamW's steps (from the rounded start; gradients in bf16)
+    assert torch.equal(mixed.detach(), master.bfloat16())
+    sd = opt.state_dict()
+    again = torch.nn.Parameter(mixed.detach().clone())
+    opt2 = MasterWeightAdamW([again], lr=1e-5, weight_decay=0.0)
+    opt2.load_state_dict(sd)
+    assert torch.equal(opt2.masters[0], master) and torch.equal(opt2.state[opt2.masters[0]]["exp_avg"],
+                                                                  opt.state[master]["exp_avg"])
+    with pytest.raises(ValueError, match="master weights do not match"):
+        MasterWeightAdamW([torch.nn.Parameter(torch.zeros(3).bfloat16())], lr=1e-5, weight_decay=0.0).load_state_dict(sd)
+    f32 = torch.nn.Parameter(w.clone())
+    o32 = MasterWeightAdamW([f32], lr=1e-5, weight_decay=0.0)
+    run(f32, o32)
+    assert torch.equal(f32.detach(), ref.detach()) and o32.masters[0] is f32 and "master_weights" not in o32.state_dict()
+    plain_sd = torch.optim.AdamW([torch.nn.Parameter(w.clone())], lr=1e-5).state_dict()
+    o32.load_state_dict(plain_sd)  # an AdamW file (older checkpoints) loads as it is
+
+
+def test_a_bfloat16_learner_moves_its_weights_at_rl_learning_rates():
+    """The torch backend in bfloat16 at lr 1e-6: after 5 updates its float32 masters have moved
+    about as many elements as float32 training moves (both above 80 %); without masters, 1.8 %
+    moved (measured before MasterWeightAdamW)."""
+    from t1async.config import GenerationConfig
+    from t1async.torch_backend import TorchBackend
+
+    model = ModelConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                        moe_intermediate_size=24)
+    ids = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
+    frac = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(0)
+        b = TorchBackend(LearnerConfig(lr=1e-6), model, GenerationConfig(), dtype=dtype)
+        start = [m.detach().clone() for m in b.policy_opt.masters]
+        for _ in range(5):
+            b.zero_grad()
+            b.policy_logprobs(ids[:, :-1], ids[:, 1:], None, grad=True, routing=False).logp.sum().backward()
+            b.step(policy=True, policy_lr=1e-6)
+        moved = sum(int((m != s).sum()) for m, s in zip(b.policy_opt.masters, start))
+        frac[dtype] = moved / sum(s.numel() for s in start)
+        assert all(torch.equal(p.detach(), m.to(dtype)) for p, m in zip(b.policy.parameters(), b.policy_opt.masters))
+    print(f"elements of the policy moved by 5 updates at lr 1e-6: float32 {frac[torch.float32]:.1%}, "
+          f"bfloat16 masters {frac[torch.bfloat16]:.1%}")
+    assert frac[torch.float32] > 0.8 and frac[torch.bfloat16] > 0.8
