@@ -499,7 +499,10 @@ class MegatronConfig:
     """MoE token dispatcher: ``allgather``, ``alltoall`` (CUDA only) or ``auto`` (alltoall on
     CUDA, allgather on CPU)."""
     dtype: str = "float32"
-    """Parameter and compute dtype: float32 or bfloat16 (router and value head stay float32)."""
+    """Parameter and compute dtype: float32 or bfloat16 (router and value head stay float32). With
+    bfloat16, AdamW steps float32 master copies of the weights and rounds them into the model
+    (t1async.backend.MasterWeightAdamW): stepped in bfloat16 directly, nearly every update at RL
+    learning rates would round away."""
     device: str = "auto"
     """``cpu``, ``cuda`` (the current CUDA device), ``cuda:K`` or ``auto`` (cuda when available).
     With ``expert_parallel`` > 1 this is rank 0's; the other ranks get one GPU each from Ray."""

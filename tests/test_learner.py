@@ -428,6 +428,7 @@ def test_bench_micro_batch_compares_both_on_one_batch_and_refuses_bad_counts(cap
     a, b = doc["results"]["0"], doc["results"]["4096"]
     assert a["speedup"] == 1.0 and b["speedup"] == pytest.approx(b["tokens_per_s"] / a["tokens_per_s"], rel=1e-2)
     assert b["policy_loss_last"] == pytest.approx(a["policy_loss_last"], rel=1e-4, abs=1e-7)
+    assert a["padding_frac"] == 0.0 and 0.0 < b["padding_frac"] < 1.0  # one per forward: no padding at all
 
 
 def test_policy_steps_raise_the_rewarded_trajectory_and_lower_the_unrewarded_one(tmp_path):

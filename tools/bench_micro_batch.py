@@ -10,7 +10,8 @@ AdamW) on the same ``--batch`` trajectories of random tokens whose lengths are d
 as a sampler records). After ``--warmup`` untimed steps each, the ``--steps`` timed steps alternate
 between the learners (this machine is shared: a load change moves both alike). Reported per value:
 median step seconds and trajectory tokens per second; ``speedup`` is each value's tokens/s over the
-first value's.
+first value's; ``padding_frac``, the share of the micro-batches' positions that are padding (what
+packing sequences into rows instead of padding them could save at most, in positions forwarded).
 
 Usage: ``t1async bench micro-batch [--micro-batch-tokens 0,4096] [--batch 64] [--min-tokens 100]
 [--max-tokens 300] [--steps 5] [--advantage group|gae] [--model local|mid]``.
@@ -36,6 +37,7 @@ from bench_learner import MODELS  # noqa: E402  (the same model sizes as t1async
 from t1async.cli import OneLineErrors, at_least_one, at_least_zero  # noqa: E402
 from t1async.config import (GenerationConfig, LearnerConfig, ModelConfig, TransportConfig,  # noqa: E402
                             WeightSyncConfig)
+from t1async.rl import micro_batches  # noqa: E402
 from t1async.trajectory import Trajectory  # noqa: E402
 
 
@@ -113,10 +115,13 @@ def main(argv: list[str] | None = None) -> dict:
             for learner in learners.values():
                 learner.close()
     results = {}
+    lengths = [t.num_tokens - 1 for t in batch]  # positions the learner forwards per trajectory
     for v in values:
         dt = statistics.median(times[v])
+        padded = sum(len(g) * max(lengths[i] for i in g) for g in micro_batches(lengths, v))
         results[str(v)] = {"step_s_median": round(dt, 3), "step_s_all": [round(t, 3) for t in times[v]],
-                           "tokens_per_s": round(tokens / dt, 1), "policy_loss_last": last[v]["policy_loss"]}
+                           "tokens_per_s": round(tokens / dt, 1), "policy_loss_last": last[v]["policy_loss"],
+                           "padding_frac": round(1 - sum(lengths) / padded, 4)}
     first = results[str(values[0])]["tokens_per_s"]
     for r in results.values():
         r["speedup"] = round(r["tokens_per_s"] / first, 3)
