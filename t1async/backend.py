@@ -138,7 +138,7 @@ class MasterWeightAdamW:
 
     Why: a bfloat16 weight has 8 significant bits, so an update smaller than about 1/256 of the
     weight rounds away. At RL learning rates (1e-6, Adam's step about lr per element) almost every
-    update vanished: measured with the torch backend in bfloat16, 5 steps at lr 1e-6 changed 1.8 %
+    update vanished: measured with the torch backend in bfloat16, 5 steps at lr 1e-6 changed 1.7 %
     of the policy's elements against 86 % in float32 (tests/test_learner.py).
 
     Args:
