@@ -162,14 +162,18 @@ def test_sync_mode_trains_every_trajectory_at_staleness_zero(tmp_path):
     assert all(s["busy_s"] > 0 for s in summary["samplers"])
 
 
-def test_launch_with_the_megatron_learner_on_two_expert_parallel_ranks(tmp_path):
-    """``learner.backend=megatron learner.megatron.expert_parallel=2``: the learner's backend is rank
-    0 and starts rank 1 as a Ray actor (gloo on CPU); the run trains exactly (no drift, replayed
-    routing used), publishes every step's weights (gathered from both ranks) to the sampler, and
-    checkpoints one HF model plus both ranks' optimiser files."""
+@pytest.mark.parametrize("ep,tp,pp", [(2, 1, 1), (1, 2, 2)])
+def test_launch_with_the_megatron_learner_on_several_ranks(tmp_path, ep, tp, pp):
+    """``learner.backend=megatron`` with ``expert_parallel=2``, or ``tensor_parallel=2`` x
+    ``pipeline_parallel=2`` (4 ranks): the learner's backend is rank 0 and starts the other ranks
+    as Ray actors (gloo on CPU); the run trains exactly (no drift, replayed routing used), publishes
+    every step's weights (gathered from every rank) to the sampler, and checkpoints one HF model
+    plus every rank's optimiser file."""
     pytest.importorskip("megatron.core")
     run_dir = tmp_path / "run"
-    proc = subprocess.run(CLI + [f"run.dir={run_dir}", "learner.backend=megatron", "learner.megatron.expert_parallel=2",
+    sizes = [f"learner.megatron.expert_parallel={ep}", f"learner.megatron.tensor_parallel={tp}",
+             f"learner.megatron.pipeline_parallel={pp}"]
+    proc = subprocess.run(CLI + [f"run.dir={run_dir}", "learner.backend=megatron", *sizes,
                                  "learner.max_steps=3", "learner.batch_size=2", "learner.publish_every=1",
                                  "env.max_turns=2", "generation.max_new_tokens=16", "learner.checkpoint_every=0"],
                           capture_output=True, text=True, timeout=300)
@@ -181,10 +185,13 @@ def test_launch_with_the_megatron_learner_on_two_expert_parallel_ranks(tmp_path)
     assert all(r["logprob_diff_mean"] < 1e-4 for r in rows if r["staleness_max"] == 0)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert [s["weight_version"] for s in summary["samplers"]] == [3]  # every publish reached the sampler
-    assert "megatron expert parallelism: 2 ranks (gloo" in (run_dir / "logs" / "learner.log").read_text()
+    world = ep * tp * pp
+    assert (f"megatron ranks: {world} (tensor parallel {tp}, pipeline parallel {pp}, expert parallel {ep}; gloo"
+            in (run_dir / "logs" / "learner.log").read_text())
     ckpt = run_dir / "checkpoints" / "step_000003"
-    assert (ckpt / "optimizers.pt").exists() and (ckpt / "optimizers-rank1.pt").exists()
+    assert (ckpt / "optimizers.pt").exists() and all((ckpt / f"optimizers-rank{r}.pt").exists() for r in range(1, world))
     from safetensors import safe_open
 
     with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
-        assert {int(k.split(".")[5]) for k in f.keys() if ".experts." in k} == set(range(8))  # both ranks' experts
+        assert {int(k.split(".")[5]) for k in f.keys() if ".experts." in k} == set(range(8))  # every rank's experts
+        assert {int(k.split(".")[2]) for k in f.keys() if k.startswith("model.layers.")} == set(range(4))  # both stages'
