@@ -992,10 +992,11 @@ class MegatronBackend(AdamWPair):
 
     def _rank_file(self, folder: Path, r: int) -> bytes:
         """Rank r's saved optimiser state (``optimizers-ep{r}.pt``: written by expert-parallel runs
-        before tensor parallelism, where rank = expert-parallel rank)."""
+        before tensor and pipeline parallelism, where rank = expert-parallel rank)."""
         path = folder / f"optimizers-rank{r}.pt"
         old = folder / f"optimizers-ep{r}.pt"
-        return (old if not path.exists() and old.exists() and self.tensor_parallel == 1 else path).read_bytes()
+        only_ep = self.tensor_parallel == self.pipeline_parallel == 1
+        return (old if not path.exists() and old.exists() and only_ep else path).read_bytes()
 
     def load_state(self, folder: Path) -> bool:
         """Restore the critic and every rank's optimisers. Returns False (optimisers start fresh,
