@@ -619,7 +619,7 @@ class LearnerConfig:
     one forward per trajectory up to float summation order (tests/test_learner.py); fewer,
     larger matmuls are faster (``t1async bench micro-batch``). 0 = one trajectory per micro-batch."""
     max_tokens_per_chunk: int = 4096
-    """``torch`` backend: a trajectory longer than this many tokens is trained in chunks, so a
+    """A trajectory longer than this many tokens is trained in chunks (``torch`` backend), so a
     long episode (100k tokens and more) fits in memory: the LM head and its log-probs run this
     many positions at a time and every decoder layer is activation-checkpointed (recomputed in
     the backward); log-probs, values and routing are bitwise those of one plain forward, and
@@ -627,7 +627,11 @@ class LearnerConfig:
     the episode of ``t1async bench long-horizon`` peaked at about 69 KiB per token of the default
     model instead of about 188 KiB, for about twice the time (the recomputation); a 101k-token
     step ran in 3.3 GiB (33 KiB per token) and 641 s on 2 cores. 0 = never chunk. Shorter
-    trajectories take the plain forward, unchanged."""
+    trajectories take the plain forward, unchanged. ``megatron`` backend: the LM head and its
+    log-probs run in chunks the same way (the same log-probs, tests/test_megatron.py), so the
+    ``[T, vocab]`` logits of a long sequence never exist; its decoder layers are not checkpointed
+    (Megatron's recompute needs CUDA's RNG state, and replayed routing would have to be replayed
+    again in the recomputation).
     abnormal: AbnormalConfig = field(default_factory=AbnormalConfig)
     """What to train of episodes and turns that did not end normally (see :class:`AbnormalConfig`)."""
     backend: str = "torch"

@@ -115,7 +115,7 @@ from t1async.megatron_ranks import (RankGroup, all_reduce_, all_reduce_sum, expe
                                     gather_tensors, leave_world, scatter_bytes, scatter_flat, share_state, to_bytes)
 from t1async.model import save_hf
 from t1async.rl import token_logprobs
-from t1async.torch_backend import ValueModel, load_policy
+from t1async.torch_backend import ValueModel, chunked_token_logprobs, load_policy
 from t1async.weight_sync import is_expert
 
 try:
@@ -239,6 +239,37 @@ class _ValueHead(nn.Module):
         return v, None
 
 
+class _LMHead(nn.Module):
+    """Stands in GPTModel's ``output_layer`` slot of the policy and the reference, holding the LM
+    head's weight (same parameter, same name ``output_layer.weight``; this rank's vocabulary slice
+    under tensor parallelism): GPTModel's forward returns the final-norm hidden states (gathered
+    along the sequence under sequence parallelism, as the column-parallel head gathers its input),
+    and :meth:`logits` applies the head, so the learner can run it a chunk of positions at a time
+    (``learner.max_tokens_per_chunk``) and never hold a long sequence's ``[T, V]`` logits.
+
+    :meth:`logits` is what megatron-core's ``ColumnParallelLinear`` computes (``x W^T``, no bias),
+    followed by the vocabulary all-gather (backward: each rank its own slice) the learner's
+    log-probs need; the hidden states' gather sums the ranks' partial input gradients in the
+    backward (reduce-scatter), as that layer does."""
+
+    def __init__(self, layer: nn.Module, sequence_parallel: bool, tensor_parallel: int):
+        super().__init__()
+        self.weight = layer.weight  # None when tied to the embedding (GPTModel passes that weight)
+        self.sequence_parallel, self.tensor_parallel = sequence_parallel, tensor_parallel
+        self._tied: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output=None):
+        self._tied = weight
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True)
+        return x, None
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden ``[..., H]`` -> logits ``[..., V]`` (model dtype; every rank the whole vocabulary)."""
+        out = F.linear(hidden, self.weight if self.weight is not None else self._tied)
+        return gather_from_tensor_model_parallel_region(out) if self.tensor_parallel > 1 else out
+
+
 class _Norm(nn.RMSNorm):
     """Megatron's local-spec norm (``WrappedTorchNorm`` builds ``torch.nn.RMSNorm(hidden, eps)``,
     the same module and numbers) that also runs under sequence parallelism, which megatron-core
@@ -303,6 +334,8 @@ def build_gpt(cfg: ModelConfig, hf: dict[str, torch.Tensor], *, critic: bool = F
                      pre_process=pp_rank == 0, post_process=last)
     if critic and last:
         model.output_layer = _ValueHead(cfg.hidden_size, device, sequence_parallel=tp_size > 1)
+    elif last:
+        model.output_layer = _LMHead(model.output_layer, sequence_parallel=tp_size > 1, tensor_parallel=tp_size)
     model.to(device)
     RouterReplay.clear_global_router_replay_instances()  # each router keeps its own; no process-wide list
     layout = CRITIC if critic else POLICY
@@ -616,10 +649,10 @@ class MegatronBackend(AdamWPair):
         if self._capture:
             self._router_inputs[i] = x.detach()
 
-    def _run(self, model: GPTModel, inp: torch.Tensor, *, vocab: bool = True) -> torch.Tensor | None:
-        """GPTModel forward of inp [B, T]: its output [B, T, V] (``vocab``; with tensor
-        parallelism each rank's vocabulary slice gathered, backward: each rank its own slice) or
-        [B, T, 1] for the critic. With tensor parallelism T must be a multiple of it
+    def _run(self, model: GPTModel, inp: torch.Tensor) -> torch.Tensor | None:
+        """GPTModel forward of inp [B, T]: the final-norm hidden states [B, T, H] of the policy or
+        the reference (their head is :class:`_LMHead`, applied by :meth:`_logprobs`) or the
+        critic's values [B, T, 1]. With tensor parallelism T must be a multiple of it
         (:meth:`_pad_tp`): sequence parallelism splits the sequence evenly over the ranks.
 
         With pipeline parallelism each stage but the first receives its input hidden states
@@ -657,9 +690,19 @@ class MegatronBackend(AdamWPair):
             return None
         if x is not None and torch.is_grad_enabled():
             self._stage_io.append((x, None))  # the last stage sends its input's gradient back
-        if vocab and self.tensor_parallel > 1:
-            out = gather_from_tensor_model_parallel_region(out)
         return out
+
+    def _logprobs(self, model: GPTModel, hidden: torch.Tensor, tgt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(float32 [B, T] log-probs of ``tgt`` under the sampling distribution, bool [B, T]
+        outside flags) from ``model``'s final hidden states [B, T, H]. A sequence longer than
+        ``learner.max_tokens_per_chunk`` runs the LM head and the log-probs that many positions
+        at a time, each chunk recomputed in the backward (t1async/torch_backend.py
+        ``chunked_token_logprobs``): the same log-probs, never the whole ``[T, V]`` logits."""
+        g, head, c = self.generation, model.output_layer, self.cfg.max_tokens_per_chunk
+        tgt = tgt.to(self.device)
+        if c and hidden.shape[1] > c:
+            return chunked_token_logprobs(head.logits, hidden, tgt, g, c)
+        return token_logprobs(head.logits(hidden).float(), tgt, g.temperature, g.top_k, g.top_p, return_outside=True)
 
     def _pad_tp(self, inp: torch.Tensor, *more: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         """Right-pad ``[b, T, ...]`` tensors to a multiple of the tensor-parallel size in T
@@ -706,7 +749,6 @@ class MegatronBackend(AdamWPair):
     def _forward_policy(self, inp, tgt, replay, grad, routing, batch) -> PolicyForward | None:
         """This rank's rows ``inp``, ``tgt`` [b, T] (``replay`` [b, T, L, K] or None) of a
         ``batch``-row micro-batch; returns the micro-batch's outputs on rank 0, None on followers."""
-        g = self.generation
         B, T = inp.shape
         given = replay
         inp, tgt, replay = self._pad_tp(inp, tgt, replay)
@@ -725,13 +767,12 @@ class MegatronBackend(AdamWPair):
         self._capture = routing
         try:
             with torch.set_grad_enabled(grad):
-                logits = self._run(self.policy, inp)
-                if logits is None:  # a pipeline stage before the last: placeholders for the gather
+                hidden = self._run(self.policy, inp)
+                if hidden is None:  # a pipeline stage before the last: placeholders for the gather
                     logp, outside = torch.zeros(B, T, device=self.device), torch.zeros(B, T, dtype=torch.bool,
                                                                                        device=self.device)
                 else:
-                    logp, outside = token_logprobs(logits.float(), tgt.to(self.device), g.temperature, g.top_k,
-                                                   g.top_p, return_outside=True)
+                    logp, outside = self._logprobs(self.policy, hidden, tgt)
                     logp, outside = logp[:, :T], outside[:, :T]
             used = own = None
             if routing:
@@ -764,13 +805,12 @@ class MegatronBackend(AdamWPair):
         return self._call_rows("forward_reference", (inp, tgt))
 
     def _forward_reference(self, inp, tgt, batch) -> torch.Tensor | None:
-        g = self.generation
         T = inp.shape[1]
         inp, tgt = self._pad_tp(inp, tgt)
         with torch.no_grad():
-            logits = self._run(self.reference, inp)
-            logp = (torch.zeros(inp.shape[0], T, device=self.device) if logits is None else
-                    token_logprobs(logits.float(), tgt.to(self.device), g.temperature, g.top_k, g.top_p)[:, :T])
+            hidden = self._run(self.reference, inp)
+            logp = (torch.zeros(inp.shape[0], T, device=self.device) if hidden is None else
+                    self._logprobs(self.reference, hidden, tgt)[0][:, :T])
         return self._gather_rows([logp], batch, False)[0]
 
     def values(self, inp, *, grad) -> torch.Tensor:
@@ -782,7 +822,7 @@ class MegatronBackend(AdamWPair):
         T = inp.shape[1]
         (inp,) = self._pad_tp(inp)
         with torch.set_grad_enabled(grad):
-            v = self._run(self.critic, inp, vocab=False)
+            v = self._run(self.critic, inp)
             v = torch.zeros(inp.shape[0], T, device=self.device) if v is None else v.squeeze(-1)[:, :T]
         return self._gather_rows([v], batch, grad)[0]
 

@@ -4,7 +4,7 @@ and reference (the CPU default; the interface is t1async/backend.py)."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -57,8 +57,8 @@ def layer_checkpointing(trunk: Qwen3MoeModel) -> Iterator[None]:
         trunk.gradient_checkpointing = before
 
 
-def chunked_token_logprobs(head: nn.Module, hidden: torch.Tensor, tgt: torch.Tensor, g: GenerationConfig,
-                           chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+def chunked_token_logprobs(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, tgt: torch.Tensor,
+                           g: GenerationConfig, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`t1async.rl.token_logprobs` of ``head(hidden).float()``, ``chunk`` positions at a time.
 
     With gradients on, each chunk is checkpointed (``torch.utils.checkpoint``, non-reentrant):
@@ -68,7 +68,7 @@ def chunked_token_logprobs(head: nn.Module, hidden: torch.Tensor, tgt: torch.Ten
     changes nothing but the matmul's summation blocking.
 
     Args:
-        head: the LM head ([H] -> [V]).
+        head: the LM head ([..., H] -> [..., V]; a module or any function of the hidden states).
         hidden: float [B, T, H] final-norm hidden states.
         tgt: int64 [B, T] target ids.
         g: temperature, top-k, top-p the samplers used.

@@ -324,13 +324,13 @@ def _ep_worker(rank: int, port: int, hf: dict, ids: torch.Tensor, replay: torch.
                                             ep_rank=rank, ep_size=2))}
     for rr in routers:
         rr.router_replay.set_router_replay_action(RouterReplayAction.RECORD)
-    res["free"] = model(ids, pos, mask)
+    res["free"] = model.output_layer.logits(model(ids, pos, mask))  # (GPTModel returns the final hidden states)
     res["record"] = torch.stack([rr.router_replay.get_recorded_indices() for rr in routers], 1)  # [T, L, K]
     for rr, row in zip(routers, megatron_backend.replay_rows(replay, MODEL.num_experts)):
         rr.router_replay.clear_indices()
         rr.router_replay.set_target_indices(row)
         rr.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
-    logits = model(ids, pos, mask)
+    logits = model.output_layer.logits(model(ids, pos, mask))
     logits.float().logsumexp(-1).sum().backward()
     res["replay"] = logits.detach()
     res["expert_grad"] = float(sum(p.grad.abs().sum() for n, p in model.named_parameters() if "local_experts" in n))
@@ -341,7 +341,7 @@ def _ep_worker(rank: int, port: int, hf: dict, ids: torch.Tensor, replay: torch.
 def test_two_process_expert_parallel_gloo_matches_the_torch_model(tmp_path):
     """expert_parallel=2 over gloo on CPU: each process holds 2 of the 4 experts (the converter's
     EP offsets, on Megatron's real expert numbering); logits with and without replay and the
-    RECORDed routing equal the torch model's. (tensor_parallel=2 does not run on CPU: see README.)"""
+    RECORDed routing equal the torch model's."""
     import torch.multiprocessing as mp
 
     torch.manual_seed(0)
@@ -680,3 +680,30 @@ def test_a_stuck_follower_rank_times_out_instead_of_hanging(local_ray):
     finally:
         os.kill(pid, signal.SIGCONT)
         mb.close()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_megatron_lm_head_in_chunks_gives_the_same_log_probs_and_gradients(local_ray, tp):
+    """``learner.max_tokens_per_chunk=8`` on a 39-position sequence (5 chunks), at temperature 0.7
+    and top-p 0.9, on one process and on tensor_parallel=2: the megatron backend runs its LM head
+    and log-probs a chunk at a time (recomputed in the backward) and gets the log-probs and outside
+    flags of one pass, and the same gradients of every weight (rank 0's)."""
+    ids = torch.randint(0, MODEL.vocab_size, (2, 40), generator=torch.Generator().manual_seed(3))
+    inp, tgt, replay = ids[:, :-1], ids[:, 1:], _distinct_rows(2, 39, seed=4)
+    out = {}
+    for chunk in (0, 8):
+        cfg = LearnerConfig(max_tokens_per_chunk=chunk, megatron=_ep(1, tp))
+        torch.manual_seed(0)
+        mb = MegatronBackend(cfg, MODEL, GenerationConfig(temperature=0.7, top_p=0.9))
+        try:
+            fwd = mb.policy_logprobs(inp, tgt, replay, grad=True, routing=False)
+            mb.backward(fwd.logp.sum())
+            out[chunk] = fwd.logp.detach(), fwd.outside, {k: p.grad.clone() for k, p in mb.policy.named_parameters()}
+        finally:
+            mb.close()
+    (lp0, out0, g0), (lp8, out8, g8) = out[0], out[8]
+    gap = max(float((g0[k] - g8[k]).norm() / g0[k].norm().clamp(min=1e-12)) for k in g0)
+    print(f"TP={tp}: chunked vs one pass: log-prob max|diff| {float((lp0 - lp8).abs().max()):.2e}; "
+          f"gradients, max over tensors of relative difference {gap:.2e}")
+    assert float((lp0 - lp8).abs().max()) < 1e-6 and torch.equal(out0, out8) and bool(out0.any())
+    assert g0.keys() == g8.keys() and gap < 1e-5 and all(float(g.abs().sum()) > 0 for g in g0.values())
