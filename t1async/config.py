@@ -630,8 +630,7 @@ class LearnerConfig:
     trajectories take the plain forward, unchanged. ``megatron`` backend: the LM head and its
     log-probs run in chunks the same way (the same log-probs, tests/test_megatron.py), so the
     ``[T, vocab]`` logits of a long sequence never exist; its decoder layers are not checkpointed
-    (Megatron's recompute needs CUDA's RNG state, and replayed routing would have to be replayed
-    again in the recomputation).
+    (a recomputation would have to replay the sampler's routing again; not built)."""
     abnormal: AbnormalConfig = field(default_factory=AbnormalConfig)
     """What to train of episodes and turns that did not end normally (see :class:`AbnormalConfig`)."""
     backend: str = "torch"
