@@ -707,3 +707,16 @@ def test_megatron_lm_head_in_chunks_gives_the_same_log_probs_and_gradients(local
           f"gradients, max over tensors of relative difference {gap:.2e}")
     assert float((lp0 - lp8).abs().max()) < 1e-6 and torch.equal(out0, out8) and bool(out0.any())
     assert g0.keys() == g8.keys() and gap < 1e-5 and all(float(g.abs().sum()) > 0 for g in g0.values())
+
+
+def test_bench_expert_parallel_refuses_sizes_the_model_cannot_split_before_starting(capsys):
+    """``t1async bench expert-parallel`` with a rank count that does not divide the model: one line
+    naming the flag and the sizes that do, rc 2, before Ray or any timing starts."""
+    from t1async.cli import main
+
+    for args, want in ((["--ranks", "3"], "--ranks 3 must divide the local model's 8 experts: one of [1, 2, 4, 8]"),
+                       (["--tensor-parallel", "3"], "--tensor-parallel 3 must divide"),
+                       (["--pipeline-parallel", "3"], "--pipeline-parallel 3 must divide the local model's 4 layers")):
+        assert main(["bench", "expert-parallel", *args]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("t1async: error: bench expert-parallel:") and want in err and err.count("\n") == 1, err

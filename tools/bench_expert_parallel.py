@@ -86,6 +86,23 @@ def time_backend(ranks: int, args: argparse.Namespace, device: torch.device, ten
         backend.close()
 
 
+def check_sizes(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse, before anything starts, parallel sizes the model cannot be split by (one line, rc 2)."""
+    from t1async.config import tensor_parallel_sizes
+
+    model = MODELS[args.model]
+    divisors = lambda n: [d for d in range(1, n + 1) if n % d == 0]  # noqa: E731
+    tp_ok = [d for d in divisors(model.num_key_value_heads)
+             if all(v % d == 0 for v in tensor_parallel_sizes(model).values())]
+    for flag, value, ok, what in (("--ranks", args.ranks, divisors(model.num_experts), f"{model.num_experts} experts"),
+                                  ("--tensor-parallel", args.tensor_parallel, tp_ok,
+                                   f"sizes {tensor_parallel_sizes(model)}"),
+                                  ("--pipeline-parallel", args.pipeline_parallel, divisors(model.num_hidden_layers),
+                                   f"{model.num_hidden_layers} layers")):
+        if value not in ok:
+            p.error(f"{flag} {value} must divide the {args.model} model's {what}: one of {ok}")
+
+
 def main(argv: list[str] | None = None) -> dict:
     from t1async.cli import OneLineErrors, at_least_one, at_least_zero
 
@@ -104,6 +121,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--threads", type=at_least_one, default=1, help="torch threads per rank")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = p.parse_args(argv)
+    check_sizes(p, args)
     import warnings
 
     import ray
