@@ -128,6 +128,10 @@ def make_backend(name: str, cfg: LearnerConfig, model_cfg: ModelConfig, generati
     return getattr(importlib.import_module(module), cls)(cfg, model_cfg, generation, init)
 
 
+# the layout keys of an optimiser file and their values for one process (files without a key predate it)
+ONE_PROCESS = {"tensor_parallel": 1, "pipeline_parallel": 1, "expert_parallel": 1, "distributed_optimizer": 0}
+
+
 class MasterWeightAdamW:
     """``torch.optim.AdamW`` that steps float32 master copies of 16-bit (bfloat16 / float16)
     parameters and copies the result back, rounded, into them (mixed-precision training,
@@ -265,16 +269,18 @@ class AdamWPair:
                    folder / "optimizers.pt")
 
     def parallel_sizes(self) -> dict[str, int]:
-        """``{"tensor_parallel", "pipeline_parallel", "expert_parallel"}`` of this backend (all 1 for
-        one process): an optimiser state is only valid for the layout it was saved under."""
-        return {k: getattr(self, k, 1) for k in ("tensor_parallel", "pipeline_parallel", "expert_parallel")}
+        """``{"tensor_parallel", "pipeline_parallel", "expert_parallel", "distributed_optimizer"}`` of
+        this backend (1, 1, 1, 0 for one process): an optimiser state is only valid for the layout
+        it was saved under."""
+        return {k: int(getattr(self, k, v)) for k, v in ONE_PROCESS.items()}
 
     def _load_optimizers(self, folder: Path) -> bool:
         """Load optimizers.pt if it was written by this backend with these parallel sizes (older
         files, without a ``backend`` key, are the torch backend's; without a size key, one
         process's); returns False (fresh optimisers) otherwise."""
         opt = torch.load(folder / "optimizers.pt", weights_only=True)
-        if opt.get("backend", "torch") != self.name or any(opt.get(k, 1) != v for k, v in self.parallel_sizes().items()):
+        if opt.get("backend", "torch") != self.name or any(opt.get(k, ONE_PROCESS[k]) != v
+                                                           for k, v in self.parallel_sizes().items()):
             return False
         self.policy_opt.load_state_dict(opt["policy"])
         if self.critic_opt is not None and opt.get("critic") is not None:

@@ -491,6 +491,12 @@ class MegatronConfig:
     0 does useful work); rank 0 gathers the outputs, so metrics and the learner's loss are the
     same as with one process (shared gradients summed over ranks; t1async/megatron_backend.py,
     t1async/megatron_ranks.py)."""
+    distributed_optimizer: bool = True
+    """With P = ``expert_parallel`` > 1: the weights every data-parallel rank holds (all but the
+    experts) keep their float32 masters and AdamW moments sharded, 1/P per rank (ZeRO stage 1, as
+    megatron-core's distributed optimizer does): each rank steps its shard and the updated weights
+    are all-gathered. The same updates bit for bit (AdamW is elementwise); 12 bytes per replicated
+    weight become 12/P. Off: every rank keeps them all."""
     timeout_s: float = 300.0
     """Seconds rank 0 waits for its other ranks (tensor, pipeline, expert parallel) in a
     collective before failing with an error (a dead rank is named at once); Megatron's own groups

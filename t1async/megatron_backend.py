@@ -108,7 +108,7 @@ import torch.nn.functional as F
 from loguru import logger
 from torch import nn
 
-from t1async.backend import AdamWPair, PolicyForward
+from t1async.backend import ONE_PROCESS, AdamWPair, MasterWeightAdamW, PolicyForward
 from t1async.config import GenerationConfig, LearnerConfig, MegatronConfig, ModelConfig, tensor_parallel_sizes
 from t1async.megatron_convert import CRITIC, POLICY, hf_to_megatron, megatron_to_hf, merge_tp, shard_tp, tp_partition
 from t1async.megatron_ranks import (RankGroup, all_reduce_, all_reduce_sum, expert_owner, from_bytes, gather_bytes,
@@ -410,6 +410,87 @@ def deal_rows(batch: int, ranks: int) -> list[torch.Tensor]:
     return list(idx.view(ranks, per))
 
 
+class ShardedAdamW:
+    """AdamW for one rank of a data-parallel group: its own weights (``own``: the experts) through
+    :class:`t1async.backend.MasterWeightAdamW`, and the weights every rank of the group holds
+    (``replicated``, identical on each, their gradients already summed over the group) with
+    ZeRO stage 1 (Rajbhandari et al. 2020; megatron-core's distributed optimizer): their float32
+    masters and AdamW moments are one flat buffer split into ``size`` contiguous shards, this rank
+    keeps and steps shard ``rank`` only, and the updated shards are all-gathered into every rank's
+    weights (rounded to their dtype). AdamW is elementwise, so the weights after a step are those
+    of unsharded AdamW, bit for bit.
+
+    Args:
+        own, replicated: parameters. lr, weight_decay: AdamW's. group, rank, size: the
+            data-parallel process group, this rank's index in it and its size.
+
+    Behaves as an optimiser for the backend: ``param_groups`` (both parts' groups, so a learning
+    rate set on each reaches both), ``zero_grad``, ``step``, ``state_dict``, ``load_state_dict``.
+    """
+
+    def __init__(self, own, replicated, *, lr: float, weight_decay: float, group, rank: int, size: int):
+        self.own = MasterWeightAdamW(own, lr=lr, weight_decay=weight_decay)
+        self.replicated = list(replicated)
+        self.group, self.rank, self.size = group, rank, size
+        self.numel = sum(p.numel() for p in self.replicated)
+        self.per = -(-self.numel // size)
+        lo = rank * self.per
+        flat = self._flat([p.detach() for p in self.replicated])
+        self.shard = flat[lo:lo + self.per].clone()  # float32 masters of this rank's shard (a leaf)
+        self.opt = torch.optim.AdamW([self.shard], lr=lr, weight_decay=weight_decay)
+
+    def _flat(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """The replicated weights' tensors as one float32 vector, zero-padded to size x per."""
+        dev = self.replicated[0].device if self.replicated else torch.device("cpu")
+        parts = [t.float().reshape(-1) for t in tensors]
+        return torch.cat(parts + [torch.zeros(self.per * self.size - self.numel, device=dev)])
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.own.param_groups + self.opt.param_groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.own.zero_grad(set_to_none)
+        for p in self.replicated:
+            p.grad = None
+        self.shard.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Step the own weights, then this rank's shard (its slice of the summed gradients), then
+        all-gather the shards into every replicated weight."""
+        import torch.distributed as dist
+
+        self.own.step()
+        if not self.replicated:
+            return
+        lo = self.rank * self.per
+        grads = self._flat([p.grad if p.grad is not None else torch.zeros_like(p) for p in self.replicated])
+        self.shard.grad = grads[lo:lo + self.per].clone()
+        del grads
+        self.opt.step()
+        full = self.shard.new_empty(self.per * self.size)
+        dist.all_gather_into_tensor(full, self.shard.detach(), group=self.group)
+        at = 0
+        for p in self.replicated:
+            p.copy_(full[at:at + p.numel()].view_as(p))
+            at += p.numel()
+
+    def state_dict(self) -> dict:
+        return {"own": self.own.state_dict(), "shard": self.opt.state_dict(), "master_shard": self.shard.detach().clone(),
+                "shard_of": [self.rank, self.size, self.numel]}
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: dict) -> None:
+        """Raises: ValueError: a state saved for another shard (rank, group size or weight count)."""
+        if list(sd.get("shard_of", [])) != [self.rank, self.size, self.numel]:
+            raise ValueError(f"optimiser state of shard {sd.get('shard_of')} (rank, ranks, weights), this rank "
+                             f"holds {[self.rank, self.size, self.numel]}")
+        self.own.load_state_dict(sd["own"])
+        self.opt.load_state_dict(sd["shard"])
+        self.shard.copy_(sd["master_shard"])
+
+
 class MegatronBackend(AdamWPair):
     """Policy (with routing replay), critic and, with ``cfg.kl_coef`` > 0, a frozen reference as
     megatron-core GPTModels; settings in ``cfg.megatron`` (:class:`t1async.config.MegatronConfig`).
@@ -463,6 +544,7 @@ class MegatronBackend(AdamWPair):
         self.dtype = dtype or {"float32": torch.float32, "bfloat16": torch.bfloat16}[mc.dtype]
         self.expert_parallel, self.tensor_parallel, self.pipeline_parallel = ep, tp, pp
         self.world = ep * tp * pp
+        self.distributed_optimizer = bool(mc.distributed_optimizer and ep > 1)
         self._outputs: list[torch.Tensor] = []  # this rank's outputs with a graph since the last backward (ranks > 1)
         self._stage_io: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []  # pipeline: (input, output) with a graph
         self._returned: list[torch.Tensor] = []  # rank 0: the gathered [B, ...] leaves it returned for them
@@ -495,6 +577,22 @@ class MegatronBackend(AdamWPair):
                 leave_world()
             raise
         self._init_optimizers()
+
+    def _init_optimizers(self) -> None:
+        """AdamW for policy and critic (:class:`t1async.backend.AdamWPair`); with several
+        data-parallel ranks and ``learner.megatron.distributed_optimizer``, :class:`ShardedAdamW`."""
+        if not self.distributed_optimizer:
+            return AdamWPair._init_optimizers(self)
+        cfg, dp = self.cfg, self.expert_parallel
+
+        def sharded(model: nn.Module, lr: float) -> ShardedAdamW:
+            named = list(model.named_parameters())
+            return ShardedAdamW([p for k, p in named if is_expert(k)], [p for k, p in named if not is_expert(k)],
+                                lr=lr, weight_decay=cfg.weight_decay, group=parallel_state.get_data_parallel_group(),
+                                rank=self.dp_rank, size=dp)
+
+        self.policy_opt = sharded(self.policy, cfg.lr)
+        self.critic_opt = sharded(self.critic, cfg.critic_lr) if self.critic is not None else None
 
     def _build(self, init: str | Path | None) -> None:
         """Policy, critic, reference: rank 0 loads them (the torch backend's initial weights, same
@@ -1066,7 +1164,7 @@ class MegatronBackend(AdamWPair):
         data = scatter_bytes(self._ranks, blobs, self.device)
         if self.rank != 0:
             opt = from_bytes(data)
-            saved = {k: opt.get(k, 1) for k in self.parallel_sizes()}
+            saved = {k: opt.get(k, ONE_PROCESS[k]) for k in self.parallel_sizes()}
             if opt.get("rank") != self.rank or saved != self.parallel_sizes():
                 raise RuntimeError(f"rank {self.rank}: its optimiser file holds rank {opt.get('rank')} of {saved}, "
                                    f"this run is {self.parallel_sizes()}")

@@ -597,10 +597,13 @@ def test_two_rank_checkpoint_is_one_hf_checkpoint_that_one_process_loads_bitwise
     with pytest.raises(RuntimeError, match="ranks were closed"):  # never rank 0's experts alone
         two.hf_state()
     for name in ("optimizers.pt", "optimizers-rank1.pt"):  # both ranks' AdamW moments restored and saved again
-        a, b = (torch.load(d / name, weights_only=True) for d in (ckpt, tmp_path / "again"))
-        assert a["policy"]["state"] and len(a["policy"]["state"]) == len(b["policy"]["state"])
-        for i, st in a["policy"]["state"].items():
-            assert all(torch.equal(st[k], b["policy"]["state"][i][k]) for k in ("exp_avg", "exp_avg_sq"))
+        a, b = (torch.load(d / name, weights_only=True)["policy"] for d in (ckpt, tmp_path / "again"))
+        # (expert parallelism: the distributed optimizer's own weights' and replicated shard's AdamW states)
+        for part in ("own", "shard") if ep > 1 else (None,):
+            sa, sb = (a[part], b[part]) if part else (a, b)
+            assert sa["state"] and len(sa["state"]) == len(sb["state"])
+            for i, st in sa["state"].items():
+                assert all(torch.equal(st[k], sb["state"][i][k]) for k in ("exp_avg", "exp_avg_sq"))
 
 
 def test_a_killed_follower_rank_fails_the_next_call_naming_it(local_ray):
@@ -720,3 +723,34 @@ def test_bench_expert_parallel_refuses_sizes_the_model_cannot_split_before_start
         assert main(["bench", "expert-parallel", *args]) == 2
         err = capsys.readouterr().err
         assert err.startswith("t1async: error: bench expert-parallel:") and want in err and err.count("\n") == 1, err
+
+
+def _moments(opt) -> int:
+    """Elements of AdamW's first moments an optimiser of the backend keeps on this rank."""
+    parts = [opt.own.opt, opt.opt] if hasattr(opt, "shard") else [opt.opt]
+    return sum(st["exp_avg"].numel() for o in parts for st in o.state.values())
+
+
+def test_distributed_optimizer_shards_the_replicated_weights_and_steps_them_bit_for_bit(tmp_path, local_ray):
+    """expert_parallel=2, two learner steps on five trajectories, with the distributed optimizer
+    (the default) and without: the gathered weights after them are bitwise equal, and rank 0 keeps
+    AdamW moments for its experts and half of the replicated weights only."""
+    out = {}
+    for sharded in (False, True):
+        mc = dataclasses.replace(_ep(2), distributed_optimizer=sharded)
+        learner = _learner(tmp_path, "megatron", True, megatron=mc, micro_batch_tokens=4096)
+        try:
+            for _ in range(2):
+                learner._train_step(_varied_batch())
+            b = learner.backend
+            replicated = sum(p.numel() for k, p in b.policy.named_parameters() if ".local_experts." not in k)
+            out[sharded] = {k: v.clone() for k, v in b.hf_weights()}, _moments(b.policy_opt), replicated
+            if sharded:
+                assert b.policy_opt.shard.numel() == -(-replicated // 2)
+        finally:
+            learner.close()
+    (w_off, m_off, rep), (w_on, m_on, _) = out[False], out[True]
+    print(f"distributed optimizer, EP=2: rank 0's AdamW first moments {m_on} elements against {m_off} "
+          f"({rep} replicated weights)")
+    assert w_on.keys() == w_off.keys() and all(torch.equal(w_on[k], w_off[k]) for k in w_on)
+    assert m_on == m_off - rep + -(-rep // 2)
