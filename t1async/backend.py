@@ -34,7 +34,8 @@ from safetensors.torch import load_file, save_file
 
 from t1async.config import GenerationConfig, LearnerConfig, ModelConfig
 
-__all__ = ["BACKENDS", "AdamWPair", "LearnerBackend", "MasterWeightAdamW", "PolicyForward", "make_backend"]
+__all__ = ["BACKENDS", "ONE_PROCESS", "AdamWPair", "LearnerBackend", "MasterWeightAdamW", "PolicyForward",
+           "ShardedAdamW", "make_backend"]
 
 # learner.backend -> "module:class", imported on use (megatron-core is an optional extra)
 BACKENDS = {
@@ -206,6 +207,87 @@ class MasterWeightAdamW:
                              f"{len(self._low)} 16-bit parameters")
         for j, i in enumerate(self._low):
             self.masters[i].copy_(saved[j] if saved is not None else self.params[i])
+
+
+class ShardedAdamW:
+    """AdamW for one rank of a data-parallel group: its own weights (``own``: the experts) through
+    :class:`t1async.backend.MasterWeightAdamW`, and the weights every rank of the group holds
+    (``replicated``, identical on each, their gradients already summed over the group) with
+    ZeRO stage 1 (Rajbhandari et al. 2020; megatron-core's distributed optimizer): their float32
+    masters and AdamW moments are one flat buffer split into ``size`` contiguous shards, this rank
+    keeps and steps shard ``rank`` only, and the updated shards are all-gathered into every rank's
+    weights (rounded to their dtype). AdamW is elementwise, so the weights after a step are those
+    of unsharded AdamW, bit for bit.
+
+    Args:
+        own, replicated: parameters. lr, weight_decay: AdamW's. group, rank, size: the
+            data-parallel process group, this rank's index in it and its size.
+
+    Behaves as an optimiser for the backend: ``param_groups`` (both parts' groups, so a learning
+    rate set on each reaches both), ``zero_grad``, ``step``, ``state_dict``, ``load_state_dict``.
+    """
+
+    def __init__(self, own, replicated, *, lr: float, weight_decay: float, group, rank: int, size: int):
+        self.own = MasterWeightAdamW(own, lr=lr, weight_decay=weight_decay)
+        self.replicated = list(replicated)
+        self.group, self.rank, self.size = group, rank, size
+        self.numel = sum(p.numel() for p in self.replicated)
+        self.per = -(-self.numel // size)
+        lo = rank * self.per
+        flat = self._flat([p.detach() for p in self.replicated])
+        self.shard = flat[lo:lo + self.per].clone()  # float32 masters of this rank's shard (a leaf)
+        self.opt = torch.optim.AdamW([self.shard], lr=lr, weight_decay=weight_decay)
+
+    def _flat(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """The replicated weights' tensors as one float32 vector, zero-padded to size x per."""
+        dev = self.replicated[0].device if self.replicated else torch.device("cpu")
+        parts = [t.float().reshape(-1) for t in tensors]
+        return torch.cat(parts + [torch.zeros(self.per * self.size - self.numel, device=dev)])
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.own.param_groups + self.opt.param_groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.own.zero_grad(set_to_none)
+        for p in self.replicated:
+            p.grad = None
+        self.shard.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Step the own weights, then this rank's shard (its slice of the summed gradients), then
+        all-gather the shards into every replicated weight."""
+        import torch.distributed as dist
+
+        self.own.step()
+        if not self.replicated:
+            return
+        lo = self.rank * self.per
+        grads = self._flat([p.grad if p.grad is not None else torch.zeros_like(p) for p in self.replicated])
+        self.shard.grad = grads[lo:lo + self.per].clone()
+        del grads
+        self.opt.step()
+        full = self.shard.new_empty(self.per * self.size)
+        dist.all_gather_into_tensor(full, self.shard.detach(), group=self.group)
+        at = 0
+        for p in self.replicated:
+            p.copy_(full[at:at + p.numel()].view_as(p))
+            at += p.numel()
+
+    def state_dict(self) -> dict:
+        return {"own": self.own.state_dict(), "shard": self.opt.state_dict(), "master_shard": self.shard.detach().clone(),
+                "shard_of": [self.rank, self.size, self.numel]}
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: dict) -> None:
+        """Raises: ValueError: a state saved for another shard (rank, group size or weight count)."""
+        if list(sd.get("shard_of", [])) != [self.rank, self.size, self.numel]:
+            raise ValueError(f"optimiser state of shard {sd.get('shard_of')} (rank, ranks, weights), this rank "
+                             f"holds {[self.rank, self.size, self.numel]}")
+        self.own.load_state_dict(sd["own"])
+        self.opt.load_state_dict(sd["shard"])
+        self.shard.copy_(sd["master_shard"])
 
 
 class AdamWPair:

@@ -1,29 +1,11 @@
 """The ``megatron`` learner backend: megatron-core 0.16.1's GPTModel as policy, critic and reference.
 
-The interface is t1async/backend.py; the Hugging Face <-> Megatron weight layouts are
-t1async/megatron_convert.py. What it builds (facts in ../shared/DESIGN.md §3, read from
-megatron-core 0.16.1's sources):
-
-- the local layer spec (``get_gpt_layer_local_spec``, no Transformer Engine): RMSNorm, q/k
-  layernorm, SwiGLU experts (``SequentialMLP``), no biases, RoPE (rotate-half), softmax router
-  in float32 (``moe_router_dtype='fp32'``; bf16 routers fail in backward), top-k renormalised
-  (``moe_router_pre_softmax=False``) when ``norm_topk_prob``, no aux loss, no dropout;
-- routing replay (R3) with megatron-core's own ``RouterReplay`` (``moe_enable_routing_replay``,
-  unfused router: the fused path skips replay): REPLAY_FORWARD with the sampler's rows, RECORD to
-  read what the router chose; indices are set and cleared around every forward;
-- the critic: the same trunk (its own copy, its own router, no replay) whose ``output_layer`` is
-  a float32 ``Linear(hidden, 1)`` with a bias on the final-norm hidden states, as
-  t1async/torch_backend.py's ``ValueModel``;
-- AdamW and global-norm clipping shared with the torch backend (t1async/backend.py); with one
-  process this is the whole distributed optimizer's job.
-
-Initial weights are t1async/model.py's (same seed, same numbers as the torch backend), converted.
-
-On CPU megatron-core 0.16.1 runs with three shims, applied only when CUDA is absent:
-``torch.cuda.current_device`` returns the CPU device (routers move their weight to it), an
-inference RNG tracker (no CUDA RNG), and ``moe_utils.te_general_gemm = None`` (it is otherwise
-called without Transformer Engine). A causal mask is passed explicitly on CPU (the default one is
-built on CUDA). The ``alltoall`` dispatcher needs CUDA.
+The interface is t1async/backend.py; the models are built by t1async/megatron_model.py (layer spec,
+routing replay, heads, CPU shims), their Hugging Face <-> Megatron weight layouts are
+t1async/megatron_convert.py, the processes of a multi-rank backend t1async/megatron_ranks.py.
+AdamW (float32 masters for 16-bit weights) and global-norm clipping are shared with the torch
+backend (t1async/backend.py); with several data-parallel ranks the replicated weights'
+optimiser state is sharded (t1async/backend.py ``ShardedAdamW``, ``learner.megatron.distributed_optimizer``).
 
 Parallelism: expert parallelism P (``learner.megatron.expert_parallel``, P dividing the number of
 experts) times tensor parallelism T (``tensor_parallel``) times pipeline parallelism S
@@ -55,8 +37,8 @@ parallelism (megatron-core requires it for MoE with TP): between the split layer
 - the LM head's vocabulary slices are all-gathered before the log-probs (the sampler's top-k /
   top-p processing needs every logit); the critic's head runs on the sequence slice and its
   values are all-gathered;
-- norms are megatron's local-spec RMSNorm made to accept sequence parallelism (:class:`_Norm`;
-  megatron-core 0.16.1's ``WrappedTorchNorm`` asserts it is off).
+- norms are megatron's local-spec RMSNorm made to accept sequence parallelism
+  (t1async/megatron_model.py ``Norm``; megatron-core 0.16.1's ``WrappedTorchNorm`` asserts it is off).
 
 Data parallelism within the expert-parallel group (N below is P, the expert-parallel size):
 
@@ -108,7 +90,7 @@ import torch.nn.functional as F
 from loguru import logger
 from torch import nn
 
-from t1async.backend import ONE_PROCESS, AdamWPair, MasterWeightAdamW, PolicyForward
+from t1async.backend import ONE_PROCESS, AdamWPair, PolicyForward, ShardedAdamW
 from t1async.config import GenerationConfig, LearnerConfig, MegatronConfig, ModelConfig, tensor_parallel_sizes
 from t1async.megatron_convert import CRITIC, POLICY, hf_to_megatron, megatron_to_hf, merge_tp, shard_tp, tp_partition
 from t1async.megatron_ranks import (RankGroup, all_reduce_, all_reduce_sum, expert_owner, from_bytes, gather_bytes,
@@ -118,269 +100,16 @@ from t1async.rl import token_logprobs
 from t1async.torch_backend import ValueModel, chunked_token_logprobs, load_policy
 from t1async.weight_sync import is_expert
 
-try:
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.tensor_parallel.mappings import (gather_from_sequence_parallel_region,
-                                                        gather_from_tensor_model_parallel_region)
-    from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
-    from megatron.core.transformer.moe import moe_utils
-    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
-    from megatron.core.transformer.transformer_config import TransformerConfig
-except ImportError as e:  # the optional extra
-    raise ImportError(f"learner.backend=megatron needs megatron-core: pip install 't1async[megatron]' ({e})") from None
+from t1async.megatron_model import (build_gpt, init_megatron, load_megatron,  # noqa: F401  (re-exported)
+                                    replay_rows, transformer_config)
+
+from megatron.core import parallel_state  # noqa: E402  (t1async.megatron_model says what to install if missing)
+from megatron.core.models.gpt.gpt_model import GPTModel  # noqa: E402
+from megatron.core.transformer.moe.router_replay import RouterReplayAction  # noqa: E402
 
 __all__ = ["MegatronBackend", "build_gpt", "deal_rows", "init_megatron", "replay_rows", "transformer_config"]
 
 
-def init_megatron(device: torch.device, seed: int = 0, *, expert_parallel: int = 1, tensor_parallel: int = 1,
-                  pipeline_parallel: int = 1) -> None:
-    """Make this process a Megatron rank (idempotent).
-
-    With every size 1: starts torch.distributed's default group if it is not started (gloo on
-    CPU, nccl on CUDA, world size 1, an in-memory store) and Megatron's model-parallel groups (all
-    sizes 1), first leaving a world of another shape (a closed multi-rank backend's in this
-    process). Otherwise the world of ``tensor_parallel x pipeline_parallel x expert_parallel``
-    ranks and Megatron's groups were formed by t1async/megatron_ranks.py; this checks their sizes.
-    Then
-    Megatron's RNG tracker; on CPU the shims described in the module docstring. The learner's
-    weight broadcast uses its own process groups (t1async/weight_sync.py), never the default one.
-
-    Raises:
-        RuntimeError: several ranks asked for without a world of that shape.
-    """
-    import torch.distributed as dist
-
-    if device.type == "cpu" and not torch.cuda.is_available():
-        torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
-    if not hasattr(moe_utils, "te_general_gemm"):  # no Transformer Engine: the router's GEMM is torch's
-        moe_utils.te_general_gemm = None  # (measured on an H200: NameError there too, not only on CPU)
-    if expert_parallel == 1 and tensor_parallel == 1 and pipeline_parallel == 1:
-        if dist.is_initialized() and (dist.get_world_size() != 1 or (
-                parallel_state.model_parallel_is_initialized()
-                and parallel_state.get_expert_model_parallel_world_size() != 1)):
-            if parallel_state.model_parallel_is_initialized():
-                parallel_state.destroy_model_parallel()
-            dist.destroy_process_group()
-        if not dist.is_initialized():
-            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
-                                    world_size=1)
-        if not parallel_state.model_parallel_is_initialized():
-            parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
-    elif not (dist.is_initialized() and dist.get_world_size() == expert_parallel * tensor_parallel * pipeline_parallel
-              and parallel_state.get_expert_model_parallel_world_size() == expert_parallel
-              and parallel_state.get_tensor_model_parallel_world_size() == tensor_parallel
-              and parallel_state.get_pipeline_model_parallel_world_size() == pipeline_parallel):
-        raise RuntimeError(f"tensor_parallel={tensor_parallel} x pipeline_parallel={pipeline_parallel} x "
-                           f"expert_parallel={expert_parallel} needs a world of that shape (t1async/megatron_ranks.py)")
-    from megatron.core.tensor_parallel import random as mrandom
-
-    if device.type == "cpu":
-        mrandom.initialize_rng_tracker(inference_rng_tracker=True)
-    elif not mrandom.get_cuda_rng_tracker().is_initialized():
-        mrandom.model_parallel_cuda_manual_seed(seed)
-
-
-def transformer_config(cfg: ModelConfig, *, replay: bool, dtype: torch.dtype, device: torch.device,
-                       dispatcher: str = "auto", expert_parallel: int = 1, tensor_parallel: int = 1,
-                       pipeline_parallel: int = 1) -> TransformerConfig:
-    """Megatron's TransformerConfig for the HF Qwen3-MoE architecture ``cfg`` (the parallel sizes
-    must match Megatron's initialised groups).
-    ``tensor_parallel`` > 1 turns on sequence parallelism, which megatron-core requires for MoE
-    with tensor parallelism (experts are split over the tensor-parallel ranks too).
-
-    Raises:
-        ValueError: ``alltoall`` asked for on CPU.
-    """
-    if dispatcher == "auto":
-        dispatcher = "alltoall" if device.type == "cuda" else "allgather"
-    if dispatcher == "alltoall" and device.type != "cuda":
-        raise ValueError("learner.megatron.dispatcher=alltoall needs CUDA; use allgather on CPU")
-    return TransformerConfig(
-        num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
-        num_query_groups=cfg.num_key_value_heads, kv_channels=cfg.head_dim, ffn_hidden_size=cfg.moe_intermediate_size,
-        moe_ffn_hidden_size=cfg.moe_intermediate_size, num_moe_experts=cfg.num_experts,
-        moe_router_topk=cfg.num_experts_per_tok, moe_router_pre_softmax=not cfg.norm_topk_prob,
-        normalization="RMSNorm", layernorm_epsilon=cfg.rms_norm_eps, qk_layernorm=True, gated_linear_unit=True,
-        activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
-        moe_router_dtype="fp32", moe_router_fusion=False, moe_enable_routing_replay=replay,
-        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_token_dispatcher_type=dispatcher,
-        params_dtype=dtype, bf16=dtype == torch.bfloat16, use_cpu_initialization=device.type == "cpu",
-        perform_initialization=False, bias_dropout_fusion=False, apply_rope_fusion=False,
-        masked_softmax_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
-        expert_model_parallel_size=expert_parallel, tensor_model_parallel_size=tensor_parallel,
-        sequence_parallel=tensor_parallel > 1, pipeline_model_parallel_size=pipeline_parallel,
-        pipeline_dtype=dtype)
-
-
-class _ValueHead(nn.Module):
-    """The critic's head in GPTModel's ``output_layer`` slot: float32 ``hidden -> 1`` with a bias.
-
-    With sequence parallelism its input is this rank's slice of the sequence ``[T/TP, B, H]``:
-    the values of the slice are gathered along the sequence (backward: each rank takes its own
-    slice of the gradient, as every rank backpropagates the same whole output), and the head's
-    gradients, one slice's each, are summed over the ranks (``sequence_parallel`` attribute)."""
-
-    def __init__(self, hidden: int, device: torch.device, sequence_parallel: bool = False):
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(1, hidden, device=device))
-        self.bias = nn.Parameter(torch.zeros(1, device=device))
-        self.sequence_parallel = sequence_parallel
-        for w in (self.weight, self.bias):
-            w.sequence_parallel = sequence_parallel
-
-    def forward(self, x: torch.Tensor, weight=None, runtime_gather_output=None):
-        v = F.linear(x.float(), self.weight, self.bias)
-        if self.sequence_parallel:
-            v = gather_from_sequence_parallel_region(v, tensor_parallel_output_grad=False)
-        return v, None
-
-
-class _LMHead(nn.Module):
-    """Stands in GPTModel's ``output_layer`` slot of the policy and the reference, holding the LM
-    head's weight (same parameter, same name ``output_layer.weight``; this rank's vocabulary slice
-    under tensor parallelism): GPTModel's forward returns the final-norm hidden states (gathered
-    along the sequence under sequence parallelism, as the column-parallel head gathers its input),
-    and :meth:`logits` applies the head, so the learner can run it a chunk of positions at a time
-    (``learner.max_tokens_per_chunk``) and never hold a long sequence's ``[T, V]`` logits.
-
-    :meth:`logits` is what megatron-core's ``ColumnParallelLinear`` computes (``x W^T``, no bias),
-    followed by the vocabulary all-gather (backward: each rank its own slice) the learner's
-    log-probs need; the hidden states' gather sums the ranks' partial input gradients in the
-    backward (reduce-scatter), as that layer does."""
-
-    def __init__(self, layer: nn.Module, sequence_parallel: bool, tensor_parallel: int):
-        super().__init__()
-        self.weight = layer.weight  # None when tied to the embedding (GPTModel passes that weight)
-        self.sequence_parallel, self.tensor_parallel = sequence_parallel, tensor_parallel
-        self._tied: torch.Tensor | None = None
-
-    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output=None):
-        self._tied = weight
-        if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True)
-        return x, None
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden ``[..., H]`` -> logits ``[..., V]`` (model dtype; every rank the whole vocabulary)."""
-        out = F.linear(hidden, self.weight if self.weight is not None else self._tied)
-        return gather_from_tensor_model_parallel_region(out) if self.tensor_parallel > 1 else out
-
-
-class _Norm(nn.RMSNorm):
-    """Megatron's local-spec norm (``WrappedTorchNorm`` builds ``torch.nn.RMSNorm(hidden, eps)``,
-    the same module and numbers) that also runs under sequence parallelism, which megatron-core
-    0.16.1's wrapper refuses. A norm is per token, so it runs unchanged on a rank's slice of the
-    sequence; its weight's gradient then holds that slice's share and is marked
-    ``sequence_parallel`` (summed over the tensor-parallel ranks, as Megatron's TE norm is)."""
-
-    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: object):
-        if config.normalization != "RMSNorm":
-            raise ValueError(f"t1async's Megatron spec has RMSNorm only, got {config.normalization}")
-        super().__init__(hidden_size, eps=eps)
-        self.weight.sequence_parallel = config.sequence_parallel
-
-
-def _with_norm(spec, norm: type) -> None:
-    """Replace ``WrappedTorchNorm`` by ``norm`` everywhere in a Megatron module spec (in place)."""
-    import dataclasses
-
-    if isinstance(spec, ModuleSpec):
-        if spec.module is WrappedTorchNorm:
-            spec.module = norm
-        if spec.submodules is not None:
-            _with_norm(spec.submodules, norm)
-    elif dataclasses.is_dataclass(spec) and not isinstance(spec, type):
-        for f in dataclasses.fields(spec):
-            v = getattr(spec, f.name)
-            if v is WrappedTorchNorm:
-                setattr(spec, f.name, norm)
-            elif isinstance(v, (ModuleSpec, list, tuple)) or (dataclasses.is_dataclass(v) and not isinstance(v, type)):
-                _with_norm(v, norm)
-    elif isinstance(spec, (list, tuple)):
-        for v in spec:
-            _with_norm(v, norm)
-
-
-def build_gpt(cfg: ModelConfig, hf: dict[str, torch.Tensor], *, critic: bool = False, replay: bool = False,
-              dtype: torch.dtype = torch.float32, device: torch.device = torch.device("cpu"),
-              dispatcher: str = "auto", ep_rank: int = 0, ep_size: int = 1, tp_rank: int = 0,
-              tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1) -> GPTModel:
-    """A GPTModel holding the HF weights ``hf`` (policy layout, or the critic's with ``critic``);
-    with ``ep_size`` > 1 only this rank's experts, with ``tp_size`` > 1 only this rank's
-    tensor-parallel slices, with ``pp_size`` > 1 only this pipeline stage's layers (the embedding
-    on the first stage, the final norm and head on the last; Megatron's groups of those sizes
-    initialised).
-
-    The layer spec is megatron-core's local one (``get_gpt_layer_local_spec``) with its norms
-    replaced by :class:`_Norm`, the same RMSNorm that also runs under sequence parallelism.
-
-    Raises:
-        RuntimeError: the converted weights do not cover the model's parameters exactly.
-    """
-    tc = transformer_config(cfg, replay=replay, dtype=dtype, device=device, dispatcher=dispatcher,
-                            expert_parallel=ep_size, tensor_parallel=tp_size, pipeline_parallel=pp_size)
-    layer = get_gpt_layer_local_spec(num_experts=cfg.num_experts, moe_grouped_gemm=False, qk_layernorm=True,
-                                     normalization="RMSNorm")
-    block = TransformerBlockSubmodules(layer_specs=[layer] * (cfg.num_hidden_layers // pp_size), layer_norm=_Norm)
-    _with_norm(block, _Norm)
-    last = pp_rank == pp_size - 1
-    model = GPTModel(tc, block, vocab_size=cfg.vocab_size, max_sequence_length=cfg.max_position_embeddings,
-                     position_embedding_type="rope", rotary_base=cfg.rope_theta,
-                     share_embeddings_and_output_weights=cfg.tie_word_embeddings and not critic,
-                     pre_process=pp_rank == 0, post_process=last)
-    if critic and last:
-        model.output_layer = _ValueHead(cfg.hidden_size, device, sequence_parallel=tp_size > 1)
-    elif last:
-        model.output_layer = _LMHead(model.output_layer, sequence_parallel=tp_size > 1, tensor_parallel=tp_size)
-    model.to(device)
-    RouterReplay.clear_global_router_replay_instances()  # each router keeps its own; no process-wide list
-    layout = CRITIC if critic else POLICY
-    load_megatron(model, shard_tp(hf_to_megatron(hf, cfg, layout, ep_rank=ep_rank, ep_size=ep_size, pp_rank=pp_rank,
-                                                 pp_size=pp_size), layout, tp_rank, tp_size))
-    return model
-
-
-def load_megatron(model: nn.Module, sd: dict[str, torch.Tensor]) -> None:
-    """Copy Megatron-named tensors into ``model``'s parameters (cast to their dtype).
-
-    Raises:
-        RuntimeError: a parameter without a tensor, or a tensor without a parameter.
-    """
-    params = dict(model.named_parameters())
-    if set(params) != set(sd):
-        raise RuntimeError(f"Megatron weights: missing {sorted(set(params) - set(sd))[:5]}, "
-                           f"unexpected {sorted(set(sd) - set(params))[:5]}")
-    with torch.no_grad():
-        for n, p in params.items():
-            p.copy_(sd[n])
-
-
-def replay_rows(routed: torch.Tensor, num_experts: int, lengths: torch.Tensor | None = None) -> list[torch.Tensor]:
-    """Routed experts [B, T, L, K] -> Megatron's replay rows: per layer, int64 [T * B, K] in its
-    token order (sequence-major: row s * B + b is token s of sequence b).
-
-    Megatron builds a token's routing map by scattering its K ids, so a repeated id within a row
-    would silently route to fewer than K experts and break the dispatcher's token count. Padded
-    positions (``t >= lengths[b]``) get the distinct ids ``arange(K) % num_experts``.
-
-    Raises:
-        ValueError: a real row repeats an expert id (the sampler's rows never do).
-    """
-    B, T, L, K = routed.shape
-    r = routed.long()
-    if lengths is not None:
-        pad = torch.arange(T, device=r.device)[None, :] >= lengths.to(r.device)[:, None]  # [B, T]
-        r = torch.where(pad[:, :, None, None], torch.arange(K, device=r.device) % num_experts, r)
-    s = r.sort(dim=-1).values
-    if K > 1 and bool((s[..., 1:] == s[..., :-1]).any()):
-        b, t, layer = (s[..., 1:] == s[..., :-1]).any(-1).nonzero()[0].tolist()
-        raise ValueError(f"routed experts repeat an expert id at sequence {b}, token {t}, layer {layer}: "
-                         f"{r[b, t, layer].tolist()}; Megatron's replay needs K distinct ids per row")
-    return [r[:, :, layer].transpose(0, 1).reshape(T * B, K) for layer in range(L)]
 
 
 # calls rank 0 announces to its followers (each runs MegatronBackend._<name>)
@@ -410,85 +139,6 @@ def deal_rows(batch: int, ranks: int) -> list[torch.Tensor]:
     return list(idx.view(ranks, per))
 
 
-class ShardedAdamW:
-    """AdamW for one rank of a data-parallel group: its own weights (``own``: the experts) through
-    :class:`t1async.backend.MasterWeightAdamW`, and the weights every rank of the group holds
-    (``replicated``, identical on each, their gradients already summed over the group) with
-    ZeRO stage 1 (Rajbhandari et al. 2020; megatron-core's distributed optimizer): their float32
-    masters and AdamW moments are one flat buffer split into ``size`` contiguous shards, this rank
-    keeps and steps shard ``rank`` only, and the updated shards are all-gathered into every rank's
-    weights (rounded to their dtype). AdamW is elementwise, so the weights after a step are those
-    of unsharded AdamW, bit for bit.
-
-    Args:
-        own, replicated: parameters. lr, weight_decay: AdamW's. group, rank, size: the
-            data-parallel process group, this rank's index in it and its size.
-
-    Behaves as an optimiser for the backend: ``param_groups`` (both parts' groups, so a learning
-    rate set on each reaches both), ``zero_grad``, ``step``, ``state_dict``, ``load_state_dict``.
-    """
-
-    def __init__(self, own, replicated, *, lr: float, weight_decay: float, group, rank: int, size: int):
-        self.own = MasterWeightAdamW(own, lr=lr, weight_decay=weight_decay)
-        self.replicated = list(replicated)
-        self.group, self.rank, self.size = group, rank, size
-        self.numel = sum(p.numel() for p in self.replicated)
-        self.per = -(-self.numel // size)
-        lo = rank * self.per
-        flat = self._flat([p.detach() for p in self.replicated])
-        self.shard = flat[lo:lo + self.per].clone()  # float32 masters of this rank's shard (a leaf)
-        self.opt = torch.optim.AdamW([self.shard], lr=lr, weight_decay=weight_decay)
-
-    def _flat(self, tensors: list[torch.Tensor]) -> torch.Tensor:
-        """The replicated weights' tensors as one float32 vector, zero-padded to size x per."""
-        dev = self.replicated[0].device if self.replicated else torch.device("cpu")
-        parts = [t.float().reshape(-1) for t in tensors]
-        return torch.cat(parts + [torch.zeros(self.per * self.size - self.numel, device=dev)])
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.own.param_groups + self.opt.param_groups
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.own.zero_grad(set_to_none)
-        for p in self.replicated:
-            p.grad = None
-        self.shard.grad = None
-
-    @torch.no_grad()
-    def step(self) -> None:
-        """Step the own weights, then this rank's shard (its slice of the summed gradients), then
-        all-gather the shards into every replicated weight."""
-        import torch.distributed as dist
-
-        self.own.step()
-        if not self.replicated:
-            return
-        lo = self.rank * self.per
-        grads = self._flat([p.grad if p.grad is not None else torch.zeros_like(p) for p in self.replicated])
-        self.shard.grad = grads[lo:lo + self.per].clone()
-        del grads
-        self.opt.step()
-        full = self.shard.new_empty(self.per * self.size)
-        dist.all_gather_into_tensor(full, self.shard.detach(), group=self.group)
-        at = 0
-        for p in self.replicated:
-            p.copy_(full[at:at + p.numel()].view_as(p))
-            at += p.numel()
-
-    def state_dict(self) -> dict:
-        return {"own": self.own.state_dict(), "shard": self.opt.state_dict(), "master_shard": self.shard.detach().clone(),
-                "shard_of": [self.rank, self.size, self.numel]}
-
-    @torch.no_grad()
-    def load_state_dict(self, sd: dict) -> None:
-        """Raises: ValueError: a state saved for another shard (rank, group size or weight count)."""
-        if list(sd.get("shard_of", [])) != [self.rank, self.size, self.numel]:
-            raise ValueError(f"optimiser state of shard {sd.get('shard_of')} (rank, ranks, weights), this rank "
-                             f"holds {[self.rank, self.size, self.numel]}")
-        self.own.load_state_dict(sd["own"])
-        self.opt.load_state_dict(sd["shard"])
-        self.shard.copy_(sd["master_shard"])
 
 
 class MegatronBackend(AdamWPair):
@@ -749,7 +399,7 @@ class MegatronBackend(AdamWPair):
 
     def _run(self, model: GPTModel, inp: torch.Tensor) -> torch.Tensor | None:
         """GPTModel forward of inp [B, T]: the final-norm hidden states [B, T, H] of the policy or
-        the reference (their head is :class:`_LMHead`, applied by :meth:`_logprobs`) or the
+        the reference (their head is :class:`t1async.megatron_model.LMHead`, applied by :meth:`_logprobs`) or the
         critic's values [B, T, 1]. With tensor parallelism T must be a multiple of it
         (:meth:`_pad_tp`): sequence parallelism splits the sequence evenly over the ranks.
 
