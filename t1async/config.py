@@ -931,9 +931,15 @@ def tensor_parallel_sizes(m: ModelConfig) -> dict[str, int]:
             "vocab_size": m.vocab_size, "moe_intermediate_size": m.moe_intermediate_size}
 
 
-def _tensor_parallel_choices(m: ModelConfig) -> list[int]:
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n`` >= 1, ascending."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def tensor_parallel_choices(m: ModelConfig) -> list[int]:
+    """The ``learner.megatron.tensor_parallel`` sizes that divide every one of :func:`tensor_parallel_sizes`."""
     sizes = tensor_parallel_sizes(m).values()
-    return [d for d in range(1, m.num_key_value_heads + 1) if all(v % d == 0 for v in sizes)]
+    return [d for d in divisors(m.num_key_value_heads) if all(v % d == 0 for v in sizes)]
 
 
 # (rule over the whole config, the keys it concerns, what must hold: text, or a function of the config)
@@ -948,14 +954,14 @@ _CROSS_RULES: list[tuple[Any, str, Any]] = [
      "model.num_key_value_heads", "a divisor of model.num_attention_heads"),
     (lambda c: c.model.num_experts % c.learner.megatron.expert_parallel == 0, "learner.megatron.expert_parallel",
      lambda c: (f"a divisor of model.num_experts={c.model.num_experts}, one of "
-                f"{[d for d in range(1, c.model.num_experts + 1) if c.model.num_experts % d == 0]} "
+                f"{divisors(c.model.num_experts)} "
                 "(each rank holds num_experts / expert_parallel experts)")),
-    (lambda c: c.learner.megatron.tensor_parallel in _tensor_parallel_choices(c.model), "learner.megatron.tensor_parallel",
-     lambda c: (f"a divisor of each of {tensor_parallel_sizes(c.model)}, one of {_tensor_parallel_choices(c.model)} "
+    (lambda c: c.learner.megatron.tensor_parallel in tensor_parallel_choices(c.model), "learner.megatron.tensor_parallel",
+     lambda c: (f"a divisor of each of {tensor_parallel_sizes(c.model)}, one of {tensor_parallel_choices(c.model)} "
                 "(Megatron splits heads, vocabulary and expert width over the tensor-parallel ranks)")),
     (lambda c: c.model.num_hidden_layers % c.learner.megatron.pipeline_parallel == 0, "learner.megatron.pipeline_parallel",
      lambda c: (f"a divisor of model.num_hidden_layers={c.model.num_hidden_layers}, one of "
-                f"{[d for d in range(1, c.model.num_hidden_layers + 1) if c.model.num_hidden_layers % d == 0]} "
+                f"{divisors(c.model.num_hidden_layers)} "
                 "(each stage holds num_hidden_layers / pipeline_parallel layers)")),
     (lambda c: c.learner.megatron.pipeline_parallel == 1 or not c.model.tie_word_embeddings,
      "learner.megatron.pipeline_parallel", "1 when model.tie_word_embeddings (the tied embedding and LM head would "

@@ -86,6 +86,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from loguru import logger
 from torch import nn
@@ -256,9 +257,9 @@ class MegatronBackend(AdamWPair):
         if lead and cfg.kl_coef > 0:
             ref_sd = load_policy(self.model_cfg, cfg.init_checkpoint).state_dict() if cfg.init_checkpoint else policy_sd
         kw = dict(dtype=self.dtype, device=self.device, dispatcher=mc.dispatcher, ep_rank=self.dp_rank,
-                  ep_size=self.expert_parallel, tp_rank=self.tp_rank, tp_size=self.tensor_parallel)
+                  ep_size=self.expert_parallel, tp_rank=self.tp_rank, tp_size=self.tensor_parallel,
+                  pp_rank=self.pp_rank, pp_size=self.pipeline_parallel)
         self._num_parameters = sum(p.numel() for p in hf_policy.parameters()) if lead else 0
-        kw.update(pp_rank=self.pp_rank, pp_size=self.pipeline_parallel)
         self.policy = build_gpt(self.model_cfg, self._share(policy_sd), replay=True, **kw)
         self.critic = (build_gpt(self.model_cfg, self._share(critic_sd), critic=True, **kw) if cfg.critic
                        else None)  # learner.critic: false builds none
@@ -340,8 +341,8 @@ class MegatronBackend(AdamWPair):
         (data-parallel rank order = row order, dummy rows dropped; None on followers), taken from
         the last pipeline stage (tensor-parallel rank 0), or, for the tensors ``staged`` marks
         (routing ``[b, T, L_s, K]`` of each stage's own layers), from every stage, concatenated
-        along the layers. With ``grad`` the first tensor, when it has a graph, is kept for
-        :meth:`backward` on every rank, and rank 0 returns it as a new leaf that requires grad (the
+        along the layers. With ``grad`` the first tensor, where it has a graph (the last stage), is
+        kept for :meth:`backward`, and rank 0 returns it as a new leaf that requires grad (the
         learner's loss is differentiated w.r.t. it)."""
         if self.world == 1:
             return tensors
@@ -410,8 +411,6 @@ class MegatronBackend(AdamWPair):
         input, its sent output) for :meth:`_backward_outputs`, which runs the stages' backwards in
         reverse order, one forward after another (no overlap of stages: one micro-batch at a time).
         """
-        import torch.distributed as dist
-
         B, T = inp.shape
         self.forwarded["forwards"] += 1
         self.forwarded["rows"] += B
@@ -453,22 +452,14 @@ class MegatronBackend(AdamWPair):
         return token_logprobs(head.logits(hidden).float(), tgt, g.temperature, g.top_k, g.top_p, return_outside=True)
 
     def _pad_tp(self, inp: torch.Tensor, *more: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        """Right-pad ``[b, T, ...]`` tensors to a multiple of the tensor-parallel size in T
-        (sequence parallelism splits the sequence evenly): token ids with 0, replay rows
-        ``[b, T, L, K]`` with the distinct ids ``arange(K) % E``; None stays None. Causal attention
-        keeps the real positions' results unchanged; callers cut the outputs back to T."""
+        """Right-pad ``[b, T, ...]`` tensors with zeros to a multiple of the tensor-parallel size in
+        T (sequence parallelism splits the sequence evenly); None stays None. Causal attention
+        keeps the real positions' results unchanged; callers cut the outputs back to T (replay
+        rows get distinct ids at the padded positions from :func:`replay_rows`' ``lengths``)."""
         pad = -inp.shape[1] % self.tensor_parallel
         if pad == 0:
             return (inp, *more)
-        out = []
-        for t in (inp, *more):
-            if t is None or t.dim() == 2:
-                out.append(None if t is None else F.pad(t, (0, pad)))
-            else:
-                K = t.shape[-1]
-                fill = (torch.arange(K, device=t.device) % self.model_cfg.num_experts).to(t.dtype)
-                out.append(torch.cat([t, fill.expand(t.shape[0], pad, *t.shape[2:])], 1))
-        return tuple(out)
+        return tuple(None if t is None else F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad)) for t in (inp, *more))
 
     def _tp_tokens(self, rows: torch.Tensor) -> torch.Tensor:
         """This rank's ``[T/TP * b, ...]`` token rows (sequence-major, its slice of the sequence
@@ -476,8 +467,6 @@ class MegatronBackend(AdamWPair):
         order (no gradient). One rank: ``rows``."""
         if self.tensor_parallel == 1:
             return rows
-        import torch.distributed as dist
-
         rows = rows.contiguous()
         out = rows.new_empty(rows.shape[0] * self.tensor_parallel, *rows.shape[1:])
         dist.all_gather_into_tensor(out, rows, group=parallel_state.get_tensor_model_parallel_group())
@@ -501,7 +490,8 @@ class MegatronBackend(AdamWPair):
         given = replay
         inp, tgt, replay = self._pad_tp(inp, tgt, replay)
         Tp, tp = inp.shape[1], self.tensor_parallel
-        rows = replay_rows(replay, self.model_cfg.num_experts) if replay is not None else None
+        lengths = torch.full((B,), T)  # positions past T: padding, replayed with distinct ids
+        rows = replay_rows(replay, self.model_cfg.num_experts, lengths) if replay is not None else None
         replays = [r.router_replay for r in self._routers]
         if rows is not None:
             rows = rows[self._first_layer:self._first_layer + len(replays)]  # this pipeline stage's layers
@@ -633,8 +623,6 @@ class MegatronBackend(AdamWPair):
         Raises:
             RuntimeError: this rank's outputs with a graph do not have ``shapes``.
         """
-        import torch.distributed as dist
-
         outs, self._outputs, self._returned = self._outputs, [], []
         io, self._stage_io = self._stage_io, []
         last = self.pp_rank == self.pipeline_parallel - 1
@@ -692,9 +680,8 @@ class MegatronBackend(AdamWPair):
         whole = [p.grad for k, p in named if not is_expert(k) and getattr(p, "sequence_parallel", False)]
         sliced = [p.grad for k, p in named if not is_expert(k) and not getattr(p, "sequence_parallel", False)]
         if self.world > 1:
-            one_stage = self.pipeline_parallel == 1
-            all_reduce_(sliced, None if one_stage and self.tensor_parallel == 1 else parallel_state.get_data_parallel_group())
-            all_reduce_(whole, None if one_stage else parallel_state.get_tensor_and_data_parallel_group())
+            all_reduce_(sliced, parallel_state.get_data_parallel_group())
+            all_reduce_(whole, parallel_state.get_tensor_and_data_parallel_group())
         sq = lambda gs: float(sum(g.float().pow(2).sum() for g in gs)) if gs else 0.0  # noqa: E731
         mine = [sq(experts), (sq(sliced) if self.dp_rank == 0 else 0.0)
                 + (sq(whole) if self.dp_rank == 0 and self.tp_rank == 0 else 0.0)]
@@ -760,7 +747,7 @@ class MegatronBackend(AdamWPair):
         return {k: v.contiguous() for k, v in self._call("gather_hf", "critic").items()}
 
     def save(self, folder: Path) -> None:
-        """One HF checkpoint (every rank's experts and slices gathered): config.json +
+        """One HF checkpoint (every rank's experts, slices and stages gathered): config.json +
         model.safetensors, critic.safetensors, optimizers.pt (rank 0's optimiser state) and, with
         N ranks, optimizers-rank{r}.pt for ranks r = 1..N-1 (rank 0 writes them all)."""
         save_hf(folder, self.model_cfg, {k: v.cpu() for k, v in self.hf_state().items()})
@@ -788,8 +775,8 @@ class MegatronBackend(AdamWPair):
 
     def load_state(self, folder: Path) -> bool:
         """Restore the critic and every rank's optimisers. Returns False (optimisers start fresh,
-        logged) when the checkpoint's optimisers are another backend's or another tensor- or
-        expert-parallel size's, or a rank's file is missing."""
+        logged) when the checkpoint's optimisers are another backend's or another parallel
+        layout's (:meth:`parallel_sizes`), or a rank's file is missing."""
         saved = self._critic_file(folder)
         if saved is not None and self.critic is not None:
             self._call("load_hf", "critic", sd=saved)

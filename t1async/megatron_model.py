@@ -68,9 +68,9 @@ def init_megatron(device: torch.device, seed: int = 0, *, expert_parallel: int =
     sizes 1), first leaving a world of another shape (a closed multi-rank backend's in this
     process). Otherwise the world of ``tensor_parallel x pipeline_parallel x expert_parallel``
     ranks and Megatron's groups were formed by t1async/megatron_ranks.py; this checks their sizes.
-    Then
-    Megatron's RNG tracker; on CPU the shims described in the module docstring. The learner's
-    weight broadcast uses its own process groups (t1async/weight_sync.py), never the default one.
+    Then Megatron's RNG tracker; on CPU the shims described in the module docstring. The
+    learner's weight broadcast uses its own process groups (t1async/weight_sync.py), never the
+    default one.
 
     Raises:
         RuntimeError: several ranks asked for without a world of that shape.

@@ -71,7 +71,8 @@ def _cpu(obj: Any) -> Any:
 
 
 class RankGroup:
-    """One rank's membership of the world of the megatron learner ranks (tensor x expert parallel).
+    """One rank's membership of the world of the megatron learner ranks (tensor x pipeline x
+    expert parallel).
 
     Rank 0 (:meth:`start`) owns the followers' Ray handles and the refs of their
     :meth:`Follower.serve` calls; a follower's (:meth:`join`) has none.

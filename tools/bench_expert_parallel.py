@@ -88,14 +88,11 @@ def time_backend(ranks: int, args: argparse.Namespace, device: torch.device, ten
 
 def check_sizes(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse, before anything starts, parallel sizes the model cannot be split by (one line, rc 2)."""
-    from t1async.config import tensor_parallel_sizes
+    from t1async.config import divisors, tensor_parallel_choices, tensor_parallel_sizes
 
     model = MODELS[args.model]
-    divisors = lambda n: [d for d in range(1, n + 1) if n % d == 0]  # noqa: E731
-    tp_ok = [d for d in divisors(model.num_key_value_heads)
-             if all(v % d == 0 for v in tensor_parallel_sizes(model).values())]
     for flag, value, ok, what in (("--ranks", args.ranks, divisors(model.num_experts), f"{model.num_experts} experts"),
-                                  ("--tensor-parallel", args.tensor_parallel, tp_ok,
+                                  ("--tensor-parallel", args.tensor_parallel, tensor_parallel_choices(model),
                                    f"sizes {tensor_parallel_sizes(model)}"),
                                   ("--pipeline-parallel", args.pipeline_parallel, divisors(model.num_hidden_layers),
                                    f"{model.num_hidden_layers} layers")):
@@ -132,10 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         device = torch.device(args.device)
         one = time_backend(1, args, device)
-        try:
-            many = time_backend(args.ranks, args, device, args.tensor_parallel, args.pipeline_parallel)
-        except ValueError as e:  # a size that does not divide the model (named by the backend)
-            p.error(str(e))
+        many = time_backend(args.ranks, args, device, args.tensor_parallel, args.pipeline_parallel)
     finally:
         ray.shutdown()
     loss = one["policy_loss_last"]
