@@ -633,10 +633,11 @@ class LearnerConfig:
     the episode of ``t1async bench long-horizon`` peaked at about 69 KiB per token of the default
     model instead of about 188 KiB, for about twice the time (the recomputation); a 101k-token
     step ran in 3.3 GiB (33 KiB per token) and 641 s on 2 cores. 0 = never chunk. Shorter
-    trajectories take the plain forward, unchanged. ``megatron`` backend: the LM head and its
-    log-probs run in chunks the same way (the same log-probs, tests/test_megatron.py), so the
-    ``[T, vocab]`` logits of a long sequence never exist; its decoder layers are not checkpointed
-    (a recomputation would have to replay the sampler's routing again; not built)."""
+    trajectories take the plain forward, unchanged. ``megatron`` backend: the same, its LM head
+    and log-probs in chunks and every decoder layer of the policy and the critic recomputed in
+    the backward with the experts its forward used (replayed or the router's own:
+    t1async/megatron_model.py ``LayerRecompute``); the same log-probs and routing, gradients
+    equal up to float summation order, at every parallel layout (tests/test_megatron.py)."""
     abnormal: AbnormalConfig = field(default_factory=AbnormalConfig)
     """What to train of episodes and turns that did not end normally (see :class:`AbnormalConfig`)."""
     backend: str = "torch"

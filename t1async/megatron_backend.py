@@ -83,6 +83,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Iterable
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -101,8 +102,8 @@ from t1async.rl import token_logprobs
 from t1async.torch_backend import ValueModel, chunked_token_logprobs, load_policy
 from t1async.weight_sync import is_expert
 
-from t1async.megatron_model import (build_gpt, init_megatron, load_megatron,  # noqa: F401  (re-exported)
-                                    replay_rows, transformer_config)
+from t1async.megatron_model import (LayerRecompute, build_gpt, init_megatron,  # noqa: F401  (re-exported)
+                                    load_megatron, replay_rows, transformer_config)
 
 from megatron.core import parallel_state  # noqa: E402  (t1async.megatron_model says what to install if missing)
 from megatron.core.models.gpt.gpt_model import GPTModel  # noqa: E402
@@ -261,8 +262,8 @@ class MegatronBackend(AdamWPair):
                   pp_rank=self.pp_rank, pp_size=self.pipeline_parallel)
         self._num_parameters = sum(p.numel() for p in hf_policy.parameters()) if lead else 0
         self.policy = build_gpt(self.model_cfg, self._share(policy_sd), replay=True, **kw)
-        self.critic = (build_gpt(self.model_cfg, self._share(critic_sd), critic=True, **kw) if cfg.critic
-                       else None)  # learner.critic: false builds none
+        self.critic = (build_gpt(self.model_cfg, self._share(critic_sd), critic=True, replay=True, **kw) if cfg.critic
+                       else None)  # learner.critic: false builds none; its routers replay only for the recompute
         self.reference: GPTModel | None = None
         if cfg.kl_coef > 0:
             self.reference = build_gpt(self.model_cfg, self._share(ref_sd), **kw).eval().requires_grad_(False)
@@ -281,6 +282,7 @@ class MegatronBackend(AdamWPair):
             r.register_forward_pre_hook(lambda mod, args, i=i: self._keep_router_input(i, args[0]))
         self._capture = False
         self._masks: dict[int, torch.Tensor] = {}
+        self._recompute = {m: LayerRecompute(m) for m in (self.policy, self.critic) if m is not None}
 
     def _share(self, sd: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
         """Rank 0's HF state dict ``sd`` on this rank: the shared weights and this rank's experts
@@ -402,7 +404,10 @@ class MegatronBackend(AdamWPair):
         """GPTModel forward of inp [B, T]: the final-norm hidden states [B, T, H] of the policy or
         the reference (their head is :class:`t1async.megatron_model.LMHead`, applied by :meth:`_logprobs`) or the
         critic's values [B, T, 1]. With tensor parallelism T must be a multiple of it
-        (:meth:`_pad_tp`): sequence parallelism splits the sequence evenly over the ranks.
+        (:meth:`_pad_tp`): sequence parallelism splits the sequence evenly over the ranks. A
+        sequence longer than ``learner.max_tokens_per_chunk`` run with gradients keeps only each
+        decoder layer's input and recomputes the layer in the backward, its routing replayed
+        (:class:`t1async.megatron_model.LayerRecompute`).
 
         With pipeline parallelism each stage but the first receives its input hidden states
         ``[T/TP, B, H]`` from the previous stage's rank of the same tensor- and data-parallel
@@ -429,7 +434,9 @@ class MegatronBackend(AdamWPair):
             dist.recv(x, src=self._rank_at(self.tp_rank, self.dp_rank, self.pp_rank - 1))
             x.requires_grad_(torch.is_grad_enabled())
             model.set_input_tensor(x)
-        out = model(inp.to(self.device), pos, mask)
+        c = self.cfg.max_tokens_per_chunk
+        with self._recompute[model](bool(c and T > c)) if model in self._recompute else nullcontext():
+            out = model(inp.to(self.device), pos, mask)
         if not last:
             dist.send(out.detach().contiguous(), dst=self._rank_at(self.tp_rank, self.dp_rank, self.pp_rank + 1))
             if out.requires_grad:

@@ -11,7 +11,8 @@ The Hugging Face <-> Megatron weight layouts are t1async/megatron_convert.py. Wh
 - routing replay (R3) with megatron-core's own ``RouterReplay`` (``moe_enable_routing_replay``,
   unfused router: the fused path skips replay): REPLAY_FORWARD with the sampler's rows, RECORD to
   read what the router chose; indices are set and cleared around every forward;
-- the critic: the same trunk (its own copy, its own router, no replay) whose ``output_layer`` is
+- the critic: the same trunk (its own copy, its own router, never replaying the sampler's rows;
+  its ``RouterReplay`` serves :class:`LayerRecompute` only) whose ``output_layer`` is
   a float32 ``Linear(hidden, 1)`` with a bias on the final-norm hidden states, as
   t1async/torch_backend.py's ``ValueModel``.
 
@@ -26,16 +27,20 @@ built on CUDA). The ``alltoall`` dispatcher needs CUDA.
 Under tensor parallelism (sequence parallelism on) the norms are :class:`Norm`, megatron's
 local-spec RMSNorm allowed to run on a slice of the sequence; the policy's and reference's
 ``output_layer`` is :class:`LMHead` (GPTModel returns hidden states, the learner applies the
-head, in chunks for long sequences), the critic's :class:`ValueHead`.
+head, in chunks for long sequences), the critic's :class:`ValueHead`. Long sequences recompute
+their decoder layers in the backward (:class:`LayerRecompute`, routing exact).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from t1async.config import ModelConfig
 from t1async.megatron_convert import CRITIC, POLICY, hf_to_megatron, shard_tp
@@ -47,7 +52,7 @@ try:
     from megatron.core.tensor_parallel.mappings import (gather_from_sequence_parallel_region,
                                                         gather_from_tensor_model_parallel_region)
     from megatron.core.transformer.moe import moe_utils
-    from megatron.core.transformer.moe.router_replay import RouterReplay
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
@@ -55,7 +60,7 @@ try:
 except ImportError as e:  # the optional extra
     raise ImportError(f"learner.backend=megatron needs megatron-core: pip install 't1async[megatron]' ({e})") from None
 
-__all__ = ["LMHead", "Norm", "ValueHead", "build_gpt", "init_megatron", "load_megatron", "replay_rows",
+__all__ = ["LMHead", "LayerRecompute", "Norm", "ValueHead", "build_gpt", "init_megatron", "load_megatron", "replay_rows",
            "transformer_config"]
 
 
@@ -263,6 +268,82 @@ def build_gpt(cfg: ModelConfig, hf: dict[str, torch.Tensor], *, critic: bool = F
     load_megatron(model, shard_tp(hf_to_megatron(hf, cfg, layout, ep_rank=ep_rank, ep_size=ep_size, pp_rank=pp_rank,
                                                  pp_size=pp_size), layout, tp_rank, tp_size))
     return model
+
+
+class LayerRecompute:
+    """Activation recompute of a GPTModel's decoder layers that keeps routing exact: inside
+    ``with recompute():`` each decoder layer run with gradients keeps only its inputs and is run
+    again in the backward (``torch.utils.checkpoint``, non-reentrant), the experts of every token
+    replayed there as the forward chose them.
+
+    Why not megatron-core's own ``recompute_granularity='full'``: its ``CheckpointFunction`` saves
+    and restores the CUDA RNG state, so it fails on CPU (megatron-core 0.16.1,
+    tensor_parallel/random.py); and under routing replay it expects the caller to switch every
+    router to ``REPLAY_BACKWARD`` before the backward, whose list of rows it pops first-in
+    first-out. Here each layer call keeps the rows its router used (the sampler's under
+    REPLAY_FORWARD, else what a RECORD captured, a router's own choice included) and replays
+    exactly them in its recompute, whatever order the backward runs the layers in. A router built
+    without replay (``moe_enable_routing_replay`` off) recomputes its own top-k.
+
+    Memory: per layer its input ``[T/TP, B, H]`` instead of every activation of the layer; time:
+    one more forward of every layer in the backward. Collectives of the layer (sequence
+    parallelism's all-gathers, the dispatcher's exchanges) run again in the backward, in the same
+    order on every rank.
+    """
+
+    def __init__(self, model: GPTModel):
+        self.on = False
+        for layer in model.decoder.layers:
+            layer.forward = self._wrap(layer, layer.forward)
+
+    @contextmanager
+    def __call__(self, on: bool = True) -> Iterator[None]:
+        """Recompute the decoder layers run with gradients inside the block when ``on``."""
+        before, self.on = self.on, on
+        try:
+            yield
+        finally:
+            self.on = before
+
+    def _wrap(self, layer: nn.Module, forward):
+        router = getattr(getattr(layer, "mlp", None), "router", None)
+        replay = getattr(router, "router_replay", None)
+
+        def run(*args, **kwargs):
+            if not (self.on and torch.is_grad_enabled()):
+                return forward(*args, **kwargs)
+            first: dict = {}  # the forward's: replayed (bool) and the rows the router used
+
+            def layer_forward(*a, **k):
+                if replay is None:
+                    return forward(*a, **k)
+                action, target, recorded = (replay.router_replay_action, replay.target_topk_idx,
+                                            replay.recorded_topk_idx)
+                again = bool(first)  # True: the recompute in the backward
+                replayed = first["replayed"] if again else action is RouterReplayAction.REPLAY_FORWARD
+                if replayed:
+                    replay.router_replay_action = RouterReplayAction.REPLAY_FORWARD
+                    replay.target_topk_idx = first["rows"] if again else target
+                else:  # the router's own top-k, RECORDed in the forward, checked in the recompute
+                    replay.router_replay_action = RouterReplayAction.RECORD
+                try:
+                    out = forward(*a, **k)
+                finally:  # (also when the recompute stops early, past the router)
+                    chosen = replay.recorded_topk_idx
+                    replay.router_replay_action, replay.target_topk_idx = action, target
+                    if again or action is not RouterReplayAction.RECORD:  # (a RECORD asked for keeps its rows)
+                        replay.recorded_topk_idx = recorded
+                    if again and not replayed and chosen is not None and not torch.equal(chosen, first["rows"]):
+                        raise RuntimeError("activation recompute: a router chose other experts than in the forward "
+                                           "(non-deterministic kernels?); learner.max_tokens_per_chunk=0 turns the "
+                                           "recompute off")
+                if not again:
+                    first.update(replayed=replayed, rows=target if replayed else chosen)
+                return out
+
+            return checkpoint(layer_forward, *args, use_reentrant=False, **kwargs)
+
+        return run
 
 
 def load_megatron(model: nn.Module, sd: dict[str, torch.Tensor]) -> None:

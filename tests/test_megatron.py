@@ -685,31 +685,79 @@ def test_a_stuck_follower_rank_times_out_instead_of_hanging(local_ray):
         mb.close()
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_megatron_lm_head_in_chunks_gives_the_same_log_probs_and_gradients(local_ray, tp):
-    """``learner.max_tokens_per_chunk=8`` on a 39-position sequence (5 chunks), at temperature 0.7
-    and top-p 0.9, on one process and on tensor_parallel=2: the megatron backend runs its LM head
-    and log-probs a chunk at a time (recomputed in the backward) and gets the log-probs and outside
-    flags of one pass, and the same gradients of every weight (rank 0's)."""
+def _saved_bytes(fn):
+    """(fn(), bytes of the tensors autograd saved for the backward while fn ran in this process)."""
+    saved = [0]
+
+    def pack(t):
+        saved[0] += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, saved[0]
+
+
+@pytest.mark.parametrize("tp,ep,pp", [(1, 1, 1), (2, 1, 1), (1, 2, 2)])
+def test_megatron_long_sequences_recompute_layers_and_chunk_the_lm_head_exactly(local_ray, tp, ep, pp):
+    """``learner.max_tokens_per_chunk=8`` on 39-position sequences, at temperature 0.7 and top-p 0.9,
+    on one process, tensor_parallel=2 and expert_parallel=2 x pipeline_parallel=2: the megatron
+    backend runs its LM head and log-probs a chunk at a time and recomputes every decoder layer in
+    the backward (t1async/megatron_model.py ``LayerRecompute``), the sampler's experts replayed
+    there. Against chunk 0 (one pass, every activation kept): the same log-probs and outside flags,
+    the same routing when the router's own choice is RECORDed, and the same gradients of every
+    weight of rank 0's policy and critic; autograd saved under a third of the bytes in the policy's
+    forward on rank 0 (the control that the layers were recomputed at all)."""
     ids = torch.randint(0, MODEL.vocab_size, (2, 40), generator=torch.Generator().manual_seed(3))
     inp, tgt, replay = ids[:, :-1], ids[:, 1:], _distinct_rows(2, 39, seed=4)
     out = {}
     for chunk in (0, 8):
-        cfg = LearnerConfig(max_tokens_per_chunk=chunk, megatron=_ep(1, tp))
+        cfg = LearnerConfig(max_tokens_per_chunk=chunk, megatron=_ep(ep, tp, pp))
         torch.manual_seed(0)
         mb = MegatronBackend(cfg, MODEL, GenerationConfig(temperature=0.7, top_p=0.9))
         try:
-            fwd = mb.policy_logprobs(inp, tgt, replay, grad=True, routing=False)
-            mb.backward(fwd.logp.sum())
-            out[chunk] = fwd.logp.detach(), fwd.outside, {k: p.grad.clone() for k, p in mb.policy.named_parameters()}
+            with torch.no_grad():
+                mb.critic.output_layer.weight.normal_() if pp == 1 else None  # (rank 0 holds the critic's head)
+            grads = {}
+            for rep in (replay, None):  # the sampler's experts replayed; the router's own, RECORDed
+                mb.zero_grad()
+                fwd, saved = _saved_bytes(lambda: mb.policy_logprobs(inp, tgt, rep, grad=True, routing=True))
+                mb.backward(fwd.logp.sum() + mb.values(inp, grad=True).pow(2).sum())
+                grads[rep is None] = fwd, saved, {f"{m}.{k}": p.grad.clone() for m, model in
+                                                  (("policy", mb.policy), ("critic", mb.critic))
+                                                  for k, p in model.named_parameters()}
+            out[chunk] = grads
         finally:
             mb.close()
-    (lp0, out0, g0), (lp8, out8, g8) = out[0], out[8]
-    gap = max(float((g0[k] - g8[k]).norm() / g0[k].norm().clamp(min=1e-12)) for k in g0)
-    print(f"TP={tp}: chunked vs one pass: log-prob max|diff| {float((lp0 - lp8).abs().max()):.2e}; "
-          f"gradients, max over tensors of relative difference {gap:.2e}")
-    assert float((lp0 - lp8).abs().max()) < 1e-6 and torch.equal(out0, out8) and bool(out0.any())
-    assert g0.keys() == g8.keys() and gap < 1e-5 and all(float(g.abs().sum()) > 0 for g in g0.values())
+    for own in (False, True):
+        (f0, s0, g0), (f8, s8, g8) = out[0][own], out[8][own]
+        gap = max(float((g0[k] - g8[k]).norm() / g0[k].norm().clamp(min=1e-12)) for k in g0)
+        print(f"TP={tp} EP={ep} PP={pp} {'own routing' if own else 'replay'}: recompute + chunks vs one pass: "
+              f"log-prob max|diff| {float((f0.logp - f8.logp).abs().max()):.2e}; gradients, max over tensors of "
+              f"relative difference {gap:.2e}; saved for the backward {s8} vs {s0} bytes")
+        assert float((f0.logp - f8.logp).abs().max()) < 1e-6 and torch.equal(f0.outside, f8.outside)
+        assert bool(f0.outside.any()) and torch.equal(f0.routed_experts, f8.routed_experts)
+        # (with pipeline stages the critic's head, on the last one, stays zero: rank 0's critic gets none)
+        zero = [k for k, g in g0.items() if not float(g.abs().sum()) and not (pp > 1 and k.startswith("critic."))]
+        assert g0.keys() == g8.keys() and gap < 1e-5 and not zero, zero
+        assert s8 < s0 / 3
+    # the control: replay mattered (the router's own experts are others, and so are the log-probs)
+    assert routing_differs(out[8][True][0].routed_experts, replay).any()
+    assert float((out[8][True][0].logp - out[8][False][0].logp).abs().max()) > 1e-3
+
+
+def test_a_recompute_that_routes_otherwise_than_its_forward_fails_loudly():
+    """Activation recompute must rebuild the forward's activations: a router whose own choice
+    changed between the forward and the recompute (here: its weight edited in between, as a
+    non-deterministic kernel would) raises instead of backpropagating through other experts."""
+    torch.manual_seed(0)
+    mb = MegatronBackend(LearnerConfig(max_tokens_per_chunk=8), MODEL, GenerationConfig())
+    ids = torch.randint(0, MODEL.vocab_size, (1, 40), generator=torch.Generator().manual_seed(3))
+    fwd = mb.policy_logprobs(ids[:, :-1], ids[:, 1:], None, grad=True, routing=False)
+    with torch.no_grad():
+        mb._routers[0].weight.neg_()
+    with pytest.raises(RuntimeError, match="chose other experts than in the forward"):
+        mb.backward(fwd.logp.sum())
 
 
 def test_bench_expert_parallel_refuses_sizes_the_model_cannot_split_before_starting(capsys):

@@ -16,7 +16,9 @@ steps, each run in a fresh child process (an honest peak RSS):
   token limit still reaches the shell);
 - the trajectory: :func:`~t1async.trajectory.encode` / :func:`~t1async.trajectory.decode`;
 - the learner: :class:`~t1async.actors.learner.Learner` and its ``_train_step`` on the episode's
-  trajectory (batch of one), chunked (``learner.max_tokens_per_chunk``, default) and not; with
+  trajectory (batch of one), chunked (``learner.max_tokens_per_chunk``, default) and not, for
+  each backend of ``--learner-backends`` (``megatron``: chunked = LM head in chunks and every
+  decoder layer recomputed, routing replayed there; needs megatron-core); with
   ``--learner-tokens N`` also on the trajectory tiled to N tokens (chunked only, and unchunked
   when N <= ``--plain-max-tokens``).
 
@@ -38,7 +40,7 @@ Reports:
   recorded log-probs belong to the original positions, so only the routing difference is a check).
 
 Usage: ``t1async bench long-horizon [--turns 300] [--max-new-tokens 8] [--learner-tokens 0]
-[--plain-max-tokens 16384] [--max-context 65536] [--threads 2]`` (``--max-context`` is the
+[--plain-max-tokens 16384] [--max-context 65536] [--threads 2] [--learner-backends torch]`` (``--max-context`` is the
 model's ``max_position_embeddings``: raise it for ``--learner-tokens`` above it). Needs
 bubblewrap (``tools/setup.sh`` installs it).
 """
@@ -47,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import shutil
@@ -197,11 +200,12 @@ def head(traj: Trajectory, turns: int) -> Trajectory:
         routed_experts=traj.routed_experts[:end - 1], trajectory_id=f"{traj.trajectory_id}-head")
 
 
-def learner_child(frame_path: str, chunk: int, threads: int, max_context: int) -> dict:
+def learner_child(frame_path: str, chunk: int, threads: int, max_context: int, backend: str = "torch") -> dict:
     """In a fresh process (so that no earlier step's freed memory hides this one's peak): build
-    the learner from the bench's seed (the sampler's weights), take one warm-up step on the
-    trajectory's first 2 turns (AdamW allocates its state), then time one real step on the whole
-    trajectory with ``learner.max_tokens_per_chunk = chunk`` and measure its peak RSS."""
+    the learner (``learner.backend = backend``) from the bench's seed (the sampler's weights), take
+    one warm-up step on the trajectory's first 2 turns (AdamW allocates its state), then time one
+    real step on the whole trajectory with ``learner.max_tokens_per_chunk = chunk`` and measure its
+    peak RSS."""
     torch.set_num_threads(threads)
     logger.remove()
     model_cfg = dataclasses.replace(ModelConfig(), max_position_embeddings=max_context)
@@ -209,7 +213,7 @@ def learner_child(frame_path: str, chunk: int, threads: int, max_context: int) -
     frame = Path(frame_path).read_bytes()
     traj = decode(frame, num_experts=mc.num_experts, num_layers=mc.num_hidden_layers, top_k=mc.num_experts_per_tok)
     with tempfile.TemporaryDirectory(prefix="t1async-bench-learner-") as run_dir:
-        learner = _learner(model_cfg, run_dir, threads)
+        learner = _learner(model_cfg, run_dir, threads, backend)
         try:
             learner.cfg.max_tokens_per_chunk = chunk
             learner._train_step([head(traj, min(2, len(traj.turn_offsets)))])
@@ -220,30 +224,41 @@ def learner_child(frame_path: str, chunk: int, threads: int, max_context: int) -
         finally:
             learner.close()
     extra = mem.peak - mem.base
-    return {"tokens": traj.num_tokens, "max_tokens_per_chunk": chunk, "step_s": round(dt, 2),
+    return {"backend": backend, "tokens": traj.num_tokens, "max_tokens_per_chunk": chunk, "step_s": round(dt, 2),
             "peak_rss_added_mib": round(extra / 2**20, 1),
             "peak_rss_added_kib_per_token": round(extra / traj.num_tokens / 1024, 2),
             "process_peak_rss_mib": round(mem.peak / 2**20, 1), "logprob_diff_mean": m["logprob_diff_mean"],
             "routing_diff_frac": m["routing_diff_frac"]}
 
 
-def learner_step(traj: Trajectory, chunk: int, threads: int, max_context: int, work: Path) -> dict:
+def learner_step(traj: Trajectory, chunk: int, threads: int, max_context: int, work: Path,
+                 backend: str = "torch") -> dict:
     """:func:`learner_child` in a child process (this script with ``--learner-child``); its JSON."""
     path = work / f"traj-{traj.num_tokens}.bin"
     path.write_bytes(encode(traj))
     proc = subprocess.run([sys.executable, __file__, "--learner-child", str(path), "--chunk", str(chunk),
-                           "--threads", str(threads), "--max-context", str(max_context)],
+                           "--threads", str(threads), "--max-context", str(max_context), "--backend", backend],
                           capture_output=True, text=True)
     if proc.returncode != 0:
-        return {"tokens": traj.num_tokens, "max_tokens_per_chunk": chunk,
+        return {"backend": backend, "tokens": traj.num_tokens, "max_tokens_per_chunk": chunk,
                 "error": f"exit {proc.returncode}: {proc.stderr.strip()[-500:]}"}
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _learner(model_cfg: ModelConfig, run_dir: str, threads: int) -> Learner:
-    """The bench's learner: seed 0, batch of one, default learner settings otherwise."""
-    return Learner(LearnerConfig(batch_size=1, episodes_per_step=0), model_cfg, TransportConfig(), WeightSyncConfig(),
+def _learner(model_cfg: ModelConfig, run_dir: str, threads: int, backend: str = "torch") -> Learner:
+    """The bench's learner: seed 0, batch of one, ``learner.backend = backend``, default learner
+    settings otherwise."""
+    return Learner(LearnerConfig(batch_size=1, episodes_per_step=0, backend=backend), model_cfg, TransportConfig(), WeightSyncConfig(),
                    run_dir, generation=GenerationConfig(), seed=0, torch_threads=threads)
+
+
+def backends(text: str) -> list[str]:
+    """``--learner-backends``: comma-separated learner backends -> list (argparse type)."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in ("torch", "megatron")]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"{text!r}: give torch, megatron or both, comma-separated")
+    return names
 
 
 def at_turn(turns: list[dict], t: int, key: str, window: int = 2) -> dict:
@@ -267,11 +282,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--plain-max-tokens", type=at_least_zero, default=16384,
                    help="run the unchunked step only up to this length (0: never)")
     p.add_argument("--threads", type=at_least_one, default=2, help="torch intra-op threads")
+    p.add_argument("--learner-backends", type=backends, default="torch",
+                   help="learner backends whose steps are measured, comma-separated: torch, megatron")
+    p.add_argument("--backend", default="torch", help=argparse.SUPPRESS)
     p.add_argument("--learner-child", help=argparse.SUPPRESS)
     p.add_argument("--chunk", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.learner_child:
-        out = learner_child(args.learner_child, args.chunk, args.threads, args.max_context)
+        out = learner_child(args.learner_child, args.chunk, args.threads, args.max_context, args.backend)
         print(json.dumps(out))
         return out
     torch.set_num_threads(args.threads)
@@ -355,9 +373,9 @@ def main(argv: list[str] | None = None) -> dict:
         chunk = LearnerConfig().max_tokens_per_chunk
         for t in [traj] + ([tile(traj, args.learner_tokens)] if args.learner_tokens > T else []):
             validate(t, num_experts=mc.num_experts, num_layers=mc.num_hidden_layers, top_k=mc.num_experts_per_tok)
-            for c in (chunk, 0):
+            for backend, c in itertools.product(args.learner_backends, (chunk, 0)):
                 if c or t.num_tokens <= args.plain_max_tokens:
-                    run = learner_step(t, c, args.threads, args.max_context, work)
+                    run = learner_step(t, c, args.threads, args.max_context, work, backend)
                     if t is not traj:  # its repeats sit at new positions after a longer history than when sampled
                         run["trajectory"] = "tiled: logprob_diff_mean compares to log-probs sampled at other positions"
                     runs.append(run)
