@@ -281,7 +281,6 @@ class MegatronBackend(AdamWPair):
         for i, r in enumerate(self._routers):
             r.register_forward_pre_hook(lambda mod, args, i=i: self._keep_router_input(i, args[0]))
         self._capture = False
-        self._masks: dict[int, torch.Tensor] = {}
         self._recompute = {m: LayerRecompute(m) for m in (self.policy, self.critic) if m is not None}
 
     def _share(self, sd: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
@@ -421,11 +420,6 @@ class MegatronBackend(AdamWPair):
         self.forwarded["rows"] += B
         self.forwarded["tokens"] += B * T
         pos = torch.arange(T, device=self.device).expand(B, T)
-        mask = None  # CUDA: Megatron's own causal mask
-        if self.device.type == "cpu":
-            if T not in self._masks:
-                self._masks[T] = torch.ones(T, T, dtype=torch.bool).triu(1)[None, None]  # True: masked
-            mask = self._masks[T]
         first, last = self.pp_rank == 0, self.pp_rank == self.pipeline_parallel - 1
         x = None
         if not first:
@@ -436,7 +430,7 @@ class MegatronBackend(AdamWPair):
             model.set_input_tensor(x)
         c = self.cfg.max_tokens_per_chunk
         with self._recompute[model](bool(c and T > c)) if model in self._recompute else nullcontext():
-            out = model(inp.to(self.device), pos, mask)
+            out = model(inp.to(self.device), pos, None)  # (causal: t1async.megatron_model.SdpaAttention)
         if not last:
             dist.send(out.detach().contiguous(), dst=self._rank_at(self.tp_rank, self.dp_rank, self.pp_rank + 1))
             if out.requires_grad:

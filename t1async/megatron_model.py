@@ -4,7 +4,9 @@ the process set-up, the config, the layer spec, the heads, weight loading and re
 The Hugging Face <-> Megatron weight layouts are t1async/megatron_convert.py. What it builds
 (facts in ../shared/DESIGN.md §3, read from megatron-core 0.16.1's sources):
 
-- the local layer spec (``get_gpt_layer_local_spec``, no Transformer Engine): RMSNorm, q/k
+- the local layer spec (``get_gpt_layer_local_spec``, no Transformer Engine) with its core
+  attention replaced by :class:`SdpaAttention` (torch's fused causal attention instead of the
+  spec's ``[s, s]`` scores and probabilities; the same numbers): RMSNorm, q/k
   layernorm, SwiGLU experts (``SequentialMLP``), no biases, RoPE (rotate-half), softmax router
   in float32 (``moe_router_dtype='fp32'``; bf16 routers fail in backward), top-k renormalised
   (``moe_router_pre_softmax=False``) when ``norm_topk_prob``, no aux loss, no dropout;
@@ -21,8 +23,7 @@ Initial weights are t1async/model.py's (same seed, same numbers as the torch bac
 On CPU megatron-core 0.16.1 runs with three shims, applied only when CUDA is absent:
 ``torch.cuda.current_device`` returns the CPU device (routers move their weight to it), an
 inference RNG tracker (no CUDA RNG), and ``moe_utils.te_general_gemm = None`` (it is otherwise
-called without Transformer Engine). A causal mask is passed explicitly on CPU (the default one is
-built on CUDA). The ``alltoall`` dispatcher needs CUDA.
+called without Transformer Engine). The ``alltoall`` dispatcher needs CUDA.
 
 Under tensor parallelism (sequence parallelism on) the norms are :class:`Norm`, megatron's
 local-spec RMSNorm allowed to run on a slice of the sequence; the policy's and reference's
@@ -60,7 +61,7 @@ try:
 except ImportError as e:  # the optional extra
     raise ImportError(f"learner.backend=megatron needs megatron-core: pip install 't1async[megatron]' ({e})") from None
 
-__all__ = ["LMHead", "LayerRecompute", "Norm", "ValueHead", "build_gpt", "init_megatron", "load_megatron", "replay_rows",
+__all__ = ["LMHead", "LayerRecompute", "Norm", "SdpaAttention", "ValueHead", "build_gpt", "init_megatron", "load_megatron", "replay_rows",
            "transformer_config"]
 
 
@@ -212,6 +213,57 @@ class Norm(nn.RMSNorm):
         self.weight.sequence_parallel = config.sequence_parallel
 
 
+class SdpaAttention(nn.Module):
+    """Core attention of the local layer spec through ``torch.nn.functional.scaled_dot_product_attention``
+    (causal, softmax scale 1/sqrt(head_dim), no dropout): what megatron-core 0.16.1's
+    ``DotProductAttention`` computes, without its ``[b, heads, s, s]`` scores and probabilities.
+    ``DotProductAttention`` materialises both (and keeps the probabilities for the backward), so its
+    memory grows with the square of the sequence (about 4.5 GB per layer at 12k tokens and 4 heads,
+    float32), while torch's fused kernels (flash / memory-efficient, CPU and CUDA) keep O(s) per
+    head; Megatron's own fused path is Transformer Engine, which needs CUDA.
+
+    Interface of megatron's core attention (megatron/core/transformer/attention.py): query
+    ``[sq, b, np, hn]``, key and value ``[sk, b, ng, hn]`` (np heads, ng query groups of this
+    tensor-parallel rank) -> context ``[sq, b, np * hn]``. Keys and values are shared by the heads of
+    a group (grouped-query attention, as Megatron's repeat_interleave). ``attention_mask`` is
+    ignored: the mask is causal, from ``is_causal``.
+
+    Raises:
+        ValueError: a mask type other than causal, attention dropout, packed sequences, an
+            attention bias, context parallelism or a softmax type other than vanilla.
+    """
+
+    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type, attention_type: str,
+                 attention_dropout: float | None = None, softmax_scale: float | None = None, cp_comm_type=None,
+                 pg_collection=None):
+        super().__init__()
+        from megatron.core.transformer.enums import AttnMaskType
+
+        tp = pg_collection.tp.size() if pg_collection is not None else config.tensor_model_parallel_size
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        if (attn_mask_type != AttnMaskType.causal or dropout or config.context_parallel_size != 1
+                or config.softmax_type != "vanilla" or config.apply_query_key_layer_scaling):
+            raise ValueError(f"SdpaAttention: causal attention without dropout only (mask {attn_mask_type}, "
+                             f"dropout {dropout}, context parallel {config.context_parallel_size}, "
+                             f"softmax {config.softmax_type})")
+        self.heads = config.num_attention_heads // tp
+        self.groups = max(config.num_query_groups // tp, 1)
+        self.scale = softmax_scale if softmax_scale is not None else config.kv_channels ** -0.5
+        self.current_max_attn_logits = None
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask=None,
+                attn_mask_type=None, attention_bias=None, packed_seq_params=None) -> torch.Tensor:
+        if packed_seq_params is not None or attention_bias is not None:
+            raise ValueError("SdpaAttention: packed sequences and attention biases are not supported")
+        sq, b = query.shape[:2]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, hn]
+        if self.heads != k.shape[1]:
+            k = k.repeat_interleave(self.heads // k.shape[1], dim=1)
+            v = v.repeat_interleave(self.heads // v.shape[1], dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+
+
 def _with_norm(spec, norm: type) -> None:
     """Replace ``WrappedTorchNorm`` by ``norm`` everywhere in a Megatron module spec (in place)."""
     if isinstance(spec, ModuleSpec):
@@ -251,6 +303,7 @@ def build_gpt(cfg: ModelConfig, hf: dict[str, torch.Tensor], *, critic: bool = F
                             expert_parallel=ep_size, tensor_parallel=tp_size, pipeline_parallel=pp_size)
     layer = get_gpt_layer_local_spec(num_experts=cfg.num_experts, moe_grouped_gemm=False, qk_layernorm=True,
                                      normalization="RMSNorm")
+    layer.submodules.self_attention.submodules.core_attention = SdpaAttention
     block = TransformerBlockSubmodules(layer_specs=[layer] * (cfg.num_hidden_layers // pp_size), layer_norm=Norm)
     _with_norm(block, Norm)
     last = pp_rank == pp_size - 1
