@@ -218,8 +218,8 @@ class SdpaAttention(nn.Module):
     (causal, softmax scale 1/sqrt(head_dim), no dropout): what megatron-core 0.16.1's
     ``DotProductAttention`` computes, without its ``[b, heads, s, s]`` scores and probabilities.
     ``DotProductAttention`` materialises both (and keeps the probabilities for the backward), so its
-    memory grows with the square of the sequence (about 4.5 GB per layer at 12k tokens and 4 heads,
-    float32), while torch's fused kernels (flash / memory-efficient, CPU and CUDA) keep O(s) per
+    memory grows with the square of the sequence (2.2 GB per such tensor at 11.7k tokens and 4
+    heads, float32), while torch's fused kernels (flash / memory-efficient, CPU and CUDA) keep O(s) per
     head; Megatron's own fused path is Transformer Engine, which needs CUDA.
 
     Interface of megatron's core attention (megatron/core/transformer/attention.py): query
