@@ -126,7 +126,8 @@ class Learner:
         self._backlog = [k for k in self._log.keys() if k not in self._consumed]  # replayed before the socket
         self._queue = ByteQueue(transport.recv_queue_messages or max(4 * cfg.batch_size, 8), transport.recv_queue_bytes)
         self._group_messages = transport.log_group_messages
-        self._stop = threading.Event()
+        self._stop = threading.Event()  # training stops (stop(), or run() ended)
+        self._closed = threading.Event()  # receiving stops (close())
         self._controller: Any = None
         self._pending_discards: list[tuple[str, str]] = []  # (reason, trajectory id)
         self._discard_lock = threading.Lock()
@@ -235,14 +236,17 @@ class Learner:
         Deliveries already waiting on the socket are taken together (at most
         ``transport.log_group_messages`` / ``GROUP_COMMIT_BYTES``) and stored with one flush of the
         receive log before any of them is answered (:meth:`_on_burst`). Stops reading while the
-        queue is full (backpressure). A frame that fails validation is
+        queue is full (backpressure). Once training has ended (:meth:`run` returned, or
+        :meth:`stop`), deliveries are still stored and ACKed, not queued: the receive log keeps
+        them for a resumed run, and rollout actors finishing their last episodes at shutdown get
+        their ACKs instead of waiting for them. A frame that fails validation is
         counted, logged, written to ``quarantine/`` (first 100) and REJected, never trained on;
         a trajectory id already stored or consumed is ACKed again and dropped (de-duplication).
-        Stopped by :meth:`stop` / :meth:`close`.
+        Stopped by :meth:`close`.
         """
         for key in self._backlog:
-            if self._stop.is_set():
-                return
+            if self._stop.is_set():  # (no training any more: the rest stays in the log for a resume)
+                break
             frame = self._log.read(key)
             try:
                 traj = self._decode(frame, max_version=None)  # validated at receipt; re-checked
@@ -251,7 +255,7 @@ class Learner:
                 continue
             self.counters["replayed"] += 1
             self._enqueue(traj, len(frame))
-        while not self._stop.is_set():
+        while not self._closed.is_set():  # after training too: stored and ACKed, kept for a resume
             d = self._receiver.recv(timeout_s=0.5)
             if d is None:
                 continue
@@ -337,7 +341,7 @@ class Learner:
         return True, ""
 
     def _enqueue(self, traj: Trajectory, nbytes: int) -> None:
-        while not self._stop.is_set():
+        while not self._stop.is_set():  # (training ended: kept in the receive log only)
             try:
                 self._queue.put(traj, nbytes, timeout=0.5)
                 return
@@ -801,6 +805,7 @@ class Learner:
     def close(self) -> None:
         """Stop the receive thread, close the socket, and stop the backend's other ranks (if any)."""
         self._stop.set()
+        self._closed.set()
         self._recv_thread.join(timeout=2)
         self._receiver.close()
         self._log.close()

@@ -339,6 +339,37 @@ def test_a_restart_sends_the_last_published_version_again_unless_later_weights_w
             again.close()
 
 
+def test_after_its_last_step_the_learner_stores_and_acks_what_arrives_and_a_resume_trains_it(tmp_path):
+    """Trajectories that arrive after the learner's last step (rollout actors finishing their
+    episodes while the run shuts down) are stored in the receive log and ACKed at once, not left
+    unanswered: the sender's close returns without waiting out its flush timeout, nothing stays in
+    its spool, and a resumed learner replays them from the log."""
+    cfg = LearnerConfig(max_steps=1, batch_size=1, checkpoint_every=1, batch_timeout_s=60, publish_every=100)
+    learner = Learner(cfg, MODEL, TransportConfig(), WeightSyncConfig(), str(tmp_path), seed=0)
+    spool = tmp_path / "spool"
+    try:
+        tx = ZmqSender(learner.endpoint(), spool_dir=str(spool))
+        _send(tx, synthetic(version=0, seed=1))
+        assert learner.run(FakeController())["step"] == 1
+        for seed in (2, 3, 4):  # after the last step: no training takes them
+            _send(tx, synthetic(version=0, seed=seed))
+        t0 = time.monotonic()
+        tx.close(flush_timeout_s=20.0)
+        closed_s = time.monotonic() - t0
+        print(f"sender close after the learner's last step: {closed_s:.2f} s, acked {tx.stats.acked}")
+        assert tx.stats.acked == 4 and closed_s < 10.0
+        assert not [p for p in spool.rglob("*") if p.is_file() and p.stat().st_size > 0]
+    finally:
+        learner.close()
+    again = Learner(dataclasses.replace(cfg, resume=True, max_steps=2), MODEL, TransportConfig(), WeightSyncConfig(),
+                    str(tmp_path), seed=0)
+    try:
+        assert again.run(FakeController())["step"] == 2
+        assert again.counters["replayed"] == 3  # the three stored after the last step, replayed from the log
+    finally:
+        again.close()
+
+
 def assert_same_metrics(a: dict, b: dict) -> None:
     """Every float metric of ``a`` equals ``b``'s to 1e-5 relative (1e-6 absolute)."""
     for k, v in a.items():
