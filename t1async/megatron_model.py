@@ -61,8 +61,8 @@ try:
 except ImportError as e:  # the optional extra
     raise ImportError(f"learner.backend=megatron needs megatron-core: pip install 't1async[megatron]' ({e})") from None
 
-__all__ = ["LMHead", "LayerRecompute", "Norm", "SdpaAttention", "ValueHead", "build_gpt", "init_megatron", "load_megatron", "replay_rows",
-           "transformer_config"]
+__all__ = ["LMHead", "LayerRecompute", "Norm", "SdpaAttention", "ValueHead", "build_gpt", "init_megatron",
+           "load_megatron", "replay_rows", "transformer_config"]
 
 
 def init_megatron(device: torch.device, seed: int = 0, *, expert_parallel: int = 1, tensor_parallel: int = 1,
@@ -247,7 +247,6 @@ class SdpaAttention(nn.Module):
                              f"dropout {dropout}, context parallel {config.context_parallel_size}, "
                              f"softmax {config.softmax_type})")
         self.heads = config.num_attention_heads // tp
-        self.groups = max(config.num_query_groups // tp, 1)
         self.scale = softmax_scale if softmax_scale is not None else config.kv_channels ** -0.5
         self.current_max_attn_logits = None
 
@@ -333,10 +332,11 @@ class LayerRecompute:
     and restores the CUDA RNG state, so it fails on CPU (megatron-core 0.16.1,
     tensor_parallel/random.py); and under routing replay it expects the caller to switch every
     router to ``REPLAY_BACKWARD`` before the backward, whose list of rows it pops first-in
-    first-out. Here each layer call keeps the rows its router used (the sampler's under
-    REPLAY_FORWARD, else what a RECORD captured, a router's own choice included) and replays
-    exactly them in its recompute, whatever order the backward runs the layers in. A router built
-    without replay (``moe_enable_routing_replay`` off) recomputes its own top-k.
+    first-out. Here each layer call keeps the rows its router used, whatever order the backward
+    runs the layers in: under REPLAY_FORWARD the recompute replays the same sampler's rows; a
+    router's own choice is RECORDed in the forward, recomputed the same way (the same code path,
+    so the same saved tensors) and checked equal, a RuntimeError otherwise. A router built
+    without replay (``moe_enable_routing_replay`` off) recomputes its own top-k unchecked.
 
     Memory: per layer its input ``[T/TP, B, H]`` instead of every activation of the layer; time:
     one more forward of every layer in the backward. Collectives of the layer (sequence
@@ -379,6 +379,7 @@ class LayerRecompute:
                     replay.target_topk_idx = first["rows"] if again else target
                 else:  # the router's own top-k, RECORDed in the forward, checked in the recompute
                     replay.router_replay_action = RouterReplayAction.RECORD
+                    replay.recorded_topk_idx = None  # (None after the call: the router was not reached)
                 try:
                     out = forward(*a, **k)
                 finally:  # (also when the recompute stops early, past the router)

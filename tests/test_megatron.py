@@ -226,7 +226,7 @@ def test_sdpa_core_attention_equals_megatrons_dot_product_attention_without_the_
         xs = [t.clone().requires_grad_() for t in (q, k, v)]
         kept = []
 
-        def pack(t):
+        def pack(t, kept=kept):
             kept.append(tuple(t.shape))
             return t
 
@@ -761,7 +761,7 @@ def test_megatron_long_sequences_recompute_layers_and_chunk_the_lm_head_exactly(
             grads = {}
             for rep in (replay, None):  # the sampler's experts replayed; the router's own, RECORDed
                 mb.zero_grad()
-                fwd, saved = _saved_bytes(lambda: mb.policy_logprobs(inp, tgt, rep, grad=True, routing=True))
+                fwd, saved = _saved_bytes(lambda mb=mb, rep=rep: mb.policy_logprobs(inp, tgt, rep, grad=True, routing=True))
                 mb.backward(fwd.logp.sum() + mb.values(inp, grad=True).pow(2).sum())
                 grads[rep is None] = fwd, saved, {f"{m}.{k}": p.grad.clone() for m, model in
                                                   (("policy", mb.policy), ("critic", mb.critic))
