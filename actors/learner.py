@@ -647,6 +647,8 @@ class Learner:
                 "kl_k3": k3_sum / max(n_value, 1.0), "nucleus_boundary_tokens": boundary,
                 "routing_diff_frac": used_diff / max(routed_pos, 1), "router_diff_frac": own_diff / max(routed_pos, 1),
                 "drift_tokens": int(sum(t.drift_tokens for t in batch)),
+                "chunked_micro_batches": sum(bool(cfg.max_tokens_per_chunk) and it["inp"].shape[1] > cfg.max_tokens_per_chunk
+                                             for it in items),
                 "template_mismatches": int(sum(t.template_mismatches for t in batch)),
                 "train_policy": train_policy, "phase": "rl" if train_policy else "critic_warmup",
                 **({"explained_variance": ev} if cfg.critic else {}), "trained_tokens": n_value,

@@ -625,19 +625,17 @@ class LearnerConfig:
     one forward per trajectory up to float summation order (tests/test_learner.py); fewer,
     larger matmuls are faster (``t1async bench micro-batch``). 0 = one trajectory per micro-batch."""
     max_tokens_per_chunk: int = 4096
-    """A trajectory longer than this many tokens is trained in chunks (``torch`` backend), so a
-    long episode (100k tokens and more) fits in memory: the LM head and its log-probs run this
-    many positions at a time and every decoder layer is activation-checkpointed (recomputed in
-    the backward); log-probs, values and routing are bitwise those of one plain forward, and
-    gradients equal up to float summation order (tests/test_long_horizon.py). A learner step on
-    the episode of ``t1async bench long-horizon`` peaked at about 69 KiB per token of the default
-    model instead of about 188 KiB, for about twice the time (the recomputation); a 101k-token
-    step ran in 3.3 GiB (33 KiB per token) and 641 s on 2 cores. 0 = never chunk. Shorter
-    trajectories take the plain forward, unchanged. ``megatron`` backend: the same, its LM head
-    and log-probs in chunks and every decoder layer of the policy and the critic recomputed in
-    the backward with the experts its forward used (replayed or the router's own:
-    t1async/megatron_model.py ``LayerRecompute``); the same log-probs and routing, gradients
-    equal up to float summation order, at every parallel layout (tests/test_megatron.py)."""
+    """A micro-batch whose sequences are longer than this many positions (a long episode, alone in
+    its micro-batch at the default ``micro_batch_tokens``) is trained in chunks, so a long episode
+    (100k tokens and more) fits in memory: the LM head and its log-probs run this many positions at
+    a time and every decoder layer is activation-checkpointed (recomputed in the backward). On
+    both backends; the ``megatron`` one recomputes each layer with the experts its forward used
+    (replayed, or the router's own, checked: t1async/megatron_model.py ``LayerRecompute``).
+    Log-probs, values and routing are those of one plain forward, gradients equal up to float
+    summation order (tests/test_long_horizon.py, tests/test_megatron.py). Each step's metrics count
+    the micro-batches trained so (``chunked_micro_batches``). Memory and time on the episode of
+    ``t1async bench long-horizon``: README "Long episodes". Shorter micro-batches take the plain
+    forward, unchanged. 0 = never chunk."""
     abnormal: AbnormalConfig = field(default_factory=AbnormalConfig)
     """What to train of episodes and turns that did not end normally (see :class:`AbnormalConfig`)."""
     backend: str = "torch"

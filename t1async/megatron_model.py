@@ -229,8 +229,9 @@ class SdpaAttention(nn.Module):
     ignored: the mask is causal, from ``is_causal``.
 
     Raises:
-        ValueError: a mask type other than causal, attention dropout, packed sequences, an
-            attention bias, context parallelism or a softmax type other than vanilla.
+        ValueError: a mask type other than causal, attention dropout, query-key layer scaling,
+            context parallelism or a softmax type other than vanilla (built), packed sequences or
+            an attention bias (forward).
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type, attention_type: str,
@@ -245,7 +246,8 @@ class SdpaAttention(nn.Module):
                 or config.softmax_type != "vanilla" or config.apply_query_key_layer_scaling):
             raise ValueError(f"SdpaAttention: causal attention without dropout only (mask {attn_mask_type}, "
                              f"dropout {dropout}, context parallel {config.context_parallel_size}, "
-                             f"softmax {config.softmax_type})")
+                             f"softmax {config.softmax_type}, apply_query_key_layer_scaling "
+                             f"{config.apply_query_key_layer_scaling})")
         self.heads = config.num_attention_heads // tp
         self.scale = softmax_scale if softmax_scale is not None else config.kv_channels ** -0.5
         self.current_max_attn_logits = None
@@ -335,10 +337,12 @@ class LayerRecompute:
     first-out. Here each layer call keeps the rows its router used, whatever order the backward
     runs the layers in: under REPLAY_FORWARD the recompute replays the same sampler's rows; a
     router's own choice is RECORDed in the forward, recomputed the same way (the same code path,
-    so the same saved tensors) and checked equal, a RuntimeError otherwise. A router built
-    without replay (``moe_enable_routing_replay`` off) recomputes its own top-k unchecked.
+    so the same saved tensors) and checked equal, a RuntimeError otherwise. (A router built
+    without replay, ``moe_enable_routing_replay`` off, would recompute its own top-k unchecked;
+    the learner builds every policy and critic router with it.)
 
-    Memory: per layer its input ``[T/TP, B, H]`` instead of every activation of the layer; time:
+    Memory: per layer its input ``[T/TP, B, H]`` (and its router's rows ``[T/TP * B, K]``)
+    instead of every activation of the layer; time:
     one more forward of every layer in the backward. Collectives of the layer (sequence
     parallelism's all-gathers, the dispatcher's exchanges) run again in the backward, in the same
     order on every rank.

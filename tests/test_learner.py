@@ -430,6 +430,23 @@ def test_padded_micro_batches_train_like_one_trajectory_per_forward(tmp_path, ad
     assert rel < 1e-5 and moved > 1e-3, (rel, moved)
 
 
+def test_each_step_counts_the_micro_batches_it_trained_in_chunks(tmp_path):
+    """``chunked_micro_batches``: how many micro-batches of the step were longer than
+    ``learner.max_tokens_per_chunk`` (trained with the LM head in chunks and layers recomputed).
+    The rule is per micro-batch: five trajectories of 39, 28, 22, 16 and 7 positions at a chunk
+    size of 20 give 3 one per forward, 1 in one padded micro-batch (all five then run chunked),
+    and 0 at the default of 4096."""
+    got = {}
+    for chunk, mbt in ((20, 0), (20, 4096), (4096, 4096)):
+        cfg = LearnerConfig(batch_size=5, max_tokens_per_chunk=chunk, micro_batch_tokens=mbt)
+        learner = Learner(cfg, MODEL, TransportConfig(), WeightSyncConfig(), str(tmp_path / f"{chunk}-{mbt}"), seed=0)
+        try:
+            got[chunk, mbt] = learner._train_step(varied_batch())["chunked_micro_batches"]
+        finally:
+            learner.close()
+    assert got == {(20, 0): 3, (20, 4096): 1, (4096, 4096): 0}
+
+
 def test_micro_batches_group_longest_first_within_the_token_budget():
     from t1async.rl import micro_batches
 

@@ -18,7 +18,9 @@ steps, each run in a fresh child process (an honest peak RSS):
 - the learner: :class:`~t1async.actors.learner.Learner` and its ``_train_step`` on the episode's
   trajectory (batch of one), chunked (``learner.max_tokens_per_chunk``, default) and not, for
   each backend of ``--learner-backends`` (``megatron``: chunked = LM head in chunks and every
-  decoder layer recomputed, routing replayed there; needs megatron-core); with
+  decoder layer recomputed, routing replayed there; needs megatron-core); ``chunked`` says
+  whether the step really ran chunked (an episode of at most ``max_tokens_per_chunk`` tokens
+  never is, so then both runs are the plain step); with
   ``--learner-tokens N`` also on the trajectory tiled to N tokens (chunked only, and unchunked
   when N <= ``--plain-max-tokens``).
 
@@ -224,7 +226,8 @@ def learner_child(frame_path: str, chunk: int, threads: int, max_context: int, b
         finally:
             learner.close()
     extra = mem.peak - mem.base
-    return {"backend": backend, "tokens": traj.num_tokens, "max_tokens_per_chunk": chunk, "step_s": round(dt, 2),
+    return {"backend": backend, "tokens": traj.num_tokens, "max_tokens_per_chunk": chunk,
+            "chunked": bool(m["chunked_micro_batches"]), "step_s": round(dt, 2),
             "peak_rss_added_mib": round(extra / 2**20, 1),
             "peak_rss_added_kib_per_token": round(extra / traj.num_tokens / 1024, 2),
             "process_peak_rss_mib": round(mem.peak / 2**20, 1), "logprob_diff_mean": m["logprob_diff_mean"],
