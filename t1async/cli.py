@@ -26,9 +26,9 @@ SUBCOMMANDS = [
     "t1async.plot:register",
     "t1async.soak:register",
     "t1async.cli:register_bench",
-    "t1async.mismatch:register",
+    "t1async.cli:register_mismatch",
     "t1async.keys:register_keys",
-    "t1async.sft:register",
+    "t1async.cli:register_sft",
     "t1async.envs.cli:register",  # eval, synth, decontam
 ]
 
@@ -58,6 +58,69 @@ def run_launch(args: argparse.Namespace) -> int:
         print(f"t1async: error: the learner stopped after {summary.get('steps', 0)} of "
               f"{summary['max_steps'] or 'unlimited'} steps; see {summary['run_dir']}/logs/learner.log", file=sys.stderr)
         return 1
+    return 0
+
+
+def register_mismatch(sub: argparse._SubParsersAction) -> None:
+    """``t1async mismatch CONFIG [key=value ...]`` (t1async/mismatch.py, imported when run)."""
+    p = sub.add_parser("mismatch", help="measure the training-vs-inference mismatch (TITO x routing replay); "
+                                        "prints one JSON object")
+    p.add_argument("config", help="YAML config, e.g. configs/mismatch.yaml")
+    p.add_argument("overrides", nargs="*", default=[], help="key=value overrides, e.g. mismatch.episodes=4 sampler.dtype=float32")
+    p.set_defaults(func=run_mismatch)
+
+
+def run_mismatch(args: argparse.Namespace) -> int:
+    """Run :func:`t1async.mismatch.measure` on the config; prints its JSON."""
+    import json
+
+    from t1async.config import load_config
+    from t1async.mismatch import measure
+
+    print(json.dumps(measure(load_config(args.config, args.overrides))))
+    return 0
+
+
+def register_sft(sub: argparse._SubParsersAction) -> None:
+    """``t1async sft --tasks DIR --out CKPT_DIR [--config YAML] [--heldout DIR] [key=value ...]``
+    (t1async/sft.py, imported when run)."""
+    p = sub.add_parser("sft", help="supervised warm start on the tasks' oracle solutions; writes a checkpoint")
+    p.add_argument("--tasks", required=True, help="folder of training task folders (their oracle solutions are the demonstrations)")
+    p.add_argument("--out", required=True, help="checkpoint folder to write (config.json + model.safetensors)")
+    p.add_argument("--config", default=None, help="YAML config (model, env, generation and sft sections are used)")
+    p.add_argument("--heldout", default=None, help="evaluate the checkpoint on this folder of tasks at the end")
+    p.add_argument("overrides", nargs="*", default=[], help="key=value overrides, e.g. sft.steps=200")
+    p.set_defaults(func=run_sft)
+
+
+def run_sft(args: argparse.Namespace) -> int:
+    """Check the folders, run :func:`t1async.sft.run_sft`; prints its JSON.
+
+    Raises:
+        TaskError: ``--tasks`` or ``--heldout`` is not a folder, ``--out`` is a file, or the
+            demonstrations cannot be built (its ValueError).
+    """
+    import json
+    from pathlib import Path
+
+    from t1async.config import load_config
+    from t1async.envs.task import TaskError
+
+    cfg = load_config(args.config, args.overrides)
+    if not Path(args.tasks).is_dir():
+        raise TaskError(f"--tasks {args.tasks} is not a folder; pass a folder of task folders (t1async synth --out ...)")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise TaskError(f"--out {out} exists and is not a folder; pass a folder path for the checkpoint")
+    if args.heldout is not None and not Path(args.heldout).is_dir():
+        raise TaskError(f"--heldout {args.heldout} is not a folder; pass a folder of task folders")
+    from t1async import sft  # (torch: imported once the input is known good)
+
+    try:
+        result = sft.run_sft(cfg, args.tasks, out, heldout=args.heldout)
+    except ValueError as e:
+        raise TaskError(str(e)) from None
+    print(json.dumps(result))
     return 0
 
 

@@ -45,7 +45,6 @@ template mismatches, the gap decomposition, seconds) goes to stderr.
 
 from __future__ import annotations
 
-import argparse
 import bisect
 import json
 import sys
@@ -59,7 +58,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from t1async.config import Config, GenerationConfig, check_trainable, load_config
+from t1async.config import Config, GenerationConfig, check_trainable
 from t1async.model import Qwen3MoeForCausalLM
 from t1async.rl import load_balancing_loss, routing_differs, token_logprobs
 from t1async.tokenizer import ChatTokenizer
@@ -68,21 +67,6 @@ from t1async.trajectory import Trajectory
 MODES = {"none": (False, False), "tito": (True, False), "r3": (False, True), "both": (True, True)}
 """mode -> (exact TITO ids, replay recorded routing)."""
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    """``t1async mismatch CONFIG [key=value ...]``."""
-    p = sub.add_parser("mismatch", help="measure the training-vs-inference mismatch (TITO x routing replay); "
-                                        "prints one JSON object")
-    p.add_argument("config", help="YAML config, e.g. configs/mismatch.yaml")
-    p.add_argument("overrides", nargs="*", default=[], help="key=value overrides, e.g. mismatch.episodes=4 sampler.dtype=float32")
-    p.set_defaults(func=_run)
-
-
-def _run(args: argparse.Namespace) -> int:
-    result = measure(load_config(args.config, args.overrides))
-    print(json.dumps(result))
-    return 0
 
 
 # ----------------------------------------------------------------------------- views of a trajectory

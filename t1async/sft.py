@@ -30,8 +30,6 @@ Source of the load-balancing term: Switch Transformer (Fedus et al. 2021),
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
 import sys
 import tempfile
@@ -46,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from loguru import logger
 
-from t1async.config import Config, SftConfig, load_config
+from t1async.config import Config, SftConfig
 from t1async.model import Qwen3MoeForCausalLM
 from t1async.rl import load_balancing_loss
 from t1async.sampler_client import SamplerResponse
@@ -361,36 +359,6 @@ def breakdown(rows: list[Any]) -> dict[str, Any]:
         by_family.setdefault(synth_family(task), []).extend(got)
     return {"pass_at_k": round(sum(any(v) for v in by_task.values()) / len(by_task), 4) if by_task else 0.0,
             "per_family": {f: round(sum(v) / len(v), 4) for f, v in sorted(by_family.items())}}
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    """``t1async sft --tasks DIR --out CKPT_DIR [--config YAML] [--heldout DIR] [key=value ...]``."""
-    p = sub.add_parser("sft", help="supervised warm start on the tasks' oracle solutions; writes a checkpoint")
-    p.add_argument("--tasks", required=True, help="folder of training task folders (their oracle solutions are the demonstrations)")
-    p.add_argument("--out", required=True, help="checkpoint folder to write (config.json + model.safetensors)")
-    p.add_argument("--config", default=None, help="YAML config (model, env, generation and sft sections are used)")
-    p.add_argument("--heldout", default=None, help="evaluate the checkpoint on this folder of tasks at the end")
-    p.add_argument("overrides", nargs="*", default=[], help="key=value overrides, e.g. sft.steps=200")
-    p.set_defaults(func=_run)
-
-
-def _run(args: argparse.Namespace) -> int:
-    from t1async.envs.task import TaskError
-
-    cfg = load_config(args.config, args.overrides)
-    if not Path(args.tasks).is_dir():
-        raise TaskError(f"--tasks {args.tasks} is not a folder; pass a folder of task folders (t1async synth --out ...)")
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise TaskError(f"--out {out} exists and is not a folder; pass a folder path for the checkpoint")
-    if args.heldout is not None and not Path(args.heldout).is_dir():
-        raise TaskError(f"--heldout {args.heldout} is not a folder; pass a folder of task folders")
-    try:
-        result = run_sft(cfg, args.tasks, out, heldout=args.heldout)
-    except ValueError as e:
-        raise TaskError(str(e)) from None
-    print(json.dumps(result))
-    return 0
 
 
 if __name__ == "__main__":
