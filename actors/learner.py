@@ -36,7 +36,7 @@ from loguru import logger
 from t1async.abnormal import (DROP_REASONS, drop_detail, drop_reason, finish_counts, masked_turns, policy_mask,
                               tool_call_counts, turn_counts)
 from t1async.actors import call
-from t1async.backend import LearnerBackend, make_backend
+from t1async.backend import LearnerBackend, chunk_size, make_backend
 from t1async.config import GenerationConfig, LearnerConfig, ModelConfig, TransportConfig, WeightSyncConfig
 from t1async.delivery import (ByteQueue, ConsumedLedger, ReceiveLog, commit, latest_checkpoint, read_consumed,
                               rotate_checkpoints, staging_dir, write_consumed)
@@ -647,8 +647,7 @@ class Learner:
                 "kl_k3": k3_sum / max(n_value, 1.0), "nucleus_boundary_tokens": boundary,
                 "routing_diff_frac": used_diff / max(routed_pos, 1), "router_diff_frac": own_diff / max(routed_pos, 1),
                 "drift_tokens": int(sum(t.drift_tokens for t in batch)),
-                "chunked_micro_batches": sum(bool(cfg.max_tokens_per_chunk) and it["inp"].shape[1] > cfg.max_tokens_per_chunk
-                                             for it in items),
+                "chunked_micro_batches": sum(bool(chunk_size(cfg.max_tokens_per_chunk, it["inp"].shape[1])) for it in items),
                 "template_mismatches": int(sum(t.template_mismatches for t in batch)),
                 "train_policy": train_policy, "phase": "rl" if train_policy else "critic_warmup",
                 **({"explained_variance": ev} if cfg.critic else {}), "trained_tokens": n_value,

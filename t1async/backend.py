@@ -35,7 +35,7 @@ from safetensors.torch import load_file, save_file
 from t1async.config import GenerationConfig, LearnerConfig, ModelConfig
 
 __all__ = ["BACKENDS", "ONE_PROCESS", "AdamWPair", "LearnerBackend", "MasterWeightAdamW", "PolicyForward",
-           "ShardedAdamW", "make_backend"]
+           "ShardedAdamW", "chunk_size", "make_backend"]
 
 # learner.backend -> "module:class", imported on use (megatron-core is an optional extra)
 BACKENDS = {
@@ -127,6 +127,13 @@ def make_backend(name: str, cfg: LearnerConfig, model_cfg: ModelConfig, generati
         raise ValueError(f"learner.backend={name!r} is not one of {sorted(BACKENDS)}")
     module, cls = BACKENDS[name].split(":")
     return getattr(importlib.import_module(module), cls)(cfg, model_cfg, generation, init)
+
+
+def chunk_size(max_tokens_per_chunk: int, positions: int) -> int:
+    """Positions per chunk of a forward over ``positions`` positions (a micro-batch's padded
+    length): ``learner.max_tokens_per_chunk`` when it is set and exceeded (LM head in chunks,
+    decoder layers recomputed, on both backends), else 0 (one plain forward)."""
+    return max_tokens_per_chunk if max_tokens_per_chunk and positions > max_tokens_per_chunk else 0
 
 
 # the layout keys of an optimiser file and their values for one process (files without a key predate it)

@@ -92,7 +92,7 @@ import torch.nn.functional as F
 from loguru import logger
 from torch import nn
 
-from t1async.backend import ONE_PROCESS, AdamWPair, PolicyForward, ShardedAdamW
+from t1async.backend import ONE_PROCESS, AdamWPair, PolicyForward, ShardedAdamW, chunk_size
 from t1async.config import GenerationConfig, LearnerConfig, MegatronConfig, ModelConfig, tensor_parallel_sizes
 from t1async.megatron_convert import CRITIC, POLICY, hf_to_megatron, megatron_to_hf, merge_tp, shard_tp, tp_partition
 from t1async.megatron_ranks import (RankGroup, all_reduce_, all_reduce_sum, expert_owner, from_bytes, gather_bytes,
@@ -110,8 +110,6 @@ from megatron.core.models.gpt.gpt_model import GPTModel  # noqa: E402
 from megatron.core.transformer.moe.router_replay import RouterReplayAction  # noqa: E402
 
 __all__ = ["MegatronBackend", "build_gpt", "deal_rows", "init_megatron", "replay_rows", "transformer_config"]
-
-
 
 
 # calls rank 0 announces to its followers (each runs MegatronBackend._<name>)
@@ -139,8 +137,6 @@ def deal_rows(batch: int, ranks: int) -> list[torch.Tensor]:
     idx = torch.arange(per * ranks)
     idx[idx >= batch] = 0
     return list(idx.view(ranks, per))
-
-
 
 
 class MegatronBackend(AdamWPair):
@@ -428,8 +424,8 @@ class MegatronBackend(AdamWPair):
             dist.recv(x, src=self._rank_at(self.tp_rank, self.dp_rank, self.pp_rank - 1))
             x.requires_grad_(torch.is_grad_enabled())
             model.set_input_tensor(x)
-        c = self.cfg.max_tokens_per_chunk
-        with self._recompute[model](bool(c and T > c)) if model in self._recompute else nullcontext():
+        with (self._recompute[model](bool(chunk_size(self.cfg.max_tokens_per_chunk, T))) if model in self._recompute
+              else nullcontext()):
             out = model(inp.to(self.device), pos, None)  # (causal: t1async.megatron_model.SdpaAttention)
         if not last:
             dist.send(out.detach().contiguous(), dst=self._rank_at(self.tp_rank, self.dp_rank, self.pp_rank + 1))
@@ -446,9 +442,9 @@ class MegatronBackend(AdamWPair):
         ``learner.max_tokens_per_chunk`` runs the LM head and the log-probs that many positions
         at a time, each chunk recomputed in the backward (t1async/torch_backend.py
         ``chunked_token_logprobs``): the same log-probs, never the whole ``[T, V]`` logits."""
-        g, head, c = self.generation, model.output_layer, self.cfg.max_tokens_per_chunk
+        g, head = self.generation, model.output_layer
         tgt = tgt.to(self.device)
-        if c and hidden.shape[1] > c:
+        if c := chunk_size(self.cfg.max_tokens_per_chunk, hidden.shape[1]):
             return chunked_token_logprobs(head.logits, hidden, tgt, g, c)
         return token_logprobs(head.logits(hidden).float(), tgt, g.temperature, g.top_k, g.top_p, return_outside=True)
 

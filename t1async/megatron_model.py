@@ -52,6 +52,7 @@ try:
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.tensor_parallel.mappings import (gather_from_sequence_parallel_region,
                                                         gather_from_tensor_model_parallel_region)
+    from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.moe import moe_utils
     from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
     from megatron.core.transformer.spec_utils import ModuleSpec
@@ -238,8 +239,6 @@ class SdpaAttention(nn.Module):
                  attention_dropout: float | None = None, softmax_scale: float | None = None, cp_comm_type=None,
                  pg_collection=None):
         super().__init__()
-        from megatron.core.transformer.enums import AttnMaskType
-
         tp = pg_collection.tp.size() if pg_collection is not None else config.tensor_model_parallel_size
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         if (attn_mask_type != AttnMaskType.causal or dropout or config.context_parallel_size != 1

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from t1async.backend import AdamWPair, PolicyForward
+from t1async.backend import AdamWPair, PolicyForward, chunk_size
 from t1async.config import GenerationConfig, LearnerConfig, ModelConfig
 from t1async.model import Qwen3MoeForCausalLM, Qwen3MoeModel
 from t1async.rl import token_logprobs
@@ -138,8 +138,7 @@ class TorchBackend(AdamWPair):
     def _chunk(self, inp: torch.Tensor) -> int:
         """Tokens per chunk for a sequence of ``inp.shape[1]`` tokens: 0 (one plain forward)
         unless ``learner.max_tokens_per_chunk`` is set and the sequence is longer."""
-        c = self.cfg.max_tokens_per_chunk
-        return c if c and inp.shape[1] > c else 0
+        return chunk_size(self.cfg.max_tokens_per_chunk, inp.shape[1])
 
     def policy_logprobs(self, inp, tgt, replay, *, grad, routing) -> PolicyForward:
         """See :class:`~t1async.backend.LearnerBackend`. A sequence longer than

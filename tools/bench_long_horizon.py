@@ -70,6 +70,7 @@ from loguru import logger
 from t1async.actors.learner import Learner
 from t1async.actors.rollout import run_episode, tasks_dir
 from t1async.actors.sampler import EmbeddedSampler
+from t1async.backend import BACKENDS
 from t1async.cli import OneLineErrors, at_least_one, at_least_zero
 from t1async.config import (EnvConfig, GenerationConfig, LearnerConfig, ModelConfig, SamplerConfig, TransportConfig,
                             WeightSyncConfig)
@@ -258,9 +259,8 @@ def _learner(model_cfg: ModelConfig, run_dir: str, threads: int, backend: str = 
 def backends(text: str) -> list[str]:
     """``--learner-backends``: comma-separated learner backends -> list (argparse type)."""
     names = [n.strip() for n in text.split(",") if n.strip()]
-    bad = [n for n in names if n not in ("torch", "megatron")]
-    if not names or bad:
-        raise argparse.ArgumentTypeError(f"{text!r}: give torch, megatron or both, comma-separated")
+    if not names or any(n not in BACKENDS for n in names):
+        raise argparse.ArgumentTypeError(f"{text!r}: give one or more of {', '.join(BACKENDS)}, comma-separated")
     return names
 
 
