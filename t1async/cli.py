@@ -75,9 +75,11 @@ def run_mismatch(args: argparse.Namespace) -> int:
     import json
 
     from t1async.config import load_config
-    from t1async.mismatch import measure
 
-    print(json.dumps(measure(load_config(args.config, args.overrides))))
+    cfg = load_config(args.config, args.overrides)
+    from t1async.mismatch import measure  # (torch: imported once the config is known good)
+
+    print(json.dumps(measure(cfg)))
     return 0
 
 
