@@ -46,6 +46,7 @@ from typing import Any
 
 from loguru import logger
 
+from .compose import ComposeError, harness_variables, read_compose
 from .protocol import ServiceSpec
 from .shell_words import parse_command, split_commands
 
@@ -125,7 +126,7 @@ class Task:
             variables) instead of a clean one.
         compose_env: variables from docker-compose.yaml's service ``environment`` (TB1/TB2).
         services: the compose file's other services (sidecars such as an API server), which the
-            ``container`` backend starts beside the agent's container (see :func:`_read_compose`).
+            ``container`` backend starts beside the agent's container (see :func:`~t1async.envs.compose.read_compose`).
         local_refusal: why the ``local`` backend cannot run this task faithfully, else None.
         local_test_script: the test script as the local backend runs it (test-runner downloads
             replaced by the host's pytest; see :mod:`t1async.envs.adapt`), or None if unchanged.
@@ -652,13 +653,36 @@ def _optional_number(table: dict, key: str, path: Path) -> float | None:
     return _number(table, key, 1.0, path, "environment")
 
 
+def _apply_compose(task: Task, path: Path) -> None:
+    """The compose file's agent service gives the build, image and :attr:`Task.compose_env`;
+    its other services become :attr:`Task.services` (a local refusal: see :mod:`.compose`).
+
+    Raises:
+        TaskError: the compose file cannot be used (the message says why).
+    """
+    try:
+        compose = read_compose(path, harness_variables(task.layout, path.parent))
+    except ComposeError as exc:
+        raise _error(task.path, exc.what, exc.todo) from None
+    if len(compose.service_names) > 1:
+        task.local_refusal = task.local_refusal or (
+            f"{path.name} defines {len(compose.service_names)} services ({', '.join(sorted(compose.service_names))}): "
+            "a multi-container task needs Docker Compose, which the local sandbox does not reproduce")
+    task.services = compose.services
+    if compose.dockerfile is not None:
+        task.context_dir, task.dockerfile = compose.context_dir, compose.dockerfile
+    if compose.image and not task.docker_image:
+        task.docker_image = compose.image
+    task.compose_env.update(compose.environment)
+
+
 def _finish(task: Task, dockerfile: Path | None, compose: Path) -> Task:
     """Parse the Dockerfile and compose file, then plan the local adaptation (refusals)."""
     from .adapt import plan_container, plan_local
 
     task.dockerfile = dockerfile
     if compose.is_file():
-        _read_compose(task, compose)  # the agent's service may build from another folder
+        _apply_compose(task, compose)  # the agent's service may build from another folder
     dockerfile = task.dockerfile
     if dockerfile is not None:
         try:
@@ -675,128 +699,6 @@ def _finish(task: Task, dockerfile: Path | None, compose: Path) -> Task:
     return task
 
 
-MAIN_SERVICES = ("main", "client")
-"""Names of the agent's own service in a docker-compose.yaml: Harbor's ``main`` (TB2), the TB1
-harness's ``client``. Every other service is a sidecar (:attr:`Task.services`)."""
-
-
-def _read_compose(task: Task, compose: Path) -> None:
-    """docker-compose.yaml: the agent's service (the only one, or :data:`MAIN_SERVICES`) gives
-    :attr:`Task.compose_env` (its ``environment`` entries except the harness's ``${T_BENCH_...}``
-    ones); every other service becomes a :class:`~t1async.envs.protocol.ServiceSpec` in
-    :attr:`Task.services` (run by the ``container`` backend; a local refusal)."""
-    import yaml
-
-    try:
-        data = yaml.safe_load(compose.read_text()) or {}
-    except (yaml.YAMLError, UnicodeDecodeError) as exc:
-        raise _error(task.path, f"{compose.name} is not valid YAML ({str(exc).splitlines()[0]})", "fix its syntax") from None
-    services = data.get("services") if isinstance(data, dict) else None
-    if not isinstance(services, dict) or not services:
-        return
-    main_name = next((n for n in MAIN_SERVICES if n in services), None)
-    if len(services) > 1:
-        task.local_refusal = task.local_refusal or (
-            f"{compose.name} defines {len(services)} services ({', '.join(sorted(services))}): a multi-container "
-            "task needs Docker Compose, which the local sandbox does not reproduce"
-        )
-        if main_name is None:
-            raise _error(task.path, f"{compose.name} defines services {sorted(services)} but none is the agent's",
-                         "name the agent's service 'main' (Harbor) or 'client' (Terminal-Bench 1)")
-        main = services[main_name] if isinstance(services[main_name], dict) else {}
-        task.services = [_compose_service(task, compose, str(name), body, main)
-                         for name, body in services.items() if name != main_name]
-    service = services[main_name] if main_name else next(iter(services.values()))
-    build = service.get("build") if isinstance(service, dict) else None
-    spec = build if isinstance(build, dict) else {"context": build}
-    if build and (str(spec.get("context", ".")), str(spec.get("dockerfile", "Dockerfile"))) not in (
-            (".", "Dockerfile"), ("./", "Dockerfile")):  # e.g. TB1 `client: {build: {context: client}}`
-        task.context_dir, task.dockerfile = _compose_build(task, compose, "the agent's service", build)
-    if isinstance(service, dict):
-        if service.get("image") and not service.get("build") and not task.docker_image:
-            task.docker_image = str(service["image"])
-        env = service.get("environment") or {}
-        pairs = env.items() if isinstance(env, dict) else (str(e).partition("=")[::2] for e in env)
-        for key, value in pairs:
-            value = "" if value is None else str(value)
-            if "${" not in value and _ENV_KEY.match(str(key)):
-                task.compose_env[str(key)] = value
-
-
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)(us|ms|s|m|h)")
-
-
-def _duration_s(value: Any, default: float) -> float:
-    """A compose duration (``2s``, ``1m30s``, ``500ms``, or a number of seconds) in seconds."""
-    if value is None:
-        return default
-    if isinstance(value, (int, float)):
-        return float(value)
-    parts = _DURATION.findall(str(value))
-    if not parts or "".join(a + b for a, b in parts) != str(value).strip():
-        return default
-    scale = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
-    return sum(float(number) * scale[unit] for number, unit in parts)
-
-
-def _compose_build(task: Task, compose: Path, who: str, build: Any) -> tuple[Path, Path]:
-    """A compose ``build`` (a context path, or ``{context, dockerfile}``, relative to the compose
-    file) as (context folder, Dockerfile), both resolved.
-
-    Raises:
-        TaskError: the Dockerfile does not exist (``who`` names the service in the message).
-    """
-    spec = build if isinstance(build, dict) else {"context": build}
-    context = (compose.parent / str(spec.get("context", "."))).resolve()
-    dockerfile = context / str(spec.get("dockerfile", "Dockerfile"))
-    if not dockerfile.is_file():
-        raise _error(task.path, f"{compose.name}: {who} builds from {dockerfile}, which does not exist",
-                     "add it or fix build.context/dockerfile")
-    return context, dockerfile
-
-
-def _compose_service(task: Task, compose: Path, name: str, body: Any, main: dict) -> ServiceSpec:
-    """One sidecar of a docker-compose.yaml as a :class:`ServiceSpec` (paths relative to the compose file).
-
-    Raises:
-        TaskError: it has neither ``build`` nor ``image``, or its Dockerfile is missing.
-    """
-    body = body if isinstance(body, dict) else {}
-    build = body.get("build")
-    context, dockerfile = _compose_build(task, compose, f"service {name!r}", build) if build else (None, None)
-    image = str(body.get("image") or "")
-    if "${" in image:  # a harness-chosen name (TB1's ${T_BENCH_...}), not an image to use
-        image = ""
-    if not build and not image:
-        raise _error(task.path, f"{compose.name}: service {name!r} has neither build nor image", "give it one")
-    command = body.get("command")
-    if isinstance(command, str):
-        command = ("sh", "-c", command)
-    elif isinstance(command, list):
-        command = tuple(str(c) for c in command)
-    else:
-        command = None
-    env = body.get("environment") or {}
-    pairs = env.items() if isinstance(env, dict) else (str(e).partition("=")[::2] for e in env)
-    environment = tuple((str(k), "" if v is None else str(v)) for k, v in pairs if "${" not in str(v or ""))
-    check = body.get("healthcheck") if isinstance(body.get("healthcheck"), dict) else {}
-    test = check.get("test")
-    if isinstance(test, str):
-        healthcheck: tuple[str, ...] | None = ("sh", "-c", test)
-    elif isinstance(test, list) and test and test[0] == "CMD":
-        healthcheck = tuple(str(t) for t in test[1:])
-    elif isinstance(test, list) and len(test) == 2 and test[0] == "CMD-SHELL":
-        healthcheck = ("sh", "-c", str(test[1]))
-    else:  # absent, or ["NONE"]
-        healthcheck = None
-    depends = main.get("depends_on") or {}
-    condition = depends.get(name) if isinstance(depends, dict) else None
-    wait = isinstance(condition, dict) and condition.get("condition") == "service_healthy"
-    return ServiceSpec(
-        name=name, dockerfile=dockerfile, context_dir=context, image=image, command=command, environment=environment,
-        healthcheck=healthcheck, wait_healthy=wait and healthcheck is not None,
-        health_interval_s=_duration_s(check.get("interval"), 2.0), health_retries=int(check.get("retries", 15)),
-        health_start_period_s=_duration_s(check.get("start_period"), 0.0))
 
 
 def task_folders(root: str | Path) -> list[Path]:

@@ -190,7 +190,7 @@ def test_compose_sidecars_are_parsed(tmp_path):
     [db] = task.services
     assert (db.image, db.command, db.healthcheck) == ("postgres:16", ("sh", "-c", "postgres -c fsync=off"), ("sh", "-c", "pg_isready"))
     assert db.health_interval_s == 90.0 and not db.wait_healthy  # no depends_on condition: not awaited
-    assert task.compose_env == {"MODE": "ci"}
+    assert task.compose_env == {"TEST_DIR": "/tests", "MODE": "ci"}  # the TB1 harness's ${T_BENCH_TEST_DIR}
 
     (folder / "docker-compose.yaml").write_text("services:\n  app:\n    build: .\n  db:\n    image: postgres:16\n")
     with pytest.raises(TaskError, match="none is the agent's"):

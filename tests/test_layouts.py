@@ -22,7 +22,8 @@ def test_tb1_task_is_loaded():
     assert task.metadata["difficulty"] == "easy" and task.metadata["tags"] == ["text"]
     assert task.dockerfile == task.path / "Dockerfile" and task.context_dir == task.path
     assert task.test_script == task.path / "run-tests.sh" and task.solution_path == task.path / "solution.sh"
-    assert task.compose_env == {"POEM_TITLE": "Ode"}  # ${T_BENCH_...} harness variables are not task variables
+    # ${T_BENCH_TEST_DIR} has the TB1 harness's value; run-specific names (image, logs) are left out
+    assert task.compose_env == {"POEM_TITLE": "Ode", "TEST_DIR": "/tests"}
     assert task.local_refusal is None
     assert [s.instruction for s in task.steps] == ["FROM", "WORKDIR", "COPY"]  # the host-provided install is gone
     script = task.local_test_script
