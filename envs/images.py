@@ -285,37 +285,50 @@ def expand_heredocs(text: str) -> tuple[str, dict[str, str]]:
 
 
 _FROM = re.compile(r"^\s*FROM\s+(?:--\S+\s+)*(\S+)(?:\s+AS\s+(\S+))?", re.IGNORECASE | re.MULTILINE)
+_COPY_FROM = re.compile(r"^(\s*(?:COPY|ADD)\s+(?:--\S+\s+)*?--from=)(\S+)", re.IGNORECASE | re.MULTILINE)
+
+
+def _image_refs(text: str) -> list[tuple[re.Match, int]]:
+    """Every image reference of a Dockerfile, in order: (match, group of the name) for ``FROM``
+    images and ``COPY --from=IMAGE`` sources, without earlier stages' names or indices and
+    without references built from ``ARG`` values (``$``)."""
+    stages: set[str] = set()
+    refs: list[tuple[re.Match, int]] = []
+    events = sorted([(m.start(), m, 1) for m in _FROM.finditer(text)] + [(m.start(), m, 2) for m in _COPY_FROM.finditer(text)],
+                    key=lambda e: e[0])
+    count = 0
+    for _, match, group in events:
+        image = match.group(group)
+        if image.lower() not in stages and not image.isdigit() and "$" not in image:
+            refs.append((match, group))
+        if group == 1:
+            stages.add(str(count))
+            count += 1
+            if match.group(2):
+                stages.add(match.group(2).lower())
+    return refs
 
 
 def from_images(text: str) -> list[str]:
-    """The images a Dockerfile's ``FROM`` lines name, without earlier stages' names (``FROM x AS y``)."""
-    stages: set[str] = set()
+    """The images a Dockerfile uses: ``FROM`` images and ``COPY --from=IMAGE`` sources, each once,
+    without earlier stages' names (``FROM x AS y``, ``--from=y``, ``--from=0``)."""
     images: list[str] = []
-    for match in _FROM.finditer(text):
-        image, alias = match.group(1), match.group(2)
-        if image.lower() not in stages and image not in images and "$" not in image:
-            images.append(image)
-        if alias:
-            stages.add(alias.lower())
+    for match, group in _image_refs(text):
+        if match.group(group) not in images:
+            images.append(match.group(group))
     return images
 
 
 def rewrite_from(text: str, names: dict[str, str]) -> str:
-    """``text`` with each ``FROM`` image that is a key of ``names`` replaced by its value (flags
-    such as ``--platform`` and ``AS stage`` kept): how a task's ``FROM mirror/debian@sha256:...``
-    is pointed at the local stand-in's name."""
+    """``text`` with each image of :func:`from_images` that is a key of ``names`` replaced by its
+    value (flags such as ``--platform`` and ``AS stage`` kept): how a task's ``FROM
+    mirror/debian@sha256:...`` is pointed at the local stand-in's name."""
     if not names:
         return text
-
-    def swap(match: re.Match) -> str:
-        image = match.group(1)
-        if image not in names:
-            return match.group(0)
-        start, end = match.span(1)
-        whole = match.group(0)
-        return whole[:start - match.start()] + names[image] + whole[end - match.start():]
-
-    return _FROM.sub(swap, text)
+    spans = sorted((m.span(g), names[m.group(g)]) for m, g in _image_refs(text) if m.group(g) in names)
+    for (start, end), name in reversed(spans):
+        text = text[:start] + name + text[end:]
+    return text
 
 
 def dockerfile_instructions(text: str) -> list[list[tuple[int, str]]]:

@@ -159,8 +159,13 @@ STAND_INS: tuple[StandIn, ...] = (
     StandIn(r"python:3\.(?:[7-9]|10)(?:[.\d]*)(?:-slim)?-bullseye", "bullseye",
             differences="Debian bullseye's Python 3.9 (/usr/bin, Debian pip) on the same Debian 11 userland, "
                         "instead of python.org's (another 3.x version where the tag names one)"),
-    StandIn(r"python:3\.(?:[7-9]|10)(?:[.\d]*)(?:-slim)?(?:-bookworm)?", "bookworm",
-            differences="Python 3.11 (Debian bookworm) stands in for an older Python 3 version"),
+    # The Python version decides which pinned wheels exist (numpy 1.21 has none for 3.11), so an
+    # older Python takes the nearest Debian one at or above it, even on an older userland.
+    StandIn(r"python:3\.[7-9](?:[.\d]*)(?:-slim)?(?:-bookworm)?", "bullseye",
+            differences="Debian bullseye's Python 3.9 (/usr/bin, Debian pip) stands in for Python 3.7-3.9, on a "
+                        "Debian 11 userland (the official image is Debian 12 bookworm where the tag says so)"),
+    StandIn(r"python:3\.10(?:[.\d]*)(?:-slim)?(?:-bookworm)?", "bookworm",
+            differences="Python 3.11 (Debian bookworm) stands in for Python 3.10"),
     StandIn(r"debian:(?:bullseye|11)(?:[.\d]*)(?:-slim)?", "bullseye", differences=_DEB.format("bullseye")),
     StandIn(r"debian:(?:bookworm|12)(?:[.\d]*)(?:-slim)?", "bookworm", differences=_DEB.format("bookworm")),
     StandIn(r"debian:(?:trixie|13|stable|latest)(?:[.\d]*)(?:-slim)?|debian", "trixie",

@@ -33,6 +33,7 @@ from t1async.envs.images import (
     resolve_engine,
     expand_heredocs,
     from_images,
+    rewrite_from,
     normalise,
     qualified,
     stand_in_for,
@@ -64,6 +65,15 @@ def test_copy_and_run_heredocs_are_rewritten():
 def test_from_images_skips_stage_names():
     text = "FROM python:3.13-slim AS build\nFROM --platform=linux/amd64 debian:bookworm\nCOPY --from=build /a /a\nFROM build\n"
     assert from_images(text) == ["python:3.13-slim", "debian:bookworm"]
+
+
+def test_copy_from_an_image_is_an_image_the_build_needs():
+    text = ("FROM python:3.12-slim\nCOPY --from=ghcr.io/astral-sh/uv:0.8.15 /uv /uvx /usr/local/bin/\n"
+            "FROM debian:bookworm AS two\nCOPY --chown=1:1 --from=0 /x /x\nCOPY --from=two /y /y\n")
+    assert from_images(text) == ["python:3.12-slim", "ghcr.io/astral-sh/uv:0.8.15", "debian:bookworm"]
+    out = rewrite_from(text, {"ghcr.io/astral-sh/uv:0.8.15": "localhost/uv:1", "debian:bookworm": "localhost/deb:1"})
+    assert "COPY --from=localhost/uv:1 /uv /uvx" in out and "FROM localhost/deb:1 AS two" in out
+    assert "--from=0 /x" in out and "--from=two /y" in out  # stages stay stages
 
 
 @pytest.mark.parametrize("ref, suite", [

@@ -80,7 +80,9 @@ def test_from_lines_are_pointed_at_the_local_name():
     ("python:3.13-bookworm", "bookworm", "3.13", ""),
     ("python:3.13-slim", "trixie", "", ""),  # the official one is trixie-based now
     ("python:3.11-slim-bookworm", "bookworm", "", ""),
-    ("python:3.9-slim-bookworm", "bookworm", "", ""),
+    ("python:3.9-slim-bookworm", "bullseye", "", ""),  # the Python version first: bullseye's 3.9
+    ("python:3.8-slim-bookworm", "bullseye", "", ""),
+    ("python:3.10-slim", "bookworm", "", ""),          # 3.11: the nearest at or above 3.10
     ("debian:bookworm", "bookworm", "", ""),
     ("debian:trixie-slim", "trixie", "", ""),
     ("ubuntu:24.04", "trixie", "", ""),
