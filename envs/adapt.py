@@ -480,9 +480,12 @@ def adapt_script(text: str, *, test_script: bool, allow_internet: bool, collect:
     return "".join(out)
 
 
-def plan_local(task: Task) -> None:
+def plan_local(task: Task, *, network: bool | None = None) -> None:
     """Fill :attr:`Task.steps` (RUN steps adapted), :attr:`Task.local_test_script` and
-    :attr:`Task.local_refusal` (kept if already set) for the local backend."""
+    :attr:`Task.local_refusal` (kept if already set) for the local backend. ``network``: whether
+    its sandbox will have network (None: the task's ``allow_internet``; True, e.g. for ``t1async
+    eval --network on``, lifts the refusal of commands that need it)."""
+    internet = task.allow_internet if network is None else network
     notes: list[str] = []
     try:
         steps: list[DockerStep] = []
@@ -490,7 +493,7 @@ def plan_local(task: Task) -> None:
             if step.instruction != "RUN":
                 steps.append(step)
                 continue
-            adapted = adapt_script(step.args[0], test_script=False, allow_internet=task.allow_internet)
+            adapted = adapt_script(step.args[0], test_script=False, allow_internet=internet)
             if adapted != step.args[0]:
                 notes.append(f"Dockerfile:{step.line}: host-provided packages: `{step.args[0][:120]}` -> `{adapted[:120]}`")
             if adapted.replace("true", "").strip(" &;|\n") == "":
@@ -499,7 +502,7 @@ def plan_local(task: Task) -> None:
         task.steps = steps
         original = test_script_text(task)
         if original is not None:
-            adapted, helpers = adapt_tests(task, original)
+            adapted, helpers = adapt_tests(task, original, network=internet)
             task.local_helpers = helpers
             if adapted != original:
                 task.local_test_script = adapted
@@ -546,19 +549,22 @@ def invoked_test_files(text: str, present: frozenset[str]) -> list[str]:
     return found
 
 
-def adapt_tests(task: Task, original: str, *, collect: VerifierNeeds | None = None) -> tuple[str, dict[str, str]]:
+def adapt_tests(task: Task, original: str, *, collect: VerifierNeeds | None = None,
+                network: bool | None = None) -> tuple[str, dict[str, str]]:
     """The test script adapted (:func:`adapt_script`), and every shell script of tests/ that it
     runs, directly or through another such script, adapted the same way: ``{path relative to
     tests/: adapted text}`` for those that changed. So a task's own copy of the TB1 uv helper
     pair, or any variant of it, is read by what its commands do (curl the uv installer, ``uv
     init``, ``uv add pytest``, ``uv run pytest``), not by its name or text.
 
+    ``network``: whether the sandbox will have network (None: the task's ``allow_internet``).
+
     Raises:
         Refusal: (local, ``collect`` None) a command of one of them the host cannot run.
     """
+    internet = task.allow_internet if network is None else network
     files = _tests_files(task)
-    adapted = adapt_script(original, test_script=True, allow_internet=task.allow_internet, collect=collect,
-                           present=files)
+    adapted = adapt_script(original, test_script=True, allow_internet=internet, collect=collect, present=files)
     helpers: dict[str, str] = {}
     queue = [(rel, 1) for rel in invoked_test_files(original, files)]
     seen: set[str] = set()
@@ -571,8 +577,7 @@ def adapt_tests(task: Task, original: str, *, collect: VerifierNeeds | None = No
             text = (task.tests_dir / rel).read_text()
         except (OSError, UnicodeDecodeError):
             continue
-        new = adapt_script(text, test_script=True, allow_internet=task.allow_internet, collect=collect,
-                           present=files)
+        new = adapt_script(text, test_script=True, allow_internet=internet, collect=collect, present=files)
         if new != text:
             helpers[rel] = new
         queue += [(r, depth + 1) for r in invoked_test_files(text, files)]

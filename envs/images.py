@@ -22,8 +22,10 @@ concurrent episodes of one task build it once.
 **Verifier layer** (:func:`ensure_verifier_image`): ``FROM`` the task image, the Debian packages
 and Python requirements the task's test script would install at test time, installed at build
 time into ``/opt/t1async-verifier`` (a venv with ``--system-site-packages``, so the tests see
-the image's own packages as the test script's environment would, plus pytest). Cached by hash
-too. Network is then needed only at build time.
+the image's own packages as the test script's environment would, plus pytest). The venv's own
+pip is removed again once they are in (unless a test script installs pip itself), so that a test
+running ``python -m pip`` gets the image's pip, in whatever state the agent left it, as the
+harness's test run would. Cached by hash too. Network is then needed only at build time.
 
 **Stand-ins** (:mod:`.stand_ins`, re-exported here: :data:`STAND_INS`, :func:`bootstrap`,
 :func:`normalise`, ...): with no registry reachable, ``t1async images bootstrap`` builds local
@@ -571,8 +573,12 @@ def ensure_verifier_image(engine: Engine, base: str, *, debs: list[str], require
         "(command -v python3 >/dev/null && python3 -m venv --help >/dev/null 2>&1) || " + apt.format("python3 python3-venv"),
     ])))
     quoted = " ".join(json.dumps(r) for r in reqs)
+    # The venv's pip goes once the requirements are in: `python -m pip` in a test is then the
+    # image's pip (through --system-site-packages), broken or mended by the agent.
+    keep_pip = any(re.split(r"[<>=!~\[; ]", r, maxsplit=1)[0].lower() == "pip" for r in reqs)
     lines.append(f"RUN python3 -m venv --system-site-packages {VERIFIER_DIR} && "
-                 f"{VERIFIER_DIR}/bin/python -m pip install -q --disable-pip-version-check --no-input {quoted}")
+                 f"{VERIFIER_DIR}/bin/python -m pip install -q --disable-pip-version-check --no-input {quoted}"
+                 + ("" if keep_pip else f" && {VERIFIER_DIR}/bin/python -m pip uninstall -q -y pip"))
     if user and user not in ("root", "0"):
         lines.append(f"USER {user}")
     text = "\n".join(lines) + "\n"

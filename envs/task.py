@@ -402,8 +402,12 @@ def _number(table: dict, key: str, default: float, path: Path, section: str) -> 
     return float(value)
 
 
-def load_task(path: str | Path) -> Task:
+def load_task(path: str | Path, *, network: bool | None = None) -> Task:
     """Load and validate one task folder, either layout (``task.toml``: TB2; ``task.yaml``: TB1).
+
+    ``network``: whether the local sandbox will give it network, for planning its adaptation
+    (None: as the task declares, ``allow_internet``; True lifts the local refusal of commands that
+    need network, for ``--network on``/``harness``).
 
     Raises:
         TaskError: the folder is missing, lacks its required files, has invalid TOML/YAML or
@@ -414,7 +418,7 @@ def load_task(path: str | Path) -> Task:
     if not folder.is_dir():
         raise _error(folder, "not a folder", "pass the path of a task folder")
     if not (folder / "task.toml").is_file() and (folder / "task.yaml").is_file():
-        return load_tb1_task(folder)
+        return load_tb1_task(folder, network=network)
     for required in ("task.toml", "instruction.md", "tests/test.sh"):
         if not (folder / required).is_file():
             raise _error(folder, f"missing {required}", "add it")
@@ -456,7 +460,8 @@ def load_task(path: str | Path) -> Task:
         storage_mb=None if resources["storage_mb"] is None else int(resources["storage_mb"]),
     )
     dockerfile = folder / "environment" / "Dockerfile"
-    return _finish(task, dockerfile if dockerfile.is_file() else None, folder / "environment" / "docker-compose.yaml")
+    return _finish(task, dockerfile if dockerfile.is_file() else None, folder / "environment" / "docker-compose.yaml",
+                   network)
 
 
 TB1_DEFAULT_RUN_TESTS = """#!/bin/bash
@@ -476,7 +481,7 @@ def test_script_text(task: Task) -> str | None:
     return TB1_DEFAULT_RUN_TESTS if task.layout == "tb1" else None
 
 
-def load_tb1_task(folder: Path) -> Task:
+def load_tb1_task(folder: Path, *, network: bool | None = None) -> Task:
     """Load a Terminal-Bench 1 task folder (``task.yaml``; see the module docstring).
 
     Raises:
@@ -535,7 +540,7 @@ def load_tb1_task(folder: Path) -> Task:
     if parser != "pytest":
         task.local_refusal = f"task.yaml parser_name {parser!r} is not supported: only pytest results are read"
     dockerfile = folder / "Dockerfile"
-    return _finish(task, dockerfile if dockerfile.is_file() else None, folder / "docker-compose.yaml")
+    return _finish(task, dockerfile if dockerfile.is_file() else None, folder / "docker-compose.yaml", network)
 
 
 TMUX_KEYS = re.compile(r"^(?:[CM]-.|Escape|Enter|Tab|BSpace|Up|Down|Left|Right|Home|End|PPage|NPage|F\d+)$")
@@ -676,7 +681,7 @@ def _apply_compose(task: Task, path: Path) -> None:
     task.compose_env.update(compose.environment)
 
 
-def _finish(task: Task, dockerfile: Path | None, compose: Path) -> Task:
+def _finish(task: Task, dockerfile: Path | None, compose: Path, network: bool | None = None) -> Task:
     """Parse the Dockerfile and compose file, then plan the local adaptation (refusals)."""
     from .adapt import plan_container, plan_local
 
@@ -694,7 +699,7 @@ def _finish(task: Task, dockerfile: Path | None, compose: Path) -> Task:
             raise TaskError(f"task {task.path}: {exc}") from None
     if not task.docker_image:
         task.docker_image = next((s.args[0] for s in task.steps if s.instruction == "FROM"), "")
-    plan_local(task)
+    plan_local(task, network=network)
     plan_container(task)
     return task
 

@@ -56,7 +56,7 @@ from t1async.config import ContainerConfig
 
 from .protocol import CommandResult, Sandbox, SandboxError, SandboxLimits, SandboxSpec, sandbox_environment
 from .sandbox import SANDBOXES, check_sandbox_available, make_sandbox
-from .task import APP, Task, TaskError, TaskRefused, test_script_text
+from .task import APP, Task, TaskError, TaskRefused, load_task, test_script_text
 from .verifier import VerifierResult, verifier_result
 
 SETUP_STEP_TIMEOUT_S = 300.0
@@ -155,6 +155,9 @@ class TerminalEnv:
         network: str = "task",
     ):
         check_sandbox_available(sandbox)
+        if (not SANDBOXES[sandbox].builds_image and task.local_refusal and not task.allow_internet
+                and network_allowed(task, network)):  # planned without network at load: plan again with it
+            task = load_task(task.path, network=True)
         if not SANDBOXES[sandbox].builds_image and task.local_refusal:
             raise TaskRefused(f"task {task.path}: refused by the {sandbox} sandbox: {task.local_refusal}")
         self.task = task

@@ -6,7 +6,9 @@ The fixtures under tests/fixtures/eval were written for t1async:
 * ``tb1-nonblocking``: a TB1 ``solution.yaml`` whose ``block: false`` steps are ordinary commands
   (the harness types the next step ahead; it runs once they end);
 * ``tb1-needs-network``: a TB1 oracle that needs network at run time (the TB1 harness gives it);
-* ``tb2-agent-server``: tests that query a server the oracle left running (both harnesses keep it).
+* ``tb2-agent-server``: tests that query a server the oracle left running (both harnesses keep it);
+* ``tb1-broken-pip``: an image whose pip is broken; its tests run pip, so they must see the pip the
+  agent left (container only: the local sandbox runs the host's Python).
 
 Each runs on the ``local`` backend (fast) and, marked ``container``, under podman.
 """
@@ -23,7 +25,7 @@ from container_support import base_image
 from t1async.cli import main
 from t1async.config import Config, ConfigError, check_values
 from t1async.envs.evaluate import run_task
-from t1async.envs.task import load_task, reads_keystrokes
+from t1async.envs.task import TaskRefused, load_task, reads_keystrokes
 from t1async.envs.terminal import TerminalEnv, network_allowed
 
 EVAL = Path(__file__).parent / "fixtures" / "eval"
@@ -98,6 +100,15 @@ def test_tb1_block_false_oracle_resolves(tmp_path, sandbox):
     assert (row.error, row.passed, row.total, row.resolved) == (None, 2, 2, True), row
 
 
+@pytest.mark.container
+def test_tests_see_the_images_pip_not_the_verifier_layers(tmp_path):
+    base_image()
+    noop = run_task(EVAL / "tb1-broken-pip", "noop", tmp_path / "noop", sandbox="container")
+    assert (noop.error, noop.passed, noop.total, noop.resolved) == (None, 0, 1, False), noop
+    oracle = run_task(EVAL / "tb1-broken-pip", "oracle", tmp_path / "oracle", sandbox="container")
+    assert (oracle.error, oracle.passed, oracle.total, oracle.resolved) == (None, 1, 1, True), oracle
+
+
 # --------------------------------------------------------------------------------- 8: network per eval
 
 
@@ -112,6 +123,23 @@ def test_network_modes_follow_the_harness_of_each_layout():
     cfg.env.network = "maybe"
     with pytest.raises(ConfigError, match="env.network='maybe' is invalid"):
         check_values(cfg)
+
+
+def test_a_local_refusal_for_network_use_is_lifted_when_the_sandbox_gets_network(tmp_path):
+    folder = tmp_path / "tb1-curl"
+    (folder / "tests").mkdir(parents=True)
+    (folder / "task.yaml").write_text("instruction: Fetch it.\n")
+    (folder / "Dockerfile").write_text("FROM python:3.13-slim\nWORKDIR /app\n")
+    (folder / "run-tests.sh").write_text("#!/bin/bash\ncurl -fsS https://pypi.org/simple/ > /dev/null\n"
+                                         "python3 -m pytest $TEST_DIR/test_outputs.py -rA\n")
+    (folder / "tests" / "test_outputs.py").write_text("def test_ok():\n    pass\n")
+    planned = load_task(folder)
+    assert "needs network access at test time" in planned.local_refusal
+    assert load_task(folder, network=True).local_refusal is None
+    with pytest.raises(TaskRefused, match="needs network access"):
+        TerminalEnv(planned, root=tmp_path / "a", sandbox="local", network="task")
+    env = TerminalEnv(planned, root=tmp_path / "b", sandbox="local", network="on")
+    assert env.allow_network and env.task.local_refusal is None and planned.local_refusal  # a new plan; the task kept
 
 
 @pytest.mark.parametrize("sandbox", BACKENDS)
