@@ -10,6 +10,8 @@ did not resolve by the evidence in its row and logs (the error, ``verifier.txt``
 * ``unreachable``: the task needs what this machine cannot give: a host other than the package
   registries (name resolution fails, a clone from GitHub, a model hub), a base image with no
   offline stand-in, a file its public copy lacks (a ``COPY`` source missing);
+* ``task``: the task's own oracle is not a solution (TB1's ``no-verified-solution`` tag, or a
+  solution script with no command in it), so no harness can resolve it by its oracle;
 * ``t1async``: anything else, until a reason is given. ``--reasons FILE`` (YAML: ``task: [class,
   reason]``) records a reason found by reading the logs, and overrides the automatic class;
   a task listed there that resolves is reported as such (the annotation is then stale).
@@ -57,6 +59,23 @@ def _evidence(logs: Path, row: dict) -> str:
     return "\n".join(texts)
 
 
+def unsolved_oracle(folder: Path) -> str | None:
+    """Why the task at ``folder`` has no real oracle (see ``task`` in the module docstring), or None."""
+    try:
+        task = load_task(folder)
+    except Exception:  # noqa: BLE001  (an invalid task is classified by its eval row)
+        return None
+    tags = task.metadata.get("tags") or []
+    if isinstance(tags, list) and "no-verified-solution" in tags:
+        return "its oracle is unverified (tag no-verified-solution)"
+    script = task.solution_path
+    if script is not None and script.is_file() and not task.solution_commands:
+        lines = [ln.strip() for ln in script.read_text(errors="replace").splitlines()]
+        if not any(ln and not ln.startswith("#") for ln in lines):
+            return f"its oracle {script.name} holds no command"
+    return None
+
+
 def classify(row: dict, logs: Path, reasons: dict) -> tuple[str, str]:
     """``(class, reason)`` for one oracle row: ``("resolved", "")``, a ``--reasons`` entry, or the
     automatic class (see the module docstring)."""
@@ -65,6 +84,9 @@ def classify(row: dict, logs: Path, reasons: dict) -> tuple[str, str]:
     if row["task"] in reasons:
         kind, why = reasons[row["task"]]
         return kind, why
+    unsolved = unsolved_oracle(Path(row["folder"]) / row["task"]) if row.get("folder") else None
+    if unsolved:
+        return "task", unsolved
     evidence = _evidence(logs, row)
     for pattern, what in UNREACHABLE:
         match = pattern.search(evidence)
@@ -119,11 +141,12 @@ def main(argv: list[str] | None = None) -> int:
                    "noop_s": round(noop.seconds, 1) if noop else None}
             row["class"], row["reason"] = classify(row, logs_root / folder.name / "oracle", reasons)
             rows.append(row)
-    reachable = [r for r in rows if r["class"] != "unreachable"]
+    reachable = [r for r in rows if r["class"] not in ("unreachable", "task")]
     summary = {"tasks": len(rows), "tb1": sum(r["layout"] == "tb1" for r in rows),
                "tb2": sum(r["layout"] == "tb2" for r in rows), "oracle_resolved": sum(r["resolved"] for r in rows),
                "reachable": len(reachable), "reachable_resolved": sum(r["resolved"] for r in reachable),
-               "unreachable": len(rows) - len(reachable), "t1async": sum(r["class"] == "t1async" for r in rows),
+               "unreachable": sum(r["class"] == "unreachable" for r in rows),
+               "no_oracle": sum(r["class"] == "task" for r in rows), "t1async": sum(r["class"] == "t1async" for r in rows),
                "noop_resolved": sum(r["noop_resolved"] for r in rows), "logs": str(logs_root)}
     if args.report:
         lines = ["| task | layout | oracle | noop | oracle s | noop s | class | reason |", "|---|---|---|---|---|---|---|---|"]
