@@ -234,7 +234,7 @@ def run_images(args: argparse.Namespace) -> int:
     if report.unknown:
         for name in report.unknown:
             used = users.get(name)
-            print(f"t1async: error: no stand-in for {name}" + (f" (FROM of {', '.join(used)})" if used else "")
+            print(f"t1async: error: no stand-in for {name}" + (f" (used by {', '.join(used)})" if used else "")
                   + f": `{engine.name} pull` it where a registry is reachable", file=sys.stderr)
         print(f"t1async: {len(report.unknown)} image(s) without a stand-in; the other {len(names) - len(report.unknown)} "
               "were done; exit status 1", file=sys.stderr)

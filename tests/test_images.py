@@ -222,8 +222,8 @@ def test_bootstrap_exits_non_zero_naming_each_image_without_a_stand_in(monkeypat
     args = argparse.Namespace(config=None, name=["debian:trixie"], tasks=str(tmp_path), rebuild=False)
     assert envs_cli.run_images(args) == 1
     err = capsys.readouterr().err
-    assert "no stand-in for alpine:3.20 (FROM of uses-alpine)" in err
-    assert "no stand-in for node:20 (FROM of uses-node)" in err
+    assert "no stand-in for alpine:3.20 (used by uses-alpine)" in err
+    assert "no stand-in for node:20 (used by uses-node)" in err
     assert "debian:bookworm" in done[0] and "debian:trixie" in done[0]  # the others were still done
 
 
