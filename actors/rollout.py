@@ -62,7 +62,8 @@ from t1async.actions import observation_ids, parse_action, prompt_ids, template_
 from t1async.actors import call
 from t1async.config import EnvConfig, GenerationConfig, ModelConfig, RolloutConfig, TransportConfig
 from t1async.envs.limits import unmount_all_under
-from t1async.envs.task import Task, discover_tasks
+from t1async.envs.loading import discover_tasks
+from t1async.envs.task import Task
 from t1async.envs.terminal import TerminalEnv
 from t1async.fileio import claim_folder, dead_owner_folders
 from t1async.sampler_client import HttpSampler, RoutedSampler, Sampler, SamplerError

@@ -154,7 +154,7 @@ def _quiet() -> None:
 def run_eval(args: argparse.Namespace) -> int:
     """``t1async eval``: print the table; write the JSON report with ``--out``. 1 when a task errored."""
     from .evaluate import choose_sandbox, evaluate, format_table, is_task_folder, report_json
-    from .task import task_folders
+    from .loading import task_folders
 
     _quiet()
     _positive_int(args.concurrency, "--concurrency")
@@ -195,7 +195,8 @@ def run_images(args: argparse.Namespace) -> int:
 
     from .images import DEFAULT_BOOTSTRAP_TAGS, bootstrap, from_images, resolve_engine
     from .protocol import SandboxError
-    from .task import TaskError, load_task, task_folders
+    from .loading import load_task, task_folders
+    from .task import TaskError
 
     engine = resolve_engine(load_config(args.config).env.container)
     names = list(args.name) or list(DEFAULT_BOOTSTRAP_TAGS)
@@ -247,7 +248,7 @@ def run_synth(args: argparse.Namespace) -> int:
     from concurrent.futures import ThreadPoolExecutor
 
     from .synth import synthesize
-    from .task import load_task
+    from .loading import load_task
     from .terminal import validate_task
 
     _quiet()

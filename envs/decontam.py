@@ -30,7 +30,8 @@ from pathlib import Path
 
 from loguru import logger
 
-from .task import Task, TaskError, load_task, task_folders
+from .loading import load_task, task_folders
+from .task import Task, TaskError
 
 _TOKEN = re.compile(r"[a-z0-9_]+")
 

@@ -37,7 +37,8 @@ from typing import Any, Callable
 
 from .protocol import SandboxError
 from .sandbox import check_sandbox_available
-from .task import LAYOUT_HINT, Task, TaskError, load_task, task_folders
+from .loading import load_task, task_folders
+from .task import LAYOUT_HINT, Task, TaskError
 from .terminal import NETWORK_MODES, TerminalEnv
 
 

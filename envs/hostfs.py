@@ -51,9 +51,14 @@ def _python_paths() -> list[Path]:
     return paths
 
 
+_LOCAL_AVAILABLE: list[bool] = []
+
+
 def check_local_available() -> None:
     """Raise :class:`SandboxUnavailable` (one line: what to install or change) unless bubblewrap
-    can create a sandbox here."""
+    can create a sandbox here (a success is remembered for the process)."""
+    if _LOCAL_AVAILABLE:
+        return
     if shutil.which("bwrap") is None:
         raise SandboxUnavailable("bubblewrap (bwrap) not found: install it with `apt-get install bubblewrap`")
     if os.geteuid() == 0 and shutil.which("setpriv") is None:
@@ -68,6 +73,7 @@ def check_local_available() -> None:
             f"bubblewrap cannot create a sandbox here ({probe.stderr.strip() or probe.returncode}): "
             "enable unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1) or run as root"
         )
+    _LOCAL_AVAILABLE.append(True)
 
 
 def _chown_tree(path: Path, uid: int, gid: int, recursive: bool = True) -> None:

@@ -68,7 +68,7 @@ ENGINE_CWD = tempfile.gettempdir()
 """Working directory of every engine process (podman/docker and the conmon it starts): on an
 out-of-memory kill conmon writes a file ``oom`` into it (measured: tests run from a checkout left
 an empty ``oom`` in the checkout), so never the caller's folder."""
-from .task import heredoc_terminators
+from .dockerfile import heredoc_terminators
 
 CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "t1async" / "images"
 """Build locks and bootstrap scratch space."""

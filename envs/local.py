@@ -53,7 +53,7 @@ from typing import Sequence
 
 from loguru import logger
 
-from .hostfs import _chown_tree, _etc_entries, _python_paths, _read_tail
+from .hostfs import _chown_tree, _etc_entries, _python_paths, _read_tail, check_local_available
 from .limits import LimitGroup
 from .protocol import (
     SANDBOX_BIN,
@@ -240,9 +240,7 @@ class LocalSandbox:
         """Create the limits, start bwrap and the shell. Raises SandboxUnavailable/SandboxError."""
         if self._proc is not None:
             raise SandboxError("sandbox already started: call close() before starting it again")
-        from .sandbox import check_sandbox_available
-
-        check_sandbox_available("local")
+        check_local_available()
         for folder in (self.workspace, self.tests_dir, self.logs_dir):
             folder.mkdir(parents=True, exist_ok=True)
         try:

@@ -56,7 +56,8 @@ from t1async.config import ContainerConfig
 
 from .protocol import CommandResult, Sandbox, SandboxError, SandboxLimits, SandboxSpec, sandbox_environment
 from .sandbox import SANDBOXES, check_sandbox_available, make_sandbox
-from .task import APP, Task, TaskError, TaskRefused, load_task, test_script_text
+from .loading import load_task
+from .task import APP, Task, TaskError, TaskRefused, test_script_text
 from .verifier import VerifierResult, verifier_result
 
 SETUP_STEP_TIMEOUT_S = 300.0

@@ -172,7 +172,7 @@ def check_inputs(cfg: Config) -> list[str]:
     """
     from t1async.actors.rollout import tasks_dir
     from t1async.envs.sandbox import check_sandbox_available
-    from t1async.envs.task import discover_tasks
+    from t1async.envs.loading import discover_tasks
 
     check_trainable(cfg)
     check_model_vocab(cfg.model.vocab_size, cfg.env.action_format)
@@ -262,7 +262,7 @@ def check_tasks(cfg: Config, names: list[str]) -> None:
         TaskError: a name is missing or its task is invalid.
     """
     from t1async.actors.rollout import tasks_dir
-    from t1async.envs.task import discover_tasks
+    from t1async.envs.loading import discover_tasks
 
     discover_tasks(tasks_dir(cfg.env), names, sandbox=cfg.env.sandbox)
 

@@ -317,7 +317,7 @@ def rollouts(cfg: Config, policy: Qwen3MoeForCausalLM, episodes: int) -> list[Tr
     weights (cast to ``cfg.sampler.dtype``), over HTTP, in bubblewrap sandboxes."""
     from t1async.actors.rollout import tasks_dir, run_episode
     from t1async.actors.sampler import EmbeddedSampler
-    from t1async.envs.task import discover_tasks
+    from t1async.envs.loading import discover_tasks
     from t1async.envs.terminal import TerminalEnv
     from t1async.sampler_client import HttpSampler
 
@@ -355,7 +355,7 @@ def build_policy(cfg: Config) -> tuple[Qwen3MoeForCausalLM, dict]:
     stats: dict = {}
     if mc.pretrain_steps > 0:
         from t1async.actors.rollout import tasks_dir
-        from t1async.envs.task import discover_tasks
+        from t1async.envs.loading import discover_tasks
 
         tokenizer = ChatTokenizer.load()
         corpus = pretraining_corpus(tokenizer, cfg.env.system_prompt, discover_tasks(tasks_dir(cfg.env), []))

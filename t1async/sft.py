@@ -161,7 +161,7 @@ def build_demonstrations(tasks_dir: str | Path, cfg: Config, *, limit: int = 0, 
     """
     from t1async.envs.protocol import SandboxError
     from t1async.envs.synth import oracle_commands
-    from t1async.envs.task import discover_tasks
+    from t1async.envs.loading import discover_tasks
     from t1async.envs.terminal import TerminalEnv
 
     tasks = sorted(discover_tasks(tasks_dir, [], sandbox=cfg.env.sandbox), key=lambda t: t.name)

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from t1async.envs.compose import ComposeError, harness_variables, interpolate, read_compose
-from t1async.envs.task import TaskError, load_task
+from t1async.envs.loading import load_task
+from t1async.envs.task import TaskError
 
 
 @pytest.mark.parametrize("text, expected, unresolved", [

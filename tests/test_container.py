@@ -39,7 +39,8 @@ from t1async.envs.images import (
     stand_in_for,
 )
 from t1async.envs.protocol import SandboxLimits, SandboxSpec
-from t1async.envs.task import TaskError, load_task
+from t1async.envs.loading import load_task
+from t1async.envs.task import TaskError
 from t1async.envs.terminal import TerminalEnv, validate_task
 
 FIXTURES = Path(__file__).parent / "fixtures" / "container"

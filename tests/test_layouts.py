@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from t1async.envs.adapt import adapt_script, classify, split_commands, Refusal
-from t1async.envs.task import TaskError, load_task
+from t1async.envs.loading import load_task
+from t1async.envs.task import TaskError
 from t1async.envs.terminal import TerminalEnv, validate_task
 from pathlib import Path
 

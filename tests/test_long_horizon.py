@@ -18,7 +18,7 @@ from t1async.abnormal import drop_reason, finish_counts
 from t1async.actors.rollout import EpisodeError, context_limit, run_episode, tasks_dir
 from t1async.config import (AbnormalConfig, ConfigError, EnvConfig, GenerationConfig, LearnerConfig, ModelConfig,
                             load_config)
-from t1async.envs.task import discover_tasks
+from t1async.envs.loading import discover_tasks
 from t1async.envs.terminal import TerminalEnv
 from t1async.rl import policy_loss
 from t1async.sampler_client import SamplerResponse

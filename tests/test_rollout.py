@@ -20,7 +20,7 @@ from t1async.actors.rollout import CUT_NOTE, RolloutActor, tasks_dir, run_episod
 from t1async.actors.sampler import EmbeddedSampler
 from t1async.config import EnvConfig, GenerationConfig, ModelConfig, SamplerConfig, TransportConfig
 from t1async.envs.protocol import CommandResult
-from t1async.envs.task import discover_tasks
+from t1async.envs.loading import discover_tasks
 from t1async.envs.terminal import TerminalEnv
 from t1async.model import Qwen3MoeForCausalLM
 from t1async.sampler_client import HttpSampler, SamplerResponse

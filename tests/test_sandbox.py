@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from t1async.envs import hostfs
+
 from t1async.envs import sandbox as sandbox_module
 from t1async.envs.sandbox import (
     SANDBOXES,
@@ -258,6 +260,7 @@ def test_check_sandbox_available(monkeypatch):
         check_sandbox_available("nope")
     check_sandbox_available("local")
     monkeypatch.setattr(sandbox_module, "_available", set())
+    monkeypatch.setattr(hostfs, "_LOCAL_AVAILABLE", [])
     monkeypatch.setenv("PATH", "/nonexistent")
     with pytest.raises(SandboxUnavailable, match="apt-get install bubblewrap"):
         check_sandbox_available("local")

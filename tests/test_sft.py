@@ -11,7 +11,7 @@ import pytest
 
 from t1async.config import load_config
 from t1async.envs.synth import TaskFiles, write_task
-from t1async.envs.task import load_task
+from t1async.envs.loading import load_task
 from t1async.envs.terminal import TerminalEnv
 from t1async.model import Qwen3MoeForCausalLM
 from t1async.sft import build_demonstrations, demonstration, run_sft

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 import t1async.envs
-from t1async.envs.task import TaskError, load_task, task_folders
+from t1async.envs.loading import load_task, task_folders
+from t1async.envs.task import TaskError
 from t1async.envs.terminal import TaskValidation, TerminalEnv, validate_task
 
 TASKS_DIR = Path(t1async.envs.__file__).parent / "tasks"

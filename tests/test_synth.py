@@ -9,7 +9,7 @@ import pytest
 
 from t1async.envs.sandbox import SandboxUnavailable, check_sandbox_available
 from t1async.envs.synth import FAMILIES, WORDS, oracle_commands, synthesize
-from t1async.envs.task import load_task
+from t1async.envs.loading import load_task
 from t1async.envs.terminal import TerminalEnv
 from t1async.tokenizer import ChatTokenizer
 

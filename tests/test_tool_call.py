@@ -115,7 +115,7 @@ def test_demonstration_turns_use_the_tool_format():
 
 
 def test_sft_demonstration_in_the_tool_call_format_is_the_rollout_stream(tmp_path):
-    from t1async.envs.task import load_task
+    from t1async.envs.loading import load_task
     from t1async.envs.terminal import TerminalEnv
     from t1async.sft import demonstration
     from tests.test_sft import note_task

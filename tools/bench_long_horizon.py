@@ -75,7 +75,7 @@ from t1async.cli import OneLineErrors, at_least_one, at_least_zero
 from t1async.config import (EnvConfig, GenerationConfig, LearnerConfig, ModelConfig, SamplerConfig, TransportConfig,
                             WeightSyncConfig)
 from t1async.engine import Engine
-from t1async.envs.task import discover_tasks
+from t1async.envs.loading import discover_tasks
 from t1async.envs.terminal import TerminalEnv
 from t1async.sampler_client import HttpSampler
 from t1async.tokenizer import ChatTokenizer

@@ -36,7 +36,7 @@ from pathlib import Path
 import yaml
 
 from t1async.envs.evaluate import evaluate
-from t1async.envs.task import load_task, task_folders
+from t1async.envs.loading import load_task, task_folders
 
 UNREACHABLE = (
     (re.compile(r"Temporary failure resolving|Could not resolve host|Name or service not known|"
