@@ -178,8 +178,14 @@ STAND_INS: tuple[StandIn, ...] = (
     StandIn(r"ghcr\.io/laude-institute/t-bench/python-3-13:.*", "bookworm", python="3.13",
             packages=("tmux", "asciinema"), workdir="/app",
             differences=_PYORG.format("3.13", "Debian 12 bookworm") + _TB1),
-    StandIn(r"ghcr\.io/laude-institute/t-bench/ubuntu-24-04:.*", "trixie", packages=("tmux", "asciinema"),
-            workdir="/app", differences="Debian trixie stands in for Ubuntu 24.04 (see ubuntu:24.04)" + _TB1),
+    # trixie's asciinema pulls python3-pkg-resources, which leaves setuptools/_vendor/ without
+    # setuptools: Python then imports `setuptools` as an empty namespace package and setup.py
+    # builds fail ("no attribute 'setup'"). Ubuntu 24.04 has no such folder, and its python3-pip
+    # brings setuptools; the stand-in installs python3-setuptools so the folder is whole.
+    StandIn(r"ghcr\.io/laude-institute/t-bench/ubuntu-24-04:.*", "trixie",
+            packages=("tmux", "asciinema", "python3-setuptools"), workdir="/app",
+            differences="Debian trixie stands in for Ubuntu 24.04 (see ubuntu:24.04)" + _TB1
+            + "; python3-setuptools preinstalled (trixie's asciinema leaves a partial setuptools folder)"),
 )
 """Registry images and the stand-in that replaces each, first match wins."""
 

@@ -117,7 +117,7 @@ def test_root_filesystems_keep_the_updates_and_security_archives():
 
 def test_layers_say_what_the_official_images_do():
     config = stand_ins.config_layer_dockerfile("P", stand_in_for("ghcr.io/laude-institute/t-bench/ubuntu-24-04:latest"))
-    assert "tmux asciinema" in config and "WORKDIR /app" in config.splitlines()
+    assert "tmux asciinema python3-setuptools" in config and "WORKDIR /app" in config.splitlines()
     py = stand_ins.python_layer_dockerfile("P", "3.13")
     assert "apt-get source --download-only -qq python3.13" in py and "--enable-shared" in py
     assert py.splitlines()[0] == "FROM P"
@@ -249,7 +249,9 @@ def test_tb1_base_has_app_as_its_workdir_and_userland_matches(tmp_path):
     (tmp_path / "x").write_text("x\n")
     (tmp_path / "Dockerfile").write_text(f"FROM {ref}{DIGEST}\nCOPY data.txt /app\nCOPY x ./\n"
                                          "RUN test -f /app/data.txt && test -f /app/x && [ \"$(pwd)\" = /app ] "
-                                         "&& command -v tmux && test -d /usr/share/man/man1\n")
+                                         "&& command -v tmux && test -d /usr/share/man/man1 "
+                                         # setuptools whole, not the empty namespace trixie's asciinema leaves
+                                         "&& python3 -c 'import setuptools; setuptools.setup'\n")
     tag = ensure_task_image(engine, name="tb1-app", dockerfile=tmp_path / "Dockerfile", context_dir=tmp_path)
     try:
         assert engine.image_config(tag).get("WorkingDir") == "/app"
