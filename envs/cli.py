@@ -193,7 +193,9 @@ def run_images(args: argparse.Namespace) -> int:
     or a task's ``FROM``) has no stand-in and is not in local storage; the others are done first."""
     from t1async.config import load_config
 
-    from .images import DEFAULT_BOOTSTRAP_TAGS, bootstrap, from_images, resolve_engine
+    from .dockerfile import from_images
+    from .images import resolve_engine
+    from .stand_ins import DEFAULT_BOOTSTRAP_TAGS, bootstrap
     from .protocol import SandboxError
     from .loading import load_task, task_folders
     from .task import TaskError

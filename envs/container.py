@@ -51,7 +51,8 @@ from loguru import logger
 
 from t1async.config import ContainerConfig
 
-from .images import ENGINE_CWD, BuildError, Engine, ca_mounts, ensure_task_image, ensure_verifier_image, resolve_engine
+from .images import ENGINE_CWD, BuildError, Engine, ca_mounts, resolve_engine
+from .task_images import ensure_task_image, ensure_verifier_image
 from .limits import LimitGroup
 from .protocol import CommandResult, SandboxError, SandboxSpec, ServiceSpec, split_root
 from .shell_io import (

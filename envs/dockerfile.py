@@ -1,4 +1,6 @@
-"""The Dockerfile subset a task may use, parsed into :class:`~t1async.envs.task.DockerStep` s.
+"""Dockerfiles: the subset a task may use, parsed into :class:`~t1async.envs.task.DockerStep` s,
+and the reading that image builds need (heredocs rewritten for builders without them, the images
+a build uses, instructions by stage for build-failure reports).
 
 :func:`parse_dockerfile` reads ``FROM``, ``WORKDIR``, ``ENV``, ``ARG``, ``COPY``/``ADD`` and
 ``RUN`` (continuations joined, comments dropped, heredoc bodies kept with their instruction) and
@@ -212,3 +214,143 @@ def _parse_copy(instruction: str, rest: str, at: str, workdir: str, context_dir:
     if len(sources) > 1 and not target.endswith("/"):
         raise TaskError(f"{at}: {instruction} with several sources needs a destination folder ending in '/' ({LAYOUT_HINT})")
     return (*sources, target)
+
+
+def expand_heredocs(text: str) -> tuple[str, dict[str, str]]:
+    """Rewrite heredocs for builders that lack them; returns (new Dockerfile, {file name: content}).
+
+    * ``COPY [flags] <<EOT dest`` (one heredoc, its body) becomes ``COPY [flags] .t1async-heredoc-N
+      dest``, the body written to that file in the build context (Docker writes it without the
+      terminator line, with a final newline).
+    * ``RUN <<EOT`` alone runs the body as a script: ``RUN ["/bin/sh", "-c", BODY]``.
+    * ``RUN cmd <<EOT ...`` (a heredoc fed to a command) stays shell text:
+      ``RUN ["/bin/sh", "-c", "cmd <<EOT\\nBODY\\nEOT"]`` (the shell reads the heredoc itself).
+
+    Lines without heredocs are kept byte for byte.
+    """
+    lines = text.splitlines()
+    out: list[str] = []
+    files: dict[str, str] = {}
+    index = 0
+    pending = ""
+    while index < len(lines):
+        raw = lines[index]
+        index += 1
+        if raw.rstrip().endswith("\\") and not raw.lstrip().startswith("#"):
+            pending += raw + "\n"
+            continue
+        logical = pending + raw
+        pending = ""
+        flat = " ".join(part.strip().rstrip("\\").strip() for part in logical.splitlines())
+        terminators = heredoc_terminators(flat)
+        if not terminators:
+            out.append(logical)
+            continue
+        bodies: list[tuple[str, list[str]]] = []
+        for terminator, strip_tabs in terminators:
+            body: list[str] = []
+            while index < len(lines):
+                line = lines[index]
+                index += 1
+                if (line.lstrip("\t") if strip_tabs else line) == terminator:
+                    break
+                body.append(line.lstrip("\t") if strip_tabs else line)
+            bodies.append((terminator, body))
+        word, _, rest = flat.strip().partition(" ")
+        if word.upper() in ("COPY", "ADD"):
+            for (terminator, body), match in zip(bodies, re.finditer(r"<<-?\s*(['\"]?)[A-Za-z_][A-Za-z0-9_]*\1", rest)):
+                name = f".t1async-heredoc-{len(files)}"
+                files[name] = "\n".join(body) + "\n"
+                rest = rest.replace(match.group(0), name, 1)
+            out.append(f"{word} {rest}")
+        else:
+            command = rest.strip()
+            if re.fullmatch(r"<<-?\s*(['\"]?)[A-Za-z_][A-Za-z0-9_]*\1", command) and len(bodies) == 1:
+                script = "\n".join(bodies[0][1]) + "\n"
+            else:
+                script = command + "\n" + "".join("\n".join(body) + "\n" + terminator + "\n" for terminator, body in bodies)
+            out.append(f"{word} {json.dumps(['/bin/sh', '-c', script])}")
+    if pending:
+        out.append(pending.rstrip("\n"))
+    return "\n".join(out) + "\n", files
+
+
+_FROM = re.compile(r"^\s*FROM\s+(?:--\S+\s+)*(\S+)(?:\s+AS\s+(\S+))?", re.IGNORECASE | re.MULTILINE)
+_COPY_FROM = re.compile(r"^(\s*(?:COPY|ADD)\s+(?:--\S+\s+)*?--from=)(\S+)", re.IGNORECASE | re.MULTILINE)
+
+
+def _image_refs(text: str) -> list[tuple[re.Match, int]]:
+    """Every image reference of a Dockerfile, in order: (match, group of the name) for ``FROM``
+    images and ``COPY --from=IMAGE`` sources, without earlier stages' names or indices and
+    without references built from ``ARG`` values (``$``)."""
+    stages: set[str] = set()
+    refs: list[tuple[re.Match, int]] = []
+    events = sorted([(m.start(), m, 1) for m in _FROM.finditer(text)] + [(m.start(), m, 2) for m in _COPY_FROM.finditer(text)],
+                    key=lambda e: e[0])
+    count = 0
+    for _, match, group in events:
+        image = match.group(group)
+        if image.lower() not in stages and not image.isdigit() and "$" not in image:
+            refs.append((match, group))
+        if group == 1:
+            stages.add(str(count))
+            count += 1
+            if match.group(2):
+                stages.add(match.group(2).lower())
+    return refs
+
+
+def from_images(text: str) -> list[str]:
+    """The images a Dockerfile uses: ``FROM`` images and ``COPY --from=IMAGE`` sources, each once,
+    without earlier stages' names (``FROM x AS y``, ``--from=y``, ``--from=0``)."""
+    images: list[str] = []
+    for match, group in _image_refs(text):
+        if match.group(group) not in images:
+            images.append(match.group(group))
+    return images
+
+
+def rewrite_from(text: str, names: dict[str, str]) -> str:
+    """``text`` with each image of :func:`from_images` that is a key of ``names`` replaced by its
+    value (flags such as ``--platform`` and ``AS stage`` kept): how a task's ``FROM
+    mirror/debian@sha256:...`` is pointed at the local stand-in's name."""
+    if not names:
+        return text
+    spans = sorted((m.span(g), names[m.group(g)]) for m, g in _image_refs(text) if m.group(g) in names)
+    for (start, end), name in reversed(spans):
+        text = text[:start] + name + text[end:]
+    return text
+
+
+def dockerfile_instructions(text: str) -> list[list[tuple[int, str]]]:
+    """The instructions of a Dockerfile by build stage: ``[[(line number, instruction), ...], ...]``,
+    one list per ``FROM`` (its ``FROM`` first; instructions before the first ``FROM`` dropped, as
+    builders do not count them as steps). Line numbers are 1-based, of the instruction's first
+    line; continuation lines are joined, comments and heredoc bodies skipped."""
+    stages: list[list[tuple[int, str]]] = []
+    lines = text.splitlines()
+    index = 0
+    while index < len(lines):
+        start = index
+        logical = lines[index]
+        index += 1
+        if not logical.strip() or logical.lstrip().startswith("#"):
+            continue
+        while logical.rstrip().endswith("\\") and index < len(lines):
+            nxt = lines[index]
+            index += 1
+            if nxt.lstrip().startswith("#"):
+                continue
+            logical = logical.rstrip()[:-1] + " " + nxt.strip()
+        flat = " ".join(logical.split())
+        for terminator, strip_tabs in heredoc_terminators(flat):
+            while index < len(lines):
+                line = lines[index]
+                index += 1
+                if (line.lstrip("\t") if strip_tabs else line) == terminator:
+                    break
+        if flat.split(" ", 1)[0].upper() == "FROM":
+            stages.append([])
+        if stages:
+            stages[-1].append((start + 1, flat))
+    return stages

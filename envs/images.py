@@ -1,25 +1,25 @@
-"""OCI images for the ``container`` sandbox: the engine, task images cached by content hash, the
-verifier layer, and offline stand-ins for the base images tasks name in ``FROM``.
+"""OCI images for the ``container`` sandbox: the engine and the cached, locked image build that
+task images (:mod:`.task_images`) and stand-ins (:mod:`.stand_ins`) share.
 
 **Engine** (:func:`resolve_engine`): ``podman`` (driven as ``podman --runtime runc
 --cgroup-manager cgroupfs``, see :class:`~t1async.config.ContainerConfig`) or ``docker``; both
 are called with the same sub-commands (``build``, ``run``, ``exec``, ``image exists``/``image
 inspect``, ``tag``, ``import``, ``rm``).
 
-**Task images** (:func:`ensure_task_image`): the task's own Dockerfile and build context, tagged
+**Task images** (:func:`~t1async.envs.task_images.ensure_task_image`): the task's own Dockerfile and build context, tagged
 ``localhost/t1async-task/<name>:<hash>`` where the hash (sha256, 16 hex digits) covers the
 Dockerfile, every file of the context (path, executable bit, bytes; ``.git`` skipped), the
 image IDs its ``FROM`` names resolve to and the build options, so an unchanged task is built once
 and a changed one, or one whose base image changed (a new bootstrap, a pulled real image), is
 rebuilt. Before the
-build: ``COPY``/``RUN`` heredocs are rewritten (:func:`expand_heredocs`: podman 4.3's buildah
+build: ``COPY``/``RUN`` heredocs are rewritten (:func:`~t1async.envs.dockerfile.expand_heredocs`: podman 4.3's buildah
 lacks them), each ``FROM`` image missing locally is replaced by its bootstrapped stand-in
-(:func:`ensure_base`), and the host CA bundle is mounted (podman ``build -v``; TLS to package
+(:func:`~t1async.envs.stand_ins.ensure_base`), and the host CA bundle is mounted (podman ``build -v``; TLS to package
 indexes is intercepted on some hosts) with pip and uv pointed at it. Builds run with the same
 explicit ulimits as containers. A build lock (``fcntl`` on a file in the cache folder) makes
 concurrent episodes of one task build it once.
 
-**Verifier layer** (:func:`ensure_verifier_image`): ``FROM`` the task image, the Debian packages
+**Verifier layer** (:func:`~t1async.envs.task_images.ensure_verifier_image`): ``FROM`` the task image, the Debian packages
 and Python requirements the task's test script would install at test time, installed at build
 time into ``/opt/t1async-verifier`` (a venv with ``--system-site-packages``, so the tests see
 the image's own packages as the test script's environment would, plus pytest). The venv's own
@@ -27,8 +27,7 @@ pip is removed again once they are in (unless a test script installs pip itself)
 running ``python -m pip`` gets the image's pip, in whatever state the agent left it, as the
 harness's test run would. Cached by hash too. Network is then needed only at build time.
 
-**Stand-ins** (:mod:`.stand_ins`, re-exported here: :data:`STAND_INS`, :func:`bootstrap`,
-:func:`normalise`, ...): with no registry reachable, ``t1async images bootstrap`` builds local
+**Stand-ins** (:mod:`.stand_ins`): with no registry reachable, ``t1async images bootstrap`` builds local
 images that stand in for the base images tasks name (Debian root filesystems from
 ``mmdebstrap``, CPython built from source where the official image has python.org's, the
 official image's ``WORKDIR``) and tags them under those names; docs/images.md lists what differs.
@@ -62,13 +61,13 @@ from loguru import logger
 
 from t1async.config import ContainerConfig
 
+from .dockerfile import dockerfile_instructions
 from .protocol import SandboxError, SandboxUnavailable
 
 ENGINE_CWD = tempfile.gettempdir()
 """Working directory of every engine process (podman/docker and the conmon it starts): on an
 out-of-memory kill conmon writes a file ``oom`` into it (measured: tests run from a checkout left
 an empty ``oom`` in the checkout), so never the caller's folder."""
-from .dockerfile import heredoc_terminators
 
 CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "t1async" / "images"
 """Build locks and bootstrap scratch space."""
@@ -227,146 +226,6 @@ def proxy_build_args(cfg: ContainerConfig) -> list[str]:
 # --------------------------------------------------------------------------------- Dockerfiles
 
 
-def expand_heredocs(text: str) -> tuple[str, dict[str, str]]:
-    """Rewrite heredocs for builders that lack them; returns (new Dockerfile, {file name: content}).
-
-    * ``COPY [flags] <<EOT dest`` (one heredoc, its body) becomes ``COPY [flags] .t1async-heredoc-N
-      dest``, the body written to that file in the build context (Docker writes it without the
-      terminator line, with a final newline).
-    * ``RUN <<EOT`` alone runs the body as a script: ``RUN ["/bin/sh", "-c", BODY]``.
-    * ``RUN cmd <<EOT ...`` (a heredoc fed to a command) stays shell text:
-      ``RUN ["/bin/sh", "-c", "cmd <<EOT\\nBODY\\nEOT"]`` (the shell reads the heredoc itself).
-
-    Lines without heredocs are kept byte for byte.
-    """
-    lines = text.splitlines()
-    out: list[str] = []
-    files: dict[str, str] = {}
-    index = 0
-    pending = ""
-    while index < len(lines):
-        raw = lines[index]
-        index += 1
-        if raw.rstrip().endswith("\\") and not raw.lstrip().startswith("#"):
-            pending += raw + "\n"
-            continue
-        logical = pending + raw
-        pending = ""
-        flat = " ".join(part.strip().rstrip("\\").strip() for part in logical.splitlines())
-        terminators = heredoc_terminators(flat)
-        if not terminators:
-            out.append(logical)
-            continue
-        bodies: list[tuple[str, list[str]]] = []
-        for terminator, strip_tabs in terminators:
-            body: list[str] = []
-            while index < len(lines):
-                line = lines[index]
-                index += 1
-                if (line.lstrip("\t") if strip_tabs else line) == terminator:
-                    break
-                body.append(line.lstrip("\t") if strip_tabs else line)
-            bodies.append((terminator, body))
-        word, _, rest = flat.strip().partition(" ")
-        if word.upper() in ("COPY", "ADD"):
-            for (terminator, body), match in zip(bodies, re.finditer(r"<<-?\s*(['\"]?)[A-Za-z_][A-Za-z0-9_]*\1", rest)):
-                name = f".t1async-heredoc-{len(files)}"
-                files[name] = "\n".join(body) + "\n"
-                rest = rest.replace(match.group(0), name, 1)
-            out.append(f"{word} {rest}")
-        else:
-            command = rest.strip()
-            if re.fullmatch(r"<<-?\s*(['\"]?)[A-Za-z_][A-Za-z0-9_]*\1", command) and len(bodies) == 1:
-                script = "\n".join(bodies[0][1]) + "\n"
-            else:
-                script = command + "\n" + "".join("\n".join(body) + "\n" + terminator + "\n" for terminator, body in bodies)
-            out.append(f"{word} {json.dumps(['/bin/sh', '-c', script])}")
-    if pending:
-        out.append(pending.rstrip("\n"))
-    return "\n".join(out) + "\n", files
-
-
-_FROM = re.compile(r"^\s*FROM\s+(?:--\S+\s+)*(\S+)(?:\s+AS\s+(\S+))?", re.IGNORECASE | re.MULTILINE)
-_COPY_FROM = re.compile(r"^(\s*(?:COPY|ADD)\s+(?:--\S+\s+)*?--from=)(\S+)", re.IGNORECASE | re.MULTILINE)
-
-
-def _image_refs(text: str) -> list[tuple[re.Match, int]]:
-    """Every image reference of a Dockerfile, in order: (match, group of the name) for ``FROM``
-    images and ``COPY --from=IMAGE`` sources, without earlier stages' names or indices and
-    without references built from ``ARG`` values (``$``)."""
-    stages: set[str] = set()
-    refs: list[tuple[re.Match, int]] = []
-    events = sorted([(m.start(), m, 1) for m in _FROM.finditer(text)] + [(m.start(), m, 2) for m in _COPY_FROM.finditer(text)],
-                    key=lambda e: e[0])
-    count = 0
-    for _, match, group in events:
-        image = match.group(group)
-        if image.lower() not in stages and not image.isdigit() and "$" not in image:
-            refs.append((match, group))
-        if group == 1:
-            stages.add(str(count))
-            count += 1
-            if match.group(2):
-                stages.add(match.group(2).lower())
-    return refs
-
-
-def from_images(text: str) -> list[str]:
-    """The images a Dockerfile uses: ``FROM`` images and ``COPY --from=IMAGE`` sources, each once,
-    without earlier stages' names (``FROM x AS y``, ``--from=y``, ``--from=0``)."""
-    images: list[str] = []
-    for match, group in _image_refs(text):
-        if match.group(group) not in images:
-            images.append(match.group(group))
-    return images
-
-
-def rewrite_from(text: str, names: dict[str, str]) -> str:
-    """``text`` with each image of :func:`from_images` that is a key of ``names`` replaced by its
-    value (flags such as ``--platform`` and ``AS stage`` kept): how a task's ``FROM
-    mirror/debian@sha256:...`` is pointed at the local stand-in's name."""
-    if not names:
-        return text
-    spans = sorted((m.span(g), names[m.group(g)]) for m, g in _image_refs(text) if m.group(g) in names)
-    for (start, end), name in reversed(spans):
-        text = text[:start] + name + text[end:]
-    return text
-
-
-def dockerfile_instructions(text: str) -> list[list[tuple[int, str]]]:
-    """The instructions of a Dockerfile by build stage: ``[[(line number, instruction), ...], ...]``,
-    one list per ``FROM`` (its ``FROM`` first; instructions before the first ``FROM`` dropped, as
-    builders do not count them as steps). Line numbers are 1-based, of the instruction's first
-    line; continuation lines are joined, comments and heredoc bodies skipped."""
-    stages: list[list[tuple[int, str]]] = []
-    lines = text.splitlines()
-    index = 0
-    while index < len(lines):
-        start = index
-        logical = lines[index]
-        index += 1
-        if not logical.strip() or logical.lstrip().startswith("#"):
-            continue
-        while logical.rstrip().endswith("\\") and index < len(lines):
-            nxt = lines[index]
-            index += 1
-            if nxt.lstrip().startswith("#"):
-                continue
-            logical = logical.rstrip()[:-1] + " " + nxt.strip()
-        flat = " ".join(logical.split())
-        for terminator, strip_tabs in heredoc_terminators(flat):
-            while index < len(lines):
-                line = lines[index]
-                index += 1
-                if (line.lstrip("\t") if strip_tabs else line) == terminator:
-                    break
-        if flat.split(" ", 1)[0].upper() == "FROM":
-            stages.append([])
-        if stages:
-            stages[-1].append((start + 1, flat))
-    return stages
-
-
 _STEP = re.compile(r"^(?:\[(\d+)/\d+\] )?STEP (\d+)/(\d+): (.*)$")
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 _ERROR_LINE = re.compile(
@@ -512,97 +371,3 @@ def _build(engine: Engine, tag: str, dockerfile_text: str, context_dir: Path | N
             raise BuildError(f"image build of {tag} failed ({status}): "
                              f"{summarise_build_failure(source_text or dockerfile_text, text)} (full log: {log})")
         logger.info("built {} in {:.1f} s", tag, time.monotonic() - started)
-
-
-def ensure_task_image(engine: Engine, *, name: str, dockerfile: Path | None, context_dir: Path | None,
-                      docker_image: str = "", log: Path | None = None) -> str:
-    """The image of a task, built if missing (see the module docstring); returns its reference.
-
-    Without a Dockerfile the task's ``docker_image`` is used (its stand-in if missing locally),
-    else ``debian:bookworm``.
-
-    Raises:
-        BuildError: the build failed.
-        SandboxError: a ``FROM`` image is missing and has no stand-in (run ``t1async images bootstrap``).
-    """
-    from .stand_ins import ensure_base, resolve_base
-
-    if dockerfile is None:
-        return ensure_base(engine, docker_image or "debian:bookworm")
-    original = dockerfile.read_text()
-    text, files = expand_heredocs(original)
-    resolved = {image: resolve_base(engine, image) for image in from_images(text)}
-    bases = [image_id for _, image_id in resolved.values()]
-    key = context_hash(original, context_dir, extra=f"{engine.name}|{sorted(files)}|{bases}")
-    tag = f"{TASK_REPO}/{_safe_name(name)}:{key}"
-    text = rewrite_from(text, {image: local for image, (local, _) in resolved.items() if local != image})
-    with _build_lock(tag):
-        if not engine.image_exists(tag):
-            _build(engine, tag, text, context_dir, files, log, source_text=original)
-        elif log is not None:
-            log.parent.mkdir(parents=True, exist_ok=True)
-            with open(log, "a") as handle:
-                handle.write(f"# image {tag} found in the cache (Dockerfile and context unchanged)\n")
-    return tag
-
-
-def ensure_verifier_image(engine: Engine, base: str, *, debs: list[str], requirements: list[str],
-                          log: Path | None = None) -> str:
-    """``base`` plus the verifier layer (see the module docstring); returns its reference.
-
-    Args:
-        base: the task image.
-        debs: Debian packages the test script installs with apt.
-        requirements: Python requirements it installs (``pytest`` is added when absent).
-
-    Raises:
-        BuildError: the layer could not be built (no network at build time, a package that does
-            not exist); the container sandbox makes it the episode's error.
-    """
-    reqs = list(dict.fromkeys(requirements))
-    if not any(re.split(r"[<>=!~\[; ]", r, maxsplit=1)[0].lower() == "pytest" for r in reqs):
-        reqs.insert(0, "pytest")
-    user = engine.image_config(base).get("User") or ""
-    lines = [f"FROM {base}", "USER root"]
-    apt = ("if command -v apt-get >/dev/null; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive "
-           "apt-get install -y -qq --no-install-recommends {} >/dev/null; fi")
-    needs = list(debs)
-    # Each part in braces: `A && B || C` would run C when A failed and hide A's failure.
-    lines.append("RUN " + " && ".join("{ " + part + "; }" for part in filter(None, [
-        apt.format(" ".join(sorted(set(needs)))) if needs else "",
-        "(command -v python3 >/dev/null && python3 -m venv --help >/dev/null 2>&1) || " + apt.format("python3 python3-venv"),
-    ])))
-    quoted = " ".join(json.dumps(r) for r in reqs)
-    # The venv's pip goes once the requirements are in: `python -m pip` in a test is then the
-    # image's pip (through --system-site-packages), broken or mended by the agent.
-    keep_pip = any(re.split(r"[<>=!~\[; ]", r, maxsplit=1)[0].lower() == "pip" for r in reqs)
-    lines.append(f"RUN python3 -m venv --system-site-packages {VERIFIER_DIR} && "
-                 f"{VERIFIER_DIR}/bin/python -m pip install -q --disable-pip-version-check --no-input {quoted}"
-                 + ("" if keep_pip else f" && {VERIFIER_DIR}/bin/python -m pip uninstall -q -y pip"))
-    if user and user not in ("root", "0"):
-        lines.append(f"USER {user}")
-    text = "\n".join(lines) + "\n"
-    key = hashlib.sha256(text.encode()).hexdigest()[:16]
-    tag = f"{base.rsplit(':', 1)[0]}-verifier:{key}"
-    with _build_lock(tag):
-        if not engine.image_exists(tag):
-            _build(engine, tag, text, None, {}, log)
-    return tag
-
-
-
-
-_STAND_IN_NAMES = frozenset({
-    "BASE_REPO", "BOOTSTRAP_PACKAGES", "DEFAULT_BOOTSTRAP_TAGS", "PIP_RECORDS_SCRIPT", "ROOTFS_VERSION", "STAND_INS",
-    "BootstrapReport", "StandIn", "bootstrap", "build_rootfs", "build_stand_in", "chain", "describe", "ensure_base",
-    "ensure_base_id", "normalise", "qualified", "resolve_base", "rootfs_tag", "stand_in_for",
-})
-
-
-def __getattr__(name: str):
-    """The stand-in names, from :mod:`.stand_ins` (imported on first use: it imports this module)."""
-    if name in _STAND_IN_NAMES:
-        from . import stand_ins
-
-        return getattr(stand_ins, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -29,7 +29,8 @@ def _prepare() -> str:
     """"" when ready, else why not."""
     if shutil.which("podman") is None:
         return "podman is not installed (tools/setup.sh installs it with apt-get where it can)"
-    from t1async.envs.images import bootstrap, resolve_engine
+    from t1async.envs.images import resolve_engine
+    from t1async.envs.stand_ins import bootstrap
     from t1async.envs.protocol import SandboxError
 
     try:

@@ -26,18 +26,10 @@ from t1async.config import ContainerConfig
 from t1async.envs.adapt import CONTAINER_PYTHON, VerifierNeeds, adapt_script
 from t1async.envs.container import ContainerSandbox
 from t1async.envs.evaluate import choose_sandbox, short_error
-from t1async.envs.images import (
-    Engine,
-    context_hash,
-    ensure_task_image,
-    resolve_engine,
-    expand_heredocs,
-    from_images,
-    rewrite_from,
-    normalise,
-    qualified,
-    stand_in_for,
-)
+from t1async.envs.dockerfile import expand_heredocs, from_images, rewrite_from
+from t1async.envs.images import Engine, context_hash, resolve_engine
+from t1async.envs.stand_ins import normalise, qualified, stand_in_for
+from t1async.envs.task_images import ensure_task_image
 from t1async.envs.protocol import SandboxLimits, SandboxSpec
 from t1async.envs.loading import load_task
 from t1async.envs.task import TaskError

@@ -12,20 +12,10 @@ import pytest
 
 from t1async.envs import cli as envs_cli
 from t1async.envs import stand_ins
-from t1async.envs.images import (
-    BuildError,
-    dockerfile_instructions,
-    ensure_task_image,
-    from_images,
-    normalise,
-    qualified,
-    resolve_engine,
-    rewrite_from,
-    rootfs_tag,
-    stand_in_for,
-    summarise_build_failure,
-)
-from t1async.envs.stand_ins import chain
+from t1async.envs.dockerfile import dockerfile_instructions, from_images, rewrite_from
+from t1async.envs.images import BuildError, resolve_engine, summarise_build_failure
+from t1async.envs.stand_ins import chain, normalise, qualified, rootfs_tag, stand_in_for
+from t1async.envs.task_images import ensure_task_image
 
 DIGEST = "@sha256:" + "ab" * 32
 
