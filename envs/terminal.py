@@ -430,6 +430,7 @@ class TerminalEnv:
             reward_txt=rewards["reward.txt"],
             reward_json=rewards["reward.json"],
             script=str(task.test_script.relative_to(task.path)) if task.test_script.is_relative_to(task.path) else script,
+            instruction=task.instruction,
         )
         logger.debug("verified {}: {}/{} passed, error={}", task.name, result.passed, result.total, result.error)
         return result

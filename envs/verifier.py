@@ -9,7 +9,10 @@ A task's ``tests/test.sh`` runs pytest with ``-rA``, which ends with a section l
     ERROR tests/test_outputs.py - ModuleNotFoundError: ...      (a collection error)
 
 PASSED, SKIPPED and XFAIL count as passed; FAILED, ERROR and XPASS as failed. ``SKIPPED [N]``
-stands for N tests. A missing summary is a parse error; zero parsed tests never resolve.
+stands for N tests. A missing summary is a parse error; zero parsed tests never resolve. A run
+that collected nothing because the verifier environment lacks a module the tests import is an
+error too (:func:`collection_failure`: the episode is dropped as a verifier error, not trained
+as reward 0); the agent's own missing or broken module stays a failed test.
 The reward is dense: the absolute number of passed tests.
 
 A Terminal-Bench 2 / Harbor verifier may also write the task's own reward to
@@ -217,9 +220,53 @@ def parse_task_reward(reward_txt: str | None, reward_json: str | None) -> tuple[
     return value, None
 
 
+_MISSING_MODULE = re.compile(r"^E\s+(?:ModuleNotFoundError: No module named|ImportError: No module named) '([\w.]+)'", re.M)
+_FRAME = re.compile(r"^(\S+?):\d+: in ", re.M)
+
+
+def collection_failure(output: str, tests: list[TestResult], *, instruction: str | None,
+                       workspace: str = "/app") -> str | None:
+    """Why a pytest run that collected nothing is the verifier environment's fault, or None.
+
+    The rule (a verifier error, so the episode is dropped and counted, not trained as reward 0):
+    no test ran (every summary entry is a file-level ``ERROR``, i.e. a collection error), every
+    collection error is a missing module, no traceback frame lies in the agent's ``workspace``,
+    and no missing module is named in the task's ``instruction``. A module the agent was asked
+    to write (``solution.py`` named in the instruction), or the agent's own code importing
+    something absent (a frame under ``/app``), stays the agent's failure: reward 0, as before.
+
+    Args:
+        output: the verifier's output (pytest's ``ERRORS`` section holds the tracebacks).
+        tests: the parsed summary (:func:`parse_pytest_summary`).
+        instruction: the task's instruction (None: the rule is not applied).
+        workspace: the agent's working folder in the sandbox.
+    """
+    if instruction is None or not tests or any(t.outcome != "ERROR" or "::" in t.name for t in tests):
+        return None
+    text = _ANSI.sub("", output)
+    missing = list(dict.fromkeys(m.group(1) for m in _MISSING_MODULE.finditer(text)))
+    collecting = text.count("ERROR collecting ")
+    if not missing or collecting < len(tests) or len(_MISSING_MODULE.findall(text)) < collecting:
+        return None
+    test_files = {t.name for t in tests}
+    for frame in _FRAME.findall(text):
+        # pytest prints frames under its working folder (the workspace, where the harnesses run
+        # the tests) relative to it, others absolute or with ../
+        relative_here = not frame.startswith(("/", "../")) and frame not in test_files
+        if relative_here or frame == workspace or frame.startswith(workspace.rstrip("/") + "/"):
+            return None
+    for name in missing:
+        top = name.split(".")[0]
+        if re.search(rf"(?<![\w.]){re.escape(top)}(?![\w])", instruction):
+            return None
+    return (f"the verifier could not collect its tests: {', '.join(repr(m) for m in missing)} is missing from the "
+            f"verifier environment (collection error, no test ran); add it to the task's image or test script")
+
+
 def verifier_result(
     output: str, *, seconds: float, exit_code: int | None = None, timed_out_after_s: float | None = None,
     reward_txt: str | None = None, reward_json: str | None = None, script: str = "tests/test.sh",
+    instruction: str | None = None,
 ) -> VerifierResult:
     """Build a :class:`VerifierResult` from a verifier's raw output.
 
@@ -232,6 +279,9 @@ def verifier_result(
         reward_txt, reward_json: contents of /logs/verifier/reward.txt / reward.json, if written.
         script: the task's test script as its layout names it (``tests/test.sh``, TB2;
             ``run-tests.sh``, TB1), for the error of a missing pytest summary.
+        instruction: the task's instruction; with it, a run that only failed to collect its
+            tests because the verifier environment lacks a module is an ``error``
+            (:func:`collection_failure`), not reward 0.
     """
     error: str | None = None
     task_reward, reward_error = parse_task_reward(reward_txt, reward_json)
@@ -245,6 +295,8 @@ def verifier_result(
         if task_reward is not None:  # a non-pytest verifier: its own reward is the one test
             tests, error = [TestResult("reward.txt" if reward_txt is not None else "reward.json",
                                        "PASSED" if task_reward >= 1.0 else "FAILED")], None
+    if error is None:
+        error = collection_failure(output, tests, instruction=instruction)
     if reward_error and error is None:
         error = reward_error
     if error is None and task_reward is not None and task_reward < 1.0 and tests and all(t.passed for t in tests):

@@ -228,3 +228,42 @@ def test_multi_dimensional_reward_json_counts_as_its_weakest_dimension():
     assert both.resolved and both.task_reward == 1.0
     slow = verifier_result(text, seconds=0.1, reward_json='{"correctness": 1, "performance": 0}')
     assert not slow.resolved and "own reward is 0" in slow.error
+
+
+def _pytest(tmp_path, test_source: str, workspace_files: dict[str, str] | None = None) -> tuple[str, str]:
+    """Run the installed pytest on one test module, with ``workspace`` on sys.path as a task's
+    tests put /app there; returns (its -rA output, the workspace path)."""
+    workspace, tests = tmp_path / "app", tmp_path / "tests"
+    workspace.mkdir(parents=True)
+    tests.mkdir()
+    for name, text in (workspace_files or {}).items():
+        (workspace / name).write_text(text)
+    (tests / "test_outputs.py").write_text(f"import sys\nsys.path.insert(0, {str(workspace)!r})\n" + test_source)
+    run = subprocess.run(  # from the workspace, as the harnesses run tests from /app
+        [sys.executable, "-m", "pytest", "-rA", "-q", "-p", "no:cacheprovider", str(tests / "test_outputs.py")],
+        cwd=workspace, capture_output=True, text=True, env={"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", "PATH": "/usr/bin:/bin"},
+    )
+    return run.stdout, str(workspace)
+
+
+def test_a_verifier_that_cannot_collect_its_tests_is_an_error_not_reward_0(tmp_path):
+    out, app = _pytest(tmp_path, "import t1async_absent_test_dependency\n\ndef test_x():\n    pass\n")
+    result = verifier_result(out, seconds=0.0, instruction="Write the answer to /app/answer.txt.")
+    assert result.error and "'t1async_absent_test_dependency' is missing from the verifier environment" in result.error
+    assert not result.resolved and result.total == 1  # the collection ERROR is still reported
+    assert verifier_result(out, seconds=0.0).error is None  # without the instruction: the old verdict
+
+
+def test_the_agents_missing_or_broken_module_stays_a_failed_test(tmp_path):
+    # the module the instruction asks for was not written: the agent's failure, reward 0
+    out, app = _pytest(tmp_path / "a", "from solution import f\n\ndef test_f():\n    assert f() == 1\n")
+    result = verifier_result(out, seconds=0.0, instruction="Write solution.py with a function f() returning 1.")
+    assert (result.error, result.passed, result.total) == (None, 0, 1)
+    # the agent's code imports a package that is absent: a frame in the workspace, the agent's failure
+    out, app = _pytest(tmp_path / "b", "from helper import g\n\ndef test_g():\n    assert g()\n",
+                       {"helper.py": "import t1async_absent_agent_dependency\n\ndef g():\n    return 1\n"})
+    result = verifier_result(out.replace(app, "/app"), seconds=0.0, instruction="Fix the helper so g() works.")
+    assert (result.error, result.passed, result.total) == (None, 0, 1)
+    # and a run where some tests ran is never this error
+    out, app = _pytest(tmp_path / "c", "def test_ok():\n    import t1async_absent_test_dependency\n")
+    assert verifier_result(out, seconds=0.0, instruction="x").error is None
