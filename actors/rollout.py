@@ -61,6 +61,7 @@ from loguru import logger
 from t1async.actions import observation_ids, parse_action, prompt_ids, template_turn_ids
 from t1async.actors import call
 from t1async.config import EnvConfig, GenerationConfig, ModelConfig, RolloutConfig, TransportConfig
+from t1async.envs.container import remove_orphan_containers
 from t1async.envs.limits import unmount_all_under
 from t1async.envs.loading import discover_tasks
 from t1async.envs.task import Task
@@ -434,6 +435,7 @@ def reclaim_dead_workdirs(root: Path) -> int:
     lock is free): an actor killed with SIGKILL leaves its sandboxes' tmpfs mounts and files
     behind. Returns how many folders were reclaimed; live actors' folders are left alone."""
     reclaimed = 0
+    remove_orphan_containers(root)  # a killed actor's containers keep running: their owner is dead
     for folder in dead_owner_folders(root, "t1async-rollout*"):
         mounts = unmount_all_under(folder)
         shutil.rmtree(folder, ignore_errors=True)

@@ -40,7 +40,10 @@ verification (see :mod:`t1async.envs.terminal`), and the verifier runs in the sa
 from __future__ import annotations
 
 import io
+import json
+import os
 import secrets
+import socket
 import subprocess
 import tarfile
 import time
@@ -88,6 +91,70 @@ could: killing the init's only child ends it); its ``wait`` reaps adopted orphan
 
 LABEL = "t1async.sandbox=1"
 """Label on every container this backend starts (``podman ps -a --filter label=...`` finds leftovers)."""
+
+OWNER_LABELS = ("t1async.owner.host", "t1async.owner.pid", "t1async.owner.start", "t1async.episode_dir")
+"""Labels naming who owns a container: the host, pid and start time (clock ticks since boot, from
+``/proc/PID/stat``, so a reused pid is not mistaken for the owner) of the process that started
+it, and its episode folder. :func:`remove_orphan_containers` removes those whose owner is dead."""
+
+
+def _start_ticks(pid: int) -> int | None:
+    """Start time of ``pid`` in clock ticks since boot (``/proc/PID/stat`` field 22), or None."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(raw[raw.rindex(")") + 2:].split()[19])
+
+
+def owner_labels(episode_dir: Path | None) -> list[str]:
+    """``--label`` options that name this process as a container's owner (see :data:`OWNER_LABELS`)."""
+    values = (socket.gethostname(), str(os.getpid()), str(_start_ticks(os.getpid()) or 0),
+              str(episode_dir.resolve()) if episode_dir is not None else "")
+    return [opt for key, value in zip(OWNER_LABELS, values) for opt in ("--label", f"{key}={value}")]
+
+
+def remove_orphan_containers(under: Path, cfg: ContainerConfig | None = None) -> list[str]:
+    """Remove every container of this backend whose episode folder lies under ``under`` and whose
+    owner (see :data:`OWNER_LABELS`) is dead on this host; containers of live owners, of other
+    hosts, or without owner labels are left alone. Without a usable engine, nothing is done.
+
+    Called when a rollout actor starts (a killed predecessor's containers), by the reaper after
+    ``kill -9`` of a launch, and by a launch into a run folder that holds an earlier run.
+
+    Returns:
+        The names of the containers removed.
+    """
+    try:
+        engine = resolve_engine(cfg)
+    except SandboxError:
+        return []
+    listed = engine.run("ps", "-a", "--filter", f"label={LABEL}", "--format", "{{.Names}}\t{{json .Labels}}",
+                        check=False, timeout_s=60)
+    root = str(Path(under).resolve()).rstrip("/") + "/"
+    host = socket.gethostname()
+    removed = []
+    for line in listed.stdout.decode(errors="replace").splitlines():
+        name, _, labels_json = line.partition("\t")
+        try:
+            labels = json.loads(labels_json) or {}
+        except json.JSONDecodeError:
+            continue
+        episode = labels.get("t1async.episode_dir", "")
+        if not episode or not (episode + "/").startswith(root) or labels.get("t1async.owner.host") != host:
+            continue
+        try:
+            pid, start = int(labels.get("t1async.owner.pid", "")), int(labels.get("t1async.owner.start", ""))
+        except ValueError:
+            continue
+        if pid > 0 and _start_ticks(pid) == start:
+            continue  # its owner is alive
+        force = ["-f", "-t", "0"] if engine.name == "podman" else ["-f"]
+        engine.run("rm", *force, name, check=False, timeout_s=60)
+        removed.append(name)
+    if removed:
+        logger.warning("removed {} container(s) whose owner had died: {}", len(removed), ", ".join(removed))
+    return removed
 
 
 class ContainerSandbox:
@@ -184,8 +251,8 @@ class ContainerSandbox:
         image_workdir = config.get("WorkingDir") or ""
         self.workdir = image_workdir if image_workdir not in ("", "/") else spec.workdir
         self.name = f"t1async-{_slug(spec.name)}-{secrets.token_hex(4)}"
-        args = ["run", "-d", "--name", self.name, "--label", LABEL, "--hostname", "sandbox",
-                *self.engine.ulimits()]
+        args = ["run", "-d", "--name", self.name, "--label", LABEL, *owner_labels(spec.episode_dir),
+                "--hostname", "sandbox", *self.engine.ulimits()]
         if not spec.allow_network:
             args.append("--network=none")
         elif spec.episode_dir is not None:
@@ -227,7 +294,8 @@ class ContainerSandbox:
                 env += ["--memory", f"{int(limits.memory_mb)}m", "--memory-swap", f"{int(limits.memory_mb)}m"]
             if limits.max_processes:
                 env += ["--pids-limit", str(int(limits.max_processes))]
-            self.engine.run("run", "-d", "--name", name, "--label", LABEL, "--network", f"container:{self.name}",
+            self.engine.run("run", "-d", "--name", name, "--label", LABEL, *owner_labels(self.spec.episode_dir),
+                            "--network", f"container:{self.name}",
                             *self.engine.ulimits(), *env, image, *(svc.command or ()), timeout_s=self.cfg.start_timeout_s)
             self._services.append(name)
         hosts = "".join(f"127.0.0.1 {svc.name}\n" for svc in self.spec.services)

@@ -29,6 +29,7 @@ from loguru import logger
 
 from t1async.config import Config, ConfigError, RunConfig, check_trainable, load_config, to_yaml
 from t1async.control import ControlServer
+from t1async.envs.container import remove_orphan_containers
 from t1async.envs.limits import unmount_all_under
 from t1async.reaper import Reaper, kill_sandboxes_under
 from t1async.rundir import RunDirLock, check_reuse, history_overrides, resolve_run_dir
@@ -59,6 +60,8 @@ def launch(config_path: str | None, overrides: list[str] | tuple[str, ...] = ())
     task_names = check_inputs(cfg)  # every bad-input error happens here, before any process starts
     cfg.rollout.agent_cwd = cfg.rollout.agent_cwd or os.getcwd()  # an external agent's relative paths
     lock = claim_run_dir(cfg, run_dir)
+    if cfg.env.sandbox == "container":  # an earlier launch killed before its reaper could remove them
+        remove_orphan_containers(run_dir / "workspaces", cfg.env.container)
     cfg.transport.spool_dir = cfg.transport.spool_dir or str(run_dir / "spool")  # resent by a resumed run
     logger.info("run directory: {}", run_dir)
     logger.info("{} tasks, {} rollout actors, {} sampler(s), {} learner steps", len(task_names), cfg.rollout.num_actors,
@@ -108,6 +111,8 @@ def launch(config_path: str | None, overrides: list[str] | tuple[str, ...] = ())
 
             stop_servers(roles["sglang_servers"])
         kill_sandboxes_under(run_dir / "workspaces")  # a sandbox can outlive its killed rollout actor
+        if cfg.env.sandbox == "container":
+            remove_orphan_containers(run_dir / "workspaces", cfg.env.container)
         unmount_all_under(run_dir / "workspaces")  # killed actors cannot clean up themselves
         shutil.rmtree(run_dir / "workspaces", ignore_errors=True)
         summary["wall_s"] = round(time.time() - t_start, 1)

@@ -101,6 +101,10 @@ def reap(recorded: dict[int, int], run_dir: Path) -> int:
             pass
     work = run_dir / "workspaces"
     killed += kill_sandboxes_under(work)
+    # deferred, as envs.limits below: the reaper stays a small process until it must reap
+    from t1async.envs.container import remove_orphan_containers
+
+    remove_orphan_containers(work)
     if work.exists():
         from t1async.envs.limits import unmount_all_under
 

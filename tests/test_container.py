@@ -16,6 +16,7 @@ import random
 import resource
 import shlex
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -24,7 +25,7 @@ import pytest
 from container_support import base_image
 from t1async.config import ContainerConfig
 from t1async.envs.adapt import CONTAINER_PYTHON, VerifierNeeds, adapt_script
-from t1async.envs.container import ContainerSandbox
+from t1async.envs.container import ContainerSandbox, remove_orphan_containers
 from t1async.envs.evaluate import choose_sandbox, short_error
 from t1async.envs.dockerfile import expand_heredocs, from_images, rewrite_from
 from t1async.envs.images import Engine, context_hash, resolve_engine
@@ -347,3 +348,50 @@ def test_shipped_task_resolves_in_a_container_and_logs_its_commands(tmp_path):
     assert "### oracle (exit 0" in log and "### verifier" in log
     build = (tmp_path / "logs" / "build.log").read_text()
     assert "zip-find-token" in build and ("FROM" in build or "found in the cache" in build)
+
+
+_OWNER = """
+import os, sys, time
+from pathlib import Path
+from t1async.envs.container import ContainerSandbox, remove_orphan_containers
+from t1async.envs.protocol import SandboxSpec
+box = ContainerSandbox(SandboxSpec(episode_dir=Path(sys.argv[1]), command_timeout_s=10.0, docker_image=sys.argv[2]))
+box.start()
+print(box.name, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.container
+def test_containers_of_a_killed_owner_are_removed_and_a_live_owners_kept(tmp_path):
+    """Issue 29, item 5: SIGKILL of the process that owns an episode leaves its container running;
+    :func:`remove_orphan_containers` (run at actor start, by the reaper and by a new launch)
+    removes it, and leaves alone a container whose owner is alive or that lies elsewhere."""
+    base = base_image()
+    engine = resolve_engine()
+    root = tmp_path / "workspaces"
+    owner = subprocess.Popen([sys.executable, "-c", _OWNER, str(root / "t1async-rollout0-x" / "ep1"), base],
+                             stdout=subprocess.PIPE, text=True)
+    dead_name = owner.stdout.readline().strip()
+    live = _box(root / "t1async-rollout1-y" / "ep1")  # owned by this (live) test process
+    elsewhere = subprocess.Popen([sys.executable, "-c", _OWNER, str(tmp_path / "other-run" / "ep1"), base],
+                                 stdout=subprocess.PIPE, text=True)
+    elsewhere_name = elsewhere.stdout.readline().strip()
+    try:
+        owner.kill()
+        owner.wait(10)
+        elsewhere.kill()
+        elsewhere.wait(10)
+
+        def running() -> set[str]:
+            out = engine.run("ps", "--filter", "label=t1async.sandbox=1", "--format", "{{.Names}}", check=False)
+            return set(out.stdout.decode().split())
+
+        assert dead_name in running()  # the leak: the container outlives its owner
+        assert remove_orphan_containers(root) == [dead_name]
+        assert dead_name not in running() and live.name in running() and elsewhere_name in running()
+        assert remove_orphan_containers(root) == []  # idempotent; the live owner's stays
+    finally:
+        live.close()
+        remove_orphan_containers(tmp_path)
+    assert elsewhere_name not in running()
