@@ -198,8 +198,8 @@ def _all_fields(sec: Section, sections: dict[str, Section]) -> list[Field]:
     return [f for f in inherited if f.name not in own] + sec.fields
 
 
-def render(sections: dict[str, Section], enums: dict[str, EnumClass], sources: list[Path]) -> str:
-    names = ", ".join(f"`{p.relative_to(ROOT).as_posix()}`" for p in sources)
+def render(sections: dict[str, Section], enums: dict[str, EnumClass], sources: list[Path], root: Path = ROOT) -> str:
+    names = ", ".join(f"`{p.relative_to(root).as_posix()}`" for p in sources)
     lines = [
         "# Configuration reference",
         "",
@@ -212,7 +212,7 @@ def render(sections: dict[str, Section], enums: dict[str, EnumClass], sources: l
         "An unknown key or a wrongly typed value is refused in one line naming the key.",
         "",
     ]
-    root = sections.get("Config")
+    top = sections.get("Config")
     order: list[tuple[str, Section, str]] = []  # (key prefix, section, docstring of the field holding it)
     seen: set[str] = set()
 
@@ -225,8 +225,8 @@ def render(sections: dict[str, Section], enums: dict[str, EnumClass], sources: l
             if sub:
                 visit(f"{prefix}.{f.name}" if prefix else f.name, sections[sub[0]], f.doc)
 
-    if root is not None:
-        visit("", root, "")
+    if top is not None:
+        visit("", top, "")
     for sec in sections.values():  # dataclasses no section of Config holds
         if sec.name not in seen:
             order.append((sec.name, sec, ""))
@@ -257,15 +257,16 @@ def render(sections: dict[str, Section], enums: dict[str, EnumClass], sources: l
 def generate(root: Path = ROOT) -> str:
     sources = config_sources(root)
     sections, enums = parse(sources)
-    return render(sections, enums, sources)
+    return render(sections, enums, sources, root)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="exit 1 when docs/configuration.md is stale")
     ap.add_argument("--out", type=Path, default=PAGE, help="page to write or check (default docs/configuration.md)")
+    ap.add_argument("--root", type=Path, default=ROOT, help="source tree holding t1async/ (default this checkout)")
     args = ap.parse_args(argv)
-    text = generate()
+    text = generate(args.root)
     if args.check:
         if not args.out.is_file() or args.out.read_text() != text:
             print(f"gen_config_docs: {args.out} is stale: run python tools/gen_config_docs.py", file=sys.stderr)
