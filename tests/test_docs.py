@@ -212,7 +212,7 @@ def learner_metric_keys() -> dict[str, str]:
 def documented_metrics() -> set[str]:
     """First-column keys of the tables under docs/run-directory.md's "metrics.jsonl" heading."""
     text = (ROOT / "docs" / "run-directory.md").read_text()
-    section = re.search(r"^## metrics\.jsonl.*?(?=^## )", text, flags=re.S | re.M)
+    section = re.search(r"^## metrics\.jsonl.*?(?=^## |\Z)", text, flags=re.S | re.M)
     assert section, "docs/run-directory.md has no '## metrics.jsonl' section"
     return {k for row in re.findall(r"^\|\s*([^|]+?)\s*\|", section.group(0), flags=re.M)
             for k in re.findall(r"`([a-z_][a-z0-9_]*)`", row)}
