@@ -29,6 +29,7 @@ def test_requirements_install_next_to_any_torch_and_keep_optional_parts_in_extra
     assert "==" not in deps["torch"] and ">=" in deps["torch"]  # a lower bound; the CPU pin is in tools/setup.sh
     assert "torch==2.13.0" in (ROOT / "tools" / "setup.sh").read_text()
     assert "pyyaml" in deps and "packaging" in deps  # imported by the product (config, control, envs/adapt.py)
+    assert "pytest" in deps  # the local sandbox runs the tasks' tests with the host's interpreter
     assert PROJECT["requires-python"] == ">=3.11"  # envs/task.py imports tomllib
     extras = {k: names(v) for k, v in PROJECT["optional-dependencies"].items()}
     for extra, modules in {"endpoint": ["fastapi", "uvicorn"], "plot": ["matplotlib"]}.items():
