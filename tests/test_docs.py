@@ -77,6 +77,26 @@ def test_every_link_resolves_inside_the_repository(page):
         assert outside not in text, f"{page.relative_to(ROOT)} names {outside!r}, which is not in this repository"
 
 
+def anchors(page: Path) -> set[str]:
+    """GitHub's anchors of ``page``'s headings: lower case, punctuation but ``-`` and ``_`` dropped,
+    spaces as ``-``."""
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in re.findall(r"^#+ (.+)$", text, flags=re.M)}
+
+
+@pytest.mark.parametrize("page", [README, *pages()], ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_every_anchor_a_link_names_exists(page):
+    bad = []
+    for target in links(page):
+        if "#" not in target or re.match(r"^[a-z]+:", target):
+            continue
+        path, anchor = target.split("#", 1)
+        dest = (page.parent / path).resolve() if path else page
+        if dest.suffix == ".md" and dest.is_file() and anchor not in anchors(dest):
+            bad.append(target)
+    assert not bad, f"{page.relative_to(ROOT)}: links to headings that do not exist: {bad}"
+
+
 def test_configuration_page_is_generated_from_the_config_and_current():
     out = subprocess.run([sys.executable, str(ROOT / "tools" / "gen_config_docs.py"), "--check"],
                          capture_output=True, text=True)
