@@ -51,6 +51,7 @@ from loguru import logger
 from t1async import require_extra
 from t1async.sampler_client import Sampler, SamplerError
 from t1async.tokenizer import ChatTokenizer
+from t1async.trajectory import TOOL_CALL_CODES
 
 # fastapi and uvicorn come with the extra `endpoint`: without them, one line saying so
 ENDPOINT_EXTRA = ("endpoint", "the OpenAI-compatible endpoint (rollout.agent=external)")
@@ -58,8 +59,6 @@ _fastapi = require_extra("fastapi", *ENDPOINT_EXTRA)
 FastAPI, Request = _fastapi.FastAPI, _fastapi.Request
 JSONResponse = require_extra("fastapi.responses", *ENDPOINT_EXTRA).JSONResponse
 run_in_threadpool = require_extra("starlette.concurrency", *ENDPOINT_EXTRA).run_in_threadpool
-from t1async.trajectory import TOOL_CALL_CODES
-
 
 class RequestError(ValueError):
     """A request the endpoint refuses; ``status`` is the HTTP status, ``code`` the OpenAI error code."""

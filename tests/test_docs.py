@@ -81,7 +81,8 @@ def anchors(page: Path) -> set[str]:
     """GitHub's anchors of ``page``'s headings: lower case, punctuation but ``-`` and ``_`` dropped,
     spaces as ``-``."""
     text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
-    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in re.findall(r"^#+ (.+)$", text, flags=re.M)}
+    headings = re.findall(r"^#+ (.+)$", text, flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
 
 
 @pytest.mark.parametrize("page", [README, *pages()], ids=lambda p: p.relative_to(ROOT).as_posix())
@@ -149,7 +150,8 @@ class Config:
     assert "- `learner.inner.depth` (`int`, default `3`): How deep." in page
     out = tmp_path / "configuration.md"
     out.write_text(page)
-    tool = [sys.executable, str(ROOT / "tools" / "gen_config_docs.py"), "--root", str(tmp_path), "--out", str(out), "--check"]
+    tool = [sys.executable, str(ROOT / "tools" / "gen_config_docs.py"),
+            "--root", str(tmp_path), "--out", str(out), "--check"]
     assert subprocess.run(tool, capture_output=True).returncode == 0
     out.write_text(page.replace("How deep.", "How shallow."))
     stale = subprocess.run(tool, capture_output=True, text=True)
@@ -168,7 +170,8 @@ MUST_FIND = {"step", "version", "reward_mean", "policy_loss", "value_loss", "kl_
 
 
 def product_files() -> list[Path]:
-    return [p for d in ("t1async", "actors", "envs") for p in sorted((ROOT / d).rglob("*.py")) if "tasks" not in p.parts]
+    files = [p for d in ("t1async", "actors", "envs") for p in sorted((ROOT / d).rglob("*.py"))]
+    return [p for p in files if "tasks" not in p.parts]  # envs/tasks: the tasks' own tests
 
 
 def _dict_keys(node: ast.AST) -> set[str]:

@@ -98,7 +98,8 @@ def test_the_wheel_holds_every_package_the_tasks_and_the_tokenizer(tmp_path):
             "from t1async.actors.rollout import tasks_dir\nfrom t1async.config import EnvConfig\n"
             "from t1async.envs.task import discover_tasks\nfrom t1async.tokenizer import ChatTokenizer\n"
             "print(t1async.__file__); print(len(discover_tasks(tasks_dir(EnvConfig()), []))); ChatTokenizer.load()")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env,
+                         timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     where, count = out.stdout.split()[:2]
     assert Path(where).is_relative_to(site)  # the wheel's copy, not the checkout's

@@ -140,8 +140,8 @@ def parse(files: list[Path]) -> tuple[dict[str, Section], dict[str, EnumClass]]:
             if ENUM_BASES & set(bases):
                 members = []
                 for i, stmt in enumerate(node.body):
-                    if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name) \
-                            and not stmt.targets[0].id.startswith("_"):
+                    target = stmt.targets[0] if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 else None
+                    if isinstance(target, ast.Name) and not target.id.startswith("_"):
                         v = stmt.value
                         shown = v.value if isinstance(v, ast.Constant) else _source(v, src)
                         members.append((stmt.targets[0].id, str(shown), _docstring_after(node.body, i)))
@@ -242,7 +242,8 @@ def render(sections: dict[str, Section], enums: dict[str, EnumClass], sources: l
         lines.append("")
         for f in _all_fields(sec, sections):
             if any(n in sections for n in f.type_names):
-                lines.append(f"- `{prefix}.{f.name}`: section [`{prefix}.{f.name}`](#{(prefix + f.name).replace('.', '')})")
+                key = f"{prefix}.{f.name}"
+                lines.append(f"- `{key}`: section [`{key}`](#{key.replace('.', '')})")
                 continue
             head = f"- `{prefix}.{f.name}` (`{f.annotation}`, default `{_default_shown(f.default, enums)}`)"
             body = _paragraphs(_md(f.doc)) if f.doc else "(no docstring)"
