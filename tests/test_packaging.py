@@ -27,7 +27,9 @@ def names(reqs: list[str]) -> dict[str, str]:
 def test_requirements_install_next_to_any_torch_and_keep_optional_parts_in_extras():
     deps = names(PROJECT["dependencies"])
     assert "==" not in deps["torch"] and ">=" in deps["torch"]  # a lower bound; the CPU pin is in tools/setup.sh
-    assert "torch==2.13.0" in (ROOT / "tools" / "setup.sh").read_text()
+    setup = (ROOT / "tools" / "setup.sh").read_text()
+    assert "torch==2.13.0" in setup and setup.index("torch==2.13.0") < setup.index("-e '.[")  # the CPU build first
+    assert re.search(r"-e '\.\[[a-z,]*\]'", setup).group(0) == "-e '.[test,megatron,endpoint,plot]'"
     assert "pyyaml" in deps and "packaging" in deps  # imported by the product (config, control, envs/adapt.py)
     assert "pytest" in deps  # the local sandbox runs the tasks' tests with the host's interpreter
     assert PROJECT["requires-python"] == ">=3.11"  # envs/task.py imports tomllib
