@@ -27,6 +27,7 @@ from typing import Any
 
 from loguru import logger
 
+from t1async import MissingExtra, require_extra
 from t1async.config import Config, ConfigError, RunConfig, check_trainable, load_config, to_yaml
 from t1async.control import ControlServer
 from t1async.envs.container import remove_orphan_containers
@@ -183,6 +184,8 @@ def check_inputs(cfg: Config) -> list[str]:
     check_model_vocab(cfg.model.vocab_size, cfg.env.action_format)
     if cfg.rollout.agent == "external":  # the endpoint renders and returns tool calls with the tool-call ids
         check_model_vocab(cfg.model.vocab_size, "tool_call", "model.vocab_size (rollout.agent=external)")
+        for module in ("fastapi", "uvicorn"):  # the endpoint's extra, before any process starts
+            require_extra(module, "endpoint", "rollout.agent=external")
     tasks = discover_tasks(tasks_dir(cfg.env), cfg.env.tasks, sandbox=cfg.env.sandbox)
     check_sandbox_available(cfg.env.sandbox)
     check_port_free(cfg.transport)
@@ -377,7 +380,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from t1async.envs.task import TaskError
     from t1async.keys import KeysError
 
-    return ConfigError, TaskError, SandboxUnavailable, KeysError, ControlError
+    return ConfigError, TaskError, SandboxUnavailable, KeysError, ControlError, MissingExtra
 
 
 def add_log_sink(run_dir: Path, name: str, run_cfg: RunConfig, *, keep_stderr: bool = False) -> None:

@@ -46,15 +46,19 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import numpy as np
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
 from loguru import logger
-from starlette.concurrency import run_in_threadpool
 
+from t1async import require_extra
 from t1async.sampler_client import Sampler, SamplerError
 from t1async.tokenizer import ChatTokenizer
 from t1async.trajectory import TOOL_CALL_CODES
 
+# fastapi and uvicorn come with the extra `endpoint`: without them, one line saying so
+ENDPOINT_EXTRA = ("endpoint", "the OpenAI-compatible endpoint (rollout.agent=external)")
+_fastapi = require_extra("fastapi", *ENDPOINT_EXTRA)
+FastAPI, Request = _fastapi.FastAPI, _fastapi.Request
+JSONResponse = require_extra("fastapi.responses", *ENDPOINT_EXTRA).JSONResponse
+run_in_threadpool = require_extra("starlette.concurrency", *ENDPOINT_EXTRA).run_in_threadpool
 
 class RequestError(ValueError):
     """A request the endpoint refuses; ``status`` is the HTTP status, ``code`` the OpenAI error code."""
@@ -452,7 +456,7 @@ class OpenAIEndpoint:
     """
 
     def __init__(self, tokenizer: ChatTokenizer, host: str = "127.0.0.1"):
-        import uvicorn
+        uvicorn = require_extra("uvicorn", *ENDPOINT_EXTRA)
 
         self.tok = tokenizer
         self.sessions: dict[str, Session] = {}

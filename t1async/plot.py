@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from t1async import require_extra
 from t1async.control import ControlError
 
 PANELS: list[tuple[str, list[str]]] = [
@@ -44,8 +45,7 @@ def read_rows(run_dir: Path) -> list[dict[str, Any]]:
 
 def plot(run_dir: Path, out: Path) -> Path:
     """Write the PNG; returns its path."""
-    import matplotlib
-
+    matplotlib = require_extra("matplotlib", "plot", "t1async plot")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up t1async on a fresh clone: Debian packages (bubblewrap for the sandbox), a virtual
-# environment in .venv with a CPU build of torch, and the package with its test and megatron extras
+# environment in .venv with a CPU build of torch, and the package with its test, megatron, endpoint and plot extras
 # (megatron-core: the tests compare the Megatron learner backend with the torch one).
 # Idempotent: re-running installs only what is missing.
 set -euo pipefail
@@ -39,5 +39,5 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
 .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0
-.venv/bin/pip install -q --disable-pip-version-check -e '.[test,megatron]'
+.venv/bin/pip install -q --disable-pip-version-check -e '.[test,megatron,endpoint,plot]'
 echo "setup: done (.venv/bin/t1async)"
