@@ -75,6 +75,20 @@ TB1_HELPERS = ("setup-uv-pytest.sh", "run-uv-pytest.sh")
 CONTAINER_PYTHON = "${T1ASYNC_VERIFIER_PYTHON:-python3}"
 """The Python a container's adapted test script runs pytest with (the verifier layer's when built)."""
 
+PYTEST_RUNNER = ("-c 'import os, sys; here = sys.path.pop(0) if sys.path and sys.path[0] in (\"\", os.getcwd()) "
+                 "else None; import pytest; sys.path[:0] = [] if here is None else [here]; sys.argv[0] = \"pytest\"; "
+                 "raise SystemExit(getattr(pytest, \"console_main\", pytest.main)())'")
+"""What follows the Python in an adapted pytest command, in place of ``-m pytest``: pytest is
+imported with the working folder off ``sys.path`` (so an agent-planted ``/app/pytest.py``,
+``_pytest/`` or ``pluggy.py`` cannot stand in for it), then the folder goes back, so the tests
+see what ``python -m pytest`` gives them (``import solution`` from ``/app``), and processes they
+start get an unchanged environment (``python /app/tool.py`` imports its sibling modules)."""
+
+
+def pytest_command(python: str) -> str:
+    """The adapted pytest invocation for ``python`` (see :data:`PYTEST_RUNNER`); arguments follow."""
+    return f"{python} {PYTEST_RUNNER}"
+
 
 class Refusal(Exception):
     """Raised inside the planner with the reason the local backend refuses the task."""
@@ -187,7 +201,7 @@ def classify(command: str, *, test_script: bool, allow_internet: bool, collect: 
             return "true"
         if helper == "run-uv-pytest.sh":
             python = CONTAINER_PYTHON if collect is not None else "python3"
-            return f'{python} -m pytest -rA "$TEST_DIR/test_outputs.py"'
+            return f'{pytest_command(python)} -rA "$TEST_DIR/test_outputs.py"'
     if collect is not None:
         return _classify_container(command, words, head, text, collect)
     if head in ("apt-get", "apt", "aptitude"):
@@ -382,9 +396,9 @@ def _collect_withs(withs: list[str], collect: VerifierNeeds | None) -> None:
 
 
 def _pytest_command(command: str, collect: VerifierNeeds | None = None) -> str | None:
-    """``python3 -m pytest ARGS`` for a pytest invocation through uv/uvx/pytest/python -m pytest,
-    ARGS kept as written (expansions intact), ``-rA`` added when missing, options of absent
-    report plugins dropped. None if ``command`` is not one, or is already fine as written.
+    """``python3 PYTEST_RUNNER ARGS`` (:func:`pytest_command`) for a pytest invocation through
+    uv/uvx/pytest/python -m pytest, ARGS kept as written (expansions intact), ``-rA`` added when
+    missing, options of absent report plugins dropped. None if ``command`` is not one.
     With ``collect`` (container flavour): ``--with`` requirements are recorded there, report
     plugin options always dropped, and the Python is :data:`CONTAINER_PYTHON`."""
     text = command.strip()
@@ -433,7 +447,7 @@ def _pytest_command(command: str, collect: VerifierNeeds | None = None) -> str |
     if index is None:
         return None
     rest = text[words[index][1]:]
-    changed = not (index == 2 and head.startswith("python")) or collect is not None
+    changed = True  # `python -m pytest` as written would import a pytest.py from the working folder
     for package, pattern in _PLUGIN_OPTIONS.items():
         if pattern.search(rest) and (collect is not None or host_python_lacks(package) is not None):
             rest = pattern.sub("", rest)
@@ -442,7 +456,7 @@ def _pytest_command(command: str, collect: VerifierNeeds | None = None) -> str |
         rest = " -rA" + rest
         changed = True
     python = CONTAINER_PYTHON if collect is not None else "python3"
-    return f"{python} -m pytest" + rest if changed else None
+    return pytest_command(python) + rest if changed else None
 
 
 def _commands(text: str) -> Iterator[tuple[str, int, int, int]]:
@@ -508,7 +522,8 @@ def plan_local(task: Task, *, network: bool | None = None) -> None:
                 task.local_test_script = adapted
             if adapted != original or helpers:
                 changed = ", ".join([task.test_script.name] * (adapted != original) + sorted(helpers))
-                notes.append(f"{changed}: test runner downloads replaced by the host's pytest")
+                notes.append(f"{changed}: the test runner is the host's pytest (downloads replaced, the working "
+                             "folder kept off sys.path while pytest is imported)")
     except Refusal as exc:
         task.local_refusal = task.local_refusal or str(exc)
     task.notes = notes

@@ -402,16 +402,18 @@ class TerminalEnv:
         output_name = f"test_output.{secrets.token_hex(6)}.txt"
         run_script = f"bash /tests/{shlex.quote(script)} > /logs/verifier/{output_name} 2>&1"
         cd = f"cd {shlex.quote(self.workdir)}"
-        # PYTHONSAFEPATH: `python3 -m pytest` run from /app must not import an agent-planted
-        # /app/pytest.py or sitecustomize.py (reward hacking); the host's pytest runs.
+        # An agent-planted /app/pytest.py cannot replace pytest: the adapted test script imports
+        # pytest with the working folder off sys.path (envs/adapt.py PYTEST_RUNNER). The script's
+        # environment is otherwise the harness's (no PYTHONSAFEPATH: `python /app/tool.py` run by
+        # a test must import its sibling modules, as under the harness).
         if task.run_tests_in_same_shell:
-            command = f"{cd} && {verifier_env}PYTHONSAFEPATH=1 TEST_DIR=/tests {run_script}"
+            command = f"{cd} && {verifier_env}TEST_DIR=/tests {run_script}"
         elif self.sandbox.builds_image:  # the image's environment, as pid 1 (the container) has it
             command = (f"{cd} && xargs -0 -a /proc/1/environ sh -c 'exec env -i \"$@\" TEST_DIR=/tests "
-                       f"PYTHONSAFEPATH=1 {verifier_env}bash /tests/{shlex.quote(script)}' sh > /logs/verifier/{output_name} 2>&1")
+                       f"{verifier_env}bash /tests/{shlex.quote(script)}' sh > /logs/verifier/{output_name} 2>&1")
         else:
             assignments = " ".join(shlex.quote(f"{k}={v}") for k, v in self.env.items())
-            command = f"{cd} && env -i {assignments} PYTHONSAFEPATH=1 {run_script}"
+            command = f"{cd} && env -i {assignments} {run_script}"
         started = time.monotonic()
         run = self._exec(command, self.verifier_timeout_s, what="verifier")
         seconds = time.monotonic() - started

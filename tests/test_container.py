@@ -24,7 +24,7 @@ import pytest
 
 from container_support import base_image
 from t1async.config import ContainerConfig
-from t1async.envs.adapt import CONTAINER_PYTHON, VerifierNeeds, adapt_script
+from t1async.envs.adapt import CONTAINER_PYTHON, VerifierNeeds, adapt_script, pytest_command
 from t1async.envs.container import ContainerSandbox, remove_orphan_containers
 from t1async.envs.evaluate import choose_sandbox, short_error
 from t1async.envs.dockerfile import expand_heredocs, from_images, rewrite_from
@@ -115,7 +115,7 @@ def test_container_test_script_moves_installs_to_the_verifier_layer():
     assert needs.debs == ["curl"] and needs.requirements == ["pytest==8.3.5"]  # the ctrf plugin is report-only
     script = task.container_test_script
     assert "astral.sh" not in script and "apt-get" not in script and "uvx" not in script
-    assert f"{CONTAINER_PYTHON} -m pytest /tests/test_outputs.py -rA\n" in script
+    assert f"{pytest_command(CONTAINER_PYTHON)} /tests/test_outputs.py -rA\n" in script
     assert "--ctrf" not in script and "reward.txt" in script
 
 
@@ -123,7 +123,7 @@ def test_tb1_helpers_the_folder_lacks_are_supplied():
     task = load_task(FIXTURES / "tb1-uv-helpers")
     assert task.verifier_needs.requirements == ["iniconfig==2.0.0"]
     lines = [line for line in task.container_test_script.splitlines() if line and not line.startswith("#")]
-    assert lines == ["true", "true", f'{CONTAINER_PYTHON} -m pytest -rA "$TEST_DIR/test_outputs.py"']
+    assert lines == ["true", "true", f'{pytest_command(CONTAINER_PYTHON)} -rA "$TEST_DIR/test_outputs.py"']
     # a helper the tests folder ships is run as written
     needs = VerifierNeeds()
     kept = adapt_script("source $TEST_DIR/setup-uv-pytest.sh\n", test_script=True, allow_internet=False,
@@ -139,7 +139,7 @@ def test_tb1_task_without_run_tests_gets_the_harness_default(tmp_path):
     task = load_task(folder)
     for script, python in ((task.container_test_script, CONTAINER_PYTHON), (task.local_test_script, "python3")):
         lines = [line for line in script.splitlines() if line and not line.startswith("#")]
-        assert lines == ["true", f'{python} -m pytest -rA "$TEST_DIR/test_outputs.py"']
+        assert lines == ["true", f'{pytest_command(python)} -rA "$TEST_DIR/test_outputs.py"']
 
 
 def test_solution_yaml_plain_commands_are_an_oracle(tmp_path):

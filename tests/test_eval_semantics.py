@@ -7,6 +7,8 @@ The fixtures under tests/fixtures/eval were written for t1async:
   (the harness types the next step ahead; it runs once they end);
 * ``tb1-needs-network``: a TB1 oracle that needs network at run time (the TB1 harness gives it);
 * ``tb2-agent-server``: tests that query a server the oracle left running (both harnesses keep it);
+* ``tb2-script-imports``: tests that run ``python /app/tool.py`` (which imports its sibling) and
+  import the agent's module from the working folder, as ``python -m pytest`` from /app allows;
 * ``tb1-broken-pip``: an image whose pip is broken; its tests run pip, so they must see the pip the
   agent left (container only: the local sandbox runs the host's Python).
 
@@ -99,6 +101,15 @@ def test_tb1_block_false_oracle_resolves(tmp_path, sandbox):
     _backend(sandbox)
     row = run_task(EVAL / "tb1-nonblocking", "oracle", tmp_path, sandbox=sandbox)
     assert (row.error, row.passed, row.total, row.resolved) == (None, 2, 2, True), row
+
+
+@pytest.mark.parametrize("sandbox", BACKENDS)
+def test_tests_run_scripts_and_import_from_the_working_folder_as_under_the_harness(tmp_path, sandbox):
+    _backend(sandbox)
+    oracle = run_task(EVAL / "tb2-script-imports", "oracle", tmp_path / "oracle", sandbox=sandbox)
+    assert (oracle.error, oracle.passed, oracle.total, oracle.resolved) == (None, 2, 2, True), oracle
+    noop = run_task(EVAL / "tb2-script-imports", "noop", tmp_path / "noop", sandbox=sandbox)
+    assert (noop.passed, noop.total, noop.resolved) == (0, 2, False), noop
 
 
 @pytest.mark.container

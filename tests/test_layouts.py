@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from t1async.envs.adapt import adapt_script, classify, split_commands, Refusal
+from t1async.envs.adapt import Refusal, adapt_script, classify, pytest_command, split_commands
 from t1async.envs.loading import load_task
 from t1async.envs.task import TaskError
 from t1async.envs.terminal import TerminalEnv, validate_task
@@ -28,7 +28,7 @@ def test_tb1_task_is_loaded():
     assert task.local_refusal is None
     assert [s.instruction for s in task.steps] == ["FROM", "WORKDIR", "COPY"]  # the host-provided install is gone
     script = task.local_test_script
-    assert "curl" not in script and "uv " not in script and "python3 -m pytest $TEST_DIR/test_outputs.py -rA" in script
+    assert "curl" not in script and "uv " not in script and f"{pytest_command('python3')} $TEST_DIR/test_outputs.py -rA" in script
     assert 'if [ "$PWD" = "/" ]; then' in script  # the rest of the script is kept
 
 
@@ -59,7 +59,7 @@ def test_tasks_the_host_cannot_run_are_refused_with_the_reason(tmp_path, name, r
 
 def test_tb2_runner_download_uses_host_pytest_and_reward_file_is_read(tmp_path):
     task = load_task(LAYOUTS / "tb2-reward-file")
-    assert "python3 -m pytest -rA /tests/test_state.py" in task.local_test_script
+    assert f"{pytest_command('python3')} -rA /tests/test_state.py" in task.local_test_script
     assert "--ctrf" not in task.local_test_script
     with TerminalEnv(task, root=tmp_path) as env:
         env.reset()
@@ -84,9 +84,10 @@ def test_split_commands_respects_quotes_and_substitutions():
     ("python3 -m pip install -q 'packaging>=20'", "true"),
     ("curl -LsSf https://astral.sh/uv/0.7.13/install.sh | sh", "true"),
     ("source $HOME/.local/bin/env", "true"),
-    ("uv run pytest /tests/test_x.py", "python3 -m pytest -rA /tests/test_x.py"),
+    ("uv run pytest /tests/test_x.py", f"{pytest_command('python3')} -rA /tests/test_x.py"),
     ("echo hello", None),
-    ("python3 -m pytest -rA /tests", None),
+    # as written it would import an agent's /app/pytest.py: always the guarded runner
+    ("python3 -m pytest -rA /tests", f"{pytest_command('python3')} -rA /tests"),
 ])
 def test_classify_test_script_commands(command, expected):
     assert classify(command, test_script=True, allow_internet=False) == expected

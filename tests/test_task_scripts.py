@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from container_support import base_image
-from t1async.envs.adapt import CONTAINER_PYTHON, Refusal, VerifierNeeds, adapt_script, invoked_test_files
+from t1async.envs.adapt import CONTAINER_PYTHON, Refusal, VerifierNeeds, adapt_script, invoked_test_files, pytest_command
 from t1async.envs.shell_words import parse_command, split_commands
 from t1async.envs.loading import load_task
 from t1async.envs.terminal import validate_task
@@ -77,11 +77,11 @@ def test_a_tasks_own_uv_helpers_are_adapted_by_what_they_do():
     assert "astral.sh" not in setup and "uv " not in setup and "apt-get" not in setup
     assert 'if [ "$PWD" = "/" ]; then' in setup  # the rest runs as written
     assert task.container_helpers["run-uv-pytest.sh"].splitlines()[-1] == (
-        f'{CONTAINER_PYTHON} -m pytest "$TEST_DIR/test_outputs.py" -rA')
+        f'{pytest_command(CONTAINER_PYTHON)} "$TEST_DIR/test_outputs.py" -rA')
     assert "true || true" in task.container_test_script  # the pip line, whose packages the layer holds
     # the local flavour: the same scripts, checked against the host's packages instead
     assert task.local_refusal is None
-    assert task.local_helpers["run-uv-pytest.sh"].splitlines()[-1] == 'python3 -m pytest "$TEST_DIR/test_outputs.py" -rA'
+    assert task.local_helpers["run-uv-pytest.sh"].splitlines()[-1] == f'{pytest_command("python3")} "$TEST_DIR/test_outputs.py" -rA'
     assert "uv add" not in task.local_helpers["setup-uv-pytest.sh"]
 
 
