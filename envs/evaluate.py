@@ -31,15 +31,15 @@ import re
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
 from .protocol import SandboxError
-from .sandbox import check_sandbox_available
+from .sandbox import SANDBOXES, check_sandbox_available
 from .loading import load_task, task_folders
 from .task import LAYOUT_HINT, Task, TaskError
-from .terminal import NETWORK_MODES, TerminalEnv
+from .terminal import DEFAULT_LIMITS, NETWORK_MODES, TerminalEnv, task_limits
 
 
 @dataclass
@@ -201,8 +201,11 @@ def run_task(folder: Path, agent: str, root: Path, *, sandbox: str = "local", po
         task = load_task(folder)
         container = config.env.container if config is not None else None
         keep = agent_processes == "keep"
+        # An image sandbox gets no file-size rlimit, as under the harnesses (docker sets none: a
+        # test may create a sparse file larger than the disk); the local one keeps it (host disk).
+        limits = task_limits(task, replace(DEFAULT_LIMITS, max_file_mb=0)) if SANDBOXES[sandbox].builds_image else None
         make = env_factory or (lambda t, r: TerminalEnv(t, root=r, sandbox=sandbox, command_timeout_s=t.agent_timeout_s,
-                                                        container=container, log_dir=task_logs,
+                                                        container=container, log_dir=task_logs, limits=limits,
                                                         keep_agent_processes=keep, network=network))
         with make(task, root) as env:
             row.network = "on" if env.allow_network else "off"

@@ -9,6 +9,8 @@ The fixtures under tests/fixtures/eval were written for t1async:
 * ``tb2-agent-server``: tests that query a server the oracle left running (both harnesses keep it);
 * ``tb2-script-imports``: tests that run ``python /app/tool.py`` (which imports its sibling) and
   import the agent's module from the working folder, as ``python -m pytest`` from /app allows;
+* ``tb2-sparse-file``: a test that creates a 4 GiB sparse file (no file-size rlimit under the
+  harnesses; container only: the local sandbox keeps its cap to protect the host's disk);
 * ``tb1-broken-pip``: an image whose pip is broken; its tests run pip, so they must see the pip the
   agent left (container only: the local sandbox runs the host's Python).
 
@@ -110,6 +112,15 @@ def test_tests_run_scripts_and_import_from_the_working_folder_as_under_the_harne
     assert (oracle.error, oracle.passed, oracle.total, oracle.resolved) == (None, 2, 2, True), oracle
     noop = run_task(EVAL / "tb2-script-imports", "noop", tmp_path / "noop", sandbox=sandbox)
     assert (noop.passed, noop.total, noop.resolved) == (0, 2, False), noop
+
+
+@pytest.mark.container
+def test_eval_sets_no_file_size_limit_in_a_container_as_the_harnesses(tmp_path):
+    base_image()
+    oracle = run_task(EVAL / "tb2-sparse-file", "oracle", tmp_path / "oracle", sandbox="container")
+    assert (oracle.error, oracle.passed, oracle.total, oracle.resolved) == (None, 2, 2, True), oracle
+    noop = run_task(EVAL / "tb2-sparse-file", "noop", tmp_path / "noop", sandbox="container")
+    assert (noop.passed, noop.total) == (1, 2), noop  # the sparse file works for the no-op agent too
 
 
 @pytest.mark.container
