@@ -182,10 +182,14 @@ STAND_INS: tuple[StandIn, ...] = (
     # setuptools: Python then imports `setuptools` as an empty namespace package and setup.py
     # builds fail ("no attribute 'setup'"). Ubuntu 24.04 has no such folder, and its python3-pip
     # brings setuptools; the stand-in installs python3-setuptools so the folder is whole.
+    # fonts-dejavu-core: tasks draw text with whatever font the image has; chess-best-move's board
+    # (Unicode chess glyphs, drawn at build time) is legible only with one that has them, so the
+    # official image must have such a font (its oracle resolves with DejaVu, and only then).
     StandIn(r"ghcr\.io/laude-institute/t-bench/ubuntu-24-04:.*", "trixie",
-            packages=("tmux", "asciinema", "python3-setuptools"), workdir="/app",
+            packages=("tmux", "asciinema", "python3-setuptools", "fonts-dejavu-core"), workdir="/app",
             differences="Debian trixie stands in for Ubuntu 24.04 (see ubuntu:24.04)" + _TB1
-            + "; python3-setuptools preinstalled (trixie's asciinema leaves a partial setuptools folder)"),
+            + "; python3-setuptools preinstalled (trixie's asciinema leaves a partial setuptools folder); "
+              "fonts-dejavu-core (inferred: chess-best-move's board must be legible)"),
 )
 """Registry images and the stand-in that replaces each, first match wins."""
 

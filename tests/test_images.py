@@ -107,7 +107,7 @@ def test_root_filesystems_keep_the_updates_and_security_archives():
 
 def test_layers_say_what_the_official_images_do():
     config = stand_ins.config_layer_dockerfile("P", stand_in_for("ghcr.io/laude-institute/t-bench/ubuntu-24-04:latest"))
-    assert "tmux asciinema python3-setuptools" in config and "WORKDIR /app" in config.splitlines()
+    assert "tmux asciinema python3-setuptools fonts-dejavu-core" in config and "WORKDIR /app" in config.splitlines()
     py = stand_ins.python_layer_dockerfile("P", "3.13")
     assert "apt-get source --download-only -qq python3.13" in py and "--enable-shared" in py
     assert py.splitlines()[0] == "FROM P"
