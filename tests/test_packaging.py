@@ -96,9 +96,9 @@ def test_the_wheel_holds_every_package_the_tasks_and_the_tokenizer(tmp_path):
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
     env = {**os.environ, "PYTHONPATH": str(site)}
-    code = ("import t1async, t1async.actors.learner, t1async.envs.task\n"
+    code = ("import t1async, t1async.actors.learner, t1async.envs.loading\n"
             "from t1async.actors.rollout import tasks_dir\nfrom t1async.config import EnvConfig\n"
-            "from t1async.envs.task import discover_tasks\nfrom t1async.tokenizer import ChatTokenizer\n"
+            "from t1async.envs.loading import discover_tasks\nfrom t1async.tokenizer import ChatTokenizer\n"
             "print(t1async.__file__); print(len(discover_tasks(tasks_dir(EnvConfig()), []))); ChatTokenizer.load()")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env,
                          timeout=300)
