@@ -1,4 +1,4 @@
-"""Ray actor roles (plain classes; ``ray.remote`` is applied in :mod:`t1async.launch`)."""
+"""Ray actor roles (plain classes; ``ray.remote`` is applied in :mod:`t1async.service.launch`)."""
 
 from typing import Any
 

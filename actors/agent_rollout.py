@@ -3,7 +3,7 @@ through the OpenAI-compatible endpoint; the trajectory is built from the endpoin
 
 Data path of one episode::
 
-    task --reset--> sandbox; session on the actor's endpoint (t1async/openai_endpoint.py)
+    task --reset--> sandbox; session on the actor's endpoint (t1async/rollout/openai_endpoint.py)
     agent program started with OPENAI_BASE_URL=<endpoint>/s/<session>/v1, T1ASYNC_SANDBOX_URL,
         T1ASYNC_INSTRUCTION, T1ASYNC_MAX_TURNS (its own prompts, its own loop)
         /v1/chat/completions -> prompt ids (previous completion extended, or a new segment after
@@ -40,9 +40,9 @@ from t1async.actors.rollout import EpisodeBuilder, EpisodeError, context_limit, 
 from t1async.config import EnvConfig, GenerationConfig, ModelConfig, RolloutConfig
 from t1async.envs.task import Task
 from t1async.envs.terminal import TerminalEnv
-from t1async.openai_endpoint import CompletionRecord, OpenAIEndpoint, SessionLimits
-from t1async.sampler_client import Sampler
-from t1async.tokenizer import ChatTokenizer
+from t1async.rollout.openai_endpoint import CompletionRecord, OpenAIEndpoint, SessionLimits
+from t1async.sampling.sampler_client import Sampler
+from t1async.models.tokenizer import ChatTokenizer
 from t1async.trajectory import TURN_ABORTED, TURN_LENGTH_CUT, Trajectory
 
 HISTORY_BREAK = "history_break"

@@ -239,7 +239,7 @@ class Controller:
 
     def sampler_urls(self) -> list[str] | None:
         """The samplers rollout actors may use now (each actor asks at the start of an episode
-        and when its sampler is unavailable: t1async.sampler_client.RoutedSampler); None when
+        and when its sampler is unavailable: t1async.sampling.sampler_client.RoutedSampler); None when
         never given (the actors keep the list they were started with)."""
         with self._cond:
             return list(self._sampler_urls) if self._sampler_urls is not None else None

@@ -6,7 +6,7 @@ Data path (one process):
     frames counted, quarantined and REJected; append to the receive log, one flush per burst
     of waiting messages, then ACK)-->
     bounded queue (messages and bytes) --(run loop: staleness and abnormal-end filter
-    (``learner.abnormal``, t1async/abnormal.py), batch of ``batch_size``)
+    (``learner.abnormal``, t1async/learner/abnormal.py), batch of ``batch_size``)
     --> critic values, GAE --> decoupled-PPO update with routing replay --> every
     ``publish_every`` steps: version + 1, broadcast to every sampler --> metrics.jsonl,
     checkpoints (weights + the ids they consumed, renamed into place atomically).
@@ -16,7 +16,7 @@ windows and spools fill and their ``send`` waits (backpressure). ``run`` returns
 ``max_steps`` or when :meth:`stop` is called (Ctrl-C); either way a final checkpoint is written.
 With ``learner.resume`` the learner restarts from its latest checkpoint and first re-queues the
 receive log's trajectories that checkpoint had not consumed: nothing lost, nothing trained twice
-(the exact guarantee is in t1async/delivery.py).
+(the exact guarantee is in t1async/transport/delivery.py).
 """
 
 from __future__ import annotations
@@ -33,20 +33,20 @@ import numpy as np
 import torch
 from loguru import logger
 
-from t1async.abnormal import (DROP_REASONS, drop_detail, drop_reason, finish_counts, masked_turns, policy_mask,
+from t1async.learner.abnormal import (DROP_REASONS, drop_detail, drop_reason, finish_counts, masked_turns, policy_mask,
                               tool_call_counts, turn_counts)
 from t1async.actors import call
-from t1async.backend import LearnerBackend, chunk_size, make_backend
+from t1async.learner.backend import LearnerBackend, chunk_size, make_backend
 from t1async.config import GenerationConfig, LearnerConfig, ModelConfig, TransportConfig, WeightSyncConfig
-from t1async.delivery import (ByteQueue, ConsumedLedger, ReceiveLog, commit, latest_checkpoint, read_consumed,
+from t1async.transport.delivery import (ByteQueue, ConsumedLedger, ReceiveLog, commit, latest_checkpoint, read_consumed,
                               rotate_checkpoints, staging_dir, write_consumed)
-from t1async.rl import gae, group_baselines, k3, micro_batches, policy_loss, routing_differs, value_loss
-from t1async.tokenizer import ChatTokenizer
-from t1async.torch_backend import ValueModel  # noqa: F401  (the critic's home before the backends; tests import it here)
+from t1async.learner.rl import gae, group_baselines, k3, micro_batches, policy_loss, routing_differs, value_loss
+from t1async.models.tokenizer import ChatTokenizer
+from t1async.learner.torch_backend import ValueModel  # noqa: F401  (the critic's home before the backends; tests import it here)
 from t1async.trajectory import Trajectory, TrajectoryError, decode
-from t1async.transcripts import write_transcripts
-from t1async.transport import Delivery, ZmqReceiver
-from t1async.weight_sync import WeightSyncError, make_weight_sync
+from t1async.rollout.transcripts import write_transcripts
+from t1async.transport.transport import Delivery, ZmqReceiver
+from t1async.weights.weight_sync import WeightSyncError, make_weight_sync
 
 MAX_QUARANTINED_FILES = 100
 GROUP_COMMIT_BYTES = 256 << 20  # most bytes stored with one receive-log flush (held in memory until ACKed)
@@ -81,7 +81,7 @@ class Learner:
         weight_sync: how to broadcast weights.
         run_dir: run directory (metrics.jsonl, checkpoints/, quarantine/, receive_log/).
         generation: the samplers' temperature, top-k and top-p: the learner scores every sampled
-            token under the same processed distribution (t1async.rl.processed_logprobs), so that
+            token under the same processed distribution (t1async.learner.rl.processed_logprobs), so that
             log pi_prox, log pi_theta and the behaviour log mu are of one distribution. None: the
             defaults (temperature 1, no truncation).
         seed: seed of the model init (the same init for every ``learner.backend``).
@@ -104,7 +104,7 @@ class Learner:
         self.run_dir = Path(run_dir)
         resume_from = latest_checkpoint(self.run_dir / "checkpoints") if cfg.resume else None
         # policy, critic, KL reference (the warm start, frozen, loaded from init_checkpoint so a
-        # resumed run keeps it) and their optimisers: t1async/backend.py
+        # resumed run keeps it) and their optimisers: t1async/learner/backend.py
         self.backend: LearnerBackend = make_backend(cfg.backend, cfg, model_cfg, self.generation,
                                                     resume_from or cfg.init_checkpoint or None)
         self.version = 0
@@ -184,7 +184,7 @@ class Learner:
                            "holes": self._consumed.holes(), "others": len(self._consumed.others)}}
 
     def set_live(self, changes: dict[str, Any]) -> None:
-        """Change live-safe settings (``lr``, ``max_staleness``, ``max_steps``; t1async/control.py):
+        """Change live-safe settings (``lr``, ``max_staleness``, ``max_steps``; t1async/service/control.py):
         each is read afresh by the next step."""
         for key, value in changes.items():
             if key not in ("lr", "max_staleness", "max_steps"):
@@ -440,7 +440,7 @@ class Learner:
 
     def _keep(self, traj: Trajectory) -> bool:
         """Whether ``traj`` may be trained: within the staleness bound and not to be dropped for an
-        abnormal end (:func:`t1async.abnormal.drop_reason`); otherwise it is dropped and counted."""
+        abnormal end (:func:`t1async.learner.abnormal.drop_reason`); otherwise it is dropped and counted."""
         staleness = self.version - traj.min_version
         if staleness > self.cfg.max_staleness:
             self.counters["dropped_stale"] += 1
@@ -552,7 +552,7 @@ class Learner:
         (``learner.micro_batch_tokens``; right-padded, the padding masked out of every sum).
 
         Two masks per trajectory: ``vmask`` (every sampled token) and ``mask``, the policy's
-        (:func:`t1async.abnormal.policy_mask`: ``vmask`` less the turns set to ``mask_turn``).
+        (:func:`t1async.learner.abnormal.policy_mask`: ``vmask`` less the turns set to ``mask_turn``).
         GAE runs over every sampled token, so the raw advantages of the tokens kept are those
         without masking; the masked tokens leave the policy loss and the advantage whitening. The
         critic still trains on them: their states were really visited and their returns really
@@ -659,7 +659,7 @@ class Learner:
 
         Returns ``inp``, ``tgt`` (int64; padding id 0), ``valid`` (bool: a real position),
         ``vmask`` (float: every sampled token), ``mask`` (float: the policy's,
-        :func:`t1async.abnormal.policy_mask`), ``mu`` (float32 sampler log-probs, 0 on padding),
+        :func:`t1async.learner.abnormal.policy_mask`), ``mu`` (float32 sampler log-probs, 0 on padding),
         ``recorded`` (int64 ``[B, T, L, K]`` routed experts; padding holds the distinct ids
         ``arange(K) % num_experts``, as Megatron's replay needs) and ``replay`` (``recorded``
         under ``learner.routing_replay``, else None), all on ``dev``.
@@ -687,7 +687,7 @@ class Learner:
         return out
 
     def _group_baselines(self, batch: list[Trajectory]) -> list[float | None]:
-        """:func:`t1async.rl.group_baselines` of ``batch`` (trained as step ``self.step + 1``), then
+        """:func:`t1async.learner.rl.group_baselines` of ``batch`` (trained as step ``self.step + 1``), then
         remember its rewards for the next ``group_window_steps`` steps (older ones are forgotten)."""
         step, window = self.step + 1, self.cfg.group_window_steps
         rewards = [episode_reward(t, self.cfg.reward) for t in batch]

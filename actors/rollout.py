@@ -12,7 +12,7 @@ Data path of one episode (TITO: token in, token out; see DESIGN.md section 4):
         observation, rendered on its own (loss mask 0)
     verifier -> per-test results, reward = tests passed
     trim the stream after the last sampled token; encode; hand to the sender (it spools,
-    sends and resends until the learner acknowledges; see t1async/transport.py)
+    sends and resends until the learner acknowledges; see t1async/transport/transport.py)
 
 Nothing already in the stream is ever re-tokenized. Turn boundaries, case by case (tested in
 tests/test_tito.py):
@@ -28,7 +28,7 @@ tests/test_tito.py):
   observation says so (:data:`ABORT_NOTE`), the episode goes on;
 - unparseable text (special-token ids sampled mid-turn, bytes that are not UTF-8): the command is
   the decoded text as is; the ids stay exactly as sampled;
-- ``env.action_format`` tool_call (t1async/actions.py): the command is the ``bash`` call's
+- ``env.action_format`` tool_call (t1async/rollout/actions.py): the command is the ``bash`` call's
   argument; a malformed call is not run, its observation is the error message and its status a
   tool-call error code (a cut turn stays length-cut); observations are ``<tool_response>`` user
   turns. The ids are kept and repaired exactly as above.
@@ -58,18 +58,18 @@ from typing import Any
 import numpy as np
 from loguru import logger
 
-from t1async.actions import observation_ids, parse_action, prompt_ids, template_turn_ids
+from t1async.rollout.actions import observation_ids, parse_action, prompt_ids, template_turn_ids
 from t1async.actors import call
 from t1async.config import EnvConfig, GenerationConfig, ModelConfig, RolloutConfig, TransportConfig
 from t1async.envs.limits import unmount_all_under
 from t1async.envs.task import Task, discover_tasks
 from t1async.envs.terminal import TerminalEnv
 from t1async.fileio import claim_folder, dead_owner_folders
-from t1async.sampler_client import HttpSampler, RoutedSampler, Sampler, SamplerError
-from t1async.tokenizer import ChatTokenizer
+from t1async.sampling.sampler_client import HttpSampler, RoutedSampler, Sampler, SamplerError
+from t1async.models.tokenizer import ChatTokenizer
 from t1async.trajectory import (TOOL_CALL_CODES, TURN_ABORTED, TURN_COMMAND_TIMEOUT, TURN_CUT_NOT_RUN,
                                 TURN_LENGTH_CUT, TURN_SANDBOX_REFUSED, EncodedTrajectory, Trajectory)
-from t1async.transport import TrajectorySender, ZmqSender
+from t1async.transport.transport import TrajectorySender, ZmqSender
 
 CUT_NOTE = "[your message was cut at the limit of {n} tokens; the command was not run]"
 """Observation of a turn cut at ``max_new_tokens`` whose command was not run (``{n}``: the limit)."""
@@ -178,7 +178,7 @@ def template_renders_differently(tokenizer: ChatTokenizer, turn_ids: list[int], 
     They differ when re-encoding the decoded text merges or splits tokens (inside it or across
     the ``assistant\n`` header), when the turn holds a special id (eos, ``<|im_start|>``) or
     bytes that are not UTF-8. With ``action_format`` tool_call the template re-renders a valid call
-    from its parsed JSON (:func:`t1async.actions.template_turn_ids`): other spacing, key order or
+    from its parsed JSON (:func:`t1async.rollout.actions.template_turn_ids`): other spacing, key order or
     escapes in the sampled JSON count too.
     """
     body, _ = split_turn(turn_ids, (tokenizer.im_end_id, tokenizer.eos_id))
@@ -292,7 +292,7 @@ class RolloutActor:
         actor_id: this actor's number (also picks its sampler: ``sampler_urls[actor_id % M]``).
         env_cfg, gen_cfg, model_cfg, transport: config sections.
         sampler_urls: base URLs of the samplers at start; the live list comes from the controller's
-            ``sampler_urls()`` when it has one (:class:`~t1async.sampler_client.RoutedSampler`: asked
+            ``sampler_urls()`` when it has one (:class:`~t1async.sampling.sampler_client.RoutedSampler`: asked
             per episode; a request a sampler cannot take goes to another).
         endpoint: the learner's ZeroMQ address.
         crash_after_episodes: fault injection for tests (0 = off).
@@ -326,7 +326,7 @@ class RolloutActor:
         self.rollout_cfg = rollout_cfg or RolloutConfig()
         self.endpoint = None
         if self.rollout_cfg.agent == "external":
-            from t1async.openai_endpoint import OpenAIEndpoint
+            from t1async.rollout.openai_endpoint import OpenAIEndpoint
 
             self.endpoint = OpenAIEndpoint(self.tokenizer)
         self._audit = None

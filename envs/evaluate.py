@@ -129,9 +129,9 @@ class PolicyAgent:
     def __init__(self, checkpoint: str | Path, config: Any = None):
         from t1async.actors.sampler import EmbeddedSampler
         from t1async.config import Config, load_config
-        from t1async.model import Qwen3MoeForCausalLM, model_config_from_hf
-        from t1async.sampler_client import HttpSampler
-        from t1async.tokenizer import ChatTokenizer
+        from t1async.models.model import Qwen3MoeForCausalLM, model_config_from_hf
+        from t1async.sampling.sampler_client import HttpSampler
+        from t1async.models.tokenizer import ChatTokenizer
 
         path = Path(checkpoint)
         if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
@@ -151,7 +151,7 @@ class PolicyAgent:
             raise TaskError(f"policy checkpoint {path}: {stage} cannot be loaded ({type(exc).__name__}: {first}); "
                             "pass a checkpoint folder written by the learner (RUN_DIR/checkpoints/step_N)") from None
         from t1async.config import ConfigError
-        from t1async.tokenizer import check_model_vocab
+        from t1async.models.tokenizer import check_model_vocab
 
         try:  # tool calls need the tool tokens' rows (the command format never checked small test models)
             if self.cfg.env.action_format == "tool_call":

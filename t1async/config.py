@@ -112,7 +112,7 @@ class SamplerConfig:
 
     backend: str = "embedded"
     """``embedded`` (PyTorch engine in a Ray actor) or ``sglang`` (``sglang.launch_server`` processes
-    started by launch, or the running servers in ``urls``; t1async/sglang_server.py)."""
+    started by launch, or the running servers in ``urls``; t1async/sampling/sglang_server.py)."""
     num_samplers: int = 1
     """Samplers to start (M; ignored when ``urls`` is set)."""
     urls: list[str] = field(default_factory=list)
@@ -124,7 +124,7 @@ class SamplerConfig:
     prefix_cache: int = 32
     """Sequences whose KV cache and routing rows the embedded engine keeps for reuse by the
     next turn of the same episode (LRU; 0 = off). Keeps each position's routing row the one
-    that shaped later tokens (see t1async/engine.py). Keep it >= the episodes one sampler
+    that shaped later tokens (see t1async/sampling/engine.py). Keep it >= the episodes one sampler
     serves at once, or concurrent episodes evict each other's prefixes."""
     prefill_chunk: int = 0
     """Embedded engine: feed prompts in chunks of at most this many tokens (0 = one forward)."""
@@ -158,7 +158,7 @@ class GenerationConfig:
     """Nucleus mass kept (1.0 keeps all)."""
     top_k: int = -1
     """Keep only the k most likely tokens (>= 1; -1 keeps all). The sampler reports, and the
-    learner scores, log-probs of this processed distribution (t1async.rl.processed_logprobs)."""
+    learner scores, log-probs of this processed distribution (t1async.learner.rl.processed_logprobs)."""
 
 
 @dataclass
@@ -256,7 +256,7 @@ class EnvConfig:
     )
     """System message that opens every episode (``action_format`` command)."""
     action_format: str = "command"
-    """How the policy acts (t1async/actions.py): ``command`` (the assistant message is the shell
+    """How the policy acts (t1async/rollout/actions.py): ``command`` (the assistant message is the shell
     command) or ``tool_call`` (Qwen3 tool calls of a declared ``bash`` tool, results as
     ``<tool_response>`` turns; needs ``model.vocab_size`` >= 4100 for the tool tokens). Rollouts,
     ``t1async sft`` demonstrations and the eval ``policy:`` agent all use it."""
@@ -315,7 +315,7 @@ class RolloutConfig:
     agent: str = "builtin"
     """Who drives an episode: ``builtin`` (the rollout loop of actors/rollout.py) or ``external``
     (the program ``agent_command``, talking to an OpenAI-compatible endpoint that records every
-    completion token-exactly; t1async/openai_endpoint.py, actors/agent_rollout.py). Needs
+    completion token-exactly; t1async/rollout/openai_endpoint.py, actors/agent_rollout.py). Needs
     ``model.vocab_size`` >= 4100 (tool calls use the tool-call special ids)."""
     agent_command: str = ""
     """``rollout.agent: external``: the agent program, split like a shell line (a first word
@@ -336,7 +336,7 @@ class RolloutConfig:
 class TransportConfig:
     """Trajectory transport: ZeroMQ DEALER (rollout actors) -> ROUTER (learner), acknowledged.
 
-    Delivery is at least once, de-duplicated by trajectory id (see t1async/transport.py): an actor
+    Delivery is at least once, de-duplicated by trajectory id (see t1async/transport/transport.py): an actor
     spools each trajectory to disk, sends it, and frees its file (for reuse) when the learner
     acknowledges it after appending it to its durable receive log (RUN_DIR/receive_log).
     """
@@ -391,7 +391,7 @@ class TransportConfig:
 
 @dataclass
 class WeightSyncConfig:
-    """How the learner hands its weights to every sampler (t1async/weight_sync.py)."""
+    """How the learner hands its weights to every sampler (t1async/weights/weight_sync.py)."""
 
     mode: str = "distributed"
     """``distributed``: SGLang's ``/update_weights_from_distributed``, the learner broadcasts each
@@ -472,7 +472,7 @@ class AbnormalConfig:
 
 @dataclass
 class MegatronConfig:
-    """``learner.backend: megatron``: megatron-core's GPTModel (t1async/megatron_backend.py)."""
+    """``learner.backend: megatron``: megatron-core's GPTModel (t1async/learner/megatron/backend.py)."""
 
     tensor_parallel: int = 1
     """Tensor-parallel size T (must divide the attention heads, key/value heads, vocabulary and
@@ -494,8 +494,8 @@ class MegatronConfig:
     every MoE layer and forwards ceil(B/N) of the rows of each ``[B, T]`` micro-batch (the last
     chunks filled up with dummy rows: with ``learner.micro_batch_tokens`` 0, B = 1 and only rank
     0 does useful work); rank 0 gathers the outputs, so metrics and the learner's loss are the
-    same as with one process (shared gradients summed over ranks; t1async/megatron_backend.py,
-    t1async/megatron_ranks.py)."""
+    same as with one process (shared gradients summed over ranks; t1async/learner/megatron/backend.py,
+    t1async/learner/megatron/ranks.py)."""
     distributed_optimizer: bool = True
     """With P = ``expert_parallel`` > 1: the weights every data-parallel rank holds (all but the
     experts) keep their float32 masters and AdamW moments sharded, 1/P per rank (ZeRO stage 1, as
@@ -512,7 +512,7 @@ class MegatronConfig:
     dtype: str = "float32"
     """Parameter and compute dtype: float32 or bfloat16 (router and value head stay float32). With
     bfloat16, AdamW steps float32 master copies of the weights and rounds them into the model
-    (t1async.backend.MasterWeightAdamW): stepped in bfloat16 directly, nearly every update at RL
+    (t1async.learner.backend.MasterWeightAdamW): stepped in bfloat16 directly, nearly every update at RL
     learning rates would round away."""
     device: str = "auto"
     """``cpu``, ``cuda`` (the current CUDA device), ``cuda:K`` or ``auto`` (cuda when available).
@@ -575,7 +575,7 @@ class LearnerConfig:
     advantage: str = "gae"
     """How each sampled token's advantage is estimated: ``gae`` (the critic, GAE over sampled
     tokens) or ``group`` (leave-one-out: the episode's reward less the mean reward of the other
-    episodes of its task, the same for every token; :func:`t1async.rl.group_baselines`; with
+    episodes of its task, the same for every token; :func:`t1async.learner.rl.group_baselines`; with
     ``rollout.group_size`` > 1 so each task's episodes come in groups). A trajectory with no peer
     of its task falls back to GAE; ``group_baselined_frac`` in metrics.jsonl is the share that had
     one. The critic trains either way unless ``critic`` is off."""
@@ -626,7 +626,7 @@ class LearnerConfig:
     (it then publishes anyway, logged, and drops what that makes too stale)."""
     micro_batch_tokens: int = 4096
     """Trajectories trained in one padded forward and backward, up to this many positions
-    (sequences x the longest, :func:`t1async.rl.micro_batches`; longest first). Results equal
+    (sequences x the longest, :func:`t1async.learner.rl.micro_batches`; longest first). Results equal
     one forward per trajectory up to float summation order (tests/test_learner.py); fewer,
     larger matmuls are faster (``t1async bench micro-batch``). 0 = one trajectory per micro-batch."""
     max_tokens_per_chunk: int = 4096
@@ -635,7 +635,7 @@ class LearnerConfig:
     (100k tokens and more) fits in memory: the LM head and its log-probs run this many positions at
     a time and every decoder layer is activation-checkpointed (recomputed in the backward). On
     both backends; the ``megatron`` one recomputes each layer with the experts its forward used
-    (replayed, or the router's own, checked: t1async/megatron_model.py ``LayerRecompute``).
+    (replayed, or the router's own, checked: t1async/learner/megatron/model.py ``LayerRecompute``).
     Log-probs, values and routing are those of one plain forward, gradients equal up to float
     summation order (tests/test_long_horizon.py, tests/test_megatron.py). Each step's metrics count
     the micro-batches trained so (``chunked_micro_batches``). Memory and time on the episode of
@@ -644,7 +644,7 @@ class LearnerConfig:
     abnormal: AbnormalConfig = field(default_factory=AbnormalConfig)
     """What to train of episodes and turns that did not end normally (see :class:`AbnormalConfig`)."""
     backend: str = "torch"
-    """Training engine: ``torch`` (plain PyTorch, t1async/model.py; the CPU default) or
+    """Training engine: ``torch`` (plain PyTorch, t1async/models/model.py; the CPU default) or
     ``megatron`` (megatron-core GPTModel, ``pip install 't1async[megatron]'``). Checkpoints are
     Hugging Face safetensors either way, so a resumed run may switch."""
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
@@ -658,7 +658,7 @@ class LearnerConfig:
 
 @dataclass
 class MismatchConfig:
-    """``t1async mismatch``: training-vs-inference mismatch of one set of rollouts (t1async/mismatch.py)."""
+    """``t1async mismatch``: training-vs-inference mismatch of one set of rollouts (t1async/commands/mismatch.py)."""
 
     episodes: int = 8
     """Episodes to roll out (tasks taken in turn from ``env.tasks`` or every shipped task)."""
@@ -684,7 +684,7 @@ class MismatchConfig:
 
 @dataclass
 class SftConfig:
-    """``t1async sft``: supervised warm start on oracle demonstrations (t1async/sft.py)."""
+    """``t1async sft``: supervised warm start on oracle demonstrations (t1async/commands/sft.py)."""
 
     steps: int = 400
     """Optimizer steps."""

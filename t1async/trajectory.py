@@ -110,7 +110,7 @@ TURN_CUT_NOT_RUN = 5
 TOOL_CALL_ERRORS = {6: "no_tool_call", 7: "unbalanced", 8: "bad_json", 9: "unknown_tool", 10: "bad_arguments",
                     11: "multiple_calls"}
 """``turn_status`` code -> reason of a malformed tool call (``env.action_format`` tool_call, see
-t1async/actions.py): the call was not run, the agent saw an error observation."""
+t1async/rollout/actions.py): the call was not run, the agent saw an error observation."""
 TOOL_CALL_CODES = {reason: code for code, reason in TOOL_CALL_ERRORS.items()}
 """Reason -> ``turn_status`` code of a malformed tool call (the inverse of :data:`TOOL_CALL_ERRORS`)."""
 TURN_STATUS = {TURN_OK: "ok", TURN_LENGTH_CUT: "length_cut", TURN_ABORTED: "aborted",
@@ -197,7 +197,7 @@ _ID_STREAM: tuple[int, str, Any] = (-1, "", None)  # (pid, stream, counter) of t
 def new_trajectory_id() -> str:
     """A fresh id ``<stream>-<seq>``: ``stream`` is 16 hex digits drawn once per process (a
     rollout actor's life), ``seq`` counts up from 0 in that process. The learner's consumed-id
-    ledger (:class:`t1async.delivery.ConsumedLedger`) keeps one high-water mark per stream
+    ledger (:class:`t1async.transport.delivery.ConsumedLedger`) keeps one high-water mark per stream
     instead of every id, so its size does not grow with the trajectories trained."""
     global _ID_STREAM
     pid, stream, counter = _ID_STREAM

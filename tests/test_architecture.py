@@ -1,7 +1,7 @@
 """Dependency direction: the core package never imports Ray, the roles or the environment layer.
 
-Only ``t1async/launch.py`` (and the CLI through it) wires roles, Ray and environments together
-(``t1async/mismatch.py``, a measuring tool, and ``t1async/sft.py``, the warm start, wire a
+Only ``t1async/service/launch.py`` (and the CLI through it) wires roles, Ray and environments together
+(``t1async/commands/mismatch.py``, a measuring tool, and ``t1async/commands/sft.py``, the warm start, wire a
 sampler or the rollout loop and environments in one process, without Ray),
 so every core module stays usable in one process (tests) and on a cluster alike.
 """
@@ -12,11 +12,11 @@ import ast
 from pathlib import Path
 
 CORE = Path(__file__).resolve().parents[1] / "t1async"
-ALLOWED = {"launch.py", "cli.py", "mismatch.py", "sft.py",  # tools that wire the rollout loop and envs in one process
-           "service.py",  # the launch process's supervision of the Ray roles (status, restarts, live changes)
-           "sampler_pool.py",  # the launch process's embedded samplers (live scaling, restarts)
-           "reaper.py",  # the launch's clean-up process: detaches sandbox mounts (envs.limits) after a kill -9
-           "megatron_ranks.py"}  # expert_parallel > 1 only: the megatron backend's other ranks are Ray actors
+ALLOWED = {"service/launch.py", "cli.py", "commands/mismatch.py", "commands/sft.py",  # tools that wire the rollout loop and envs in one process
+           "service/service.py",  # the launch process's supervision of the Ray roles (status, restarts, live changes)
+           "service/sampler_pool.py",  # the launch process's embedded samplers (live scaling, restarts)
+           "service/reaper.py",  # the launch's clean-up process: detaches sandbox mounts (envs.limits) after a kill -9
+           "learner/megatron/ranks.py"}  # expert_parallel > 1 only: the megatron backend's other ranks are Ray actors
 FORBIDDEN = ("ray", "t1async.actors", "t1async.envs")
 
 
@@ -32,14 +32,14 @@ def imported_modules(path: Path) -> set[str]:
 
 def test_core_modules_do_not_import_ray_roles_or_envs():
     offenders = {}
-    for path in sorted(CORE.glob("*.py")):
-        if path.name in ALLOWED:
+    for path in sorted(CORE.rglob("*.py")):
+        if str(path.relative_to(CORE)) in ALLOWED:
             continue
         bad = [m for m in imported_modules(path) if any(m == f or m.startswith(f + ".") for f in FORBIDDEN)]
         if bad:
-            offenders[path.name] = bad
+            offenders[str(path.relative_to(CORE))] = bad
     assert offenders == {}
 
 
 def test_the_check_sees_imports():
-    assert "ray" in imported_modules(CORE / "launch.py")
+    assert "ray" in imported_modules(CORE / "service" / "launch.py")

@@ -26,9 +26,9 @@ import zmq
 
 from t1async.actors.learner import Learner
 from t1async.config import LearnerConfig, ModelConfig, TransportConfig, WeightSyncConfig
-from t1async.delivery import read_consumed
+from t1async.transport.delivery import read_consumed
 from t1async.trajectory import Trajectory, TrajectoryError, decode, encode
-from t1async.transport import PROTOCOL, REJECT, ZmqSender
+from t1async.transport.transport import PROTOCOL, REJECT, ZmqSender
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = ModelConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,

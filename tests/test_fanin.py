@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from t1async.transport import ZmqReceiver, ZmqSender
+from t1async.transport.transport import ZmqReceiver, ZmqSender
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 from bench_fanin import run_fanin  # noqa: E402
@@ -77,7 +77,7 @@ def test_on_ack_callback_error_does_not_stop_deliveries(tmp_path):
 
 
 def test_receive_log_group_commit_flushes_once_and_forgets_what_a_failed_flush_lost(tmp_path, monkeypatch):
-    from t1async.delivery import ReceiveLog
+    from t1async.transport.delivery import ReceiveLog
 
     calls = []
     real = os.fdatasync

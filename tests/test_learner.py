@@ -12,17 +12,17 @@ import numpy as np
 import pytest
 import torch
 
-from t1async.abnormal import policy_mask
+from t1async.learner.abnormal import policy_mask
 from t1async.actors.learner import Learner
 from t1async.actors.sampler import EmbeddedSampler
 from t1async.config import (AbnormalConfig, GenerationConfig, LearnerConfig, ModelConfig, SamplerConfig,
                             TransportConfig, WeightSyncConfig)
-from t1async.delivery import read_consumed
-from t1async.engine import Engine, SamplingParams
-from t1async.model import Qwen3MoeForCausalLM
-from t1async.rl import token_logprobs
+from t1async.transport.delivery import read_consumed
+from t1async.sampling.engine import Engine, SamplingParams
+from t1async.models.model import Qwen3MoeForCausalLM
+from t1async.learner.rl import token_logprobs
 from t1async.trajectory import TURN_ABORTED, TURN_COMMAND_TIMEOUT, TURN_CUT_NOT_RUN, Trajectory, encode
-from t1async.transport import ZmqSender
+from t1async.transport.transport import ZmqSender
 
 MODEL = ModelConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                     head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
@@ -450,7 +450,7 @@ def test_each_step_counts_the_micro_batches_it_trained_in_chunks(tmp_path):
 
 
 def test_micro_batches_group_longest_first_within_the_token_budget():
-    from t1async.rl import micro_batches
+    from t1async.learner.rl import micro_batches
 
     lengths = [10, 40, 25, 40, 5, 100]
     # longest first: 100 alone; 2 x 40 (a third: 3 x 40 > 100); 25, 10, 5 padded to 3 x 25
@@ -723,7 +723,7 @@ def test_16_bit_parameters_are_stepped_through_float32_master_weights():
     take the float32 AdamW steps (same gradients: the same values to float32 rounding), the
     bfloat16 parameters are their masters rounded, and a state-dict round trip restores the
     masters bitwise. float32 parameters are stepped in place with AdamW's own state dict."""
-    from t1async.backend import MasterWeightAdamW
+    from t1async.learner.backend import MasterWeightAdamW
 
     torch.manual_seed(0)
     w = torch.randn(64, 64) * 0.05
@@ -774,7 +774,7 @@ def test_a_bfloat16_learner_moves_its_weights_at_rl_learning_rates():
     about as many elements as float32 training moves (both above 80 %); the same backend with
     plain AdamW stepping its bfloat16 weights (as before MasterWeightAdamW) moves under 10 %."""
     from t1async.config import GenerationConfig
-    from t1async.torch_backend import TorchBackend
+    from t1async.learner.torch_backend import TorchBackend
 
     model = ModelConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,

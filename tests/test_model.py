@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from t1async.config import ModelConfig
-from t1async.model import (KVCache, Qwen3MoeForCausalLM, model_config_from_hf,
+from t1async.models.model import (KVCache, Qwen3MoeForCausalLM, model_config_from_hf,
                            model_config_to_hf)
 
 CFG = ModelConfig(vocab_size=512, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from t1async.rl import gae, group_baselines, policy_loss, token_logprobs, value_loss
+from t1async.learner.rl import gae, group_baselines, policy_loss, token_logprobs, value_loss
 
 
 def test_gae_matches_direct_definition():

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from t1async.spool import Spool, _capacity
+from t1async.transport.spool import Spool, _capacity
 from t1async.trajectory import EncodedTrajectory, Trajectory, decode, encode
 
 

@@ -10,7 +10,7 @@ Prints ONE JSON object. Per actor count N (``--actors 16,128,512``), three kinds
   thread takes each trajectory off that queue at once (an infinitely fast trainer), so what is
   measured is the receive path alone. It samples its own CPU time, RSS and counters every 0.1 s.
 - actors (``--procs`` subprocesses, N/procs logical actors each): every logical actor is a real
-  :class:`~t1async.transport.ZmqSender` (its own DEALER socket and ZeroMQ identity, its own
+  :class:`~t1async.transport.transport.ZmqSender` (its own DEALER socket and ZeroMQ identity, its own
   I/O thread, its own spool folder under one shared spool root, the default window and
   ``ack_timeout_s``), sending real frames (:class:`~t1async.trajectory.EncodedTrajectory`,
   ``--tokens`` tokens, 100 turns, routed experts [T-1, layers, top_k] of ``--shape``) under ids of its own stream
@@ -138,7 +138,7 @@ def actors_main(spec: dict[str, Any]) -> None:
     import zmq
 
     from t1async.trajectory import EncodedTrajectory
-    from t1async.transport import ZmqSender
+    from t1async.transport.transport import ZmqSender
 
     zmq.Context.instance().set(zmq.MAX_SOCKETS, 8 * spec["actors"] + 64)  # 3 sockets per sender
     traj = make(spec["tokens"], *spec["shape"], seed=os.getpid())

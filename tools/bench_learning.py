@@ -122,7 +122,7 @@ def fitting_families(cfg: Config) -> list[str]:
     import random
 
     from t1async.envs.synth import FAMILIES, TIMING_FAMILIES, oracle_commands
-    from t1async.tokenizer import ChatTokenizer
+    from t1async.models.tokenizer import ChatTokenizer
 
     tok = ChatTokenizer.load()
     out = []
@@ -171,7 +171,7 @@ def make_split(root: Path, families: list[str], n_train: int, n_heldout: int, n_
     """
     from t1async.envs.decontam import decontaminate
     from t1async.envs.synth import synthesize
-    from t1async.sft import synth_family
+    from t1async.commands.sft import synth_family
 
     train, heldout, sft, pool = root / "train", root / "heldout", root / "sft", root / "pool"
     rl = root / "rl"
@@ -265,7 +265,7 @@ def rl_run(run_dir: Path, ckpt: Path, tasks: Path, seed: int, reward: str, minut
 def _snapshot(run_dir: Path, snaps_dir: Path, minutes: float, keep_all: bool = False) -> str | None:
     """Copy the latest checkpoint's policy (config.json + model.safetensors) to ``snaps_dir``;
     remove older checkpoint folders (the bench needs only the snapshots) unless ``keep_all``."""
-    from t1async.delivery import latest_checkpoint
+    from t1async.transport.delivery import latest_checkpoint
 
     latest = latest_checkpoint(run_dir / "checkpoints")
     if latest is None:
@@ -320,7 +320,7 @@ def _smoothed_reward(rows: list[dict[str, Any]], t0: float | None) -> list[list[
 
 
 def main(argv: list[str] | None = None) -> int:
-    from t1async.sft import evaluate_policy, run_sft
+    from t1async.commands.sft import evaluate_policy, run_sft
 
     args = parse_args(argv)
     cfg = load_config(args.config, args.overrides)

@@ -37,7 +37,7 @@ from bench_learner import MODELS  # noqa: E402  (the same model sizes as t1async
 from t1async.cli import OneLineErrors, at_least_one, at_least_zero  # noqa: E402
 from t1async.config import (GenerationConfig, LearnerConfig, ModelConfig, TransportConfig,  # noqa: E402
                             WeightSyncConfig)
-from t1async.rl import micro_batches  # noqa: E402
+from t1async.learner.rl import micro_batches  # noqa: E402
 from t1async.trajectory import Trajectory  # noqa: E402
 
 
