@@ -167,7 +167,7 @@ class Controller:
         sent): it stays the oldest-version candidate until the learner consumes or discards it.
 
         ``extra_ids``: more trajectories of the same episode (the exact segments of an external
-        agent that broke its history, actors/agent_rollout.py). Each takes an admission slot of
+        agent that broke its history, t1async/rollout/agent.py). Each takes an admission slot of
         its own (the learner trains trajectories, not episodes) and is tracked like the first, so
         a discarded segment returns exactly the slot it took."""
         with self._cond:
@@ -188,7 +188,7 @@ class Controller:
     def episode_failed(self, actor_id: int, reason: str) -> None:
         """An admitted episode produced no trajectory: count it and return its admission slot.
 
-        ``reason`` is ``"<ExceptionType>: message"`` (actors/rollout.py); it is also counted by
+        ``reason`` is ``"<ExceptionType>: message"`` (t1async/rollout/episode.py); it is also counted by
         its key, the text before the first colon (``SandboxError``, ``TaskError``,
         ``SamplerError``...), in :meth:`status` ``episode_failures`` (and so in summary.json).
         """

@@ -167,7 +167,7 @@ class PolicyAgent:
 
     def episode(self, task: Task, env: TerminalEnv) -> tuple[int, int, bool, str | None]:
         """One episode; returns (passed, total, resolved, verifier error)."""
-        from t1async.actors.rollout import run_episode
+        from t1async.rollout.episode import run_episode
 
         traj = run_episode(task, env, self.client, self.tokenizer, self.cfg.env, self.cfg.generation,
                            self.model_cfg, actor_id=0)

@@ -313,9 +313,9 @@ class RolloutConfig:
     a slow episode that became too stale (fastest; slow tasks are trained less often than they
     are started). With ``learner.max_staleness=0`` every rule is synchronous RL."""
     agent: str = "builtin"
-    """Who drives an episode: ``builtin`` (the rollout loop of actors/rollout.py) or ``external``
+    """Who drives an episode: ``builtin`` (the rollout loop of t1async/rollout/episode.py) or ``external``
     (the program ``agent_command``, talking to an OpenAI-compatible endpoint that records every
-    completion token-exactly; t1async/rollout/openai_endpoint.py, actors/agent_rollout.py). Needs
+    completion token-exactly; t1async/rollout/openai_endpoint.py, t1async/rollout/agent.py). Needs
     ``model.vocab_size`` >= 4100 (tool calls use the tool-call special ids)."""
     agent_command: str = ""
     """``rollout.agent: external``: the agent program, split like a shell line (a first word

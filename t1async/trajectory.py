@@ -62,13 +62,13 @@ Scalars: ``trajectory_id`` (str, 1-128 chars, unique; the key for de-duplication
 ``task`` (task name), ``actor_id`` (int >= 0, the rollout actor), ``num_experts`` (int > 0),
 ``reward`` (float, finite: tests passed), ``passed``/``total`` (ints, 0 <= passed <= total),
 ``resolved`` (bool: every test passed and total > 0), ``finish_reason`` (str: how the episode
-ended, set by actors/rollout.py: ``end_signal``, ``max_turns``, ``timeout`` (the agent's time
+ended, set by t1async/rollout/episode.py: ``end_signal``, ``max_turns``, ``timeout`` (the agent's time
 budget was spent), ``context_full`` (the next turn would not fit the model's context)),
 ``started_at``/``finished_at`` (float, seconds since the Unix epoch, started <= finished),
 ``verifier_error`` (str or nil: set when the reward is unknown, i.e. the verifier timed out,
 crashed or printed no test summary, see envs/verifier.py; the learner never trains on such a
 trajectory), ``tests`` (list of ``[name: str, passed: bool]``),
-``drift_tokens`` and ``template_mismatches`` (ints >= 0: TITO counters, see actors/rollout.py).
+``drift_tokens`` and ``template_mismatches`` (ints >= 0: TITO counters, see t1async/rollout/episode.py).
 """
 
 from __future__ import annotations
@@ -170,7 +170,7 @@ class Trajectory:
     """Loss-mask-1 positions whose id differs from the id the sampler returned (TITO: must be 0)."""
     template_mismatches: int = 0
     """Turns where the chat template would render the history differently from the stream
-    (the stream wins; counted, see actors/rollout.py)."""
+    (the stream wins; counted, see t1async/rollout/episode.py)."""
     turn_status: np.ndarray | None = None
     """[turns] uint8 code of how each turn ended (:data:`TURN_STATUS`); None: every turn normal."""
     schema_version: int = SCHEMA_VERSION

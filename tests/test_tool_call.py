@@ -12,7 +12,7 @@ import pytest
 
 from t1async.learner.abnormal import tool_call_counts, turn_counts
 from t1async.rollout.actions import BASH_TOOL, action_turn_ids, parse_action, prompt_ids
-from t1async.actors.rollout import run_episode
+from t1async.rollout.episode import run_episode
 from t1async.config import ConfigError, EnvConfig, GenerationConfig, load_config
 from t1async.models.tokenizer import BASE_VOCAB_SIZE, TOOL_TOKENS, ChatTokenizer, check_model_vocab
 from t1async.trajectory import TOOL_CALL_ERRORS, decode, encode

@@ -7,7 +7,7 @@ steps, each run in a fresh child process (an honest peak RSS):
   its SGLang-shaped HTTP server, prefix cache on, ``sampler.prefix_cache`` default) reached
   through :class:`~t1async.sampling.sampler_client.HttpSampler`, as a rollout actor reaches it, holding
   the learner's initial weights as version 0;
-- the episode loop: :func:`t1async.actors.rollout.run_episode` itself, on a shipped task in the
+- the episode loop: :func:`t1async.rollout.episode.run_episode` itself, on a shipped task in the
   local (bubblewrap) sandbox, ``--turns`` turns;
 - the agent is scripted: each turn's tokens are sampled by the engine (``--max-new-tokens``,
   temperature 1; recorded exactly, TITO), and the shell runs the next command of ``--commands``
@@ -68,7 +68,7 @@ import torch
 from loguru import logger
 
 from t1async.actors.learner import Learner
-from t1async.actors.rollout import run_episode, tasks_dir
+from t1async.rollout.episode import run_episode, tasks_dir
 from t1async.actors.sampler import EmbeddedSampler
 from t1async.learner.backend import BACKENDS
 from t1async.cli import OneLineErrors, at_least_one, at_least_zero

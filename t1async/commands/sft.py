@@ -12,7 +12,7 @@ Data path::
     tokens (+ Switch load-balancing loss) --> checkpoint (config.json + model.safetensors)
 
 A demonstration is produced by exactly the code path a rollout uses
-(:func:`t1async.actors.rollout.run_episode`): the same chat template, TITO token stream,
+(:func:`t1async.rollout.episode.run_episode`): the same chat template, TITO token stream,
 drift repair and observation truncation. Only the sampler differs: :class:`ScriptedSampler`
 answers turn k with the k-th oracle command. So what the warm-started policy sees at rollout is
 what it saw in training. Demonstrations the policy could not produce at rollout (a command
@@ -108,7 +108,7 @@ class Demonstrations:
 
 
 def demonstration(task: Any, env: Any, cfg: Config, tokenizer: ChatTokenizer, *, stop_early: bool = False) -> Trajectory:
-    """Play ``task``'s oracle through :func:`~t1async.actors.rollout.run_episode` and return the episode.
+    """Play ``task``'s oracle through :func:`~t1async.rollout.episode.run_episode` and return the episode.
 
     Each complete command of the oracle solution is one assistant turn (its ids plus
     ``<|im_end|>``), then the end signal. With ``stop_early`` the demonstrator sends the end
@@ -122,7 +122,7 @@ def demonstration(task: Any, env: Any, cfg: Config, tokenizer: ChatTokenizer, *,
         SandboxError: the sandbox failed.
     """
     from t1async.rollout.actions import action_turn_ids
-    from t1async.actors.rollout import run_episode
+    from t1async.rollout.episode import run_episode
     from t1async.envs.synth import oracle_commands
 
     solve = task.solution_path

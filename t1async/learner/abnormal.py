@@ -1,6 +1,6 @@
 """Episodes and turns that did not end normally: what the learner trains of them (``learner.abnormal``).
 
-The rollout actor records each abnormal end on the trajectory (actors/rollout.py): per turn in
+The rollout actor records each abnormal end on the trajectory (t1async/rollout/episode.py): per turn in
 ``turn_status`` (codes in :data:`t1async.trajectory.TURN_STATUS`), per episode in
 ``finish_reason`` and ``verifier_error``. This module maps each to a kind of
 :class:`~t1async.config.AbnormalConfig` and applies its action:

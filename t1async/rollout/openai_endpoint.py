@@ -31,7 +31,7 @@ then new messages, the prompt is the previous prompt + the exact sampled ids (+ 
 when the turn did not end with it) + the new messages rendered on their own. Any other history
 (edited, truncated, re-ordered, a retry, a second conversation) is a *history break*: it is
 counted, rendered from scratch and starts a new segment; each segment's records extend one
-another exactly, so each segment is one exact trajectory (actors/agent_rollout.py builds them).
+another exactly, so each segment is one exact trajectory (t1async/rollout/agent.py builds them).
 Nothing sampled is ever re-tokenized.
 """
 

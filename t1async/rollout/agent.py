@@ -36,7 +36,7 @@ from pathlib import Path
 
 from loguru import logger
 
-from t1async.actors.rollout import EpisodeBuilder, EpisodeError, context_limit, template_renders_differently
+from t1async.rollout.episode import EpisodeBuilder, EpisodeError, context_limit, template_renders_differently
 from t1async.config import EnvConfig, GenerationConfig, ModelConfig, RolloutConfig
 from t1async.envs.task import Task
 from t1async.envs.terminal import TerminalEnv

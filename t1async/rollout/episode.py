@@ -43,7 +43,7 @@ refused by a sandbox limit) is recorded in ``turn_status`` (codes in t1async/tra
 learner decides what to train of it (``learner.abnormal``). The rollout actor waits for admission from
 the controller before each episode (staleness control) and stops when admission says so. With
 ``rollout.agent: external`` an agent program drives the episode instead, through this actor's
-OpenAI-compatible endpoint, and the trajectory is built from its records (actors/agent_rollout.py).
+OpenAI-compatible endpoint, and the trajectory is built from its records (t1async/rollout/agent.py).
 """
 
 from __future__ import annotations
@@ -303,7 +303,7 @@ class RolloutActor:
             once it is spooled (``t1async soak`` counts from it what was sent); None: no record.
         rollout_cfg: the ``rollout`` section; with ``agent: external`` an external agent program
             drives each episode through this actor's OpenAI-compatible endpoint
-            (actors/agent_rollout.py). None: the builtin loop.
+            (t1async/rollout/agent.py). None: the builtin loop.
     """
 
     def __init__(self, actor_id: int, env_cfg: EnvConfig, gen_cfg: GenerationConfig, model_cfg: ModelConfig,
@@ -406,7 +406,7 @@ class RolloutActor:
         env = TerminalEnv.from_config(task, self.workdir, self.env_cfg)
         try:
             if self.endpoint is not None:
-                from t1async.actors.agent_rollout import run_agent_episode
+                from t1async.rollout.agent import run_agent_episode
 
                 return run_agent_episode(task, env, self.sampler, self.tokenizer, self.endpoint, self.rollout_cfg,
                                          self.env_cfg, self.gen_cfg, self.model_cfg, self.actor_id,
