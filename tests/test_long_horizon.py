@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from t1async.learner.abnormal import drop_reason, finish_counts
-from t1async.rollout.episode import EpisodeError, context_limit, run_episode, tasks_dir
+from t1async.actors.rollout import tasks_dir
+from t1async.rollout.episode import EpisodeError, context_limit, run_episode
 from t1async.config import (AbnormalConfig, ConfigError, EnvConfig, GenerationConfig, LearnerConfig, ModelConfig,
                             load_config)
 from t1async.envs.task import discover_tasks

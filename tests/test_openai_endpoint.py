@@ -16,7 +16,7 @@ import numpy as np
 import openai
 import pytest
 
-from t1async.rollout.episode import RolloutActor
+from t1async.actors.rollout import RolloutActor
 from t1async.rollout.agent import HISTORY_BREAK, HistoryBreak, run_agent_episode, segment_builder
 from t1async.config import EnvConfig, GenerationConfig, ModelConfig, RolloutConfig, TransportConfig
 from t1async.rollout.openai_endpoint import OpenAIEndpoint, SessionLimits, render_messages

@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from t1async.rollout.episode import EpisodeBuilder, tasks_dir, run_episode, template_renders_differently
+from t1async.actors.rollout import tasks_dir
+
+from t1async.rollout.episode import EpisodeBuilder, run_episode, template_renders_differently
 from t1async.actors.sampler import EmbeddedSampler
 from t1async.config import EnvConfig, GenerationConfig, ModelConfig, SamplerConfig
 from t1async.envs.protocol import CommandResult

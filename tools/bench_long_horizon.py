@@ -68,7 +68,8 @@ import torch
 from loguru import logger
 
 from t1async.actors.learner import Learner
-from t1async.rollout.episode import run_episode, tasks_dir
+from t1async.actors.rollout import tasks_dir
+from t1async.rollout.episode import run_episode
 from t1async.actors.sampler import EmbeddedSampler
 from t1async.learner.backend import BACKENDS
 from t1async.cli import OneLineErrors, at_least_one, at_least_zero

@@ -315,7 +315,8 @@ def pretrain(model: Qwen3MoeForCausalLM, corpus: np.ndarray, *, steps: int, seq_
 def rollouts(cfg: Config, policy: Qwen3MoeForCausalLM, episodes: int) -> list[Trajectory]:
     """Run ``episodes`` real episodes against an in-process embedded sampler holding ``policy``'s
     weights (cast to ``cfg.sampler.dtype``), over HTTP, in bubblewrap sandboxes."""
-    from t1async.rollout.episode import tasks_dir, run_episode
+    from t1async.actors.rollout import tasks_dir
+    from t1async.rollout.episode import run_episode
     from t1async.actors.sampler import EmbeddedSampler
     from t1async.envs.task import discover_tasks
     from t1async.envs.terminal import TerminalEnv
@@ -354,7 +355,7 @@ def build_policy(cfg: Config) -> tuple[Qwen3MoeForCausalLM, dict]:
         policy = Qwen3MoeForCausalLM(cfg.model)
     stats: dict = {}
     if mc.pretrain_steps > 0:
-        from t1async.rollout.episode import tasks_dir
+        from t1async.actors.rollout import tasks_dir
         from t1async.envs.task import discover_tasks
 
         tokenizer = ChatTokenizer.load()

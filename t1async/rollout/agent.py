@@ -36,10 +36,9 @@ from pathlib import Path
 
 from loguru import logger
 
+from t1async.rollout.env import Env, TaskInfo
 from t1async.rollout.episode import EpisodeBuilder, EpisodeError, context_limit, template_renders_differently
 from t1async.config import EnvConfig, GenerationConfig, ModelConfig, RolloutConfig
-from t1async.envs.task import Task
-from t1async.envs.terminal import TerminalEnv
 from t1async.rollout.openai_endpoint import CompletionRecord, OpenAIEndpoint, SessionLimits
 from t1async.sampling.sampler_client import Sampler
 from t1async.models.tokenizer import ChatTokenizer
@@ -86,7 +85,7 @@ def agent_environment(base_url: str, session_url: str, instruction: str, max_tur
     return env
 
 
-def run_agent_episode(task: Task, env: TerminalEnv, sampler: Sampler, tokenizer: ChatTokenizer,
+def run_agent_episode(task: TaskInfo, env: Env, sampler: Sampler, tokenizer: ChatTokenizer,
                       endpoint: OpenAIEndpoint, rollout_cfg: RolloutConfig, env_cfg: EnvConfig,
                       gen_cfg: GenerationConfig, model_cfg: ModelConfig, actor_id: int, log_dir: Path
                       ) -> list[Trajectory]:

@@ -170,7 +170,7 @@ def check_inputs(cfg: Config) -> list[str]:
     Raises:
         ConfigError, TaskError, SandboxUnavailable, KeysError: with a one-line message.
     """
-    from t1async.rollout.episode import tasks_dir
+    from t1async.actors.rollout import tasks_dir
     from t1async.envs.sandbox import check_sandbox_available
     from t1async.envs.task import discover_tasks
 
@@ -261,7 +261,7 @@ def check_tasks(cfg: Config, names: list[str]) -> None:
     Raises:
         TaskError: a name is missing or its task is invalid.
     """
-    from t1async.rollout.episode import tasks_dir
+    from t1async.actors.rollout import tasks_dir
     from t1async.envs.task import discover_tasks
 
     discover_tasks(tasks_dir(cfg.env), names, sandbox=cfg.env.sandbox)
@@ -331,7 +331,7 @@ def restart_learner(cfg: Config, actor: Any, run_dir: Path, urls: list[str], end
 def start_controller(cfg: Config, actor: Any, task_names: list[str], urls: list[str], endpoint: str) -> Any:
     """The controller, running its supervision loop, which starts and replaces the rollout actors."""
     from t1async.actors.controller import Controller
-    from t1async.rollout.episode import RolloutActor
+    from t1async.actors.rollout import RolloutActor
 
     rollout_cls = actor(RolloutActor, "rollout")
     work_root = str(Path(cfg.run.dir) / "workspaces")
