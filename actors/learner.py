@@ -33,16 +33,16 @@ import numpy as np
 import torch
 from loguru import logger
 
-from t1async.learner.abnormal import (DROP_REASONS, drop_detail, drop_reason, finish_counts, masked_turns, policy_mask,
+from t1async.learner.abnormal import (DROP_REASONS, drop_detail, drop_reason, finish_counts, masked_turns,
                               tool_call_counts, turn_counts)
 from t1async.actors import call
-from t1async.learner.backend import LearnerBackend, chunk_size, make_backend
+from t1async.learner.backend import LearnerBackend, make_backend
 from t1async.config import GenerationConfig, LearnerConfig, ModelConfig, TransportConfig, WeightSyncConfig
 from t1async.transport.delivery import (ByteQueue, ConsumedLedger, ReceiveLog, commit, latest_checkpoint, read_consumed,
                               rotate_checkpoints, staging_dir, write_consumed)
-from t1async.learner.rl import gae, group_baselines, k3, micro_batches, policy_loss, routing_differs, value_loss
+from t1async.learner.advantages import ADVANTAGES
+from t1async.learner.update import episode_reward, train_step
 from t1async.models.tokenizer import ChatTokenizer
-from t1async.learner.torch_backend import ValueModel  # noqa: F401  (the critic's home before the backends; tests import it here)
 from t1async.trajectory import Trajectory, TrajectoryError, decode
 from t1async.rollout.transcripts import write_transcripts
 from t1async.transport.transport import Delivery, ZmqReceiver
@@ -51,24 +51,6 @@ from t1async.weights.weight_sync import WeightSyncError, make_weight_sync
 MAX_QUARANTINED_FILES = 100
 GROUP_COMMIT_BYTES = 256 << 20  # most bytes stored with one receive-log flush (held in memory until ACKed)
 MAX_REMEMBERED_REJECTIONS = 100_000  # ids of rejected messages kept to answer a resend without counting it again
-
-
-def episode_reward(traj: Trajectory, kind: str) -> float:
-    """The episode's reward: ``dense`` = tests passed (``traj.reward``), ``binary`` = 1.0 if resolved else 0.0."""
-    return float(traj.reward) if kind == "dense" else float(traj.resolved)
-
-
-def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> float | None:
-    """``1 - Var(returns - values) / Var(returns)`` over loss tokens (1: perfect critic, 0: no
-    better than a constant, < 0: worse); None when the returns do not vary.
-
-    Args:
-        values, returns: float ``[n]`` critic values (before the update) and GAE returns.
-    """
-    var = float(returns.var(unbiased=False)) if returns.numel() else 0.0
-    if var == 0.0:
-        return None
-    return 1.0 - float((returns - values).var(unbiased=False)) / var
 
 
 class Learner:
@@ -547,151 +529,22 @@ class Learner:
         self._discard(f"{reason}: {detail}", traj.trajectory_id)
         logger.warning("dropped trajectory {} of {}: {} ({})", traj.trajectory_id, traj.task, reason, detail)
 
-    def _train_step(self, batch: list[Trajectory]) -> dict[str, float]:
-        """One actor-critic update on ``batch``, accumulated over micro-batches of trajectories
-        (``learner.micro_batch_tokens``; right-padded, the padding masked out of every sum).
+    def _train_step(self, batch: list[Trajectory]) -> dict[str, Any]:
+        """One update on ``batch`` (:func:`t1async.learner.update.train_step`) with this learner's
+        step, learning rate and per-episode advantage estimates."""
+        return train_step(batch, self.backend, self.cfg, num_experts=self.model_cfg.num_experts, step=self.step,
+                          policy_lr=self._policy_lr(), estimates=self._advantage_estimates(batch))
 
-        Two masks per trajectory: ``vmask`` (every sampled token) and ``mask``, the policy's
-        (:func:`t1async.learner.abnormal.policy_mask`: ``vmask`` less the turns set to ``mask_turn``).
-        GAE runs over every sampled token, so the raw advantages of the tokens kept are those
-        without masking; the masked tokens leave the policy loss and the advantage whitening. The
-        critic still trains on them: their states were really visited and their returns really
-        observed, and earlier tokens' advantages bootstrap through their values.
-        """
-        cfg, backend = self.cfg, self.backend
-        items = []
-        dev = backend.device  # the batch's tensors live where the backend computes (cpu: no copy)
-        baselines = self._group_baselines(batch) if cfg.advantage == "group" else [None] * len(batch)
-        n_peered = sum(b is not None for b in baselines)
-        rewards_all = [episode_reward(t, cfg.reward) for t in batch]
-        if not cfg.critic:  # no peer of its task: the mean reward of the rest of the batch (itself if alone)
-            total = sum(rewards_all)
-            others = [(total - r) / (len(batch) - 1) if len(batch) > 1 else r for r in rewards_all]
-            baselines = [b if b is not None else o for b, o in zip(baselines, others)]
-        lengths = [t.num_tokens - 1 for t in batch]  # positions: inputs ids[:-1], targets ids[1:]
-        for group in micro_batches(lengths, cfg.micro_batch_tokens):
-            it = self._micro_batch([batch[i] for i in group], dev)
-            old_v = backend.values(it["inp"], grad=False) if cfg.critic else torch.zeros_like(it["vmask"])
-            adv, ret = torch.zeros_like(it["vmask"]), torch.zeros_like(it["vmask"])
-            for row, i in enumerate(group):
-                idx = it["vmask"][row].nonzero().squeeze(-1)
-                rewards = np.zeros(idx.numel(), dtype=np.float32)
-                rewards[-1] = rewards_all[i]
-                adv_s, ret_s = gae(rewards, old_v[row, idx].cpu().numpy(), cfg.gamma, cfg.lam)
-                if baselines[i] is not None:  # leave-one-out over the task's episodes; the critic still learns ret_s
-                    adv_s = np.full_like(adv_s, rewards[-1] - baselines[i])
-                adv[row, idx], ret[row, idx] = torch.from_numpy(adv_s).to(dev), torch.from_numpy(ret_s).to(dev)
-            items.append({**it, "old_v": old_v, "adv": adv, "ret": ret})
-        n_tokens = float(sum(it["mask"].sum() for it in items))  # policy-loss tokens
-        n_value = float(sum(it["vmask"].sum() for it in items))  # every sampled token
-        ev = explained_variance(torch.cat([it["old_v"][it["vmask"].bool()] for it in items]),
-                                torch.cat([it["ret"][it["vmask"].bool()] for it in items])) if cfg.critic else None
-        if cfg.normalize_advantages:
-            flat = torch.cat([it["adv"][it["mask"].bool()] for it in items])
-            mean, std = flat.mean(), flat.std(unbiased=False).clamp(min=1e-6)
-            for it in items:
-                it["adv"] = (it["adv"] - mean) / std * it["mask"]
-        if cfg.negative_advantage_weight != 1.0:
-            for it in items:
-                it["adv"] = torch.where(it["adv"] < 0, it["adv"] * cfg.negative_advantage_weight, it["adv"])
-        train_policy = self.step >= cfg.critic_warmup_steps
-        sums = {"policy_loss": 0.0, "value_loss": 0.0, "clip_frac": 0.0, "is_weight_mean": 0.0, "is_truncated_frac": 0.0}
-        diff_sum, is_max = 0.0, 0.0
-        k3_sum, routed_pos, used_diff, own_diff, boundary = 0.0, 0, 0, 0, 0
-        for epoch in range(cfg.ppo_epochs):
-            backend.zero_grad()
-            for it in items:
-                # scored under the sampler's processing (temperature, top-k, top-p); a sampled id
-                # just outside this model's own nucleus is kept in it (counted below)
-                out = backend.policy_logprobs(it["inp"], it["tgt"], it["replay"], grad=train_policy, routing=epoch == 0)
-                # padding's log-probs set to 0: no extreme value there can turn into inf * 0 = nan in a masked sum
-                logp, outside = torch.where(it["valid"], out.logp, 0.0), out.outside
-                if epoch == 0:
-                    boundary += int((outside & it["mask"].bool()).sum())
-                    it["prox"] = logp.detach()  # proximal policy = the weights before this update
-                    diff_sum += float(((it["prox"] - it["mu"]).abs() * it["vmask"]).sum())
-                    k3_sum += float((k3(it["prox"], it["mu"]) * it["vmask"]).sum())
-                    # routing vs the sampler's rows: the experts used (0 under replay) and the
-                    # router's own top-k from this same forward (what no replay would use)
-                    routed_pos += int(it["valid"].sum())
-                    used_diff += int((routing_differs(out.routed_experts, it["recorded"]) & it["valid"]).sum())
-                    own_diff += int((routing_differs(out.router_experts, it["recorded"]) & it["valid"]).sum())
-                pl = policy_loss(logp, it["prox"], it["mu"], it["adv"], it["mask"], clip_eps=cfg.clip_eps,
-                                 is_cap=cfg.is_cap, denom=n_tokens)
-                kl_term: torch.Tensor | float = 0.0
-                if cfg.kl_coef > 0 and train_policy:
-                    if epoch == 0:
-                        it["ref"] = torch.where(it["valid"], backend.reference_logprobs(it["inp"], it["tgt"]), 0.0)
-                    # k3 estimate of KL(pi_theta || pi_ref) on tokens sampled from (nearly) pi_theta
-                    kl = (k3(it["ref"], logp) * it["mask"]).sum() / n_tokens
-                    kl_term = cfg.kl_coef * kl
-                    if epoch == cfg.ppo_epochs - 1:
-                        sums["kl_ref"] = sums.get("kl_ref", 0.0) + float(kl.detach())
-                vl = value_loss(backend.values(it["inp"], grad=True), it["old_v"], it["ret"], it["vmask"], clip=cfg.value_clip,
-                                denom=n_value) if cfg.critic else torch.zeros(())
-                loss = cfg.value_coef * vl + (pl.loss + kl_term if train_policy else 0.0)
-                backend.backward(loss)
-                if epoch == cfg.ppo_epochs - 1:
-                    w = float(it["mask"].sum()) / n_tokens
-                    sums["policy_loss"] += float(pl.loss.detach())
-                    sums["value_loss"] += float(vl.detach())
-                    for k in ("clip_frac", "is_weight_mean", "is_truncated_frac"):
-                        sums[k] += getattr(pl, k) * w
-                    is_max = max(is_max, pl.is_weight_max)
-            gn = backend.step(policy=train_policy, policy_lr=self._policy_lr())
-            if train_policy:
-                sums["grad_norm"] = gn
-        if not cfg.critic:
-            del sums["value_loss"]
-        return {**sums, "is_weight_max": is_max, "logprob_diff_mean": diff_sum / max(n_value, 1.0),
-                "kl_k3": k3_sum / max(n_value, 1.0), "nucleus_boundary_tokens": boundary,
-                "routing_diff_frac": used_diff / max(routed_pos, 1), "router_diff_frac": own_diff / max(routed_pos, 1),
-                "drift_tokens": int(sum(t.drift_tokens for t in batch)),
-                "chunked_micro_batches": sum(bool(chunk_size(cfg.max_tokens_per_chunk, it["inp"].shape[1])) for it in items),
-                "template_mismatches": int(sum(t.template_mismatches for t in batch)),
-                "train_policy": train_policy, "phase": "rl" if train_policy else "critic_warmup",
-                **({"explained_variance": ev} if cfg.critic else {}), "trained_tokens": n_value,
-                **({"group_baselined_frac": n_peered / len(batch)}
-                   if cfg.advantage == "group" else {})}
-
-    def _micro_batch(self, trajs: list[Trajectory], dev: torch.device) -> dict[str, torch.Tensor]:
-        """Trajectories right-padded to the longest into ``[B, T]`` tensors (``T`` = its positions).
-
-        Returns ``inp``, ``tgt`` (int64; padding id 0), ``valid`` (bool: a real position),
-        ``vmask`` (float: every sampled token), ``mask`` (float: the policy's,
-        :func:`t1async.learner.abnormal.policy_mask`), ``mu`` (float32 sampler log-probs, 0 on padding),
-        ``recorded`` (int64 ``[B, T, L, K]`` routed experts; padding holds the distinct ids
-        ``arange(K) % num_experts``, as Megatron's replay needs) and ``replay`` (``recorded``
-        under ``learner.routing_replay``, else None), all on ``dev``.
-        """
-        T = max(t.num_tokens for t in trajs) - 1
-        B = len(trajs)
-        L, K = trajs[0].routed_experts.shape[1:]
-        E = self.model_cfg.num_experts
-        ids = torch.zeros(B, T + 1, dtype=torch.int64)
-        valid = torch.zeros(B, T, dtype=torch.bool)
-        vmask, mask, mu = (torch.zeros(B, T, dtype=torch.float32) for _ in range(3))
-        recorded = (torch.arange(K, dtype=torch.int64) % E).expand(B, T, L, K).clone()
-        for b, traj in enumerate(trajs):
-            n = traj.num_tokens - 1
-            ids[b, :n + 1] = torch.from_numpy(traj.token_ids.astype(np.int64))
-            valid[b, :n] = True
-            vmask[b, :n] = torch.from_numpy(traj.loss_mask[1:].astype(np.float32))
-            mask[b, :n] = torch.from_numpy(policy_mask(traj, self.cfg.abnormal)[1:].astype(np.float32))
-            mu[b, :n] = torch.from_numpy(traj.logprobs[1:].astype(np.float32))
-            recorded[b, :n] = torch.from_numpy(traj.routed_experts.astype(np.int64))
-        out = {"inp": ids[:, :-1], "tgt": ids[:, 1:], "valid": valid, "vmask": vmask, "mask": mask, "mu": mu,
-               "recorded": recorded}
-        out = {k: v.to(dev) for k, v in out.items()}
-        out["replay"] = out["recorded"] if self.cfg.routing_replay else None
-        return out
-
-    def _group_baselines(self, batch: list[Trajectory]) -> list[float | None]:
-        """:func:`t1async.learner.rl.group_baselines` of ``batch`` (trained as step ``self.step + 1``), then
-        remember its rewards for the next ``group_window_steps`` steps (older ones are forgotten)."""
+    def _advantage_estimates(self, batch: list[Trajectory]) -> list[tuple[float, float] | None] | None:
+        """The per-episode estimates of ``learner.advantage`` for ``batch`` (trained as step
+        ``self.step + 1``; t1async/learner/advantages.py), then remember its rewards for the next
+        ``group_window_steps`` steps (older ones are forgotten); None under ``gae``."""
+        estimate = ADVANTAGES[self.cfg.advantage].per_episode
+        if estimate is None:
+            return None
         step, window = self.step + 1, self.cfg.group_window_steps
         rewards = [episode_reward(t, self.cfg.reward) for t in batch]
-        out = group_baselines([t.task for t in batch], rewards, self._task_rewards, step, window)
+        out = estimate([t.task for t in batch], rewards, self._task_rewards, step, window)
         for t, r in zip(batch, rewards):
             self._task_rewards.setdefault(t.task, []).append((step, r))
         self._task_rewards = {k: kept for k, v in self._task_rewards.items()

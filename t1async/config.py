@@ -18,6 +18,12 @@ from typing import Any, Optional
 
 
 
+ADVANTAGE_NAMES = ("gae", "group", "grpo")
+"""Values of ``learner.advantage``: the keys of ``t1async.learner.advantages.ADVANTAGES``."""
+POLICY_LOSS_NAMES = ("ppo",)
+"""Values of ``learner.policy_loss``: the keys of ``t1async.learner.losses.POLICY_LOSSES``."""
+
+
 class ConfigError(ValueError):
     """A config file is missing, unreadable, or holds an unknown key or a wrongly typed value."""
 
@@ -572,15 +578,22 @@ class LearnerConfig:
     """GAE lambda."""
     normalize_advantages: bool = True
     """Whiten advantages over the batch's loss tokens (mean 0, std 1)."""
+    policy_loss: str = "ppo"
+    """The policy's loss: ``ppo`` (decoupled PPO with a truncated behaviour importance weight,
+    the proximal policy in the ratio's denominator; :func:`t1async.learner.rl.policy_loss`).
+    The losses are registered in t1async/learner/losses.py."""
     advantage: str = "gae"
     """How each sampled token's advantage is estimated: ``gae`` (the critic, GAE over sampled
-    tokens) or ``group`` (leave-one-out: the episode's reward less the mean reward of the other
+    tokens), ``group`` (leave-one-out: the episode's reward less the mean reward of the other
     episodes of its task, the same for every token; :func:`t1async.learner.rl.group_baselines`; with
-    ``rollout.group_size`` > 1 so each task's episodes come in groups). A trajectory with no peer
-    of its task falls back to GAE; ``group_baselined_frac`` in metrics.jsonl is the share that had
-    one. The critic trains either way unless ``critic`` is off."""
+    ``rollout.group_size`` > 1 so each task's episodes come in groups) or ``grpo`` (GRPO: the
+    episode's reward less its group's mean, divided by the group's standard deviation;
+    :func:`t1async.learner.advantages.group_normalized`). Under ``group`` and ``grpo`` a trajectory
+    with no peer of its task falls back to GAE; ``group_baselined_frac`` in metrics.jsonl is the
+    share that had one. The critic trains either way unless ``critic`` is off. The estimators are
+    registered in t1async/learner/advantages.py."""
     group_window_steps: int = 2
-    """``advantage: group``: peers trained up to this many steps before the current one count too
+    """``advantage: group`` or ``grpo``: peers trained up to this many steps before the current one count too
     (members of a group that landed in an earlier batch)."""
     critic: bool = True
     """Run and train the critic. ``advantage: group`` needs it only for trajectories without a
@@ -852,7 +865,9 @@ _VALUE_RULES: list[tuple[str, Any, str]] = [
     ("learner.batch_timeout_s", lambda v: v > 0, "a positive number of seconds (the longest wait for a batch)"),
     ("rollout.num_actors", lambda v: v >= 1, "an integer >= 1 (scale live through the controller)"),
     ("rollout.group_size", lambda v: v >= 1, "an integer >= 1 (episodes per drawn task)"),
-    ("learner.advantage", lambda v: v in ("gae", "group"), "'gae' (the critic) or 'group' (leave-one-out over a task's episodes)"),
+    ("learner.advantage", lambda v: v in ADVANTAGE_NAMES, "'gae' (the critic), 'group' (leave-one-out over a task's episodes)"
+     " or 'grpo' (group mean and standard deviation)"),
+    ("learner.policy_loss", lambda v: v in POLICY_LOSS_NAMES, "'ppo' (decoupled PPO with a truncated importance weight)"),
     ("learner.group_window_steps", lambda v: v >= 0, "an integer >= 0"),
     ("learner.negative_advantage_weight", lambda v: 0 <= v <= 1, "a number in [0, 1]"),
     ("rollout.admission", lambda v: v in ("oldest_episode", "learner_version", "learner_wait"),
@@ -1010,7 +1025,7 @@ def check_trainable(cfg: Config) -> None:
     Raises:
         ConfigError: one line naming the key, the value and what to use instead.
     """
-    if not cfg.learner.critic and cfg.learner.advantage != "group":
+    if not cfg.learner.critic and cfg.learner.advantage == "gae":
         raise ConfigError(f"learner.critic=false needs learner.advantage=group (advantage "
                           f"{cfg.learner.advantage!r} estimates from the critic); turn the critic on or use group")
     if not cfg.learner.critic and cfg.learner.critic_warmup_steps > 0:

@@ -121,7 +121,7 @@ def test_critic_warmup_freezes_policy(tmp_path):
 
 
 def test_critic_is_the_policy_trunk_without_its_lm_head():
-    from t1async.actors.learner import ValueModel
+    from t1async.learner.torch_backend import ValueModel
 
     torch.manual_seed(0)
     policy = Qwen3MoeForCausalLM(MODEL)
@@ -798,3 +798,24 @@ def test_a_bfloat16_learner_moves_its_weights_at_rl_learning_rates():
             assert all(torch.equal(p.detach(), m.to(dtype)) for p, m in zip(b.policy.parameters(), weights))
     print("elements of the policy moved by 5 updates at lr 1e-6: " + ", ".join(f"{k} {v:.1%}" for k, v in frac.items()))
     assert frac["float32"] > 0.8 and frac["bfloat16 masters"] > 0.8 and frac["bfloat16 plain AdamW"] < 0.1
+
+
+def test_grpo_advantage_leaves_an_all_alike_group_untouched_and_moves_a_mixed_one(tmp_path):
+    """advantage: grpo (t1async/learner/advantages.py), through the learner: equal rewards give
+    advantage 0 (the policy does not move), rewards 2 and 0 move it; both groups are covered."""
+    cfg = LearnerConfig(max_steps=4, batch_size=2, lr=1e-3, lam=1.0, routing_replay=False, batch_timeout_s=30,
+                        advantage="grpo", normalize_advantages=False, group_window_steps=0)
+    learner = Learner(cfg, MODEL, TransportConfig(), WeightSyncConfig(), str(tmp_path / "run"), seed=0)
+
+    def params():
+        return torch.cat([p.detach().flatten().clone() for p in learner.policy.parameters()])
+
+    try:
+        before = params()
+        m = learner._train_step([synthetic(0, 1, reward=2.0), synthetic(0, 2, reward=2.0)])
+        assert float((params() - before).abs().max()) == 0.0 and m["group_baselined_frac"] == 1.0
+        learner.step += 1
+        m = learner._train_step([synthetic(0, 3, reward=2.0), synthetic(0, 4, reward=0.0)])
+        assert float((params() - before).abs().max()) > 0 and m["group_baselined_frac"] == 1.0
+    finally:
+        learner.close()

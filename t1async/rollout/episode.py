@@ -50,6 +50,7 @@ OpenAI-compatible endpoint, and the trajectory is built from its records (t1asyn
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import numpy as np
 from loguru import logger
