@@ -2,26 +2,24 @@
 
 Data path (one process):
 
-    ZeroMQ ROUTER --(receive thread: de-duplicate by trajectory id; decode + validate, bad
-    frames counted, quarantined and REJected; append to the receive log, one flush per burst
-    of waiting messages, then ACK)-->
-    bounded queue (messages and bytes) --(run loop: staleness and abnormal-end filter
-    (``learner.abnormal``, t1async/learner/abnormal.py), batch of ``batch_size``)
-    --> critic values, GAE --> decoupled-PPO update with routing replay --> every
-    ``publish_every`` steps: version + 1, broadcast to every sampler --> metrics.jsonl,
-    checkpoints (weights + the ids they consumed, renamed into place atomically).
+    inbox (t1async/transport/inbox.py: ZeroMQ ROUTER -> de-duplicate, decode + validate ->
+    receive log, one flush per burst -> ACK -> bounded queue) --(run loop: staleness and
+    abnormal-end filter (``learner.abnormal``, t1async/learner/abnormal.py), batch of
+    ``batch_size``)--> one update (t1async/learner/update.py: critic values, advantages,
+    decoupled-PPO update with routing replay) --> every ``publish_every`` steps: version + 1,
+    broadcast to every sampler --> metrics.jsonl, checkpoints (weights + the ids they consumed,
+    renamed into place atomically).
 
-The receive thread stops reading the socket while the queue is full, so the actors' send
-windows and spools fill and their ``send`` waits (backpressure). ``run`` returns after
-``max_steps`` or when :meth:`stop` is called (Ctrl-C); either way a final checkpoint is written.
-With ``learner.resume`` the learner restarts from its latest checkpoint and first re-queues the
+The inbox stops reading the socket while its queue is full, so the actors' send windows and
+spools fill and their ``send`` waits (backpressure). ``run`` returns after ``max_steps`` or when
+:meth:`stop` is called (Ctrl-C); either way a final checkpoint is written. With
+``learner.resume`` the learner restarts from its latest checkpoint and first re-queues the
 receive log's trajectories that checkpoint had not consumed: nothing lost, nothing trained twice
 (the exact guarantee is in t1async/transport/delivery.py).
 """
 
 from __future__ import annotations
 
-import collections
 import json
 import queue
 import threading
@@ -38,19 +36,16 @@ from t1async.learner.abnormal import (DROP_REASONS, drop_detail, drop_reason, fi
 from t1async.actors import call
 from t1async.learner.backend import LearnerBackend, make_backend
 from t1async.config import GenerationConfig, LearnerConfig, ModelConfig, TransportConfig, WeightSyncConfig
-from t1async.transport.delivery import (ByteQueue, ConsumedLedger, ReceiveLog, commit, latest_checkpoint, read_consumed,
-                              rotate_checkpoints, staging_dir, write_consumed)
+from t1async.transport.delivery import ByteQueue, ConsumedLedger, ReceiveLog, read_consumed, write_consumed
+from t1async.learner.checkpoints import commit, latest_checkpoint, rotate_checkpoints, staging_dir
 from t1async.learner.advantages import ADVANTAGES
 from t1async.learner.update import episode_reward, train_step
 from t1async.models.tokenizer import ChatTokenizer
-from t1async.trajectory import Trajectory, TrajectoryError, decode
+from t1async.trajectory import Trajectory
 from t1async.rollout.transcripts import write_transcripts
-from t1async.transport.transport import Delivery, ZmqReceiver
+from t1async.transport.inbox import Inbox
+from t1async.transport.transport import ZmqReceiver
 from t1async.weights.weight_sync import WeightSyncError, make_weight_sync
-
-MAX_QUARANTINED_FILES = 100
-GROUP_COMMIT_BYTES = 256 << 20  # most bytes stored with one receive-log flush (held in memory until ACKed)
-MAX_REMEMBERED_REJECTIONS = 100_000  # ids of rejected messages kept to answer a resend without counting it again
 
 
 class Learner:
@@ -97,31 +92,32 @@ class Learner:
         self.dropped = dict.fromkeys(DROP_REASONS, 0)  # trajectories dropped, by reason (cumulative)
         self._task_rewards: dict[str, list[tuple[int, float]]] = {}  # advantage: group (step, reward) per task, recent
         self._consumed = ConsumedLedger()  # trajectory id -> step that trained it (-1: dropped), bounded
-        self._rejected_keys: collections.OrderedDict[str, str] = collections.OrderedDict()  # id -> reason, newest last
-        self._log = ReceiveLog(self.run_dir / "receive_log", fsync=transport.log_fsync, reset=not cfg.resume)
+        log = ReceiveLog(self.run_dir / "receive_log", fsync=transport.log_fsync, reset=not cfg.resume)
         self.resumed: dict[str, Any] | None = None  # what a resume restored (status() reports it)
         self._republish_same = False  # resumed at a checkpoint whose weights are the last version published
         self._weights_published = False  # the policy's weights are those of the last version published
         self._sync_managed = False  # the launch's sampler pool sets the membership (set_samplers)
         if cfg.resume:
-            self._resume(resume_from)
-        self._backlog = [k for k in self._log.keys() if k not in self._consumed]  # replayed before the socket
-        self._queue = ByteQueue(transport.recv_queue_messages or max(4 * cfg.batch_size, 8), transport.recv_queue_bytes)
-        self._group_messages = transport.log_group_messages
+            self._resume(resume_from, log)
+        backlog = [k for k in log.keys() if k not in self._consumed]  # replayed before the socket
+        inbox_queue = ByteQueue(transport.recv_queue_messages or max(4 * cfg.batch_size, 8), transport.recv_queue_bytes)
         self._stop = threading.Event()  # training stops (stop(), or run() ended)
-        self._closed = threading.Event()  # receiving stops (close())
         self._controller: Any = None
         self._pending_discards: list[tuple[str, str]] = []  # (reason, trajectory id)
         self._discard_lock = threading.Lock()
-        self._receiver = ZmqReceiver.from_config(transport)
+        receiver = ZmqReceiver.from_config(transport)
         self._sync = make_weight_sync(weight_sync)  # weight_sync.mode: distributed or tensor
-        self._recv_thread = threading.Thread(target=self._receive_loop, name="learner-recv", daemon=True)
-        self._recv_thread.start()
+        # receive durability (socket -> receive log -> ACK -> queue): t1async/transport/inbox.py
+        self.inbox = Inbox(receiver, log, inbox_queue, self._consumed, self.counters, run_dir=self.run_dir,
+                           shape=(model_cfg.num_experts, model_cfg.num_hidden_layers, model_cfg.num_experts_per_tok),
+                           version=lambda: self.version, training_stopped=self._stop,
+                           dump_trajectories=cfg.dump_trajectories, group_messages=transport.log_group_messages)
+        self.inbox.start(backlog)
         (self.run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
         self._metrics_path = self.run_dir / "metrics.jsonl"
         self._tok = ChatTokenizer.load() if cfg.episodes_per_step else None
         logger.info("learner ({} backend): policy {:.2f} M parameters, trajectories at {}", cfg.backend,
-                    self.backend.num_parameters() / 1e6, self._receiver.endpoint)
+                    self.backend.num_parameters() / 1e6, self.inbox.receiver.endpoint)
 
     # the backend's models and optimisers, by their names before the backends
     policy = property(lambda self: self.backend.policy)
@@ -133,7 +129,7 @@ class Learner:
     # ---- wiring -------------------------------------------------------------------------
     def endpoint(self) -> str:
         """ZeroMQ address rollout actors push trajectories to."""
-        return self._receiver.endpoint
+        return self.inbox.receiver.endpoint
 
     def connect_samplers(self, urls: list[str]) -> int:
         """Form the weight group with every sampler and publish version 0; returns the version."""
@@ -158,8 +154,8 @@ class Learner:
     def status(self) -> dict[str, Any]:
         """Step, version, queue depth, counters, dropped trajectories by reason, what a resume
         restored, and the consumed-id ledger's size (ids in all, streams, holes)."""
-        return {"step": self.step, "version": self.version, "queue_depth": self._queue.qsize() + len(self._held),
-                "queue_bytes": self._queue.nbytes, **self.counters, "dropped": dict(self.dropped),
+        return {"step": self.step, "version": self.version, "queue_depth": self.inbox.queue.qsize() + len(self._held),
+                "queue_bytes": self.inbox.queue.nbytes, **self.counters, "dropped": dict(self.dropped),
                 "resumed": self.resumed, "max_steps": self.cfg.max_steps,
                 "weight_group": self._sync.snapshot(),
                 "ledger": {"consumed": len(self._consumed), "streams": len(self._consumed.marks),
@@ -175,7 +171,7 @@ class Learner:
         logger.info("live change: {}", changes)
 
     # ---- resume -------------------------------------------------------------------------
-    def _resume(self, path: Path | None) -> None:
+    def _resume(self, path: Path | None, log: ReceiveLog) -> None:
         """Restore checkpoint ``path`` (critic, optimisers, step, version, counters, consumed ids,
         the group advantage's recent rewards per task;
         the policy was loaded in ``__init__``); None: no checkpoint yet, start at step 0 and replay
@@ -198,137 +194,17 @@ class Learner:
         # since: the samplers hold exactly these weights as this version, so it is sent again
         # unchanged (a restart then does not make every trajectory in flight one version staler).
         self._republish_same = (path is not None and self.step % self.cfg.publish_every == 0
-                                and self._log.published_version == self.version)
-        self.version = max(self.version, self._log.published_version)
+                                and log.published_version == self.version)
+        self.version = max(self.version, log.published_version)
         metrics = self.run_dir / "metrics.jsonl"
         if metrics.exists():
             rows = [r for r in metrics.read_text().splitlines() if r.strip() and json.loads(r)["step"] <= self.step]
             metrics.write_text("".join(r + "\n" for r in rows))
         self.resumed = {"checkpoint": str(path) if path else None, "step": self.step, "version": self.version,
                         "consumed": len(self._consumed),
-                        "to_replay": sum(k not in self._consumed for k in self._log.keys())}
+                        "to_replay": sum(k not in self._consumed for k in log.keys())}
         logger.info("resumed from {} at step {}, version {}: {} trajectories consumed, {} in the receive log",
-                    path or "no checkpoint", self.step, self.version, len(self._consumed), len(self._log))
-
-    # ---- receive thread -----------------------------------------------------------------
-    def _receive_loop(self) -> None:
-        """Consumes the receive log's backlog (resume), then ZeroMQ deliveries; produces validated
-        trajectories on the bounded queue, each stored in the receive log and ACKed first.
-
-        Deliveries already waiting on the socket are taken together (at most
-        ``transport.log_group_messages`` / ``GROUP_COMMIT_BYTES``) and stored with one flush of the
-        receive log before any of them is answered (:meth:`_on_burst`). Stops reading while the
-        queue is full (backpressure). Once training has ended (:meth:`run` returned, or
-        :meth:`stop`), deliveries are still stored and ACKed, not queued: the receive log keeps
-        them for a resumed run, and rollout actors finishing their last episodes at shutdown get
-        their ACKs instead of waiting for them. A frame that fails validation is
-        counted, logged, written to ``quarantine/`` (first 100) and REJected, never trained on;
-        a trajectory id already stored or consumed is ACKed again and dropped (de-duplication).
-        Stopped by :meth:`close`.
-        """
-        for key in self._backlog:
-            if self._stop.is_set():  # (no training any more: the rest stays in the log for a resume)
-                break
-            frame = self._log.read(key)
-            try:
-                traj = self._decode(frame, max_version=None)  # validated at receipt; re-checked
-            except TrajectoryError as e:
-                self._quarantine(frame, e)
-                continue
-            self.counters["replayed"] += 1
-            self._enqueue(traj, len(frame))
-        while not self._closed.is_set():  # after training too: stored and ACKed, kept for a resume
-            d = self._receiver.recv(timeout_s=0.5)
-            if d is None:
-                continue
-            burst, nbytes = [d], len(d.frame)  # and whatever else is already waiting: one flush for all
-            while len(burst) < self._group_messages and nbytes < GROUP_COMMIT_BYTES:
-                more = self._receiver.recv(timeout_s=0)
-                if more is None:
-                    break
-                burst.append(more)
-                nbytes += len(more.frame)
-            self._on_burst(burst)
-
-    def _decode(self, frame: Any, max_version: int | None) -> Trajectory:
-        mc = self.model_cfg
-        try:
-            return decode(frame, num_experts=mc.num_experts, num_layers=mc.num_hidden_layers,
-                          top_k=mc.num_experts_per_tok, max_version=max_version)
-        except TrajectoryError:
-            raise
-        except Exception as e:  # a decoder bug must not kill the receive thread
-            logger.opt(exception=e).error("decoder failed unexpectedly")
-            raise TrajectoryError("<decoder>", f"{type(e).__name__}: {e}") from None
-
-    def _on_burst(self, burst: list[Delivery]) -> None:
-        """Store a burst of deliveries with one flush of the receive log (group commit), then answer.
-
-        Every reply (ACK, duplicate ACK, REJ) is sent only after :meth:`ReceiveLog.sync` returned,
-        so no ACK ever precedes the durability of what it acknowledges; a duplicate inside the
-        burst is ACKed after its original's flush too. If the flush fails nothing appended in the
-        burst is ACKed (the actors keep and resend it) and the log forgets it.
-        """
-        replies: list[tuple[Delivery, bool, str]] = []
-        stored: list[tuple[Delivery, Trajectory]] = []
-        for d in burst:
-            reply = self._store(d, stored)
-            if reply is not None:
-                replies.append((d, *reply))
-        try:
-            self._log.sync()
-        except OSError as e:
-            logger.error("receive log flush failed ({}); {} trajectories not acknowledged", e, len(stored))
-            replies = [r for r in replies if not r[1] or r[0].key in self._log or r[0].key in self._consumed]
-            stored = [(d, t) for d, t in stored if d.key in self._log]
-        for d, ok, reason in replies:
-            self._receiver.ack(d, ok, reason)
-        for d, traj in stored:
-            self.counters["received"] += 1
-            if self.counters["received"] <= self.cfg.dump_trajectories:
-                tdir = self.run_dir / "trajectories"
-                tdir.mkdir(exist_ok=True)
-                (tdir / f"{traj.trajectory_id}.traj").write_bytes(d.frame)
-            self._enqueue(traj, len(d.frame))
-
-    def _store(self, d: Delivery, stored: list[tuple[Delivery, Trajectory]]) -> tuple[bool, str] | None:
-        """De-duplicate, validate and append one delivery (not yet flushed); returns the reply
-        (ok, reason) to send after the flush, or None (no reply: not stored, the actor resends).
-        A stored trajectory is appended to ``stored``."""
-        if d.error is not None:
-            self._quarantine(d.frame, TrajectoryError("<envelope>", d.error))
-            return False, d.error
-        if d.key in self._log or d.key in self._consumed:
-            self.counters["duplicates"] += 1
-            return True, "duplicate"
-        if d.key in self._rejected_keys:  # resent after its REJ was lost: answer again, count it once
-            self.counters["duplicates"] += 1
-            return False, self._rejected_keys[d.key]
-        try:
-            traj = self._decode(d.frame, max_version=self.version)
-            if traj.trajectory_id != d.key:
-                raise TrajectoryError("trajectory_id", f"{traj.trajectory_id!r} differs from the envelope key {d.key!r}")
-        except TrajectoryError as e:
-            self._quarantine(d.frame, e)
-            self._rejected_keys[d.key] = str(e)[:1000]
-            if len(self._rejected_keys) > MAX_REMEMBERED_REJECTIONS:
-                self._rejected_keys.popitem(last=False)
-            return False, str(e)
-        try:
-            self._log.append(d.key, d.frame, sync=False)
-        except OSError as e:  # not stored: no ACK, the actor keeps it and resends
-            logger.error("receive log append failed ({}); trajectory {} not acknowledged", e, d.key)
-            return None
-        stored.append((d, traj))
-        return True, ""
-
-    def _enqueue(self, traj: Trajectory, nbytes: int) -> None:
-        while not self._stop.is_set():  # (training ended: kept in the receive log only)
-            try:
-                self._queue.put(traj, nbytes, timeout=0.5)
-                return
-            except queue.Full:
-                continue
+                    path or "no checkpoint", self.step, self.version, len(self._consumed), len(log))
 
     def _discard(self, reason: str, trajectory_id: str) -> None:
         """Give a dropped trajectory's admission slot back to the controller
@@ -343,21 +219,6 @@ class Learner:
                 call(self._controller.trajectory_discarded, r, tid)
             except Exception as e:  # the controller may be gone at shutdown; never crash the learner
                 logger.warning("could not tell the controller about a discarded trajectory: {}", e)
-
-    def _quarantine(self, frame: bytes | memoryview, err: Exception) -> None:
-        """Count, log and (first 100) keep a rejected frame with its error in ``quarantine/``.
-
-        The admission slot is returned by the rollout actor that gets the REJ (once per trajectory),
-        not here: a garbage message or a resent rejected one must not free a slot.
-        """
-        self.counters["rejected"] += 1
-        n = self.counters["rejected"]
-        logger.warning("rejected trajectory #{}: {}", n, err)
-        if n <= MAX_QUARANTINED_FILES:
-            qdir = self.run_dir / "quarantine"
-            qdir.mkdir(exist_ok=True)
-            (qdir / f"{n:06d}.traj").write_bytes(frame)
-            (qdir / f"{n:06d}.txt").write_text(f"{err}\n")
 
     # ---- main loop ----------------------------------------------------------------------
     def run(self, controller: Any = None) -> dict[str, Any]:
@@ -457,7 +318,7 @@ class Learner:
         """The next received trajectory that :meth:`_keep` keeps, waiting up to 0.5 s; None when
         none came (samplers waiting to join are served meanwhile) or it was dropped."""
         try:
-            traj = self._queue.get(timeout=0.5)
+            traj = self.inbox.queue.get(timeout=0.5)
         except queue.Empty:
             self._serve_joiners()
             return None
@@ -585,7 +446,7 @@ class Learner:
             "sampled_logprob_mean": float(np.mean(lp)) if (lp := np.concatenate(
                 [t.logprobs[t.loss_mask.astype(bool)] for t in batch])).size else 0.0,
             "turns_mean": float(np.mean([t.turn_offsets.shape[0] for t in batch])),
-            "queue_depth": self._queue.qsize(),
+            "queue_depth": self.inbox.queue.qsize(),
         }
 
     def _publish(self) -> None:
@@ -593,7 +454,7 @@ class Learner:
         if (self.step > 0 or self.version > 0) and not self._republish_same:  # (version > 0 at step 0: resumed
             self.version += 1                                                  # before the first checkpoint)
         self._republish_same = False
-        self._log.note_published(self.version)
+        self.inbox.log.note_published(self.version)
         self._weights_published = True
         t0 = time.perf_counter()
         try:
@@ -649,9 +510,9 @@ class Learner:
         (tmp / "trainer_state.json").write_text(json.dumps({"step": self.step, "version": self.version, **self.counters,
                                                             "dropped": self.dropped,
                                                             "group_rewards": self._task_rewards}))
-        path = commit(tmp, root / f"step_{self.step:06d}", fsync=self._log.fsync)
+        path = commit(tmp, root / f"step_{self.step:06d}", fsync=self.inbox.log.fsync)
         rotate_checkpoints(root, self.cfg.keep_checkpoints, self.cfg.keep_every)
-        self._log.drop_consumed(self._consumed)
+        self.inbox.log.drop_consumed(self._consumed)
         self._saved_step = self.step
         logger.info("checkpoint written to {}", path)
         return path
@@ -659,10 +520,7 @@ class Learner:
     def close(self) -> None:
         """Stop the receive thread, close the socket, and stop the backend's other ranks (if any)."""
         self._stop.set()
-        self._closed.set()
-        self._recv_thread.join(timeout=2)
-        self._receiver.close()
-        self._log.close()
+        self.inbox.close()
         self._sync.close()
         self.backend.close()  # (the megatron backend's expert-parallel ranks)
 

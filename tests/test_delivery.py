@@ -123,12 +123,12 @@ def test_fuzz_decoder_and_live_learner_socket(tmp_path):
         assert replies == len(invalid)  # every keyed message got its REJ: the sender will not resend it
         # the learner is alive, stored and queued nothing, and still takes a valid trajectory
         st = learner.status()
-        assert st["received"] == 0 and st["queue_depth"] == 0 and len(learner._log) == 0 and learner.step == 0
+        assert st["received"] == 0 and st["queue_depth"] == 0 and len(learner.inbox.log) == 0 and learner.step == 0
         assert len(list((tmp_path / "quarantine").glob("*.txt"))) == 100  # bounded
         good = synthetic(99)
         sock.send_multipart([PROTOCOL, good.trajectory_id.encode(), encode(good)])
         assert _wait(lambda: learner.status()["received"] == 1, 10)
-        assert learner._queue.get(1.0).trajectory_id == good.trajectory_id
+        assert learner.inbox.queue.get(1.0).trajectory_id == good.trajectory_id
         assert learner.counters["rejected"] == len(invalid) + n_env  # exact: no double counting
         # a rejected trajectory resent (its REJ was lost) is answered REJ again and not counted again
         sock.send_multipart([PROTOCOL, b"fuzz-0", invalid[0]])

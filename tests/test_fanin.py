@@ -113,7 +113,7 @@ def test_learner_acks_a_burst_after_one_flush_never_before(tmp_path, monkeypatch
     learner = Learner(LearnerConfig(max_steps=0, episodes_per_step=0), ModelConfig(),
                       TransportConfig(log_fsync="always", recv_queue_messages=64), WeightSyncConfig(),
                       str(tmp_path / "run"))
-    log = learner._log
+    log = learner.inbox.log
     durable_at: dict[str, float] = {}
     flushes = []
     real = os.fdatasync
@@ -142,7 +142,7 @@ def test_learner_acks_a_burst_after_one_flush_never_before(tmp_path, monkeypatch
             senders[i % 3].send(traj.trajectory_id, EncodedTrajectory(traj))
         assert all(tx.flush(20.0) for tx in senders)
         assert sorted(acked) == sorted(keys) and learner.counters["received"] == 30
-        assert learner.counters["duplicates"] == 0 and learner._queue.qsize() == 30
+        assert learner.counters["duplicates"] == 0 and learner.inbox.queue.qsize() == 30
         assert len(flushes) < 15, f"{len(flushes)} flushes for 30 messages: no group commit"
         early = [k for k in keys if acked[k] < durable_at.get(k, float("inf"))]
         assert not early, f"ACKed before their flush: {early}"

@@ -272,7 +272,7 @@ def test_a_trajectory_whose_every_turn_is_masked_is_dropped_and_its_slot_returne
         half = abnormal(synthetic(0, 2), [TURN_ABORTED, 0])
         learner._controller = ctl = FakeController()
         for t in (empty, half):
-            learner._enqueue(t, 1)
+            learner.inbox.enqueue(t, 1)
         assert [t.trajectory_id for t in learner._collect_batch()] == [half.trajectory_id]
         assert learner.dropped["all_turns_masked"] == 1 and learner._consumed[empty.trajectory_id] == -1
         assert [d.split(":")[0] for d in ctl.discarded] == ["all_turns_masked"]

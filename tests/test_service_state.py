@@ -19,7 +19,8 @@ import pytest
 
 from t1async.config import ConfigError, load_config
 from t1async.service.control import ControlError, ControlServer, parse_changes, request
-from t1async.transport.delivery import ConsumedLedger, read_consumed, rotate_checkpoints, write_consumed
+from t1async.transport.delivery import ConsumedLedger, read_consumed, write_consumed
+from t1async.learner.checkpoints import rotate_checkpoints
 from t1async.service.rundir import (RunDirLock, append_history, check_reuse, history_overrides, is_held, read_service,
                             resolve_run_dir)
 from t1async.trajectory import new_trajectory_id

@@ -95,7 +95,7 @@ def learner_main(spec: dict[str, Any]) -> None:
         moe_intermediate_size=16)
     learner = Learner(LearnerConfig(max_steps=0, episodes_per_step=0), model, transport, WeightSyncConfig(),
                       spec["run_dir"])
-    queue = learner._queue  # noqa: SLF001  (the bench consumes in place of the trainer)
+    queue = learner.inbox.queue  # noqa: SLF001  (the bench consumes in place of the trainer)
     consumed: list[str] = []
     stop = threading.Event()
 
@@ -111,7 +111,7 @@ def learner_main(spec: dict[str, Any]) -> None:
     def sample() -> None:
         while not stop.is_set():
             samples.append([time.time(), learner.counters["received"], _cpu_s(os.getpid()), _rss_kb() / 1024,
-                            learner._queue.nbytes])  # noqa: SLF001
+                            learner.inbox.queue.nbytes])  # noqa: SLF001
             time.sleep(0.1)
 
     threads = [threading.Thread(target=consume, daemon=True), threading.Thread(target=sample, daemon=True)]
@@ -125,7 +125,7 @@ def learner_main(spec: dict[str, Any]) -> None:
     for t in threads:
         t.join()
     out = {"consumed": consumed, "counters": dict(learner.counters), "samples": samples, "rss_baseline_mb": baseline_mb,
-           "rss_peak_mb": _rss_kb("VmHWM") / 1024, "queue_messages": learner._queue.max_items}  # noqa: SLF001
+           "rss_peak_mb": _rss_kb("VmHWM") / 1024, "queue_messages": learner.inbox.queue.max_items}  # noqa: SLF001
     learner.close()
     Path(spec["out"]).write_text(json.dumps(out))
 

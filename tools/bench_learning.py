@@ -265,7 +265,7 @@ def rl_run(run_dir: Path, ckpt: Path, tasks: Path, seed: int, reward: str, minut
 def _snapshot(run_dir: Path, snaps_dir: Path, minutes: float, keep_all: bool = False) -> str | None:
     """Copy the latest checkpoint's policy (config.json + model.safetensors) to ``snaps_dir``;
     remove older checkpoint folders (the bench needs only the snapshots) unless ``keep_all``."""
-    from t1async.transport.delivery import latest_checkpoint
+    from t1async.learner.checkpoints import latest_checkpoint
 
     latest = latest_checkpoint(run_dir / "checkpoints")
     if latest is None:

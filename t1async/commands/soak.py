@@ -36,7 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from t1async.service.control import ControlError, request
-from t1async.transport.delivery import ReceiveLog, latest_checkpoint, read_consumed
+from t1async.transport.delivery import ReceiveLog, read_consumed
+from t1async.learner.checkpoints import latest_checkpoint
 from t1async.service.reaper import descendants
 from t1async.service.rundir import is_held
 

@@ -1,4 +1,4 @@
-"""The learner's side of lossless delivery: durable receive log, bounded byte queue, atomic checkpoints.
+"""The learner's side of lossless delivery: durable receive log, bounded byte queue, consumed-id ledger.
 
 Guarantee (with t1async/transport/transport.py and t1async/transport/spool.py): every trajectory a rollout actor
 finished is trained on exactly once by the model state that survives, or dropped and counted as
@@ -10,7 +10,8 @@ stale, even if the learner is killed with SIGKILL at any instant and restarted w
    :meth:`ReceiveLog.sync`); until then the actor keeps it in its spool and resends
    it after reconnecting. A key already in the log (or already consumed) is ACKed and not
    stored twice: the log holds each trajectory id at most once.
-2. A checkpoint records, atomically with the weights (one directory renamed into place), the id
+2. A checkpoint records, atomically with the weights (one directory renamed into place,
+   t1async/learner/checkpoints.py), the id
    of every trajectory its model state consumed (trained on, or dropped as stale) and the step.
 3. On resume the learner loads its latest checkpoint and re-queues every log record that
    checkpoint had not consumed, before reading the socket. Steps trained after that checkpoint
@@ -42,26 +43,17 @@ import re
 import shutil
 import struct
 import threading
-import uuid
 import zlib
 from pathlib import Path
 from typing import Any
 
 from loguru import logger
 
-from t1async.fileio import pwrite_all
+from t1async.fileio import fsync_dir, pwrite_all
 
 _REC = struct.Struct("<4sIHQI")
 _MAGIC, _TRAILER, _END = b"T1RL", b"T1OK", b"\x00\x00\x00\x00"
 FSYNC_POLICIES = ("always", "never")
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class ReceiveLog:
@@ -168,7 +160,7 @@ class ReceiveLog:
         os.pwrite(self._fd, _END, 0)  # an empty segment, even over an old file's records
         if self.fsync:
             os.fdatasync(self._fd)
-            _fsync_dir(self.dir)
+            fsync_dir(self.dir)
 
     def __contains__(self, key: str) -> bool:
         return key in self._index
@@ -306,50 +298,6 @@ class ByteQueue:
         return len(self._items)
 
 
-# ---- checkpoints: one directory renamed into place ------------------------------------------
-_STEP_DIR = re.compile(r"^step_(\d{6,})$")
-
-
-def staging_dir(root: Path, step: int) -> Path:
-    """A fresh hidden folder to write checkpoint ``step`` into before :func:`commit`."""
-    path = root / f".step_{step:06d}.tmp-{uuid.uuid4().hex[:8]}"
-    path.mkdir(parents=True)
-    return path
-
-
-def commit(staged: Path, final: Path, *, fsync: bool = True) -> Path:
-    """Move a fully written ``staged`` folder to ``final`` atomically (replacing an older one).
-
-    With ``fsync``, every file is fsync-ed first, so a power loss leaves either the old or the new
-    checkpoint, never a mix. Between the two renames of a replacement a crash leaves no ``final``;
-    :func:`latest_checkpoint` then takes the previous step (still consistent).
-    """
-    if fsync:
-        for f in staged.rglob("*"):
-            if f.is_file():
-                with open(f, "rb+") as fh:
-                    os.fsync(fh.fileno())
-    old = None
-    if final.exists():
-        old = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
-        os.rename(final, old)
-    os.rename(staged, final)
-    if fsync:
-        _fsync_dir(final.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
-
-
-def latest_checkpoint(root: Path) -> Path | None:
-    """The committed ``step_N`` folder with the largest N (that has ``trainer_state.json``), or None."""
-    if not root.is_dir():
-        return None
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name))
-             and (p / "trainer_state.json").is_file()]
-    return max(found)[1] if found else None
-
-
 _STREAM_ID = re.compile(r"^([0-9a-f]{16})-(\d{1,15})$")  # t1async.trajectory.new_trajectory_id
 
 
@@ -446,18 +394,3 @@ def read_consumed(path: Path) -> ConsumedLedger:
     """Read a ledger written by :func:`write_consumed` (empty if the file is absent; a format-1
     ``{id: step}`` file of an older run is converted)."""
     return ConsumedLedger.from_json(json.loads(path.read_text())) if path.exists() else ConsumedLedger()
-
-
-def rotate_checkpoints(root: Path, keep_last: int, keep_every: int = 0) -> list[Path]:
-    """Delete committed ``step_N`` folders except the newest ``keep_last`` and those whose N is a
-    multiple of ``keep_every`` (0: none); returns what was deleted. Staging leftovers of a crash
-    (``.step_*.tmp-*``, ``.step_*.old-*``) are deleted too: call it between saves."""
-    if not root.is_dir():
-        return []
-    steps = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)))
-    doomed = [p for i, (n, p) in enumerate(steps)
-              if i < len(steps) - max(1, keep_last) and not (keep_every and n % keep_every == 0)]
-    doomed += [p for p in root.glob(".step_*") if p.is_dir()]  # (called between saves: none is being written)
-    for p in doomed:
-        shutil.rmtree(p, ignore_errors=True)
-    return doomed
