@@ -58,7 +58,7 @@ class Learner:
         weight_sync: how to broadcast weights.
         run_dir: run directory (metrics.jsonl, checkpoints/, quarantine/, receive_log/).
         generation: the samplers' temperature, top-k and top-p: the learner scores every sampled
-            token under the same processed distribution (t1async.learner.rl.processed_logprobs), so that
+            token under the same processed distribution (t1async.models.logprobs.processed_logprobs), so that
             log pi_prox, log pi_theta and the behaviour log mu are of one distribution. None: the
             defaults (temperature 1, no truncation).
         seed: seed of the model init (the same init for every ``learner.backend``).

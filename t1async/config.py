@@ -164,7 +164,7 @@ class GenerationConfig:
     """Nucleus mass kept (1.0 keeps all)."""
     top_k: int = -1
     """Keep only the k most likely tokens (>= 1; -1 keeps all). The sampler reports, and the
-    learner scores, log-probs of this processed distribution (t1async.learner.rl.processed_logprobs)."""
+    learner scores, log-probs of this processed distribution (t1async.models.logprobs.processed_logprobs)."""
 
 
 @dataclass

@@ -88,7 +88,7 @@ def test_logprobs_and_routing_match_teacher_forcing(model, params):
         expected = ref[np.arange(N), out.output_ids]
         np.testing.assert_allclose(out.output_logprobs, expected, rtol=0, atol=1e-4)
         # the shared function the engine samples from gives the same whole distribution
-        from t1async.learner.rl import processed_logprobs
+        from t1async.models.logprobs import processed_logprobs
 
         mine = processed_logprobs(logits, params.temperature, params.top_k, params.top_p)
         assert mine.dtype == torch.float32

@@ -20,7 +20,7 @@ from t1async.config import (AbnormalConfig, GenerationConfig, LearnerConfig, Mod
 from t1async.transport.delivery import read_consumed
 from t1async.sampling.engine import Engine, SamplingParams
 from t1async.models.model import Qwen3MoeForCausalLM
-from t1async.learner.rl import token_logprobs
+from t1async.models.logprobs import token_logprobs
 from t1async.trajectory import TURN_ABORTED, TURN_COMMAND_TIMEOUT, TURN_CUT_NOT_RUN, Trajectory, encode
 from t1async.transport.transport import ZmqSender
 

@@ -8,7 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from t1async.learner.rl import gae, group_baselines, policy_loss, token_logprobs, value_loss
+from t1async.learner.rl import gae, group_baselines, policy_loss, value_loss
+
+
+
+from t1async.models.logprobs import token_logprobs
 
 
 def test_gae_matches_direct_definition():

@@ -20,7 +20,7 @@ Per mode (sums over all trajectories; "loss tokens" are the sampler's sampled to
 
 - ``logprob_diff_mean``: mean over loss tokens of |log pi_learner - log mu_sampler|, both of the
   processed distribution the sampler drew from (``generation`` temperature, top-k, top-p; the
-  learner scores exactly as the trainer does, :func:`t1async.learner.rl.token_logprobs`);
+  learner scores exactly as the trainer does, :func:`t1async.models.logprobs.token_logprobs`);
 - ``kl_k3``: mean over loss tokens of ``(r - 1) - log r``, ``log r = log pi - log mu`` (Schulman
   2020, "Approximating KL divergence"; unbiased for KL(mu || pi) of the processed distributions);
 - ``nucleus_boundary_tokens``: learner tokens outside the learner's own top-k/top-p set, kept in
@@ -60,7 +60,8 @@ import torch.nn.functional as F
 
 from t1async.config import Config, GenerationConfig, check_trainable
 from t1async.models.model import Qwen3MoeForCausalLM
-from t1async.learner.rl import load_balancing_loss, routing_differs, token_logprobs
+from t1async.learner.rl import load_balancing_loss, routing_differs
+from t1async.models.logprobs import token_logprobs
 from t1async.models.tokenizer import ChatTokenizer
 from t1async.trajectory import Trajectory
 

@@ -5,7 +5,7 @@ advantages), the RL losses (t1async/learner/rl.py) and metrics. A backend owns t
 critic, optional frozen reference), their optimisers and their layouts, and answers five things:
 
 - :meth:`LearnerBackend.policy_logprobs`: per-token log-probs of the targets under the sampling
-  distribution (rl.token_logprobs), with the sampler's routed experts replayed or not;
+  distribution (t1async/models/logprobs.py token_logprobs), with the sampler's routed experts replayed or not;
 - :meth:`LearnerBackend.values`: the critic's per-token values;
 - :meth:`LearnerBackend.backward` / :meth:`LearnerBackend.step`: gradients and one optimiser step
   (gradient clipping, learning rate);

@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 from t1async.learner.backend import AdamWPair, PolicyForward, chunk_size
 from t1async.config import GenerationConfig, LearnerConfig, ModelConfig
 from t1async.models.model import Qwen3MoeForCausalLM, Qwen3MoeModel
-from t1async.learner.rl import token_logprobs
+from t1async.models.logprobs import token_logprobs
 from t1async.weights.weight_sync import pack_parameters
 
 __all__ = ["TorchBackend", "ValueModel", "chunked_token_logprobs", "layer_checkpointing", "load_policy"]
@@ -59,7 +59,7 @@ def layer_checkpointing(trunk: Qwen3MoeModel) -> Iterator[None]:
 
 def chunked_token_logprobs(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, tgt: torch.Tensor,
                            g: GenerationConfig, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`t1async.learner.rl.token_logprobs` of ``head(hidden).float()``, ``chunk`` positions at a time.
+    """:func:`t1async.models.logprobs.token_logprobs` of ``head(hidden).float()``, ``chunk`` positions at a time.
 
     With gradients on, each chunk is checkpointed (``torch.utils.checkpoint``, non-reentrant):
     only its hidden slice is kept and its logits are recomputed, one chunk at a time, in the

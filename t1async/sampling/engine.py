@@ -21,7 +21,7 @@ of the same request run alone (tests/test_batching.py). There is no padding toke
 Log-probs: ``output_logprobs[i]`` is the log-prob of ``output_ids[i]`` under the distribution it
 was actually drawn from: ``logits / temperature``, then top-k (Fan et al. 2018), then nucleus /
 top-p (Holtzman et al. 2019, "The Curious Case of Neural Text Degeneration"), renormalised over
-the kept tokens, in float32 (:func:`t1async.learner.rl.processed_logprobs`, the one function that both
+the kept tokens, in float32 (:func:`t1async.models.logprobs.processed_logprobs`, the one function that both
 draws the token here and scores it in the learner, so behaviour log mu and proximal log pi_prox
 are of the same distribution). With temperature 1 and no truncation that is the plain
 ``log_softmax(logits)``. Temperature 0 (greedy) samples from a point mass on the argmax, so its
@@ -75,7 +75,7 @@ import numpy as np
 import torch
 
 from t1async.models.model import KVCache, PackedSegments, Qwen3MoeForCausalLM
-from t1async.learner.rl import check_sampling, processed_logprobs
+from t1async.models.logprobs import check_sampling, processed_logprobs
 
 __all__ = ["Engine", "GenerateOutput", "Request", "SamplingParams"]
 
@@ -139,7 +139,7 @@ class GenerateOutput:
 
 def sample_with_logprob(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> tuple[int, float]:
     """Draw one id from a logits row [V] and return it with its log-prob under the distribution
-    it was drawn from (:func:`t1async.learner.rl.processed_logprobs`: temperature, top-k, top-p, float32).
+    it was drawn from (:func:`t1async.models.logprobs.processed_logprobs`: temperature, top-k, top-p, float32).
 
     Temperature 0 is greedy: the argmax, with log-prob 0.0 (a point mass). The most likely token
     always survives the filters.

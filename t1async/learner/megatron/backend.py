@@ -98,7 +98,7 @@ from t1async.learner.megatron.convert import CRITIC, POLICY, hf_to_megatron, meg
 from t1async.learner.megatron.ranks import (RankGroup, all_reduce_, all_reduce_sum, expert_owner, from_bytes, gather_bytes,
                                     gather_tensors, leave_world, scatter_bytes, scatter_flat, share_state, to_bytes)
 from t1async.models.model import save_hf
-from t1async.learner.rl import token_logprobs
+from t1async.models.logprobs import token_logprobs
 from t1async.learner.torch_backend import ValueModel, chunked_token_logprobs, load_policy
 from t1async.weights.weight_sync import is_expert
 
