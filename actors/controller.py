@@ -234,7 +234,7 @@ class Controller:
     # ---- supervision loop ---------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         """Start rollout actors, replace crashed ones, follow :meth:`scale`; returns when stopped."""
-        import ray
+        import ray  # (ray: deferred; only the supervision loop, under Ray, needs it)
 
         me = ray.get_runtime_context().current_actor
         while not self._stopping:
@@ -285,7 +285,7 @@ class Controller:
 
     def stop(self, grace_s: float = 5.0) -> dict[str, Any]:
         """End admission, wait up to ``grace_s`` for actors to finish their episode, kill the rest."""
-        import ray
+        import ray  # (ray: deferred, as in run)
 
         with self._cond:
             self._stopping = True

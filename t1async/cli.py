@@ -19,6 +19,14 @@ import importlib
 import re
 import sys
 from typing import Any, Callable
+import json
+from t1async.config import ConfigError, load_config
+from t1async.envs.sandbox import SandboxUnavailable
+from t1async.service.control import ControlError
+from t1async.transport.keys import KeysError
+from pathlib import Path
+from t1async.envs.task import TaskError
+import runpy
 
 SUBCOMMANDS = [
     "t1async.cli:register_launch",
@@ -44,7 +52,7 @@ def register_launch(sub: argparse._SubParsersAction) -> None:
 def run_launch(args: argparse.Namespace) -> int:
     """Run ``launch``; 0 when every learner step ran or ``t1async stop`` stopped it, 130 after a
     signal (Ctrl-C, SIGTERM, SIGHUP), 1 if the learner stopped early (starved) or died for good."""
-    from t1async.service.launch import launch
+    from t1async.service.launch import launch  # (torch, ray: deferred until the command is known good)
 
     summary = launch(args.config, args.overrides)
     if summary.get("error"):
@@ -72,10 +80,6 @@ def register_mismatch(sub: argparse._SubParsersAction) -> None:
 
 def run_mismatch(args: argparse.Namespace) -> int:
     """Run :func:`t1async.commands.mismatch.measure` on the config; prints its JSON."""
-    import json
-
-    from t1async.config import load_config
-
     cfg = load_config(args.config, args.overrides)
     from t1async.commands.mismatch import measure  # (torch: imported once the config is known good)
 
@@ -102,12 +106,6 @@ def run_sft(args: argparse.Namespace) -> int:
         TaskError: ``--tasks`` or ``--heldout`` is not a folder, ``--out`` is a file, or the
             demonstrations cannot be built (its ValueError).
     """
-    import json
-    from pathlib import Path
-
-    from t1async.config import load_config
-    from t1async.envs.task import TaskError
-
     cfg = load_config(args.config, args.overrides)
     if not Path(args.tasks).is_dir():
         raise TaskError(f"--tasks {args.tasks} is not a folder; pass a folder of task folders (t1async synth --out ...)")
@@ -136,9 +134,6 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
 
 def run_bench(args: argparse.Namespace) -> int:
     """Run ``tools/bench_NAME.py`` as ``__main__`` with ``args``; its exit status is returned."""
-    import runpy
-    from pathlib import Path
-
     tools = Path(__file__).resolve().parents[1] / "tools"
     script = tools / f"bench_{args.name.replace('-', '_')}.py"  # long-horizon -> bench_long_horizon.py
     if not script.is_file():
@@ -209,11 +204,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Exception types that mean bad input (reported by the CLI in one line, without a traceback)."""
+    return ConfigError, TaskError, SandboxUnavailable, KeysError, ControlError
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``t1async`` console script; returns the exit status."""
     args = parse(argv)
-
-    from t1async.service.launch import user_errors
 
     try:
         return int(args.func(args))

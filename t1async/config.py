@@ -768,8 +768,8 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         ConfigError: the file is missing or not YAML, or a key is unknown or a value has the
             wrong type; the message names the key and the file (or "command line").
     """
-    from omegaconf import DictConfig, OmegaConf  # here, so the dataclasses import without it (a GPU box)
-    from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+    from omegaconf import DictConfig, OmegaConf  # (omegaconf: deferred, so the dataclasses import without it, e.g. on a GPU box)
+    from omegaconf.errors import ConfigKeyError, OmegaConfBaseException  # (omegaconf: as above)
 
     base = OmegaConf.structured(Config)
     layers = []
@@ -779,7 +779,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     if bad:
         raise ConfigError(f"override {bad[0]!r} on the command line is not key=value (for example learner.max_steps=4)")
     if overrides:
-        import yaml
+        import yaml  # (yaml: deferred, as omegaconf)
 
         try:
             layers.append(("command line", OmegaConf.from_dotlist(list(overrides))))
@@ -811,9 +811,9 @@ def _load_yaml(p: Path) -> Any:
         ConfigError: one line: missing, a folder, unreadable, not YAML (with line and column), or
             not a mapping of sections (a bare scalar or a list).
     """
-    import yaml
+    import yaml  # (yaml, omegaconf: deferred, as in load_config)
     from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
+    from omegaconf.errors import OmegaConfBaseException  # (omegaconf: as above)
 
     if p.is_dir():
         raise ConfigError(f"config file {p} is a folder; pass a YAML file such as configs/local.yaml")
@@ -1051,6 +1051,6 @@ def _valid_keys_hint(key: str) -> str:
 
 def to_yaml(cfg: Any) -> str:
     """Render a config (or one section of it) as YAML, for saving in the run directory."""
-    from omegaconf import OmegaConf
+    from omegaconf import OmegaConf  # (omegaconf: deferred, as in load_config)
 
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))

@@ -64,6 +64,12 @@ from t1async.learner.rl import load_balancing_loss, routing_differs
 from t1async.models.logprobs import token_logprobs
 from t1async.models.tokenizer import ChatTokenizer
 from t1async.trajectory import Trajectory
+from t1async.actors.rollout import tasks_dir
+from t1async.rollout.episode import run_episode
+from t1async.actors.sampler import EmbeddedSampler
+from t1async.envs.task import discover_tasks
+from t1async.envs.terminal import TerminalEnv
+from t1async.sampling.sampler_client import HttpSampler
 
 MODES = {"none": (False, False), "tito": (True, False), "r3": (False, True), "both": (True, True)}
 """mode -> (exact TITO ids, replay recorded routing)."""
@@ -316,13 +322,6 @@ def pretrain(model: Qwen3MoeForCausalLM, corpus: np.ndarray, *, steps: int, seq_
 def rollouts(cfg: Config, policy: Qwen3MoeForCausalLM, episodes: int) -> list[Trajectory]:
     """Run ``episodes`` real episodes against an in-process embedded sampler holding ``policy``'s
     weights (cast to ``cfg.sampler.dtype``), over HTTP, in bubblewrap sandboxes."""
-    from t1async.actors.rollout import tasks_dir
-    from t1async.rollout.episode import run_episode
-    from t1async.actors.sampler import EmbeddedSampler
-    from t1async.envs.task import discover_tasks
-    from t1async.envs.terminal import TerminalEnv
-    from t1async.sampling.sampler_client import HttpSampler
-
     tasks = discover_tasks(tasks_dir(cfg.env), cfg.env.tasks, sandbox=cfg.env.sandbox)
     sampler = EmbeddedSampler(cfg.model, cfg.sampler, seed=cfg.run.seed, torch_threads=cfg.run.torch_threads)
     tokenizer = ChatTokenizer.load()
@@ -356,9 +355,6 @@ def build_policy(cfg: Config) -> tuple[Qwen3MoeForCausalLM, dict]:
         policy = Qwen3MoeForCausalLM(cfg.model)
     stats: dict = {}
     if mc.pretrain_steps > 0:
-        from t1async.actors.rollout import tasks_dir
-        from t1async.envs.task import discover_tasks
-
         tokenizer = ChatTokenizer.load()
         corpus = pretraining_corpus(tokenizer, cfg.env.system_prompt, discover_tasks(tasks_dir(cfg.env), []))
         stats = pretrain(policy, corpus, steps=mc.pretrain_steps, seq_len=mc.pretrain_seq_len, batch=mc.pretrain_batch,

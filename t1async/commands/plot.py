@@ -44,10 +44,10 @@ def read_rows(run_dir: Path) -> list[dict[str, Any]]:
 
 def plot(run_dir: Path, out: Path) -> Path:
     """Write the PNG; returns its path."""
-    import matplotlib
+    import matplotlib  # (matplotlib: deferred; an optional extra, only t1async plot needs it)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # (matplotlib, as above)
 
     rows = read_rows(run_dir)
     steps = [r["step"] for r in rows]

@@ -31,7 +31,6 @@ Source of the load-balancing term: Switch Transformer (Fedus et al. 2021),
 from __future__ import annotations
 
 import random
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -50,6 +49,14 @@ from t1async.learner.rl import load_balancing_loss
 from t1async.sampling.sampler_client import SamplerResponse
 from t1async.models.tokenizer import ChatTokenizer, check_model_vocab
 from t1async.trajectory import Trajectory
+from t1async.rollout.actions import action_turn_ids
+from t1async.rollout.episode import run_episode
+from t1async.envs.synth import oracle_commands
+from t1async.envs.protocol import SandboxError
+from t1async.envs.task import discover_tasks
+from t1async.envs.terminal import TerminalEnv
+import copy
+from t1async.envs.evaluate import evaluate, summary
 
 
 class ScriptedSampler:
@@ -121,10 +128,6 @@ def demonstration(task: Any, env: Any, cfg: Config, tokenizer: ChatTokenizer, *,
             the message starts with a short reason key.
         SandboxError: the sandbox failed.
     """
-    from t1async.rollout.actions import action_turn_ids
-    from t1async.rollout.episode import run_episode
-    from t1async.envs.synth import oracle_commands
-
     solve = task.solution_path
     if solve is None:
         raise ValueError("no oracle: the task has no runnable solution/solve.sh or solution.sh")
@@ -159,11 +162,6 @@ def build_demonstrations(tasks_dir: str | Path, cfg: Config, *, limit: int = 0, 
     Raises:
         TaskError: ``tasks_dir`` holds no loadable task.
     """
-    from t1async.envs.protocol import SandboxError
-    from t1async.envs.synth import oracle_commands
-    from t1async.envs.task import discover_tasks
-    from t1async.envs.terminal import TerminalEnv
-
     tasks = sorted(discover_tasks(tasks_dir, [], sandbox=cfg.env.sandbox), key=lambda t: t.name)
     tokenizer = ChatTokenizer.load()
     out = Demonstrations()
@@ -326,10 +324,6 @@ def evaluate_policy(checkpoint: str | Path, tasks_dir: str | Path, cfg: Config, 
         episodes resolved: about what sharpening the policy toward its own best samples can reach,
         Chen et al. 2021's pass@k with k = n) and ``per_family``.
     """
-    import copy
-
-    from t1async.envs.evaluate import evaluate, summary
-
     rows = []
     for k in range(samples):
         cfg_k = copy.deepcopy(cfg)
@@ -359,9 +353,3 @@ def breakdown(rows: list[Any]) -> dict[str, Any]:
         by_family.setdefault(synth_family(task), []).extend(got)
     return {"pass_at_k": round(sum(any(v) for v in by_task.values()) / len(by_task), 4) if by_task else 0.0,
             "per_family": {f: round(sum(v) / len(v), 4) for f, v in sorted(by_family.items())}}
-
-
-if __name__ == "__main__":
-    from t1async.cli import main
-
-    sys.exit(main(["sft", *sys.argv[1:]]))

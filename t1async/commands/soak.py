@@ -40,6 +40,7 @@ from t1async.transport.delivery import ReceiveLog, read_consumed
 from t1async.learner.checkpoints import latest_checkpoint
 from t1async.service.reaper import descendants
 from t1async.service.rundir import is_held
+from t1async.config import load_config
 
 ROLE_TITLES = {"rollout": b"ray::RolloutActor", "sampler": b"ray::EmbeddedSampler", "learner": b"ray::Learner"}
 
@@ -185,8 +186,6 @@ def soak(config: str, minutes: float, kill_every: float, overrides: list[str], *
     ``resources``: every ``sample_every_s`` seconds the run directory's bytes and the resident
     memory of the launch's process tree are sampled with the trajectories spooled so far
     (:func:`resources`). ``kill_every`` <= 0 kills nothing (a plain long run, to measure growth)."""
-    from t1async.config import load_config
-
     rng = random.Random(seed)
     run_dir = (run_dir or Path(f"runs/soak-{time.strftime('%Y%m%d-%H%M%S')}")).resolve()
     cfg = load_config(config, [*overrides, f"run.dir={run_dir}"])

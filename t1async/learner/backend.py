@@ -33,6 +33,7 @@ from loguru import logger
 from safetensors.torch import load_file, save_file
 
 from t1async.config import GenerationConfig, LearnerConfig, ModelConfig
+import torch.distributed as dist
 
 __all__ = ["BACKENDS", "ONE_PROCESS", "AdamWPair", "LearnerBackend", "MasterWeightAdamW", "PolicyForward",
            "ShardedAdamW", "chunk_size", "make_backend"]
@@ -265,8 +266,6 @@ class ShardedAdamW:
     def step(self) -> None:
         """Step the own weights, then this rank's shard (its slice of the summed gradients), then
         all-gather the shards into every replicated weight."""
-        import torch.distributed as dist
-
         self.own.step()
         if not self.replicated:
             return

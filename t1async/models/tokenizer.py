@@ -39,6 +39,7 @@ import re
 from typing import Sequence
 
 from tokenizers import Tokenizer
+from t1async.config import ConfigError
 
 __all__ = ["ChatTokenizer", "SPECIAL_TOKENS", "TOOL_TOKENS", "ROLES", "BASE_VOCAB_SIZE", "ACTION_FORMATS",
            "required_vocab_size", "check_model_vocab"]
@@ -80,8 +81,6 @@ def check_model_vocab(vocab_size: int, action_format: str, what: str = "model.vo
     Raises:
         ConfigError: one line naming ``what``, the size needed and how to get it.
     """
-    from t1async.config import ConfigError
-
     tok = tokenizer or ChatTokenizer.load()
     need = required_vocab_size(tok, action_format)
     if vocab_size < need:

@@ -452,7 +452,7 @@ class OpenAIEndpoint:
     """
 
     def __init__(self, tokenizer: ChatTokenizer, host: str = "127.0.0.1"):
-        import uvicorn
+        import uvicorn  # (uvicorn: deferred; only the external-agent endpoint serves)
 
         self.tok = tokenizer
         self.sessions: dict[str, Session] = {}

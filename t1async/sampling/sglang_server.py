@@ -25,6 +25,7 @@ from loguru import logger
 from t1async.config import SamplerConfig
 from t1async.sampling.sampler_client import SamplerError, post_json
 from t1async.weights.weight_sync import free_port
+import signal
 
 
 class SGLangStartError(RuntimeError):
@@ -103,8 +104,6 @@ def start_servers(cfg: SamplerConfig, run_dir: Path) -> tuple[list[subprocess.Po
 
 def stop_servers(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
     """SIGTERM each server's process group, SIGKILL what is left after ``grace_s``."""
-    import signal
-
     for p in procs:
         if p.poll() is None:
             try:

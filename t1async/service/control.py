@@ -30,6 +30,8 @@ import zmq
 from loguru import logger
 
 from t1async.service.rundir import describe_holder, is_held, read_service
+from rich.console import Console
+from rich.table import Table
 
 LIVE_KEYS = {
     "rollout.num_actors": "rollout actors (started or retired at once; a retired actor finishes its episode)",
@@ -164,9 +166,6 @@ def request(run_dir: str | Path, msg: dict[str, Any], timeout_s: float = REQUEST
 # ---- formatting -----------------------------------------------------------------------------
 def format_status(st: dict[str, Any]) -> str:
     """A human table of a status reply (rich, rendered to plain text)."""
-    from rich.console import Console
-    from rich.table import Table
-
     def f(x: Any, nd: int = 2) -> str:
         return "-" if x is None else f"{x:.{nd}f}" if isinstance(x, float) else str(x)
 

@@ -35,6 +35,17 @@ from t1async.service.rundir import RunDirLock, check_reuse, history_overrides, r
 from t1async.service.sampler_pool import SamplerPool
 from t1async.service.service import LearnerDied, Service
 from t1async.models.tokenizer import check_model_vocab
+import ray
+from t1async.actors.rollout import tasks_dir
+from t1async.envs.sandbox import check_sandbox_available
+from t1async.envs.task import discover_tasks
+from t1async.actors.sampler import EmbeddedSampler
+from t1async.actors.learner import Learner
+from t1async.actors.controller import Controller
+from t1async.actors.rollout import RolloutActor
+from t1async.transport.keys import client_keys, server_keys
+from t1async.sampling.sglang_server import start_servers
+from t1async.sampling.sglang_server import stop_servers
 
 ACTOR_MAX_CONCURRENCY = 64  # threads of the controller/learner/sampler actors (acquire() waits block one each)
 
@@ -50,8 +61,6 @@ def launch(config_path: str | None, overrides: list[str] | tuple[str, ...] = ())
         ConfigError, TaskError, SandboxUnavailable, KeysError: bad input, before anything is started
             (a run directory in use or holding an earlier run included).
     """
-    import ray
-
     cfg = load_config(config_path, overrides)
     run_dir = resolve_run_dir(cfg.run.dir)
     if cfg.learner.resume:  # live changes made to the run before (t1async scale) are kept
@@ -104,8 +113,6 @@ def launch(config_path: str | None, overrides: list[str] | tuple[str, ...] = ())
         grace = {"now": 0.0, "drain": 30.0}.get(summary.get("stop_request") or "", 5.0)
         summary.update(shutdown(roles, grace_s=grace))
         if roles.get("sglang_servers"):
-            from t1async.sampling.sglang_server import stop_servers
-
             stop_servers(roles["sglang_servers"])
         kill_sandboxes_under(run_dir / "workspaces")  # a sandbox can outlive its killed rollout actor
         unmount_all_under(run_dir / "workspaces")  # killed actors cannot clean up themselves
@@ -149,8 +156,6 @@ def claim_run_dir(cfg: Config, run_dir: Path) -> RunDirLock:
 
 def announce_resume(cfg: Config, learner: Any, run_dir: Path) -> None:
     """Say on the console what a resume restored, or warn that there was nothing to resume."""
-    import ray
-
     if not cfg.learner.resume:
         return
     r = ray.get(learner.status.remote())["resumed"]
@@ -170,10 +175,6 @@ def check_inputs(cfg: Config) -> list[str]:
     Raises:
         ConfigError, TaskError, SandboxUnavailable, KeysError: with a one-line message.
     """
-    from t1async.actors.rollout import tasks_dir
-    from t1async.envs.sandbox import check_sandbox_available
-    from t1async.envs.task import discover_tasks
-
     check_trainable(cfg)
     check_model_vocab(cfg.model.vocab_size, cfg.env.action_format)
     if cfg.rollout.agent == "external":  # the endpoint renders and returns tool calls with the tool-call ids
@@ -193,8 +194,6 @@ def check_inputs(cfg: Config) -> list[str]:
                        "the learner's window, so most trajectories fall back to GAE (group_baselined_frac in "
                        "metrics.jsonl); set rollout.group_size=4 or so", cfg.rollout.group_size)
     if cfg.transport.curve:
-        from t1async.transport.keys import client_keys, server_keys
-
         server_keys(cfg.transport.keys_dir)
         client_keys(cfg.transport.keys_dir)
     return [t.name for t in tasks]
@@ -243,8 +242,6 @@ def check_port_free(transport: Any) -> None:
     Raises:
         ConfigError: the port is busy or the host cannot be bound.
     """
-    import socket
-
     if transport.scheme != "tcp" or transport.port == 0:
         return
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -261,9 +258,6 @@ def check_tasks(cfg: Config, names: list[str]) -> None:
     Raises:
         TaskError: a name is missing or its task is invalid.
     """
-    from t1async.actors.rollout import tasks_dir
-    from t1async.envs.task import discover_tasks
-
     discover_tasks(tasks_dir(cfg.env), names, sandbox=cfg.env.sandbox)
 
 
@@ -271,11 +265,7 @@ def start_samplers(cfg: Config, actor: Any, run_dir: Path | None = None) -> tupl
     """M samplers (no weights until the learner publishes) and their URLs: embedded engines in Ray
     actors, or for ``sampler.backend=sglang`` SGLang servers (t1async/sampling/sglang_server.py: started
     here, returned as processes, or attached to ``sampler.urls``)."""
-    import ray
-
     if cfg.sampler.backend == "sglang":
-        from t1async.sampling.sglang_server import start_servers
-
         return start_servers(cfg.sampler, run_dir or Path(cfg.run.dir))
 
     samplers = [start_sampler(cfg, actor, i) for i in range(cfg.sampler.num_samplers)]
@@ -284,8 +274,6 @@ def start_samplers(cfg: Config, actor: Any, run_dir: Path | None = None) -> tupl
 
 def start_sampler(cfg: Config, actor: Any, index: int) -> Any:
     """Embedded sampler ``index`` (a Ray actor, no weights yet; logs to ``logs/sampler<index>.log``)."""
-    from t1async.actors.sampler import EmbeddedSampler
-
     return actor(EmbeddedSampler, f"sampler{index}").remote(cfg.model, cfg.sampler, seed=cfg.run.seed + index,
                                                             torch_threads=cfg.run.torch_threads)
 
@@ -303,10 +291,6 @@ def sampler_pool(cfg: Config, actor: Any, roles: dict[str, Any], urls: list[str]
 
 def start_learner(cfg: Config, actor: Any, run_dir: Path, urls: list[str]) -> tuple[Any, str]:
     """The learner, joined to every sampler's weight group with version 0 published; its ZeroMQ endpoint."""
-    import ray
-
-    from t1async.actors.learner import Learner
-
     learner = actor(Learner, "learner").remote(cfg.learner, cfg.model, cfg.transport, cfg.weight_sync, str(run_dir),
                                                generation=cfg.generation, seed=cfg.run.seed,
                                                torch_threads=cfg.run.torch_threads)
@@ -330,9 +314,6 @@ def restart_learner(cfg: Config, actor: Any, run_dir: Path, urls: list[str], end
 
 def start_controller(cfg: Config, actor: Any, task_names: list[str], urls: list[str], endpoint: str) -> Any:
     """The controller, running its supervision loop, which starts and replaces the rollout actors."""
-    from t1async.actors.controller import Controller
-    from t1async.actors.rollout import RolloutActor
-
     rollout_cls = actor(RolloutActor, "rollout")
     work_root = str(Path(cfg.run.dir) / "workspaces")
 
@@ -353,8 +334,6 @@ def start_controller(cfg: Config, actor: Any, task_names: list[str], urls: list[
 def shutdown(roles: dict[str, Any], grace_s: float = 5.0) -> dict[str, Any]:
     """Stop admission and the rollout actors (each gets ``grace_s`` to finish and spool its
     episode), read the samplers' versions, close the learner."""
-    import ray
-
     out: dict[str, Any] = {}
     if roles.get("controller") is not None:
         out["controller"] = _try(lambda: ray.get(roles["controller"].stop.remote(grace_s), timeout=30 + grace_s))
@@ -363,16 +342,6 @@ def shutdown(roles: dict[str, Any], grace_s: float = 5.0) -> dict[str, Any]:
     if roles.get("learner") is not None:
         _try(lambda: ray.get(roles["learner"].close.remote(), timeout=30))
     return out
-
-
-def user_errors() -> tuple[type[BaseException], ...]:
-    """Exception types that mean bad input (reported by the CLI in one line, without a traceback)."""
-    from t1async.service.control import ControlError
-    from t1async.envs.sandbox import SandboxUnavailable
-    from t1async.envs.task import TaskError
-    from t1async.transport.keys import KeysError
-
-    return ConfigError, TaskError, SandboxUnavailable, KeysError, ControlError
 
 
 def add_log_sink(run_dir: Path, name: str, run_cfg: RunConfig, *, keep_stderr: bool = False) -> None:
@@ -394,8 +363,6 @@ def _actor_factory(run_dir: Path, run_cfg: RunConfig):
     Actors take no CPU reservation: on a 2-core machine all roles share the cores, and each
     limits torch to ``run.torch_threads`` threads.
     """
-    import ray
-
     def actor(cls: type, default_log_name: str):
         class Logged(cls):  # type: ignore[misc, valid-type]
             def __init__(self, *args: Any, log_name: str = default_log_name, **kwargs: Any):

@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from t1async.envs.limits import unmount_all_under
 
 SCAN_S = 1.0
 
@@ -102,8 +103,6 @@ def reap(recorded: dict[int, int], run_dir: Path) -> int:
     work = run_dir / "workspaces"
     killed += kill_sandboxes_under(work)
     if work.exists():
-        from t1async.envs.limits import unmount_all_under
-
         time.sleep(0.5)  # let the killed sandboxes release their mounts
         unmount_all_under(work)
         shutil.rmtree(work, ignore_errors=True)

@@ -29,6 +29,7 @@ from typing import Any, Callable
 from loguru import logger
 
 from t1async.sampling.sampler_client import SamplerError, SamplerUnavailable, post_json
+import ray
 
 MAX_BACKOFF_S = 60.0  # longest wait before restarting a role that keeps dying
 TICK_S = 0.25
@@ -164,8 +165,6 @@ class SamplerPool:
     def status(self) -> list[dict[str, Any]]:
         """Per sampler: name, state, url, restarts, last error, when it was started and entered
         serving, what it joined with, and its own stats (weight version, requests, first request)."""
-        import ray
-
         with self._lock:
             slots = list(self.slots)
         refs = {s.index: s.handle.stats.remote() for s in slots if s.handle is not None and s.state != "starting"}
@@ -193,8 +192,6 @@ class SamplerPool:
 
     def tick(self) -> None:
         """One supervision round (see the module docstring)."""
-        import ray
-
         with self._lock:
             slots = list(self.slots)
         lives = {s.life_ref: s for s in slots if s.life_ref is not None}
@@ -228,8 +225,6 @@ class SamplerPool:
         self._push()
 
     def _check_joined(self, s: Slot) -> None:
-        import ray
-
         try:
             version = ray.get(s.handle.stats.remote(), timeout=5)["weight_version"]
         except Exception as e:  # dead: seen through its life_ref
@@ -251,8 +246,6 @@ class SamplerPool:
         """``GET /health`` of every joining or serving sampler (503 while it has no weights is
         healthy); HEALTH_FAILS failures in a row, or a sampler the learner took out of service
         (a failed weight update left it paused), count as a death."""
-        import ray
-
         try:
             failed = ray.get(self.learner().status.remote(), timeout=5)["weight_group"]["failed"]
         except Exception:
@@ -284,8 +277,6 @@ class SamplerPool:
 
     def _died(self, s: Slot, why: str) -> None:
         """Kill what is left of it; back off, or leave it failed (see :class:`Backoff`)."""
-        import ray
-
         with self._lock:
             if s.state in ("backoff", "failed") or s not in self.slots:
                 return
@@ -314,8 +305,6 @@ class SamplerPool:
         s.state, s.started_at = "starting", time.time()
 
     def _remove(self, s: Slot) -> None:
-        import ray
-
         try:
             ray.kill(s.handle, no_restart=True)
         except Exception:
@@ -348,8 +337,6 @@ class SamplerPool:
     def _push(self) -> None:
         """Tell the learner (weight group members) and the controller (routing) what changed;
         routing first when a sampler leaves, so no rollout actor is sent to it meanwhile."""
-        import ray
-
         targets = (("serving", self.serving_urls(), lambda: self.controller.set_samplers),
                    ("members", self.member_urls(), lambda: self.learner().set_samplers))
         for key, urls, method in targets:
@@ -363,8 +350,6 @@ class SamplerPool:
 
 
 def _ray_error(ref: Any) -> str:
-    import ray
-
     try:
         ray.get(ref, timeout=1)
         return "its server stopped"

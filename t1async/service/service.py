@@ -30,6 +30,11 @@ from t1async.config import Config, ConfigError, check_values
 from t1async.service.control import LIVE_KEYS, live_change_refusal
 from t1async.service.rundir import append_history
 from t1async.service.sampler_pool import Backoff, SamplerPool
+import ray
+from omegaconf import OmegaConf
+from rich.console import Console
+from rich.live import Live
+from tensorboardX import SummaryWriter
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 TB_SKIP = ("step", "version", "time", "phase", "train_policy")
@@ -47,8 +52,6 @@ class MetricsTail:
         self.path, self.pos, self.rows = path, 0, []
         self.writer = None
         if tensorboard:
-            from tensorboardX import SummaryWriter
-
             self.writer = SummaryWriter(str(path.parent / "tensorboard"), flush_secs=10)
 
     def poll(self) -> list[dict[str, Any]]:
@@ -117,8 +120,6 @@ class Service:
     # ---- control ------------------------------------------------------------------------
     def status(self, req: dict[str, Any] | None = None) -> dict[str, Any]:
         """Everything ``t1async status`` shows (see t1async/service/control.py format_status)."""
-        import ray
-
         out: dict[str, Any] = {"ok": True, "run_dir": str(self.run_dir), "pid": os.getpid(),
                                "state": "stopping" if self.stop_request else "running",
                                "uptime_s": round(time.time() - self.started, 1), "restarts": self.restarts,
@@ -164,9 +165,6 @@ class Service:
         Raises:
             ValueError: a key that cannot change live, or a value the config would refuse.
         """
-        import ray
-        from omegaconf import OmegaConf
-
         changes: dict[str, Any] = dict(req.get("changes") or {})
         for key in changes:
             refusal = live_change_refusal(key)
@@ -217,8 +215,6 @@ class Service:
         Raises:
             LearnerDied: it died more than ``run.learner_restarts`` times.
         """
-        import ray
-
         received: list[int] = []
 
         def on_signal(signum: int, frame: Any) -> None:
@@ -308,9 +304,6 @@ class Service:
         """A rich live line on a terminal; plain log lines otherwise (see :meth:`_show`)."""
         if not sys.stderr.isatty():
             return
-        from rich.console import Console
-        from rich.live import Live
-
         self._live = Live("", console=Console(stderr=True), refresh_per_second=2, transient=True,
                           redirect_stderr=True, redirect_stdout=True)
         self._live.start()

@@ -49,6 +49,7 @@ from zmq.utils.monitor import recv_monitor_message
 from t1async.transport.keys import ClientKeys, ServerKeys, client_keys, server_keys
 from t1async.transport.spool import Spool, SpoolEntry
 from t1async.trajectory import EncodedTrajectory
+from zmq.auth.thread import ThreadAuthenticator
 
 PROTOCOL = b"t1async/1"
 ACK, REJECT = b"ACK", b"REJ"
@@ -429,8 +430,6 @@ class ZmqReceiver:
         self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         self._sock.setsockopt(zmq.LINGER, 0)
         if curve is not None:
-            from zmq.auth.thread import ThreadAuthenticator
-
             self._auth = ThreadAuthenticator(self._ctx)
             self._auth.start()
             self._auth.configure_curve(domain="*", location=str(curve.authorized_dir))

@@ -121,6 +121,9 @@ import torch.distributed as dist
 from loguru import logger
 
 from t1async.sampling.sampler_client import SamplerError, post_json
+from torch.multiprocessing import reductions
+import torch.multiprocessing  # noqa: F401  (registers torch's reductions with ForkingPickler)
+from multiprocessing.reduction import ForkingPickler
 
 GROUP_NAME = "t1async-weights"
 PAUSE_MODES = ("abort",)
@@ -371,8 +374,6 @@ def _device_uuid(index: int) -> str:
 def _reduce_tensor(tensor: torch.Tensor):
     """torch's tensor reduction; for a CUDA tensor the device index is replaced by the GPU's UUID,
     as SGLang's patched reduction does, so a receiver with other ``CUDA_VISIBLE_DEVICES`` finds it."""
-    from torch.multiprocessing import reductions
-
     fn, args = reductions.reduce_tensor(tensor)
     if fn is reductions.rebuild_cuda_tensor:
         args = (*args[:_CUDA_DEVICE_ARG], _device_uuid(args[_CUDA_DEVICE_ARG]), *args[_CUDA_DEVICE_ARG + 1:])
@@ -384,8 +385,6 @@ def _reduce_cpu_storage(storage):
     the storage moves into a named shared-memory file (once; later publishes reuse it) that an
     unrelated process opens by name. (``file_descriptor``, torch's default on Linux, passes the fd
     over a connection that needs this process's multiprocessing authkey.)"""
-    from torch.multiprocessing import reductions
-
     if storage.device.type != "cpu":
         raise WeightSyncError(f"cannot share a {storage.device.type} storage by file name")
     if storage.size() == 0:
@@ -403,9 +402,6 @@ def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
     memory (``file_system``) for CPU tensors. The handles stay valid while the tensors live and
     each pickle carries one reference per read, so make one per reader (per TP rank).
     Process-wide state is left alone: the reductions are this pickler's own dispatch table."""
-    import torch.multiprocessing  # noqa: F401  (registers torch's reductions with ForkingPickler)
-    from multiprocessing.reduction import ForkingPickler
-
     buf = io.BytesIO()
     pickler = ForkingPickler(buf)
     pickler.dispatch_table[torch.UntypedStorage] = _reduce_cpu_storage
@@ -417,8 +413,6 @@ def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
 
 def _rebuild_cuda_tensor(*args):
     """torch's ``rebuild_cuda_tensor`` that also takes the device as a GPU UUID (SGLang's patch)."""
-    from torch.multiprocessing import reductions
-
     dev = args[_CUDA_DEVICE_ARG]
     if isinstance(dev, str):
         found = [i for i in range(torch.cuda.device_count()) if _device_uuid(i) == dev]
@@ -437,8 +431,6 @@ class _TensorUnpickler(pickle.Unpickler):
                    "rebuild_storage_filename", "rebuild_storage_empty"}
 
     def find_class(self, module: str, name: str):
-        from torch.multiprocessing import reductions
-
         if module == "torch.multiprocessing.reductions":
             if name == "rebuild_cuda_tensor":
                 return _rebuild_cuda_tensor

@@ -200,7 +200,8 @@ class MegatronBackend(AdamWPair):
         if self.world > 1 and ranks is None:
             ranks = RankGroup.start(self.world, self.device, mc.timeout_s, dict(
                 cfg=cfg, model_cfg=model_cfg, generation=generation, device=self.device.type, dtype=self.dtype,
-                threads=torch.get_num_threads()), tensor_parallel=tp, pipeline_parallel=pp)
+                threads=torch.get_num_threads(), backend=type(self), ops=FOLLOWER_OPS),
+                tensor_parallel=tp, pipeline_parallel=pp)
         self._ranks = ranks
         self._lock = threading.RLock()
         self.rank = ranks.rank if ranks is not None else 0

@@ -45,6 +45,7 @@ from torch.utils.checkpoint import checkpoint
 
 from t1async.config import ModelConfig
 from t1async.learner.megatron.convert import CRITIC, POLICY, hf_to_megatron, shard_tp
+import torch.distributed as dist
 
 try:
     from megatron.core import parallel_state
@@ -82,8 +83,6 @@ def init_megatron(device: torch.device, seed: int = 0, *, expert_parallel: int =
     Raises:
         RuntimeError: several ranks asked for without a world of that shape.
     """
-    import torch.distributed as dist
-
     if device.type == "cpu" and not torch.cuda.is_available():
         torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
     if not hasattr(moe_utils, "te_general_gemm"):  # no Transformer Engine: the router's GEMM is torch's
@@ -106,7 +105,7 @@ def init_megatron(device: torch.device, seed: int = 0, *, expert_parallel: int =
               and parallel_state.get_pipeline_model_parallel_world_size() == pipeline_parallel):
         raise RuntimeError(f"tensor_parallel={tensor_parallel} x pipeline_parallel={pipeline_parallel} x "
                            f"expert_parallel={expert_parallel} needs a world of that shape (t1async/learner/megatron/ranks.py)")
-    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.tensor_parallel import random as mrandom  # (megatron: deferred to the first build)
 
     if device.type == "cpu":
         mrandom.initialize_rng_tracker(inference_rng_tracker=True)

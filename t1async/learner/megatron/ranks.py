@@ -32,8 +32,11 @@ from __future__ import annotations
 
 import datetime
 import io
+import os
 import re
+import socket
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -108,7 +111,7 @@ class RankGroup:
             RuntimeError: Ray is not initialised (``t1async launch`` initialises it; tests and
                 benches call ``ray.init``). RankFailed: a follower failed or did not join in time.
         """
-        import ray
+        import ray  # (ray: deferred; only expert_parallel > 1 starts ranks)
 
         if not ray.is_initialized():
             raise RuntimeError("learner.megatron.expert_parallel > 1 starts its follower ranks as Ray actors: "
@@ -163,9 +166,6 @@ class RankGroup:
     def join(cls, rank: int, world: int, host: str, port: int, device: torch.device, *,
              tensor_parallel: int = 1, pipeline_parallel: int = 1) -> RankGroup:
         """A follower: join rank 0's world (see :meth:`start`)."""
-        import os
-        import socket
-
         import megatron.core.parallel_state  # noqa: F401  (imported before saying it joins: it takes seconds)
 
         store = dist.TCPStore(host, port, world, False, datetime.timedelta(seconds=600))
@@ -203,7 +203,7 @@ class RankGroup:
     def check(self, wait_s: float = 0.0) -> None:
         """Rank 0: raise :class:`RankFailed` naming every follower whose Ray call has ended (it
         died, failed, or returned); waits up to ``wait_s`` for one to end."""
-        import ray
+        import ray  # (ray: deferred, as in start)
 
         if self.failed:
             raise RankFailed(self.failed)
@@ -250,7 +250,7 @@ class RankGroup:
     # ---- shutdown -------------------------------------------------------------------------
     def close(self) -> None:
         """Rank 0: tell the followers to stop, wait briefly, kill them, and leave the world."""
-        import ray
+        import ray  # (ray: deferred, as in start)
 
         if self.refs and not self.failed:
             try:
@@ -263,7 +263,7 @@ class RankGroup:
 
     def kill(self) -> None:
         """Rank 0: kill every follower actor (no restart)."""
-        import ray
+        import ray  # (ray: deferred, as in start)
 
         for h in self.handles:
             try:
@@ -286,7 +286,7 @@ def _is_comm_error(e: BaseException) -> bool:
 
 def leave_world() -> None:
     """Destroy Megatron's groups and the default group of this process, if any."""
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state  # (megatron: deferred to the first collective)
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
@@ -300,7 +300,7 @@ def _init_world(rank: int, world: int, device: torch.device, store: Any, timeout
     (tensor parallel T, pipeline parallel S, expert parallel = data parallel P = world / (T S);
     Megatron's rank order puts TP innermost and PP outermost: rank = tp_rank + T dp_rank
     + T P pp_rank). Returns the control group. Every rank calls it in the same order."""
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state  # (megatron: deferred, as above)
 
     cuda = device.type == "cuda"
     if cuda:
@@ -433,32 +433,33 @@ class Follower:
     """A follower rank's Ray actor: one long :meth:`serve` call runs rank 0's announced backend calls."""
 
     def serve(self, *, rank: int, world: int, host: str, port: int, tensor_parallel: int, pipeline_parallel: int,
-              cfg: Any, model_cfg: Any, generation: Any, device: str, dtype: torch.dtype, threads: int) -> int:
+              cfg: Any, model_cfg: Any, generation: Any, device: str, dtype: torch.dtype, threads: int,
+              backend: Any, ops: frozenset[str]) -> int:
         """Join rank 0's world, build this rank's part of the backend (weights from rank 0), then
         run each announced call until ``close``. Returns ``rank``.
+
+        ``backend`` is the backend's class (``MegatronBackend``, passed by rank 0 so that this
+        module does not import the backend that imports it) and ``ops`` the calls a follower
+        runs (each ``backend._<op>``).
 
         Raises:
             whatever a call raised (after leaving the world, so rank 0's collectives fail at once).
         """
-        import os
-        import warnings
-
         warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
         torch.set_num_threads(threads)
         os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-        from t1async.learner.megatron.backend import FOLLOWER_OPS, MegatronBackend
 
         dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
         group = RankGroup.join(rank, world, host, port, dev, tensor_parallel=tensor_parallel,
                                pipeline_parallel=pipeline_parallel)
         try:
-            backend = MegatronBackend(cfg, model_cfg, generation, device=dev, dtype=dtype, ranks=group)
+            impl = backend(cfg, model_cfg, generation, device=dev, dtype=dtype, ranks=group)
             while True:
                 op, args = group.receive()
                 if op == "close":
                     return rank
-                if op not in FOLLOWER_OPS:
+                if op not in ops:
                     raise RuntimeError(f"rank {rank}: unknown call {op!r}")
-                getattr(backend, "_" + op)(*args)
+                getattr(impl, "_" + op)(*args)
         finally:
             leave_world()
