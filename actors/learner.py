@@ -45,7 +45,8 @@ from t1async.trajectory import Trajectory
 from t1async.rollout.transcripts import write_transcripts
 from t1async.transport.inbox import Inbox
 from t1async.transport.transport import ZmqReceiver
-from t1async.weights.weight_sync import WeightSyncError, make_weight_sync
+from t1async.weights.factory import make_weight_sync
+from t1async.weights.protocol import WeightSync, WeightSyncError
 
 
 class Learner:
@@ -106,7 +107,7 @@ class Learner:
         self._pending_discards: list[tuple[str, str]] = []  # (reason, trajectory id)
         self._discard_lock = threading.Lock()
         receiver = ZmqReceiver.from_config(transport)
-        self._sync = make_weight_sync(weight_sync)  # weight_sync.mode: distributed or tensor
+        self._sync: WeightSync = make_weight_sync(weight_sync)  # weight_sync.mode: distributed or tensor
         # receive durability (socket -> receive log -> ACK -> queue): t1async/transport/inbox.py
         self.inbox = Inbox(receiver, log, inbox_queue, self._consumed, self.counters, run_dir=self.run_dir,
                            shape=(model_cfg.num_experts, model_cfg.num_hidden_layers, model_cfg.num_experts_per_tok),

@@ -39,7 +39,9 @@ from loguru import logger
 from t1async.config import ModelConfig, SamplerConfig, WeightSyncConfig
 from t1async.sampling.engine import Engine, SamplingParams
 from t1async.models.model import Qwen3MoeForCausalLM
-from t1async.weights.weight_sync import aligned_bytes, deserialize_named_tensors, join_group, leave_group
+from t1async.weights.group import join_group, leave_group
+from t1async.weights.handles import deserialize_named_tensors
+from t1async.weights.tensor import aligned_bytes
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -431,7 +433,7 @@ class EmbeddedSampler:
     def handle_update_weights_from_tensor(self, body: dict) -> dict:
         """SGLang ``/update_weights_from_tensor``: ``serialized_named_tensors[0]`` (this sampler is
         TP rank 0 of 1) is a pickle of ``[(name, tensor), ...]`` whose tensors are handles to the
-        sender's memory (CUDA IPC or named shared memory; t1async.weights.weight_sync
+        sender's memory (CUDA IPC or named shared memory; t1async.weights.handles
         ``serialize_named_tensors``), loaded through an allow-list of torch's rebuild functions.
         Each tensor is checked against the model (name, shape, a float dtype) and copied, during
         the request, into this update's receive buffers in the model's dtype; nothing is kept that

@@ -397,7 +397,7 @@ class TransportConfig:
 
 @dataclass
 class WeightSyncConfig:
-    """How the learner hands its weights to every sampler (t1async/weights/weight_sync.py)."""
+    """How the learner hands its weights to every sampler (t1async/weights/)."""
 
     mode: str = "distributed"
     """``distributed``: SGLang's ``/update_weights_from_distributed``, the learner broadcasts each

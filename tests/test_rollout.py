@@ -30,7 +30,7 @@ from t1async.models.tokenizer import ChatTokenizer
 from t1async.trajectory import (TURN_ABORTED, TURN_COMMAND_TIMEOUT, TURN_CUT_NOT_RUN, TURN_LENGTH_CUT,
                                 TURN_SANDBOX_REFUSED, decode, encode)
 from t1async.transport.transport import ZmqReceiver
-from t1async.weights.weight_sync import DistributedWeightSync
+from t1async.weights.distributed import DistributedWeightSync
 
 MODEL = ModelConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
                     num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)

@@ -16,7 +16,8 @@ from t1async.config import ModelConfig, SamplerConfig
 from t1async.models.model import Qwen3MoeForCausalLM
 from t1async.sampling.sampler_client import HttpSampler, RoutedSampler, SamplerUnavailable
 from t1async.service.sampler_pool import Backoff
-from t1async.weights.weight_sync import DistributedWeightSync, WeightSyncError
+from t1async.weights.distributed import DistributedWeightSync
+from t1async.weights.protocol import WeightSyncError
 
 CFG = ModelConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                   head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)

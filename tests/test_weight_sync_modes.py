@@ -11,7 +11,10 @@ import torch
 from t1async.actors.learner import Learner
 from t1async.actors.sampler import EmbeddedSampler
 from t1async.config import ConfigError, LearnerConfig, ModelConfig, SamplerConfig, TransportConfig, WeightSyncConfig, load_config
-from t1async.weights.weight_sync import DistributedWeightSync, TensorWeightSync, WeightSyncError, make_weight_sync
+from t1async.weights.distributed import DistributedWeightSync
+from t1async.weights.factory import make_weight_sync
+from t1async.weights.protocol import WeightSyncError
+from t1async.weights.tensor import TensorWeightSync
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = ModelConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,

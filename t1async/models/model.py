@@ -646,7 +646,7 @@ def save_hf(path: str | Path, cfg: ModelConfig, state_dict: dict[str, torch.Tens
     d = model_config_to_hf(cfg)
     d["torch_dtype"] = str(state_dict["model.embed_tokens.weight"].dtype).removeprefix("torch.")
     (path / "config.json").write_text(json.dumps(d, indent=2) + "\n")
-    # safetensors refuses tensors sharing a storage (a packed policy, t1async/weights/weight_sync.py
+    # safetensors refuses tensors sharing a storage (a packed policy, t1async/weights/
     # pack_parameters): such views are copied out
     sd = {k: v.detach().contiguous() for k, v in state_dict.items()}
     sd = {k: v if v.untyped_storage().nbytes() == v.numel() * v.element_size() else v.clone() for k, v in sd.items()}

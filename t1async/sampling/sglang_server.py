@@ -24,7 +24,7 @@ from loguru import logger
 
 from t1async.config import SamplerConfig
 from t1async.sampling.sampler_client import SamplerError, post_json
-from t1async.weights.weight_sync import free_port
+from t1async.weights.group import free_port
 import signal
 
 

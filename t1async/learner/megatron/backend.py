@@ -100,7 +100,7 @@ from t1async.learner.megatron.ranks import (RankGroup, all_reduce_, all_reduce_s
 from t1async.models.model import save_hf
 from t1async.models.logprobs import token_logprobs
 from t1async.learner.torch_backend import ValueModel, chunked_token_logprobs, load_policy
-from t1async.weights.weight_sync import is_expert
+from t1async.weights.buckets import is_expert
 
 from t1async.learner.megatron.model import (LayerRecompute, build_gpt, init_megatron,  # noqa: F401  (re-exported)
                                     load_megatron, replay_rows, transformer_config)

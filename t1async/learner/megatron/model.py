@@ -77,7 +77,7 @@ def init_megatron(device: torch.device, seed: int = 0, *, expert_parallel: int =
     process). Otherwise the world of ``tensor_parallel x pipeline_parallel x expert_parallel``
     ranks and Megatron's groups were formed by t1async/learner/megatron/ranks.py; this checks their sizes.
     Then Megatron's RNG tracker; on CPU the shims described in the module docstring. The
-    learner's weight broadcast uses its own process groups (t1async/weights/weight_sync.py), never the
+    learner's weight broadcast uses its own process groups (t1async/weights/), never the
     default one.
 
     Raises:
