@@ -4,7 +4,8 @@ Admission follows ``rollout.admission``, one of the rules in :mod:`t1async.rollo
 (where they and their guarantees are described); this role keeps the counts they read, under one
 lock shared by every rollout actor and the learner. Episodes are tracked by the rollout actor while they run
 (:meth:`acquire`) and by trajectory id from :meth:`episode_finished` until the learner reports
-them consumed (:meth:`trajectories_consumed`), dropped or rejected (:meth:`trajectory_discarded`). Episodes that fail, and trajectories the learner drops or rejects, return their slot:
+them consumed (:meth:`trajectories_consumed`), dropped or rejected (:meth:`trajectory_discarded`). Episodes
+that fail, and trajectories the learner drops or rejects, return their slot:
 otherwise the learner could wait for data that admission will never allow (a deadlock). Each is
 reported once, by the side that knows it was admitted: a failed episode and a rejected
 trajectory by the rollout actor that ran it (the learner cannot tell an actor's invalid
@@ -226,7 +227,8 @@ class Controller:
                        "version": self._running.get(aid), "episodes": self._episodes.get(aid, 0),
                        "started_at": self._started_at.get(aid), "first_episode_at": self._first_episode.get(aid)}
                       for aid in sorted(self._actors)]
-        return {"actors_detail": detail, "max_staleness": self.max_staleness, "tasks": len(self._tasks),"actors": len(self._actors), "target": self.target, "started": self.started, "version": self.version,
+        return {"actors_detail": detail, "max_staleness": self.max_staleness, "tasks": len(self._tasks),
+                "actors": len(self._actors), "target": self.target, "started": self.started, "version": self.version,
                 "oldest_version": oldest, "running": running, "pending": pending,
                 "failed_episodes": self.failed_episodes, "episode_failures": dict(self.failures),
                 "discarded": self.discarded, "crashes": self.crashes}

@@ -31,18 +31,25 @@ import numpy as np
 import torch
 from loguru import logger
 
-from t1async.learner.abnormal import (DROP_REASONS, drop_detail, drop_reason, finish_counts, masked_turns,
-                              tool_call_counts, turn_counts)
 from t1async.actors import call
-from t1async.learner.backend import LearnerBackend, make_backend
 from t1async.config import GenerationConfig, LearnerConfig, ModelConfig, TransportConfig, WeightSyncConfig
-from t1async.transport.delivery import ByteQueue, ConsumedLedger, ReceiveLog, read_consumed, write_consumed
-from t1async.learner.checkpoints import commit, latest_checkpoint, rotate_checkpoints, staging_dir
+from t1async.learner.abnormal import (
+    DROP_REASONS,
+    drop_detail,
+    drop_reason,
+    finish_counts,
+    masked_turns,
+    tool_call_counts,
+    turn_counts,
+)
 from t1async.learner.advantages import ADVANTAGES
+from t1async.learner.backend import LearnerBackend, make_backend
+from t1async.learner.checkpoints import commit, latest_checkpoint, rotate_checkpoints, staging_dir
 from t1async.learner.update import episode_reward, train_step
 from t1async.models.tokenizer import ChatTokenizer
-from t1async.trajectory import Trajectory
 from t1async.rollout.transcripts import write_transcripts
+from t1async.trajectory import Trajectory
+from t1async.transport.delivery import ByteQueue, ConsumedLedger, ReceiveLog, read_consumed, write_consumed
 from t1async.transport.inbox import Inbox
 from t1async.transport.transport import ZmqReceiver
 from t1async.weights.factory import make_weight_sync

@@ -37,8 +37,8 @@ import torch
 from loguru import logger
 
 from t1async.config import ModelConfig, SamplerConfig, WeightSyncConfig
-from t1async.sampling.engine import Engine, SamplingParams
 from t1async.models.model import Qwen3MoeForCausalLM
+from t1async.sampling.engine import Engine, SamplingParams
 from t1async.weights.group import join_group, leave_group
 from t1async.weights.handles import deserialize_named_tensors
 from t1async.weights.tensor import aligned_bytes
@@ -113,7 +113,8 @@ class EmbeddedSampler:
                 elif path == "/server_info":
                     self._reply(200, {"tp_size": 1, "version": "t1async-embedded"})
                 elif path in ("/get_weight_version", "/weight_version"):  # retired in SGLang 0.5.10
-                    self._reply(404, {"detail": "Endpoint '/get_weight_version' is deprecated. Please use '/model_info' instead."})
+                    self._reply(404, {"detail": "Endpoint '/get_weight_version' is deprecated. "
+                                                "Please use '/model_info' instead."})
                 elif path == "/flush_cache":
                     self._reply(*sampler.handle_flush_cache({}))
                 else:

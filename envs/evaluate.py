@@ -130,8 +130,8 @@ class PolicyAgent:
         from t1async.actors.sampler import EmbeddedSampler
         from t1async.config import Config, load_config
         from t1async.models.model import Qwen3MoeForCausalLM, model_config_from_hf
-        from t1async.sampling.sampler_client import HttpSampler
         from t1async.models.tokenizer import ChatTokenizer
+        from t1async.sampling.sampler_client import HttpSampler
 
         path = Path(checkpoint)
         if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():

@@ -38,12 +38,12 @@ import json
 import posixpath
 import re
 import shlex
-import tomllib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import tomllib
 from loguru import logger
 
 from .protocol import ServiceSpec

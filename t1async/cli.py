@@ -16,17 +16,18 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import re
-import sys
-from typing import Any, Callable
 import json
+import re
+import runpy
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
 from t1async.config import ConfigError, load_config
 from t1async.envs.sandbox import SandboxUnavailable
+from t1async.envs.task import TaskError
 from t1async.service.control import ControlError
 from t1async.transport.keys import KeysError
-from pathlib import Path
-from t1async.envs.task import TaskError
-import runpy
 
 SUBCOMMANDS = [
     "t1async.cli:register_launch",
@@ -91,7 +92,8 @@ def register_sft(sub: argparse._SubParsersAction) -> None:
     """``t1async sft --tasks DIR --out CKPT_DIR [--config YAML] [--heldout DIR] [key=value ...]``
     (t1async/commands/sft.py, imported when run)."""
     p = sub.add_parser("sft", help="supervised warm start on the tasks' oracle solutions; writes a checkpoint")
-    p.add_argument("--tasks", required=True, help="folder of training task folders (their oracle solutions are the demonstrations)")
+    p.add_argument("--tasks", required=True,
+                   help="folder of training task folders (their oracle solutions are the demonstrations)")
     p.add_argument("--out", required=True, help="checkpoint folder to write (config.json + model.safetensors)")
     p.add_argument("--config", default=None, help="YAML config (model, env, generation and sft sections are used)")
     p.add_argument("--heldout", default=None, help="evaluate the checkpoint on this folder of tasks at the end")
@@ -137,7 +139,8 @@ def run_bench(args: argparse.Namespace) -> int:
     tools = Path(__file__).resolve().parents[1] / "tools"
     script = tools / f"bench_{args.name.replace('-', '_')}.py"  # long-horizon -> bench_long_horizon.py
     if not script.is_file():
-        known = sorted(p.stem.removeprefix("bench_").replace("_", "-") for p in tools.glob("bench_*.py")) if tools.is_dir() else []
+        known = (sorted(p.stem.removeprefix("bench_").replace("_", "-") for p in tools.glob("bench_*.py"))
+                 if tools.is_dir() else [])
         print(f"t1async: error: no benchmark {args.name!r} (tools/bench_{args.name.replace('-', '_')}.py); known: {known}. "
               "Benchmarks run from a source checkout (pip install -e .)", file=sys.stderr)
         return 2

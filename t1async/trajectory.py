@@ -1,7 +1,8 @@
 """The trajectory: one episode's exact token stream and everything the learner needs, and its wire format.
 
 All wire types live here. A rollout actor builds a :class:`Trajectory`, :func:`encode` turns it
-into one frame (:class:`EncodedTrajectory` gives it as parts to write without a copy first), the transport carries the frame to the learner, and :func:`decode` gives back
+into one frame (:class:`EncodedTrajectory` gives it as parts to write without a copy first), the transport
+carries the frame to the learner, and :func:`decode` gives back
 read-only numpy views over the received frame (zero-copy) after checking every invariant below.
 
 Frame layout (schema version 3; all integers little-endian)::

@@ -11,8 +11,8 @@ import torch
 
 from t1async.actors.sampler import EmbeddedSampler
 from t1async.config import ModelConfig, SamplerConfig
-from t1async.sampling.engine import Engine, GenerateOutput, SamplingParams
 from t1async.models.model import KVCache, PackedSegments, Qwen3MoeForCausalLM
+from t1async.sampling.engine import Engine, GenerateOutput, SamplingParams
 from t1async.sampling.sampler_client import HttpSampler
 
 # default init (std 0.02): routers are close to ties, so any numerical difference that batching

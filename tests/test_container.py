@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from container_support import base_image
+
 from t1async.config import ContainerConfig
 from t1async.envs.adapt import CONTAINER_PYTHON, VerifierNeeds, adapt_script
 from t1async.envs.container import ContainerSandbox
@@ -30,11 +30,11 @@ from t1async.envs.images import (
     Engine,
     context_hash,
     ensure_task_image,
-    resolve_engine,
     expand_heredocs,
     from_images,
     normalise,
     qualified,
+    resolve_engine,
     stand_in_for,
 )
 from t1async.envs.protocol import SandboxLimits, SandboxSpec
@@ -188,7 +188,8 @@ def test_compose_sidecars_are_parsed(tmp_path):
         "    healthcheck: {test: [CMD-SHELL, pg_isready], interval: 1m30s}\n")
     task = load_task(folder)
     [db] = task.services
-    assert (db.image, db.command, db.healthcheck) == ("postgres:16", ("sh", "-c", "postgres -c fsync=off"), ("sh", "-c", "pg_isready"))
+    assert (db.image, db.command, db.healthcheck) == ("postgres:16", ("sh", "-c", "postgres -c fsync=off"),
+                                                      ("sh", "-c", "pg_isready"))
     assert db.health_interval_s == 90.0 and not db.wait_healthy  # no depends_on condition: not awaited
     assert task.compose_env == {"MODE": "ci"}
 

@@ -26,8 +26,8 @@ import zmq
 
 from t1async.actors.learner import Learner
 from t1async.config import LearnerConfig, ModelConfig, TransportConfig, WeightSyncConfig
-from t1async.transport.delivery import read_consumed
 from t1async.trajectory import Trajectory, TrajectoryError, decode, encode
+from t1async.transport.delivery import read_consumed
 from t1async.transport.transport import PROTOCOL, REJECT, ZmqSender
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,7 +44,8 @@ def synthetic(seed: int, version: int = 0, T: int = 40) -> Trajectory:
         task="synthetic", actor_id=0, token_ids=rng.integers(0, 256, T).astype(np.uint32), loss_mask=mask,
         logprobs=np.where(mask == 1, -5.5, 0.0).astype(np.float32), versions=np.where(mask == 1, version, -1).astype(np.int32),
         turn_offsets=np.array([[10, 20], [28, T]], np.int32), routed_experts=rng.integers(0, 4, (T - 1, 2, 2)).astype(np.uint8),
-        num_experts=4, reward=1.0, passed=1, total=2, resolved=False, finish_reason="max_turns", tests=[("a", True), ("b", False)],
+        num_experts=4, reward=1.0, passed=1, total=2, resolved=False, finish_reason="max_turns",
+        tests=[("a", True), ("b", False)],
         trajectory_id=f"traj-{seed:05d}", started_at=1.0, finished_at=2.0,
     )
 

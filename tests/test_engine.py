@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from t1async.config import ModelConfig
-from t1async.sampling.engine import Engine, SamplingParams, sample_token
 from t1async.models.model import Qwen3MoeForCausalLM
+from t1async.sampling.engine import Engine, SamplingParams, sample_token
 
 CFG = ModelConfig(vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,

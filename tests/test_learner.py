@@ -12,16 +12,23 @@ import numpy as np
 import pytest
 import torch
 
-from t1async.learner.abnormal import policy_mask
 from t1async.actors.learner import Learner
 from t1async.actors.sampler import EmbeddedSampler
-from t1async.config import (AbnormalConfig, GenerationConfig, LearnerConfig, ModelConfig, SamplerConfig,
-                            TransportConfig, WeightSyncConfig)
-from t1async.transport.delivery import read_consumed
-from t1async.sampling.engine import Engine, SamplingParams
-from t1async.models.model import Qwen3MoeForCausalLM
+from t1async.config import (
+    AbnormalConfig,
+    GenerationConfig,
+    LearnerConfig,
+    ModelConfig,
+    SamplerConfig,
+    TransportConfig,
+    WeightSyncConfig,
+)
+from t1async.learner.abnormal import policy_mask
 from t1async.models.logprobs import token_logprobs
+from t1async.models.model import Qwen3MoeForCausalLM
+from t1async.sampling.engine import Engine, SamplingParams
 from t1async.trajectory import TURN_ABORTED, TURN_COMMAND_TIMEOUT, TURN_CUT_NOT_RUN, Trajectory, encode
+from t1async.transport.delivery import read_consumed
 from t1async.transport.transport import ZmqSender
 
 MODEL = ModelConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,

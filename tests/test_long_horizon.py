@@ -14,17 +14,16 @@ import numpy as np
 import pytest
 import torch
 
-from t1async.learner.abnormal import drop_reason, finish_counts
 from t1async.actors.rollout import tasks_dir
-from t1async.rollout.episode import EpisodeError, context_limit, run_episode
-from t1async.config import (AbnormalConfig, ConfigError, EnvConfig, GenerationConfig, LearnerConfig, ModelConfig,
-                            load_config)
+from t1async.config import AbnormalConfig, ConfigError, EnvConfig, GenerationConfig, LearnerConfig, ModelConfig, load_config
 from t1async.envs.task import discover_tasks
 from t1async.envs.terminal import TerminalEnv
+from t1async.learner.abnormal import drop_reason, finish_counts
 from t1async.learner.rl import policy_loss
-from t1async.sampling.sampler_client import SamplerResponse
-from t1async.models.tokenizer import ChatTokenizer
 from t1async.learner.torch_backend import TorchBackend
+from t1async.models.tokenizer import ChatTokenizer
+from t1async.rollout.episode import EpisodeError, context_limit, run_episode
+from t1async.sampling.sampler_client import SamplerResponse
 from t1async.trajectory import decode, encode
 
 MODEL = ModelConfig(vocab_size=512, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,

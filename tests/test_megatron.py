@@ -12,13 +12,13 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from test_learner import assert_same_metrics, weight_gap
 
 from t1async.config import GenerationConfig, LearnerConfig, ModelConfig, TransportConfig, WeightSyncConfig
 from t1async.learner.megatron.convert import CRITIC, POLICY, hf_to_megatron, megatron_to_hf, merge_tp, pack_qkv, shard_tp
-from test_learner import assert_same_metrics, weight_gap
-from t1async.models.model import Qwen3MoeForCausalLM
 from t1async.learner.rl import routing_differs
 from t1async.learner.torch_backend import TorchBackend, ValueModel
+from t1async.models.model import Qwen3MoeForCausalLM
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
 megatron_backend = pytest.importorskip("t1async.learner.megatron.backend", reason="megatron-core is not installed")
@@ -97,28 +97,28 @@ def test_tensor_parallel_slices_merge_back_bitwise_and_follow_megatrons_layout(t
     torch.manual_seed(1)
     for layout, sd in ((POLICY, Qwen3MoeForCausalLM(cfg).state_dict()),
                        (CRITIC, ValueModel(Qwen3MoeForCausalLM(cfg)).state_dict())):
-        sd = {k: torch.randn_like(v) for k, v in sd.items()}
+        sd = {j: torch.randn_like(v) for j, v in sd.items()}
         for er in range(ep):
             whole = hf_to_megatron(sd, cfg, layout, ep_rank=er, ep_size=ep)
             parts = [shard_tp(whole, layout, r, tp) for r in range(tp)]
             back = merge_tp(parts, layout)
             assert back.keys() == whole.keys()
-            assert all(torch.equal(back[k], whole[k]) and back[k].dtype == whole[k].dtype for k in whole)
+            assert all(torch.equal(back[j], whole[j]) and back[j].dtype == whole[j].dtype for j in whole)
             hd, per, G = cfg.head_dim, cfg.num_attention_heads // cfg.num_key_value_heads, cfg.num_key_value_heads
             qkv = whole["decoder.layers.1.self_attention.linear_qkv.weight"]
             fc1 = whole["decoder.layers.1.mlp.experts.local_experts.0.linear_fc1.weight"]
             gate, up = fc1.chunk(2)
-            I = cfg.moe_intermediate_size // tp
+            j = cfg.moe_intermediate_size // tp
             for r, part in enumerate(parts):
                 rows = (per + 2) * hd * (G // tp)
                 assert torch.equal(part["decoder.layers.1.self_attention.linear_qkv.weight"], qkv[r * rows:(r + 1) * rows])
                 assert torch.equal(part["decoder.layers.1.mlp.experts.local_experts.0.linear_fc1.weight"],
-                                   torch.cat([gate[r * I:(r + 1) * I], up[r * I:(r + 1) * I]]))
+                                   torch.cat([gate[r * j:(r + 1) * j], up[r * j:(r + 1) * j]]))
                 cols = cfg.num_attention_heads * hd // tp
                 assert torch.equal(part["decoder.layers.1.self_attention.linear_proj.weight"],
                                    whole["decoder.layers.1.self_attention.linear_proj.weight"][:, r * cols:(r + 1) * cols])
                 assert torch.equal(part["decoder.layers.1.mlp.experts.local_experts.1.linear_fc2.weight"],
-                                   whole["decoder.layers.1.mlp.experts.local_experts.1.linear_fc2.weight"][:, r * I:(r + 1) * I])
+                                   whole["decoder.layers.1.mlp.experts.local_experts.1.linear_fc2.weight"][:, r * j:(r + 1) * j])
                 v = cfg.vocab_size // tp
                 assert torch.equal(part["embedding.word_embeddings.weight"],
                                    whole["embedding.word_embeddings.weight"][r * v:(r + 1) * v])
@@ -554,7 +554,8 @@ def test_multi_rank_data_parallel_split_of_varied_lengths_matches_the_torch_back
     assert_same_metrics(mt, mm)
     assert mm["routing_diff_frac"] == mt["routing_diff_frac"] == 0 and mm["phase"] == "rl" and mm["kl_ref"] > 0
     rel, moved = weight_gap(wt, wm, before)
-    print(f"TP={tp} EP={ep} PP={pp} split, micro_batch_tokens={mbt}: params after one step, max over tensors of |torch - megatron| / "
+    print(f"TP={tp} EP={ep} PP={pp} split, micro_batch_tokens={mbt}: params after one step, "
+          "max over tensors of |torch - megatron| / "
           f"|torch| = {rel:.2e}; smallest relative move {moved:.2e}; grad_norm torch {mt['grad_norm']:.6g} "
           f"megatron {mm['grad_norm']:.6g}; forwards per rank {counts}")
     assert rel < 1e-5 and moved > 1e-3

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from t1async.cli import main
-from t1async.config import ConfigError, load_config
 from t1async.commands.mismatch import MODES, measure
+from t1async.config import ConfigError, load_config
 from t1async.models.model import Qwen3MoeForCausalLM
 
 CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "mismatch.yaml")

@@ -9,9 +9,6 @@ import pytest
 import torch
 
 from t1async.learner.rl import gae, group_baselines, policy_loss, value_loss
-
-
-
 from t1async.models.logprobs import token_logprobs
 
 

@@ -17,18 +17,24 @@ import pytest
 import torch
 
 from t1async.actors.rollout import RolloutActor, tasks_dir
-
-from t1async.rollout.episode import CUT_NOTE, run_episode
 from t1async.actors.sampler import EmbeddedSampler
 from t1async.config import EnvConfig, GenerationConfig, ModelConfig, SamplerConfig, TransportConfig
 from t1async.envs.protocol import CommandResult
 from t1async.envs.task import discover_tasks
 from t1async.envs.terminal import TerminalEnv
 from t1async.models.model import Qwen3MoeForCausalLM
-from t1async.sampling.sampler_client import HttpSampler, SamplerResponse
 from t1async.models.tokenizer import ChatTokenizer
-from t1async.trajectory import (TURN_ABORTED, TURN_COMMAND_TIMEOUT, TURN_CUT_NOT_RUN, TURN_LENGTH_CUT,
-                                TURN_SANDBOX_REFUSED, decode, encode)
+from t1async.rollout.episode import CUT_NOTE, run_episode
+from t1async.sampling.sampler_client import HttpSampler, SamplerResponse
+from t1async.trajectory import (
+    TURN_ABORTED,
+    TURN_COMMAND_TIMEOUT,
+    TURN_CUT_NOT_RUN,
+    TURN_LENGTH_CUT,
+    TURN_SANDBOX_REFUSED,
+    decode,
+    encode,
+)
 from t1async.transport.transport import ZmqReceiver
 from t1async.weights.distributed import DistributedWeightSync
 

@@ -13,10 +13,10 @@ import torch
 from t1async.actors.learner import Learner
 from t1async.actors.sampler import EmbeddedSampler
 from t1async.config import LearnerConfig, ModelConfig, SamplerConfig, TransportConfig, WeightSyncConfig
-from t1async.sampling.engine import Engine, SamplingParams
-from t1async.models.model import Qwen3MoeForCausalLM
 from t1async.learner.rl import k3, routing_differs
 from t1async.models.logprobs import token_logprobs
+from t1async.models.model import Qwen3MoeForCausalLM
+from t1async.sampling.engine import Engine, SamplingParams
 from t1async.sampling.sampler_client import HttpSampler, SamplerError
 
 # many experts, top-4, enough layers: default (small) init makes routers near-uniform, so near-ties abound

@@ -9,8 +9,8 @@ import torch
 
 from t1async.actors.sampler import EmbeddedSampler
 from t1async.config import ModelConfig, SamplerConfig
-from t1async.models.model import Qwen3MoeForCausalLM
 from t1async.models.logprobs import token_logprobs
+from t1async.models.model import Qwen3MoeForCausalLM
 from t1async.sampling.sampler_client import HttpSampler, SamplerError, post_json
 from t1async.weights.distributed import DistributedWeightSync
 

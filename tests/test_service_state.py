@@ -18,12 +18,19 @@ import numpy as np
 import pytest
 
 from t1async.config import ConfigError, load_config
-from t1async.service.control import ControlError, ControlServer, parse_changes, request
-from t1async.transport.delivery import ConsumedLedger, read_consumed, write_consumed
 from t1async.learner.checkpoints import rotate_checkpoints
-from t1async.service.rundir import (RunDirLock, append_history, check_reuse, history_overrides, is_held, read_service,
-                            resolve_run_dir)
+from t1async.service.control import ControlError, ControlServer, parse_changes, request
+from t1async.service.rundir import (
+    RunDirLock,
+    append_history,
+    check_reuse,
+    history_overrides,
+    is_held,
+    read_service,
+    resolve_run_dir,
+)
 from t1async.trajectory import new_trajectory_id
+from t1async.transport.delivery import ConsumedLedger, read_consumed, write_consumed
 
 
 # ---- bounded consumed-id ledger -------------------------------------------------------------
@@ -210,8 +217,8 @@ def test_metrics_become_tensorboard_events_and_a_plot(tmp_path):
 
 def test_episode_transcripts_are_readable(tmp_path):
     from t1async.models.tokenizer import ChatTokenizer
-    from t1async.trajectory import TURN_COMMAND_TIMEOUT, Trajectory
     from t1async.rollout.transcripts import write_transcripts
+    from t1async.trajectory import TURN_COMMAND_TIMEOUT, Trajectory
 
     tok = ChatTokenizer.load()
     ids = tok.render_prompt("system text", "Count the lines of /app/data.txt")

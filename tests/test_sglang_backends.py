@@ -11,8 +11,8 @@ import time
 
 import pytest
 import torch
-
 from sglang_fake import FakeSGLangServer
+
 from t1async.actors.sampler import EmbeddedSampler
 from t1async.config import ModelConfig, SamplerConfig
 from t1async.models.model import Qwen3MoeForCausalLM

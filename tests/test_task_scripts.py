@@ -9,8 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from container_support import base_image
+
 from t1async.envs.adapt import CONTAINER_PYTHON, Refusal, VerifierNeeds, adapt_script, invoked_test_files
 from t1async.envs.shell_words import parse_command, split_commands
 from t1async.envs.task import load_task

@@ -14,17 +14,16 @@ import pytest
 import torch
 
 from t1async.actors.rollout import tasks_dir
-
-from t1async.rollout.episode import EpisodeBuilder, run_episode, template_renders_differently
 from t1async.actors.sampler import EmbeddedSampler
+from t1async.commands.mismatch import _byte_groups, exact_view, naive_view, token_bytes
 from t1async.config import EnvConfig, GenerationConfig, ModelConfig, SamplerConfig
 from t1async.envs.protocol import CommandResult
 from t1async.envs.task import discover_tasks
 from t1async.envs.terminal import TerminalEnv
-from t1async.commands.mismatch import _byte_groups, exact_view, naive_view, token_bytes
 from t1async.models.model import Qwen3MoeForCausalLM
-from t1async.sampling.sampler_client import SamplerResponse
 from t1async.models.tokenizer import ChatTokenizer
+from t1async.rollout.episode import EpisodeBuilder, run_episode, template_renders_differently
+from t1async.sampling.sampler_client import SamplerResponse
 
 TOK = ChatTokenizer.load()
 L, K, E = 2, 2, 8

@@ -43,9 +43,9 @@ import time
 
 import torch
 
-from t1async.learner.backend import LearnerBackend
 from t1async.cli import OneLineErrors, at_least_one, at_least_zero
 from t1async.config import GenerationConfig, LearnerConfig, ModelConfig
+from t1async.learner.backend import LearnerBackend
 from t1async.learner.rl import policy_loss, value_loss
 
 MODELS = {

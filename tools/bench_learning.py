@@ -18,7 +18,8 @@ One command, in this order (everything through the product's own commands and co
    ``--eval-samples`` episodes per held-out task at the training temperature.
 4. **RL**: ``t1async launch configs/learning.yaml`` from that checkpoint on the training tasks
    that were not demonstrations, of the families with held-out instances (``--rl-families
-   measured``; ``all``: every family), for ``--minutes`` of wall clock (then SIGTERM: the learner finishes its step and writes a final
+   measured``; ``all``: every family), for ``--minutes`` of wall clock (then SIGTERM: the learner finishes
+   its step and writes a final
    checkpoint), once per reward (``learner.reward=dense``: tests passed, the reference's choice;
    ``binary``: 1 if resolved else 0), same seed and budget. The policy is snapshotted every
    ``--eval-every`` minutes (the latest checkpoint's weights).
@@ -169,9 +170,9 @@ def make_split(root: Path, families: list[str], n_train: int, n_heldout: int, n_
     tasks) gets fewer or none, and is reported. ``t1async decontam``'s n-gram report is included as
     measured: instances of one family share its instruction templates and command shapes.
     """
+    from t1async.commands.sft import synth_family
     from t1async.envs.decontam import decontaminate
     from t1async.envs.synth import synthesize
-    from t1async.commands.sft import synth_family
 
     train, heldout, sft, pool = root / "train", root / "heldout", root / "sft", root / "pool"
     rl = root / "rl"

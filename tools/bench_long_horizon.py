@@ -69,17 +69,24 @@ from loguru import logger
 
 from t1async.actors.learner import Learner
 from t1async.actors.rollout import tasks_dir
-from t1async.rollout.episode import run_episode
 from t1async.actors.sampler import EmbeddedSampler
-from t1async.learner.backend import BACKENDS
 from t1async.cli import OneLineErrors, at_least_one, at_least_zero
-from t1async.config import (EnvConfig, GenerationConfig, LearnerConfig, ModelConfig, SamplerConfig, TransportConfig,
-                            WeightSyncConfig)
-from t1async.sampling.engine import Engine
+from t1async.config import (
+    EnvConfig,
+    GenerationConfig,
+    LearnerConfig,
+    ModelConfig,
+    SamplerConfig,
+    TransportConfig,
+    WeightSyncConfig,
+)
 from t1async.envs.task import discover_tasks
 from t1async.envs.terminal import TerminalEnv
-from t1async.sampling.sampler_client import HttpSampler
+from t1async.learner.backend import BACKENDS
 from t1async.models.tokenizer import ChatTokenizer
+from t1async.rollout.episode import run_episode
+from t1async.sampling.engine import Engine
+from t1async.sampling.sampler_client import HttpSampler
 from t1async.trajectory import Trajectory, decode, encode, validate
 
 COMMANDS = "echo turn {i};ls -la /app;pwd;echo {i} >> /app/log.txt;wc -l /app/log.txt;date +%s"
@@ -253,7 +260,8 @@ def learner_step(traj: Trajectory, chunk: int, threads: int, max_context: int, w
 def _learner(model_cfg: ModelConfig, run_dir: str, threads: int, backend: str = "torch") -> Learner:
     """The bench's learner: seed 0, batch of one, ``learner.backend = backend``, default learner
     settings otherwise."""
-    return Learner(LearnerConfig(batch_size=1, episodes_per_step=0, backend=backend), model_cfg, TransportConfig(), WeightSyncConfig(),
+    return Learner(LearnerConfig(batch_size=1, episodes_per_step=0, backend=backend), model_cfg, TransportConfig(),
+                   WeightSyncConfig(),
                    run_dir, generation=GenerationConfig(), seed=0, torch_threads=threads)
 
 

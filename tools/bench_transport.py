@@ -42,8 +42,8 @@ import numpy as np
 import zmq
 
 from t1async.cli import OneLineErrors, at_least_one
-from t1async.transport.delivery import ReceiveLog
 from t1async.trajectory import EncodedTrajectory, Trajectory, decode, encode, experts_dtype
+from t1async.transport.delivery import ReceiveLog
 from t1async.transport.transport import PROTOCOL, ZmqReceiver, ZmqSender
 
 CASES = {"a": dict(T=32768, layers=48, top_k=8, experts=128, n=64, warmup=24),

@@ -16,9 +16,9 @@ import argparse
 import json
 from pathlib import Path
 
-from t1async.transport.delivery import ReceiveLog
 from t1async.commands.sft import synth_family
 from t1async.trajectory import decode
+from t1async.transport.delivery import ReceiveLog
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -58,18 +58,18 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from t1async.config import Config, GenerationConfig, check_trainable
-from t1async.models.model import Qwen3MoeForCausalLM
-from t1async.learner.rl import load_balancing_loss, routing_differs
-from t1async.models.logprobs import token_logprobs
-from t1async.models.tokenizer import ChatTokenizer
-from t1async.trajectory import Trajectory
 from t1async.actors.rollout import tasks_dir
-from t1async.rollout.episode import run_episode
 from t1async.actors.sampler import EmbeddedSampler
+from t1async.config import Config, GenerationConfig, check_trainable
 from t1async.envs.task import discover_tasks
 from t1async.envs.terminal import TerminalEnv
+from t1async.learner.rl import load_balancing_loss, routing_differs
+from t1async.models.logprobs import token_logprobs
+from t1async.models.model import Qwen3MoeForCausalLM
+from t1async.models.tokenizer import ChatTokenizer
+from t1async.rollout.episode import run_episode
 from t1async.sampling.sampler_client import HttpSampler
+from t1async.trajectory import Trajectory
 
 MODES = {"none": (False, False), "tito": (True, False), "r3": (False, True), "both": (True, True)}
 """mode -> (exact TITO ids, replay recorded routing)."""

@@ -30,6 +30,7 @@ Source of the load-balancing term: Switch Transformer (Fedus et al. 2021),
 
 from __future__ import annotations
 
+import copy
 import random
 import tempfile
 import time
@@ -44,19 +45,18 @@ import torch.nn.functional as F
 from loguru import logger
 
 from t1async.config import Config, SftConfig
-from t1async.models.model import Qwen3MoeForCausalLM
-from t1async.learner.rl import load_balancing_loss
-from t1async.sampling.sampler_client import SamplerResponse
-from t1async.models.tokenizer import ChatTokenizer, check_model_vocab
-from t1async.trajectory import Trajectory
-from t1async.rollout.actions import action_turn_ids
-from t1async.rollout.episode import run_episode
-from t1async.envs.synth import oracle_commands
+from t1async.envs.evaluate import evaluate, summary
 from t1async.envs.protocol import SandboxError
+from t1async.envs.synth import oracle_commands
 from t1async.envs.task import discover_tasks
 from t1async.envs.terminal import TerminalEnv
-import copy
-from t1async.envs.evaluate import evaluate, summary
+from t1async.learner.rl import load_balancing_loss
+from t1async.models.model import Qwen3MoeForCausalLM
+from t1async.models.tokenizer import ChatTokenizer, check_model_vocab
+from t1async.rollout.actions import action_turn_ids
+from t1async.rollout.episode import run_episode
+from t1async.sampling.sampler_client import SamplerResponse
+from t1async.trajectory import Trajectory
 
 
 class ScriptedSampler:

@@ -35,12 +35,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from t1async.service.control import ControlError, request
-from t1async.transport.delivery import ReceiveLog, read_consumed
+from t1async.config import load_config
 from t1async.learner.checkpoints import latest_checkpoint
+from t1async.service.control import ControlError, request
 from t1async.service.reaper import descendants
 from t1async.service.rundir import is_held
-from t1async.config import load_config
+from t1async.transport.delivery import ReceiveLog, read_consumed
 
 ROLE_TITLES = {"rollout": b"ray::RolloutActor", "sampler": b"ray::EmbeddedSampler", "learner": b"ray::Learner"}
 

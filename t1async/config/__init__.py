@@ -21,8 +21,15 @@ from pathlib import Path
 from typing import Any
 
 from t1async.config.errors import ConfigError
-from t1async.config.learner import (ADVANTAGE_NAMES, POLICY_LOSS_NAMES, AbnormalConfig, LearnerConfig, MegatronConfig,
-                                    MismatchConfig, SftConfig)
+from t1async.config.learner import (
+    ADVANTAGE_NAMES,
+    POLICY_LOSS_NAMES,
+    AbnormalConfig,
+    LearnerConfig,
+    MegatronConfig,
+    MismatchConfig,
+    SftConfig,
+)
 from t1async.config.rollout import ContainerConfig, EnvConfig, GenerationConfig, RolloutConfig, SamplerConfig
 from t1async.config.run import ModelConfig, RayConfig, RunConfig, TransportConfig, WeightSyncConfig
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
 ADVANTAGE_NAMES = ("gae", "group", "grpo")
 """Values of ``learner.advantage``: the keys of ``t1async.learner.advantages.ADVANTAGES``."""
 POLICY_LOSS_NAMES = ("ppo",)
@@ -190,7 +189,8 @@ class LearnerConfig:
     """Multiplier of negative advantages, after whitening when ``normalize_advantages`` (0..1).
     1: the usual policy gradient. Below 1 the update leans toward what did better than the
     baseline: with group advantages and whitening off, 0 trains only on the episodes above their
-    baseline; with whitening on, only on tokens above the batch's mean advantage (reward-filtered imitation of the policy's own better episodes, RAFT++ in
+    baseline; with whitening on, only on tokens above the batch's mean advantage (reward-filtered imitation
+    of the policy's own better episodes, RAFT++ in
     Xiong et al. 2025, "A Minimalist Approach to LLM Reasoning"; Arnal et al. 2025, "Asymmetric
     REINFORCE", show why a baseline below the mean is the stable side off-policy): pushing
     failed episodes' tokens down has no floor. Measured once here it did not help: at lr 1e-3 with

@@ -28,8 +28,17 @@ from typing import Iterable
 import numpy as np
 
 from t1async.config import AbnormalConfig
-from t1async.trajectory import (TURN_ABORTED, TURN_COMMAND_TIMEOUT, TURN_CUT_NOT_RUN, TURN_LENGTH_CUT, TURN_OK,
-                                TURN_SANDBOX_REFUSED, TURN_STATUS, TOOL_CALL_ERRORS, Trajectory)
+from t1async.trajectory import (
+    TOOL_CALL_ERRORS,
+    TURN_ABORTED,
+    TURN_COMMAND_TIMEOUT,
+    TURN_CUT_NOT_RUN,
+    TURN_LENGTH_CUT,
+    TURN_OK,
+    TURN_SANDBOX_REFUSED,
+    TURN_STATUS,
+    Trajectory,
+)
 
 TURN_KINDS = {TURN_LENGTH_CUT: "length_cut", TURN_CUT_NOT_RUN: "length_cut", TURN_ABORTED: "aborted",
               TURN_COMMAND_TIMEOUT: "command_timeout", TURN_SANDBOX_REFUSED: "sandbox_refused",

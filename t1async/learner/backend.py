@@ -29,11 +29,11 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 from loguru import logger
 from safetensors.torch import load_file, save_file
 
 from t1async.config import GenerationConfig, LearnerConfig, ModelConfig
-import torch.distributed as dist
 
 __all__ = ["BACKENDS", "ONE_PROCESS", "AdamWPair", "LearnerBackend", "MasterWeightAdamW", "PolicyForward",
            "ShardedAdamW", "chunk_size", "make_backend"]

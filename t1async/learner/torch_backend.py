@@ -12,10 +12,10 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from t1async.learner.backend import AdamWPair, PolicyForward, chunk_size
 from t1async.config import GenerationConfig, LearnerConfig, ModelConfig
-from t1async.models.model import Qwen3MoeForCausalLM, Qwen3MoeModel
+from t1async.learner.backend import AdamWPair, PolicyForward, chunk_size
 from t1async.models.logprobs import token_logprobs
+from t1async.models.model import Qwen3MoeForCausalLM, Qwen3MoeModel
 from t1async.weights.buckets import pack_parameters
 
 __all__ = ["TorchBackend", "ValueModel", "chunked_token_logprobs", "layer_checkpointing", "load_policy"]

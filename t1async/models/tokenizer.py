@@ -33,12 +33,13 @@ special-token-aware tokenizer produces for the whole rendered string.
 from __future__ import annotations
 
 import json
+import re
 from importlib import resources
 from pathlib import Path
-import re
 from typing import Sequence
 
 from tokenizers import Tokenizer
+
 from t1async.config import ConfigError
 
 __all__ = ["ChatTokenizer", "SPECIAL_TOKENS", "TOOL_TOKENS", "ROLES", "BASE_VOCAB_SIZE", "ACTION_FORMATS",

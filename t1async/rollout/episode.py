@@ -60,8 +60,15 @@ from t1async.models.tokenizer import ChatTokenizer
 from t1async.rollout.actions import observation_ids, parse_action, prompt_ids, template_turn_ids
 from t1async.rollout.env import Env, TaskInfo
 from t1async.sampling.sampler_client import Sampler, SamplerError
-from t1async.trajectory import (TOOL_CALL_CODES, TURN_ABORTED, TURN_COMMAND_TIMEOUT, TURN_CUT_NOT_RUN,
-                                TURN_LENGTH_CUT, TURN_SANDBOX_REFUSED, Trajectory)
+from t1async.trajectory import (
+    TOOL_CALL_CODES,
+    TURN_ABORTED,
+    TURN_COMMAND_TIMEOUT,
+    TURN_CUT_NOT_RUN,
+    TURN_LENGTH_CUT,
+    TURN_SANDBOX_REFUSED,
+    Trajectory,
+)
 
 CUT_NOTE = "[your message was cut at the limit of {n} tokens; the command was not run]"
 """Observation of a turn cut at ``max_new_tokens`` whose command was not run (``{n}``: the limit)."""

@@ -51,8 +51,8 @@ from fastapi.responses import JSONResponse
 from loguru import logger
 from starlette.concurrency import run_in_threadpool
 
-from t1async.sampling.sampler_client import Sampler, SamplerError
 from t1async.models.tokenizer import ChatTokenizer
+from t1async.sampling.sampler_client import Sampler, SamplerError
 from t1async.trajectory import TOOL_CALL_CODES
 
 

@@ -74,8 +74,8 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
-from t1async.models.model import KVCache, PackedSegments, Qwen3MoeForCausalLM
 from t1async.models.logprobs import check_sampling, processed_logprobs
+from t1async.models.model import KVCache, PackedSegments, Qwen3MoeForCausalLM
 
 __all__ = ["Engine", "GenerateOutput", "Request", "SamplingParams"]
 

@@ -15,6 +15,7 @@ Source: SGLang 0.5.10.post1 ``server_args.py`` flags, ``http_server.py`` ``/heal
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -25,7 +26,6 @@ from loguru import logger
 from t1async.config import SamplerConfig
 from t1async.sampling.sampler_client import SamplerError, post_json
 from t1async.weights.group import free_port
-import signal
 
 
 class SGLangStartError(RuntimeError):

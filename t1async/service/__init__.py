@@ -1,1 +1,4 @@
-"""The launch process: start, supervise and stop the Ray roles (launch, service, sampler pool, control socket, run dir, reaper)."""
+"""The launch process: start, supervise and stop the Ray roles.
+
+Launch, service supervision, the sampler pool, the control socket, the run dir and the reaper.
+"""

@@ -28,10 +28,10 @@ from typing import Any, Callable
 import yaml
 import zmq
 from loguru import logger
-
-from t1async.service.rundir import describe_holder, is_held, read_service
 from rich.console import Console
 from rich.table import Table
+
+from t1async.service.rundir import describe_holder, is_held, read_service
 
 LIVE_KEYS = {
     "rollout.num_actors": "rollout actors (started or retired at once; a retired actor finishes its episode)",

@@ -25,27 +25,25 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
+import ray
 from loguru import logger
 
+from t1async.actors.controller import Controller
+from t1async.actors.learner import Learner
+from t1async.actors.rollout import RolloutActor, tasks_dir
+from t1async.actors.sampler import EmbeddedSampler
 from t1async.config import Config, ConfigError, RunConfig, check_trainable, load_config, to_yaml
-from t1async.service.control import ControlServer
 from t1async.envs.limits import unmount_all_under
+from t1async.envs.sandbox import check_sandbox_available
+from t1async.envs.task import discover_tasks
+from t1async.models.tokenizer import check_model_vocab
+from t1async.sampling.sglang_server import start_servers, stop_servers
+from t1async.service.control import ControlServer
 from t1async.service.reaper import Reaper, kill_sandboxes_under
 from t1async.service.rundir import RunDirLock, check_reuse, history_overrides, resolve_run_dir
 from t1async.service.sampler_pool import SamplerPool
 from t1async.service.service import LearnerDied, Service
-from t1async.models.tokenizer import check_model_vocab
-import ray
-from t1async.actors.rollout import tasks_dir
-from t1async.envs.sandbox import check_sandbox_available
-from t1async.envs.task import discover_tasks
-from t1async.actors.sampler import EmbeddedSampler
-from t1async.actors.learner import Learner
-from t1async.actors.controller import Controller
-from t1async.actors.rollout import RolloutActor
 from t1async.transport.keys import client_keys, server_keys
-from t1async.sampling.sglang_server import start_servers
-from t1async.sampling.sglang_server import stop_servers
 
 ACTOR_MAX_CONCURRENCY = 64  # threads of the controller/learner/sampler actors (acquire() waits block one each)
 

@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+
 from t1async.envs.limits import unmount_all_under
 
 SCAN_S = 1.0

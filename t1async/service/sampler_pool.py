@@ -26,10 +26,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import ray
 from loguru import logger
 
 from t1async.sampling.sampler_client import SamplerError, SamplerUnavailable, post_json
-import ray
 
 MAX_BACKOFF_S = 60.0  # longest wait before restarting a role that keeps dying
 TICK_S = 0.25

@@ -24,17 +24,17 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import ray
 from loguru import logger
+from omegaconf import OmegaConf
+from rich.console import Console
+from rich.live import Live
+from tensorboardX import SummaryWriter
 
 from t1async.config import Config, ConfigError, check_values
 from t1async.service.control import LIVE_KEYS, live_change_refusal
 from t1async.service.rundir import append_history
 from t1async.service.sampler_pool import Backoff, SamplerPool
-import ray
-from omegaconf import OmegaConf
-from rich.console import Console
-from rich.live import Live
-from tensorboardX import SummaryWriter
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 TB_SKIP = ("step", "version", "time", "phase", "train_policy")

@@ -1,7 +1,8 @@
 """A rollout actor's on-disk spool: every trajectory it has sent and the learner has not yet acknowledged.
 
 Layout: ``SPOOL_DIR/<owner>/`` per live sender (:func:`t1async.fileio.claim_folder`), holding
-``lock`` (``flock``-ed for the owner's life) and one file per trajectory, ``<seq:012d>.<nbytes>.<key>.traj`` (seq keeps the send order;
+``lock`` (``flock``-ed for the owner's life) and one file per trajectory, ``<seq:012d>.<nbytes>.<key>.traj``
+(seq keeps the send order;
 the frame is the file's first ``nbytes`` bytes). A new spool adopts every owner folder whose lock
 it can take (its owner died: an actor killed with SIGKILL, a killed run), so trajectories a dead
 actor had finished are resent, not lost.

@@ -44,12 +44,12 @@ from typing import Any, Callable, Protocol
 
 import zmq
 from loguru import logger
+from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
+from t1async.trajectory import EncodedTrajectory
 from t1async.transport.keys import ClientKeys, ServerKeys, client_keys, server_keys
 from t1async.transport.spool import Spool, SpoolEntry
-from t1async.trajectory import EncodedTrajectory
-from zmq.auth.thread import ThreadAuthenticator
 
 PROTOCOL = b"t1async/1"
 ACK, REJECT = b"ACK", b"REJ"
@@ -439,7 +439,8 @@ class ZmqReceiver:
             self._sock.bind(endpoint)
         except zmq.ZMQError as e:
             self.close()
-            raise TransportError(f"cannot bind the trajectory socket at {endpoint}: {e}; set transport.host to an address of this machine and transport.port to a free port (0: any)") from None
+            raise TransportError(f"cannot bind the trajectory socket at {endpoint}: {e}; set transport.host to an address of "
+                                 "this machine and transport.port to a free port (0: any)") from None
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)

@@ -11,6 +11,7 @@ import torch
 from t1async.weights.group import GROUP_NAME
 from t1async.weights.protocol import WeightSyncError
 
+
 def is_expert(name: str) -> bool:
     """Whether a parameter name is an MoE expert's: Hugging Face ``...mlp.experts.N...`` or
     Megatron ``...mlp.experts.local_experts.N...`` (the megatron backend's expert-parallel ranks)."""

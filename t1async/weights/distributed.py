@@ -54,6 +54,7 @@ from t1async.weights.group import GROUP_NAME, free_port, join_group, leave_group
 from t1async.weights.members import SamplerSet, collect_answers
 from t1async.weights.protocol import WeightSyncError
 
+
 class DistributedWeightSync(SamplerSet):
     """Broadcast weights to SGLang-protocol samplers over one torch.distributed group.
 

@@ -14,6 +14,7 @@ from loguru import logger
 from t1async.sampling.sampler_client import SamplerError, post_json
 from t1async.weights.protocol import PAUSE_MODES, WeightSyncError
 
+
 class SamplerSet:
     """What both modes share: the samplers in service, those taken out of service, the version
     each holds, and concurrent HTTP calls to them (see :class:`DistributedWeightSync` for the

@@ -16,6 +16,7 @@ from t1async.weights.handles import serialize_named_tensors
 from t1async.weights.members import SamplerSet, collect_answers
 from t1async.weights.protocol import WeightSyncError
 
+
 def aligned_bytes(nbytes: int) -> int:
     """``nbytes`` rounded up to 64: where the next tensor starts in a staging buffer, so that a
     uint8 slice of it can be viewed as any dtype."""

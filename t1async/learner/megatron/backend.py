@@ -89,23 +89,36 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from loguru import logger
-from torch import nn
-
-from t1async.learner.backend import AdamWPair, PolicyForward, ShardedAdamW, chunk_size
-from t1async.config import GenerationConfig, LearnerConfig, MegatronConfig, ModelConfig, tensor_parallel_sizes
-from t1async.learner.megatron.convert import CRITIC, POLICY, tp_partition
-from t1async.learner.megatron.state import MegatronState
-from t1async.learner.megatron.ranks import (RankGroup, all_reduce_, all_reduce_sum, expert_owner, gather_tensors, leave_world, scatter_flat, share_state)
-from t1async.models.logprobs import token_logprobs
-from t1async.learner.torch_backend import ValueModel, chunked_token_logprobs, load_policy
-from t1async.weights.buckets import is_expert
-
-from t1async.learner.megatron.model import (LayerRecompute, build_gpt, init_megatron,  # noqa: F401  (re-exported)
-                                    load_megatron, replay_rows, transformer_config)
-
 from megatron.core import parallel_state  # noqa: E402  (t1async.learner.megatron.model says what to install if missing)
 from megatron.core.models.gpt.gpt_model import GPTModel  # noqa: E402
 from megatron.core.transformer.moe.router_replay import RouterReplayAction  # noqa: E402
+from torch import nn
+
+from t1async.config import GenerationConfig, LearnerConfig, MegatronConfig, ModelConfig, tensor_parallel_sizes
+from t1async.learner.backend import AdamWPair, PolicyForward, ShardedAdamW, chunk_size
+from t1async.learner.megatron.convert import CRITIC, POLICY, tp_partition
+from t1async.learner.megatron.model import (  # noqa: F401  (re-exported)
+    LayerRecompute,
+    build_gpt,
+    init_megatron,
+    load_megatron,
+    replay_rows,
+    transformer_config,
+)
+from t1async.learner.megatron.ranks import (
+    RankGroup,
+    all_reduce_,
+    all_reduce_sum,
+    expert_owner,
+    gather_tensors,
+    leave_world,
+    scatter_flat,
+    share_state,
+)
+from t1async.learner.megatron.state import MegatronState
+from t1async.learner.torch_backend import ValueModel, chunked_token_logprobs, load_policy
+from t1async.models.logprobs import token_logprobs
+from t1async.weights.buckets import is_expert
 
 __all__ = ["MegatronBackend", "build_gpt", "deal_rows", "init_megatron", "replay_rows", "transformer_config"]
 

@@ -39,20 +39,22 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from t1async.config import ModelConfig
 from t1async.learner.megatron.convert import CRITIC, POLICY, hf_to_megatron, shard_tp
-import torch.distributed as dist
 
 try:
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.tensor_parallel.mappings import (gather_from_sequence_parallel_region,
-                                                        gather_from_tensor_model_parallel_region)
+    from megatron.core.tensor_parallel.mappings import (
+        gather_from_sequence_parallel_region,
+        gather_from_tensor_model_parallel_region,
+    )
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.moe import moe_utils
     from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction

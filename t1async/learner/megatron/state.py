@@ -23,6 +23,7 @@ from t1async.learner.megatron.ranks import from_bytes, gather_bytes, gather_tens
 from t1async.models.model import save_hf
 from t1async.weights.buckets import is_expert
 
+
 def _cpu_state(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu() for k, v in sd.items()}
 
