@@ -1,4 +1,4 @@
-"""Ray actor roles (plain classes; ``ray.remote`` is applied in :mod:`t1async.launch`)."""
+"""Ray actor roles (plain classes; ``ray.remote`` is applied in :mod:`t1async.service.launch`)."""
 
 from typing import Any
 
@@ -9,7 +9,7 @@ def call(method: Any, *args: Any) -> Any:
     A Ray actor method has ``.remote``; its result is waited for with ``ray.get``.
     """
     if hasattr(method, "remote"):
-        import ray
+        import ray  # (ray: deferred; the plain-class runtime, tests and one process, never imports it)
 
         return ray.get(method.remote(*args))
     return method(*args)

@@ -1,50 +1,16 @@
 """Controller role: admission control (bounded staleness), task assignment, rollout supervision and scaling.
 
-Three admission rules (``rollout.admission``) keep every trajectory trained within ``max_staleness``
-versions; the default, ``learner_wait``, is described last, after the two it combines.
-
-``oldest_episode`` is AReaL's formula measured from the oldest unfinished episode: a rollout may start only while
-
-    started_rollouts < (oldest_version + max_staleness + 1) * rollouts_per_version
-
-where ``rollouts_per_version`` = batch size x steps per published version and ``oldest_version``
-is the smaller of the learner's version and the admission version of every episode admitted and
-not yet consumed by the learner (running, or finished and on its way). AReaL uses the learner's
-version there; with it, a long episode (a slow verifier, many turns) is overtaken: the learner
-trains on the fast episodes admitted after it, publishes past its bound, and drops it as stale,
-so slow tasks are trained on less than they are started (``t1async bench admission``, bound 1:
-the slow task was 25.1 % of the episodes started and 0.8 % of those trained). Measuring from the
-oldest unfinished episode is the stale-synchronous-parallel rule (Ho et al. 2013, "More Effective
-Distributed ML via a Stale Synchronous Parallel Parameter Server"): the fastest may run at most
-``max_staleness`` versions ahead of the slowest. It guarantees the bound without drops: an
-episode admitted at version v is one of at most (v + eta + 1) x R trajectories, so the learner
-(which needs (v + eta + 1) x R trajectories to publish version v + eta + 1) must train it while
-its version is at most v + eta. Slow episodes cost throughput (admission waits for them), never
-representation. The learner's staleness drop remains as the last resort (a resumed run: an
-episode older than this controller; under ``learner_wait``, a hold past
-``learner.batch_timeout_s``). Episodes are tracked by the rollout actor while they run
+Admission follows ``rollout.admission``, one of the rules in :mod:`t1async.rollout.admission`
+(where they and their guarantees are described); this role keeps the counts they read, under one
+lock shared by every rollout actor and the learner. Episodes are tracked by the rollout actor while they run
 (:meth:`acquire`) and by trajectory id from :meth:`episode_finished` until the learner reports
-them consumed (:meth:`trajectories_consumed`), dropped or rejected (:meth:`trajectory_discarded`). Episodes that fail, and trajectories the learner drops or rejects, return their slot:
+them consumed (:meth:`trajectories_consumed`), dropped or rejected (:meth:`trajectory_discarded`). Episodes
+that fail, and trajectories the learner drops or rejects, return their slot:
 otherwise the learner could wait for data that admission will never allow (a deadlock). Each is
 reported once, by the side that knows it was admitted: a failed episode and a rejected
 trajectory by the rollout actor that ran it (the learner cannot tell an actor's invalid
 trajectory from a stranger's garbage or a resent rejection), a stale drop by the learner (it
 drops each trajectory id at most once).
-
-``max_staleness`` 0 is synchronous RL with these same roles: the ``rollouts_per_version``
-episodes of version v all start on v's weights, the learner waits for all of them, and no
-episode starts until it has trained them and published v + 1 (every trajectory trains at
-staleness 0; ``t1async bench async`` runs it as the sync baseline). ``rollout.admission:
-learner_version`` switches to AReaL's rule (for comparison: it lets the fast run ahead of a slow
-episode and drops the latter when it is too stale). ``rollout.admission: learner_wait`` admits by
-the learner's version too, but moves the wait from the actors to the learner: before each publish
-the learner asks :meth:`Controller.publish_allowed`, which refuses while an episode it does not
-hold yet would become too stale, and it trains the oldest trajectories first. The bound and the
-no-drop guarantee hold as under ``oldest_episode``, while the actors keep sampling (up to the
-bound ahead of the learner) during a slow episode instead of waiting with it (``t1async bench
-async``, bound 4, two seeds: 2.74x over sync with none dropped, against 3.27x for
-``learner_version``, which dropped 2 % of the episodes, in 36 steps; 2.65x against 1.92x for
-``oldest_episode`` in 12 steps).
 
 Supervision: :meth:`run` watches every rollout actor's ``run`` call; an actor that crashes is
 logged and replaced (up to ``max_restarts``), and the actor count follows :meth:`scale`.
@@ -61,6 +27,7 @@ from typing import Any, Callable
 from loguru import logger
 
 from t1async.config import RolloutConfig
+from t1async.rollout.admission import ADMISSION_RULES, may_start, publish_allowed
 
 
 class Controller:
@@ -121,7 +88,7 @@ class Controller:
             while True:
                 if self._stopping or actor_id in self._retired:
                     return None
-                if self.started < (self.oldest_version() + self.max_staleness + 1) * self.rollouts_per_version:
+                if may_start(self.started, self.oldest_version(), self.max_staleness, self.rollouts_per_version):
                     self.started += 1
                     self._running[actor_id] = self.version
                     self._episodes[actor_id] = self._episodes.get(actor_id, 0) + 1
@@ -140,14 +107,13 @@ class Controller:
         finished), or the learner's version when there is none or it is older; always the
         learner's version under ``rollout.admission: learner_version`` (AReaL's rule)."""
         with self._cond:
-            if self.cfg.admission in ("learner_version", "learner_wait"):
-                return self.version
-            return min([self.version, *self._running.values(), *self._pending.values()])
+            return ADMISSION_RULES[self.cfg.admission].base_version(
+                self.version, [*self._running.values(), *self._pending.values()])
 
     def holds_publish(self) -> bool:
         """Whether the learner must ask :meth:`publish_allowed` before each publish (the
         ``learner_wait`` rule: admission runs ahead, the learner holds the bound)."""
-        return self.cfg.admission == "learner_wait"
+        return ADMISSION_RULES[self.cfg.admission].holds_publish
 
     def publish_allowed(self, next_version: int, held_ids: list[str]) -> bool:
         """Under ``rollout.admission: learner_wait``: may the learner publish ``next_version``?
@@ -156,18 +122,18 @@ class Controller:
         with ``next_version - a > max_staleness``: publishing would make it too stale to train,
         so the learner waits for it instead of dropping it. Always True under the other rules."""
         with self._cond:
-            if self.cfg.admission != "learner_wait":
+            if not ADMISSION_RULES[self.cfg.admission].holds_publish:
                 return True
             skip = set(held_ids)
             versions = [*self._running.values(), *(a for tid, a in self._pending.items() if tid not in skip)]
-            return not versions or next_version - min(versions) <= self.max_staleness
+            return publish_allowed(next_version, versions, self.max_staleness)
 
     def episode_finished(self, actor_id: int, trajectory_id: str, extra_ids: list[str] | tuple[str, ...] = ()) -> None:
         """The actor's running episode became trajectory ``trajectory_id`` (called before it is
         sent): it stays the oldest-version candidate until the learner consumes or discards it.
 
         ``extra_ids``: more trajectories of the same episode (the exact segments of an external
-        agent that broke its history, actors/agent_rollout.py). Each takes an admission slot of
+        agent that broke its history, t1async/rollout/agent.py). Each takes an admission slot of
         its own (the learner trains trajectories, not episodes) and is tracked like the first, so
         a discarded segment returns exactly the slot it took."""
         with self._cond:
@@ -188,7 +154,7 @@ class Controller:
     def episode_failed(self, actor_id: int, reason: str) -> None:
         """An admitted episode produced no trajectory: count it and return its admission slot.
 
-        ``reason`` is ``"<ExceptionType>: message"`` (actors/rollout.py); it is also counted by
+        ``reason`` is ``"<ExceptionType>: message"`` (t1async/rollout/episode.py); it is also counted by
         its key, the text before the first colon (``SandboxError``, ``TaskError``,
         ``SamplerError``...), in :meth:`status` ``episode_failures`` (and so in summary.json).
         """
@@ -239,7 +205,7 @@ class Controller:
 
     def sampler_urls(self) -> list[str] | None:
         """The samplers rollout actors may use now (each actor asks at the start of an episode
-        and when its sampler is unavailable: t1async.sampler_client.RoutedSampler); None when
+        and when its sampler is unavailable: t1async.sampling.sampler_client.RoutedSampler); None when
         never given (the actors keep the list they were started with)."""
         with self._cond:
             return list(self._sampler_urls) if self._sampler_urls is not None else None
@@ -261,7 +227,8 @@ class Controller:
                        "version": self._running.get(aid), "episodes": self._episodes.get(aid, 0),
                        "started_at": self._started_at.get(aid), "first_episode_at": self._first_episode.get(aid)}
                       for aid in sorted(self._actors)]
-        return {"actors_detail": detail, "max_staleness": self.max_staleness, "tasks": len(self._tasks),"actors": len(self._actors), "target": self.target, "started": self.started, "version": self.version,
+        return {"actors_detail": detail, "max_staleness": self.max_staleness, "tasks": len(self._tasks),
+                "actors": len(self._actors), "target": self.target, "started": self.started, "version": self.version,
                 "oldest_version": oldest, "running": running, "pending": pending,
                 "failed_episodes": self.failed_episodes, "episode_failures": dict(self.failures),
                 "discarded": self.discarded, "crashes": self.crashes}
@@ -269,7 +236,7 @@ class Controller:
     # ---- supervision loop ---------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         """Start rollout actors, replace crashed ones, follow :meth:`scale`; returns when stopped."""
-        import ray
+        import ray  # (ray: deferred; only the supervision loop, under Ray, needs it)
 
         me = ray.get_runtime_context().current_actor
         while not self._stopping:
@@ -320,7 +287,7 @@ class Controller:
 
     def stop(self, grace_s: float = 5.0) -> dict[str, Any]:
         """End admission, wait up to ``grace_s`` for actors to finish their episode, kill the rest."""
-        import ray
+        import ray  # (ray: deferred, as in run)
 
         with self._cond:
             self._stopping = True

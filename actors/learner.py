@@ -2,26 +2,24 @@
 
 Data path (one process):
 
-    ZeroMQ ROUTER --(receive thread: de-duplicate by trajectory id; decode + validate, bad
-    frames counted, quarantined and REJected; append to the receive log, one flush per burst
-    of waiting messages, then ACK)-->
-    bounded queue (messages and bytes) --(run loop: staleness and abnormal-end filter
-    (``learner.abnormal``, t1async/abnormal.py), batch of ``batch_size``)
-    --> critic values, GAE --> decoupled-PPO update with routing replay --> every
-    ``publish_every`` steps: version + 1, broadcast to every sampler --> metrics.jsonl,
-    checkpoints (weights + the ids they consumed, renamed into place atomically).
+    inbox (t1async/transport/inbox.py: ZeroMQ ROUTER -> de-duplicate, decode + validate ->
+    receive log, one flush per burst -> ACK -> bounded queue) --(run loop: staleness and
+    abnormal-end filter (``learner.abnormal``, t1async/learner/abnormal.py), batch of
+    ``batch_size``)--> one update (t1async/learner/update.py: critic values, advantages,
+    decoupled-PPO update with routing replay) --> every ``publish_every`` steps: version + 1,
+    broadcast to every sampler --> metrics.jsonl, checkpoints (weights + the ids they consumed,
+    renamed into place atomically).
 
-The receive thread stops reading the socket while the queue is full, so the actors' send
-windows and spools fill and their ``send`` waits (backpressure). ``run`` returns after
-``max_steps`` or when :meth:`stop` is called (Ctrl-C); either way a final checkpoint is written.
-With ``learner.resume`` the learner restarts from its latest checkpoint and first re-queues the
+The inbox stops reading the socket while its queue is full, so the actors' send windows and
+spools fill and their ``send`` waits (backpressure). ``run`` returns after ``max_steps`` or when
+:meth:`stop` is called (Ctrl-C); either way a final checkpoint is written. With
+``learner.resume`` the learner restarts from its latest checkpoint and first re-queues the
 receive log's trajectories that checkpoint had not consumed: nothing lost, nothing trained twice
-(the exact guarantee is in t1async/delivery.py).
+(the exact guarantee is in t1async/transport/delivery.py).
 """
 
 from __future__ import annotations
 
-import collections
 import json
 import queue
 import threading
@@ -33,42 +31,29 @@ import numpy as np
 import torch
 from loguru import logger
 
-from t1async.abnormal import (DROP_REASONS, drop_detail, drop_reason, finish_counts, masked_turns, policy_mask,
-                              tool_call_counts, turn_counts)
 from t1async.actors import call
-from t1async.backend import LearnerBackend, chunk_size, make_backend
 from t1async.config import GenerationConfig, LearnerConfig, ModelConfig, TransportConfig, WeightSyncConfig
-from t1async.delivery import (ByteQueue, ConsumedLedger, ReceiveLog, commit, latest_checkpoint, read_consumed,
-                              rotate_checkpoints, staging_dir, write_consumed)
-from t1async.rl import gae, group_baselines, k3, micro_batches, policy_loss, routing_differs, value_loss
-from t1async.tokenizer import ChatTokenizer
-from t1async.torch_backend import ValueModel  # noqa: F401  (the critic's home before the backends; tests import it here)
-from t1async.trajectory import Trajectory, TrajectoryError, decode
-from t1async.transcripts import write_transcripts
-from t1async.transport import Delivery, ZmqReceiver
-from t1async.weight_sync import WeightSyncError, make_weight_sync
-
-MAX_QUARANTINED_FILES = 100
-GROUP_COMMIT_BYTES = 256 << 20  # most bytes stored with one receive-log flush (held in memory until ACKed)
-MAX_REMEMBERED_REJECTIONS = 100_000  # ids of rejected messages kept to answer a resend without counting it again
-
-
-def episode_reward(traj: Trajectory, kind: str) -> float:
-    """The episode's reward: ``dense`` = tests passed (``traj.reward``), ``binary`` = 1.0 if resolved else 0.0."""
-    return float(traj.reward) if kind == "dense" else float(traj.resolved)
-
-
-def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> float | None:
-    """``1 - Var(returns - values) / Var(returns)`` over loss tokens (1: perfect critic, 0: no
-    better than a constant, < 0: worse); None when the returns do not vary.
-
-    Args:
-        values, returns: float ``[n]`` critic values (before the update) and GAE returns.
-    """
-    var = float(returns.var(unbiased=False)) if returns.numel() else 0.0
-    if var == 0.0:
-        return None
-    return 1.0 - float((returns - values).var(unbiased=False)) / var
+from t1async.learner.abnormal import (
+    DROP_REASONS,
+    drop_detail,
+    drop_reason,
+    finish_counts,
+    masked_turns,
+    tool_call_counts,
+    turn_counts,
+)
+from t1async.learner.advantages import ADVANTAGES
+from t1async.learner.backend import LearnerBackend, make_backend
+from t1async.learner.checkpoints import commit, latest_checkpoint, rotate_checkpoints, staging_dir
+from t1async.learner.update import episode_reward, train_step
+from t1async.models.tokenizer import ChatTokenizer
+from t1async.rollout.transcripts import write_transcripts
+from t1async.trajectory import Trajectory
+from t1async.transport.delivery import ByteQueue, ConsumedLedger, ReceiveLog, read_consumed, write_consumed
+from t1async.transport.inbox import Inbox
+from t1async.transport.transport import ZmqReceiver
+from t1async.weights.factory import make_weight_sync
+from t1async.weights.protocol import WeightSync, WeightSyncError
 
 
 class Learner:
@@ -81,7 +66,7 @@ class Learner:
         weight_sync: how to broadcast weights.
         run_dir: run directory (metrics.jsonl, checkpoints/, quarantine/, receive_log/).
         generation: the samplers' temperature, top-k and top-p: the learner scores every sampled
-            token under the same processed distribution (t1async.rl.processed_logprobs), so that
+            token under the same processed distribution (t1async.models.logprobs.processed_logprobs), so that
             log pi_prox, log pi_theta and the behaviour log mu are of one distribution. None: the
             defaults (temperature 1, no truncation).
         seed: seed of the model init (the same init for every ``learner.backend``).
@@ -104,7 +89,7 @@ class Learner:
         self.run_dir = Path(run_dir)
         resume_from = latest_checkpoint(self.run_dir / "checkpoints") if cfg.resume else None
         # policy, critic, KL reference (the warm start, frozen, loaded from init_checkpoint so a
-        # resumed run keeps it) and their optimisers: t1async/backend.py
+        # resumed run keeps it) and their optimisers: t1async/learner/backend.py
         self.backend: LearnerBackend = make_backend(cfg.backend, cfg, model_cfg, self.generation,
                                                     resume_from or cfg.init_checkpoint or None)
         self.version = 0
@@ -115,31 +100,32 @@ class Learner:
         self.dropped = dict.fromkeys(DROP_REASONS, 0)  # trajectories dropped, by reason (cumulative)
         self._task_rewards: dict[str, list[tuple[int, float]]] = {}  # advantage: group (step, reward) per task, recent
         self._consumed = ConsumedLedger()  # trajectory id -> step that trained it (-1: dropped), bounded
-        self._rejected_keys: collections.OrderedDict[str, str] = collections.OrderedDict()  # id -> reason, newest last
-        self._log = ReceiveLog(self.run_dir / "receive_log", fsync=transport.log_fsync, reset=not cfg.resume)
+        log = ReceiveLog(self.run_dir / "receive_log", fsync=transport.log_fsync, reset=not cfg.resume)
         self.resumed: dict[str, Any] | None = None  # what a resume restored (status() reports it)
         self._republish_same = False  # resumed at a checkpoint whose weights are the last version published
         self._weights_published = False  # the policy's weights are those of the last version published
         self._sync_managed = False  # the launch's sampler pool sets the membership (set_samplers)
         if cfg.resume:
-            self._resume(resume_from)
-        self._backlog = [k for k in self._log.keys() if k not in self._consumed]  # replayed before the socket
-        self._queue = ByteQueue(transport.recv_queue_messages or max(4 * cfg.batch_size, 8), transport.recv_queue_bytes)
-        self._group_messages = transport.log_group_messages
+            self._resume(resume_from, log)
+        backlog = [k for k in log.keys() if k not in self._consumed]  # replayed before the socket
+        inbox_queue = ByteQueue(transport.recv_queue_messages or max(4 * cfg.batch_size, 8), transport.recv_queue_bytes)
         self._stop = threading.Event()  # training stops (stop(), or run() ended)
-        self._closed = threading.Event()  # receiving stops (close())
         self._controller: Any = None
         self._pending_discards: list[tuple[str, str]] = []  # (reason, trajectory id)
         self._discard_lock = threading.Lock()
-        self._receiver = ZmqReceiver.from_config(transport)
-        self._sync = make_weight_sync(weight_sync)  # weight_sync.mode: distributed or tensor
-        self._recv_thread = threading.Thread(target=self._receive_loop, name="learner-recv", daemon=True)
-        self._recv_thread.start()
+        receiver = ZmqReceiver.from_config(transport)
+        self._sync: WeightSync = make_weight_sync(weight_sync)  # weight_sync.mode: distributed or tensor
+        # receive durability (socket -> receive log -> ACK -> queue): t1async/transport/inbox.py
+        self.inbox = Inbox(receiver, log, inbox_queue, self._consumed, self.counters, run_dir=self.run_dir,
+                           shape=(model_cfg.num_experts, model_cfg.num_hidden_layers, model_cfg.num_experts_per_tok),
+                           version=lambda: self.version, training_stopped=self._stop,
+                           dump_trajectories=cfg.dump_trajectories, group_messages=transport.log_group_messages)
+        self.inbox.start(backlog)
         (self.run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
         self._metrics_path = self.run_dir / "metrics.jsonl"
         self._tok = ChatTokenizer.load() if cfg.episodes_per_step else None
         logger.info("learner ({} backend): policy {:.2f} M parameters, trajectories at {}", cfg.backend,
-                    self.backend.num_parameters() / 1e6, self._receiver.endpoint)
+                    self.backend.num_parameters() / 1e6, self.inbox.receiver.endpoint)
 
     # the backend's models and optimisers, by their names before the backends
     policy = property(lambda self: self.backend.policy)
@@ -151,7 +137,7 @@ class Learner:
     # ---- wiring -------------------------------------------------------------------------
     def endpoint(self) -> str:
         """ZeroMQ address rollout actors push trajectories to."""
-        return self._receiver.endpoint
+        return self.inbox.receiver.endpoint
 
     def connect_samplers(self, urls: list[str]) -> int:
         """Form the weight group with every sampler and publish version 0; returns the version."""
@@ -176,15 +162,15 @@ class Learner:
     def status(self) -> dict[str, Any]:
         """Step, version, queue depth, counters, dropped trajectories by reason, what a resume
         restored, and the consumed-id ledger's size (ids in all, streams, holes)."""
-        return {"step": self.step, "version": self.version, "queue_depth": self._queue.qsize() + len(self._held),
-                "queue_bytes": self._queue.nbytes, **self.counters, "dropped": dict(self.dropped),
+        return {"step": self.step, "version": self.version, "queue_depth": self.inbox.queue.qsize() + len(self._held),
+                "queue_bytes": self.inbox.queue.nbytes, **self.counters, "dropped": dict(self.dropped),
                 "resumed": self.resumed, "max_steps": self.cfg.max_steps,
                 "weight_group": self._sync.snapshot(),
                 "ledger": {"consumed": len(self._consumed), "streams": len(self._consumed.marks),
                            "holes": self._consumed.holes(), "others": len(self._consumed.others)}}
 
     def set_live(self, changes: dict[str, Any]) -> None:
-        """Change live-safe settings (``lr``, ``max_staleness``, ``max_steps``; t1async/control.py):
+        """Change live-safe settings (``lr``, ``max_staleness``, ``max_steps``; t1async/service/control.py):
         each is read afresh by the next step."""
         for key, value in changes.items():
             if key not in ("lr", "max_staleness", "max_steps"):
@@ -193,7 +179,7 @@ class Learner:
         logger.info("live change: {}", changes)
 
     # ---- resume -------------------------------------------------------------------------
-    def _resume(self, path: Path | None) -> None:
+    def _resume(self, path: Path | None, log: ReceiveLog) -> None:
         """Restore checkpoint ``path`` (critic, optimisers, step, version, counters, consumed ids,
         the group advantage's recent rewards per task;
         the policy was loaded in ``__init__``); None: no checkpoint yet, start at step 0 and replay
@@ -216,137 +202,17 @@ class Learner:
         # since: the samplers hold exactly these weights as this version, so it is sent again
         # unchanged (a restart then does not make every trajectory in flight one version staler).
         self._republish_same = (path is not None and self.step % self.cfg.publish_every == 0
-                                and self._log.published_version == self.version)
-        self.version = max(self.version, self._log.published_version)
+                                and log.published_version == self.version)
+        self.version = max(self.version, log.published_version)
         metrics = self.run_dir / "metrics.jsonl"
         if metrics.exists():
             rows = [r for r in metrics.read_text().splitlines() if r.strip() and json.loads(r)["step"] <= self.step]
             metrics.write_text("".join(r + "\n" for r in rows))
         self.resumed = {"checkpoint": str(path) if path else None, "step": self.step, "version": self.version,
                         "consumed": len(self._consumed),
-                        "to_replay": sum(k not in self._consumed for k in self._log.keys())}
+                        "to_replay": sum(k not in self._consumed for k in log.keys())}
         logger.info("resumed from {} at step {}, version {}: {} trajectories consumed, {} in the receive log",
-                    path or "no checkpoint", self.step, self.version, len(self._consumed), len(self._log))
-
-    # ---- receive thread -----------------------------------------------------------------
-    def _receive_loop(self) -> None:
-        """Consumes the receive log's backlog (resume), then ZeroMQ deliveries; produces validated
-        trajectories on the bounded queue, each stored in the receive log and ACKed first.
-
-        Deliveries already waiting on the socket are taken together (at most
-        ``transport.log_group_messages`` / ``GROUP_COMMIT_BYTES``) and stored with one flush of the
-        receive log before any of them is answered (:meth:`_on_burst`). Stops reading while the
-        queue is full (backpressure). Once training has ended (:meth:`run` returned, or
-        :meth:`stop`), deliveries are still stored and ACKed, not queued: the receive log keeps
-        them for a resumed run, and rollout actors finishing their last episodes at shutdown get
-        their ACKs instead of waiting for them. A frame that fails validation is
-        counted, logged, written to ``quarantine/`` (first 100) and REJected, never trained on;
-        a trajectory id already stored or consumed is ACKed again and dropped (de-duplication).
-        Stopped by :meth:`close`.
-        """
-        for key in self._backlog:
-            if self._stop.is_set():  # (no training any more: the rest stays in the log for a resume)
-                break
-            frame = self._log.read(key)
-            try:
-                traj = self._decode(frame, max_version=None)  # validated at receipt; re-checked
-            except TrajectoryError as e:
-                self._quarantine(frame, e)
-                continue
-            self.counters["replayed"] += 1
-            self._enqueue(traj, len(frame))
-        while not self._closed.is_set():  # after training too: stored and ACKed, kept for a resume
-            d = self._receiver.recv(timeout_s=0.5)
-            if d is None:
-                continue
-            burst, nbytes = [d], len(d.frame)  # and whatever else is already waiting: one flush for all
-            while len(burst) < self._group_messages and nbytes < GROUP_COMMIT_BYTES:
-                more = self._receiver.recv(timeout_s=0)
-                if more is None:
-                    break
-                burst.append(more)
-                nbytes += len(more.frame)
-            self._on_burst(burst)
-
-    def _decode(self, frame: Any, max_version: int | None) -> Trajectory:
-        mc = self.model_cfg
-        try:
-            return decode(frame, num_experts=mc.num_experts, num_layers=mc.num_hidden_layers,
-                          top_k=mc.num_experts_per_tok, max_version=max_version)
-        except TrajectoryError:
-            raise
-        except Exception as e:  # a decoder bug must not kill the receive thread
-            logger.opt(exception=e).error("decoder failed unexpectedly")
-            raise TrajectoryError("<decoder>", f"{type(e).__name__}: {e}") from None
-
-    def _on_burst(self, burst: list[Delivery]) -> None:
-        """Store a burst of deliveries with one flush of the receive log (group commit), then answer.
-
-        Every reply (ACK, duplicate ACK, REJ) is sent only after :meth:`ReceiveLog.sync` returned,
-        so no ACK ever precedes the durability of what it acknowledges; a duplicate inside the
-        burst is ACKed after its original's flush too. If the flush fails nothing appended in the
-        burst is ACKed (the actors keep and resend it) and the log forgets it.
-        """
-        replies: list[tuple[Delivery, bool, str]] = []
-        stored: list[tuple[Delivery, Trajectory]] = []
-        for d in burst:
-            reply = self._store(d, stored)
-            if reply is not None:
-                replies.append((d, *reply))
-        try:
-            self._log.sync()
-        except OSError as e:
-            logger.error("receive log flush failed ({}); {} trajectories not acknowledged", e, len(stored))
-            replies = [r for r in replies if not r[1] or r[0].key in self._log or r[0].key in self._consumed]
-            stored = [(d, t) for d, t in stored if d.key in self._log]
-        for d, ok, reason in replies:
-            self._receiver.ack(d, ok, reason)
-        for d, traj in stored:
-            self.counters["received"] += 1
-            if self.counters["received"] <= self.cfg.dump_trajectories:
-                tdir = self.run_dir / "trajectories"
-                tdir.mkdir(exist_ok=True)
-                (tdir / f"{traj.trajectory_id}.traj").write_bytes(d.frame)
-            self._enqueue(traj, len(d.frame))
-
-    def _store(self, d: Delivery, stored: list[tuple[Delivery, Trajectory]]) -> tuple[bool, str] | None:
-        """De-duplicate, validate and append one delivery (not yet flushed); returns the reply
-        (ok, reason) to send after the flush, or None (no reply: not stored, the actor resends).
-        A stored trajectory is appended to ``stored``."""
-        if d.error is not None:
-            self._quarantine(d.frame, TrajectoryError("<envelope>", d.error))
-            return False, d.error
-        if d.key in self._log or d.key in self._consumed:
-            self.counters["duplicates"] += 1
-            return True, "duplicate"
-        if d.key in self._rejected_keys:  # resent after its REJ was lost: answer again, count it once
-            self.counters["duplicates"] += 1
-            return False, self._rejected_keys[d.key]
-        try:
-            traj = self._decode(d.frame, max_version=self.version)
-            if traj.trajectory_id != d.key:
-                raise TrajectoryError("trajectory_id", f"{traj.trajectory_id!r} differs from the envelope key {d.key!r}")
-        except TrajectoryError as e:
-            self._quarantine(d.frame, e)
-            self._rejected_keys[d.key] = str(e)[:1000]
-            if len(self._rejected_keys) > MAX_REMEMBERED_REJECTIONS:
-                self._rejected_keys.popitem(last=False)
-            return False, str(e)
-        try:
-            self._log.append(d.key, d.frame, sync=False)
-        except OSError as e:  # not stored: no ACK, the actor keeps it and resends
-            logger.error("receive log append failed ({}); trajectory {} not acknowledged", e, d.key)
-            return None
-        stored.append((d, traj))
-        return True, ""
-
-    def _enqueue(self, traj: Trajectory, nbytes: int) -> None:
-        while not self._stop.is_set():  # (training ended: kept in the receive log only)
-            try:
-                self._queue.put(traj, nbytes, timeout=0.5)
-                return
-            except queue.Full:
-                continue
+                    path or "no checkpoint", self.step, self.version, len(self._consumed), len(log))
 
     def _discard(self, reason: str, trajectory_id: str) -> None:
         """Give a dropped trajectory's admission slot back to the controller
@@ -361,21 +227,6 @@ class Learner:
                 call(self._controller.trajectory_discarded, r, tid)
             except Exception as e:  # the controller may be gone at shutdown; never crash the learner
                 logger.warning("could not tell the controller about a discarded trajectory: {}", e)
-
-    def _quarantine(self, frame: bytes | memoryview, err: Exception) -> None:
-        """Count, log and (first 100) keep a rejected frame with its error in ``quarantine/``.
-
-        The admission slot is returned by the rollout actor that gets the REJ (once per trajectory),
-        not here: a garbage message or a resent rejected one must not free a slot.
-        """
-        self.counters["rejected"] += 1
-        n = self.counters["rejected"]
-        logger.warning("rejected trajectory #{}: {}", n, err)
-        if n <= MAX_QUARANTINED_FILES:
-            qdir = self.run_dir / "quarantine"
-            qdir.mkdir(exist_ok=True)
-            (qdir / f"{n:06d}.traj").write_bytes(frame)
-            (qdir / f"{n:06d}.txt").write_text(f"{err}\n")
 
     # ---- main loop ----------------------------------------------------------------------
     def run(self, controller: Any = None) -> dict[str, Any]:
@@ -440,7 +291,7 @@ class Learner:
 
     def _keep(self, traj: Trajectory) -> bool:
         """Whether ``traj`` may be trained: within the staleness bound and not to be dropped for an
-        abnormal end (:func:`t1async.abnormal.drop_reason`); otherwise it is dropped and counted."""
+        abnormal end (:func:`t1async.learner.abnormal.drop_reason`); otherwise it is dropped and counted."""
         staleness = self.version - traj.min_version
         if staleness > self.cfg.max_staleness:
             self.counters["dropped_stale"] += 1
@@ -475,7 +326,7 @@ class Learner:
         """The next received trajectory that :meth:`_keep` keeps, waiting up to 0.5 s; None when
         none came (samplers waiting to join are served meanwhile) or it was dropped."""
         try:
-            traj = self._queue.get(timeout=0.5)
+            traj = self.inbox.queue.get(timeout=0.5)
         except queue.Empty:
             self._serve_joiners()
             return None
@@ -547,151 +398,22 @@ class Learner:
         self._discard(f"{reason}: {detail}", traj.trajectory_id)
         logger.warning("dropped trajectory {} of {}: {} ({})", traj.trajectory_id, traj.task, reason, detail)
 
-    def _train_step(self, batch: list[Trajectory]) -> dict[str, float]:
-        """One actor-critic update on ``batch``, accumulated over micro-batches of trajectories
-        (``learner.micro_batch_tokens``; right-padded, the padding masked out of every sum).
+    def _train_step(self, batch: list[Trajectory]) -> dict[str, Any]:
+        """One update on ``batch`` (:func:`t1async.learner.update.train_step`) with this learner's
+        step, learning rate and per-episode advantage estimates."""
+        return train_step(batch, self.backend, self.cfg, num_experts=self.model_cfg.num_experts, step=self.step,
+                          policy_lr=self._policy_lr(), estimates=self._advantage_estimates(batch))
 
-        Two masks per trajectory: ``vmask`` (every sampled token) and ``mask``, the policy's
-        (:func:`t1async.abnormal.policy_mask`: ``vmask`` less the turns set to ``mask_turn``).
-        GAE runs over every sampled token, so the raw advantages of the tokens kept are those
-        without masking; the masked tokens leave the policy loss and the advantage whitening. The
-        critic still trains on them: their states were really visited and their returns really
-        observed, and earlier tokens' advantages bootstrap through their values.
-        """
-        cfg, backend = self.cfg, self.backend
-        items = []
-        dev = backend.device  # the batch's tensors live where the backend computes (cpu: no copy)
-        baselines = self._group_baselines(batch) if cfg.advantage == "group" else [None] * len(batch)
-        n_peered = sum(b is not None for b in baselines)
-        rewards_all = [episode_reward(t, cfg.reward) for t in batch]
-        if not cfg.critic:  # no peer of its task: the mean reward of the rest of the batch (itself if alone)
-            total = sum(rewards_all)
-            others = [(total - r) / (len(batch) - 1) if len(batch) > 1 else r for r in rewards_all]
-            baselines = [b if b is not None else o for b, o in zip(baselines, others)]
-        lengths = [t.num_tokens - 1 for t in batch]  # positions: inputs ids[:-1], targets ids[1:]
-        for group in micro_batches(lengths, cfg.micro_batch_tokens):
-            it = self._micro_batch([batch[i] for i in group], dev)
-            old_v = backend.values(it["inp"], grad=False) if cfg.critic else torch.zeros_like(it["vmask"])
-            adv, ret = torch.zeros_like(it["vmask"]), torch.zeros_like(it["vmask"])
-            for row, i in enumerate(group):
-                idx = it["vmask"][row].nonzero().squeeze(-1)
-                rewards = np.zeros(idx.numel(), dtype=np.float32)
-                rewards[-1] = rewards_all[i]
-                adv_s, ret_s = gae(rewards, old_v[row, idx].cpu().numpy(), cfg.gamma, cfg.lam)
-                if baselines[i] is not None:  # leave-one-out over the task's episodes; the critic still learns ret_s
-                    adv_s = np.full_like(adv_s, rewards[-1] - baselines[i])
-                adv[row, idx], ret[row, idx] = torch.from_numpy(adv_s).to(dev), torch.from_numpy(ret_s).to(dev)
-            items.append({**it, "old_v": old_v, "adv": adv, "ret": ret})
-        n_tokens = float(sum(it["mask"].sum() for it in items))  # policy-loss tokens
-        n_value = float(sum(it["vmask"].sum() for it in items))  # every sampled token
-        ev = explained_variance(torch.cat([it["old_v"][it["vmask"].bool()] for it in items]),
-                                torch.cat([it["ret"][it["vmask"].bool()] for it in items])) if cfg.critic else None
-        if cfg.normalize_advantages:
-            flat = torch.cat([it["adv"][it["mask"].bool()] for it in items])
-            mean, std = flat.mean(), flat.std(unbiased=False).clamp(min=1e-6)
-            for it in items:
-                it["adv"] = (it["adv"] - mean) / std * it["mask"]
-        if cfg.negative_advantage_weight != 1.0:
-            for it in items:
-                it["adv"] = torch.where(it["adv"] < 0, it["adv"] * cfg.negative_advantage_weight, it["adv"])
-        train_policy = self.step >= cfg.critic_warmup_steps
-        sums = {"policy_loss": 0.0, "value_loss": 0.0, "clip_frac": 0.0, "is_weight_mean": 0.0, "is_truncated_frac": 0.0}
-        diff_sum, is_max = 0.0, 0.0
-        k3_sum, routed_pos, used_diff, own_diff, boundary = 0.0, 0, 0, 0, 0
-        for epoch in range(cfg.ppo_epochs):
-            backend.zero_grad()
-            for it in items:
-                # scored under the sampler's processing (temperature, top-k, top-p); a sampled id
-                # just outside this model's own nucleus is kept in it (counted below)
-                out = backend.policy_logprobs(it["inp"], it["tgt"], it["replay"], grad=train_policy, routing=epoch == 0)
-                # padding's log-probs set to 0: no extreme value there can turn into inf * 0 = nan in a masked sum
-                logp, outside = torch.where(it["valid"], out.logp, 0.0), out.outside
-                if epoch == 0:
-                    boundary += int((outside & it["mask"].bool()).sum())
-                    it["prox"] = logp.detach()  # proximal policy = the weights before this update
-                    diff_sum += float(((it["prox"] - it["mu"]).abs() * it["vmask"]).sum())
-                    k3_sum += float((k3(it["prox"], it["mu"]) * it["vmask"]).sum())
-                    # routing vs the sampler's rows: the experts used (0 under replay) and the
-                    # router's own top-k from this same forward (what no replay would use)
-                    routed_pos += int(it["valid"].sum())
-                    used_diff += int((routing_differs(out.routed_experts, it["recorded"]) & it["valid"]).sum())
-                    own_diff += int((routing_differs(out.router_experts, it["recorded"]) & it["valid"]).sum())
-                pl = policy_loss(logp, it["prox"], it["mu"], it["adv"], it["mask"], clip_eps=cfg.clip_eps,
-                                 is_cap=cfg.is_cap, denom=n_tokens)
-                kl_term: torch.Tensor | float = 0.0
-                if cfg.kl_coef > 0 and train_policy:
-                    if epoch == 0:
-                        it["ref"] = torch.where(it["valid"], backend.reference_logprobs(it["inp"], it["tgt"]), 0.0)
-                    # k3 estimate of KL(pi_theta || pi_ref) on tokens sampled from (nearly) pi_theta
-                    kl = (k3(it["ref"], logp) * it["mask"]).sum() / n_tokens
-                    kl_term = cfg.kl_coef * kl
-                    if epoch == cfg.ppo_epochs - 1:
-                        sums["kl_ref"] = sums.get("kl_ref", 0.0) + float(kl.detach())
-                vl = value_loss(backend.values(it["inp"], grad=True), it["old_v"], it["ret"], it["vmask"], clip=cfg.value_clip,
-                                denom=n_value) if cfg.critic else torch.zeros(())
-                loss = cfg.value_coef * vl + (pl.loss + kl_term if train_policy else 0.0)
-                backend.backward(loss)
-                if epoch == cfg.ppo_epochs - 1:
-                    w = float(it["mask"].sum()) / n_tokens
-                    sums["policy_loss"] += float(pl.loss.detach())
-                    sums["value_loss"] += float(vl.detach())
-                    for k in ("clip_frac", "is_weight_mean", "is_truncated_frac"):
-                        sums[k] += getattr(pl, k) * w
-                    is_max = max(is_max, pl.is_weight_max)
-            gn = backend.step(policy=train_policy, policy_lr=self._policy_lr())
-            if train_policy:
-                sums["grad_norm"] = gn
-        if not cfg.critic:
-            del sums["value_loss"]
-        return {**sums, "is_weight_max": is_max, "logprob_diff_mean": diff_sum / max(n_value, 1.0),
-                "kl_k3": k3_sum / max(n_value, 1.0), "nucleus_boundary_tokens": boundary,
-                "routing_diff_frac": used_diff / max(routed_pos, 1), "router_diff_frac": own_diff / max(routed_pos, 1),
-                "drift_tokens": int(sum(t.drift_tokens for t in batch)),
-                "chunked_micro_batches": sum(bool(chunk_size(cfg.max_tokens_per_chunk, it["inp"].shape[1])) for it in items),
-                "template_mismatches": int(sum(t.template_mismatches for t in batch)),
-                "train_policy": train_policy, "phase": "rl" if train_policy else "critic_warmup",
-                **({"explained_variance": ev} if cfg.critic else {}), "trained_tokens": n_value,
-                **({"group_baselined_frac": n_peered / len(batch)}
-                   if cfg.advantage == "group" else {})}
-
-    def _micro_batch(self, trajs: list[Trajectory], dev: torch.device) -> dict[str, torch.Tensor]:
-        """Trajectories right-padded to the longest into ``[B, T]`` tensors (``T`` = its positions).
-
-        Returns ``inp``, ``tgt`` (int64; padding id 0), ``valid`` (bool: a real position),
-        ``vmask`` (float: every sampled token), ``mask`` (float: the policy's,
-        :func:`t1async.abnormal.policy_mask`), ``mu`` (float32 sampler log-probs, 0 on padding),
-        ``recorded`` (int64 ``[B, T, L, K]`` routed experts; padding holds the distinct ids
-        ``arange(K) % num_experts``, as Megatron's replay needs) and ``replay`` (``recorded``
-        under ``learner.routing_replay``, else None), all on ``dev``.
-        """
-        T = max(t.num_tokens for t in trajs) - 1
-        B = len(trajs)
-        L, K = trajs[0].routed_experts.shape[1:]
-        E = self.model_cfg.num_experts
-        ids = torch.zeros(B, T + 1, dtype=torch.int64)
-        valid = torch.zeros(B, T, dtype=torch.bool)
-        vmask, mask, mu = (torch.zeros(B, T, dtype=torch.float32) for _ in range(3))
-        recorded = (torch.arange(K, dtype=torch.int64) % E).expand(B, T, L, K).clone()
-        for b, traj in enumerate(trajs):
-            n = traj.num_tokens - 1
-            ids[b, :n + 1] = torch.from_numpy(traj.token_ids.astype(np.int64))
-            valid[b, :n] = True
-            vmask[b, :n] = torch.from_numpy(traj.loss_mask[1:].astype(np.float32))
-            mask[b, :n] = torch.from_numpy(policy_mask(traj, self.cfg.abnormal)[1:].astype(np.float32))
-            mu[b, :n] = torch.from_numpy(traj.logprobs[1:].astype(np.float32))
-            recorded[b, :n] = torch.from_numpy(traj.routed_experts.astype(np.int64))
-        out = {"inp": ids[:, :-1], "tgt": ids[:, 1:], "valid": valid, "vmask": vmask, "mask": mask, "mu": mu,
-               "recorded": recorded}
-        out = {k: v.to(dev) for k, v in out.items()}
-        out["replay"] = out["recorded"] if self.cfg.routing_replay else None
-        return out
-
-    def _group_baselines(self, batch: list[Trajectory]) -> list[float | None]:
-        """:func:`t1async.rl.group_baselines` of ``batch`` (trained as step ``self.step + 1``), then
-        remember its rewards for the next ``group_window_steps`` steps (older ones are forgotten)."""
+    def _advantage_estimates(self, batch: list[Trajectory]) -> list[tuple[float, float] | None] | None:
+        """The per-episode estimates of ``learner.advantage`` for ``batch`` (trained as step
+        ``self.step + 1``; t1async/learner/advantages.py), then remember its rewards for the next
+        ``group_window_steps`` steps (older ones are forgotten); None under ``gae``."""
+        estimate = ADVANTAGES[self.cfg.advantage].per_episode
+        if estimate is None:
+            return None
         step, window = self.step + 1, self.cfg.group_window_steps
         rewards = [episode_reward(t, self.cfg.reward) for t in batch]
-        out = group_baselines([t.task for t in batch], rewards, self._task_rewards, step, window)
+        out = estimate([t.task for t in batch], rewards, self._task_rewards, step, window)
         for t, r in zip(batch, rewards):
             self._task_rewards.setdefault(t.task, []).append((step, r))
         self._task_rewards = {k: kept for k, v in self._task_rewards.items()
@@ -732,7 +454,7 @@ class Learner:
             "sampled_logprob_mean": float(np.mean(lp)) if (lp := np.concatenate(
                 [t.logprobs[t.loss_mask.astype(bool)] for t in batch])).size else 0.0,
             "turns_mean": float(np.mean([t.turn_offsets.shape[0] for t in batch])),
-            "queue_depth": self._queue.qsize(),
+            "queue_depth": self.inbox.queue.qsize(),
         }
 
     def _publish(self) -> None:
@@ -740,7 +462,7 @@ class Learner:
         if (self.step > 0 or self.version > 0) and not self._republish_same:  # (version > 0 at step 0: resumed
             self.version += 1                                                  # before the first checkpoint)
         self._republish_same = False
-        self._log.note_published(self.version)
+        self.inbox.log.note_published(self.version)
         self._weights_published = True
         t0 = time.perf_counter()
         try:
@@ -796,9 +518,9 @@ class Learner:
         (tmp / "trainer_state.json").write_text(json.dumps({"step": self.step, "version": self.version, **self.counters,
                                                             "dropped": self.dropped,
                                                             "group_rewards": self._task_rewards}))
-        path = commit(tmp, root / f"step_{self.step:06d}", fsync=self._log.fsync)
+        path = commit(tmp, root / f"step_{self.step:06d}", fsync=self.inbox.log.fsync)
         rotate_checkpoints(root, self.cfg.keep_checkpoints, self.cfg.keep_every)
-        self._log.drop_consumed(self._consumed)
+        self.inbox.log.drop_consumed(self._consumed)
         self._saved_step = self.step
         logger.info("checkpoint written to {}", path)
         return path
@@ -806,10 +528,7 @@ class Learner:
     def close(self) -> None:
         """Stop the receive thread, close the socket, and stop the backend's other ranks (if any)."""
         self._stop.set()
-        self._closed.set()
-        self._recv_thread.join(timeout=2)
-        self._receiver.close()
-        self._log.close()
+        self.inbox.close()
         self._sync.close()
         self.backend.close()  # (the megatron backend's expert-parallel ranks)
 

@@ -1,49 +1,11 @@
-"""Rollout role: run multi-turn terminal episodes against a sampler and stream trajectories to the learner.
+"""Rollout role: episodes one after another against a sampler, trajectories streamed to the learner.
 
-Data path of one episode (TITO: token in, token out; see DESIGN.md section 4):
-
-    task --reset--> sandbox with /app; prompt ids = chat template(system, instruction)
-    loop over turns:
-        ids --/generate--> sampled ids, log-probs, routed experts (rows from the first
-                           position not yet recorded), weight version
-        append the sampled ids exactly (loss mask 1); if the turn did not end with the
-        end-of-turn id, append it with loss mask 0 (drift repair)
-        decoded text == end signal -> stop; else run it in the sandbox shell and append the
-        observation, rendered on its own (loss mask 0)
-    verifier -> per-test results, reward = tests passed
-    trim the stream after the last sampled token; encode; hand to the sender (it spools,
-    sends and resends until the learner acknowledges; see t1async/transport.py)
-
-Nothing already in the stream is ever re-tokenized. Turn boundaries, case by case (tested in
-tests/test_tito.py):
-
-- ended with ``<|im_end|>`` (sampled, loss mask 1): nothing to repair;
-- ended on ``<|endoftext|>`` (also a stop id): the eos stays in the stream as sampled (mask 1),
-  the command is the text before it, ``<|im_end|>`` is appended with mask 0;
-- length limit / the model ran on without a stop id: ``<|im_end|>`` appended with mask 0;
-- empty command (only whitespace before the stop): not run; the observation is empty;
-- cut at ``max_new_tokens`` (finish_reason ``length``): the command is not run unless
-  ``env.run_cut_commands``; the observation says so (:data:`CUT_NOTE`);
-- aborted by the sampler (finish_reason ``abort``, SGLang only): the command is not run, the
-  observation says so (:data:`ABORT_NOTE`), the episode goes on;
-- unparseable text (special-token ids sampled mid-turn, bytes that are not UTF-8): the command is
-  the decoded text as is; the ids stay exactly as sampled;
-- ``env.action_format`` tool_call (t1async/actions.py): the command is the ``bash`` call's
-  argument; a malformed call is not run, its observation is the error message and its status a
-  tool-call error code (a cut turn stays length-cut); observations are ``<tool_response>`` user
-  turns. The ids are kept and repaired exactly as above.
-
-Two per-trajectory counters travel with the trajectory: ``drift_tokens`` (loss-mask-1 positions
-whose id differs from the id the sampler returned; 0 by construction, checked at ``finish``) and
-``template_mismatches`` (turns where rendering the history through the chat template,
-``render_turn("assistant", text)``, gives other ids than the stream holds for that turn: BPE merges
-across the header or inside the decoded text, a sampled eos or special token, invalid UTF-8; the
-stream wins, the count is a metric). Each turn's abnormal end (cut, aborted, command timed out,
-refused by a sandbox limit) is recorded in ``turn_status`` (codes in t1async/trajectory.py); the
-learner decides what to train of it (``learner.abnormal``). The rollout actor waits for admission from
-the controller before each episode (staleness control) and stops when admission says so. With
-``rollout.agent: external`` an agent program drives the episode instead, through this actor's
-OpenAI-compatible endpoint, and the trajectory is built from its records (actors/agent_rollout.py).
+The episode itself is :func:`t1async.rollout.episode.run_episode` (or, with ``rollout.agent:
+external``, :func:`t1async.rollout.agent.run_agent_episode`); this role wires it to Ray: it
+waits for admission from the controller before each episode (staleness control), runs the episode
+in a fresh sandbox (``t1async.envs``), encodes the trajectory and hands it to its ZeroMQ sender
+(it spools, sends and resends until the learner acknowledges; t1async/transport/transport.py),
+and stops when admission says so.
 """
 
 from __future__ import annotations
@@ -51,240 +13,24 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from loguru import logger
 
-from t1async.actions import observation_ids, parse_action, prompt_ids, template_turn_ids
+import t1async.envs
 from t1async.actors import call
 from t1async.config import EnvConfig, GenerationConfig, ModelConfig, RolloutConfig, TransportConfig
 from t1async.envs.container import remove_orphan_containers
 from t1async.envs.limits import unmount_all_under
 from t1async.envs.loading import discover_tasks
-from t1async.envs.task import Task
 from t1async.envs.terminal import TerminalEnv
 from t1async.fileio import claim_folder, dead_owner_folders
-from t1async.sampler_client import HttpSampler, RoutedSampler, Sampler, SamplerError
-from t1async.tokenizer import ChatTokenizer
-from t1async.trajectory import (TOOL_CALL_CODES, TURN_ABORTED, TURN_COMMAND_TIMEOUT, TURN_CUT_NOT_RUN,
-                                TURN_LENGTH_CUT, TURN_SANDBOX_REFUSED, EncodedTrajectory, Trajectory)
-from t1async.transport import TrajectorySender, ZmqSender
-
-CUT_NOTE = "[your message was cut at the limit of {n} tokens; the command was not run]"
-"""Observation of a turn cut at ``max_new_tokens`` whose command was not run (``{n}``: the limit)."""
-ABORT_NOTE = "[the sampler aborted your message; the command was not run]"
-"""Observation of a turn the sampler aborted."""
-
-
-class EpisodeError(RuntimeError):
-    """An episode ended before it sampled anything (its prompt does not fit the context, or its
-    time budget was spent first): there is no trajectory to send."""
-
-
-class EpisodeBuilder:
-    """Accumulates one episode's token stream; every list stays aligned token by token.
-
-    Routing rows: request k returns rows from ``routing_rows`` (the first position not yet
-    recorded) to the end of what it fed, so the concatenated rows cover positions
-    0 .. len(stream) - 2 exactly once, in order; the last sampled token has no row.
-    """
-
-    def __init__(self, prompt_ids: list[int]):
-        self.ids: list[int] = list(prompt_ids)
-        self.mask: list[int] = [0] * len(prompt_ids)
-        self.logprobs: list[float] = [0.0] * len(prompt_ids)
-        self.versions: list[int] = [-1] * len(prompt_ids)
-        self.turns: list[tuple[int, int]] = []
-        self.turn_status: list[int] = []  # one code per turn (t1async.trajectory.TURN_STATUS)
-        self.sampled: list[list[int]] = []  # what the sampler returned, per turn, kept apart to measure drift
-        self.routing: list[np.ndarray] = []
-        self.routing_rows = 0
-        self.template_mismatches = 0
-
-    def add_sampled(self, ids: list[int], logprobs: list[float], version: int, routing: np.ndarray) -> None:
-        """Append one turn's sampled ids (loss mask 1) and the routing rows of this request.
-
-        Raises:
-            ValueError: ``logprobs`` not aligned with ``ids``, or ``routing`` rows that do not
-                cover exactly the positions fed since the last request (a stale or shifted row).
-        """
-        if len(logprobs) != len(ids):
-            raise ValueError(f"{len(logprobs)} log-probs for {len(ids)} sampled ids")
-        fed = len(self.ids) + len(ids) - 1 - self.routing_rows
-        if routing.shape[0] != fed:
-            raise ValueError(f"sampler returned {routing.shape[0]} routing rows, expected {fed} (positions "
-                             f"{self.routing_rows} .. {len(self.ids) + len(ids) - 2})")
-        self.sampled.append([int(i) for i in ids])
-        start = len(self.ids)
-        self.ids += ids
-        self.mask += [1] * len(ids)
-        self.logprobs += logprobs
-        self.versions += [version] * len(ids)
-        self.turns.append((start, len(self.ids)))
-        self.turn_status.append(0)  # set by the caller once the turn's command has run
-        self.routing.append(routing)
-        self.routing_rows += routing.shape[0]
-
-    def add_context(self, ids: list[int]) -> None:
-        """Append ids the policy did not sample (repair, observation): loss mask 0."""
-        self.ids += ids
-        self.mask += [0] * len(ids)
-        self.logprobs += [0.0] * len(ids)
-        self.versions += [-1] * len(ids)
-
-    def drift_tokens(self) -> int:
-        """Loss-region positions whose id differs from the id the sampler returned (0 under TITO)."""
-        return sum(int(np.count_nonzero(np.asarray(self.ids[s:e]) != np.asarray(sampled)))
-                   for (s, e), sampled in zip(self.turns, self.sampled))
-
-    def finish(self, **kw: Any) -> Trajectory:
-        """The trajectory, trimmed to end at the last sampled token (later ids were never fed back)."""
-        end = self.turns[-1][1]
-        routing = np.concatenate(self.routing, axis=0)
-        if routing.shape[0] != end - 1:
-            raise RuntimeError(f"routed experts cover {routing.shape[0]} positions, the stream has {end - 1} fed back")
-        drift = self.drift_tokens()
-        if drift:
-            logger.error("TITO drift: {} loss-region tokens differ from the sampled ids", drift)
-        return Trajectory(
-            token_ids=np.asarray(self.ids[:end], dtype=np.uint32),
-            loss_mask=np.asarray(self.mask[:end], dtype=np.uint8),
-            logprobs=np.asarray(self.logprobs[:end], dtype=np.float32),
-            versions=np.asarray(self.versions[:end], dtype=np.int32),
-            turn_offsets=np.asarray(self.turns, dtype=np.int32),
-            turn_status=np.asarray(self.turn_status, dtype=np.uint8),
-            routed_experts=routing,
-            drift_tokens=drift,
-            template_mismatches=self.template_mismatches,
-            **kw,
-        )
-
-
-def split_turn(output_ids: list[int], stop_ids: tuple[int, ...]) -> tuple[list[int], bool]:
-    """(body, stopped): a turn's sampled ids without their final stop id, and whether there was one."""
-    if output_ids and output_ids[-1] in stop_ids:
-        return output_ids[:-1], True
-    return list(output_ids), False
-
-
-def template_renders_differently(tokenizer: ChatTokenizer, turn_ids: list[int], action_format: str = "command",
-                                 end_signal: str = "exit") -> bool:
-    """Would the chat template render this assistant turn with other ids than the stream holds?
-
-    ``turn_ids`` are the turn's sampled ids (a final ``<|im_end|>`` or ``<|endoftext|>`` included).
-    The stream holds ``header + sampled ids (+ <|im_end|> repair when the turn did not end with
-    it)``; the template renders the message text, ``render_turn("assistant", decode(body))``.
-    They differ when re-encoding the decoded text merges or splits tokens (inside it or across
-    the ``assistant\n`` header), when the turn holds a special id (eos, ``<|im_start|>``) or
-    bytes that are not UTF-8. With ``action_format`` tool_call the template re-renders a valid call
-    from its parsed JSON (:func:`t1async.actions.template_turn_ids`): other spacing, key order or
-    escapes in the sampled JSON count too.
-    """
-    body, _ = split_turn(turn_ids, (tokenizer.im_end_id, tokenizer.eos_id))
-    ended = bool(turn_ids) and turn_ids[-1] == tokenizer.im_end_id
-    stream = [tokenizer.im_start_id, *tokenizer.encode("assistant\n"), *turn_ids,
-              *([] if ended else tokenizer.end_of_turn_ids)]
-    return stream != template_turn_ids(tokenizer, body, action_format, end_signal)
-
-
-def run_episode(task: Task, env: TerminalEnv, sampler: Sampler, tokenizer: ChatTokenizer, env_cfg: EnvConfig,
-                gen_cfg: GenerationConfig, model_cfg: ModelConfig, actor_id: int) -> Trajectory:
-    """Run one episode of ``task`` to its end and return its trajectory (the env is reset here, closed by the caller).
-
-    The episode ends on the end signal, after ``env_cfg.max_turns`` turns, when the agent's time
-    budget (the smaller of the task's and ``env_cfg.episode_timeout_s``) is spent, or when the
-    next turn would not fit the context (:func:`context_limit`; ``finish_reason`` ``context_full``).
-
-    Each turn's status is recorded (``turn_status``): a turn cut at ``max_new_tokens`` is never
-    run as if it were whole (not run unless ``env_cfg.run_cut_commands``; marked length-cut
-    either way), an aborted turn is not run, and a command that timed out or hit a sandbox limit
-    is marked so. A cut or aborted turn is never taken as the end signal.
-
-    Raises:
-        SamplerError, SandboxError: the episode could not run (the caller logs and counts it),
-            including a sampler answer without a single token.
-        EpisodeError: the episode ended before its first turn (no trajectory).
-    """
-    started = time.time()
-    instruction = env.reset()
-    budget = min(task.agent_timeout_s, env_cfg.episode_timeout_s)
-    fmt = env_cfg.action_format
-    ep = EpisodeBuilder(prompt_ids(tokenizer, env_cfg, instruction))
-    eot = tokenizer.end_of_turn_ids
-    params = {"max_new_tokens": gen_cfg.max_new_tokens, "temperature": gen_cfg.temperature, "top_p": gen_cfg.top_p,
-              "top_k": gen_cfg.top_k, "stop_token_ids": [tokenizer.im_end_id, tokenizer.eos_id]}
-    context = context_limit(env_cfg, model_cfg)
-    finish = "max_turns"
-    for _ in range(env_cfg.max_turns):
-        if time.time() - started > budget:
-            finish = "timeout"
-            break
-        if len(ep.ids) + gen_cfg.max_new_tokens > context:
-            finish = "context_full"
-            break
-        resp = sampler.generate(ep.ids, params, routed_experts_start_len=ep.routing_rows)
-        if not resp.output_ids:  # an empty turn has no span to train or mark (e.g. an abort before any token)
-            raise SamplerError(f"sampler answered no tokens (finish_reason {resp.finish_reason!r}) "
-                               f"after {len(ep.turns)} turns")
-        ep.add_sampled(resp.output_ids, resp.logprobs, resp.weight_version, resp.routed_experts)
-        ep.template_mismatches += template_renders_differently(tokenizer, resp.output_ids, fmt, env_cfg.end_signal)
-        ended = bool(resp.output_ids) and resp.output_ids[-1] == tokenizer.im_end_id
-        body, _ = split_turn(resp.output_ids, (tokenizer.im_end_id, tokenizer.eos_id))
-        action = parse_action(tokenizer, body, fmt, env_cfg.end_signal)
-        command = action.command
-        cut, aborted = resp.finish_reason == "length", resp.finish_reason == "abort"
-        run_it = not aborted and (not cut or env_cfg.run_cut_commands)
-        if run_it and action.end:
-            finish = "end_signal"
-            break
-        if not ended:
-            ep.add_context(eot)  # drift repair: close the turn as the template would
-        output = ""
-        if aborted:
-            ep.turn_status[-1], output = TURN_ABORTED, ABORT_NOTE
-        elif cut and not run_it:
-            ep.turn_status[-1], output = TURN_CUT_NOT_RUN, CUT_NOTE.format(n=gen_cfg.max_new_tokens)
-        elif action.error is not None:  # a malformed tool call: not run, the agent is told why
-            ep.turn_status[-1] = TURN_CUT_NOT_RUN if cut else TOOL_CALL_CODES[action.error]
-            output = action.message
-        elif command:
-            result = env.step(command)
-            output = result.output
-            if cut:
-                ep.turn_status[-1] = TURN_LENGTH_CUT
-            elif result.refused:
-                ep.turn_status[-1] = TURN_SANDBOX_REFUSED
-            elif result.timed_out:
-                ep.turn_status[-1] = TURN_COMMAND_TIMEOUT
-        elif cut:
-            ep.turn_status[-1] = TURN_LENGTH_CUT
-        ep.add_context(observation_ids(tokenizer, output, fmt))
-    if not ep.turns:  # nothing sampled: no trajectory to build (the caller counts the failed episode)
-        raise EpisodeError(f"episode of {task.name} ended ({finish}) before its first turn: the prompt is "
-                           f"{len(ep.ids)} tokens, the context {context} and generation.max_new_tokens "
-                           f"{gen_cfg.max_new_tokens}" + ("; raise env.max_context_tokens or "
-                           "model.max_position_embeddings, or shorten the prompt" if finish == "context_full" else ""))
-    verdict = env.verify()
-    if verdict.error:  # keep the evidence: the trajectory carries only the error line
-        logger.warning("verifier of {} failed: {}\n--- verifier output (tail) ---\n{}", task.name, verdict.error,
-                       verdict.output[-4000:])
-    return ep.finish(
-        task=task.name, actor_id=actor_id, num_experts=model_cfg.num_experts, reward=float(verdict.reward),
-        passed=verdict.passed, total=verdict.total, resolved=verdict.resolved, finish_reason=finish,
-        tests=[(t.name, t.passed) for t in verdict.tests], verifier_error=verdict.error,
-        started_at=started, finished_at=time.time(),
-    )
-
-
-def context_limit(env_cfg: EnvConfig, model_cfg: ModelConfig) -> int:
-    """Most tokens an episode's stream may reach: ``env.max_context_tokens`` capped at the model's
-    ``max_position_embeddings`` (0: the model's). A turn starts only while the stream plus
-    ``generation.max_new_tokens`` fits, so no prompt the sampler is sent is ever too long."""
-    model_max = model_cfg.max_position_embeddings
-    return min(env_cfg.max_context_tokens, model_max) if env_cfg.max_context_tokens else model_max
+from t1async.models.tokenizer import ChatTokenizer
+from t1async.rollout.episode import run_episode
+from t1async.sampling.sampler_client import HttpSampler, RoutedSampler
+from t1async.trajectory import EncodedTrajectory, Trajectory
+from t1async.transport.transport import TrajectorySender, ZmqSender
 
 
 class RolloutActor:
@@ -294,7 +40,7 @@ class RolloutActor:
         actor_id: this actor's number (also picks its sampler: ``sampler_urls[actor_id % M]``).
         env_cfg, gen_cfg, model_cfg, transport: config sections.
         sampler_urls: base URLs of the samplers at start; the live list comes from the controller's
-            ``sampler_urls()`` when it has one (:class:`~t1async.sampler_client.RoutedSampler`: asked
+            ``sampler_urls()`` when it has one (:class:`~t1async.sampling.sampler_client.RoutedSampler`: asked
             per episode; a request a sampler cannot take goes to another).
         endpoint: the learner's ZeroMQ address.
         crash_after_episodes: fault injection for tests (0 = off).
@@ -305,7 +51,7 @@ class RolloutActor:
             once it is spooled (``t1async soak`` counts from it what was sent); None: no record.
         rollout_cfg: the ``rollout`` section; with ``agent: external`` an external agent program
             drives each episode through this actor's OpenAI-compatible endpoint
-            (actors/agent_rollout.py). None: the builtin loop.
+            (t1async/rollout/agent.py). None: the builtin loop.
     """
 
     def __init__(self, actor_id: int, env_cfg: EnvConfig, gen_cfg: GenerationConfig, model_cfg: ModelConfig,
@@ -328,7 +74,8 @@ class RolloutActor:
         self.rollout_cfg = rollout_cfg or RolloutConfig()
         self.endpoint = None
         if self.rollout_cfg.agent == "external":
-            from t1async.openai_endpoint import OpenAIEndpoint
+            # (fastapi: imported only by the external-agent endpoint, not by the builtin loop)
+            from t1async.rollout.openai_endpoint import OpenAIEndpoint
 
             self.endpoint = OpenAIEndpoint(self.tokenizer)
         self._audit = None
@@ -408,7 +155,7 @@ class RolloutActor:
         env = TerminalEnv.from_config(task, self.workdir, self.env_cfg)
         try:
             if self.endpoint is not None:
-                from t1async.actors.agent_rollout import run_agent_episode
+                from t1async.rollout.agent import run_agent_episode  # (fastapi, as OpenAIEndpoint above)
 
                 return run_agent_episode(task, env, self.sampler, self.tokenizer, self.endpoint, self.rollout_cfg,
                                          self.env_cfg, self.gen_cfg, self.model_cfg, self.actor_id,
@@ -448,6 +195,4 @@ def tasks_dir(env_cfg: EnvConfig) -> Path:
     """The configured task folder, or the shipped ``envs/tasks``."""
     if env_cfg.tasks_dir:
         return Path(env_cfg.tasks_dir)
-    import t1async.envs
-
     return Path(t1async.envs.__file__).parent / "tasks"

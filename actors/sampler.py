@@ -16,7 +16,7 @@ Endpoints (the subset of SGLang 0.5.x that t1async uses; bodies and answers are 
 
 Data path: rollout actors call /generate; each HTTP thread submits its request to the engine and
 waits, while the engine thread batches every in-flight request into one forward per step
-(continuous batching, t1async/engine.py). The learner calls /update_weights_from_distributed: the
+(continuous batching, t1async/sampling/engine.py). The learner calls /update_weights_from_distributed: the
 broadcast runs while generation continues, the swap inside ``Engine.between_requests`` (admission
 paused, in-flight requests finished first), so a swap never lands mid-request and every answer's
 ``weight_version`` covers all its tokens. Stopped by :meth:`shutdown`.
@@ -37,9 +37,11 @@ import torch
 from loguru import logger
 
 from t1async.config import ModelConfig, SamplerConfig, WeightSyncConfig
-from t1async.engine import Engine, SamplingParams
-from t1async.model import Qwen3MoeForCausalLM
-from t1async.weight_sync import aligned_bytes, deserialize_named_tensors, join_group, leave_group
+from t1async.models.model import Qwen3MoeForCausalLM
+from t1async.sampling.engine import Engine, SamplingParams
+from t1async.weights.group import join_group, leave_group
+from t1async.weights.handles import deserialize_named_tensors
+from t1async.weights.tensor import aligned_bytes
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -111,7 +113,8 @@ class EmbeddedSampler:
                 elif path == "/server_info":
                     self._reply(200, {"tp_size": 1, "version": "t1async-embedded"})
                 elif path in ("/get_weight_version", "/weight_version"):  # retired in SGLang 0.5.10
-                    self._reply(404, {"detail": "Endpoint '/get_weight_version' is deprecated. Please use '/model_info' instead."})
+                    self._reply(404, {"detail": "Endpoint '/get_weight_version' is deprecated. "
+                                                "Please use '/model_info' instead."})
                 elif path == "/flush_cache":
                     self._reply(*sampler.handle_flush_cache({}))
                 else:
@@ -431,7 +434,7 @@ class EmbeddedSampler:
     def handle_update_weights_from_tensor(self, body: dict) -> dict:
         """SGLang ``/update_weights_from_tensor``: ``serialized_named_tensors[0]`` (this sampler is
         TP rank 0 of 1) is a pickle of ``[(name, tensor), ...]`` whose tensors are handles to the
-        sender's memory (CUDA IPC or named shared memory; t1async.weight_sync
+        sender's memory (CUDA IPC or named shared memory; t1async.weights.handles
         ``serialize_named_tensors``), loaded through an allow-list of torch's rebuild functions.
         Each tensor is checked against the model (name, shape, a float dtype) and copied, during
         the request, into this update's receive buffers in the model's dtype; nothing is kept that

@@ -195,9 +195,9 @@ def run_images(args: argparse.Namespace) -> int:
 
     from .dockerfile import from_images
     from .images import resolve_engine
-    from .stand_ins import DEFAULT_BOOTSTRAP_TAGS, bootstrap
-    from .protocol import SandboxError
     from .loading import load_task, task_folders
+    from .protocol import SandboxError
+    from .stand_ins import DEFAULT_BOOTSTRAP_TAGS, bootstrap
     from .task import TaskError
 
     engine = resolve_engine(load_config(args.config).env.container)
@@ -249,8 +249,8 @@ def run_synth(args: argparse.Namespace) -> int:
     """``t1async synth``: write the tasks, validate them (oracle resolves, no-op does not)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from .synth import synthesize
     from .loading import load_task
+    from .synth import synthesize
     from .terminal import validate_task
 
     _quiet()

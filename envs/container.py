@@ -55,7 +55,6 @@ from loguru import logger
 from t1async.config import ContainerConfig
 
 from .images import ENGINE_CWD, BuildError, Engine, ca_mounts, resolve_engine
-from .task_images import ensure_task_image, ensure_verifier_image
 from .limits import LimitGroup
 from .protocol import CommandResult, SandboxError, SandboxSpec, ServiceSpec, split_root
 from .shell_io import (
@@ -72,6 +71,7 @@ from .shell_io import (
     read_to_marker,
     write_all,
 )
+from .task_images import ensure_task_image, ensure_verifier_image
 
 SHELL_ENV = {"TERM": "dumb", "PAGER": "cat", "GIT_PAGER": "cat", "DEBIAN_FRONTEND": "noninteractive",
              "PYTHONUNBUFFERED": "1", "TEST_DIR": "/tests"}

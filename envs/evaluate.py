@@ -35,9 +35,9 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
+from .loading import load_task, task_folders
 from .protocol import SandboxError
 from .sandbox import SANDBOXES, check_sandbox_available
-from .loading import load_task, task_folders
 from .task import LAYOUT_HINT, Task, TaskError
 from .terminal import DEFAULT_LIMITS, NETWORK_MODES, TerminalEnv, task_limits
 
@@ -130,9 +130,9 @@ class PolicyAgent:
     def __init__(self, checkpoint: str | Path, config: Any = None):
         from t1async.actors.sampler import EmbeddedSampler
         from t1async.config import Config, load_config
-        from t1async.model import Qwen3MoeForCausalLM, model_config_from_hf
-        from t1async.sampler_client import HttpSampler
-        from t1async.tokenizer import ChatTokenizer
+        from t1async.models.model import Qwen3MoeForCausalLM, model_config_from_hf
+        from t1async.models.tokenizer import ChatTokenizer
+        from t1async.sampling.sampler_client import HttpSampler
 
         path = Path(checkpoint)
         if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
@@ -152,7 +152,7 @@ class PolicyAgent:
             raise TaskError(f"policy checkpoint {path}: {stage} cannot be loaded ({type(exc).__name__}: {first}); "
                             "pass a checkpoint folder written by the learner (RUN_DIR/checkpoints/step_N)") from None
         from t1async.config import ConfigError
-        from t1async.tokenizer import check_model_vocab
+        from t1async.models.tokenizer import check_model_vocab
 
         try:  # tool calls need the tool tokens' rows (the command format never checked small test models)
             if self.cfg.env.action_format == "tool_call":
@@ -168,7 +168,7 @@ class PolicyAgent:
 
     def episode(self, task: Task, env: TerminalEnv) -> tuple[int, int, bool, str | None]:
         """One episode; returns (passed, total, resolved, verifier error)."""
-        from t1async.actors.rollout import run_episode
+        from t1async.rollout.episode import run_episode
 
         traj = run_episode(task, env, self.client, self.tokenizer, self.cfg.env, self.cfg.generation,
                            self.model_cfg, actor_id=0)

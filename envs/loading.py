@@ -34,10 +34,10 @@ is invalid in itself (missing files, bad TOML/YAML, a Dockerfile that names miss
 from __future__ import annotations
 
 import re
-import tomllib
 from collections.abc import Sequence
 from pathlib import Path
 
+import tomllib
 from loguru import logger
 
 from .adapt import plan_container, plan_local
@@ -55,6 +55,7 @@ from .task import (
     TaskRefused,
 )
 from .task import task_error as _error
+
 
 def _number(table: dict, key: str, default: float, path: Path, section: str) -> float:
     value = table.get(key, default)

@@ -54,9 +54,9 @@ from loguru import logger
 
 from t1async.config import ContainerConfig
 
+from .loading import load_task
 from .protocol import CommandResult, Sandbox, SandboxError, SandboxLimits, SandboxSpec, sandbox_environment
 from .sandbox import SANDBOXES, check_sandbox_available, make_sandbox
-from .loading import load_task
 from .task import APP, Task, TaskError, TaskRefused, test_script_text
 from .verifier import VerifierResult, verifier_result
 

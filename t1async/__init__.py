@@ -1,6 +1,6 @@
 """t1async: asynchronous actor-critic RL for Mixture-of-Experts terminal agents.
 
-The data path is readable top-down from :func:`t1async.launch.launch`.
+The data path is readable top-down from :func:`t1async.service.launch.launch`.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The ``t1async`` command line.
 
-    t1async launch CONFIG [key=value ...]   run the asynchronous RL service (see t1async.launch)
-    t1async status|stop|scale RUN_DIR ...   control it while it runs (see t1async.control)
-    t1async plot RUN_DIR                    a PNG of its metrics (see t1async.plot)
+    t1async launch CONFIG [key=value ...]   run the asynchronous RL service (see t1async.service.launch)
+    t1async status|stop|scale RUN_DIR ...   control it while it runs (see t1async.service.control)
+    t1async plot RUN_DIR                    a PNG of its metrics (see t1async.commands.plot)
 
 Each subcommand is registered by a ``register(subparsers)`` function listed in
 :data:`SUBCOMMANDS` (``"module:function"``, imported lazily so ``t1async --help`` stays fast);
@@ -16,18 +16,28 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import re
+import runpy
 import sys
+from pathlib import Path
 from typing import Any, Callable
+
+from t1async import MissingExtra
+from t1async.config import ConfigError, load_config
+from t1async.envs.sandbox import SandboxUnavailable
+from t1async.envs.task import TaskError
+from t1async.service.control import ControlError
+from t1async.transport.keys import KeysError
 
 SUBCOMMANDS = [
     "t1async.cli:register_launch",
-    "t1async.control:register",  # status, stop, scale
-    "t1async.plot:register",
-    "t1async.soak:register",
+    "t1async.service.control:register",  # status, stop, scale
+    "t1async.commands.plot:register",
+    "t1async.commands.soak:register",
     "t1async.cli:register_bench",
     "t1async.cli:register_mismatch",
-    "t1async.keys:register_keys",
+    "t1async.transport.keys:register_keys",
     "t1async.cli:register_sft",
     "t1async.envs.cli:register",  # eval, synth, decontam
 ]
@@ -44,7 +54,7 @@ def register_launch(sub: argparse._SubParsersAction) -> None:
 def run_launch(args: argparse.Namespace) -> int:
     """Run ``launch``; 0 when every learner step ran or ``t1async stop`` stopped it, 130 after a
     signal (Ctrl-C, SIGTERM, SIGHUP), 1 if the learner stopped early (starved) or died for good."""
-    from t1async.launch import launch
+    from t1async.service.launch import launch  # (torch, ray: deferred until the command is known good)
 
     summary = launch(args.config, args.overrides)
     if summary.get("error"):
@@ -62,7 +72,7 @@ def run_launch(args: argparse.Namespace) -> int:
 
 
 def register_mismatch(sub: argparse._SubParsersAction) -> None:
-    """``t1async mismatch CONFIG [key=value ...]`` (t1async/mismatch.py, imported when run)."""
+    """``t1async mismatch CONFIG [key=value ...]`` (t1async/commands/mismatch.py, imported when run)."""
     p = sub.add_parser("mismatch", help="measure the training-vs-inference mismatch (TITO x routing replay); "
                                         "prints one JSON object")
     p.add_argument("config", help="YAML config, e.g. configs/mismatch.yaml")
@@ -71,13 +81,9 @@ def register_mismatch(sub: argparse._SubParsersAction) -> None:
 
 
 def run_mismatch(args: argparse.Namespace) -> int:
-    """Run :func:`t1async.mismatch.measure` on the config; prints its JSON."""
-    import json
-
-    from t1async.config import load_config
-
+    """Run :func:`t1async.commands.mismatch.measure` on the config; prints its JSON."""
     cfg = load_config(args.config, args.overrides)
-    from t1async.mismatch import measure  # (torch: imported once the config is known good)
+    from t1async.commands.mismatch import measure  # (torch: imported once the config is known good)
 
     print(json.dumps(measure(cfg)))
     return 0
@@ -85,9 +91,10 @@ def run_mismatch(args: argparse.Namespace) -> int:
 
 def register_sft(sub: argparse._SubParsersAction) -> None:
     """``t1async sft --tasks DIR --out CKPT_DIR [--config YAML] [--heldout DIR] [key=value ...]``
-    (t1async/sft.py, imported when run)."""
+    (t1async/commands/sft.py, imported when run)."""
     p = sub.add_parser("sft", help="supervised warm start on the tasks' oracle solutions; writes a checkpoint")
-    p.add_argument("--tasks", required=True, help="folder of training task folders (their oracle solutions are the demonstrations)")
+    p.add_argument("--tasks", required=True,
+                   help="folder of training task folders (their oracle solutions are the demonstrations)")
     p.add_argument("--out", required=True, help="checkpoint folder to write (config.json + model.safetensors)")
     p.add_argument("--config", default=None, help="YAML config (model, env, generation and sft sections are used)")
     p.add_argument("--heldout", default=None, help="evaluate the checkpoint on this folder of tasks at the end")
@@ -96,18 +103,12 @@ def register_sft(sub: argparse._SubParsersAction) -> None:
 
 
 def run_sft(args: argparse.Namespace) -> int:
-    """Check the folders, run :func:`t1async.sft.run_sft`; prints its JSON.
+    """Check the folders, run :func:`t1async.commands.sft.run_sft`; prints its JSON.
 
     Raises:
         TaskError: ``--tasks`` or ``--heldout`` is not a folder, ``--out`` is a file, or the
             demonstrations cannot be built (its ValueError).
     """
-    import json
-    from pathlib import Path
-
-    from t1async.config import load_config
-    from t1async.envs.task import TaskError
-
     cfg = load_config(args.config, args.overrides)
     if not Path(args.tasks).is_dir():
         raise TaskError(f"--tasks {args.tasks} is not a folder; pass a folder of task folders (t1async synth --out ...)")
@@ -116,7 +117,7 @@ def run_sft(args: argparse.Namespace) -> int:
         raise TaskError(f"--out {out} exists and is not a folder; pass a folder path for the checkpoint")
     if args.heldout is not None and not Path(args.heldout).is_dir():
         raise TaskError(f"--heldout {args.heldout} is not a folder; pass a folder of task folders")
-    from t1async import sft  # (torch: imported once the input is known good)
+    from t1async.commands import sft  # (torch: imported once the input is known good)
 
     try:
         result = sft.run_sft(cfg, args.tasks, out, heldout=args.heldout)
@@ -136,13 +137,11 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
 
 def run_bench(args: argparse.Namespace) -> int:
     """Run ``tools/bench_NAME.py`` as ``__main__`` with ``args``; its exit status is returned."""
-    import runpy
-    from pathlib import Path
-
     tools = Path(__file__).resolve().parents[1] / "tools"
     script = tools / f"bench_{args.name.replace('-', '_')}.py"  # long-horizon -> bench_long_horizon.py
     if not script.is_file():
-        known = sorted(p.stem.removeprefix("bench_").replace("_", "-") for p in tools.glob("bench_*.py")) if tools.is_dir() else []
+        known = (sorted(p.stem.removeprefix("bench_").replace("_", "-") for p in tools.glob("bench_*.py"))
+                 if tools.is_dir() else [])
         print(f"t1async: error: no benchmark {args.name!r} (tools/bench_{args.name.replace('-', '_')}.py); known: {known}. "
               "Benchmarks run from a source checkout (pip install -e .)", file=sys.stderr)
         return 2
@@ -209,11 +208,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Exception types that mean bad input (reported by the CLI in one line, without a traceback)."""
+    return ConfigError, TaskError, SandboxUnavailable, KeysError, ControlError, MissingExtra
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``t1async`` console script; returns the exit status."""
     args = parse(argv)
-
-    from t1async.launch import user_errors
 
     try:
         return int(args.func(args))

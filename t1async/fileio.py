@@ -42,6 +42,15 @@ def pwrite_all(fd: int, parts: Sequence[Any], offset: int) -> int:
     return total
 
 
+def fsync_dir(path: Path) -> None:
+    """fsync a directory, so that the renames and creations inside it survive a power loss."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def claim_folder(root: Path, prefix: str) -> tuple[Path, int]:
     """A new folder ``root/<prefix>XXXXXXXX`` owned by this process; returns (folder, the lock's fd).
 

@@ -1,7 +1,8 @@
 """The trajectory: one episode's exact token stream and everything the learner needs, and its wire format.
 
 All wire types live here. A rollout actor builds a :class:`Trajectory`, :func:`encode` turns it
-into one frame (:class:`EncodedTrajectory` gives it as parts to write without a copy first), the transport carries the frame to the learner, and :func:`decode` gives back
+into one frame (:class:`EncodedTrajectory` gives it as parts to write without a copy first), the transport
+carries the frame to the learner, and :func:`decode` gives back
 read-only numpy views over the received frame (zero-copy) after checking every invariant below.
 
 Frame layout (schema version 3; all integers little-endian)::
@@ -62,13 +63,13 @@ Scalars: ``trajectory_id`` (str, 1-128 chars, unique; the key for de-duplication
 ``task`` (task name), ``actor_id`` (int >= 0, the rollout actor), ``num_experts`` (int > 0),
 ``reward`` (float, finite: tests passed), ``passed``/``total`` (ints, 0 <= passed <= total),
 ``resolved`` (bool: every test passed and total > 0), ``finish_reason`` (str: how the episode
-ended, set by actors/rollout.py: ``end_signal``, ``max_turns``, ``timeout`` (the agent's time
+ended, set by t1async/rollout/episode.py: ``end_signal``, ``max_turns``, ``timeout`` (the agent's time
 budget was spent), ``context_full`` (the next turn would not fit the model's context)),
 ``started_at``/``finished_at`` (float, seconds since the Unix epoch, started <= finished),
 ``verifier_error`` (str or nil: set when the reward is unknown, i.e. the verifier timed out,
 crashed or printed no test summary, see envs/verifier.py; the learner never trains on such a
 trajectory), ``tests`` (list of ``[name: str, passed: bool]``),
-``drift_tokens`` and ``template_mismatches`` (ints >= 0: TITO counters, see actors/rollout.py).
+``drift_tokens`` and ``template_mismatches`` (ints >= 0: TITO counters, see t1async/rollout/episode.py).
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ TURN_CUT_NOT_RUN = 5
 TOOL_CALL_ERRORS = {6: "no_tool_call", 7: "unbalanced", 8: "bad_json", 9: "unknown_tool", 10: "bad_arguments",
                     11: "multiple_calls"}
 """``turn_status`` code -> reason of a malformed tool call (``env.action_format`` tool_call, see
-t1async/actions.py): the call was not run, the agent saw an error observation."""
+t1async/rollout/actions.py): the call was not run, the agent saw an error observation."""
 TOOL_CALL_CODES = {reason: code for code, reason in TOOL_CALL_ERRORS.items()}
 """Reason -> ``turn_status`` code of a malformed tool call (the inverse of :data:`TOOL_CALL_ERRORS`)."""
 TURN_STATUS = {TURN_OK: "ok", TURN_LENGTH_CUT: "length_cut", TURN_ABORTED: "aborted",
@@ -170,7 +171,7 @@ class Trajectory:
     """Loss-mask-1 positions whose id differs from the id the sampler returned (TITO: must be 0)."""
     template_mismatches: int = 0
     """Turns where the chat template would render the history differently from the stream
-    (the stream wins; counted, see actors/rollout.py)."""
+    (the stream wins; counted, see t1async/rollout/episode.py)."""
     turn_status: np.ndarray | None = None
     """[turns] uint8 code of how each turn ended (:data:`TURN_STATUS`); None: every turn normal."""
     schema_version: int = SCHEMA_VERSION
@@ -197,7 +198,7 @@ _ID_STREAM: tuple[int, str, Any] = (-1, "", None)  # (pid, stream, counter) of t
 def new_trajectory_id() -> str:
     """A fresh id ``<stream>-<seq>``: ``stream`` is 16 hex digits drawn once per process (a
     rollout actor's life), ``seq`` counts up from 0 in that process. The learner's consumed-id
-    ledger (:class:`t1async.delivery.ConsumedLedger`) keeps one high-water mark per stream
+    ledger (:class:`t1async.transport.delivery.ConsumedLedger`) keeps one high-water mark per stream
     instead of every id, so its size does not grow with the trajectories trained."""
     global _ID_STREAM
     pid, stream, counter = _ID_STREAM

@@ -30,8 +30,8 @@ def _prepare() -> str:
     if shutil.which("podman") is None:
         return "podman is not installed (tools/setup.sh installs it with apt-get where it can)"
     from t1async.envs.images import resolve_engine
-    from t1async.envs.stand_ins import bootstrap
     from t1async.envs.protocol import SandboxError
+    from t1async.envs.stand_ins import bootstrap
 
     try:
         bootstrap(resolve_engine(), list(NAMES))

@@ -11,9 +11,9 @@ import torch
 
 from t1async.actors.sampler import EmbeddedSampler
 from t1async.config import ModelConfig, SamplerConfig
-from t1async.engine import Engine, GenerateOutput, SamplingParams
-from t1async.model import KVCache, PackedSegments, Qwen3MoeForCausalLM
-from t1async.sampler_client import HttpSampler
+from t1async.models.model import KVCache, PackedSegments, Qwen3MoeForCausalLM
+from t1async.sampling.engine import Engine, GenerateOutput, SamplingParams
+from t1async.sampling.sampler_client import HttpSampler
 
 # default init (std 0.02): routers are close to ties, so any numerical difference that batching
 # introduced would flip some expert or sampled id somewhere in these runs
@@ -213,7 +213,7 @@ def test_http_sampler_batches_concurrent_requests_exactly():
 def test_stop_fails_requests_still_queued_instead_of_leaving_their_callers_waiting():
     """Engine.stop: a request queued behind a running one (max_batch 1) and the running one
     are finished with EngineStopped, so a caller blocked in result() wakes up with an error."""
-    from t1async.engine import EngineStopped
+    from t1async.sampling.engine import EngineStopped
 
     e = Engine(_model(), max_batch=1)
     p = SamplingParams(max_new_tokens=200, stop_token_ids=[])

@@ -96,8 +96,8 @@ def test_training_by_family_splits_a_runs_episodes_by_finish_time_and_family(tmp
     import dataclasses
     import json
 
-    from t1async.delivery import ReceiveLog
     from t1async.trajectory import encode
+    from t1async.transport.delivery import ReceiveLog
     from tests.test_trajectory import make_traj
 
     spec = importlib.util.spec_from_file_location("training_by_family", REPO / "tools" / "training_by_family.py")

@@ -115,7 +115,7 @@ def test_a_named_task_is_not_refused_for_a_broken_sibling(tmp_path):
     import shutil
 
     from t1async.config import load_config
-    from t1async.launch import check_inputs
+    from t1async.service.launch import check_inputs
 
     good = sorted(p for p in (REPO / "envs" / "tasks").iterdir() if p.is_dir())[0]
     shutil.copytree(good, tmp_path / good.name)
@@ -130,7 +130,7 @@ def test_eval_of_a_folder_without_tasks_is_one_line(capsys):
 
 
 def test_run_dir_in_use_or_holding_an_earlier_run(capsys, tmp_path):
-    from t1async.rundir import RunDirLock
+    from t1async.service.rundir import RunDirLock
 
     lock = RunDirLock(tmp_path)
     lock.write()

@@ -84,8 +84,8 @@ def test_yaml_whose_top_level_is_a_list_is_refused(tmp_path):
 
 def test_greedy_generation_is_refused_for_training_but_allowed_for_eval(tmp_path):
     from t1async.envs.evaluate import PolicyAgent
-    from t1async.launch import check_inputs
-    from t1async.model import Qwen3MoeForCausalLM
+    from t1async.models.model import Qwen3MoeForCausalLM
+    from t1async.service.launch import check_inputs
 
     cfg = load_config(REPO / "configs" / "local.yaml", ["generation.temperature=0"])  # loading accepts it
     with pytest.raises(ConfigError) as e:

@@ -21,19 +21,19 @@ import time
 from pathlib import Path
 
 import pytest
-
 from container_support import base_image
+
 from t1async.config import ContainerConfig
 from t1async.envs.adapt import CONTAINER_PYTHON, VerifierNeeds, adapt_script, pytest_command
 from t1async.envs.container import ContainerSandbox, remove_orphan_containers
-from t1async.envs.evaluate import choose_sandbox, short_error
 from t1async.envs.dockerfile import expand_heredocs, from_images, rewrite_from
+from t1async.envs.evaluate import choose_sandbox, short_error
 from t1async.envs.images import Engine, context_hash, resolve_engine
-from t1async.envs.stand_ins import normalise, qualified, stand_in_for
-from t1async.envs.task_images import ensure_task_image
-from t1async.envs.protocol import SandboxLimits, SandboxSpec
 from t1async.envs.loading import load_task
+from t1async.envs.protocol import SandboxLimits, SandboxSpec
+from t1async.envs.stand_ins import normalise, qualified, stand_in_for
 from t1async.envs.task import TaskError
+from t1async.envs.task_images import ensure_task_image
 from t1async.envs.terminal import TerminalEnv, validate_task
 
 FIXTURES = Path(__file__).parent / "fixtures" / "container"
@@ -192,7 +192,8 @@ def test_compose_sidecars_are_parsed(tmp_path):
         "    healthcheck: {test: [CMD-SHELL, pg_isready], interval: 1m30s}\n")
     task = load_task(folder)
     [db] = task.services
-    assert (db.image, db.command, db.healthcheck) == ("postgres:16", ("sh", "-c", "postgres -c fsync=off"), ("sh", "-c", "pg_isready"))
+    assert (db.image, db.command, db.healthcheck) == ("postgres:16", ("sh", "-c", "postgres -c fsync=off"),
+                                                      ("sh", "-c", "pg_isready"))
     assert db.health_interval_s == 90.0 and not db.wait_healthy  # no depends_on condition: not awaited
     assert task.compose_env == {"TEST_DIR": "/tests", "MODE": "ci"}  # the TB1 harness's ${T_BENCH_TEST_DIR}
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from t1async.actors.controller import Controller
 from t1async.config import RolloutConfig
 
@@ -210,3 +212,26 @@ def test_learner_wait_keeps_slow_tasks_share_of_training_without_drops():
     assert not dropped
     for name in durations:
         assert abs(started.count(name) / len(started) - trained.count(name) / len(trained)) <= 0.05, name
+
+
+def test_admission_rules_are_pure_functions_of_the_counts():
+    """The rules of t1async/rollout/admission.py, without a controller: the window, the base
+    version each rule counts it from, and the learner-side publish hold."""
+    from t1async.rollout.admission import ADMISSION_RULES, may_start, publish_allowed
+
+    assert may_start(7, 0, 1, 4) and not may_start(8, 0, 1, 4)  # (0 + 1 + 1) x 4 = 8 slots
+    assert ADMISSION_RULES["oldest_episode"].base_version(5, [3, 4]) == 3
+    assert ADMISSION_RULES["oldest_episode"].base_version(5, []) == 5
+    assert ADMISSION_RULES["learner_version"].base_version(5, [3]) == 5
+    assert [n for n, r in ADMISSION_RULES.items() if r.holds_publish] == ["learner_wait"]
+    assert publish_allowed(4, [], 1) and publish_allowed(4, [3, 5], 1) and not publish_allowed(4, [2], 1)
+
+
+def test_every_admission_rule_is_a_config_value():
+    from t1async.config import ConfigError, load_config
+    from t1async.rollout.admission import ADMISSION_RULES
+
+    for name in ADMISSION_RULES:
+        assert load_config(None, [f"rollout.admission={name}"]).rollout.admission == name
+    with pytest.raises(ConfigError):
+        load_config(None, ["rollout.admission=nope"])

@@ -26,9 +26,9 @@ import zmq
 
 from t1async.actors.learner import Learner
 from t1async.config import LearnerConfig, ModelConfig, TransportConfig, WeightSyncConfig
-from t1async.delivery import read_consumed
 from t1async.trajectory import Trajectory, TrajectoryError, decode, encode
-from t1async.transport import PROTOCOL, REJECT, ZmqSender
+from t1async.transport.delivery import read_consumed
+from t1async.transport.transport import PROTOCOL, REJECT, ZmqSender
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = ModelConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
@@ -44,7 +44,8 @@ def synthetic(seed: int, version: int = 0, T: int = 40) -> Trajectory:
         task="synthetic", actor_id=0, token_ids=rng.integers(0, 256, T).astype(np.uint32), loss_mask=mask,
         logprobs=np.where(mask == 1, -5.5, 0.0).astype(np.float32), versions=np.where(mask == 1, version, -1).astype(np.int32),
         turn_offsets=np.array([[10, 20], [28, T]], np.int32), routed_experts=rng.integers(0, 4, (T - 1, 2, 2)).astype(np.uint8),
-        num_experts=4, reward=1.0, passed=1, total=2, resolved=False, finish_reason="max_turns", tests=[("a", True), ("b", False)],
+        num_experts=4, reward=1.0, passed=1, total=2, resolved=False, finish_reason="max_turns",
+        tests=[("a", True), ("b", False)],
         trajectory_id=f"traj-{seed:05d}", started_at=1.0, finished_at=2.0,
     )
 
@@ -123,12 +124,12 @@ def test_fuzz_decoder_and_live_learner_socket(tmp_path):
         assert replies == len(invalid)  # every keyed message got its REJ: the sender will not resend it
         # the learner is alive, stored and queued nothing, and still takes a valid trajectory
         st = learner.status()
-        assert st["received"] == 0 and st["queue_depth"] == 0 and len(learner._log) == 0 and learner.step == 0
+        assert st["received"] == 0 and st["queue_depth"] == 0 and len(learner.inbox.log) == 0 and learner.step == 0
         assert len(list((tmp_path / "quarantine").glob("*.txt"))) == 100  # bounded
         good = synthetic(99)
         sock.send_multipart([PROTOCOL, good.trajectory_id.encode(), encode(good)])
         assert _wait(lambda: learner.status()["received"] == 1, 10)
-        assert learner._queue.get(1.0).trajectory_id == good.trajectory_id
+        assert learner.inbox.queue.get(1.0).trajectory_id == good.trajectory_id
         assert learner.counters["rejected"] == len(invalid) + n_env  # exact: no double counting
         # a rejected trajectory resent (its REJ was lost) is answered REJ again and not counted again
         sock.send_multipart([PROTOCOL, b"fuzz-0", invalid[0]])

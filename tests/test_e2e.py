@@ -98,7 +98,7 @@ def test_launch_with_an_external_agent(tmp_path):
     """rollout.agent=external through the whole loop: tools/example_agent.py (the official openai client)
     drives every episode through the recording endpoint; trajectories arrive exact (drift 0), steps run."""
     run_dir = tmp_path / "run"
-    rows = _two_tool_call_steps(run_dir, "rollout.agent=external", 
+    rows = _two_tool_call_steps(run_dir, "rollout.agent=external",
                                 f"rollout.agent_command=python {REPO / 'tools' / 'example_agent.py'}")
     # the example agent keeps its history append-only and stops after env.max_turns completions
     reasons = {k for r in rows for k in r["finish_reasons"]}

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from t1async.config import ModelConfig
-from t1async.engine import Engine, SamplingParams, sample_token
-from t1async.model import Qwen3MoeForCausalLM
+from t1async.models.model import Qwen3MoeForCausalLM
+from t1async.sampling.engine import Engine, SamplingParams, sample_token
 
 CFG = ModelConfig(vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
@@ -88,7 +88,7 @@ def test_logprobs_and_routing_match_teacher_forcing(model, params):
         expected = ref[np.arange(N), out.output_ids]
         np.testing.assert_allclose(out.output_logprobs, expected, rtol=0, atol=1e-4)
         # the shared function the engine samples from gives the same whole distribution
-        from t1async.rl import processed_logprobs
+        from t1async.models.logprobs import processed_logprobs
 
         mine = processed_logprobs(logits, params.temperature, params.top_k, params.top_p)
         assert mine.dtype == torch.float32
@@ -168,7 +168,7 @@ def test_sample_token_filters():
 
 
 def test_sampled_frequencies_match_the_reported_logprobs():
-    from t1async.engine import sample_with_logprob
+    from t1async.sampling.engine import sample_with_logprob
 
     logits = torch.randn(40, generator=torch.Generator().manual_seed(3)) * 2.0
     params = SamplingParams(temperature=0.5, top_p=0.9, top_k=12)

@@ -48,7 +48,7 @@ def test_eval_noop_and_bad_input(tmp_path, capsys):
 
 def test_eval_policy_runs_real_episodes(tmp_path, capsys):
     from t1async.config import ModelConfig
-    from t1async.model import Qwen3MoeForCausalLM
+    from t1async.models.model import Qwen3MoeForCausalLM
 
     checkpoint = tmp_path / "ckpt"
     Qwen3MoeForCausalLM(ModelConfig()).save_pretrained(checkpoint)

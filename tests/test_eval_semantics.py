@@ -24,8 +24,8 @@ import socket
 from pathlib import Path
 
 import pytest
-
 from container_support import base_image
+
 from t1async.cli import main
 from t1async.config import Config, ConfigError, check_values
 from t1async.envs.evaluate import run_task

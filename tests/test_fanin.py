@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from t1async.transport import ZmqReceiver, ZmqSender
+from t1async.transport.transport import ZmqReceiver, ZmqSender
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 from bench_fanin import run_fanin  # noqa: E402
@@ -77,7 +77,7 @@ def test_on_ack_callback_error_does_not_stop_deliveries(tmp_path):
 
 
 def test_receive_log_group_commit_flushes_once_and_forgets_what_a_failed_flush_lost(tmp_path, monkeypatch):
-    from t1async.delivery import ReceiveLog
+    from t1async.transport.delivery import ReceiveLog
 
     calls = []
     real = os.fdatasync
@@ -113,7 +113,7 @@ def test_learner_acks_a_burst_after_one_flush_never_before(tmp_path, monkeypatch
     learner = Learner(LearnerConfig(max_steps=0, episodes_per_step=0), ModelConfig(),
                       TransportConfig(log_fsync="always", recv_queue_messages=64), WeightSyncConfig(),
                       str(tmp_path / "run"))
-    log = learner._log
+    log = learner.inbox.log
     durable_at: dict[str, float] = {}
     flushes = []
     real = os.fdatasync
@@ -142,7 +142,7 @@ def test_learner_acks_a_burst_after_one_flush_never_before(tmp_path, monkeypatch
             senders[i % 3].send(traj.trajectory_id, EncodedTrajectory(traj))
         assert all(tx.flush(20.0) for tx in senders)
         assert sorted(acked) == sorted(keys) and learner.counters["received"] == 30
-        assert learner.counters["duplicates"] == 0 and learner._queue.qsize() == 30
+        assert learner.counters["duplicates"] == 0 and learner.inbox.queue.qsize() == 30
         assert len(flushes) < 15, f"{len(flushes)} flushes for 30 messages: no group commit"
         early = [k for k in keys if acked[k] < durable_at.get(k, float("inf"))]
         assert not early, f"ACKed before their flush: {early}"

@@ -4,13 +4,14 @@ The fixture tasks under tests/fixtures/layouts were written for t1async."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from t1async.envs.adapt import Refusal, adapt_script, classify, pytest_command, split_commands
 from t1async.envs.loading import load_task
 from t1async.envs.task import TaskError
 from t1async.envs.terminal import TerminalEnv, validate_task
-from pathlib import Path
 
 LAYOUTS = Path(__file__).parent / "fixtures" / "layouts"
 

@@ -12,17 +12,24 @@ import numpy as np
 import pytest
 import torch
 
-from t1async.abnormal import policy_mask
 from t1async.actors.learner import Learner
 from t1async.actors.sampler import EmbeddedSampler
-from t1async.config import (AbnormalConfig, GenerationConfig, LearnerConfig, ModelConfig, SamplerConfig,
-                            TransportConfig, WeightSyncConfig)
-from t1async.delivery import read_consumed
-from t1async.engine import Engine, SamplingParams
-from t1async.model import Qwen3MoeForCausalLM
-from t1async.rl import token_logprobs
+from t1async.config import (
+    AbnormalConfig,
+    GenerationConfig,
+    LearnerConfig,
+    ModelConfig,
+    SamplerConfig,
+    TransportConfig,
+    WeightSyncConfig,
+)
+from t1async.learner.abnormal import policy_mask
+from t1async.models.logprobs import token_logprobs
+from t1async.models.model import Qwen3MoeForCausalLM
+from t1async.sampling.engine import Engine, SamplingParams
 from t1async.trajectory import TURN_ABORTED, TURN_COMMAND_TIMEOUT, TURN_CUT_NOT_RUN, Trajectory, encode
-from t1async.transport import ZmqSender
+from t1async.transport.delivery import read_consumed
+from t1async.transport.transport import ZmqSender
 
 MODEL = ModelConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                     head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
@@ -121,7 +128,7 @@ def test_critic_warmup_freezes_policy(tmp_path):
 
 
 def test_critic_is_the_policy_trunk_without_its_lm_head():
-    from t1async.actors.learner import ValueModel
+    from t1async.learner.torch_backend import ValueModel
 
     torch.manual_seed(0)
     policy = Qwen3MoeForCausalLM(MODEL)
@@ -272,7 +279,7 @@ def test_a_trajectory_whose_every_turn_is_masked_is_dropped_and_its_slot_returne
         half = abnormal(synthetic(0, 2), [TURN_ABORTED, 0])
         learner._controller = ctl = FakeController()
         for t in (empty, half):
-            learner._enqueue(t, 1)
+            learner.inbox.enqueue(t, 1)
         assert [t.trajectory_id for t in learner._collect_batch()] == [half.trajectory_id]
         assert learner.dropped["all_turns_masked"] == 1 and learner._consumed[empty.trajectory_id] == -1
         assert [d.split(":")[0] for d in ctl.discarded] == ["all_turns_masked"]
@@ -450,7 +457,7 @@ def test_each_step_counts_the_micro_batches_it_trained_in_chunks(tmp_path):
 
 
 def test_micro_batches_group_longest_first_within_the_token_budget():
-    from t1async.rl import micro_batches
+    from t1async.learner.rl import micro_batches
 
     lengths = [10, 40, 25, 40, 5, 100]
     # longest first: 100 alone; 2 x 40 (a third: 3 x 40 > 100); 25, 10, 5 padded to 3 x 25
@@ -723,7 +730,7 @@ def test_16_bit_parameters_are_stepped_through_float32_master_weights():
     take the float32 AdamW steps (same gradients: the same values to float32 rounding), the
     bfloat16 parameters are their masters rounded, and a state-dict round trip restores the
     masters bitwise. float32 parameters are stepped in place with AdamW's own state dict."""
-    from t1async.backend import MasterWeightAdamW
+    from t1async.learner.backend import MasterWeightAdamW
 
     torch.manual_seed(0)
     w = torch.randn(64, 64) * 0.05
@@ -774,7 +781,7 @@ def test_a_bfloat16_learner_moves_its_weights_at_rl_learning_rates():
     about as many elements as float32 training moves (both above 80 %); the same backend with
     plain AdamW stepping its bfloat16 weights (as before MasterWeightAdamW) moves under 10 %."""
     from t1async.config import GenerationConfig
-    from t1async.torch_backend import TorchBackend
+    from t1async.learner.torch_backend import TorchBackend
 
     model = ModelConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
@@ -798,3 +805,24 @@ def test_a_bfloat16_learner_moves_its_weights_at_rl_learning_rates():
             assert all(torch.equal(p.detach(), m.to(dtype)) for p, m in zip(b.policy.parameters(), weights))
     print("elements of the policy moved by 5 updates at lr 1e-6: " + ", ".join(f"{k} {v:.1%}" for k, v in frac.items()))
     assert frac["float32"] > 0.8 and frac["bfloat16 masters"] > 0.8 and frac["bfloat16 plain AdamW"] < 0.1
+
+
+def test_grpo_advantage_leaves_an_all_alike_group_untouched_and_moves_a_mixed_one(tmp_path):
+    """advantage: grpo (t1async/learner/advantages.py), through the learner: equal rewards give
+    advantage 0 (the policy does not move), rewards 2 and 0 move it; both groups are covered."""
+    cfg = LearnerConfig(max_steps=4, batch_size=2, lr=1e-3, lam=1.0, routing_replay=False, batch_timeout_s=30,
+                        advantage="grpo", normalize_advantages=False, group_window_steps=0)
+    learner = Learner(cfg, MODEL, TransportConfig(), WeightSyncConfig(), str(tmp_path / "run"), seed=0)
+
+    def params():
+        return torch.cat([p.detach().flatten().clone() for p in learner.policy.parameters()])
+
+    try:
+        before = params()
+        m = learner._train_step([synthetic(0, 1, reward=2.0), synthetic(0, 2, reward=2.0)])
+        assert float((params() - before).abs().max()) == 0.0 and m["group_baselined_frac"] == 1.0
+        learner.step += 1
+        m = learner._train_step([synthetic(0, 3, reward=2.0), synthetic(0, 4, reward=0.0)])
+        assert float((params() - before).abs().max()) > 0 and m["group_baselined_frac"] == 1.0
+    finally:
+        learner.close()

@@ -1,7 +1,7 @@
 """Long episodes: the learner's chunked forward equals the plain one, and context overflow is a
 recorded end (``finish_reason`` ``context_full``), never an accident.
 
-Chunking (``learner.max_tokens_per_chunk``, t1async/torch_backend.py) must change memory only:
+Chunking (``learner.max_tokens_per_chunk``, t1async/learner/torch_backend.py) must change memory only:
 log-probs, the kept-outside flags, routing (replayed and the routers' own), critic values and
 every gradient are compared with a forward that does not chunk, on the same weights and batch.
 """
@@ -14,16 +14,16 @@ import numpy as np
 import pytest
 import torch
 
-from t1async.abnormal import drop_reason, finish_counts
-from t1async.actors.rollout import EpisodeError, context_limit, run_episode, tasks_dir
-from t1async.config import (AbnormalConfig, ConfigError, EnvConfig, GenerationConfig, LearnerConfig, ModelConfig,
-                            load_config)
+from t1async.actors.rollout import tasks_dir
+from t1async.config import AbnormalConfig, ConfigError, EnvConfig, GenerationConfig, LearnerConfig, ModelConfig, load_config
 from t1async.envs.loading import discover_tasks
 from t1async.envs.terminal import TerminalEnv
-from t1async.rl import policy_loss
-from t1async.sampler_client import SamplerResponse
-from t1async.tokenizer import ChatTokenizer
-from t1async.torch_backend import TorchBackend
+from t1async.learner.abnormal import drop_reason, finish_counts
+from t1async.learner.rl import policy_loss
+from t1async.learner.torch_backend import TorchBackend
+from t1async.models.tokenizer import ChatTokenizer
+from t1async.rollout.episode import EpisodeError, context_limit, run_episode
+from t1async.sampling.sampler_client import SamplerResponse
 from t1async.trajectory import decode, encode
 
 MODEL = ModelConfig(vocab_size=512, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
@@ -69,7 +69,7 @@ def test_chunked_forward_equals_the_plain_one_in_logprobs_routing_values_and_gra
     o1, v1, r1, g1 = _step(plain, inp, tgt, replay, adv)
     o2, v2, r2, g2 = _step(chunked, inp, tgt, replay, adv)
     # bitwise: the decoder layers run over the whole sequence either way (checkpointed, not split),
-    # and the LM head's row-padded matmuls (t1async/model.py padded_rows) treat each row alike
+    # and the LM head's row-padded matmuls (t1async/models/model.py padded_rows) treat each row alike
     assert torch.equal(o2.logp, o1.logp), (o2.logp - o1.logp).abs().max()
     assert torch.equal(o2.outside, o1.outside)
     assert torch.equal(o2.routed_experts, o1.routed_experts) and torch.equal(o2.router_experts, o1.router_experts)

@@ -12,16 +12,16 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from test_learner import assert_same_metrics, weight_gap
 
 from t1async.config import GenerationConfig, LearnerConfig, ModelConfig, TransportConfig, WeightSyncConfig
-from t1async.megatron_convert import CRITIC, POLICY, hf_to_megatron, megatron_to_hf, merge_tp, pack_qkv, shard_tp
-from test_learner import assert_same_metrics, weight_gap
-from t1async.model import Qwen3MoeForCausalLM
-from t1async.rl import routing_differs
-from t1async.torch_backend import TorchBackend, ValueModel
+from t1async.learner.megatron.convert import CRITIC, POLICY, hf_to_megatron, megatron_to_hf, merge_tp, pack_qkv, shard_tp
+from t1async.learner.rl import routing_differs
+from t1async.learner.torch_backend import TorchBackend, ValueModel
+from t1async.models.model import Qwen3MoeForCausalLM
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
-megatron_backend = pytest.importorskip("t1async.megatron_backend", reason="megatron-core is not installed")
+megatron_backend = pytest.importorskip("t1async.learner.megatron.backend", reason="megatron-core is not installed")
 MegatronBackend = megatron_backend.MegatronBackend
 
 # 4 query heads in 2 groups (the qkv layout matters), head_dim != hidden / heads, 4 experts top-2
@@ -97,28 +97,28 @@ def test_tensor_parallel_slices_merge_back_bitwise_and_follow_megatrons_layout(t
     torch.manual_seed(1)
     for layout, sd in ((POLICY, Qwen3MoeForCausalLM(cfg).state_dict()),
                        (CRITIC, ValueModel(Qwen3MoeForCausalLM(cfg)).state_dict())):
-        sd = {k: torch.randn_like(v) for k, v in sd.items()}
+        sd = {j: torch.randn_like(v) for j, v in sd.items()}
         for er in range(ep):
             whole = hf_to_megatron(sd, cfg, layout, ep_rank=er, ep_size=ep)
             parts = [shard_tp(whole, layout, r, tp) for r in range(tp)]
             back = merge_tp(parts, layout)
             assert back.keys() == whole.keys()
-            assert all(torch.equal(back[k], whole[k]) and back[k].dtype == whole[k].dtype for k in whole)
+            assert all(torch.equal(back[j], whole[j]) and back[j].dtype == whole[j].dtype for j in whole)
             hd, per, G = cfg.head_dim, cfg.num_attention_heads // cfg.num_key_value_heads, cfg.num_key_value_heads
             qkv = whole["decoder.layers.1.self_attention.linear_qkv.weight"]
             fc1 = whole["decoder.layers.1.mlp.experts.local_experts.0.linear_fc1.weight"]
             gate, up = fc1.chunk(2)
-            I = cfg.moe_intermediate_size // tp
+            j = cfg.moe_intermediate_size // tp
             for r, part in enumerate(parts):
                 rows = (per + 2) * hd * (G // tp)
                 assert torch.equal(part["decoder.layers.1.self_attention.linear_qkv.weight"], qkv[r * rows:(r + 1) * rows])
                 assert torch.equal(part["decoder.layers.1.mlp.experts.local_experts.0.linear_fc1.weight"],
-                                   torch.cat([gate[r * I:(r + 1) * I], up[r * I:(r + 1) * I]]))
+                                   torch.cat([gate[r * j:(r + 1) * j], up[r * j:(r + 1) * j]]))
                 cols = cfg.num_attention_heads * hd // tp
                 assert torch.equal(part["decoder.layers.1.self_attention.linear_proj.weight"],
                                    whole["decoder.layers.1.self_attention.linear_proj.weight"][:, r * cols:(r + 1) * cols])
                 assert torch.equal(part["decoder.layers.1.mlp.experts.local_experts.1.linear_fc2.weight"],
-                                   whole["decoder.layers.1.mlp.experts.local_experts.1.linear_fc2.weight"][:, r * I:(r + 1) * I])
+                                   whole["decoder.layers.1.mlp.experts.local_experts.1.linear_fc2.weight"][:, r * j:(r + 1) * j])
                 v = cfg.vocab_size // tp
                 assert torch.equal(part["embedding.word_embeddings.weight"],
                                    whole["embedding.word_embeddings.weight"][r * v:(r + 1) * v])
@@ -204,7 +204,7 @@ def test_forward_parity_with_the_torch_backend_with_and_without_replay(generatio
 
 
 def test_sdpa_core_attention_equals_megatrons_dot_product_attention_without_the_square_scores():
-    """t1async.megatron_model.SdpaAttention against megatron-core's DotProductAttention (the local
+    """t1async.learner.megatron.model.SdpaAttention against megatron-core's DotProductAttention (the local
     spec's) on the same query, keys and values, 4 heads in 2 query groups, 96 positions: the same
     context (to 1e-5) and the same gradients of query, keys and values (to 1e-5 of their largest
     element); autograd keeps no
@@ -212,7 +212,7 @@ def test_sdpa_core_attention_equals_megatrons_dot_product_attention_without_the_
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
-    from t1async.megatron_model import SdpaAttention
+    from t1async.learner.megatron.model import SdpaAttention
 
     megatron_backend.init_megatron(torch.device("cpu"))
     tc = megatron_backend.transformer_config(MODEL, replay=False, dtype=torch.float32, device=torch.device("cpu"))
@@ -554,7 +554,8 @@ def test_multi_rank_data_parallel_split_of_varied_lengths_matches_the_torch_back
     assert_same_metrics(mt, mm)
     assert mm["routing_diff_frac"] == mt["routing_diff_frac"] == 0 and mm["phase"] == "rl" and mm["kl_ref"] > 0
     rel, moved = weight_gap(wt, wm, before)
-    print(f"TP={tp} EP={ep} PP={pp} split, micro_batch_tokens={mbt}: params after one step, max over tensors of |torch - megatron| / "
+    print(f"TP={tp} EP={ep} PP={pp} split, micro_batch_tokens={mbt}: params after one step, "
+          "max over tensors of |torch - megatron| / "
           f"|torch| = {rel:.2e}; smallest relative move {moved:.2e}; grad_norm torch {mt['grad_norm']:.6g} "
           f"megatron {mm['grad_norm']:.6g}; forwards per rank {counts}")
     assert rel < 1e-5 and moved > 1e-3
@@ -651,7 +652,7 @@ def test_a_killed_follower_rank_fails_the_next_call_naming_it(local_ray):
     seconds (not after the timeout), and every later call raises it again."""
     import time
 
-    from t1async.megatron_ranks import RankFailed
+    from t1async.learner.megatron.ranks import RankFailed
 
     torch.manual_seed(0)
     mb = MegatronBackend(LearnerConfig(megatron=_ep(2)), MODEL, GenerationConfig())
@@ -680,7 +681,7 @@ def test_a_follower_killed_by_signal_fails_the_collective_naming_it(local_ray):
     import signal
     import time
 
-    from t1async.megatron_ranks import RankFailed
+    from t1async.learner.megatron.ranks import RankFailed
 
     torch.manual_seed(0)
     mb = MegatronBackend(LearnerConfig(megatron=_ep(2)), MODEL, GenerationConfig())
@@ -707,7 +708,7 @@ def test_a_stuck_follower_rank_times_out_instead_of_hanging(local_ray):
     import signal
     import time
 
-    from t1async.megatron_ranks import RankFailed
+    from t1async.learner.megatron.ranks import RankFailed
 
     torch.manual_seed(0)
     mb = MegatronBackend(LearnerConfig(megatron=dataclasses.replace(_ep(2), timeout_s=3.0)), MODEL, GenerationConfig())
@@ -743,7 +744,7 @@ def test_megatron_long_sequences_recompute_layers_and_chunk_the_lm_head_exactly(
     """``learner.max_tokens_per_chunk=8`` on 39-position sequences, at temperature 0.7 and top-p 0.9,
     on one process, tensor_parallel=2 and expert_parallel=2 x pipeline_parallel=2: the megatron
     backend runs its LM head and log-probs a chunk at a time and recomputes every decoder layer in
-    the backward (t1async/megatron_model.py ``LayerRecompute``), the sampler's experts replayed
+    the backward (t1async/learner/megatron/model.py ``LayerRecompute``), the sampler's experts replayed
     there. Against chunk 0 (one pass, every activation kept): the same log-probs and outside flags,
     the same routing when the router's own choice is RECORDed, and the same gradients of every
     weight of rank 0's policy and critic; autograd saved under a third of the bytes in the policy's

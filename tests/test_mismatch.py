@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from t1async.cli import main
+from t1async.commands.mismatch import MODES, measure
 from t1async.config import ConfigError, load_config
-from t1async.mismatch import MODES, measure
-from t1async.model import Qwen3MoeForCausalLM
+from t1async.models.model import Qwen3MoeForCausalLM
 
 CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "mismatch.yaml")
 TINY = ["model.num_hidden_layers=4", "model.hidden_size=32", "model.num_attention_heads=2", "model.num_key_value_heads=1",
@@ -49,7 +49,7 @@ def test_pretraining_specialises_and_checkpoints(tmp_path):
     cfg = load_config(CONFIG, [*TINY, "mismatch.pretrain_steps=25", "mismatch.pretrain_seq_len=64",
                                "mismatch.pretrain_batch=4", f"mismatch.save_checkpoint={ck}", "mismatch.episodes=1",
                                "env.max_turns=1"])
-    from t1async.mismatch import build_policy
+    from t1async.commands.mismatch import build_policy
 
     policy, stats = build_policy(cfg)
     assert stats["loss_last"] < stats["loss_first"] and stats["corpus_tokens"] > 10_000

@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from modal_fake import FakeApp, FakeModal, FakeSandbox
+
 from t1async.envs import modal_sandbox
 from t1async.envs.modal_sandbox import CONNECT_TIMEOUT_S, ModalSandbox, check_modal_available
 from t1async.envs.protocol import SandboxLimits, SandboxSpec, SandboxUnavailable

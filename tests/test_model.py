@@ -10,8 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from t1async.config import ModelConfig
-from t1async.model import (KVCache, Qwen3MoeForCausalLM, model_config_from_hf,
-                           model_config_to_hf)
+from t1async.models.model import KVCache, Qwen3MoeForCausalLM, model_config_from_hf, model_config_to_hf
 
 CFG = ModelConfig(vocab_size=512, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,

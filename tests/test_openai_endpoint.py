@@ -17,11 +17,11 @@ import openai
 import pytest
 
 from t1async.actors.rollout import RolloutActor
-from t1async.actors.agent_rollout import HISTORY_BREAK, HistoryBreak, run_agent_episode, segment_builder
 from t1async.config import EnvConfig, GenerationConfig, ModelConfig, RolloutConfig, TransportConfig
-from t1async.openai_endpoint import OpenAIEndpoint, SessionLimits, render_messages
-from t1async.sampler_client import HttpSampler
-from t1async.tokenizer import ChatTokenizer
+from t1async.models.tokenizer import ChatTokenizer
+from t1async.rollout.agent import HISTORY_BREAK, HistoryBreak, run_agent_episode, segment_builder
+from t1async.rollout.openai_endpoint import OpenAIEndpoint, SessionLimits, render_messages
+from t1async.sampling.sampler_client import HttpSampler
 from t1async.trajectory import TOOL_CALL_ERRORS, decode, encode
 from tests.test_rollout import serve_random_policy
 from tests.test_tito import E, FakeEnv, ScriptedSampler

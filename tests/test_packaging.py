@@ -9,11 +9,11 @@ import os
 import re
 import subprocess
 import sys
-import tomllib
 import zipfile
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
@@ -56,7 +56,7 @@ def test_plot_without_matplotlib_is_one_line_naming_the_extra(tmp_path):
 def test_the_endpoint_without_fastapi_names_the_extra():
     out = run_python("import sys; sys.modules['fastapi'] = None\n"
                      "from t1async import MissingExtra\n"
-                     "try:\n    import t1async.openai_endpoint\nexcept MissingExtra as e:\n    print(e)")
+                     "try:\n    import t1async.rollout.openai_endpoint\nexcept MissingExtra as e:\n    print(e)")
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == ("the OpenAI-compatible endpoint (rollout.agent=external) needs fastapi, which is "
                                   "not installed: pip install 't1async[endpoint]'")
@@ -98,7 +98,7 @@ def test_the_wheel_holds_every_package_the_tasks_and_the_tokenizer(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(site)}
     code = ("import t1async, t1async.actors.learner, t1async.envs.loading\n"
             "from t1async.actors.rollout import tasks_dir\nfrom t1async.config import EnvConfig\n"
-            "from t1async.envs.loading import discover_tasks\nfrom t1async.tokenizer import ChatTokenizer\n"
+            "from t1async.envs.loading import discover_tasks\nfrom t1async.models.tokenizer import ChatTokenizer\n"
             "print(t1async.__file__); print(len(discover_tasks(tasks_dir(EnvConfig()), []))); ChatTokenizer.load()")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env,
                          timeout=300)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
 
-from t1async.rl import gae, group_baselines, policy_loss, token_logprobs, value_loss
+from t1async.learner.rl import gae, group_baselines, policy_loss, value_loss
+from t1async.models.logprobs import token_logprobs
 
 
 def test_gae_matches_direct_definition():
@@ -116,3 +119,48 @@ def test_group_baselines_leave_one_out_within_the_batch_and_the_window():
         group_baselines(["a"], [1.0], {}, step=1, window_steps=-1)
     with pytest.raises(ValueError, match="2 task names for 1 rewards"):
         group_baselines(["a", "b"], [1.0], {}, step=1, window_steps=0)
+
+
+def test_grpo_divides_by_the_groups_sample_std_and_leaves_lone_episodes_to_the_critic():
+    """``learner.advantage: grpo`` (t1async/learner/advantages.py): (R - mean(G)) / (std(G) + 1e-4)
+    over the episode and its peers (this batch and the window), std with n - 1."""
+    from t1async.learner.advantages import GRPO_EPS, group_normalized
+
+    tasks, rewards = ["a", "a", "a", "b"], [3.0, 1.0, 2.0, 5.0]
+    est = group_normalized(tasks, rewards, {"b": [(4, 1.0), (1, 9.0)]}, step=5, window_steps=2)
+    assert est[3] == (3.0, math.sqrt(8.0) + GRPO_EPS)  # "b" and its peer one step back; step 1 is out of the window
+    for i in range(3):
+        base, scale = est[i]
+        assert base == 2.0 and scale == 1.0 + GRPO_EPS
+    advantages = [(r - b) / s for r, (b, s) in zip(rewards, est)]
+    assert advantages[:3] == pytest.approx([1 / (1 + GRPO_EPS), -1 / (1 + GRPO_EPS), 0.0])
+    assert group_normalized(["a", "b"], [1.0, 2.0], {}, 0, 0) == [None, None]  # no peer: the critic's GAE
+    assert group_normalized(["a", "a"], [2.0, 2.0], {}, 0, 0) == [(2.0, GRPO_EPS)] * 2  # alike: advantage 0
+    with pytest.raises(ValueError):
+        group_normalized(["a"], [1.0, 2.0], {}, 0, 0)
+    with pytest.raises(ValueError):
+        group_normalized(["a"], [1.0], {}, 0, -1)
+
+
+def test_leave_one_out_is_group_baselines_with_scale_one():
+    from t1async.learner.advantages import leave_one_out
+
+    tasks, rewards, history = ["a", "a", "b"], [2.0, 0.0, 1.0], {"a": [(1, 4.0)]}
+    assert leave_one_out(tasks, rewards, history, 2, 1) == [
+        None if b is None else (b, 1.0) for b in group_baselines(tasks, rewards, history, 2, 1)]
+
+
+def test_every_registered_estimator_and_loss_is_a_config_value_and_back():
+    from t1async.config import ADVANTAGE_NAMES, POLICY_LOSS_NAMES, ConfigError, load_config
+    from t1async.learner.advantages import ADVANTAGES
+    from t1async.learner.losses import POLICY_LOSSES
+
+    assert set(ADVANTAGES) == set(ADVANTAGE_NAMES) and set(POLICY_LOSSES) == set(POLICY_LOSS_NAMES)
+    for name in ADVANTAGES:
+        assert load_config(None, [f"learner.advantage={name}"]).learner.advantage == name
+    for name in POLICY_LOSSES:
+        assert load_config(None, [f"learner.policy_loss={name}"]).learner.policy_loss == name
+    with pytest.raises(ConfigError, match="learner.advantage"):
+        load_config(None, ["learner.advantage=nope"])
+    with pytest.raises(ConfigError, match="learner.policy_loss"):
+        load_config(None, ["learner.policy_loss=nope"])

@@ -16,19 +16,27 @@ import numpy as np
 import pytest
 import torch
 
-from t1async.actors.rollout import CUT_NOTE, RolloutActor, tasks_dir, run_episode
+from t1async.actors.rollout import RolloutActor, tasks_dir
 from t1async.actors.sampler import EmbeddedSampler
 from t1async.config import EnvConfig, GenerationConfig, ModelConfig, SamplerConfig, TransportConfig
-from t1async.envs.protocol import CommandResult
 from t1async.envs.loading import discover_tasks
+from t1async.envs.protocol import CommandResult
 from t1async.envs.terminal import TerminalEnv
-from t1async.model import Qwen3MoeForCausalLM
-from t1async.sampler_client import HttpSampler, SamplerResponse
-from t1async.tokenizer import ChatTokenizer
-from t1async.trajectory import (TURN_ABORTED, TURN_COMMAND_TIMEOUT, TURN_CUT_NOT_RUN, TURN_LENGTH_CUT,
-                                TURN_SANDBOX_REFUSED, decode, encode)
-from t1async.transport import ZmqReceiver
-from t1async.weight_sync import DistributedWeightSync
+from t1async.models.model import Qwen3MoeForCausalLM
+from t1async.models.tokenizer import ChatTokenizer
+from t1async.rollout.episode import CUT_NOTE, run_episode
+from t1async.sampling.sampler_client import HttpSampler, SamplerResponse
+from t1async.trajectory import (
+    TURN_ABORTED,
+    TURN_COMMAND_TIMEOUT,
+    TURN_CUT_NOT_RUN,
+    TURN_LENGTH_CUT,
+    TURN_SANDBOX_REFUSED,
+    decode,
+    encode,
+)
+from t1async.transport.transport import ZmqReceiver
+from t1async.weights.distributed import DistributedWeightSync
 
 MODEL = ModelConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
                     num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)

@@ -13,10 +13,11 @@ import torch
 from t1async.actors.learner import Learner
 from t1async.actors.sampler import EmbeddedSampler
 from t1async.config import LearnerConfig, ModelConfig, SamplerConfig, TransportConfig, WeightSyncConfig
-from t1async.engine import Engine, SamplingParams
-from t1async.model import Qwen3MoeForCausalLM
-from t1async.rl import k3, routing_differs, token_logprobs
-from t1async.sampler_client import HttpSampler, SamplerError
+from t1async.learner.rl import k3, routing_differs
+from t1async.models.logprobs import token_logprobs
+from t1async.models.model import Qwen3MoeForCausalLM
+from t1async.sampling.engine import Engine, SamplingParams
+from t1async.sampling.sampler_client import HttpSampler, SamplerError
 
 # many experts, top-4, enough layers: default (small) init makes routers near-uniform, so near-ties abound
 CFG = ModelConfig(vocab_size=512, hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,

@@ -13,10 +13,11 @@ import torch
 
 from t1async.actors.sampler import EmbeddedSampler
 from t1async.config import ModelConfig, SamplerConfig
-from t1async.model import Qwen3MoeForCausalLM
-from t1async.sampler_client import HttpSampler, RoutedSampler, SamplerUnavailable
-from t1async.sampler_pool import Backoff
-from t1async.weight_sync import DistributedWeightSync, WeightSyncError
+from t1async.models.model import Qwen3MoeForCausalLM
+from t1async.sampling.sampler_client import HttpSampler, RoutedSampler, SamplerUnavailable
+from t1async.service.sampler_pool import Backoff
+from t1async.weights.distributed import DistributedWeightSync
+from t1async.weights.protocol import WeightSyncError
 
 CFG = ModelConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                   head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
@@ -175,7 +176,7 @@ def test_the_learner_loads_joiners_while_idle_and_publishes_anew_only_when_none_
     from t1async.actors.learner import Learner
     from t1async.config import LearnerConfig, TransportConfig, WeightSyncConfig
     from t1async.trajectory import encode
-    from t1async.transport import ZmqSender
+    from t1async.transport.transport import ZmqSender
     from tests.test_learner import MODEL, FakeController, synthetic
 
     a, b, c = (EmbeddedSampler(MODEL, SamplerConfig(), seed=i) for i in range(3))
@@ -213,8 +214,8 @@ def test_the_learner_loads_joiners_while_idle_and_publishes_anew_only_when_none_
 
 def test_sampler_count_is_live_for_embedded_samplers_only_and_checked(tmp_path):
     from t1async.config import load_config
-    from t1async.control import parse_changes
-    from t1async.service import Service
+    from t1async.service.control import parse_changes
+    from t1async.service.service import Service
 
     assert parse_changes(["sampler.num_samplers=3"]) == {"sampler.num_samplers": 3}
 

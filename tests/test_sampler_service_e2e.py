@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from t1async.control import request
-from t1async.soak import ledger
+from t1async.commands.soak import ledger
+from t1async.service.control import request
 from tests.test_service_e2e import _status, _wait
 
 pytestmark = pytest.mark.slow

@@ -9,10 +9,10 @@ import torch
 
 from t1async.actors.sampler import EmbeddedSampler
 from t1async.config import ModelConfig, SamplerConfig
-from t1async.model import Qwen3MoeForCausalLM
-from t1async.rl import token_logprobs
-from t1async.sampler_client import HttpSampler, SamplerError, post_json
-from t1async.weight_sync import DistributedWeightSync
+from t1async.models.logprobs import token_logprobs
+from t1async.models.model import Qwen3MoeForCausalLM
+from t1async.sampling.sampler_client import HttpSampler, SamplerError, post_json
+from t1async.weights.distributed import DistributedWeightSync
 
 CFG = ModelConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                   head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
@@ -103,8 +103,8 @@ def test_a_packed_policy_publishes_views_not_copies_and_trains_and_saves_unchang
     forward, an optimizer step and a checkpoint round trip are unchanged by the packing."""
     import copy
 
-    from t1async.model import Qwen3MoeForCausalLM
-    from t1async.weight_sync import pack_parameters, plan_buckets
+    from t1async.models.model import Qwen3MoeForCausalLM
+    from t1async.weights.buckets import pack_parameters, plan_buckets
 
     cfg = ModelConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                       head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from t1async.envs import hostfs
-
 from t1async.envs import sandbox as sandbox_module
 from t1async.envs.sandbox import (
     SANDBOXES,
@@ -297,7 +296,8 @@ def test_sandbox_python_is_the_interpreter_whose_packages_were_checked(sb):
     import json
     import subprocess
 
-    probe = "import importlib.metadata as m, json, sys; print(json.dumps([sys.prefix == sys.base_prefix, sorted({d.metadata['Name'].lower() for d in m.distributions()})]))"
+    probe = ("import importlib.metadata as m, json, sys; print(json.dumps([sys.prefix == sys.base_prefix, "
+             "sorted({d.metadata['Name'].lower() for d in m.distributions()})]))")
     result = sb.exec(f"python3 -c {probe!r}")
     in_venv_inside, names = json.loads(result.output)
     assert in_venv_inside == (sys.prefix == sys.base_prefix)

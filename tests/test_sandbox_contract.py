@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 
 import pytest
-
 from container_support import base_image
 from modal_fake import FakeModal
+
 from t1async.envs.container import ContainerSandbox
 from t1async.envs.local import LocalSandbox
 from t1async.envs.modal_sandbox import ModalSandbox, has_modal_credentials

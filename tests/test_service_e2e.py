@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from t1async.control import ControlError, request
-from t1async.reaper import descendants
+from t1async.service.control import ControlError, request
+from t1async.service.reaper import descendants
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -90,7 +90,7 @@ def test_service_lifecycle(tmp_path, capsys):
         a.wait()
         _wait(lambda: (run_dir / "logs" / "reaper.log").exists(), 30, "the reaper")
         time.sleep(1)
-        alive = [p for p in tree if _running(p) and b"t1async.reaper" not in Path(f"/proc/{p}/cmdline").read_bytes()]
+        alive = [p for p in tree if _running(p) and b"t1async.service.reaper" not in Path(f"/proc/{p}/cmdline").read_bytes()]
         assert alive == [] and _mounts_under(run_dir) == [] and not (run_dir / "workspaces").exists()
         assert "earlier run" in _main_error(capsys, ["launch", *CLI[4:], f"run.dir={run_dir}"])
 

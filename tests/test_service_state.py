@@ -18,11 +18,19 @@ import numpy as np
 import pytest
 
 from t1async.config import ConfigError, load_config
-from t1async.control import ControlError, ControlServer, parse_changes, request
-from t1async.delivery import ConsumedLedger, read_consumed, rotate_checkpoints, write_consumed
-from t1async.rundir import (RunDirLock, append_history, check_reuse, history_overrides, is_held, read_service,
-                            resolve_run_dir)
+from t1async.learner.checkpoints import rotate_checkpoints
+from t1async.service.control import ControlError, ControlServer, parse_changes, request
+from t1async.service.rundir import (
+    RunDirLock,
+    append_history,
+    check_reuse,
+    history_overrides,
+    is_held,
+    read_service,
+    resolve_run_dir,
+)
 from t1async.trajectory import new_trajectory_id
+from t1async.transport.delivery import ConsumedLedger, read_consumed, write_consumed
 
 
 # ---- bounded consumed-id ledger -------------------------------------------------------------
@@ -77,7 +85,7 @@ def test_checkpoint_rotation_keeps_the_newest_and_every_nth(tmp_path):
 # ---- the run directory is owned -------------------------------------------------------------
 def test_a_held_run_dir_is_refused_naming_the_holder_and_taken_over_after_its_death(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from pathlib import Path; from t1async.rundir import RunDirLock\n"
+        "import sys, time; from pathlib import Path; from t1async.service.rundir import RunDirLock\n"
         f"lock = RunDirLock(Path({str(tmp_path)!r})); lock.write(control='tcp://x:1'); print('held', flush=True)\n"
         "time.sleep(60)")], stdout=subprocess.PIPE, text=True)
     try:
@@ -186,8 +194,8 @@ def _tb_scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
 
 
 def test_metrics_become_tensorboard_events_and_a_plot(tmp_path):
-    from t1async.plot import plot
-    from t1async.service import MetricsTail, trends
+    from t1async.commands.plot import plot
+    from t1async.service.service import MetricsTail, trends
 
     rows = _metrics_rows(12)
     path = tmp_path / "metrics.jsonl"
@@ -208,9 +216,9 @@ def test_metrics_become_tensorboard_events_and_a_plot(tmp_path):
 
 
 def test_episode_transcripts_are_readable(tmp_path):
-    from t1async.tokenizer import ChatTokenizer
+    from t1async.models.tokenizer import ChatTokenizer
+    from t1async.rollout.transcripts import write_transcripts
     from t1async.trajectory import TURN_COMMAND_TIMEOUT, Trajectory
-    from t1async.transcripts import write_transcripts
 
     tok = ChatTokenizer.load()
     ids = tok.render_prompt("system text", "Count the lines of /app/data.txt")
@@ -239,7 +247,7 @@ def test_episode_transcripts_are_readable(tmp_path):
 
 
 def test_sandboxes_outliving_their_actor_are_found_by_their_workspace_path(tmp_path):
-    from t1async.reaper import kill_sandboxes_under
+    from t1async.service.reaper import kill_sandboxes_under
 
     work = tmp_path / "workspaces"
     # a path in the command line, as bwrap's --bind arguments name it

@@ -9,13 +9,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from t1async.commands.sft import build_demonstrations, demonstration, run_sft
 from t1async.config import load_config
-from t1async.envs.synth import TaskFiles, write_task
 from t1async.envs.loading import load_task
+from t1async.envs.synth import TaskFiles, write_task
 from t1async.envs.terminal import TerminalEnv
-from t1async.model import Qwen3MoeForCausalLM
-from t1async.sft import build_demonstrations, demonstration, run_sft
-from t1async.tokenizer import ChatTokenizer
+from t1async.models.model import Qwen3MoeForCausalLM
+from t1async.models.tokenizer import ChatTokenizer
 
 TINY = ["model.hidden_size=32", "model.num_hidden_layers=2", "model.num_attention_heads=2", "model.num_key_value_heads=1",
         "model.head_dim=16", "model.num_experts=4", "model.num_experts_per_tok=2", "model.moe_intermediate_size=32"]
@@ -99,8 +99,8 @@ def test_cli_refuses_bad_folders_in_one_line(args, message):
 
 
 def test_breakdown_counts_a_task_once_for_pass_at_k_and_groups_synth_families():
+    from t1async.commands.sft import breakdown
     from t1async.envs.evaluate import EvalRow
-    from t1async.sft import breakdown
 
     def row(task, resolved):
         return EvalRow(task=task, passed=int(resolved), total=1, resolved=resolved, seconds=0.1, error=None)

@@ -1,6 +1,6 @@
 """One behaviour suite, two backends: the embedded sampler (actors/sampler.py) and the fake SGLang server
 (tests/sglang_fake.py, built from the pinned release's fixture), both through the real client
-(t1async/sampler_client.py) and the real weight sync (t1async/weight_sync.py), in both of its modes:
+(t1async/sampling/sampler_client.py) and the real weight sync (t1async/weights/), in both of its modes:
 ``distributed`` over a real gloo group, ``tensor`` through named shared memory (the fake's TP workers
 are other processes that open it)."""
 
@@ -11,14 +11,17 @@ import time
 
 import pytest
 import torch
-
 from sglang_fake import FakeSGLangServer
+
 from t1async.actors.sampler import EmbeddedSampler
 from t1async.config import ModelConfig, SamplerConfig
-from t1async.model import Qwen3MoeForCausalLM
-from t1async.sampler_client import HttpSampler, SamplerError, flush_cache, post_json, weight_version
-from t1async.weight_sync import (DistributedWeightSync, TensorWeightSync, WeightSyncError, pack_parameters,
-                                 plan_buckets, serialize_named_tensors)
+from t1async.models.model import Qwen3MoeForCausalLM
+from t1async.sampling.sampler_client import HttpSampler, SamplerError, flush_cache, post_json, weight_version
+from t1async.weights.buckets import pack_parameters, plan_buckets
+from t1async.weights.distributed import DistributedWeightSync
+from t1async.weights.handles import serialize_named_tensors
+from t1async.weights.protocol import WeightSyncError
+from t1async.weights.tensor import TensorWeightSync
 
 CFG = ModelConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                   head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
@@ -268,7 +271,7 @@ TENSOR_BODY = {"serialized_named_tensors", "load_format", "flush_cache", "abort_
 
 def _fresh_generation(state: dict[str, torch.Tensor], prompt: list[int], params: dict):
     """What a fresh engine loaded with ``state`` samples for ``prompt`` (the sampler's engine settings)."""
-    from t1async.engine import Engine, SamplingParams
+    from t1async.sampling.engine import Engine, SamplingParams
 
     model = Qwen3MoeForCausalLM(CFG).eval()
     model.load_state_dict(state, strict=True)

@@ -73,7 +73,7 @@ def test_parser_reads_fields_defaults_and_routes_from_source():
 def test_weight_sync_bodies_use_only_fields_the_pinned_release_defines():
     """Every field t1async sends to an SGLang server is a field of the release's dataclass, and every
     required field is sent (the fake server enforces the same at run time)."""
-    from t1async.weight_sync import sglang_bodies_example
+    from t1async.weights.buckets import sglang_bodies_example
 
     for route, body in sglang_bodies_example().items():
         cls = FIXTURE["routes"][route]["body"]

@@ -8,11 +8,11 @@ import time
 from pathlib import Path
 
 import pytest
-
 from sglang_fake import FakeSGLangServer
+
 from t1async.config import SamplerConfig
-from t1async.sampler_client import post_json, weight_version
-from t1async.sglang_server import SGLangStartError, sglang_command, start_servers, stop_servers
+from t1async.sampling.sampler_client import post_json, weight_version
+from t1async.sampling.sglang_server import SGLangStartError, sglang_command, start_servers, stop_servers
 
 PKG = Path(__file__).resolve().parent / "fake_sglang_pkg"
 

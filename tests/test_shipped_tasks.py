@@ -3,8 +3,8 @@ that does nothing does not. One test per task folder; the folders are validated 
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 import shlex
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest

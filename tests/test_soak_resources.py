@@ -1,4 +1,4 @@
-"""The soak's disk and memory accounting (t1async/soak.py): growth per 10,000 trajectories."""
+"""The soak's disk and memory accounting (t1async/commands/soak.py): growth per 10,000 trajectories."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from t1async.soak import dir_bytes, disk_by_part, growth_per_10k, resources, tree_rss_bytes
+from t1async.commands.soak import dir_bytes, disk_by_part, growth_per_10k, resources, tree_rss_bytes
 
 
 def test_growth_is_the_least_squares_slope_per_10k_trajectories():

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from t1async.spool import Spool, _capacity
 from t1async.trajectory import EncodedTrajectory, Trajectory, decode, encode
+from t1async.transport.spool import Spool, _capacity
 
 
 def _traj(T: int = 300, seed: int = 0) -> Trajectory:

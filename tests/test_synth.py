@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from t1async.envs.loading import load_task
 from t1async.envs.sandbox import SandboxUnavailable, check_sandbox_available
 from t1async.envs.synth import FAMILIES, WORDS, oracle_commands, synthesize
-from t1async.envs.loading import load_task
 from t1async.envs.terminal import TerminalEnv
-from t1async.tokenizer import ChatTokenizer
+from t1async.models.tokenizer import ChatTokenizer
 
 SHIPPED = Path(__file__).resolve().parents[1] / "envs" / "tasks"
 NEW_FAMILIES = ("mkdir-write", "copy-count", "grep-count", "tar-folder")

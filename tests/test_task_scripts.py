@@ -9,11 +9,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from container_support import base_image
+
 from t1async.envs.adapt import CONTAINER_PYTHON, Refusal, VerifierNeeds, adapt_script, invoked_test_files, pytest_command
-from t1async.envs.shell_words import parse_command, split_commands
 from t1async.envs.loading import load_task
+from t1async.envs.shell_words import parse_command, split_commands
 from t1async.envs.terminal import validate_task
 
 OWN_HELPERS = Path(__file__).parent / "fixtures" / "container" / "tb1-own-helpers"
@@ -81,7 +81,8 @@ def test_a_tasks_own_uv_helpers_are_adapted_by_what_they_do():
     assert "true || true" in task.container_test_script  # the pip line, whose packages the layer holds
     # the local flavour: the same scripts, checked against the host's packages instead
     assert task.local_refusal is None
-    assert task.local_helpers["run-uv-pytest.sh"].splitlines()[-1] == f'{pytest_command("python3")} "$TEST_DIR/test_outputs.py" -rA'
+    last = task.local_helpers["run-uv-pytest.sh"].splitlines()[-1]
+    assert last == f'{pytest_command("python3")} "$TEST_DIR/test_outputs.py" -rA'
     assert "uv add" not in task.local_helpers["setup-uv-pytest.sh"]
 
 

@@ -13,16 +13,17 @@ import numpy as np
 import pytest
 import torch
 
-from t1async.actors.rollout import EpisodeBuilder, tasks_dir, run_episode, template_renders_differently
+from t1async.actors.rollout import tasks_dir
 from t1async.actors.sampler import EmbeddedSampler
+from t1async.commands.mismatch import _byte_groups, exact_view, naive_view, token_bytes
 from t1async.config import EnvConfig, GenerationConfig, ModelConfig, SamplerConfig
-from t1async.envs.protocol import CommandResult
 from t1async.envs.loading import discover_tasks
+from t1async.envs.protocol import CommandResult
 from t1async.envs.terminal import TerminalEnv
-from t1async.mismatch import _byte_groups, exact_view, naive_view, token_bytes
-from t1async.model import Qwen3MoeForCausalLM
-from t1async.sampler_client import SamplerResponse
-from t1async.tokenizer import ChatTokenizer
+from t1async.models.model import Qwen3MoeForCausalLM
+from t1async.models.tokenizer import ChatTokenizer
+from t1async.rollout.episode import EpisodeBuilder, run_episode, template_renders_differently
+from t1async.sampling.sampler_client import SamplerResponse
 
 TOK = ChatTokenizer.load()
 L, K, E = 2, 2, 8
@@ -151,7 +152,7 @@ def real_trajectory(tmp_path_factory):
     s = EmbeddedSampler(MODEL, SamplerConfig(dtype="bfloat16"), seed=0)
     torch.manual_seed(0)
     s.load_weights(Qwen3MoeForCausalLM(MODEL).state_dict(), 0)
-    from t1async.sampler_client import HttpSampler
+    from t1async.sampling.sampler_client import HttpSampler
 
     task = discover_tasks(tasks_dir(EnvConfig()), ["create-hello-file"])[0]
     env = TerminalEnv(task, root=tmp_path_factory.mktemp("ep"), command_timeout_s=5)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from t1async.tokenizer import SPECIAL_TOKENS, ChatTokenizer
+from t1async.models.tokenizer import SPECIAL_TOKENS, ChatTokenizer
 
 ASSET = Path(__file__).resolve().parents[1] / "t1async" / "assets" / "tokenizer.json"
 

@@ -10,11 +10,11 @@ import json
 
 import pytest
 
-from t1async.abnormal import tool_call_counts, turn_counts
-from t1async.actions import BASH_TOOL, action_turn_ids, parse_action, prompt_ids
-from t1async.actors.rollout import run_episode
 from t1async.config import ConfigError, EnvConfig, GenerationConfig, load_config
-from t1async.tokenizer import BASE_VOCAB_SIZE, TOOL_TOKENS, ChatTokenizer, check_model_vocab
+from t1async.learner.abnormal import tool_call_counts, turn_counts
+from t1async.models.tokenizer import BASE_VOCAB_SIZE, TOOL_TOKENS, ChatTokenizer, check_model_vocab
+from t1async.rollout.actions import BASH_TOOL, action_turn_ids, parse_action, prompt_ids
+from t1async.rollout.episode import run_episode
 from t1async.trajectory import TOOL_CALL_ERRORS, decode, encode
 from tests.test_tito import MODEL, FakeEnv, ScriptedSampler
 
@@ -115,9 +115,9 @@ def test_demonstration_turns_use_the_tool_format():
 
 
 def test_sft_demonstration_in_the_tool_call_format_is_the_rollout_stream(tmp_path):
+    from t1async.commands.sft import demonstration
     from t1async.envs.loading import load_task
     from t1async.envs.terminal import TerminalEnv
-    from t1async.sft import demonstration
     from tests.test_sft import note_task
 
     task = load_task(note_task(tmp_path / "tasks", "note"))

@@ -11,8 +11,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from t1async.trajectory import (ALIGN, MAGIC, SCHEMA_VERSION, TURN_CUT_NOT_RUN, TURN_STATUS, Trajectory,
-                                TrajectoryError, decode, encode, experts_dtype, routed_experts_from_sglang)
+from t1async.trajectory import (
+    ALIGN,
+    MAGIC,
+    SCHEMA_VERSION,
+    TURN_CUT_NOT_RUN,
+    TURN_STATUS,
+    Trajectory,
+    TrajectoryError,
+    decode,
+    encode,
+    experts_dtype,
+    routed_experts_from_sglang,
+)
 
 ARRAYS = ("token_ids", "loss_mask", "logprobs", "versions", "turn_offsets", "turn_status", "routed_experts")
 SCALARS = ("trajectory_id", "task", "actor_id", "num_experts", "reward", "passed", "total", "resolved", "finish_reason",

@@ -17,9 +17,9 @@ import pytest
 import zmq
 
 from t1async.cli import main as cli_main
-from t1async.delivery import ByteQueue, ReceiveLog
-from t1async.keys import client_keys, server_keys, write_keys
-from t1async.transport import TransportError, ZmqReceiver, ZmqSender
+from t1async.transport.delivery import ByteQueue, ReceiveLog
+from t1async.transport.keys import client_keys, server_keys, write_keys
+from t1async.transport.transport import TransportError, ZmqReceiver, ZmqSender
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -90,7 +90,7 @@ def test_ack_removes_from_spool_and_reconnect_resends_what_was_unacknowledged(tm
 
 ACTOR = textwrap.dedent("""
     import sys, time
-    from t1async.transport import ZmqSender
+    from t1async.transport.transport import ZmqSender
     tx = ZmqSender(sys.argv[1], spool_dir=sys.argv[2])
     for i in range(4):
         tx.send(f"dead-{i}", b"x" * 1000 + bytes([i]))
@@ -227,7 +227,7 @@ def test_multinode_example_config_turns_curve_on():
 
 
 def test_ipc_endpoint_carries_trajectories(tmp_path):
-    from t1async.transport import make_endpoint
+    from t1async.transport.transport import make_endpoint
 
     rx = AckingReceiver(make_endpoint("ipc", "", 0))
     tx = ZmqSender(rx.endpoint, spool_dir=str(tmp_path / "spool"))

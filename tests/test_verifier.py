@@ -90,7 +90,8 @@ def test_zero_tests_never_resolve():
 
 
 def test_collection_error_counts_as_a_failed_test():
-    text = "==== short test summary info ====\nERROR ../tests/test_outputs.py - ModuleNotFoundError: No module named 'x'\n!!!! Interrupted !!!!\n"
+    text = ("==== short test summary info ====\nERROR ../tests/test_outputs.py - ModuleNotFoundError: No module named 'x'\n"
+            "!!!! Interrupted !!!!\n")
     [test] = parse_pytest_summary(text)
     assert (test.name, test.outcome, test.passed) == ("../tests/test_outputs.py", "ERROR", False)
 

@@ -11,7 +11,10 @@ import torch
 from t1async.actors.learner import Learner
 from t1async.actors.sampler import EmbeddedSampler
 from t1async.config import ConfigError, LearnerConfig, ModelConfig, SamplerConfig, TransportConfig, WeightSyncConfig, load_config
-from t1async.weight_sync import DistributedWeightSync, TensorWeightSync, WeightSyncError, make_weight_sync
+from t1async.weights.distributed import DistributedWeightSync
+from t1async.weights.factory import make_weight_sync
+from t1async.weights.protocol import WeightSyncError
+from t1async.weights.tensor import TensorWeightSync
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = ModelConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
@@ -59,7 +62,7 @@ def test_learner_in_tensor_mode_publishes_its_packed_policy_to_an_embedded_sampl
 
 
 def test_launch_refuses_tensor_mode_with_samplers_on_another_host():
-    from t1async.launch import check_weight_sync_hosts
+    from t1async.service.launch import check_weight_sync_hosts
 
     remote = ["weight_sync.mode=tensor", "sampler.backend=sglang", "sampler.urls=[http://192.0.2.7:30000]"]
     with pytest.raises(ConfigError) as e:
@@ -79,8 +82,8 @@ def test_tensor_mode_on_cpu_refuses_before_pausing_when_shared_memory_is_too_sma
     the sampler keeps serving what it had (writing past the limit would kill the learner: SIGBUS)."""
     import os
 
-    from t1async.model import Qwen3MoeForCausalLM
-    from t1async.sampler_client import weight_version
+    from t1async.models.model import Qwen3MoeForCausalLM
+    from t1async.sampling.sampler_client import weight_version
 
     torch.manual_seed(0)
     model = Qwen3MoeForCausalLM(MODEL).eval()

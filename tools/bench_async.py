@@ -22,7 +22,8 @@ Per run, from RUN_DIR/metrics.jsonl, summary.json and the rollout logs: ``wall_s
 learner's start to its last step; ``launch_s`` is the whole command), ``speedup`` (sync's
 ``wall_s`` / this run's), ``trajectories_per_s`` (trained), ``episodes_per_s`` (finished by the
 last step, trained or not: an async run ends with a backlog of up to (bound + 1) x batch),
-``learner_idle_frac`` (time waiting for a batch / wall), ``sampler_idle_frac`` (1 - generation time / wall), the staleness histogram of the
+``learner_idle_frac`` (time waiting for a batch / wall), ``sampler_idle_frac`` (1 - generation time / wall),
+the staleness histogram of the
 trajectories trained, dropped-stale count, ``final_reward`` (mean reward of the last
 ``--final-steps`` steps) and ``reward_mean`` (all steps), and ``time`` (where the time goes:
 learner training/publishing/waiting seconds; actor-seconds spent in episodes, of which in the

@@ -9,7 +9,7 @@ times ``--pipeline-parallel`` ranks (rank 0 here, the others Ray actors on this 
 same seeded init on the same batch. One backend at a time (a process holds one torch.distributed world), so a load change on a
 shared machine between the two phases moves one and not the other: compare medians of several runs.
 
-Each rank forwards ceil(B/N) of the batch's B rows (t1async/megatron_backend.py: a data-parallel
+Each rank forwards ceil(B/N) of the batch's B rows (t1async/learner/megatron/backend.py: a data-parallel
 split inside the expert-parallel group; ``forwarded_rows_per_rank`` shows it) and holds 1/N of the
 experts (``parameters_rank0``); on top come the dispatcher's all-gather and reduce-scatter, the
 announcements, the output gathers and the shared-gradient all-reduce. ``--batch`` should be at
@@ -47,7 +47,7 @@ def time_backend(ranks: int, args: argparse.Namespace, device: torch.device, ten
                  pipeline_parallel: int = 1) -> dict:
     """Build the megatron backend with ``ranks`` expert-parallel ranks times ``tensor_parallel``
     times ``pipeline_parallel``, time its steps, close it."""
-    from t1async.megatron_backend import MegatronBackend
+    from t1async.learner.megatron.backend import MegatronBackend
 
     model = MODELS[args.model]
     cfg = LearnerConfig(lr=1e-5, critic_lr=1e-5)

@@ -10,7 +10,7 @@ Prints ONE JSON object. Per actor count N (``--actors 16,128,512``), three kinds
   thread takes each trajectory off that queue at once (an infinitely fast trainer), so what is
   measured is the receive path alone. It samples its own CPU time, RSS and counters every 0.1 s.
 - actors (``--procs`` subprocesses, N/procs logical actors each): every logical actor is a real
-  :class:`~t1async.transport.ZmqSender` (its own DEALER socket and ZeroMQ identity, its own
+  :class:`~t1async.transport.transport.ZmqSender` (its own DEALER socket and ZeroMQ identity, its own
   I/O thread, its own spool folder under one shared spool root, the default window and
   ``ack_timeout_s``), sending real frames (:class:`~t1async.trajectory.EncodedTrajectory`,
   ``--tokens`` tokens, 100 turns, routed experts [T-1, layers, top_k] of ``--shape``) under ids of its own stream
@@ -95,7 +95,7 @@ def learner_main(spec: dict[str, Any]) -> None:
         moe_intermediate_size=16)
     learner = Learner(LearnerConfig(max_steps=0, episodes_per_step=0), model, transport, WeightSyncConfig(),
                       spec["run_dir"])
-    queue = learner._queue  # noqa: SLF001  (the bench consumes in place of the trainer)
+    queue = learner.inbox.queue  # noqa: SLF001  (the bench consumes in place of the trainer)
     consumed: list[str] = []
     stop = threading.Event()
 
@@ -111,7 +111,7 @@ def learner_main(spec: dict[str, Any]) -> None:
     def sample() -> None:
         while not stop.is_set():
             samples.append([time.time(), learner.counters["received"], _cpu_s(os.getpid()), _rss_kb() / 1024,
-                            learner._queue.nbytes])  # noqa: SLF001
+                            learner.inbox.queue.nbytes])  # noqa: SLF001
             time.sleep(0.1)
 
     threads = [threading.Thread(target=consume, daemon=True), threading.Thread(target=sample, daemon=True)]
@@ -125,7 +125,7 @@ def learner_main(spec: dict[str, Any]) -> None:
     for t in threads:
         t.join()
     out = {"consumed": consumed, "counters": dict(learner.counters), "samples": samples, "rss_baseline_mb": baseline_mb,
-           "rss_peak_mb": _rss_kb("VmHWM") / 1024, "queue_messages": learner._queue.max_items}  # noqa: SLF001
+           "rss_peak_mb": _rss_kb("VmHWM") / 1024, "queue_messages": learner.inbox.queue.max_items}  # noqa: SLF001
     learner.close()
     Path(spec["out"]).write_text(json.dumps(out))
 
@@ -138,7 +138,7 @@ def actors_main(spec: dict[str, Any]) -> None:
     import zmq
 
     from t1async.trajectory import EncodedTrajectory
-    from t1async.transport import ZmqSender
+    from t1async.transport.transport import ZmqSender
 
     zmq.Context.instance().set(zmq.MAX_SOCKETS, 8 * spec["actors"] + 64)  # 3 sockets per sender
     traj = make(spec["tokens"], *spec["shape"], seed=os.getpid())

@@ -1,11 +1,11 @@
 """``t1async bench learner``: training tokens/s of the learner backends, side by side, on one model and batch.
 
-Prints ONE JSON object. Each backend (``torch``, ``megatron``; t1async/backend.py) is built from
+Prints ONE JSON object. Each backend (``torch``, ``megatron``; t1async/learner/backend.py) is built from
 the same seeded init and runs the same RL step as the learner does per micro-batch
 (actors/learner.py ``_train_step``), through the backend interface only:
 
     old values (critic, no grad) -> policy log-probs with routing replay (grad) -> critic values
-    (grad) -> decoupled-PPO policy loss + clipped value loss (t1async/rl.py) -> backward ->
+    (grad) -> decoupled-PPO policy loss + clipped value loss (t1async/learner/rl.py) -> backward ->
     clip + AdamW step of both models
 
 on ``--batch`` sequences of ``--seq`` random tokens with random routed experts (K distinct per
@@ -43,10 +43,10 @@ import time
 
 import torch
 
-from t1async.backend import LearnerBackend
 from t1async.cli import OneLineErrors, at_least_one, at_least_zero
 from t1async.config import GenerationConfig, LearnerConfig, ModelConfig
-from t1async.rl import policy_loss, value_loss
+from t1async.learner.backend import LearnerBackend
+from t1async.learner.rl import policy_loss, value_loss
 
 MODELS = {
     "local": ModelConfig(),
@@ -59,13 +59,13 @@ H200_BF16_DENSE_TFLOPS = 989.4
 
 def make_backend(name: str, cfg: LearnerConfig, model: ModelConfig, device: torch.device,
                  dtype: torch.dtype, seed: int = 0) -> LearnerBackend:
-    """Backend ``name`` on ``device`` in ``dtype``, from t1async/model.py's init with ``seed``."""
+    """Backend ``name`` on ``device`` in ``dtype``, from t1async/models/model.py's init with ``seed``."""
     torch.manual_seed(seed)
     if name == "torch":
-        from t1async.torch_backend import TorchBackend
+        from t1async.learner.torch_backend import TorchBackend
 
         return TorchBackend(cfg, model, GenerationConfig(), device=device, dtype=dtype)
-    from t1async.megatron_backend import MegatronBackend
+    from t1async.learner.megatron.backend import MegatronBackend
 
     return MegatronBackend(cfg, model, GenerationConfig(), device=device, dtype=dtype)
 

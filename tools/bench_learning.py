@@ -18,7 +18,8 @@ One command, in this order (everything through the product's own commands and co
    ``--eval-samples`` episodes per held-out task at the training temperature.
 4. **RL**: ``t1async launch configs/learning.yaml`` from that checkpoint on the training tasks
    that were not demonstrations, of the families with held-out instances (``--rl-families
-   measured``; ``all``: every family), for ``--minutes`` of wall clock (then SIGTERM: the learner finishes its step and writes a final
+   measured``; ``all``: every family), for ``--minutes`` of wall clock (then SIGTERM: the learner finishes
+   its step and writes a final
    checkpoint), once per reward (``learner.reward=dense``: tests passed, the reference's choice;
    ``binary``: 1 if resolved else 0), same seed and budget. The policy is snapshotted every
    ``--eval-every`` minutes (the latest checkpoint's weights).
@@ -122,7 +123,7 @@ def fitting_families(cfg: Config) -> list[str]:
     import random
 
     from t1async.envs.synth import FAMILIES, TIMING_FAMILIES, oracle_commands
-    from t1async.tokenizer import ChatTokenizer
+    from t1async.models.tokenizer import ChatTokenizer
 
     tok = ChatTokenizer.load()
     out = []
@@ -169,9 +170,9 @@ def make_split(root: Path, families: list[str], n_train: int, n_heldout: int, n_
     tasks) gets fewer or none, and is reported. ``t1async decontam``'s n-gram report is included as
     measured: instances of one family share its instruction templates and command shapes.
     """
+    from t1async.commands.sft import synth_family
     from t1async.envs.decontam import decontaminate
     from t1async.envs.synth import synthesize
-    from t1async.sft import synth_family
 
     train, heldout, sft, pool = root / "train", root / "heldout", root / "sft", root / "pool"
     rl = root / "rl"
@@ -265,7 +266,7 @@ def rl_run(run_dir: Path, ckpt: Path, tasks: Path, seed: int, reward: str, minut
 def _snapshot(run_dir: Path, snaps_dir: Path, minutes: float, keep_all: bool = False) -> str | None:
     """Copy the latest checkpoint's policy (config.json + model.safetensors) to ``snaps_dir``;
     remove older checkpoint folders (the bench needs only the snapshots) unless ``keep_all``."""
-    from t1async.delivery import latest_checkpoint
+    from t1async.learner.checkpoints import latest_checkpoint
 
     latest = latest_checkpoint(run_dir / "checkpoints")
     if latest is None:
@@ -320,7 +321,7 @@ def _smoothed_reward(rows: list[dict[str, Any]], t0: float | None) -> list[list[
 
 
 def main(argv: list[str] | None = None) -> int:
-    from t1async.sft import evaluate_policy, run_sft
+    from t1async.commands.sft import evaluate_policy, run_sft
 
     args = parse_args(argv)
     cfg = load_config(args.config, args.overrides)

@@ -3,11 +3,11 @@
 Prints ONE JSON object. One process holds every part, each the real one, except the learner's
 steps, each run in a fresh child process (an honest peak RSS):
 
-- the sampler: an :class:`~t1async.actors.sampler.EmbeddedSampler` (t1async/engine.py behind
+- the sampler: an :class:`~t1async.actors.sampler.EmbeddedSampler` (t1async/sampling/engine.py behind
   its SGLang-shaped HTTP server, prefix cache on, ``sampler.prefix_cache`` default) reached
-  through :class:`~t1async.sampler_client.HttpSampler`, as a rollout actor reaches it, holding
+  through :class:`~t1async.sampling.sampler_client.HttpSampler`, as a rollout actor reaches it, holding
   the learner's initial weights as version 0;
-- the episode loop: :func:`t1async.actors.rollout.run_episode` itself, on a shipped task in the
+- the episode loop: :func:`t1async.rollout.episode.run_episode` itself, on a shipped task in the
   local (bubblewrap) sandbox, ``--turns`` turns;
 - the agent is scripted: each turn's tokens are sampled by the engine (``--max-new-tokens``,
   temperature 1; recorded exactly, TITO), and the shell runs the next command of ``--commands``
@@ -68,17 +68,25 @@ import torch
 from loguru import logger
 
 from t1async.actors.learner import Learner
-from t1async.actors.rollout import run_episode, tasks_dir
+from t1async.actors.rollout import tasks_dir
 from t1async.actors.sampler import EmbeddedSampler
-from t1async.backend import BACKENDS
 from t1async.cli import OneLineErrors, at_least_one, at_least_zero
-from t1async.config import (EnvConfig, GenerationConfig, LearnerConfig, ModelConfig, SamplerConfig, TransportConfig,
-                            WeightSyncConfig)
-from t1async.engine import Engine
+from t1async.config import (
+    EnvConfig,
+    GenerationConfig,
+    LearnerConfig,
+    ModelConfig,
+    SamplerConfig,
+    TransportConfig,
+    WeightSyncConfig,
+)
 from t1async.envs.loading import discover_tasks
 from t1async.envs.terminal import TerminalEnv
-from t1async.sampler_client import HttpSampler
-from t1async.tokenizer import ChatTokenizer
+from t1async.learner.backend import BACKENDS
+from t1async.models.tokenizer import ChatTokenizer
+from t1async.rollout.episode import run_episode
+from t1async.sampling.engine import Engine
+from t1async.sampling.sampler_client import HttpSampler
 from t1async.trajectory import Trajectory, decode, encode, validate
 
 COMMANDS = "echo turn {i};ls -la /app;pwd;echo {i} >> /app/log.txt;wc -l /app/log.txt;date +%s"
@@ -162,7 +170,7 @@ class TimedSampler:
                "prompt_tokens": len(input_ids), "prefilled_tokens": len(input_ids) - (self.engine.cached_tokens - cached0),
                "sampled_tokens": len(r.output_ids)}
         if row["turn"] in self.marks:
-            from t1async.engine import SamplingParams
+            from t1async.sampling.engine import SamplingParams
 
             t1 = time.perf_counter()
             self.no_cache.generate(list(input_ids), SamplingParams(**sampling_params))
@@ -252,7 +260,8 @@ def learner_step(traj: Trajectory, chunk: int, threads: int, max_context: int, w
 def _learner(model_cfg: ModelConfig, run_dir: str, threads: int, backend: str = "torch") -> Learner:
     """The bench's learner: seed 0, batch of one, ``learner.backend = backend``, default learner
     settings otherwise."""
-    return Learner(LearnerConfig(batch_size=1, episodes_per_step=0, backend=backend), model_cfg, TransportConfig(), WeightSyncConfig(),
+    return Learner(LearnerConfig(batch_size=1, episodes_per_step=0, backend=backend), model_cfg, TransportConfig(),
+                   WeightSyncConfig(),
                    run_dir, generation=GenerationConfig(), seed=0, torch_threads=threads)
 
 

@@ -22,22 +22,20 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
-
-import numpy as np
-import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_learner import MODELS  # noqa: E402  (the same model sizes as t1async bench learner)
 
 from t1async.cli import OneLineErrors, at_least_one, at_least_zero  # noqa: E402
-from t1async.config import (GenerationConfig, LearnerConfig, ModelConfig, TransportConfig,  # noqa: E402
-                            WeightSyncConfig)
-from t1async.rl import micro_batches  # noqa: E402
+from t1async.config import GenerationConfig, LearnerConfig, ModelConfig, TransportConfig, WeightSyncConfig  # noqa: E402
+from t1async.learner.rl import micro_batches  # noqa: E402
 from t1async.trajectory import Trajectory  # noqa: E402
 
 

@@ -2,10 +2,11 @@
 
 Run: ``t1async bench openai-endpoint [--turns 300] [--rounds 3]``. Prints ONE JSON object.
 
-The real surface (t1async/openai_endpoint.py: FastAPI + uvicorn, the recorder, the shipped
+The real surface (t1async/rollout/openai_endpoint.py: FastAPI + uvicorn, the recorder, the shipped
 tokenizer and template) called over one keep-alive HTTP connection with the JSON an OpenAI client
 sends (not the ``openai`` client itself: its own request building costs about as much again and
-is the agent's, not the endpoint's), with an instant scripted sampler behind it (a tool call per turn, routed-experts rows of a 4-layer
+is the agent's, not the endpoint's), with an instant scripted sampler behind it (a tool call per turn,
+routed-experts rows of a 4-layer
 top-2 model), so the figure is the endpoint's overhead alone, not sampling. Each turn appends the
 returned assistant message and a 200-character tool result (append-only: every request extends
 the previous completion). Per round, every request's wall time is taken; a turn's figure is the
@@ -25,9 +26,9 @@ import urllib.parse
 
 import numpy as np
 
-from t1async.openai_endpoint import OpenAIEndpoint, SessionLimits
-from t1async.sampler_client import SamplerResponse
-from t1async.tokenizer import ChatTokenizer
+from t1async.models.tokenizer import ChatTokenizer
+from t1async.rollout.openai_endpoint import OpenAIEndpoint, SessionLimits
+from t1async.sampling.sampler_client import SamplerResponse
 
 LAYERS, TOP_K = 4, 2
 BASH = {"type": "function", "function": {"name": "bash", "description": "run a command",

@@ -43,7 +43,7 @@ def _serve(cfg_path: str, url_q: Any, cmd_q: Any) -> None:
     """Child process: one embedded sampler with random weights at version 0; answers "stats"
     on ``cmd_q`` (its :meth:`stats` into ``url_q``) until "stop"."""
     from t1async.actors.sampler import EmbeddedSampler
-    from t1async.model import Qwen3MoeForCausalLM
+    from t1async.models.model import Qwen3MoeForCausalLM
 
     cfg = load_config(cfg_path)
     s = EmbeddedSampler(cfg.model, cfg.sampler, seed=0, torch_threads=cfg.run.torch_threads)
@@ -74,7 +74,7 @@ def _episodes(client: Any, cfg: Any, seed: int, deadline: float, counts: list[in
 
 def run_mode(url: str, cfg: Any, conc: int, seconds: float, seed: int) -> tuple[float, int]:
     """C client threads for ``seconds``; returns (tokens/s, tokens)."""
-    from t1async.sampler_client import HttpSampler
+    from t1async.sampling.sampler_client import HttpSampler
 
     client = HttpSampler(url, num_layers=cfg.model.num_hidden_layers, top_k=cfg.model.num_experts_per_tok)
     counts = [[0] for _ in range(conc)]
@@ -95,7 +95,7 @@ def forward_ms(cfg: Any, reps: int = 30) -> dict[str, float]:
     """Median ms of one packed decode forward (every sequence 1 new token, 128 cached) at
     batch 1, 4, 16, in this process with the sampler's dtype and threads."""
     from t1async.actors.sampler import _DTYPES
-    from t1async.model import KVCache, PackedSegments, Qwen3MoeForCausalLM
+    from t1async.models.model import KVCache, PackedSegments, Qwen3MoeForCausalLM
 
     torch.set_num_threads(cfg.run.torch_threads)
     torch.manual_seed(0)

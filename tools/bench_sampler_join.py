@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from t1async.cli import OneLineErrors, at_least_one
-from t1async.control import ControlError, request
+from t1async.service.control import ControlError, request
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -42,9 +42,9 @@ import numpy as np
 import zmq
 
 from t1async.cli import OneLineErrors, at_least_one
-from t1async.delivery import ReceiveLog
 from t1async.trajectory import EncodedTrajectory, Trajectory, decode, encode, experts_dtype
-from t1async.transport import PROTOCOL, ZmqReceiver, ZmqSender
+from t1async.transport.delivery import ReceiveLog
+from t1async.transport.transport import PROTOCOL, ZmqReceiver, ZmqSender
 
 CASES = {"a": dict(T=32768, layers=48, top_k=8, experts=128, n=64, warmup=24),
          "b": dict(T=4096, layers=4, top_k=2, experts=8, n=800, warmup=200)}

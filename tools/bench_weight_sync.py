@@ -2,16 +2,16 @@
 
 Prints ONE JSON object. Setup: a Qwen3-MoE policy in this process (the learner, rank 0) and
 ``--samplers`` embedded samplers, each its own process (HTTP server, engine, staging buffers),
-joined by :class:`t1async.weight_sync.DistributedWeightSync` (SGLang's protocol: pause, one
+joined by :class:`t1async.weights.distributed.DistributedWeightSync` (SGLang's protocol: pause, one
 ``/update_weights_from_distributed`` per flattened bucket, continue); beside them as many raw
-receiver processes in a second group built by :func:`t1async.weight_sync.join_group`, which only
+receiver processes in a second group built by :func:`t1async.weights.group.join_group`, which only
 receive uint8 tensors of the same bucket sizes. Rounds alternate publish / raw (the machine is
 shared and noisy); each round's ``ratio`` is raw time / publish time measured back to back (bytes/s
 of the publish over bytes/s of the raw broadcast), and the median over rounds is reported with
 both medians beside it.
 
 The publish runs from the policy as the learner holds it: laid out by
-:func:`t1async.weight_sync.pack_parameters`, so each bucket is a view of the parameters. The same
+:func:`t1async.weights.buckets.pack_parameters`, so each bucket is a view of the parameters. The same
 policy unpacked (separate tensors; each bucket concatenated into a send buffer) is published in
 every round too: ``ratio_unpacked`` and ``publish_unpacked_s``, side by side.
 
@@ -21,7 +21,7 @@ weight a view of them, so it copies nothing inside the pause), ``pause_s`` (medi
 samplers were paused per publish: pause request to continue answer) and
 ``pause_s_per_1b_params`` (that, per 10^9 parameters published).
 
-Tensor mode (``weight_sync.mode=tensor``, :class:`t1async.weight_sync.TensorWeightSync`: SGLang's
+Tensor mode (``weight_sync.mode=tensor``, :class:`t1async.weights.tensor.TensorWeightSync`: SGLang's
 ``/update_weights_from_tensor``, each bucket as handles to this process's shared memory, copied by
 the sampler during the request) publishes the same policy, packed and unpacked, to the same sampler
 processes in every round: ``tensor_publish_s``, ``tensor_pause_s``, ``tensor_publish_unpacked_s``,
@@ -44,8 +44,10 @@ import torch
 
 from t1async.cli import OneLineErrors, at_least_one, positive_float
 from t1async.config import ModelConfig, SamplerConfig
-from t1async.weight_sync import (DistributedWeightSync, TensorWeightSync, free_port, join_group, pack_parameters,
-                                 plan_buckets)
+from t1async.weights.buckets import pack_parameters, plan_buckets
+from t1async.weights.distributed import DistributedWeightSync
+from t1async.weights.group import free_port, join_group
+from t1async.weights.tensor import TensorWeightSync
 
 
 def model_cfg(a: argparse.Namespace) -> ModelConfig:
@@ -84,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vocab", type=at_least_one, default=16000, help="vocabulary size (default 16000)")
     ap.add_argument("--bucket-mb", type=positive_float, default=64.0, help="MiB per flattened bucket (default 64)")
     a = ap.parse_args(argv)
-    from t1async.model import Qwen3MoeForCausalLM
+    from t1async.models.model import Qwen3MoeForCausalLM
 
     cfg = model_cfg(a)
     torch.manual_seed(0)
@@ -174,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         "ratio": round(med(ratios), 3), "ratio_of_medians": round(med(raw_s) / med(publish_s), 3),
         "publish_s": round(med(publish_s), 4), "raw_s": round(med(raw_s), 4),
         "ratio_unpacked": round(med(ratios_unpacked), 3), "publish_unpacked_s": round(med(unpacked_s), 4),
-        "flatten_s": round(med(flatten_s), 4), "pause_s": round(med(pause_s), 4), "pause_s_per_1b_params": round(med(pause_s) / (params / 1e9), 3),
+        "flatten_s": round(med(flatten_s), 4), "pause_s": round(med(pause_s), 4),
+        "pause_s_per_1b_params": round(med(pause_s) / (params / 1e9), 3),
         "rounds_ratio": [round(x, 3) for x in ratios],
         "tensor_publish_s": round(med(tensor["packed"]), 4), "tensor_pause_s": round(med(tensor["pause_packed"]), 4),
         "tensor_publish_unpacked_s": round(med(tensor["unpacked"]), 4),

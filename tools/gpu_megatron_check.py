@@ -32,16 +32,16 @@ warnings.filterwarnings("ignore")
 import bench_learner  # noqa: E402
 
 from t1async.config import GenerationConfig, LearnerConfig, ModelConfig  # noqa: E402
-from t1async.rl import routing_differs  # noqa: E402
+from t1async.learner.rl import routing_differs  # noqa: E402
 
 SMALL = ModelConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                     head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, rope_theta=5000.0)
 
 
 def parity_fp32(dev: torch.device) -> dict:
-    from t1async.megatron_backend import MegatronBackend, load_megatron
-    from t1async.megatron_convert import CRITIC, hf_to_megatron
-    from t1async.torch_backend import TorchBackend
+    from t1async.learner.megatron.backend import MegatronBackend, load_megatron
+    from t1async.learner.megatron.convert import CRITIC, hf_to_megatron
+    from t1async.learner.torch_backend import TorchBackend
 
     cfg = LearnerConfig()
     torch.manual_seed(0)

@@ -6,7 +6,7 @@ Reads every trajectory in ``RUN_DIR/receive_log`` (what the learner received; se
 recycled after consuming them are gone, so run it on a run of one learner life, as
 ``t1async bench learning``'s), orders them by the time their episode finished, splits them into
 ``--parts`` equal parts, and prints one JSON line per part: ``{"part", "episodes", "families":
-{family: {"episodes", "resolved_rate", "turns_mean"}}}`` (family: :func:`t1async.sft.synth_family`);
+{family: {"episodes", "resolved_rate", "turns_mean"}}}`` (family: :func:`t1async.commands.sft.synth_family`);
 ``turns_mean`` counts every assistant turn, the end signal included.
 """
 
@@ -16,9 +16,9 @@ import argparse
 import json
 from pathlib import Path
 
-from t1async.delivery import ReceiveLog
-from t1async.sft import synth_family
+from t1async.commands.sft import synth_family
 from t1async.trajectory import decode
+from t1async.transport.delivery import ReceiveLog
 
 
 def main(argv: list[str] | None = None) -> int:

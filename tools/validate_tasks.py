@@ -24,8 +24,8 @@ from pathlib import Path
 
 from loguru import logger
 
-from t1async.envs.sandbox import SandboxUnavailable, check_sandbox_available
 from t1async.envs.loading import load_task, task_folders
+from t1async.envs.sandbox import SandboxUnavailable, check_sandbox_available
 from t1async.envs.task import TaskError
 from t1async.envs.terminal import TaskValidation, validate_task
 

@@ -1,0 +1,231 @@
+"""Config sections of the rollout side: samplers, generation, containers, environments, rollout actors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplerConfig:
+    """Samplers: embedded PyTorch engines speaking SGLang's HTTP protocol (or SGLang servers)."""
+
+    backend: str = "embedded"
+    """``embedded`` (PyTorch engine in a Ray actor) or ``sglang`` (``sglang.launch_server`` processes
+    started by launch, or the running servers in ``urls``; t1async/sampling/sglang_server.py)."""
+    num_samplers: int = 1
+    """Samplers to start (M; ignored when ``urls`` is set)."""
+    urls: list[str] = field(default_factory=list)
+    """Base URLs of running SGLang servers to attach to (backend ``sglang`` only)."""
+    host: str = "127.0.0.1"
+    """Interface the embedded HTTP servers listen on."""
+    dtype: str = "float32"
+    """Weights/activation dtype of the embedded engine: float32 or bfloat16."""
+    prefix_cache: int = 32
+    """Sequences whose KV cache and routing rows the embedded engine keeps for reuse by the
+    next turn of the same episode (LRU; 0 = off). Keeps each position's routing row the one
+    that shaped later tokens (see t1async/sampling/engine.py). Keep it >= the episodes one sampler
+    serves at once, or concurrent episodes evict each other's prefixes."""
+    prefill_chunk: int = 0
+    """Embedded engine: feed prompts in chunks of at most this many tokens (0 = one forward)."""
+    max_batch: int = 64
+    """Embedded engine: most concurrent requests batched into one forward (continuous batching);
+    more wait for a free slot."""
+    request_timeout_s: float = 300.0
+    """HTTP timeout of one /generate call, seconds."""
+    model_path: str = ""
+    """Backend ``sglang``, started servers: the Hugging Face model folder each server loads (its
+    architecture must match ``model``; the learner's first publish replaces its weights)."""
+    tp_size: int = 1
+    """Backend ``sglang``, started servers: GPUs (tensor-parallel ranks) per server; server i gets
+    GPUs i*tp_size .. (i+1)*tp_size - 1 of the launch machine."""
+    start_timeout_s: float = 900.0
+    """Backend ``sglang``: most seconds to wait for every server's ``GET /health``."""
+    extra_args: list[str] = field(default_factory=list)
+    """Backend ``sglang``, started servers: more ``sglang.launch_server`` arguments (e.g. ``--mem-fraction-static``)."""
+
+
+@dataclass
+class GenerationConfig:
+    """Sampling parameters of one assistant turn (SGLang ``sampling_params``)."""
+
+    max_new_tokens: int = 48
+    """Most tokens sampled in one turn."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy (``t1async eval`` only: ``launch`` refuses it, since a
+    greedy token has no density to train on; see :func:`check_trainable`)."""
+    top_p: float = 1.0
+    """Nucleus mass kept (1.0 keeps all)."""
+    top_k: int = -1
+    """Keep only the k most likely tokens (>= 1; -1 keeps all). The sampler reports, and the
+    learner scores, log-probs of this processed distribution (t1async.models.logprobs.processed_logprobs)."""
+
+
+@dataclass
+class ContainerConfig:
+    """The ``container`` sandbox backend (``env.sandbox: container``): OCI containers built from
+    each task's own Dockerfile by podman or docker (see t1async/envs/container.py)."""
+
+    engine: str = "auto"
+    """``podman``, ``docker``, or ``auto`` (podman if installed, else docker if its daemon answers)."""
+    runtime: str = "runc"
+    """podman's OCI runtime (``--runtime``); empty keeps podman's default. crun fails on hosts with
+    cgroups in hybrid mode ("cgroups in hybrid mode not supported"); runc works there."""
+    cgroup_manager: str = "cgroupfs"
+    """podman's cgroup manager (``--cgroup-manager``): ``cgroupfs`` works without systemd;
+    empty keeps podman's default."""
+    ulimit_nofile: int = 1024
+    """Open files per process in the container (``--ulimit nofile=N:N``), clamped to the host's
+    hard limit: the engine's default asks for more than some hosts allow and fails with EPERM."""
+    ulimit_nproc: int = 1000
+    """RLIMIT_NPROC in the container (``--ulimit nproc=N:N``), clamped to the host's hard limit
+    (the container's process cap itself is ``env.max_processes``, a pids cgroup)."""
+    ca_bundle: str = "auto"
+    """Host CA bundle mounted into image builds (and into containers that have network) at the
+    image's /etc/ssl/certs/ca-certificates.crt, with pip and uv told to use it: needed where TLS
+    is intercepted (corporate proxies, this machine). ``auto``: the host's
+    /etc/ssl/certs/ca-certificates.crt (or ``SSL_CERT_FILE``) if present; a path; empty: off."""
+    pass_proxy: bool = True
+    """Pass the host's HTTP_PROXY/HTTPS_PROXY/NO_PROXY (either case) to builds as build args."""
+    build_timeout_s: float = 1800.0
+    """Bound on building one task image, seconds."""
+    start_timeout_s: float = 60.0
+    """Bound on creating and starting one episode's container and its shell, seconds."""
+    verifier_tools: bool = True
+    """Install what a task's test script would download at test time (pytest, its plugins, the
+    packages it pip-installs, Debian packages it apt-installs) into a cached verifier layer at
+    build time, into ``/opt/t1async-verifier`` (a venv beside the image's Python), so that tests
+    run with network off; the script's own installs then become no-ops (see
+    t1async/envs/adapt.py). False: the test script runs as written."""
+
+
+@dataclass
+class EnvConfig:
+    """Terminal environment: where tasks come from and how the sandboxed shell behaves."""
+
+    tasks_dir: str = ""
+    """Folder of task folders (Terminal-Bench 2 or 1 layout). Empty means the shipped envs/tasks."""
+    tasks: list[str] = field(default_factory=list)
+    """Names of tasks to use (empty: every task in ``tasks_dir``)."""
+    sandbox: str = "local"
+    """Sandbox backend: ``local`` (bubblewrap), ``container`` (podman/docker, the task's own
+    Dockerfile; see ``env.container``) or ``modal`` (Modal cloud; needs credentials)."""
+    container: ContainerConfig = field(default_factory=ContainerConfig)
+    """Settings of the ``container`` backend."""
+    max_turns: int = 4
+    """Assistant turns per episode before it is ended."""
+    keep_agent_processes: bool = False
+    """Leave the processes the agent started running while the verifier runs, as the
+    Terminal-Bench and Harbor harnesses do (tasks whose tests query a server the agent started in
+    the background need it, e.g. TB1 ``mlflow-register``). Off (default, for training): they are
+    killed before the verifier, so nothing of the agent's can kill the tests or forge their
+    output (reward hacking)."""
+    network: str = "task"
+    """Network of the sandboxes: ``task`` (default, for training): only where the task allows it
+    (TB2 ``[environment] allow_internet``; TB1 tasks declare nothing, so none); ``harness``: as the
+    benchmark's harness does (TB1 containers always have network, TB2 per ``allow_internet``;
+    ``t1async eval`` uses this unless ``--network`` says otherwise); ``on``; ``off``."""
+    max_context_tokens: int = 0
+    """Longest episode stream, tokens (0: ``model.max_position_embeddings``; a larger value is
+    capped at it). Before each turn the rollout checks that the stream plus
+    ``generation.max_new_tokens`` fits; when it would not, the episode ends there with
+    ``finish_reason`` ``context_full`` and goes to the verifier as it stands (trained as
+    ``learner.abnormal.context_full`` says), never a sampler error or a truncated prompt."""
+    episode_timeout_s: float = 120.0
+    """Wall-clock budget of the agent part of an episode, seconds."""
+    command_timeout_s: float = 10.0
+    """Per-command timeout; on expiry every process the command started is killed."""
+    max_output_bytes: int = 2048
+    """Longest command output shown to the model; longer output keeps head and tail around a
+    visible truncation marker."""
+    verifier_timeout_s: float = 0.0
+    """Budget of the task's verifier (tests/test.sh), seconds; 0 uses the task's own
+    ``[verifier] timeout_sec``."""
+    end_signal: str = "exit"
+    """An assistant message equal to this (after stripping whitespace) ends the episode."""
+    run_cut_commands: bool = False
+    """What to do with a turn the sampler cut at ``generation.max_new_tokens``. False (default):
+    the cut command is not run (it is not the command the policy meant: half a ``rm -rf`` path,
+    an unclosed heredoc) and the observation says it was cut at the token limit and not run.
+    True: it is run as it is. Either way the turn is marked length-cut in the trajectory's
+    ``turn_status`` (and ``learner.abnormal.length_cut`` decides how it is trained)."""
+    system_prompt: str = (
+        "You operate a Linux shell to finish the task. Reply with exactly one shell command per "
+        "message; its output comes back as the next message. The working directory is /app. "
+        "Reply with `exit` when the task is done."
+    )
+    """System message that opens every episode (``action_format`` command)."""
+    action_format: str = "command"
+    """How the policy acts (t1async/rollout/actions.py): ``command`` (the assistant message is the shell
+    command) or ``tool_call`` (Qwen3 tool calls of a declared ``bash`` tool, results as
+    ``<tool_response>`` turns; needs ``model.vocab_size`` >= 4100 for the tool tokens). Rollouts,
+    ``t1async sft`` demonstrations and the eval ``policy:`` agent all use it."""
+    tool_system_prompt: str = (
+        "You operate a Linux shell to finish the task. Run exactly one shell command per message with "
+        "the bash tool; its output comes back as the tool response. The working directory is /app. "
+        "Reply with `exit` and no tool call when the task is done."
+    )
+    """System message of ``action_format`` tool_call (the tool declarations are appended to it)."""
+    cpus: float = 1.0
+    """Sandbox CPU share, cores, unless the task's ``[environment] cpus`` says otherwise."""
+    memory_mb: int = 2048
+    """Sandbox memory (processes plus files in its tmpfs folders), MiB, unless the task's
+    ``[environment] memory_mb`` says otherwise; 0 = unlimited."""
+    disk_mb: int = 1024
+    """Size of the sandbox's /app (and /tmp, HOME, /logs each), MiB, unless the task's
+    ``[environment] storage_mb`` says otherwise; 0 = unlimited."""
+    max_processes: int = 256
+    """Processes and threads alive at once in one sandbox (fork bombs stop here); 0 = unlimited."""
+    cpu_time_s: int = 600
+    """CPU seconds any one sandboxed process may use; 0 = unlimited."""
+    max_file_mb: int = 512
+    """Largest file a sandboxed process may write, MiB; 0 = unlimited."""
+    decontam_ngram: int = 8
+    """``t1async decontam``: n-gram length, in words, of the instruction/solution overlap check."""
+    decontam_threshold: float = 0.2
+    """``t1async decontam``: a training task whose instruction or solution shares at least this
+    fraction of its n-grams with any benchmark task is flagged (and dropped with --drop)."""
+
+
+@dataclass
+class RolloutConfig:
+    """Rollout actors: each runs episodes one after another and streams trajectories."""
+
+    num_actors: int = 2
+    """Rollout actors to start (N); tunable live through the controller."""
+    max_restarts: int = 100
+    """Crashed rollout actors the controller replaces before it gives up on the run."""
+    crash_after_episodes: int = 0
+    """Fault injection for tests: the first rollout actor raises after this many episodes
+    (0 = off). Its replacement runs without it."""
+    group_size: int = 1
+    """Episodes of each drawn task admitted back to back (G), so the learner can compare them
+    (``learner.advantage: group``, as GRPO and RLOO sample G completions per prompt)."""
+    admission: str = "learner_wait"
+    """Admission rule (actors/controller.py), each keeping every trajectory trained within
+    ``learner.max_staleness`` versions of its sampling: ``learner_wait`` (default) lets a rollout
+    start while ``started < (v + max_staleness + 1) x batch_size x publish_every`` with ``v`` the
+    learner's version (AReaL's rule), and the learner trains oldest first and waits for a slow
+    episode before publishing a version it could not be trained at (no stale drops; the actors
+    keep sampling meanwhile); ``oldest_episode`` takes ``v`` from the oldest episode not yet
+    trained, so the actors wait with a slow episode instead (no drops, slower: ``t1async bench
+    async``); ``learner_version`` is AReaL's rule alone: the fast run ahead and the learner drops
+    a slow episode that became too stale (fastest; slow tasks are trained less often than they
+    are started). With ``learner.max_staleness=0`` every rule is synchronous RL."""
+    agent: str = "builtin"
+    """Who drives an episode: ``builtin`` (the rollout loop of t1async/rollout/episode.py) or ``external``
+    (the program ``agent_command``, talking to an OpenAI-compatible endpoint that records every
+    completion token-exactly; t1async/rollout/openai_endpoint.py, t1async/rollout/agent.py). Needs
+    ``model.vocab_size`` >= 4100 (tool calls use the tool-call special ids)."""
+    agent_command: str = ""
+    """``rollout.agent: external``: the agent program, split like a shell line (a first word
+    ``python`` is the rollout actor's own Python). It starts once per episode with ``OPENAI_BASE_URL``,
+    ``OPENAI_API_KEY``, ``T1ASYNC_SANDBOX_URL``, ``T1ASYNC_INSTRUCTION`` and ``T1ASYNC_MAX_TURNS``
+    set, e.g. ``python tools/example_agent.py``."""
+    agent_cwd: str = ""
+    """Working folder of the agent program (empty: the folder ``t1async launch`` ran in)."""
+    history_break: str = "split"
+    """``rollout.agent: external``, when the agent re-sends a history that does not continue the
+    previous completion (edited, truncated, re-ordered): ``split`` (each exact segment becomes its
+    own trajectory with the episode's reward; earlier segments end with ``finish_reason``
+    ``history_break``) or ``drop`` (the episode is not trained; counted as a failed episode
+    ``HistoryBreak``). Never re-tokenized either way."""

@@ -1,0 +1,182 @@
+"""Config sections of the run as a whole: run directory and logs, Ray, the model, transport, weight sync."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass
+class RunConfig:
+    """Where the run writes and how it is seeded."""
+
+    dir: str = "runs/{now}"
+    """Run directory (log, metrics.jsonl, checkpoints, resolved config). ``{now}`` is replaced
+    by a UTC timestamp ``YYYYmmdd-HHMMSS`` at launch."""
+    seed: int = 0
+    """Seed for the learner's model init and every sampler's RNG (sampler i uses seed + i)."""
+    torch_threads: int = 1
+    """Intra-op threads each actor process gives torch (keep actors x threads <= cores)."""
+    overwrite: bool = False
+    """Start over in a ``dir`` that holds an earlier run (its metrics, checkpoints, logs, receive
+    log and spool are deleted first). Off: such a launch is refused unless ``learner.resume``."""
+    log_rotation: str = "50 MB"
+    """Each role's log (``logs/NAME.log``) is rotated at this size (loguru ``rotation``)."""
+    log_retention: int = 3
+    """Rotated files kept per role log (loguru ``retention``, a count)."""
+    tensorboard: bool = True
+    """Write each learner step's scalars as TensorBoard events to ``tensorboard/`` (tensorboardX)."""
+    audit: bool = False
+    """Record the id of every trajectory the rollout actors spooled in ``RUN_DIR/audit/`` (one line
+    each; ``t1async soak`` turns it into its ledger). Grows with the run: for soaks, not services."""
+    learner_restarts: int = 3
+    """Restarts in a row of a learner that died (from its last checkpoint and the receive log, as
+    ``learner.resume`` does); a learner that trained a step before dying starts a new row. Restarts
+    in a row wait 5, 10, 20, 40, 60, 60 ... s (back-off); beyond this many the run stops with one
+    line saying how to resume (0: never restart)."""
+    sampler_restarts: int = 3
+    """Restarts in a row of an embedded sampler that died (its Ray actor died, it failed three
+    health checks in a row, or a weight update took it out of service), with the learner's
+    back-off (5, 10, 20 ... 60 s); one that served a request before dying starts a new row. Beyond
+    this many in a row it is left ``failed`` in ``t1async status`` (0: never restart)."""
+
+
+@dataclass
+class RayConfig:
+    """How ``launch`` reaches Ray."""
+
+    address: Optional[str] = None
+    """Address of an existing Ray cluster (``auto`` or ``host:port``); None starts a local one."""
+    num_cpus: Optional[int] = None
+    """CPUs a locally started Ray advertises; None lets Ray count them."""
+
+
+@dataclass
+class ModelConfig:
+    """Policy architecture: Qwen3-MoE, with Hugging Face ``Qwen3MoeConfig`` field names.
+
+    Written verbatim (plus ``architectures`` and ``model_type``) as a checkpoint's config.json.
+    """
+
+    vocab_size: int = 4096
+    """Rows of the embedding and of the LM head; must be >= the tokenizer's vocabulary."""
+    hidden_size: int = 128
+    """Residual stream width."""
+    num_hidden_layers: int = 4
+    """Decoder layers; every layer is an MoE layer (``decoder_sparse_step`` = 1)."""
+    num_attention_heads: int = 4
+    """Query heads."""
+    num_key_value_heads: int = 2
+    """Key/value heads (grouped-query attention); must divide ``num_attention_heads``."""
+    head_dim: int = 32
+    """Width of one attention head."""
+    num_experts: int = 8
+    """Routed experts per MoE layer."""
+    num_experts_per_tok: int = 2
+    """Experts each token is routed to (top-k)."""
+    moe_intermediate_size: int = 256
+    """Hidden width of one expert's SwiGLU MLP."""
+    norm_topk_prob: bool = True
+    """Renormalise the top-k gate probabilities to sum to 1 (Qwen3-MoE default)."""
+    rms_norm_eps: float = 1e-6
+    """Epsilon of every RMSNorm."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency."""
+    max_position_embeddings: int = 8192
+    """Longest sequence (tokens) the model is configured for."""
+    tie_word_embeddings: bool = False
+    """Share the embedding matrix with the LM head."""
+    initializer_range: float = 0.02
+    """Std of the normal init of linear and embedding weights."""
+
+
+@dataclass
+class TransportConfig:
+    """Trajectory transport: ZeroMQ DEALER (rollout actors) -> ROUTER (learner), acknowledged.
+
+    Delivery is at least once, de-duplicated by trajectory id (see t1async/transport/transport.py): an actor
+    spools each trajectory to disk, sends it, and frees its file (for reuse) when the learner
+    acknowledges it after appending it to its durable receive log (RUN_DIR/receive_log).
+    """
+
+    scheme: str = "tcp"
+    """``tcp`` (between machines) or ``ipc`` (one machine)."""
+    host: str = "127.0.0.1"
+    """Interface the learner binds (tcp) and actors connect to."""
+    port: int = 0
+    """TCP port the learner binds; 0 picks a free one."""
+    rcvhwm: int = 64
+    """Learner ZeroMQ receive high-water mark, messages (ZeroMQ counts messages, not bytes; the
+    byte bound is ``window_bytes`` per actor and ``recv_queue_bytes``)."""
+    sndhwm: int = 8
+    """Rollout actor ZeroMQ send high-water mark, messages."""
+    recv_queue_messages: int = 0
+    """Decoded trajectories the learner holds in memory waiting for a batch (0: 4 x batch size,
+    at least 8). When full, the learner stops reading the socket (backpressure)."""
+    recv_queue_bytes: int = 2 << 30
+    """Bytes of decoded trajectories the learner holds in memory (one larger trajectory is still
+    admitted into an empty queue)."""
+    window_messages: int = 64
+    """Trajectories one actor has sent and not yet had acknowledged (in flight)."""
+    window_bytes: int = 256 << 20
+    """Bytes one actor has in flight; more waits in its on-disk spool."""
+    spool_dir: str = ""
+    """Folder of the actors' on-disk spools of unacknowledged trajectories. Empty: launch uses
+    RUN_DIR/spool; an actor built without one uses a private temporary folder. A new actor
+    adopts (and resends) the spool of an actor that died."""
+    spool_max_bytes: int = 4 << 30
+    """Bytes one actor may keep spooled; ``send`` waits (backpressure) while the spool is fuller."""
+    spool_max_messages: int = 256
+    """Trajectories one actor may keep spooled; ``send`` waits while the spool holds more."""
+    send_timeout_s: float = 3600.0
+    """Longest ``send`` waits for spool room before it raises TransportError."""
+    ack_timeout_s: float = 300.0
+    """Resend a trajectory not acknowledged this long after it was sent (reconnects resend at once)."""
+    log_fsync: str = "always"
+    """Receive-log durability before an acknowledgement: ``always`` (fsync each record: survives
+    power loss) or ``never`` (page cache: survives a learner crash or SIGKILL, not the machine)."""
+    log_group_messages: int = 64
+    """Most deliveries already waiting on the socket that the learner stores with one flush of
+    the receive log before it ACKs any of them (group commit); 1: a flush per trajectory."""
+    max_message_bytes: int = 4 << 30
+    """Largest trajectory frame the learner accepts (ZeroMQ drops the peer's connection beyond)."""
+    curve: bool = False
+    """Authenticate and encrypt with CurveZMQ; keys come from ``keys_dir``."""
+    keys_dir: str = ""
+    """Folder written by ``t1async keys DIR``: learner.key(_secret), rollout.key(_secret) and
+    authorized/ (public keys of the actors the learner accepts)."""
+
+
+@dataclass
+class WeightSyncConfig:
+    """How the learner hands its weights to every sampler (t1async/weights/)."""
+
+    mode: str = "distributed"
+    """``distributed``: SGLang's ``/update_weights_from_distributed``, the learner broadcasts each
+    bucket over a torch.distributed group it forms with the samplers (samplers anywhere; on GPUs one
+    rank per GPU). ``tensor``: SGLang's ``/update_weights_from_tensor``, for samplers on the
+    learner's machine, including its own GPU (where NCCL refuses a second rank): each bucket goes
+    as handles to the learner's memory, CUDA IPC on GPU or named shared memory on CPU, and the
+    sampler copies it during the request; no group is formed, so ``backend``, ``master_address``
+    and ``master_port`` are unused. Launch refuses ``tensor`` with ``sampler.urls`` on another host."""
+    backend: str = "gloo"
+    """torch.distributed backend of ``mode: distributed``: ``gloo`` (CPU) or ``nccl`` (GPUs)."""
+    master_address: str = "127.0.0.1"
+    """Address of the learner's rendezvous TCPStore."""
+    master_port: int = 0
+    """Port of the rendezvous TCPStore; 0 picks a free one."""
+    timeout_s: float = 120.0
+    """Timeout of the group's rendezvous, of each broadcast and of each weight-sync HTTP call
+    (in ``tensor`` mode: of each call, the receiver's copy of a bucket included), seconds. Both
+    ends for embedded samplers (the learner sends it when the group is formed); an SGLang server
+    keeps torch's 30-minute group timeout, so the learner stops waiting after this
+    long and takes that server out of service (left paused, never serving partial weights)."""
+    bucket_mb: float = 512.0
+    """Most MiB sent at once (distributed: SGLang ``load_format: flattened_bucket``, one uint8
+    tensor per bucket; tensor: one ``/update_weights_from_tensor`` call per bucket); non-expert
+    parameters first, then experts. Each bucket is allocated once more on both ends while it is in
+    flight (tensor mode: on the learner's side only when its parameters are not packed)."""
+    pause_mode: str = "abort"
+    """``/pause_generation`` mode during an update. Only ``abort``: running requests end and the
+    client sends them again after the update (the pinned SGLang reports no per-token weight
+    versions, so ``retract``/``in_place`` would label tokens of two versions with one)."""

@@ -1,0 +1,1 @@
+"""The learner's algorithm: one update step, advantage estimators and policy losses, RL maths, backends, checkpoints."""

@@ -1,0 +1,1 @@
+"""The Megatron-core learner backend (``learner.backend: megatron``): model, conversion, expert-parallel ranks."""

@@ -1,0 +1,195 @@
+"""The ``torch`` learner backend: t1async/models/model.py's plain-PyTorch Qwen3-MoE as policy, critic
+and reference (the CPU default; the interface is t1async/learner/backend.py)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from t1async.config import GenerationConfig, LearnerConfig, ModelConfig
+from t1async.learner.backend import AdamWPair, PolicyForward, chunk_size
+from t1async.models.logprobs import token_logprobs
+from t1async.models.model import Qwen3MoeForCausalLM, Qwen3MoeModel
+from t1async.weights.buckets import pack_parameters
+
+__all__ = ["TorchBackend", "ValueModel", "chunked_token_logprobs", "layer_checkpointing", "load_policy"]
+
+
+class ValueModel(nn.Module):
+    """Critic: a Qwen3-MoE trunk (warm-started from the policy's weights) with a scalar head.
+
+    ``forward(input_ids [B, T]) -> values [B, T]`` float32: the value of the state after
+    reading ``input_ids[:, :t+1]``, i.e. before the token at position t + 1 is sampled.
+    The critic routes with its own router (it has its own weights; replaying the policy's
+    routing would be meaningless for it). The head is a float32 ``nn.Linear(hidden, 1)`` with a
+    bias, zero-initialised, on the float32 upcast of the final-norm hidden states.
+    """
+
+    def __init__(self, policy: Qwen3MoeForCausalLM):
+        super().__init__()
+        self.backbone = copy.deepcopy(policy.model)  # the trunk only: no LM head (vocab x hidden) to store or run
+        self.head = nn.Linear(policy.cfg.hidden_size, 1)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        B, T = input_ids.shape
+        positions = torch.arange(T, device=input_ids.device).expand(B, T)
+        hidden, _, _ = self.backbone(input_ids, positions, None, None)
+        return self.head(hidden.float()).squeeze(-1)
+
+
+@contextmanager
+def layer_checkpointing(trunk: Qwen3MoeModel) -> Iterator[None]:
+    """Turn on ``trunk.gradient_checkpointing`` for the forwards inside the block (the backward
+    may run later: the checkpoints recorded in the block recompute their layer then)."""
+    before = trunk.gradient_checkpointing
+    trunk.gradient_checkpointing = True
+    try:
+        yield
+    finally:
+        trunk.gradient_checkpointing = before
+
+
+def chunked_token_logprobs(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, tgt: torch.Tensor,
+                           g: GenerationConfig, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`t1async.models.logprobs.token_logprobs` of ``head(hidden).float()``, ``chunk`` positions at a time.
+
+    With gradients on, each chunk is checkpointed (``torch.utils.checkpoint``, non-reentrant):
+    only its hidden slice is kept and its logits are recomputed, one chunk at a time, in the
+    backward, so at most ``chunk x vocab_size`` logits live at once. Every position's log-prob
+    is a function of its own row alone (log-softmax, top-k, top-p are per row), so chunking
+    changes nothing but the matmul's summation blocking.
+
+    Args:
+        head: the LM head ([..., H] -> [..., V]; a module or any function of the hidden states).
+        hidden: float [B, T, H] final-norm hidden states.
+        tgt: int64 [B, T] target ids.
+        g: temperature, top-k, top-p the samplers used.
+        chunk: positions per chunk, >= 1.
+
+    Returns:
+        (float32 [B, T] log-probs, bool [B, T] targets kept outside the filter's set).
+    """
+    def score(h: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return token_logprobs(head(h).float(), t, g.temperature, g.top_k, g.top_p, return_outside=True)
+
+    parts = []
+    for s in range(0, hidden.shape[1], chunk):
+        h, t = hidden[:, s:s + chunk], tgt[:, s:s + chunk]
+        parts.append(checkpoint(score, h, t, use_reentrant=False) if torch.is_grad_enabled() else score(h, t))
+    return torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1)
+
+
+def load_policy(model_cfg: ModelConfig, init: str | Path | None) -> Qwen3MoeForCausalLM:
+    """The policy from checkpoint folder ``init``, or a fresh seeded one (the caller seeds torch).
+
+    Raises:
+        ValueError: the checkpoint's architecture differs from ``model_cfg``.
+    """
+    if not init:
+        return Qwen3MoeForCausalLM(model_cfg)
+    policy = Qwen3MoeForCausalLM.from_pretrained(init)
+    if policy.cfg != model_cfg:
+        raise ValueError(f"checkpoint {init} has a model config that differs from `model`")
+    return policy
+
+
+class TorchBackend(AdamWPair):
+    """Policy, critic (:class:`ValueModel`) and, with ``cfg.kl_coef`` > 0, a frozen reference (the
+    warm start ``cfg.init_checkpoint``, else a copy of the initial policy), all float32 on CPU by
+    default; AdamW for each (t1async/learner/backend.py).
+
+    Args:
+        cfg, model_cfg: learner settings and policy architecture.
+        generation: the samplers' temperature, top-k and top-p (log-probs are of that distribution).
+        init: checkpoint folder of the policy, or None (seeded init).
+        device, dtype: where and in which dtype the models run (the critic's head stays float32).
+    """
+
+    name = "torch"
+
+    def __init__(self, cfg: LearnerConfig, model_cfg: ModelConfig, generation: GenerationConfig,
+                 init: str | Path | None = None, *, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32):
+        self.cfg, self.generation = cfg, generation
+        self.device = torch.device(device)
+        self.policy = load_policy(model_cfg, init)
+        self.critic = ValueModel(self.policy) if cfg.critic else None  # learner.critic: false builds none
+        self.reference: Qwen3MoeForCausalLM | None = None
+        if cfg.kl_coef > 0:
+            self.reference = (Qwen3MoeForCausalLM.from_pretrained(cfg.init_checkpoint) if cfg.init_checkpoint
+                              else copy.deepcopy(self.policy)).eval().requires_grad_(False)
+        if self.device.type != "cpu" or dtype != torch.float32:
+            for m in (self.policy, self.critic, self.reference):
+                if m is not None:
+                    m.to(self.device, dtype)
+            if self.critic is not None:
+                self.critic.head.float()
+        pack_parameters(self.policy)  # each publish bucket is a view of the policy: no concatenation
+        self._init_optimizers()
+
+    def _chunk(self, inp: torch.Tensor) -> int:
+        """Tokens per chunk for a sequence of ``inp.shape[1]`` tokens: 0 (one plain forward)
+        unless ``learner.max_tokens_per_chunk`` is set and the sequence is longer."""
+        return chunk_size(self.cfg.max_tokens_per_chunk, inp.shape[1])
+
+    def policy_logprobs(self, inp, tgt, replay, *, grad, routing) -> PolicyForward:
+        """See :class:`~t1async.learner.backend.LearnerBackend`. A sequence longer than
+        ``learner.max_tokens_per_chunk`` runs the trunk with per-layer activation checkpointing
+        and the LM head plus log-probs in chunks of that many positions, each recomputed in the
+        backward (:func:`chunked_token_logprobs`): memory linear in tokens at a small constant,
+        never the full [T, V] logits; bitwise the same log-probs and routing, replayed or not
+        (gradients equal up to float summation order)."""
+        g = self.generation
+        chunk = self._chunk(inp)
+        with torch.set_grad_enabled(grad):
+            if not chunk:
+                out = self.policy(inp, routed_experts=replay, return_routing=routing)
+                # scored under the sampler's processing (temperature, top-k, top-p); a sampled id
+                # just outside this model's own nucleus is kept in it (counted by the learner)
+                logp, outside = token_logprobs(out.logits, tgt, g.temperature, g.top_k, g.top_p, return_outside=True)
+            else:
+                with layer_checkpointing(self.policy.model):
+                    out = self.policy(inp, routed_experts=replay, return_routing=routing, logits_to_keep=1)
+                logp, outside = chunked_token_logprobs(self.policy.lm_head, out.hidden, tgt, g, chunk)
+        return PolicyForward(logp, outside, out.routed_experts, out.router_experts)
+
+    def reference_logprobs(self, inp, tgt) -> torch.Tensor:
+        if self.reference is None:
+            raise RuntimeError("no reference policy: learner.kl_coef is 0")
+        g = self.generation
+        chunk = self._chunk(inp)
+        with torch.no_grad():
+            if not chunk:
+                return token_logprobs(self.reference(inp).logits, tgt, g.temperature, g.top_k, g.top_p)
+            hidden = self.reference(inp, logits_to_keep=1).hidden
+            return chunked_token_logprobs(self.reference.lm_head, hidden, tgt, g, chunk)[0]
+
+    def values(self, inp, *, grad) -> torch.Tensor:
+        if self.critic is None:
+            raise RuntimeError("no critic: learner.critic is false")
+        with torch.set_grad_enabled(grad):
+            if not self._chunk(inp):
+                return self.critic(inp)
+            with layer_checkpointing(self.critic.backbone):
+                return self.critic(inp)
+
+    def hf_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
+        return self.policy.named_parameters()
+
+    def save(self, folder: Path) -> None:
+        self.policy.save_pretrained(folder)
+        self._save_state(folder, self.critic.state_dict() if self.critic is not None else None)
+
+    def load_state(self, folder: Path) -> bool:
+        saved = self._critic_file(folder)
+        if saved is not None and self.critic is not None:
+            self.critic.load_state_dict(saved)
+        return self._load_optimizers(folder)

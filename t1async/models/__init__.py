@@ -1,0 +1,1 @@
+"""The policy: the MoE model, the tokenizer and chat template."""

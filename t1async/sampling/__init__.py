@@ -1,0 +1,1 @@
+"""Sampling: the embedded engine, the sampler clients (HTTP, routed), the SGLang server."""

@@ -1,0 +1,121 @@
+"""Sampler backend ``sglang``: start one ``python -m sglang.launch_server`` per sampler, or attach to ``sampler.urls``.
+
+Started servers run on this (the launch) machine: sampler i gets GPUs ``i*tp .. (i+1)*tp - 1``
+(``CUDA_VISIBLE_DEVICES``), a free port on ``sampler.host``, ``--enable-return-routed-experts``
+(without it SGLang silently omits routing, which the client refuses), ``--skip-tokenizer-init``
+(t1async sends token ids and reads ``output_ids``) and ``--weight-version -1`` (no weights from the
+learner yet), and writes ``RUN_DIR/logs/sglang{i}.log``. Launch waits until every server answers
+``GET /health`` with 200 (at most ``sampler.start_timeout_s``) and stops them at exit.
+
+Attached servers (``sampler.urls``) are only health-checked; start them with the same flags.
+
+Source: SGLang 0.5.10.post1 ``server_args.py`` flags, ``http_server.py`` ``/health``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from loguru import logger
+
+from t1async.config import SamplerConfig
+from t1async.sampling.sampler_client import SamplerError, post_json
+from t1async.weights.group import free_port
+
+
+class SGLangStartError(RuntimeError):
+    """A server did not start or did not become healthy in time."""
+
+
+def sglang_command(cfg: SamplerConfig, port: int) -> list[str]:
+    """The ``sglang.launch_server`` command line of one sampler."""
+    return [sys.executable, "-m", "sglang.launch_server", "--model-path", cfg.model_path, "--host", cfg.host,
+            "--port", str(port), "--tp-size", str(cfg.tp_size), "--enable-return-routed-experts",
+            "--skip-tokenizer-init", "--weight-version", "-1", *cfg.extra_args]
+
+
+def wait_healthy(urls: list[str], timeout_s: float, procs: list[subprocess.Popen] | None = None,
+                 logs: list[Path] | None = None) -> None:
+    """Wait until every url answers ``GET /health`` with 200.
+
+    Raises:
+        SGLangStartError: a started server exited, or not all were healthy within ``timeout_s``
+            (the message names the url and the log to read).
+    """
+    deadline = time.monotonic() + timeout_s
+    pending = list(range(len(urls)))
+    while pending:
+        for i in list(pending):
+            if procs and procs[i].poll() is not None:
+                raise SGLangStartError(f"SGLang server {urls[i]} exited with status {procs[i].returncode}; "
+                                       f"see {logs[i] if logs else 'its log'}")
+            try:
+                post_json(urls[i], "/health", method="GET", timeout_s=5)
+                pending.remove(i)
+            except SamplerError:
+                pass
+        if pending and time.monotonic() > deadline:
+            where = f"; see {[str(logs[i]) for i in pending]}" if logs else ""
+            raise SGLangStartError(f"SGLang servers {[urls[i] for i in pending]} not healthy after {timeout_s:.0f} s "
+                                   f"(sampler.start_timeout_s){where}")
+        if pending:
+            time.sleep(1.0)
+
+
+def start_servers(cfg: SamplerConfig, run_dir: Path) -> tuple[list[subprocess.Popen], list[str]]:
+    """Start ``cfg.num_samplers`` servers (or attach to ``cfg.urls``) and wait for their health.
+
+    Returns:
+        (processes started, empty when attached; base URLs).
+
+    Raises:
+        SGLangStartError: see :func:`wait_healthy`; started servers are stopped first.
+    """
+    if cfg.urls:
+        urls = [u.rstrip("/") for u in cfg.urls]
+        wait_healthy(urls, cfg.start_timeout_s)
+        logger.info("attached to {} SGLang servers: {}", len(urls), urls)
+        return [], urls
+    procs, urls, logs = [], [], []
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    try:
+        for i in range(cfg.num_samplers):
+            port = free_port(cfg.host)
+            env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(str(g) for g in range(i * cfg.tp_size,
+                                                                                        (i + 1) * cfg.tp_size)))
+            log = run_dir / "logs" / f"sglang{i}.log"
+            with log.open("ab") as f:
+                procs.append(subprocess.Popen(sglang_command(cfg, port), stdout=f, stderr=subprocess.STDOUT, env=env,
+                                              start_new_session=True))
+            urls.append(f"http://{cfg.host}:{port}")
+            logs.append(log)
+        wait_healthy(urls, cfg.start_timeout_s, procs, logs)
+    except BaseException:
+        stop_servers(procs)
+        raise
+    logger.info("started {} SGLang servers: {}", len(urls), urls)
+    return procs, urls
+
+
+def stop_servers(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
+    """SIGTERM each server's process group, SIGKILL what is left after ``grace_s``."""
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

@@ -1,0 +1,241 @@
+"""Control of a running service by its run directory: ``t1async status | stop | scale RUN_DIR``.
+
+Channel: a ZeroMQ REP socket owned by the launch process (the run directory's holder, see
+t1async/service/rundir.py), bound on ``transport.host`` at a free TCP port written to
+``RUN_DIR/service.json`` as ``control``. Why this and not a Ray named actor: the launch process
+already holds every role's handle and the run directory's lock, so it is the one place that can
+answer for the whole service (and it is alive exactly as long as the service is); a command needs
+no ``ray.init`` (5 s, and the right cluster address) and works from any machine that sees the run
+directory and reaches the host, as the trajectory socket does; ZeroMQ is already a dependency.
+
+Protocol: one JSON request, one JSON reply. Requests: ``{"cmd": "status"}``,
+``{"cmd": "stop", "now": bool}``, ``{"cmd": "scale", "changes": {"rollout.num_actors": 4}}``.
+Replies: ``{"ok": true, ...}`` or ``{"ok": false, "error": "one line"}``.
+
+Live-changeable settings are the short list :data:`LIVE_KEYS`; anything else is refused with the
+reason. The CLI here only formats: every decision is taken by the service (t1async/service/launch.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+import zmq
+from loguru import logger
+from rich.console import Console
+from rich.table import Table
+
+from t1async.service.rundir import describe_holder, is_held, read_service
+
+LIVE_KEYS = {
+    "rollout.num_actors": "rollout actors (started or retired at once; a retired actor finishes its episode)",
+    "sampler.num_samplers": "embedded samplers (a new one serves once it holds the current weights; a removed "
+                            "one is drained and leaves the weight group)",
+    "learner.max_staleness": "staleness bound eta (admission and the learner's drop)",
+    "learner.lr": "policy learning rate (from the next step)",
+    "learner.max_steps": "step budget (0: run until stopped)",
+    "env.tasks": "task names episodes are drawn from (from the next admission; must exist in env.tasks_dir)",
+}
+"""Settings ``t1async scale`` may change while the service runs, and what changing them does."""
+
+REQUEST_TIMEOUT_S = 15.0
+
+
+class ControlError(Exception):
+    """A control command could not be carried out (no such run, stopped, refused); one line."""
+
+
+def live_change_refusal(key: str) -> str | None:
+    """Why ``key`` cannot change live (None: it can)."""
+    if key in LIVE_KEYS:
+        return None
+    section = key.split(".", 1)[0]
+    why = {
+        "model": "the weights' shapes are fixed for the run",
+        "transport": "sockets and spools are bound when the roles start",
+        "weight_sync": "the weight group is formed when the roles start",
+        "run": "the run directory and seeds are fixed for the run",
+        "ray": "Ray is started once per run",
+    }.get(section, "the roles read it once when they start")
+    return (f"{key} cannot change live: {why}; change it on a resume (t1async launch CONFIG run.dir=RUN_DIR "
+            f"learner.resume=true {key}=VALUE). Live keys: {', '.join(LIVE_KEYS)}")
+
+
+def parse_changes(pairs: list[str]) -> dict[str, Any]:
+    """``["rollout.num_actors=4"]`` -> ``{"rollout.num_actors": 4}`` (values parsed as YAML).
+
+    Raises:
+        ControlError: not ``key=value``, or a key that cannot change live (with the reason).
+    """
+    if not pairs:
+        raise ControlError("give at least one key=value, e.g. rollout.num_actors=4")
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ControlError(f"{pair!r} is not key=value (for example rollout.num_actors=4)")
+        refusal = live_change_refusal(key.strip())
+        if refusal:
+            raise ControlError(refusal)
+        try:
+            out[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError:
+            raise ControlError(f"{pair!r}: the value is not valid YAML") from None
+    return out
+
+
+# ---- server (in the launch process) ---------------------------------------------------------
+class ControlServer:
+    """Answers control requests on a ZeroMQ REP socket from a daemon thread.
+
+    Args:
+        host: interface to bind (``transport.host``).
+        handlers: ``{cmd: fn(request) -> reply dict}``; an exception becomes ``{"ok": false,
+            "error": str(e)}`` (a handler raises with a one-line message).
+    """
+
+    def __init__(self, host: str, handlers: dict[str, Callable[[dict[str, Any]], dict[str, Any]]]):
+        self.handlers = handlers
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.REP)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        port = self._sock.bind_to_random_port(f"tcp://{host}")
+        self.address = f"tcp://{host}:{port}"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="control", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        """Consumes one request at a time; produces one reply each. Stopped by :meth:`close`."""
+        while not self._stop.is_set():
+            if not self._sock.poll(200):
+                continue
+            try:
+                req = json.loads(self._sock.recv())
+                fn = self.handlers.get(req.get("cmd"))
+                reply = fn(req) if fn else {"ok": False, "error": f"unknown command {req.get('cmd')!r}"}
+            except Exception as e:  # a bad request must not end the service
+                logger.warning("control request failed: {}", e)
+                reply = {"ok": False, "error": str(e).splitlines()[0] if str(e) else type(e).__name__}
+            self._sock.send(json.dumps(reply, default=str).encode())
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self._sock.close()
+
+
+# ---- client ---------------------------------------------------------------------------------
+def request(run_dir: str | Path, msg: dict[str, Any], timeout_s: float = REQUEST_TIMEOUT_S) -> dict[str, Any]:
+    """Send ``msg`` to the service holding ``run_dir``; its reply (``ok`` true).
+
+    Raises:
+        ControlError: no such run directory, no service running there, no answer in time, or the
+            service refused (its one-line reason).
+    """
+    d = Path(run_dir)
+    if not d.is_dir():
+        raise ControlError(f"no run directory {d}")
+    info = read_service(d)
+    if not is_held(d):
+        where = f"; its summary is {d / 'summary.json'}" if (d / "summary.json").exists() else ""
+        raise ControlError(f"the run in {d} is not running (stopped or never started){where}")
+    if not info or "control" not in info:
+        raise ControlError(f"the run in {d} is starting ({describe_holder(info)}); try again in a few seconds")
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(info["control"])
+        sock.send(json.dumps(msg).encode())
+        if not sock.poll(int(timeout_s * 1000)):
+            raise ControlError(f"the run in {d} ({describe_holder(info)}) did not answer within {timeout_s:.0f} s")
+        reply = json.loads(sock.recv())
+    finally:
+        sock.close()
+    if not reply.get("ok"):
+        raise ControlError(reply.get("error", "refused"))
+    return reply
+
+
+# ---- formatting -----------------------------------------------------------------------------
+def format_status(st: dict[str, Any]) -> str:
+    """A human table of a status reply (rich, rendered to plain text)."""
+    def f(x: Any, nd: int = 2) -> str:
+        return "-" if x is None else f"{x:.{nd}f}" if isinstance(x, float) else str(x)
+
+    head = Table.grid(padding=(0, 2))
+    rows = [
+        ("run", st.get("run_dir")),
+        ("state", st.get("state") + (f" (learner: {st['learner_error']})" if st.get("learner_error") else "")),
+        ("step / version", f"{st.get('step')} / v{st.get('version')}"
+                           f"  (max_steps {st.get('max_steps') or 'unlimited'})"),
+        ("since last step", f"{f(st.get('since_last_step_s'), 1)} s"),
+        ("trajectories/s", f(st.get("trajectories_per_s"))),
+        ("reward (recent / before)", f"{f(st.get('reward_recent'))} / {f(st.get('reward_before'))}"),
+        ("resolved (recent / before)", f"{f(st.get('resolved_recent'))} / {f(st.get('resolved_before'))}"),
+        ("staleness max / bound", f"{st.get('staleness_max')} / {st.get('max_staleness')}"),
+        ("queue", st.get("queue_depth")),
+        ("dropped", json.dumps({k: v for k, v in (st.get("dropped") or {}).items() if v}) or "{}"),
+        ("episode failures", json.dumps(st.get("episode_failures") or {})),
+        ("restarts", json.dumps(st.get("restarts") or {})),
+    ]
+    for k, v in rows:
+        head.add_row(k, str(v))
+    roles = Table("role", "state", "version", "episodes / requests", "restarts")
+    for a in st.get("actors", []):
+        roles.add_row(f"rollout{a['id']}", a["state"], f(a.get("version")), f(a.get("episodes")), "-")
+    for s in st.get("samplers", []):
+        state = s.get("state", "serving") + (f" ({s['error']})" if s.get("error") and s.get("state") != "serving" else "")
+        roles.add_row(s.get("name", "sampler"), state[:60], f(s.get("weight_version")), f(s.get("requests")),
+                      f(s.get("restarts")))
+    console = Console(width=110, record=True, file=open("/dev/null", "w"))  # noqa: SIM115 (record only)
+    console.print(head)
+    console.print(roles)
+    return console.export_text()
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """``t1async status RUN_DIR [--json]``, ``t1async stop RUN_DIR [--now]``, ``t1async scale RUN_DIR key=value ...``."""
+    p = sub.add_parser("status", help="show a running service: steps, rates, roles, drops")
+    p.add_argument("run_dir")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    p.set_defaults(func=run_status)
+    p = sub.add_parser("stop", help="stop a running service: drain, final checkpoint")
+    p.add_argument("run_dir")
+    p.add_argument("--now", action="store_true", help="do not wait for running episodes (nothing finished is lost)")
+    p.set_defaults(func=run_stop)
+    p = sub.add_parser("scale", help=f"change live settings: {', '.join(LIVE_KEYS)}")
+    p.add_argument("run_dir")
+    p.add_argument("changes", nargs="*", help="key=value, e.g. rollout.num_actors=4")
+    p.set_defaults(func=run_scale)
+
+
+def run_status(args: argparse.Namespace) -> int:
+    st = request(args.run_dir, {"cmd": "status"})
+    st.pop("ok", None)
+    print(json.dumps(st, default=str) if args.json else format_status(st))
+    return 0
+
+
+def run_stop(args: argparse.Namespace) -> int:
+    request(args.run_dir, {"cmd": "stop", "now": bool(args.now)})
+    print(f"t1async: stopping the run in {args.run_dir}" + (" now" if args.now else " after its current step"))
+    deadline = time.monotonic() + 600
+    while is_held(Path(args.run_dir)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    print("t1async: stopped" if not is_held(Path(args.run_dir)) else "t1async: still stopping after 600 s")
+    return 0
+
+
+def run_scale(args: argparse.Namespace) -> int:
+    reply = request(args.run_dir, {"cmd": "scale", "changes": parse_changes(args.changes)})
+    for key, value in reply.get("applied", {}).items():
+        print(f"t1async: {key}={json.dumps(value)}")
+    return 0
+

@@ -1,0 +1,410 @@
+"""``t1async launch``: the table of contents of the whole system.
+
+    config (+ the run's live-change history on a resume) -> input checks (tokenizer, tasks,
+           sandbox, port, keys) -> run directory (locked, never mixed with an earlier run) -> reaper -> Ray
+           -> samplers (HTTP, SGLang protocol) -> learner (ZeroMQ ROUTER, weight group, version 0)
+           -> controller (admission, supervision, sampler routing) -> rollout actors (episodes -> ZeroMQ
+              DEALER, ACKed) -> sampler pool (live sampler count, sampler restarts)
+           -> service: control socket (status/stop/scale), learner restarts, status line, TensorBoard;
+              until max_steps (0: until stopped), t1async stop, or a signal -> stop everything -> summary
+
+This is the only core module that touches Ray and the environment layer; the roles are plain
+classes in ``t1async.actors`` and get ``ray.remote`` here.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import socket
+import sys
+import time
+import urllib.parse
+from pathlib import Path
+from typing import Any
+
+import ray
+from loguru import logger
+
+from t1async import require_extra
+from t1async.actors.controller import Controller
+from t1async.actors.learner import Learner
+from t1async.actors.rollout import RolloutActor, tasks_dir
+from t1async.actors.sampler import EmbeddedSampler
+from t1async.config import Config, ConfigError, RunConfig, check_trainable, load_config, to_yaml
+from t1async.envs.container import remove_orphan_containers
+from t1async.envs.limits import unmount_all_under
+from t1async.envs.loading import discover_tasks
+from t1async.envs.sandbox import check_sandbox_available
+from t1async.models.tokenizer import check_model_vocab
+from t1async.sampling.sglang_server import start_servers, stop_servers
+from t1async.service.control import ControlServer
+from t1async.service.reaper import Reaper, kill_sandboxes_under
+from t1async.service.rundir import RunDirLock, check_reuse, history_overrides, resolve_run_dir
+from t1async.service.sampler_pool import SamplerPool
+from t1async.service.service import LearnerDied, Service
+from t1async.transport.keys import client_keys, server_keys
+
+ACTOR_MAX_CONCURRENCY = 64  # threads of the controller/learner/sampler actors (acquire() waits block one each)
+
+
+def launch(config_path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+    """Run the asynchronous RL service described by ``config_path`` and ``overrides`` until it ends.
+
+    Returns:
+        The run summary (also written to ``RUN_DIR/summary.json``); ``ended`` says how it ended
+        (``done``, ``stopped``, ``signal``) and ``error`` holds one line when the learner died for good.
+
+    Raises:
+        ConfigError, TaskError, SandboxUnavailable, KeysError: bad input, before anything is started
+            (a run directory in use or holding an earlier run included).
+    """
+    cfg = load_config(config_path, overrides)
+    run_dir = resolve_run_dir(cfg.run.dir)
+    if cfg.learner.resume:  # live changes made to the run before (t1async scale) are kept
+        cfg = load_config(config_path, [*history_overrides(run_dir), *overrides])
+    task_names = check_inputs(cfg)  # every bad-input error happens here, before any process starts
+    cfg.rollout.agent_cwd = cfg.rollout.agent_cwd or os.getcwd()  # an external agent's relative paths
+    lock = claim_run_dir(cfg, run_dir)
+    if cfg.env.sandbox == "container":  # an earlier launch killed before its reaper could remove them
+        remove_orphan_containers(run_dir / "workspaces", cfg.env.container)
+    cfg.transport.spool_dir = cfg.transport.spool_dir or str(run_dir / "spool")  # resent by a resumed run
+    logger.info("run directory: {}", run_dir)
+    logger.info("{} tasks, {} rollout actors, {} sampler(s), {} learner steps", len(task_names), cfg.rollout.num_actors,
+                cfg.sampler.num_samplers, cfg.learner.max_steps or "unlimited (until t1async stop)")
+    t_start = time.time()
+    reaper = Reaper.start(run_dir)  # cleans up Ray and the sandboxes should this process be killed
+    ctx = ray.init(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=False,
+                   log_to_driver=False, logging_level="WARNING")
+    lock.write(ray_session=ctx.address_info.get("session_dir"))
+    actor = _actor_factory(run_dir, cfg.run)
+    summary: dict[str, Any] = {"run_dir": str(run_dir), "max_steps": cfg.learner.max_steps}
+    roles: dict[str, Any] = {}
+    control = pool = None
+    try:
+        roles["samplers"], urls = start_samplers(cfg, actor, run_dir)
+        if cfg.sampler.backend == "sglang":  # processes, not Ray actors: stopped below
+            roles["sglang_servers"], roles["samplers"] = roles["samplers"], []
+        roles["learner"], endpoint = start_learner(cfg, actor, run_dir, urls)  # publishes weight version 0
+        announce_resume(cfg, roles["learner"], run_dir)
+        roles["controller"] = start_controller(cfg, actor, task_names, urls, endpoint)  # starts the rollout actors
+        pool = sampler_pool(cfg, actor, roles, urls)  # live scaling and restarts of embedded samplers
+        service = Service(cfg, run_dir, roles,
+                          lambda: restart_learner(service.cfg, actor, run_dir, pool.member_urls() if pool else urls,
+                                                  endpoint),
+                          lambda names: check_tasks(service.cfg, names), samplers=pool)
+        control = ControlServer(cfg.transport.host, service.handlers())
+        lock.write(control=control.address)
+        logger.info("control: t1async status|stop|scale {}", run_dir)
+        try:
+            summary["learner"], summary["ended"] = service.run()
+        except LearnerDied as e:
+            summary["error"], summary["ended"] = str(e), "learner_died"
+        summary["max_steps"], summary["stop_request"] = service.cfg.learner.max_steps, service.stop_request
+        summary["restarts"] = service.restarts
+    finally:
+        if control is not None:
+            control.close()
+        if pool is not None:
+            pool.close()
+            roles["samplers"] = pool.handles()
+        # t1async stop --now: running episodes are abandoned (nothing finished is lost: spools keep it);
+        # t1async stop: they get 30 s to finish and spool; otherwise 5 s
+        grace = {"now": 0.0, "drain": 30.0}.get(summary.get("stop_request") or "", 5.0)
+        summary.update(shutdown(roles, grace_s=grace))
+        if roles.get("sglang_servers"):
+            stop_servers(roles["sglang_servers"])
+        kill_sandboxes_under(run_dir / "workspaces")  # a sandbox can outlive its killed rollout actor
+        if cfg.env.sandbox == "container":
+            remove_orphan_containers(run_dir / "workspaces", cfg.env.container)
+        unmount_all_under(run_dir / "workspaces")  # killed actors cannot clean up themselves
+        shutil.rmtree(run_dir / "workspaces", ignore_errors=True)
+        summary["wall_s"] = round(time.time() - t_start, 1)
+        summary.update(_metrics_summary(run_dir / "metrics.jsonl"))
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        ray.shutdown()
+        reaper.done()
+        lock.release()
+    logger.info("done: {}", json.dumps({k: v for k, v in summary.items() if k not in ("samplers",)}, default=str))
+    return summary
+
+
+def claim_run_dir(cfg: Config, run_dir: Path) -> RunDirLock:
+    """Own ``run_dir`` (:class:`~t1async.service.rundir.RunDirLock`), refuse to mix it with an earlier run
+    (unless ``learner.resume`` or ``run.overwrite``), clean up after a holder that was killed,
+    save the resolved config, and log there (``logs/t1async.log``).
+
+    Raises:
+        ConfigError: the directory is in use, holds an earlier run, or cannot be created.
+    """
+    lock = RunDirLock(run_dir)
+    try:
+        check_reuse(run_dir, resume=cfg.learner.resume, overwrite=cfg.run.overwrite)
+    except ConfigError:
+        lock.release()
+        raise
+    lock.write()
+    cfg.run.dir = str(run_dir)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    add_log_sink(run_dir, "t1async", cfg.run, keep_stderr=True)
+    if lock.previous is not None:
+        logger.warning("took over {} from a launch that did not exit cleanly (pid {}); cleaning up what it left",
+                       run_dir, lock.previous.get("pid"))
+    if (run_dir / "workspaces").exists():
+        unmount_all_under(run_dir / "workspaces")
+        shutil.rmtree(run_dir / "workspaces", ignore_errors=True)
+    return lock
+
+
+def announce_resume(cfg: Config, learner: Any, run_dir: Path) -> None:
+    """Say on the console what a resume restored, or warn that there was nothing to resume."""
+    if not cfg.learner.resume:
+        return
+    r = ray.get(learner.status.remote())["resumed"]
+    if r["checkpoint"] is None and r["to_replay"] == 0:
+        logger.warning("learner.resume=true but {} holds nothing to resume (no checkpoint, empty receive log): "
+                       "starting fresh at step 0", run_dir)
+        return
+    logger.info("resumed from {}: step {}, version {}, {} trajectory ids consumed, {} receive-log records to replay",
+                Path(r["checkpoint"]).name if r["checkpoint"] else "no checkpoint (receive log only)", r["step"],
+                r["version"], r["consumed"], r["to_replay"])
+
+
+def check_inputs(cfg: Config) -> list[str]:
+    """Check that the config can be trained on (:func:`~t1async.config.check_trainable`) and what it
+    points at (tokenizer, tasks, sandbox, CURVE keys); returns the task names.
+
+    Raises:
+        ConfigError, TaskError, SandboxUnavailable, KeysError: with a one-line message.
+    """
+    check_trainable(cfg)
+    check_model_vocab(cfg.model.vocab_size, cfg.env.action_format)
+    if cfg.rollout.agent == "external":  # the endpoint renders and returns tool calls with the tool-call ids
+        check_model_vocab(cfg.model.vocab_size, "tool_call", "model.vocab_size (rollout.agent=external)")
+        for module in ("fastapi", "uvicorn"):  # the endpoint's extra, before any process starts
+            require_extra(module, "endpoint", "rollout.agent=external")
+    tasks = discover_tasks(tasks_dir(cfg.env), cfg.env.tasks, sandbox=cfg.env.sandbox)
+    check_sandbox_available(cfg.env.sandbox)
+    check_port_free(cfg.transport)
+    if cfg.sampler.backend == "sglang" and not cfg.sampler.urls and not cfg.sampler.model_path:
+        raise ConfigError("sampler.backend=sglang needs sampler.urls (running servers) or sampler.model_path "
+                          "(a Hugging Face model folder for the servers launch starts)")
+    check_weight_sync_hosts(cfg)
+    if cfg.sampler.backend == "sglang" and cfg.weight_sync.mode == "distributed" and cfg.weight_sync.backend != "nccl":
+        logger.warning("sampler.backend=sglang with weight_sync.backend={}: SGLang servers receive on GPUs, "
+                       "use weight_sync.backend=nccl", cfg.weight_sync.backend)
+    if cfg.learner.advantage == "group" and cfg.rollout.group_size < 2:
+        logger.warning("learner.advantage=group with rollout.group_size={}: a task's episodes rarely meet in "
+                       "the learner's window, so most trajectories fall back to GAE (group_baselined_frac in "
+                       "metrics.jsonl); set rollout.group_size=4 or so", cfg.rollout.group_size)
+    if cfg.transport.curve:
+        server_keys(cfg.transport.keys_dir)
+        client_keys(cfg.transport.keys_dir)
+    return [t.name for t in tasks]
+
+
+def is_local_host(host: str) -> bool:
+    """Whether ``host`` (a name or an address) is this machine: it resolves to an address a socket
+    here can bind to (loopback included)."""
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except OSError:
+        return False
+    for family, _, _, _, addr in infos:
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.bind((addr[0], 0))
+            return True
+        except OSError:
+            continue
+    return False
+
+
+def check_weight_sync_hosts(cfg: Config) -> None:
+    """``weight_sync.mode=tensor`` hands samplers handles to the learner's memory (CUDA IPC, shared
+    memory), which only a process on the same machine can open: refuse samplers elsewhere.
+
+    Raises:
+        ConfigError: one line naming the sampler URL (or ``sampler.host``) that is not this machine.
+    """
+    if cfg.weight_sync.mode != "tensor":
+        return
+    for url in cfg.sampler.urls:  # set only with sampler.backend=sglang (config refuses it otherwise)
+        host = urllib.parse.urlsplit(url if "://" in url else f"http://{url}").hostname or ""
+        if not is_local_host(host):
+            raise ConfigError(f"weight_sync.mode=tensor needs samplers on this machine (CUDA IPC / shared memory), "
+                              f"but sampler.urls has {url} on host {host!r}; use weight_sync.mode=distributed")
+    if cfg.sampler.backend == "embedded" and not is_local_host(cfg.sampler.host):
+        raise ConfigError(f"weight_sync.mode=tensor needs samplers on this machine, but sampler.host="
+                          f"{cfg.sampler.host!r} is not an address of it; use weight_sync.mode=distributed")
+
+
+def check_port_free(transport: Any) -> None:
+    """Refuse a ``transport.port`` another process already listens on (before Ray starts, so the
+    message is one line instead of a Ray traceback).
+
+    Raises:
+        ConfigError: the port is busy or the host cannot be bound.
+    """
+    if transport.scheme != "tcp" or transport.port == 0:
+        return
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((transport.host, transport.port))
+        except OSError as e:
+            raise ConfigError(f"transport.port={transport.port} on {transport.host} cannot be used ({e.strerror}); "
+                              "pick a free port or transport.port=0 (any free port)") from None
+
+
+def check_tasks(cfg: Config, names: list[str]) -> None:
+    """Check that ``names`` can be drawn from (a live ``env.tasks`` change).
+
+    Raises:
+        TaskError: a name is missing or its task is invalid.
+    """
+    discover_tasks(tasks_dir(cfg.env), names, sandbox=cfg.env.sandbox)
+
+
+def start_samplers(cfg: Config, actor: Any, run_dir: Path | None = None) -> tuple[list[Any], list[str]]:
+    """M samplers (no weights until the learner publishes) and their URLs: embedded engines in Ray
+    actors, or for ``sampler.backend=sglang`` SGLang servers (t1async/sampling/sglang_server.py: started
+    here, returned as processes, or attached to ``sampler.urls``)."""
+    if cfg.sampler.backend == "sglang":
+        return start_servers(cfg.sampler, run_dir or Path(cfg.run.dir))
+
+    samplers = [start_sampler(cfg, actor, i) for i in range(cfg.sampler.num_samplers)]
+    return samplers, ray.get([s.url.remote() for s in samplers])
+
+
+def start_sampler(cfg: Config, actor: Any, index: int) -> Any:
+    """Embedded sampler ``index`` (a Ray actor, no weights yet; logs to ``logs/sampler<index>.log``)."""
+    return actor(EmbeddedSampler, f"sampler{index}").remote(cfg.model, cfg.sampler, seed=cfg.run.seed + index,
+                                                            torch_threads=cfg.run.torch_threads)
+
+
+def sampler_pool(cfg: Config, actor: Any, roles: dict[str, Any], urls: list[str]) -> SamplerPool | None:
+    """The embedded samplers' pool (t1async/service/sampler_pool.py), holding the ones launch started;
+    None for SGLang servers (not scaled or restarted live)."""
+    if cfg.sampler.backend != "embedded":
+        return None
+    pool = SamplerPool(lambda i: start_sampler(cfg, actor, i), lambda: roles["learner"], roles["controller"],
+                       restarts=cfg.run.sampler_restarts)
+    pool.adopt(roles["samplers"], urls)
+    return pool
+
+
+def start_learner(cfg: Config, actor: Any, run_dir: Path, urls: list[str]) -> tuple[Any, str]:
+    """The learner, joined to every sampler's weight group with version 0 published; its ZeroMQ endpoint."""
+    learner = actor(Learner, "learner").remote(cfg.learner, cfg.model, cfg.transport, cfg.weight_sync, str(run_dir),
+                                               generation=cfg.generation, seed=cfg.run.seed,
+                                               torch_threads=cfg.run.torch_threads)
+    endpoint = ray.get(learner.endpoint.remote())
+    ray.get(learner.connect_samplers.remote(urls))
+    return learner, endpoint
+
+
+def restart_learner(cfg: Config, actor: Any, run_dir: Path, urls: list[str], endpoint: str) -> Any:
+    """A new learner after one died: resumed from the last checkpoint and the receive log
+    (``learner.resume``), bound to the same endpoint (the rollout actors reconnect and resend
+    what it had not acknowledged) and joined to the samplers in a new weight group."""
+    cfg = copy.deepcopy(cfg)
+    cfg.learner.resume = True
+    if cfg.transport.scheme == "tcp":
+        cfg.transport.port = int(endpoint.rsplit(":", 1)[1])
+    learner, _ = start_learner(cfg, actor, run_dir, urls)
+    announce_resume(cfg, learner, run_dir)
+    return learner
+
+
+def start_controller(cfg: Config, actor: Any, task_names: list[str], urls: list[str], endpoint: str) -> Any:
+    """The controller, running its supervision loop, which starts and replaces the rollout actors."""
+    rollout_cls = actor(RolloutActor, "rollout")
+    work_root = str(Path(cfg.run.dir) / "workspaces")
+
+    def make_rollout(actor_id: int, crash_after: int) -> Any:
+        return rollout_cls.remote(actor_id, cfg.env, cfg.generation, cfg.model, cfg.transport, urls, endpoint,
+                                  crash_after_episodes=crash_after, request_timeout_s=cfg.sampler.request_timeout_s,
+                                  work_root=work_root, log_name=f"rollout{actor_id}",
+                                  audit_dir=str(Path(cfg.run.dir) / "audit") if cfg.run.audit else None,
+                                  rollout_cfg=cfg.rollout)
+
+    controller = actor(Controller, "controller").remote(
+        cfg.rollout, task_names, rollouts_per_version=cfg.learner.batch_size * cfg.learner.publish_every,
+        max_staleness=cfg.learner.max_staleness, make_rollout=make_rollout, seed=cfg.run.seed, sampler_urls=urls)
+    controller.run.remote()
+    return controller
+
+
+def shutdown(roles: dict[str, Any], grace_s: float = 5.0) -> dict[str, Any]:
+    """Stop admission and the rollout actors (each gets ``grace_s`` to finish and spool its
+    episode), read the samplers' versions, close the learner."""
+    out: dict[str, Any] = {}
+    if roles.get("controller") is not None:
+        out["controller"] = _try(lambda: ray.get(roles["controller"].stop.remote(grace_s), timeout=30 + grace_s))
+    if roles.get("samplers"):
+        out["samplers"] = _try(lambda: ray.get([s.stats.remote() for s in roles["samplers"]], timeout=30))
+    if roles.get("learner") is not None:
+        _try(lambda: ray.get(roles["learner"].close.remote(), timeout=30))
+    return out
+
+
+def add_log_sink(run_dir: Path, name: str, run_cfg: RunConfig, *, keep_stderr: bool = False) -> None:
+    """Send this process's loguru records to ``RUN_DIR/logs/NAME.log`` (rotated at
+    ``run.log_rotation``, ``run.log_retention`` old files kept) and, if asked, to stderr (looked up
+    at each write, so a live status line can redirect it)."""
+    logger.remove()
+    if keep_stderr:
+        logger.add(lambda m: sys.stderr.write(m), level="INFO", colorize=sys.stderr.isatty(),
+                   format="<green>{time:HH:mm:ss}</green> <level>{level: <7}</level> {message}")
+    (run_dir / "logs").mkdir(exist_ok=True)
+    logger.add(run_dir / "logs" / f"{name}.log", level="DEBUG", enqueue=False, rotation=run_cfg.log_rotation,
+               retention=run_cfg.log_retention)
+
+
+def _actor_factory(run_dir: Path, run_cfg: RunConfig):
+    """``actor(cls, log_name)`` -> a Ray actor class whose instances log to ``RUN_DIR/logs/``.
+
+    Actors take no CPU reservation: on a 2-core machine all roles share the cores, and each
+    limits torch to ``run.torch_threads`` threads.
+    """
+    def actor(cls: type, default_log_name: str):
+        class Logged(cls):  # type: ignore[misc, valid-type]
+            def __init__(self, *args: Any, log_name: str = default_log_name, **kwargs: Any):
+                add_log_sink(run_dir, log_name, run_cfg)
+                os.environ.setdefault("OMP_NUM_THREADS", "1")
+                super().__init__(*args, **kwargs)
+
+        Logged.__name__ = Logged.__qualname__ = cls.__name__
+        return ray.remote(num_cpus=0, max_concurrency=ACTOR_MAX_CONCURRENCY, max_restarts=0)(Logged)
+
+    return actor
+
+
+def _metrics_summary(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        return {"steps": 0}
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not rows:
+        return {"steps": 0}
+    n = sum(r["trajectories"] for r in rows)
+    return {
+        "steps": rows[-1]["step"],
+        "final_version": rows[-1]["version"],
+        "trajectories": n,
+        "dropped_stale": rows[-1]["dropped_stale"],
+        "dropped": rows[-1].get("dropped", {}),  # (absent from rows written before it existed)
+        "reward_mean": sum(r["reward_mean"] * r["trajectories"] for r in rows) / n,
+        "resolved_rate": sum(r["resolved_rate"] * r["trajectories"] for r in rows) / n,
+        "staleness_max": max(r["staleness_max"] for r in rows),
+    }
+
+
+def _try(fn: Any) -> Any:
+    try:
+        return fn()
+    except Exception as e:  # shutdown must go on even if one role is already gone
+        logger.warning("shutdown step failed: {}", e)
+        return {"error": str(e)}
+

@@ -1,0 +1,372 @@
+"""The running service, in the launch process: control requests, the learner's supervision, the
+live status line and the TensorBoard events.
+
+    learner.run(controller) --(poll every second)--> done: return its status
+                                                     died: restart it from its last checkpoint and
+                                                           the receive log (back-off 5, 10, 20 s...)
+                                                           or, past run.learner_restarts, one line
+    metrics.jsonl --(tail)--> TensorBoard events (RUN_DIR/tensorboard) + status line (a TTY) or log lines
+    control socket (t1async/service/control.py) --> status | stop | scale (live-safe keys only)
+    SIGINT, SIGTERM, SIGHUP --> stop after the learner's current step (final checkpoint)
+
+Waits on: the learner's ``run``. Stopped by: the learner finishing ``max_steps``, ``t1async
+stop``, a signal, or a learner that keeps dying.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import ray
+from loguru import logger
+from omegaconf import OmegaConf
+from rich.console import Console
+from rich.live import Live
+from tensorboardX import SummaryWriter
+
+from t1async.config import Config, ConfigError, check_values
+from t1async.service.control import LIVE_KEYS, live_change_refusal
+from t1async.service.rundir import append_history
+from t1async.service.sampler_pool import Backoff, SamplerPool
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+TB_SKIP = ("step", "version", "time", "phase", "train_policy")
+
+
+class LearnerDied(RuntimeError):
+    """The learner died and was not (or could no more be) restarted; the message says how to resume."""
+
+
+class MetricsTail:
+    """Reads rows appended to ``metrics.jsonl`` since the last call; writes their numbers as
+    TensorBoard scalars (tensorboardX, ``RUN_DIR/tensorboard``; dict fields as ``name/key``)."""
+
+    def __init__(self, path: Path, tensorboard: bool):
+        self.path, self.pos, self.rows = path, 0, []
+        self.writer = None
+        if tensorboard:
+            self.writer = SummaryWriter(str(path.parent / "tensorboard"), flush_secs=10)
+
+    def poll(self) -> list[dict[str, Any]]:
+        """New complete rows (a resumed learner's truncation is followed: reading starts over)."""
+        if not self.path.exists():
+            return []
+        size = self.path.stat().st_size
+        if size < self.pos:
+            self.pos, self.rows = 0, []
+        with open(self.path) as f:
+            f.seek(self.pos)
+            chunk = f.read()
+        end = chunk.rfind("\n") + 1
+        self.pos += len(chunk[:end].encode())
+        new = [json.loads(x) for x in chunk[:end].splitlines() if x.strip()]
+        self.rows = (self.rows + new)[-200:]
+        for row in new:
+            self._write(row)
+        return new
+
+    def _write(self, row: dict[str, Any]) -> None:
+        if self.writer is None:
+            return
+        for key, value in row.items():
+            if key in TB_SKIP:
+                continue
+            items = value.items() if isinstance(value, dict) else [(None, value)]
+            for sub, v in items:
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    self.writer.add_scalar(f"{key}/{sub}" if sub else key, v, row["step"], walltime=row.get("time"))
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+class Service:
+    """The launch process's side of a running service.
+
+    Args:
+        cfg: the run's config (live changes are applied to it).
+        run_dir: the run directory.
+        roles: ``{"learner", "controller", "samplers"}`` Ray handles.
+        restart_learner: ``() -> new learner handle`` (resumed from the last checkpoint, same endpoint).
+        check_tasks: ``(names) -> None``; raises a one-line error when a task set cannot be used.
+        samplers: the embedded samplers' pool (live scaling, restarts; t1async/service/sampler_pool.py),
+            None for SGLang servers.
+    """
+
+    def __init__(self, cfg: Config, run_dir: Path, roles: dict[str, Any], restart_learner: Callable[[], Any],
+                 check_tasks: Callable[[list[str]], None], samplers: SamplerPool | None = None):
+        self.cfg, self.run_dir, self.roles = cfg, run_dir, roles
+        self.restart_learner, self.check_tasks, self.samplers = restart_learner, check_tasks, samplers
+        self.restarts = {"learner": 0}
+        self._learner_backoff = Backoff(cfg.run.learner_restarts)
+        self.stop_request: str | None = None  # "drain" | "now" (t1async stop) | "signal"
+        self.started = time.time()
+        self.tail = MetricsTail(run_dir / "metrics.jsonl", cfg.run.tensorboard)
+        self._lock = threading.Lock()
+        self._live = None
+        self._life_started = time.time()  # (wall clock: compared with metrics rows)
+
+    def handlers(self) -> dict[str, Callable[[dict[str, Any]], dict[str, Any]]]:
+        return {"status": self.status, "stop": self.request_stop, "scale": self.scale}
+
+    # ---- control ------------------------------------------------------------------------
+    def status(self, req: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Everything ``t1async status`` shows (see t1async/service/control.py format_status)."""
+        out: dict[str, Any] = {"ok": True, "run_dir": str(self.run_dir), "pid": os.getpid(),
+                               "state": "stopping" if self.stop_request else "running",
+                               "uptime_s": round(time.time() - self.started, 1), "restarts": self.restarts,
+                               "max_staleness": self.cfg.learner.max_staleness}
+        try:
+            ls = ray.get(self.roles["learner"].status.remote(), timeout=10)
+            out.update({k: ls[k] for k in ("step", "version", "queue_depth", "dropped", "received", "rejected",
+                                           "duplicates", "trained", "max_steps", "ledger", "resumed",
+                                           "weight_group")})
+        except Exception as e:
+            out["learner_error"] = str(e).splitlines()[0] if str(e) else type(e).__name__
+        try:
+            cs = ray.get(self.roles["controller"].status.remote(), timeout=10)
+            out["actors"] = cs.pop("actors_detail")
+            out["episode_failures"] = cs.get("episode_failures")
+            out["controller"] = cs
+        except Exception as e:
+            out["controller_error"] = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if self.samplers is not None:  # embedded: the pool's view (states, restarts, how each joined)
+            out["samplers"] = self.samplers.status()
+            out["restarts"] = {**self.restarts, "samplers": self.samplers.restarts}
+        else:
+            out["samplers"] = []
+            for i, s in enumerate(self.roles.get("samplers", [])):
+                try:
+                    out["samplers"].append({"name": f"sampler{i}", "state": "serving",
+                                            **ray.get(s.stats.remote(), timeout=10)})
+                except Exception:
+                    out["samplers"].append({"name": f"sampler{i}", "state": "unreachable"})
+        out.update(trends(self.tail.rows))
+        return out
+
+    def request_stop(self, req: dict[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            self.stop_request = "now" if req.get("now") else "drain"
+        logger.warning("stop requested ({}) through the control socket", self.stop_request)
+        return {"ok": True}
+
+    def scale(self, req: dict[str, Any]) -> dict[str, Any]:
+        """Apply live-safe changes (checked like a config override), log them and add them to
+        the run's config history.
+
+        Raises:
+            ValueError: a key that cannot change live, or a value the config would refuse.
+        """
+        changes: dict[str, Any] = dict(req.get("changes") or {})
+        for key in changes:
+            refusal = live_change_refusal(key)
+            if refusal:
+                raise ValueError(refusal)
+        try:  # the same type and value rules as a config file or a launch override
+            merged = OmegaConf.merge(OmegaConf.structured(self.cfg), OmegaConf.from_dotlist(
+                [f"{k}={json.dumps(v)}" for k, v in changes.items()]))
+            new: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
+            check_values(new, source="scale")
+        except ConfigError as e:
+            raise ValueError(str(e)) from None
+        except Exception as e:
+            raise ValueError(f"scale: {str(e).splitlines()[0]}") from None
+        if "env.tasks" in changes:
+            self.check_tasks(list(new.env.tasks))
+        if "sampler.num_samplers" in changes and self.samplers is None:
+            raise ValueError("sampler.num_samplers can change live only with sampler.backend=embedded; SGLang "
+                             "servers are given at launch (sampler.urls or sampler.num_samplers)")
+        learner_keys = {k.split(".", 1)[1]: getattr(new.learner, k.split(".", 1)[1])
+                        for k in changes if k.startswith("learner.")}
+        if learner_keys:
+            ray.get(self.roles["learner"].set_live.remote(learner_keys), timeout=30)
+        ctrl = {}
+        if "learner.max_staleness" in changes:
+            ctrl["max_staleness"] = new.learner.max_staleness
+        if "env.tasks" in changes:
+            ctrl["tasks"] = list(new.env.tasks) or None
+        if ctrl:
+            if ctrl.get("tasks", 0) is None:
+                raise ValueError("env.tasks=[] (every task) cannot be set live; name the tasks")
+            ray.get(self.roles["controller"].set_live.remote(ctrl), timeout=30)
+        if "rollout.num_actors" in changes:
+            ray.get(self.roles["controller"].scale.remote(new.rollout.num_actors), timeout=30)
+        if "sampler.num_samplers" in changes and self.samplers is not None:
+            self.samplers.scale(new.sampler.num_samplers)
+        self.cfg = new
+        applied = {k: _get(new, k) for k in changes}
+        append_history(self.run_dir, applied, "t1async scale")
+        logger.info("live change applied and recorded in config_history.jsonl: {}", applied)
+        return {"ok": True, "applied": applied}
+
+    # ---- the main loop ------------------------------------------------------------------
+    def run(self) -> tuple[dict[str, Any], str]:
+        """Run the learner to its end (see the module docstring); returns ``(learner status, how
+        it ended)`` with how = ``done``, ``stopped`` (t1async stop) or ``signal``.
+
+        Raises:
+            LearnerDied: it died more than ``run.learner_restarts`` times.
+        """
+        received: list[int] = []
+
+        def on_signal(signum: int, frame: Any) -> None:
+            received.append(signum)
+            if signum == signal.SIGHUP:  # the terminal is gone: later writes to it would fail
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, 1)
+                os.dup2(devnull, 2)
+
+        # Set explicitly: a launch started in the background by a script inherits SIGINT ignored
+        # (POSIX shells do that to `&` jobs), and Python then leaves it ignored; `kill -INT` must still stop it.
+        previous = {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS}
+        learner, controller = self.roles["learner"], self.roles["controller"]
+        run_ref = learner.run.remote(controller)
+        asked = False
+        self._start_status_line()
+        if self.samplers is not None:
+            self.samplers.start()
+        try:
+            while True:
+                ready, _ = ray.wait([run_ref], timeout=1.0)
+                if ready:
+                    try:
+                        result = ray.get(run_ref)
+                    except ray.exceptions.RayActorError as e:
+                        if asked:
+                            raise LearnerDied(self._died_line(e, "while stopping")) from None
+                        learner = self._restart(e)
+                        run_ref = learner.run.remote(controller)
+                        continue
+                    how = "signal" if received else "stopped" if self.stop_request else "done"
+                    return result, how
+                self._show(self.tail.poll())
+                if (received or self.stop_request) and not asked:
+                    what = (f"signal {signal.Signals(received[0]).name}" if received
+                            else f"t1async stop{' --now' if self.stop_request == 'now' else ''}")
+                    logger.warning("{}: stopping the learner after its current step (final checkpoint follows)", what)
+                    asked = True
+                    try:
+                        ray.get(learner.stop.remote(), timeout=30)
+                    except Exception as e:  # a dead learner is seen by the wait above
+                        logger.warning("could not ask the learner to stop: {}", e)
+        finally:
+            if self.samplers is not None:
+                self.samplers.close()
+            self._stop_status_line()
+            self._show(self.tail.poll())
+            self.tail.close()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _restart(self, err: Exception) -> Any:
+        """A new learner, resumed from the last checkpoint and the receive log, after the back-off
+        of :class:`~t1async.service.sampler_pool.Backoff` (5 x 2^k s up to 60 s, k = deaths in a row of
+        learners that trained no step: a learner that keeps dying is never restarted in a tight
+        loop; past ``run.learner_restarts`` such deaths in a row the service stops with one line).
+        A learner that dies while starting (killed again, its port not yet free) counts as one
+        more death in the row."""
+        while True:
+            self.tail.poll()
+            worked = any(r.get("time", 0) > self._life_started for r in self.tail.rows[-1:])  # trained in this life
+            wait = self._learner_backoff.next_wait(worked)
+            if wait is None:
+                raise LearnerDied(self._died_line(err, f"after {self._learner_backoff.in_row} restarts in a row"))
+            self.restarts["learner"] += 1
+            logger.error("the learner died ({}); restart {} of {} in a row in {:.0f} s from its last checkpoint",
+                         _first_line(err), self._learner_backoff.in_row, self.cfg.run.learner_restarts, wait)
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline and not self.stop_request:
+                time.sleep(0.2)
+            self._life_started = time.time()
+            try:
+                self.roles["learner"] = self.restart_learner()
+            except Exception as e:  # died again while starting: one more in the row
+                err = e
+                continue
+            if self.samplers is not None:
+                self.samplers.learner_restarted()
+            return self.roles["learner"]
+
+    def _died_line(self, err: Exception, when: str) -> str:
+        return (f"the learner died {when} ({_first_line(err)}; see {self.run_dir}/logs/learner.log); nothing sent "
+                f"is lost: resume with t1async launch CONFIG run.dir={self.run_dir} learner.resume=true")
+
+    # ---- look inside --------------------------------------------------------------------
+    def _start_status_line(self) -> None:
+        """A rich live line on a terminal; plain log lines otherwise (see :meth:`_show`)."""
+        if not sys.stderr.isatty():
+            return
+        self._live = Live("", console=Console(stderr=True), refresh_per_second=2, transient=True,
+                          redirect_stderr=True, redirect_stdout=True)
+        self._live.start()
+
+    def _stop_status_line(self) -> None:
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
+
+    def _samplers_line(self) -> str:
+        if self.samplers is None:
+            return str(self.cfg.sampler.num_samplers)
+        return f"{len(self.samplers.serving_urls())}/{self.samplers.target}"
+
+    def _show(self, new_rows: list[dict[str, Any]]) -> None:
+        if not new_rows and self._live is None:
+            return
+        t = trends(self.tail.rows)
+        last = self.tail.rows[-1] if self.tail.rows else {}
+        line = (f"step {last.get('step', 0)}  v{last.get('version', 0)}  actors {self.cfg.rollout.num_actors}  "
+                f"samplers {self._samplers_line()}  traj/s {_fmt(t['trajectories_per_s'])}  "
+                f"reward {_fmt(t['reward_recent'])}  resolved {_fmt(t['resolved_recent'])}  "
+                f"staleness {last.get('staleness_max', '-')}  queue {last.get('queue_depth', '-')}  "
+                f"restarts {self.restarts['learner']}")
+        if self._live is not None:
+            self._live.update(line)
+        elif new_rows:
+            logger.info(line)
+
+
+def trends(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rates and trends over metrics rows: trajectories/s (last 10 steps), reward and resolved
+    rate of the last 5 steps against the 5 before, time since the last step, staleness."""
+    out: dict[str, Any] = {"trajectories_per_s": None, "reward_recent": None, "reward_before": None,
+                           "resolved_recent": None, "resolved_before": None, "since_last_step_s": None,
+                           "staleness_max": None}
+    if not rows:
+        return out
+    window = rows[-10:]
+    if len(window) >= 2 and window[-1]["time"] > window[0]["time"]:
+        n = sum(r["trajectories"] for r in window[1:])
+        out["trajectories_per_s"] = n / (window[-1]["time"] - window[0]["time"])
+    for key, field in (("reward", "reward_mean"), ("resolved", "resolved_rate")):
+        recent, before = rows[-5:], rows[-10:-5]
+        out[f"{key}_recent"] = sum(r[field] for r in recent) / len(recent)
+        out[f"{key}_before"] = sum(r[field] for r in before) / len(before) if before else None
+    out["since_last_step_s"] = round(time.time() - rows[-1]["time"], 1)
+    out["staleness_max"] = max(r["staleness_max"] for r in rows)
+    return out
+
+
+def _get(cfg: Any, dotted: str) -> Any:
+    for name in dotted.split("."):
+        cfg = getattr(cfg, name)
+    return list(cfg) if isinstance(cfg, list) else cfg
+
+
+def _fmt(x: Any) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+
+
+__all__ = ["LIVE_KEYS", "LearnerDied", "MetricsTail", "Service", "trends"]
