@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-from t1async.learner.rl import group_baselines
+from t1async.learner.rl import check_group_inputs, group_baselines, recent_rewards
 
 GroupHistory = dict[str, list[tuple[int, float]]]
 """Task name -> ``[(learner step, reward)]`` of the trajectories of that task trained recently."""
@@ -56,14 +56,11 @@ def group_normalized(tasks: list[str], rewards: list[float], history: GroupHisto
     Raises:
         ValueError: ``tasks`` and ``rewards`` differ in length, or ``window_steps`` < 0.
     """
-    if len(tasks) != len(rewards):
-        raise ValueError(f"{len(tasks)} task names for {len(rewards)} rewards")
-    if window_steps < 0:
-        raise ValueError(f"window_steps must be >= 0, got {window_steps}")
+    check_group_inputs(tasks, rewards, window_steps)
     out: list[tuple[float, float] | None] = []
     for task in tasks:
         group = [r for t, r in zip(tasks, rewards) if t == task]
-        group += [r for s, r in history.get(task, ()) if step - s <= window_steps]
+        group += recent_rewards(history, task, step, window_steps)
         if len(group) < 2:
             out.append(None)
             continue

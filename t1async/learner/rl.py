@@ -49,6 +49,21 @@ def gae(rewards: np.ndarray, values: np.ndarray, gamma: float, lam: float) -> tu
     return adv32, (adv + values).astype(np.float32)
 
 
+def check_group_inputs(tasks: list[str], rewards: list[float], window_steps: int) -> None:
+    """Raise ValueError unless ``tasks`` and ``rewards`` have one entry per trajectory and
+    ``window_steps`` >= 0 (the inputs of the per-task group estimators)."""
+    if len(tasks) != len(rewards):
+        raise ValueError(f"{len(tasks)} task names for {len(rewards)} rewards")
+    if window_steps < 0:
+        raise ValueError(f"window_steps must be >= 0, got {window_steps}")
+
+
+def recent_rewards(history: dict[str, list[tuple[int, float]]], task: str, step: int, window_steps: int) -> list[float]:
+    """The rewards of ``task`` trained in the last ``window_steps`` learner steps before ``step``
+    (``history``: task -> [(step, reward), ...])."""
+    return [r for s, r in history.get(task, ()) if step - s <= window_steps]
+
+
 def group_baselines(tasks: list[str], rewards: list[float], history: dict[str, list[tuple[int, float]]], step: int,
                     window_steps: int) -> list[float | None]:
     """Leave-one-out baseline of each trajectory from the other episodes of its task (RLOO).
@@ -79,14 +94,11 @@ def group_baselines(tasks: list[str], rewards: list[float], history: dict[str, l
     Raises:
         ValueError: ``tasks`` and ``rewards`` differ in length, or ``window_steps`` < 0.
     """
-    if len(tasks) != len(rewards):
-        raise ValueError(f"{len(tasks)} task names for {len(rewards)} rewards")
-    if window_steps < 0:
-        raise ValueError(f"window_steps must be >= 0, got {window_steps}")
+    check_group_inputs(tasks, rewards, window_steps)
     out: list[float | None] = []
     for i, task in enumerate(tasks):
         peers = [r for j, (t, r) in enumerate(zip(tasks, rewards)) if t == task and j != i]
-        peers += [r for s, r in history.get(task, ()) if step - s <= window_steps]
+        peers += recent_rewards(history, task, step, window_steps)
         out.append(sum(peers) / len(peers) if peers else None)
     return out
 
