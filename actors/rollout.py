@@ -179,11 +179,11 @@ def claim_workdir(work_root: str | Path | None, actor_id: int) -> tuple[Path, in
 
 def reclaim_dead_workdirs(root: Path) -> int:
     """Unmount and remove every ``t1async-rollout*`` folder under ``root`` whose owner died (its
-    lock is free): an actor killed with SIGKILL leaves its sandboxes' tmpfs mounts and files
-    behind. Returns how many folders were reclaimed; live actors' folders are left alone."""
+    lock is free): an actor killed with SIGKILL leaves its sandboxes' tmpfs mounts, files and
+    running containers behind. Returns how many folders were reclaimed; live actors' folders are left alone."""
     reclaimed = 0
-    remove_orphan_containers(root)  # a killed actor's containers keep running: their owner is dead
     for folder in dead_owner_folders(root, "t1async-rollout*"):
+        remove_orphan_containers(folder)  # a killed actor's containers keep running: their owner is dead
         mounts = unmount_all_under(folder)
         shutil.rmtree(folder, ignore_errors=True)
         reclaimed += 1

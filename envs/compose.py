@@ -22,22 +22,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .dockerfile import ENV_KEY
 from .protocol import ServiceSpec
 
 MAIN_SERVICES = ("main", "client")
 """Names of the agent's own service: Harbor's ``main`` (TB2), the TB1 harness's ``client``."""
 
-HARNESS_NAMES = frozenset({
-    "MAIN_IMAGE_NAME", "T_BENCH_TASK_DOCKER_CLIENT_IMAGE_NAME", "T_BENCH_TASK_DOCKER_CLIENT_CONTAINER_NAME",
-    "T_BENCH_TASK_DOCKER_NAME_PREFIX",
-})
-"""Variables whose value is a name the harness chooses for the agent's image or container: a
-service whose ``image`` or ``container_name`` uses one of the first three is the agent's (TB1's
-harness finds its container that way), and such an ``image`` means "build", not "pull"."""
-
 _AGENT_NAMES = ("MAIN_IMAGE_NAME", "T_BENCH_TASK_DOCKER_CLIENT_IMAGE_NAME", "T_BENCH_TASK_DOCKER_CLIENT_CONTAINER_NAME")
+"""Variables whose value is the name the harness chooses for the agent's image or container: a
+service whose ``image`` or ``container_name`` uses one is the agent's (TB1's harness finds its
+container that way), and such an ``image`` means "build", not "pull"."""
 
-_ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _VARIABLE = re.compile(r"\$(?:(\$)|\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?+])([^}]*))?\}|([A-Za-z_][A-Za-z0-9_]*))")
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)(us|ms|s|m|h)")
 
@@ -177,13 +172,21 @@ def read_compose(path: Path, variables: dict[str, str]) -> ComposeFile:
     image, unresolved = interpolate(str(main.get("image") or ""), variables)
     if image and not build and not unresolved:
         result.image = image
-    env = main.get("environment") or {}
+    result.environment = {key: value for key, value in _environment(main, variables) if ENV_KEY.match(key)}
+    return result
+
+
+def _environment(body: dict, variables: dict[str, str]) -> list[tuple[str, str]]:
+    """A service's ``environment`` (a mapping or ``KEY=value`` list) as (key, value) pairs,
+    interpolated; an entry that uses a variable nobody sets is left out."""
+    env = body.get("environment") or {}
     pairs = env.items() if isinstance(env, dict) else (str(e).partition("=")[::2] for e in env)
+    out = []
     for key, value in pairs:
         text, unresolved = interpolate("" if value is None else str(value), variables)
-        if not unresolved and _ENV_KEY.match(str(key)):
-            result.environment[str(key)] = text
-    return result
+        if not unresolved:
+            out.append((str(key), text))
+    return out
 
 
 def _agent_service(bodies: dict[str, dict]) -> str | None:
@@ -255,13 +258,7 @@ def _sidecar(path: Path, name: str, body: dict, main: dict, variables: dict[str,
         command = tuple(str(c) for c in command)
     else:
         command = None
-    env = body.get("environment") or {}
-    pairs = env.items() if isinstance(env, dict) else (str(e).partition("=")[::2] for e in env)
-    environment = []
-    for key, value in pairs:
-        text, unresolved = interpolate("" if value is None else str(value), variables)
-        if not unresolved:
-            environment.append((str(key), text))
+    environment = _environment(body, variables)
     check = body.get("healthcheck") if isinstance(body.get("healthcheck"), dict) else {}
     test = check.get("test")
     if isinstance(test, str):

@@ -25,7 +25,8 @@ SUPPORTED_INSTRUCTIONS = ("FROM", "WORKDIR", "ENV", "ARG", "COPY", "ADD", "RUN")
 IGNORED_INSTRUCTIONS = ("CMD", "ENTRYPOINT", "EXPOSE", "LABEL", "MAINTAINER", "STOPSIGNAL", "HEALTHCHECK",
                         "VOLUME", "ONBUILD")
 """Instructions that do not change the image's files or the shell's environment: accepted, ignored."""
-_ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+"""A valid environment variable name."""
 _ARCHIVE = re.compile(r"\.(tar|tgz|tbz2?|txz|tar\.(gz|bz2|xz|zst))$")
 
 
@@ -148,7 +149,7 @@ def parse_dockerfile(text: str, context_dir: Path, *, where: str = "Dockerfile")
             steps.append(DockerStep("ENV", _parse_env(rest, at), line, workdir))
         elif instruction == "ARG":
             key, _, default = rest.partition("=")
-            if not _ENV_KEY.match(key.strip()):
+            if not ENV_KEY.match(key.strip()):
                 raise TaskError(f"{at}: ARG expects NAME or NAME=default, got {rest!r} ({LAYOUT_HINT})")
             steps.append(DockerStep("ARG", (key.strip(), default.strip().strip("\"'")), line, workdir))
         elif instruction in ("COPY", "ADD"):
@@ -170,12 +171,12 @@ def _parse_env(rest: str, at: str) -> tuple[str, ...]:
     if "=" in words[0]:
         for word in words:
             key, eq, value = word.partition("=")
-            if not eq or not _ENV_KEY.match(key):
+            if not eq or not ENV_KEY.match(key):
                 raise TaskError(f"{at}: ENV expects KEY=VALUE pairs, got {word!r} ({LAYOUT_HINT})")
             pairs += [key, value]
     else:
         key, _, value = rest.partition(" ")
-        if not _ENV_KEY.match(key) or not value.strip():
+        if not ENV_KEY.match(key) or not value.strip():
             raise TaskError(f"{at}: ENV expects `ENV KEY VALUE` or `ENV KEY=VALUE`, got {rest!r} ({LAYOUT_HINT})")
         pairs += [key, value.strip()]
     return tuple(pairs)
