@@ -244,9 +244,10 @@ def collection_failure(output: str, tests: list[TestResult], *, instruction: str
     if instruction is None or not tests or any(t.outcome != "ERROR" or "::" in t.name for t in tests):
         return None
     text = _ANSI.sub("", output)
-    missing = list(dict.fromkeys(m.group(1) for m in _MISSING_MODULE.finditer(text)))
+    found = _MISSING_MODULE.findall(text)
+    missing = list(dict.fromkeys(found))
     collecting = text.count("ERROR collecting ")
-    if not missing or collecting < len(tests) or len(_MISSING_MODULE.findall(text)) < collecting:
+    if not missing or collecting < len(tests) or len(found) < collecting:
         return None
     test_files = {t.name for t in tests}
     for frame in _FRAME.findall(text):
