@@ -250,9 +250,12 @@ def test_sandboxes_outliving_their_actor_are_found_by_their_workspace_path(tmp_p
     from t1async.service.reaper import kill_sandboxes_under
 
     work = tmp_path / "workspaces"
-    # a path in the command line, as bwrap's --bind arguments name it
-    inside = subprocess.Popen(["bash", "-c", "sleep 60; true", str(work / "t1async-rollout0-x" / "app")])
-    outside = subprocess.Popen(["bash", "-c", "sleep 60; true", str(tmp_path / "elsewhere")])
+    # a path in the command line, as bwrap's --bind arguments name it. One process each, that never
+    # forks: a shell's forked child carries the shell's command line until it execs, so it would
+    # match too, and the count would depend on timing.
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    inside = subprocess.Popen([*sleeper, str(work / "t1async-rollout0-x" / "app")])
+    outside = subprocess.Popen([*sleeper, str(tmp_path / "elsewhere")])
     try:
         assert kill_sandboxes_under(work) == 1
         assert inside.wait(timeout=5) == -signal.SIGKILL and outside.poll() is None
