@@ -559,6 +559,57 @@ def test_group_advantage_leaves_a_task_every_episode_resolves_untouched_and_move
         gae_.close()
 
 
+@pytest.mark.parametrize("advantage", ["group", "grpo"])
+def test_whitening_leaves_a_group_that_scored_alike_at_exactly_zero_advantage_and_gradient(tmp_path, monkeypatch,
+                                                                                          advantage):
+    """learner.normalize_advantages on (the default) with a per-episode estimator, as
+    configs/learning.yaml runs it. A task whose two episodes scored alike has advantage exactly 0
+    on every token and adds exactly 0 to the policy gradient, although the other task's group
+    (episodes of unequal length, so the batch's token mean advantage is not 0) has a signal; that
+    group keeps its signs and is divided by the batch's std, not re-centred."""
+    cfg = LearnerConfig(max_steps=4, batch_size=4, lr=1e-3, routing_replay=False, batch_timeout_s=30,
+                        advantage=advantage, critic=False, micro_batch_tokens=0, group_window_steps=0)
+    assert cfg.normalize_advantages
+    learner = Learner(cfg, MODEL, TransportConfig(), WeightSyncConfig(), str(tmp_path / "run"), seed=0)
+    from t1async.learner import update
+
+    real = update.POLICY_LOSSES["ppo"]
+    seen: list[tuple[int, torch.Tensor, torch.Tensor, float]] = []
+
+    def spy(logp, logp_prox, logp_behavior, advantages, mask, **kw):
+        out = real(logp, logp_prox, logp_behavior, advantages, mask, **kw)
+        params = [p for p in learner.policy.parameters() if p.requires_grad]
+        grads = torch.autograd.grad(out.loss, params, retain_graph=True, allow_unused=True)
+        norm = sum(float(g.abs().sum()) for g in grads if g is not None)
+        seen.append((logp.shape[1], advantages.detach().clone(), mask.clone(), norm))
+        return out
+
+    monkeypatch.setitem(update.POLICY_LOSSES, "ppo", spy)
+    try:
+        won, lost = synthetic(0, 1, reward=2.0, T=48), synthetic(0, 2, reward=0.0, T=40)
+        same = [synthetic(0, 3, reward=1.0, T=32), synthetic(0, 4, reward=1.0, T=32)]
+        won.task = lost.task = "mixed"
+        for t in same:
+            t.task = "same"
+        m = learner._train_step([won, lost, *same])
+        assert m["group_baselined_frac"] == 1.0
+        by_len = {}
+        for positions, adv, mask, norm in seen:
+            by_len.setdefault(positions, []).append((adv[mask.bool()], norm))
+        assert sorted(len(v) for v in by_len.values()) == [1, 1, 2]
+        for adv, norm in by_len[31]:  # the group that scored alike
+            assert adv.numel() > 0 and bool((adv == 0).all()), adv
+            assert norm == 0.0
+        (a_won, n_won), = by_len[47]
+        (a_lost, n_lost), = by_len[39]
+        assert bool((a_won > 0).all()) and bool((a_lost < 0).all())  # signs kept
+        assert n_won > 0 and n_lost > 0
+        flat = torch.cat([a_won, a_lost, *(a for a, _ in by_len[31])])
+        assert float(flat.std(unbiased=False)) == pytest.approx(1.0, rel=1e-5)  # scaled by the batch's std
+    finally:
+        learner.close()
+
+
 def test_negative_advantage_weight_zero_trains_only_on_episodes_above_their_baseline(tmp_path):
     """learner.negative_advantage_weight. An episode that did worse than its task's peer (reward 0
     after a peer's 2, so advantage -2) moves the policy at weight 1 and leaves it exactly unchanged

@@ -164,3 +164,25 @@ def test_every_registered_estimator_and_loss_is_a_config_value_and_back():
         load_config(None, ["learner.advantage=nope"])
     with pytest.raises(ConfigError, match="learner.policy_loss"):
         load_config(None, ["learner.policy_loss=nope"])
+
+
+def test_whiten_recentres_gae_only_and_keeps_a_zero_advantage_zero():
+    """learner.normalize_advantages (t1async/learner/advantages.py ``whiten``): re-centred,
+    (A - mean) / std over the masked tokens; not re-centred, A / std (0 stays 0, signs kept); the
+    registry re-centres GAE only; masks of the wrong shape are refused."""
+    from t1async.learner.advantages import ADVANTAGES, whiten
+
+    a = [torch.tensor([[2.0, 2.0, 9.0], [0.0, 0.0, 0.0]]), torch.tensor([[-1.0, 5.0]])]
+    m = [torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]]), torch.tensor([[1.0, 0.0]])]
+    flat = torch.tensor([2.0, 2.0, 0.0, 0.0, -1.0])
+    mean, std = flat.mean(), flat.std(unbiased=False)
+    centred = whiten(a, m, recentre=True)
+    torch.testing.assert_close(centred[0], (a[0] - mean) / std * m[0])
+    torch.testing.assert_close(centred[1], (a[1] - mean) / std * m[1])
+    scaled = whiten(a, m, recentre=False)
+    torch.testing.assert_close(scaled[0], a[0] / std * m[0])
+    assert bool((scaled[0][1] == 0).all()) and float(scaled[1][0, 0]) < 0
+    assert [name for name, adv in ADVANTAGES.items() if adv.recentre] == ["gae"]
+    assert whiten([torch.zeros(1, 2)], [torch.ones(1, 2)], recentre=False)[0].abs().max() == 0  # all alike: 0, no nan
+    with pytest.raises(ValueError, match="one mask per advantage"):
+        whiten(a, m[:1], recentre=True)

@@ -158,7 +158,13 @@ class LearnerConfig:
     lam: float = 0.95
     """GAE lambda."""
     normalize_advantages: bool = True
-    """Whiten advantages over the batch's loss tokens (mean 0, std 1)."""
+    """Whiten advantages over the batch's policy-loss tokens (:func:`t1async.learner.advantages.whiten`).
+    ``advantage: gae``: ``(A - mean) / std`` (mean 0, std 1, as PPO does). ``group`` and ``grpo``:
+    ``A / std``, not re-centred (group-level mean, batch-level std: Liu et al. 2025, "Tricks or
+    Traps? A Deep Dive into RL for LLM Reasoning"), so a task whose episodes all scored alike keeps
+    advantage 0 on every token and gives no gradient, and no advantage changes sign; trajectories
+    of such a batch that fell back to GAE are scaled alike. The std is over tokens (a long episode
+    weighs more), floored at 1e-6."""
     policy_loss: str = "ppo"
     """The policy's loss: ``ppo`` (decoupled PPO with a truncated behaviour importance weight,
     the proximal policy in the ratio's denominator; :func:`t1async.learner.rl.policy_loss`).
@@ -188,8 +194,9 @@ class LearnerConfig:
     negative_advantage_weight: float = 1.0
     """Multiplier of negative advantages, after whitening when ``normalize_advantages`` (0..1).
     1: the usual policy gradient. Below 1 the update leans toward what did better than the
-    baseline: with group advantages and whitening off, 0 trains only on the episodes above their
-    baseline; with whitening on, only on tokens above the batch's mean advantage (reward-filtered imitation
+    baseline: with group advantages (whitened or not: their whitening keeps every sign), 0 trains
+    only on the episodes above their baseline; with GAE and whitening on, only on tokens above the
+    batch's mean advantage (reward-filtered imitation
     of the policy's own better episodes, RAFT++ in
     Xiong et al. 2025, "A Minimalist Approach to LLM Reasoning"; Arnal et al. 2025, "Asymmetric
     REINFORCE", show why a baseline below the mean is the stable side off-policy): pushing

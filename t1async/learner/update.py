@@ -2,7 +2,7 @@
 
     batch --micro-batches (right-padded, learner.micro_batch_tokens)--> critic values (old),
     GAE over sampled tokens (or the per-episode estimate of ``learner.advantage``,
-    t1async/learner/advantages.py) --> whitening --> ``ppo_epochs`` x (policy log-probs under
+    t1async/learner/advantages.py) --> whitening (re-centred for GAE only) --> ``ppo_epochs`` x (policy log-probs under
     routing replay; proximal = the first epoch's; policy loss ``learner.policy_loss``,
     t1async/learner/losses.py; k3 KL to the reference; clipped value loss) --> one optimiser
     step per epoch --> the step's metrics.
@@ -20,7 +20,7 @@ import torch
 
 from t1async.config import LearnerConfig
 from t1async.learner.abnormal import policy_mask
-from t1async.learner.advantages import ADVANTAGES
+from t1async.learner.advantages import ADVANTAGES, whiten
 from t1async.learner.backend import LearnerBackend, chunk_size
 from t1async.learner.losses import POLICY_LOSSES
 from t1async.learner.rl import gae, k3, micro_batches, routing_differs, value_loss
@@ -101,11 +101,11 @@ def train_step(batch: list[Trajectory], backend: LearnerBackend, cfg: LearnerCon
     n_value = float(sum(it["vmask"].sum() for it in items))  # every sampled token
     ev = explained_variance(torch.cat([it["old_v"][it["vmask"].bool()] for it in items]),
                             torch.cat([it["ret"][it["vmask"].bool()] for it in items])) if cfg.critic else None
-    if cfg.normalize_advantages:
-        flat = torch.cat([it["adv"][it["mask"].bool()] for it in items])
-        mean, std = flat.mean(), flat.std(unbiased=False).clamp(min=1e-6)
-        for it in items:
-            it["adv"] = (it["adv"] - mean) / std * it["mask"]
+    if cfg.normalize_advantages:  # GAE: (A - mean) / std; per-episode estimators: A / std (a zero stays zero)
+        whitened = whiten([it["adv"] for it in items], [it["mask"] for it in items],
+                          recentre=ADVANTAGES[cfg.advantage].recentre)
+        for it, adv in zip(items, whitened):
+            it["adv"] = adv
     if cfg.negative_advantage_weight != 1.0:
         for it in items:
             it["adv"] = torch.where(it["adv"] < 0, it["adv"] * cfg.negative_advantage_weight, it["adv"])
