@@ -320,6 +320,63 @@ def test_kl_penalty_pulls_the_policy_back_to_the_reference(tmp_path):
         learner.close()
 
 
+def test_the_kl_penalty_s_gradient_through_a_learner_step_is_exactly_that_of_kl_to_the_reference(tmp_path, monkeypatch):
+    """learner.kl_coef through a whole learner step, off-policy: one context, and one trajectory per
+    vocabulary token x sampled after it by a uniform behaviour policy (log mu = -log 256), so the
+    step's mean over loss tokens is the exact expectation over mu. With no advantage signal (one
+    group, equal rewards), the step's policy gradient must equal kl_coef x the gradient of
+    KL(pi_theta || pi_ref) at that context, computed exactly over the vocabulary (main's
+    unweighted k3 gives another one)."""
+    ckpt = tmp_path / "warm"
+    Qwen3MoeForCausalLM(MODEL).save_pretrained(ckpt)
+    cfg = LearnerConfig(max_steps=1, batch_size=MODEL.vocab_size, kl_coef=1.0, is_cap=1e9, init_checkpoint=str(ckpt),
+                        advantage="group", critic=False, routing_replay=False, group_window_steps=0,
+                        batch_timeout_s=30)
+    learner = Learner(cfg, MODEL, TransportConfig(), WeightSyncConfig(), str(tmp_path / "run"), seed=0)
+    try:
+        with torch.no_grad():
+            for p in learner.policy.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        ctx = [5, 17, 42]
+        rng = np.random.default_rng(0)
+
+        def traj(x: int) -> Trajectory:
+            return Trajectory(
+                task="one", actor_id=0, token_ids=np.array(ctx + [x], np.uint32), loss_mask=np.array([0, 0, 0, 1], np.uint8),
+                logprobs=np.array([0, 0, 0, -np.log(MODEL.vocab_size)], np.float32),
+                versions=np.array([-1, -1, -1, 0], np.int32), turn_offsets=np.array([[3, 4]], np.int32),
+                routed_experts=rng.integers(0, 4, (3, 2, 2)).astype(np.uint8), num_experts=4, reward=1.0, passed=1,
+                total=2, resolved=False, finish_reason="max_turns", tests=[("a", True), ("b", False)])
+
+        batch = [traj(x) for x in range(MODEL.vocab_size)]
+        named = [(n, p) for n, p in learner.policy.named_parameters() if p.requires_grad]
+        got: dict[str, torch.Tensor] = {}
+        real_step = learner.backend.step
+
+        def step(**kw):
+            got.update({n: p.grad.detach().clone() for n, p in named if p.grad is not None})
+            return real_step(**kw)
+
+        monkeypatch.setattr(learner.backend, "step", step)
+        ids = torch.tensor([ctx])
+        with torch.enable_grad():
+            lp = torch.log_softmax(learner.policy(ids).logits[0, -1].float(), -1)
+        with torch.no_grad():
+            ref = torch.log_softmax(learner.reference(ids).logits[0, -1].float(), -1)
+        kl = (lp.exp() * (lp - ref)).sum()
+        want = torch.autograd.grad(kl, [p for _, p in named], allow_unused=True)
+        learner.policy.zero_grad(set_to_none=True)
+        m = learner._train_step(batch)
+        assert m["group_baselined_frac"] == 1.0
+        flat_got = torch.cat([got.get(n, torch.zeros_like(p)).flatten() for n, p in named])
+        flat_want = torch.cat([(w if w is not None else torch.zeros_like(p)).flatten() for (n, p), w in zip(named, want)])
+        assert float(flat_want.norm()) > 0
+        torch.testing.assert_close(flat_got, flat_want, rtol=1e-3, atol=1e-3 * float(flat_want.abs().max()))
+        assert m["kl_ref"] == pytest.approx(float(kl.detach()), rel=1e-3)  # the importance-weighted k3 value
+    finally:
+        learner.close()
+
+
 def test_a_restart_sends_the_last_published_version_again_unless_later_weights_were_lost(tmp_path):
     """A learner resumed at a checkpoint written right after a publication republishes that version
     unchanged (the samplers hold those very weights; a restart must not make everything in flight

@@ -207,11 +207,15 @@ class LearnerConfig:
     policy, before the first policy update (``phase`` is ``critic_warmup`` in metrics.jsonl)."""
     kl_coef: float = 0.0
     """Weight of a KL penalty to the reference policy (the warm start ``init_checkpoint``, frozen;
-    the initial weights without one): ``kl_coef x`` the per-token k3 estimate of
-    KL(pi_theta || pi_ref) (Schulman 2020), averaged over loss tokens, is added to the policy loss
-    (as InstructGPT, Ouyang et al. 2022, anchors PPO). It keeps behaviour the reward does not see
-    (ending with the end signal, the shape of commands) from drifting. 0 = off (no reference is
-    kept). Reported as ``kl_ref``."""
+    the initial weights without one): ``kl_coef x`` a per-token surrogate, averaged over loss
+    tokens, is added to the policy loss (as InstructGPT, Ouyang et al. 2022, anchors PPO), whose
+    gradient estimates that of KL(pi_theta || pi_ref) at each token's state from the sampler's
+    tokens: ``sg(rho) (log pi_theta - log pi_ref)^2 / 2`` with the importance weight rho =
+    pi_theta / mu, its behaviour part capped at ``is_cap`` (:func:`t1async.learner.rl.kl_penalty`;
+    Tang & Munos 2025; differentiating the k3 estimate would descend KL(pi_ref || pi_theta)). It
+    keeps behaviour the reward does not see (ending with the end signal, the shape of commands)
+    from drifting. 0 = off (no reference is kept). Reported as ``kl_ref``: the k3 estimate of
+    KL(pi_theta || pi_ref) (Schulman 2020), weighted by rho."""
     reward: str = "dense"
     """Episode reward: ``dense`` (the number of verifier tests passed, the reference's choice) or
     ``binary`` (1 when resolved, else 0)."""

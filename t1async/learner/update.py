@@ -2,9 +2,10 @@
 
     batch --micro-batches (right-padded, learner.micro_batch_tokens)--> critic values (old),
     GAE over sampled tokens (or the per-episode estimate of ``learner.advantage``,
-    t1async/learner/advantages.py) --> whitening (re-centred for GAE only) --> ``ppo_epochs`` x (policy log-probs under
-    routing replay; proximal = the first epoch's; policy loss ``learner.policy_loss``,
-    t1async/learner/losses.py; k3 KL to the reference; clipped value loss) --> one optimiser
+    t1async/learner/advantages.py) --> whitening (re-centred for GAE only) --> ``ppo_epochs`` x
+    (policy log-probs under routing replay; proximal = the first epoch's; policy loss
+    ``learner.policy_loss``, t1async/learner/losses.py; importance-weighted KL penalty to the
+    reference, :func:`t1async.learner.rl.kl_penalty`; clipped value loss) --> one optimiser
     step per epoch --> the step's metrics.
 
 The Ray role (actors/learner.py) collects the batch, calls :func:`train_step`, then publishes
@@ -23,7 +24,7 @@ from t1async.learner.abnormal import policy_mask
 from t1async.learner.advantages import ADVANTAGES, whiten
 from t1async.learner.backend import LearnerBackend, chunk_size
 from t1async.learner.losses import POLICY_LOSSES
-from t1async.learner.rl import gae, k3, micro_batches, routing_differs, value_loss
+from t1async.learner.rl import gae, k3, kl_penalty, micro_batches, routing_differs, value_loss
 from t1async.trajectory import Trajectory
 
 
@@ -138,11 +139,11 @@ def train_step(batch: list[Trajectory], backend: LearnerBackend, cfg: LearnerCon
             if cfg.kl_coef > 0 and train_policy:
                 if epoch == 0:
                     it["ref"] = torch.where(it["valid"], backend.reference_logprobs(it["inp"], it["tgt"]), 0.0)
-                # k3 estimate of KL(pi_theta || pi_ref) on tokens sampled from (nearly) pi_theta
-                kl = (k3(it["ref"], logp) * it["mask"]).sum() / n_tokens
-                kl_term = cfg.kl_coef * kl
+                # gradient of KL(pi_theta || pi_ref) from the behaviour policy's tokens (importance-weighted)
+                kl = kl_penalty(logp, it["ref"], it["prox"], it["mu"], it["mask"], is_cap=cfg.is_cap, denom=n_tokens)
+                kl_term = cfg.kl_coef * kl.loss
                 if epoch == cfg.ppo_epochs - 1:
-                    sums["kl_ref"] = sums.get("kl_ref", 0.0) + float(kl.detach())
+                    sums["kl_ref"] = sums.get("kl_ref", 0.0) + float(kl.value)
             vl = value_loss(backend.values(it["inp"], grad=True), it["old_v"], it["ret"], it["vmask"], clip=cfg.value_clip,
                             denom=n_value) if cfg.critic else torch.zeros(())
             loss = cfg.value_coef * vl + (pl.loss + kl_term if train_policy else 0.0)
