@@ -148,6 +148,27 @@ def test_bad_token_and_huge_negative_reward_are_rejected_at_receipt_never_queued
         learner.close()
 
 
+def test_a_large_garbage_message_is_quarantined_as_a_capped_prefix_not_whole(tmp_path):
+    """A 3 MB message that is no trajectory used to be stored whole in quarantine/ (a 300 MB one
+    became a 300 MB file); with the default bounds only its first 64 KiB and its metadata stay."""
+    learner = Learner(LearnerConfig(max_steps=0, episodes_per_step=0), MODEL, TransportConfig(log_fsync="never"),
+                      WeightSyncConfig(), str(tmp_path), seed=0)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(learner.endpoint())
+    try:
+        junk = np.random.default_rng(1).bytes(3 << 20)
+        sock.send_multipart([PROTOCOL, b"junk-1", junk])
+        assert sock.poll(20_000) and sock.recv_multipart()[:2] == [REJECT, b"junk-1"]
+        kept = sum(p.stat().st_size for p in (tmp_path / "quarantine").iterdir())
+        assert kept < TransportConfig().quarantine_prefix_bytes + 4096
+        meta = json.loads(next((tmp_path / "quarantine").glob("*.json")).read_text())
+        assert meta["size"] == len(junk) and meta["sha256"] == hashlib.sha256(junk).hexdigest()
+    finally:
+        sock.close()
+        learner.close()
+
+
 def _write_log(run_dir, trajs: list[Trajectory]) -> None:
     log = ReceiveLog(run_dir / "receive_log", fsync="never")
     for t in trajs:
