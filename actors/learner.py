@@ -287,8 +287,8 @@ class Learner:
                     break
                 t0 = time.perf_counter()
                 wait_s, publish_s = t0 - t_wait, 0.0
-                metrics, batch = self._guarded_step(batch)
-                if not batch:  # every trajectory of it was quarantined: no step
+                metrics = self._guarded_step(batch)  # (batch loses what it quarantines)
+                if metrics is None:  # every trajectory of it was quarantined: no step
                     continue
                 staleness = [self.version - t.min_version for t in batch]
                 self._weights_published = False  # the policy moved past the last version published
@@ -437,18 +437,19 @@ class Learner:
         self._discard(f"{reason}: {detail}", traj.trajectory_id)
         logger.warning("dropped trajectory {} of {}: {} ({})", traj.trajectory_id, traj.task, reason, detail)
 
-    def _guarded_step(self, batch: list[Trajectory]) -> tuple[dict[str, Any] | None, list[Trajectory]]:
+    def _guarded_step(self, batch: list[Trajectory]) -> dict[str, Any] | None:
         """:meth:`_train_step`, and when it raises: blame the trajectories whose forward passes
         raise alone (:func:`t1async.learner.update.probe`; all of the batch when none or every one
-        of several does), quarantine them (:meth:`_refuse_in_step`) and retry without them.
+        of several does), quarantine them (:meth:`_refuse_in_step`), remove them from ``batch``
+        (in place) and retry without them.
 
         A step that raises does so in its first forward passes for a trajectory it cannot take
         (the critic's values, or the first epoch's log-probs, both before any optimiser step), so
         the retry starts from the same weights; gradients are zeroed first.
 
         Returns:
-            The step's metrics and the trajectories it trained, or (None, []) when every one was
-            quarantined.
+            The step's metrics (``batch`` then holds the trajectories it trained), or None when
+            every one was quarantined.
 
         Raises:
             RuntimeError: :data:`MAX_FAILED_STEPS_IN_A_ROW` batches in a row needed a retry whose
@@ -458,7 +459,7 @@ class Learner:
             try:
                 metrics = self._train_step(batch)
                 self._failed_steps_in_a_row = 0
-                return metrics, batch
+                return metrics
             except Exception as e:
                 logger.opt(exception=e).error("step {} failed on {} trajectories; probing them one by one",
                                               self.step + 1, len(batch))
@@ -478,8 +479,8 @@ class Learner:
                     blamed = [(t, e) for t in batch]
                 for t, err in blamed:
                     self._refuse_in_step(t, err)
-                batch = [t for t in batch if all(t is not b for b, _ in blamed)]
-        return None, []
+                batch[:] = [t for t in batch if all(t is not b for b, _ in blamed)]
+        return None
 
     def _refuse_in_step(self, traj: Trajectory, err: Exception) -> None:
         """Quarantine a trajectory that made a step fail: counted under ``rejected_by["step_failed"]``,
