@@ -16,6 +16,12 @@ spools fill and their ``send`` waits (backpressure). ``run`` returns after ``max
 ``learner.resume`` the learner restarts from its latest checkpoint and first re-queues the
 receive log's trajectories that checkpoint had not consumed: nothing lost, nothing trained twice
 (the exact guarantee is in t1async/transport/delivery.py).
+
+Poison: the inbox refuses (REJ), counts by reason and quarantines every trajectory that breaks the
+run's own facts (t1async/transport/intake.py), so none reaches a step. One that still makes a step
+raise (a bug of ours) is found by running the step's forward passes on each trajectory alone
+(:func:`t1async.learner.update.probe`), quarantined and skipped, and the step is retried without
+it (:meth:`Learner._guarded_step`); a resume skips it (``quarantine/ids.txt``).
 """
 
 from __future__ import annotations
@@ -45,15 +51,22 @@ from t1async.learner.abnormal import (
 from t1async.learner.advantages import ADVANTAGES
 from t1async.learner.backend import LearnerBackend, make_backend
 from t1async.learner.checkpoints import commit, latest_checkpoint, rotate_checkpoints, staging_dir
-from t1async.learner.update import episode_reward, train_step
+from t1async.learner.update import episode_reward, probe, train_step
 from t1async.models.tokenizer import ChatTokenizer
 from t1async.rollout.transcripts import write_transcripts
-from t1async.trajectory import Trajectory
+from t1async.trajectory import Trajectory, encode
 from t1async.transport.delivery import ByteQueue, ConsumedLedger, ReceiveLog, read_consumed, write_consumed
 from t1async.transport.inbox import Inbox
+from t1async.transport.intake import RunFacts
+from t1async.transport.quarantine import Quarantine
 from t1async.transport.transport import ZmqReceiver
 from t1async.weights.factory import make_weight_sync
 from t1async.weights.protocol import WeightSync, WeightSyncError
+
+MAX_FAILED_STEPS_IN_A_ROW = 3
+"""Batches in a row whose step raised even after quarantining what the probe blamed: then the
+fault is not in the data (a bug of ours, a broken device) and the learner raises (the service
+restarts it; what it quarantined stays skipped)."""
 
 
 class Learner:
@@ -96,7 +109,10 @@ class Learner:
         self.step = 0
         self._held: list[Trajectory] = []  # received, kept, not yet trained (rollout.admission: learner_wait)
         self._hold_publish, self._hold_s = False, 0.0
-        self.counters = {"received": 0, "rejected": 0, "dropped_stale": 0, "trained": 0, "duplicates": 0, "replayed": 0}
+        self.counters = {"received": 0, "rejected": 0, "dropped_stale": 0, "trained": 0, "duplicates": 0, "replayed": 0,
+                         "quarantine_evicted": 0}
+        self.rejected_by: dict[str, int] = {}  # refused trajectories by reason (the field at fault; step_failed)
+        self._failed_steps_in_a_row = 0
         self.dropped = dict.fromkeys(DROP_REASONS, 0)  # trajectories dropped, by reason (cumulative)
         self._task_rewards: dict[str, list[tuple[int, float]]] = {}  # advantage: group (step, reward) per task, recent
         self._consumed = ConsumedLedger()  # trajectory id -> step that trained it (-1: dropped), bounded
@@ -105,8 +121,13 @@ class Learner:
         self._republish_same = False  # resumed at a checkpoint whose weights are the last version published
         self._weights_published = False  # the policy's weights are those of the last version published
         self._sync_managed = False  # the launch's sampler pool sets the membership (set_samplers)
+        self.quarantine = Quarantine(self.run_dir / "quarantine", prefix_bytes=transport.quarantine_prefix_bytes,
+                                     max_bytes=transport.quarantine_max_bytes, max_files=transport.quarantine_max_files,
+                                     fsync=transport.log_fsync == "always")
         if cfg.resume:
             self._resume(resume_from, log)
+            # receive-log records refused after they were stored (replay, step) are never replayed
+            self._consumed.update((k, -1) for k in self.quarantine.ids() if k in log)
         backlog = [k for k in log.keys() if k not in self._consumed]  # replayed before the socket
         inbox_queue = ByteQueue(transport.recv_queue_messages or max(4 * cfg.batch_size, 8), transport.recv_queue_bytes)
         self._stop = threading.Event()  # training stops (stop(), or run() ended)
@@ -119,7 +140,11 @@ class Learner:
         self.inbox = Inbox(receiver, log, inbox_queue, self._consumed, self.counters, run_dir=self.run_dir,
                            shape=(model_cfg.num_experts, model_cfg.num_hidden_layers, model_cfg.num_experts_per_tok),
                            version=lambda: self.version, training_stopped=self._stop,
-                           dump_trajectories=cfg.dump_trajectories, group_messages=transport.log_group_messages)
+                           dump_trajectories=cfg.dump_trajectories, group_messages=transport.log_group_messages,
+                           facts=RunFacts(vocab_size=model_cfg.vocab_size, num_experts=model_cfg.num_experts,
+                                          num_layers=model_cfg.num_hidden_layers, top_k=model_cfg.num_experts_per_tok,
+                                          reward=cfg.reward),
+                           quarantine=self.quarantine, rejected_by=self.rejected_by)
         self.inbox.start(backlog)
         (self.run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
         self._metrics_path = self.run_dir / "metrics.jsonl"
@@ -160,10 +185,12 @@ class Learner:
         self._stop.set()
 
     def status(self) -> dict[str, Any]:
-        """Step, version, queue depth, counters, dropped trajectories by reason, what a resume
-        restored, and the consumed-id ledger's size (ids in all, streams, holes)."""
+        """Step, version, queue depth, counters, dropped trajectories by reason, refused ones by
+        reason (``rejected_by``), what a resume restored, and the consumed-id ledger's size (ids in
+        all, streams, holes)."""
         return {"step": self.step, "version": self.version, "queue_depth": self.inbox.queue.qsize() + len(self._held),
                 "queue_bytes": self.inbox.queue.nbytes, **self.counters, "dropped": dict(self.dropped),
+                "rejected_by": dict(self.rejected_by),
                 "resumed": self.resumed, "max_steps": self.cfg.max_steps,
                 "weight_group": self._sync.snapshot(),
                 "ledger": {"consumed": len(self._consumed), "streams": len(self._consumed.marks),
@@ -191,6 +218,7 @@ class Learner:
             self.step, self.version = int(state["step"]), int(state["version"])
             self.counters.update({k: int(state[k]) for k in self.counters if k in state})
             self.dropped.update({k: int(v) for k, v in state.get("dropped", {}).items()})
+            self.rejected_by.update({k: int(v) for k, v in state.get("rejected_by", {}).items()})
             self._consumed = read_consumed(path / "consumed.json")
             # advantage: group's window of recent rewards per task (peers of a group split across
             # the checkpoint); absent from checkpoints written before it was saved
@@ -257,10 +285,12 @@ class Learner:
                 batch = self._collect_batch()
                 if batch is None:
                     break
-                staleness = [self.version - t.min_version for t in batch]
                 t0 = time.perf_counter()
                 wait_s, publish_s = t0 - t_wait, 0.0
-                metrics = self._train_step(batch)
+                metrics = self._guarded_step(batch)  # (batch loses what it quarantines)
+                if metrics is None:  # every trajectory of it was quarantined: no step
+                    continue
+                staleness = [self.version - t.min_version for t in batch]
                 self._weights_published = False  # the policy moved past the last version published
                 self.step += 1
                 self._consumed.update((t.trajectory_id, self.step) for t in batch)
@@ -325,12 +355,21 @@ class Learner:
     def _receive(self) -> Trajectory | None:
         """The next received trajectory that :meth:`_keep` keeps, waiting up to 0.5 s; None when
         none came (samplers waiting to join are served meanwhile) or it was dropped."""
+        self._take_refused()
         try:
             traj = self.inbox.queue.get(timeout=0.5)
         except queue.Empty:
             self._serve_joiners()
             return None
         return traj if self._keep(traj) else None
+
+    def _take_refused(self) -> None:
+        """Count the receive-log records refused after they were stored (on replay, or by a failed
+        step: :meth:`t1async.transport.inbox.Inbox.refuse_stored`) as consumed (-1) and return
+        their admission slots."""
+        for tid in self.inbox.take_refused():
+            self._consumed[tid] = -1
+            self._discard("quarantined: refused after it was stored", tid)
 
     def _collect_held_batch(self) -> list[Trajectory] | None:
         """``rollout.admission: learner_wait``: the ``batch_size`` oldest trajectories received
@@ -398,6 +437,63 @@ class Learner:
         self._discard(f"{reason}: {detail}", traj.trajectory_id)
         logger.warning("dropped trajectory {} of {}: {} ({})", traj.trajectory_id, traj.task, reason, detail)
 
+    def _guarded_step(self, batch: list[Trajectory]) -> dict[str, Any] | None:
+        """:meth:`_train_step`, and when it raises: blame the trajectories whose forward passes
+        raise alone (:func:`t1async.learner.update.probe`; all of the batch when none or every one
+        of several does), quarantine them (:meth:`_refuse_in_step`), remove them from ``batch``
+        (in place) and retry without them.
+
+        A step that raises does so in its first forward passes for a trajectory it cannot take
+        (the critic's values, or the first epoch's log-probs, both before any optimiser step), so
+        the retry starts from the same weights; gradients are zeroed first.
+
+        Returns:
+            The step's metrics (``batch`` then holds the trajectories it trained), or None when
+            every one was quarantined.
+
+        Raises:
+            RuntimeError: :data:`MAX_FAILED_STEPS_IN_A_ROW` batches in a row needed a retry whose
+                culprit the probe could not single out (the fault is ours, not the data's).
+        """
+        while batch:
+            try:
+                metrics = self._train_step(batch)
+                self._failed_steps_in_a_row = 0
+                return metrics
+            except Exception as e:
+                logger.opt(exception=e).error("step {} failed on {} trajectories; probing them one by one",
+                                              self.step + 1, len(batch))
+                self.backend.zero_grad()
+                blamed = []
+                for t in batch:
+                    try:
+                        probe(t, self.backend, self.cfg, num_experts=self.model_cfg.num_experts)
+                    except Exception as pe:
+                        blamed.append((t, pe))
+                if not blamed or (len(blamed) == len(batch) > 1):  # not one trajectory's fault
+                    self._failed_steps_in_a_row += 1
+                    if self._failed_steps_in_a_row >= MAX_FAILED_STEPS_IN_A_ROW:
+                        raise RuntimeError(f"{self._failed_steps_in_a_row} steps in a row failed and no single "
+                                           f"trajectory was to blame (last: {type(e).__name__}: {e}); this is a "
+                                           "learner bug, not bad data: see the traceback above") from e
+                    blamed = [(t, e) for t in batch]
+                for t, err in blamed:
+                    self._refuse_in_step(t, err)
+                batch[:] = [t for t in batch if all(t is not b for b, _ in blamed)]
+        return None
+
+    def _refuse_in_step(self, traj: Trajectory, err: Exception) -> None:
+        """Quarantine a trajectory that made a step fail: counted under ``rejected_by["step_failed"]``,
+        consumed (-1), its id in ``quarantine/ids.txt`` (a resume skips it) and its admission slot
+        returned."""
+        tid = traj.trajectory_id
+        try:
+            frame = self.inbox.log.read(tid) if tid in self.inbox.log else encode(traj)
+        except Exception as e:  # (the frame is evidence only)
+            frame = f"<frame unavailable: {e}>".encode()
+        self.inbox.refuse_stored(tid, frame, _StepFailed(f"{type(err).__name__}: {err}"), source="step")
+        self._take_refused()
+
     def _train_step(self, batch: list[Trajectory]) -> dict[str, Any]:
         """One update on ``batch`` (:func:`t1async.learner.update.train_step`) with this learner's
         step, learning rate and per-episode advantage estimates."""
@@ -442,6 +538,8 @@ class Learner:
             "masked_turns": int(sum(masked_turns(t, self.cfg.abnormal).sum() for t in batch)),
             "finish_reasons": finish_counts(batch),
             "rejected": self.counters["rejected"],
+            "rejected_by": dict(self.rejected_by),  # refused trajectories by reason, cumulative
+            "quarantine_evicted": self.counters["quarantine_evicted"],
             "reward_mean": float(np.mean([t.reward for t in batch])),
             "resolved_rate": float(np.mean([t.resolved for t in batch])),
             "staleness_max": int(max(stale)) if stale else 0,
@@ -512,11 +610,13 @@ class Learner:
         ``consumed.json`` (every trajectory id this model state trained on or dropped), staged in a
         hidden folder and renamed into place."""
         root = self.run_dir / "checkpoints"
+        self._take_refused()
         tmp = staging_dir(root, self.step)
         self.backend.save(tmp)
         write_consumed(tmp / "consumed.json", self._consumed)
         (tmp / "trainer_state.json").write_text(json.dumps({"step": self.step, "version": self.version, **self.counters,
                                                             "dropped": self.dropped,
+                                                            "rejected_by": self.rejected_by,
                                                             "group_rewards": self._task_rewards}))
         path = commit(tmp, root / f"step_{self.step:06d}", fsync=self.inbox.log.fsync)
         rotate_checkpoints(root, self.cfg.keep_checkpoints, self.cfg.keep_every)
@@ -532,3 +632,9 @@ class Learner:
         self._sync.close()
         self.backend.close()  # (the megatron backend's expert-parallel ranks)
 
+
+
+class _StepFailed(Exception):
+    """A trajectory made a training step raise (counted under ``step_failed``)."""
+
+    field = "step_failed"

@@ -46,7 +46,7 @@ def synthetic(version: int, seed: int, reward: float = 1.0, T: int = 40) -> Traj
         task="synthetic", actor_id=0, token_ids=rng.integers(0, 256, T).astype(np.uint32), loss_mask=mask,
         logprobs=np.where(mask == 1, -5.5, 0.0).astype(np.float32), versions=np.where(mask == 1, version, -1).astype(np.int32),
         turn_offsets=np.array([[a, b], [c, T]], np.int32),
-        routed_experts=rng.integers(0, 4, (T - 1, 2, 2)).astype(np.uint8), num_experts=4,
+        routed_experts=((rng.integers(0, 4, (T - 1, 2, 1)) + np.arange(2)) % 4).astype(np.uint8), num_experts=4,
         reward=reward, passed=int(reward), total=2, resolved=reward == 2, finish_reason="max_turns",
         tests=[("a", reward >= 1), ("b", reward >= 2)],
     )
@@ -91,7 +91,9 @@ def test_learner_trains_publishes_drops_stale_and_quarantines(tmp_path):
         assert rows[0]["reward_mean"] == 1.0 and rows[0]["resolved_rate"] == 0.5
         assert rows[1]["dropped_stale"] == 1 and rows[1]["dropped"]["stale"] == 1 and rows[1]["staleness_max"] == 0
         assert rows[0]["logprob_diff_mean"] > 0  # the synthetic behaviour log-probs are not the model's
-        assert result["rejected"] == 1 and (tmp_path / "quarantine" / "000001.txt").exists()
+        assert result["rejected"] == 1 and result["rejected_by"] == {"<frame>": 1}
+        meta = json.loads((tmp_path / "quarantine" / "000001.json").read_text())
+        assert meta["reason"] == "<frame>" and meta["key"] == "not-a-trajectory" and meta["source"] == "receipt"
         assert sampler.version == 2
         # the stale drop frees its admission slot; the rejected message does not (its sender does, see
         # test_rollout): a stranger's garbage must not widen admission

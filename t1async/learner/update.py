@@ -172,6 +172,26 @@ def train_step(batch: list[Trajectory], backend: LearnerBackend, cfg: LearnerCon
                if ADVANTAGES[cfg.advantage].per_episode is not None else {})}
 
 
+def probe(traj: Trajectory, backend: LearnerBackend, cfg: LearnerConfig, *, num_experts: int) -> None:
+    """Run the forward passes of a :func:`train_step` on ``traj`` alone, without gradient and
+    without changing ``backend``: the critic's values (``learner.critic``), the policy's log-probs
+    with its routed experts (replayed under ``learner.routing_replay``) and the reference's
+    (``learner.kl_coef`` > 0). The learner calls it on each trajectory of a step that raised, to
+    find the one to quarantine (actors/learner.py ``_guarded_step``).
+
+    Raises:
+        Exception: whatever the step would raise on this trajectory (e.g. ``IndexError`` for a
+            token id past the embedding).
+    """
+    it = micro_batch([traj], backend.device, cfg, num_experts)
+    with torch.no_grad():
+        if cfg.critic:
+            backend.values(it["inp"], grad=False)
+        backend.policy_logprobs(it["inp"], it["tgt"], it["replay"], grad=False, routing=True)
+        if cfg.kl_coef > 0:
+            backend.reference_logprobs(it["inp"], it["tgt"])
+
+
 def micro_batch(trajs: list[Trajectory], dev: torch.device, cfg: LearnerConfig,
                 num_experts: int) -> dict[str, torch.Tensor]:
     """Trajectories right-padded to the longest into ``[B, T]`` tensors (``T`` = its positions).
