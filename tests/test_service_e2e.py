@@ -61,6 +61,25 @@ def _main_error(capsys, argv: list[str]) -> str:
     return capsys.readouterr().err.strip()
 
 
+def _poison_control_socket(run_dir: Path) -> None:
+    """Send the control socket a two-frame request and a non-JSON one; each must be answered with an error."""
+    import zmq
+
+    from t1async.service.rundir import read_service
+
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.REQ_RELAXED, 1)
+    sock.connect(read_service(run_dir)["control"])
+    try:
+        for frames in ([b'{"cmd": "status"}', b"x"], [b"\x00garbage"]):
+            sock.send_multipart(frames)
+            assert sock.poll(15_000), f"no reply to {frames!r}"
+            assert json.loads(sock.recv())["ok"] is False
+    finally:
+        sock.close()
+
+
 def test_service_lifecycle(tmp_path, capsys):
     run_dir = tmp_path / "run"
     out_a = open(tmp_path / "a.out", "w")
@@ -71,6 +90,10 @@ def test_service_lifecycle(tmp_path, capsys):
         st = _wait(lambda: (s := _status(run_dir))["step"] >= 1 and s, 300, "the first step")
         assert st["max_steps"] == 0 and len(st["actors"]) == 2 and st["samplers"][0]["state"] == "serving"
         assert f"in use by t1async launch pid {a.pid}" in _main_error(capsys, ["launch", *CLI[4:], f"run.dir={run_dir}"])
+
+        # a malformed message (two frames, then garbage) gets an error reply; the socket keeps serving
+        _poison_control_socket(run_dir)
+        assert _status(run_dir)["step"] >= 1
 
         # scale up live: a new actor runs an episode; a key that cannot change live is refused with why
         assert request(run_dir, {"cmd": "scale", "changes": {"rollout.num_actors": 3}})["applied"] == {
