@@ -44,7 +44,7 @@ from t1async.learner.abnormal import (
 )
 from t1async.learner.advantages import ADVANTAGES
 from t1async.learner.backend import LearnerBackend, make_backend
-from t1async.learner.checkpoints import commit, latest_checkpoint, rotate_checkpoints, staging_dir
+from t1async.learner.checkpoints import commit, resumable_checkpoint, rotate_checkpoints, staging_dir
 from t1async.learner.update import episode_reward, train_step
 from t1async.models.tokenizer import ChatTokenizer
 from t1async.rollout.transcripts import write_transcripts
@@ -87,7 +87,8 @@ class Learner:
         torch.manual_seed(seed)
         self.cfg, self.model_cfg = cfg, model_cfg
         self.run_dir = Path(run_dir)
-        resume_from = latest_checkpoint(self.run_dir / "checkpoints") if cfg.resume else None
+        # the newest checkpoint that verifies against its manifest; newer corrupt ones are moved aside
+        resume_from, set_aside = resumable_checkpoint(self.run_dir / "checkpoints") if cfg.resume else (None, [])
         # policy, critic, KL reference (the warm start, frozen, loaded from init_checkpoint so a
         # resumed run keeps it) and their optimisers: t1async/learner/backend.py
         self.backend: LearnerBackend = make_backend(cfg.backend, cfg, model_cfg, self.generation,
@@ -107,6 +108,7 @@ class Learner:
         self._sync_managed = False  # the launch's sampler pool sets the membership (set_samplers)
         if cfg.resume:
             self._resume(resume_from, log)
+            self.resumed["set_aside"] = set_aside  # (announced by the launch: t1async/service/launch.py)
         backlog = [k for k in log.keys() if k not in self._consumed]  # replayed before the socket
         inbox_queue = ByteQueue(transport.recv_queue_messages or max(4 * cfg.batch_size, 8), transport.recv_queue_bytes)
         self._stop = threading.Event()  # training stops (stop(), or run() ended)

@@ -163,6 +163,8 @@ def announce_resume(cfg: Config, learner: Any, run_dir: Path) -> None:
     if not cfg.learner.resume:
         return
     r = ray.get(learner.status.remote())["resumed"]
+    for line in r.get("set_aside", []):  # newer checkpoints that failed verification
+        logger.warning("{}", line)
     if r["checkpoint"] is None and r["to_replay"] == 0:
         logger.warning("learner.resume=true but {} holds nothing to resume (no checkpoint, empty receive log): "
                        "starting fresh at step 0", run_dir)
