@@ -1,7 +1,8 @@
 """``t1async launch``: the table of contents of the whole system.
 
-    config (+ the run's live-change history on a resume) -> input checks (tokenizer, tasks,
-           sandbox, port, keys) -> run directory (locked, never mixed with an earlier run) -> reaper -> Ray
+    config (+ the run's live-change history on a resume) -> input checks (a resume's run
+           directory, init checkpoint, tokenizer, tasks, sandbox, port, keys) -> run directory
+           (locked, never mixed with an earlier run) -> reaper -> Ray
            -> samplers (HTTP, SGLang protocol) -> learner (ZeroMQ ROUTER, weight group, version 0)
            -> controller (admission, supervision, sampler routing) -> rollout actors (episodes -> ZeroMQ
               DEALER, ACKed) -> sampler pool (live sampler count, sampler restarts)
@@ -42,7 +43,7 @@ from t1async.models.tokenizer import check_model_vocab
 from t1async.sampling.sglang_server import start_servers, stop_servers
 from t1async.service.control import ControlServer
 from t1async.service.reaper import Reaper, kill_sandboxes_under
-from t1async.service.rundir import RunDirLock, check_reuse, history_overrides, resolve_run_dir
+from t1async.service.rundir import RunDirLock, check_resumable, check_reuse, history_overrides, resolve_run_dir
 from t1async.service.sampler_pool import SamplerPool
 from t1async.service.service import LearnerDied, Service
 from t1async.transport.keys import client_keys, server_keys
@@ -64,6 +65,7 @@ def launch(config_path: str | None, overrides: list[str] | tuple[str, ...] = ())
     cfg = load_config(config_path, overrides)
     run_dir = resolve_run_dir(cfg.run.dir)
     if cfg.learner.resume:  # live changes made to the run before (t1async scale) are kept
+        check_resumable(run_dir)  # (a mistyped run.dir must not start from scratch)
         cfg = load_config(config_path, [*history_overrides(run_dir), *overrides])
     task_names = check_inputs(cfg)  # every bad-input error happens here, before any process starts
     cfg.rollout.agent_cwd = cfg.rollout.agent_cwd or os.getcwd()  # an external agent's relative paths
@@ -182,6 +184,7 @@ def check_inputs(cfg: Config) -> list[str]:
         ConfigError, TaskError, SandboxUnavailable, KeysError: with a one-line message.
     """
     check_trainable(cfg)
+    check_init_checkpoint(cfg.learner.init_checkpoint)
     check_model_vocab(cfg.model.vocab_size, cfg.env.action_format)
     if cfg.rollout.agent == "external":  # the endpoint renders and returns tool calls with the tool-call ids
         check_model_vocab(cfg.model.vocab_size, "tool_call", "model.vocab_size (rollout.agent=external)")
@@ -205,6 +208,25 @@ def check_inputs(cfg: Config) -> list[str]:
         server_keys(cfg.transport.keys_dir)
         client_keys(cfg.transport.keys_dir)
     return [t.name for t in tasks]
+
+
+def check_init_checkpoint(path: str) -> None:
+    """Refuse a ``learner.init_checkpoint`` that is not a checkpoint folder (before Ray starts and
+    before the run directory is created, instead of a Ray traceback from the learner's start).
+
+    Raises:
+        ConfigError: one line: the folder is missing, or lacks ``config.json`` or ``model.safetensors``.
+    """
+    if not path:
+        return
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise ConfigError(f"learner.init_checkpoint={path}: no such folder; give a checkpoint folder (config.json + "
+                          "model.safetensors, e.g. what t1async sft --out writes) or '' for a random init")
+    missing = [n for n in ("config.json", "model.safetensors") if not (folder / n).is_file()]
+    if missing:
+        raise ConfigError(f"learner.init_checkpoint={path} has no {' or '.join(missing)}: it is not a checkpoint "
+                          "folder (config.json + model.safetensors, e.g. what t1async sft --out writes)")
 
 
 def is_local_host(host: str) -> bool:
