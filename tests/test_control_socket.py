@@ -125,3 +125,41 @@ def test_fuzzed_messages_each_get_one_reply_and_status_still_answers(served, fra
     finally:
         sock.close()
     assert request(run_dir, {"cmd": "status"}, timeout_s=3)["step"] == 3
+
+
+# ---- what scale says ------------------------------------------------------------------------
+def test_scale_of_an_unknown_key_says_it_is_not_a_config_key():
+    from t1async.service.control import parse_changes
+
+    with pytest.raises(ControlError) as err:
+        parse_changes(["foo.bar=1"])
+    assert str(err.value).startswith("foo.bar is not a config key; valid keys of the top level: run, ray, model")
+    assert "on a resume" not in str(err.value)
+    with pytest.raises(ControlError, match=r"^learner.lrr is not a config key; valid keys of learner: max_steps"):
+        parse_changes(["learner.lrr=0.1"])
+
+
+def test_scale_with_a_value_of_the_wrong_type_names_the_key(tmp_path):
+    from t1async.config import load_config
+    from t1async.service.service import Service
+
+    cfg = load_config(None, ["run.tensorboard=false"])
+    service = Service(cfg, tmp_path, {}, restart_learner=lambda: None, check_tasks=lambda names: None)
+    with pytest.raises(ValueError) as err:
+        service.scale({"changes": {"learner.lr": "abc"}})
+    assert str(err.value).startswith('scale: bad value of learner.lr="abc": ') and "\n" not in str(err.value)
+
+
+def test_restart_counts_hold_the_samplers_too(tmp_path):
+    """What summary.json's ``restarts`` is made of (t1async/service/launch.py): the learner's and
+    the embedded samplers' restarts."""
+    from types import SimpleNamespace
+
+    from t1async.config import load_config
+    from t1async.service.service import Service
+
+    cfg = load_config(None, ["run.tensorboard=false"])
+    service = Service(cfg, tmp_path, {}, restart_learner=lambda: None, check_tasks=lambda names: None,
+                      samplers=SimpleNamespace(restarts=3))  # (the pool's counter)
+    service.restarts["learner"] = 1
+    assert service.restart_counts() == {"learner": 1, "samplers": 3}

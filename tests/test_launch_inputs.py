@@ -51,3 +51,21 @@ def test_several_broken_tasks_are_reported_together_each_with_its_reason(tmp_pat
     lines = str(err.value).splitlines()
     assert lines[0].startswith(f"3 task folders under {tmp_path} are invalid")
     assert [Path(line.split()[1].rstrip(":")).name for line in lines[1:]] == ["broken-a", "broken-b", "broken-c"], lines
+
+
+def test_a_local_ray_session_folder_is_removed_and_its_logs_kept_in_the_run_dir(tmp_path):
+    from t1async.service.launch import keep_ray_logs
+    from t1async.service.reaper import _local_ray_session
+
+    run_dir, session = tmp_path / "run", tmp_path / "ray" / "session_2026-12-03_01-02-03_000000_1"
+    (run_dir / "logs").mkdir(parents=True)
+    (session / "logs").mkdir(parents=True)
+    (session / "logs" / "raylet.out").write_text("raylet")
+    (session / "sockets").mkdir()
+    keep_ray_logs(str(session), run_dir)
+    assert not session.exists() and (run_dir / "logs" / "ray" / "raylet.out").read_text() == "raylet"
+    # after a kill -9 of the launch, its reaper finds the session in service.json (only a local Ray's)
+    (run_dir / "service.json").write_text(f'{{"ray_session": "{session}", "ray_local": true}}')
+    assert _local_ray_session(run_dir) == session
+    (run_dir / "service.json").write_text(f'{{"ray_session": "{session}", "ray_local": false}}')
+    assert _local_ray_session(run_dir) is None

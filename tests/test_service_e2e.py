@@ -91,6 +91,10 @@ def test_service_lifecycle(tmp_path, capsys):
         assert st["max_steps"] == 0 and len(st["actors"]) == 2 and st["samplers"][0]["state"] == "serving"
         assert f"in use by t1async launch pid {a.pid}" in _main_error(capsys, ["launch", *CLI[4:], f"run.dir={run_dir}"])
 
+        from t1async.service.rundir import read_service
+
+        assert read_service(run_dir)["trajectories"].startswith("tcp://")  # the learner's socket, documented
+        ray_sessions = [Path(read_service(run_dir)["ray_session"])]
         # a malformed message (two frames, then garbage) gets an error reply; the socket keeps serving
         _poison_control_socket(run_dir)
         assert _status(run_dir)["step"] >= 1
@@ -115,6 +119,7 @@ def test_service_lifecycle(tmp_path, capsys):
         time.sleep(1)
         alive = [p for p in tree if _running(p) and b"t1async.service.reaper" not in Path(f"/proc/{p}/cmdline").read_bytes()]
         assert alive == [] and _mounts_under(run_dir) == [] and not (run_dir / "workspaces").exists()
+        assert not ray_sessions[0].exists()  # the reaper removed the Ray session folder from the temp dir
         assert "earlier run" in _main_error(capsys, ["launch", *CLI[4:], f"run.dir={run_dir}"])
 
         # resume: says what it restored, keeps the live change (3 actors)
@@ -125,6 +130,7 @@ def test_service_lifecycle(tmp_path, capsys):
                    "the resumed service with its 3 actors")
         assert st["resumed"]["step"] >= 1
         first = st["step"]
+        ray_sessions.append(Path(read_service(run_dir)["ray_session"]))
 
         # self-healing: kill the learner process; the service restarts it from its checkpoint
         learner = [p for p in descendants(b.pid) if Path(f"/proc/{p}/cmdline").read_bytes().startswith(b"ray::Learner")]
@@ -149,5 +155,8 @@ def test_service_lifecycle(tmp_path, capsys):
     assert all(r["staleness_max"] <= 2 for r in rows)
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*")) and list((run_dir / "episodes").glob("*.md"))
     assert not (run_dir / "service.json").exists()
+    assert not ray_sessions[1].exists() and (run_dir / "logs" / "ray").is_dir()  # Ray's logs kept in the run dir
+    restarts = json.loads((run_dir / "summary.json").read_text())["restarts"]
+    assert restarts["learner"] == 1 and "samplers" in restarts, restarts  # sampler restarts counted too
     with pytest.raises(ControlError, match="not running"):
         _status(run_dir)

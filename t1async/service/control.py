@@ -33,6 +33,7 @@ from loguru import logger
 from rich.console import Console
 from rich.table import Table
 
+from t1async.config import Config
 from t1async.service.rundir import describe_holder, is_held, read_service
 
 LIVE_KEYS = {
@@ -53,10 +54,29 @@ class ControlError(Exception):
     """A control command could not be carried out (no such run, stopped, refused); one line."""
 
 
+def _config_key_error(key: str) -> str | None:
+    """Why dotted ``key`` names no setting of :class:`~t1async.config.Config` (None: it names one)."""
+    node: Any = Config()
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        fields = getattr(node, "__dataclass_fields__", None)
+        if fields is None or part not in fields:
+            where = ".".join(parts[:i]) or "the top level"
+            return f"{key} is not a config key; valid keys of {where}: {', '.join(fields or [])}"
+        node = getattr(node, part)
+    if hasattr(node, "__dataclass_fields__"):
+        return f"{key} is a config section, not a key; give one of its keys, e.g. {key}.{next(iter(vars(node)))}"
+    return None
+
+
 def live_change_refusal(key: str) -> str | None:
-    """Why ``key`` cannot change live (None: it can)."""
+    """Why ``key`` cannot change live (None: it can): not a config key at all (with the valid keys
+    where it went wrong), or one the roles read once (with why, and how to change it on a resume)."""
     if key in LIVE_KEYS:
         return None
+    unknown = _config_key_error(key)
+    if unknown is not None:
+        return f"{unknown}. Live keys: {', '.join(LIVE_KEYS)}"
     section = key.split(".", 1)[0]
     why = {
         "model": "the weights' shapes are fixed for the run",

@@ -80,7 +80,9 @@ def launch(config_path: str | None, overrides: list[str] | tuple[str, ...] = ())
     reaper = Reaper.start(run_dir)  # cleans up Ray and the sandboxes should this process be killed
     ctx = ray.init(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=False,
                    log_to_driver=False, logging_level="WARNING")
-    lock.write(ray_session=ctx.address_info.get("session_dir"))
+    ray_session = ctx.address_info.get("session_dir")
+    ray_local = cfg.ray.address in (None, "", "local")  # a Ray this launch starts (and stops)
+    lock.write(ray_session=ray_session, ray_local=ray_local)  # (the reaper removes a local one too)
     actor = _actor_factory(run_dir, cfg.run)
     summary: dict[str, Any] = {"run_dir": str(run_dir), "max_steps": cfg.learner.max_steps}
     roles: dict[str, Any] = {}
@@ -90,6 +92,7 @@ def launch(config_path: str | None, overrides: list[str] | tuple[str, ...] = ())
         if cfg.sampler.backend == "sglang":  # processes, not Ray actors: stopped below
             roles["sglang_servers"], roles["samplers"] = roles["samplers"], []
         roles["learner"], endpoint = start_learner(cfg, actor, run_dir, urls)  # publishes weight version 0
+        lock.write(trajectories=endpoint)  # the learner's trajectory socket, for a person or a tool to find
         announce_resume(cfg, roles["learner"], run_dir)
         roles["controller"] = start_controller(cfg, actor, task_names, urls, endpoint)  # starts the rollout actors
         pool = sampler_pool(cfg, actor, roles, urls)  # live scaling and restarts of embedded samplers
@@ -105,7 +108,7 @@ def launch(config_path: str | None, overrides: list[str] | tuple[str, ...] = ())
         except LearnerDied as e:
             summary["error"], summary["ended"] = str(e), "learner_died"
         summary["max_steps"], summary["stop_request"] = service.cfg.learner.max_steps, service.stop_request
-        summary["restarts"] = service.restarts
+        summary["restarts"] = service.restart_counts()  # learner and samplers
     finally:
         if control is not None:
             control.close()
@@ -127,6 +130,8 @@ def launch(config_path: str | None, overrides: list[str] | tuple[str, ...] = ())
         summary.update(_metrics_summary(run_dir / "metrics.jsonl"))
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
         ray.shutdown()
+        if ray_local:  # a Ray this launch started: its session folder goes, its logs are kept
+            keep_ray_logs(ray_session, run_dir)
         reaper.done()
         lock.release()
     logger.info("done: {}", json.dumps({k: v for k, v in summary.items() if k not in ("samplers",)}, default=str))
@@ -404,6 +409,23 @@ def _actor_factory(run_dir: Path, run_cfg: RunConfig):
         return ray.remote(num_cpus=0, max_concurrency=ACTOR_MAX_CONCURRENCY, max_restarts=0)(Logged)
 
     return actor
+
+
+def keep_ray_logs(session_dir: str | None, run_dir: Path) -> None:
+    """Move the logs of a Ray session this launch started to ``RUN_DIR/logs/ray`` (replacing an
+    earlier life's) and delete the session folder, so that no launch leaves a folder in the system
+    temp directory. Failures are logged, never raised (the run is over)."""
+    if not session_dir or not Path(session_dir).is_dir():
+        return
+    session = Path(session_dir)
+    dest = run_dir / "logs" / "ray"
+    try:
+        if (session / "logs").is_dir():
+            shutil.rmtree(dest, ignore_errors=True)
+            shutil.move(str(session / "logs"), str(dest))
+        shutil.rmtree(session, ignore_errors=True)
+    except OSError as e:
+        logger.warning("could not move Ray's session logs from {} to {}: {}", session, dest, e)
 
 
 def _metrics_summary(path: Path) -> dict[str, Any]:

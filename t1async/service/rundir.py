@@ -3,7 +3,9 @@
     RUN_DIR/service.lock    flock-ed by the launch process for its whole life (the kernel releases
                             it when that process dies, however it dies: kill -9 included)
     RUN_DIR/service.json    who holds it: pid, host, start time, the control address
-                            (t1async/service/control.py), the Ray session; removed at a clean exit
+                            (``control``, t1async/service/control.py), the learner's trajectory
+                            socket (``trajectories``, the address rollout actors push to; the same
+                            after a learner restart), the Ray session; removed at a clean exit
     RUN_DIR/config_history.jsonl   live changes (``t1async scale``), one JSON object a line;
                             a resume applies them again so it keeps what was changed live
 

@@ -140,7 +140,7 @@ class Service:
             out["controller_error"] = str(e).splitlines()[0] if str(e) else type(e).__name__
         if self.samplers is not None:  # embedded: the pool's view (states, restarts, how each joined)
             out["samplers"] = self.samplers.status()
-            out["restarts"] = {**self.restarts, "samplers": self.samplers.restarts}
+            out["restarts"] = self.restart_counts()
         else:
             out["samplers"] = []
             for i, s in enumerate(self.roles.get("samplers", [])):
@@ -150,6 +150,14 @@ class Service:
                 except Exception:
                     out["samplers"].append({"name": f"sampler{i}", "state": "unreachable"})
         out.update(trends(self.tail.rows))
+        return out
+
+    def restart_counts(self) -> dict[str, int]:
+        """Restarts so far: ``learner``, and ``samplers`` (every embedded sampler's, in all) when
+        the launch's sampler pool runs them (``status`` and ``summary.json`` report this)."""
+        out = dict(self.restarts)
+        if self.samplers is not None:
+            out["samplers"] = self.samplers.restarts
         return out
 
     def request_stop(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -177,8 +185,11 @@ class Service:
             check_values(new, source="scale")
         except ConfigError as e:
             raise ValueError(str(e)) from None
-        except Exception as e:
-            raise ValueError(f"scale: {str(e).splitlines()[0]}") from None
+        except Exception as e:  # (omegaconf: a value of the wrong type; name the key and the value given)
+            key = getattr(e, "full_key", None)
+            given = f"={json.dumps(changes[key])}" if key in changes else ""
+            raise ValueError(f"scale: bad value of {key}{given}: {str(e).splitlines()[0]}" if key
+                             else f"scale: {str(e).splitlines()[0]}") from None
         if "env.tasks" in changes:
             self.check_tasks(list(new.env.tasks))
         if "sampler.num_samplers" in changes and self.samplers is None:
