@@ -163,3 +163,17 @@ def test_restart_counts_hold_the_samplers_too(tmp_path):
                       samplers=SimpleNamespace(restarts=3))  # (the pool's counter)
     service.restarts["learner"] = 1
     assert service.restart_counts() == {"learner": 1, "samplers": 3}
+
+
+def test_the_live_line_fits_an_80_column_terminal():
+    from t1async.service.service import fit_line
+
+    fields = ["step 12345", "v6172", "actors 16", "samplers 4/4", "traj/s 12.34", "reward 3.25", "resolved 0.42",
+              "staleness 2", "queue 17", "restarts 3"]
+    full = "  ".join(fields)
+    assert len(full) > 79 and fit_line(fields, 200) == full
+    line = fit_line(fields, 79)
+    assert len(line) <= 79 and line.startswith("step 12345  v6172  ") and "reward 3.25" in line and "resolved 0.42" in line
+    assert "restarts" not in line  # the least important go first, the order of the rest is kept
+    assert fit_line(fields, 40) == "step 12345  v6172  reward 3.25"
+    assert fit_line(fields, 5) == "step "
