@@ -50,7 +50,7 @@ from t1async.learner.abnormal import (
 )
 from t1async.learner.advantages import ADVANTAGES
 from t1async.learner.backend import LearnerBackend, make_backend
-from t1async.learner.checkpoints import commit, latest_checkpoint, rotate_checkpoints, staging_dir
+from t1async.learner.checkpoints import commit, resumable_checkpoint, rotate_checkpoints, staging_dir
 from t1async.learner.update import episode_reward, probe, train_step
 from t1async.models.tokenizer import ChatTokenizer
 from t1async.rollout.transcripts import write_transcripts
@@ -100,7 +100,8 @@ class Learner:
         torch.manual_seed(seed)
         self.cfg, self.model_cfg = cfg, model_cfg
         self.run_dir = Path(run_dir)
-        resume_from = latest_checkpoint(self.run_dir / "checkpoints") if cfg.resume else None
+        # the newest checkpoint that verifies against its manifest; newer corrupt ones are moved aside
+        resume_from, set_aside = resumable_checkpoint(self.run_dir / "checkpoints") if cfg.resume else (None, [])
         # policy, critic, KL reference (the warm start, frozen, loaded from init_checkpoint so a
         # resumed run keeps it) and their optimisers: t1async/learner/backend.py
         self.backend: LearnerBackend = make_backend(cfg.backend, cfg, model_cfg, self.generation,
@@ -126,6 +127,7 @@ class Learner:
                                      fsync=transport.log_fsync == "always")
         if cfg.resume:
             self._resume(resume_from, log)
+            self.resumed["set_aside"] = set_aside  # (announced by the launch: t1async/service/launch.py)
             # receive-log records refused after they were stored (replay, step) are never replayed
             self._consumed.update((k, -1) for k in self.quarantine.ids() if k in log)
         backlog = [k for k in log.keys() if k not in self._consumed]  # replayed before the socket

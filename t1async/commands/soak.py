@@ -19,6 +19,8 @@ and prints the ledger, counted from what the run left on disk:
 - ``staleness_max`` against the bound, and ``hang`` (no learner step for ``--hang-s`` seconds, or
   the service did not stop within 5 minutes).
 
+Progress goes to stderr as it runs (a line at each sample, every 30 s, and at each kill and scale);
+the launch's own output to ``RUN_DIR/soak-launch.out``; the ledger, as JSON, to stdout at the end.
 Exit status 0 when lost = 0, duplicates = 0, the bound held and nothing hung; 1 otherwise.
 """
 
@@ -42,6 +44,8 @@ from t1async.service.reaper import descendants
 from t1async.service.rundir import is_held
 from t1async.transport.delivery import ReceiveLog, read_consumed
 
+LAUNCH_OUT = "soak-launch.out"
+"""The launch's console output, in the run directory."""
 ROLE_TITLES = {"rollout": b"ray::RolloutActor", "sampler": b"ray::EmbeddedSampler", "learner": b"ray::Learner"}
 
 
@@ -192,8 +196,9 @@ def soak(config: str, minutes: float, kill_every: float, overrides: list[str], *
     launch_args = [sys.executable, "-m", "t1async.cli", "launch", config, *overrides, f"run.dir={run_dir}",
                    "learner.max_steps=0", "run.audit=true", "run.learner_restarts=20"]
     run_dir.mkdir(parents=True, exist_ok=True)
-    out = open(run_dir.parent / f"{run_dir.name}.launch.out", "w")  # noqa: SIM115
+    out = open(run_dir / LAUNCH_OUT, "w")  # noqa: SIM115  (inside the run directory, nothing beside it)
     proc = subprocess.Popen(launch_args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    say(f"launched the service in {run_dir} (its output: {out.name}); waiting for its first step")
     kills: dict[str, int] = {"rollout": 0, "sampler": 0, "learner": 0}
     scales: list[int] = []
     samples: list[dict[str, float]] = []
@@ -207,6 +212,8 @@ def soak(config: str, minutes: float, kill_every: float, overrides: list[str], *
             time.sleep(2)
             last = _try_status(run_dir) or last
         t0 = time.monotonic()
+        say(f"first step; soaking for {minutes:g} min, a kill every {kill_every:g} s" if kill_every > 0
+            else f"first step; running for {minutes:g} min without kills")
         end = t0 + minutes * 60
         n = cfg.rollout.num_actors
         scale_at = [t0 + f * minutes * 60 for f in (0.2, 0.4, 0.6, 0.8)]
@@ -220,6 +227,7 @@ def soak(config: str, minutes: float, kill_every: float, overrides: list[str], *
                 parts = disk_by_part(run_dir)
                 samples.append({"minutes": round((time.monotonic() - t0) / 60, 2), "sent": _sent_count(run_dir),
                                 "disk": sum(parts.values()), "parts": parts, "rss": tree_rss_bytes(proc.pid)})
+                say(progress_line(samples[-1]["minutes"], minutes, last, kills, samples[-1]["sent"]))
             st = _try_status(run_dir)
             if st is not None:
                 last = st
@@ -233,13 +241,17 @@ def soak(config: str, minutes: float, kill_every: float, overrides: list[str], *
                 target = n + 1 if len(scales) % 2 == 0 else n
                 if _try(lambda: request(run_dir, {"cmd": "scale", "changes": {"rollout.num_actors": target}})):
                     scales.append(target)
+                    say(f"scaled to rollout.num_actors={target}")
             if time.monotonic() >= next_kill:
                 next_kill += kill_every
                 role = rng.choice(["rollout", "rollout", "sampler", "learner"])
                 pids = role_pids(proc.pid, role)
                 if pids:
-                    os.kill(rng.choice(pids), signal.SIGKILL)
+                    victim = rng.choice(pids)
+                    os.kill(victim, signal.SIGKILL)
                     kills[role] += 1
+                    say(f"killed a {role} (pid {victim})")
+        say("stopping the service (t1async stop) and counting the ledger")
         _try(lambda: request(run_dir, {"cmd": "stop"}))
         try:
             proc.wait(timeout=300)
@@ -258,6 +270,22 @@ def soak(config: str, minutes: float, kill_every: float, overrides: list[str], *
                    "sampler_restarts": (last or {}).get("restarts", {}).get("samplers"), "hang": hang,
                    "exit_status": proc.returncode, "run_dir": str(run_dir), "resources": resources(samples)})
     return result
+
+
+def progress_line(elapsed_min: float, minutes: float, status: dict[str, Any] | None, kills: dict[str, int],
+                  sent: int) -> str:
+    """One line of a soak's progress: minutes done of ``minutes``, the learner's step, trajectories
+    sent so far, kills by role, restarts (from the last ``status`` reply) and drops by reason."""
+    st = status or {}
+    restarts = " ".join(f"{k} {v}" for k, v in (st.get("restarts") or {}).items())
+    dropped = json.dumps({k: v for k, v in (st.get("dropped") or {}).items() if v})
+    return (f"{elapsed_min:.1f}/{minutes:g} min  step {st.get('step', '-')}  sent {sent}  "
+            f"kills {' '.join(f'{k} {v}' for k, v in kills.items())}  restarts {restarts or '-'}  dropped {dropped}")
+
+
+def say(line: str) -> None:
+    """A progress line of the soak on stderr (the ledger alone goes to stdout, at the end)."""
+    print(f"t1async soak: {line}", file=sys.stderr, flush=True)
 
 
 def _try_status(run_dir: Path) -> dict[str, Any] | None:

@@ -1,7 +1,8 @@
 """``t1async launch``: the table of contents of the whole system.
 
-    config (+ the run's live-change history on a resume) -> input checks (tokenizer, tasks,
-           sandbox, port, keys) -> run directory (locked, never mixed with an earlier run) -> reaper -> Ray
+    config (+ the run's live-change history on a resume) -> input checks (a resume's run
+           directory, init checkpoint, tokenizer, tasks, sandbox, port, keys) -> run directory
+           (locked, never mixed with an earlier run) -> reaper -> Ray
            -> samplers (HTTP, SGLang protocol) -> learner (ZeroMQ ROUTER, weight group, version 0)
            -> controller (admission, supervision, sampler routing) -> rollout actors (episodes -> ZeroMQ
               DEALER, ACKed) -> sampler pool (live sampler count, sampler restarts)
@@ -42,7 +43,7 @@ from t1async.models.tokenizer import check_model_vocab
 from t1async.sampling.sglang_server import start_servers, stop_servers
 from t1async.service.control import ControlServer
 from t1async.service.reaper import Reaper, kill_sandboxes_under
-from t1async.service.rundir import RunDirLock, check_reuse, history_overrides, resolve_run_dir
+from t1async.service.rundir import RunDirLock, check_resumable, check_reuse, history_overrides, resolve_run_dir
 from t1async.service.sampler_pool import SamplerPool
 from t1async.service.service import LearnerDied, Service
 from t1async.transport.keys import client_keys, server_keys
@@ -64,6 +65,7 @@ def launch(config_path: str | None, overrides: list[str] | tuple[str, ...] = ())
     cfg = load_config(config_path, overrides)
     run_dir = resolve_run_dir(cfg.run.dir)
     if cfg.learner.resume:  # live changes made to the run before (t1async scale) are kept
+        check_resumable(run_dir)  # (a mistyped run.dir must not start from scratch)
         cfg = load_config(config_path, [*history_overrides(run_dir), *overrides])
     task_names = check_inputs(cfg)  # every bad-input error happens here, before any process starts
     cfg.rollout.agent_cwd = cfg.rollout.agent_cwd or os.getcwd()  # an external agent's relative paths
@@ -78,7 +80,9 @@ def launch(config_path: str | None, overrides: list[str] | tuple[str, ...] = ())
     reaper = Reaper.start(run_dir)  # cleans up Ray and the sandboxes should this process be killed
     ctx = ray.init(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=False,
                    log_to_driver=False, logging_level="WARNING")
-    lock.write(ray_session=ctx.address_info.get("session_dir"))
+    ray_session = ctx.address_info.get("session_dir")
+    ray_local = cfg.ray.address in (None, "", "local")  # a Ray this launch starts (and stops)
+    lock.write(ray_session=ray_session, ray_local=ray_local)  # (the reaper removes a local one too)
     actor = _actor_factory(run_dir, cfg.run)
     summary: dict[str, Any] = {"run_dir": str(run_dir), "max_steps": cfg.learner.max_steps}
     roles: dict[str, Any] = {}
@@ -88,6 +92,7 @@ def launch(config_path: str | None, overrides: list[str] | tuple[str, ...] = ())
         if cfg.sampler.backend == "sglang":  # processes, not Ray actors: stopped below
             roles["sglang_servers"], roles["samplers"] = roles["samplers"], []
         roles["learner"], endpoint = start_learner(cfg, actor, run_dir, urls)  # publishes weight version 0
+        lock.write(trajectories=endpoint)  # the learner's trajectory socket, for a person or a tool to find
         announce_resume(cfg, roles["learner"], run_dir)
         roles["controller"] = start_controller(cfg, actor, task_names, urls, endpoint)  # starts the rollout actors
         pool = sampler_pool(cfg, actor, roles, urls)  # live scaling and restarts of embedded samplers
@@ -103,7 +108,7 @@ def launch(config_path: str | None, overrides: list[str] | tuple[str, ...] = ())
         except LearnerDied as e:
             summary["error"], summary["ended"] = str(e), "learner_died"
         summary["max_steps"], summary["stop_request"] = service.cfg.learner.max_steps, service.stop_request
-        summary["restarts"] = service.restarts
+        summary["restarts"] = service.restart_counts()  # learner and samplers
     finally:
         if control is not None:
             control.close()
@@ -125,6 +130,8 @@ def launch(config_path: str | None, overrides: list[str] | tuple[str, ...] = ())
         summary.update(_metrics_summary(run_dir / "metrics.jsonl"))
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
         ray.shutdown()
+        if ray_local:  # a Ray this launch started: its session folder goes, its logs are kept
+            keep_ray_logs(ray_session, run_dir)
         reaper.done()
         lock.release()
     logger.info("done: {}", json.dumps({k: v for k, v in summary.items() if k not in ("samplers",)}, default=str))
@@ -163,6 +170,8 @@ def announce_resume(cfg: Config, learner: Any, run_dir: Path) -> None:
     if not cfg.learner.resume:
         return
     r = ray.get(learner.status.remote())["resumed"]
+    for line in r.get("set_aside", []):  # newer checkpoints that failed verification
+        logger.warning("{}", line)
     if r["checkpoint"] is None and r["to_replay"] == 0:
         logger.warning("learner.resume=true but {} holds nothing to resume (no checkpoint, empty receive log): "
                        "starting fresh at step 0", run_dir)
@@ -180,6 +189,7 @@ def check_inputs(cfg: Config) -> list[str]:
         ConfigError, TaskError, SandboxUnavailable, KeysError: with a one-line message.
     """
     check_trainable(cfg)
+    check_init_checkpoint(cfg.learner.init_checkpoint)
     check_model_vocab(cfg.model.vocab_size, cfg.env.action_format)
     if cfg.rollout.agent == "external":  # the endpoint renders and returns tool calls with the tool-call ids
         check_model_vocab(cfg.model.vocab_size, "tool_call", "model.vocab_size (rollout.agent=external)")
@@ -203,6 +213,25 @@ def check_inputs(cfg: Config) -> list[str]:
         server_keys(cfg.transport.keys_dir)
         client_keys(cfg.transport.keys_dir)
     return [t.name for t in tasks]
+
+
+def check_init_checkpoint(path: str) -> None:
+    """Refuse a ``learner.init_checkpoint`` that is not a checkpoint folder (before Ray starts and
+    before the run directory is created, instead of a Ray traceback from the learner's start).
+
+    Raises:
+        ConfigError: one line: the folder is missing, or lacks ``config.json`` or ``model.safetensors``.
+    """
+    if not path:
+        return
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise ConfigError(f"learner.init_checkpoint={path}: no such folder; give a checkpoint folder (config.json + "
+                          "model.safetensors, e.g. what t1async sft --out writes) or '' for a random init")
+    missing = [n for n in ("config.json", "model.safetensors") if not (folder / n).is_file()]
+    if missing:
+        raise ConfigError(f"learner.init_checkpoint={path} has no {' or '.join(missing)}: it is not a checkpoint "
+                          "folder (config.json + model.safetensors, e.g. what t1async sft --out writes)")
 
 
 def is_local_host(host: str) -> bool:
@@ -380,6 +409,23 @@ def _actor_factory(run_dir: Path, run_cfg: RunConfig):
         return ray.remote(num_cpus=0, max_concurrency=ACTOR_MAX_CONCURRENCY, max_restarts=0)(Logged)
 
     return actor
+
+
+def keep_ray_logs(session_dir: str | None, run_dir: Path) -> None:
+    """Move the logs of a Ray session this launch started to ``RUN_DIR/logs/ray`` (replacing an
+    earlier life's) and delete the session folder, so that no launch leaves a folder in the system
+    temp directory. Failures are logged, never raised (the run is over)."""
+    if not session_dir or not Path(session_dir).is_dir():
+        return
+    session = Path(session_dir)
+    dest = run_dir / "logs" / "ray"
+    try:
+        if (session / "logs").is_dir():
+            shutil.rmtree(dest, ignore_errors=True)
+            shutil.move(str(session / "logs"), str(dest))
+        shutil.rmtree(session, ignore_errors=True)
+    except OSError as e:
+        logger.warning("could not move Ray's session logs from {} to {}: {}", session, dest, e)
 
 
 def _metrics_summary(path: Path) -> dict[str, Any]:
