@@ -136,12 +136,16 @@ def test_tensor_parallel_slices_merge_back_bitwise_and_follow_megatrons_layout(t
 # ----------------------------------------------------------------------------- replay rows
 
 
-def test_replay_rows_are_sequence_major_with_distinct_padding_and_refuse_repeated_ids():
+def test_replay_rows_are_sequence_major_with_spread_distinct_padding_and_refuse_repeated_ids():
     r = _distinct_rows(2, 5)
     rows = megatron_backend.replay_rows(r, MODEL.num_experts, lengths=torch.tensor([5, 3]))
     assert len(rows) == MODEL.num_hidden_layers and rows[0].shape == (10, 2)
     assert torch.equal(rows[1][2 * 4 + 0], r[0, 4, 1]) and torch.equal(rows[1][2 * 1 + 1], r[1, 1, 1])  # s * B + b
-    assert torch.equal(rows[0][2 * 3 + 1], torch.tensor([0, 1])) and torch.equal(rows[0][2 * 4 + 1], torch.tensor([0, 1]))
+    # the two padded positions (sequence 1, tokens 3 and 4) take distinct, spread rows: slots 0-1, 2-3
+    assert torch.equal(rows[0][2 * 3 + 1], torch.tensor([0, 1])) and torch.equal(rows[0][2 * 4 + 1], torch.tensor([2, 3]))
+    ep2 = megatron_backend.replay_rows(r, MODEL.num_experts, lengths=torch.tensor([5, 3]), expert_parallel=2)
+    # over 2 expert-parallel ranks (experts 0-1, 2-3) consecutive slots alternate ranks
+    assert torch.equal(ep2[1][2 * 3 + 1], torch.tensor([0, 2])) and torch.equal(ep2[1][2 * 4 + 1], torch.tensor([1, 3]))
     r[1, 2, 0] = torch.tensor([3, 3])
     with pytest.raises(ValueError, match="sequence 1, token 2, layer 0.*distinct"):
         megatron_backend.replay_rows(r, MODEL.num_experts)
