@@ -11,8 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from t1async.actors import error_line
-
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "t1async.cli", "launch", str(REPO / "configs" / "local.yaml")]
 
@@ -26,6 +24,8 @@ def _raised(exc: BaseException) -> str:
 
 def test_error_line_names_the_remote_cause_of_a_ray_error():
     from ray.exceptions import ActorDiedError, RayTaskError
+
+    from t1async.actors import error_line
 
     task = RayTaskError("Learner.__init__", _raised(ValueError("bad checkpoint /x: invalid header\nmore")),
                         ValueError("bad checkpoint /x"))
