@@ -18,6 +18,7 @@ from t1async.config import (
     AbnormalConfig,
     GenerationConfig,
     LearnerConfig,
+    MegatronConfig,
     ModelConfig,
     SamplerConfig,
     TransportConfig,
@@ -528,6 +529,51 @@ def test_micro_batches_group_longest_first_within_the_token_budget():
         micro_batches(lengths, -1)
 
 
+@pytest.mark.parametrize("backend,ep", [("torch", 1), ("megatron", 2), ("megatron", 4)])
+def test_micro_batch_spreads_padding_over_experts_and_expert_parallel_ranks(backend, ep):
+    """Padded positions replay K distinct experts per row, each expert taking floor or ceil of the
+    padding's assignments (per layer) and each expert-parallel rank likewise: no hot spot on
+    experts 0..K-1 and rank 0. Real positions keep the sampler's rows."""
+    from t1async.learner.rl import micro_batches
+    from t1async.learner.update import micro_batch
+
+    cfg = LearnerConfig(backend=backend, megatron=MegatronConfig(expert_parallel=ep))
+    batch = varied_batch()
+    E = 4  # varied_batch: 4 experts, top-2
+    for group in micro_batches([t.num_tokens - 1 for t in batch], 4096):
+        mb = micro_batch([batch[i] for i in group], torch.device("cpu"), cfg, E)
+        rec, pad = mb["recorded"], ~mb["valid"]
+        assert int(pad.sum()) >= 10  # lengths 8..40 in one micro-batch: plenty of padding
+        rows = rec[pad]  # [n, L, K]
+        assert (rows.sort(-1).values.diff(dim=-1) > 0).all()  # K distinct per row
+        for layer in range(rows.shape[1]):
+            per_expert = torch.bincount(rows[:, layer].flatten(), minlength=E)
+            per_rank = per_expert.view(ep, E // ep).sum(1)
+            assert int(per_expert.max() - per_expert.min()) <= 1, per_expert.tolist()
+            assert int(per_rank.max() - per_rank.min()) <= 1, per_rank.tolist()
+            assert float(per_rank.max() / per_rank.min()) < 1.1
+        for b, i in enumerate(group):
+            n = batch[i].num_tokens - 1
+            assert torch.equal(rec[b, :n], torch.from_numpy(batch[i].routed_experts.astype(np.int64)))
+
+
+def test_padding_routes_balance_experts_and_ranks_exactly_and_refuse_impossible_sizes():
+    from t1async.learner.rl import padding_routes
+
+    for n, K, E, P in [(1, 2, 4, 1), (7, 2, 8, 2), (13, 3, 8, 4), (5, 8, 8, 8), (9, 1, 6, 3), (0, 2, 4, 2)]:
+        r = padding_routes(n, K, E, P)
+        assert r.shape == (n, K) and r.dtype == torch.int64 and torch.equal(r, padding_routes(n, K, E, P))
+        assert all(len(set(row)) == K for row in r.tolist())
+        per_expert = torch.bincount(r.flatten(), minlength=E)
+        per_rank = per_expert.view(P, E // P).sum(1)
+        assert len(per_expert) == E and int(per_expert.max() - per_expert.min()) <= (1 if n else 0)
+        assert int(per_rank.max() - per_rank.min()) <= (1 if n else 0)
+    with pytest.raises(ValueError, match="top_k=5, num_experts=4"):
+        padding_routes(3, 5, 4)
+    with pytest.raises(ValueError, match="expert_parallel=3"):
+        padding_routes(3, 2, 4, 3)
+
+
 def test_bench_micro_batch_compares_both_on_one_batch_and_refuses_bad_counts(capsys):
     """t1async bench micro-batch: one JSON with each value's tokens/s and speedup over the first;
     the two learners took the same update (same loss); bad counts are one line, rc 2."""
@@ -546,6 +592,15 @@ def test_bench_micro_batch_compares_both_on_one_batch_and_refuses_bad_counts(cap
     assert a["speedup"] == 1.0 and b["speedup"] == pytest.approx(b["tokens_per_s"] / a["tokens_per_s"], rel=1e-2)
     assert b["policy_loss_last"] == pytest.approx(a["policy_loss_last"], rel=1e-4, abs=1e-7)
     assert a["padding_frac"] == 0.0 and 0.0 < b["padding_frac"] < 1.0  # one per forward: no padding at all
+    # where the padding's replayed token slots go: spread (after) vs all on experts 0..K-1 (before)
+    E, K = ModelConfig().num_experts, ModelConfig().num_experts_per_tok  # the bench's local model
+    after, before = b["routing"]["after"], b["routing"]["before"]
+    assert max(after["padding_expert_share"]) - min(after["padding_expert_share"]) <= 1.0 / E
+    assert before["padding_expert_share"] == [1.0 / K] * K + [0.0] * (E - K)
+    assert after["ep_rank_max_over_min"] < before["ep_rank_max_over_min"] and len(after["ep_rank_slot_ratio"]) == 2
+    assert a["routing"]["after"] == a["routing"]["before"]  # no padding: nothing to spread
+    assert main(["bench", "micro-batch", "--expert-parallel", "3"]) == 2
+    assert "--expert-parallel 3 must divide" in capsys.readouterr().err
 
 
 def test_policy_steps_raise_the_rewarded_trajectory_and_lower_the_unrewarded_one(tmp_path):

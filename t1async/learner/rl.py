@@ -304,6 +304,51 @@ def routing_differs(experts: torch.Tensor, recorded: torch.Tensor) -> torch.Tens
     return (a != b).any(dim=-1).any(dim=-1)
 
 
+def padding_routes(n: int, top_k: int, num_experts: int, expert_parallel: int = 1) -> torch.Tensor:
+    """Replayed experts for ``n`` padded positions, spread evenly over the experts and the
+    expert-parallel ranks (a padded position's output is masked, but it still takes a token slot
+    on the experts it is sent to).
+
+    Slot j of row r is s = r K + j, and goes to expert
+    ``e(s) = (s mod P) E/P + (s div P) mod (E/P)`` (P = ``expert_parallel``; rank p holds experts
+    [p E/P, (p+1) E/P), as Megatron places them). ``e`` maps any E consecutive slots onto the E
+    experts one-to-one and consecutive slots alternate over the ranks, so: the K ids of a row are
+    distinct (K <= E consecutive slots), each expert gets floor(nK/E) or ceil(nK/E) of the n K
+    assignments, and each rank floor(nK/P) or ceil(nK/P). Deterministic.
+
+    Returns:
+        int64 ``[n, top_k]``.
+
+    Raises:
+        ValueError: ``top_k`` > ``num_experts``, or ``expert_parallel`` not dividing ``num_experts``.
+    """
+    K, E, P = top_k, num_experts, expert_parallel
+    if not 1 <= K <= E or P < 1 or E % P:
+        raise ValueError(f"padding_routes needs 1 <= top_k <= num_experts and expert_parallel dividing "
+                         f"num_experts, got top_k={K}, num_experts={E}, expert_parallel={P}")
+    s = torch.arange(n * K, dtype=torch.int64).view(n, K)
+    return (s % P) * (E // P) + (s // P) % (E // P)
+
+
+def fill_padding_routes(routed: torch.Tensor, pad: torch.Tensor, num_experts: int,
+                        expert_parallel: int = 1) -> torch.Tensor:
+    """``routed`` with its padded positions' rows replaced by :func:`padding_routes` (the i-th
+    padded position in row-major order takes row i, the same in every layer).
+
+    Args:
+        routed: integer ``[B, T, L, K]`` expert ids. pad: bool ``[B, T]``, True at padding.
+        num_experts, expert_parallel: as :func:`padding_routes`.
+
+    Returns:
+        int64 ``[B, T, L, K]`` (a new tensor on ``routed``'s device).
+    """
+    out = routed.long().clone()
+    pad = pad.to(out.device)
+    n, L, K = int(pad.sum()), out.shape[2], out.shape[3]
+    out[pad] = padding_routes(n, K, num_experts, expert_parallel).to(out.device)[:, None, :].expand(n, L, K)
+    return out
+
+
 def load_balancing_loss(gate_logits: list[torch.Tensor], num_experts: int, top_k: int) -> torch.Tensor:
     """Switch Transformer load-balancing loss averaged over MoE layers (Fedus et al. 2021).
 

@@ -24,7 +24,7 @@ from t1async.learner.abnormal import policy_mask
 from t1async.learner.advantages import ADVANTAGES, whiten
 from t1async.learner.backend import LearnerBackend, chunk_size
 from t1async.learner.losses import POLICY_LOSSES
-from t1async.learner.rl import gae, k3, kl_penalty, micro_batches, routing_differs, value_loss
+from t1async.learner.rl import fill_padding_routes, gae, k3, kl_penalty, micro_batches, routing_differs, value_loss
 from t1async.trajectory import Trajectory
 
 
@@ -199,9 +199,10 @@ def micro_batch(trajs: list[Trajectory], dev: torch.device, cfg: LearnerConfig,
     Returns ``inp``, ``tgt`` (int64; padding id 0), ``valid`` (bool: a real position),
     ``vmask`` (float: every sampled token), ``mask`` (float: the policy's,
     :func:`t1async.learner.abnormal.policy_mask`), ``mu`` (float32 sampler log-probs, 0 on padding),
-    ``recorded`` (int64 ``[B, T, L, K]`` routed experts; padding holds the distinct ids
-    ``arange(K) % num_experts``, as Megatron's replay needs) and ``replay`` (``recorded``
-    under ``learner.routing_replay``, else None), all on ``dev``.
+    ``recorded`` (int64 ``[B, T, L, K]`` routed experts; padding holds K distinct ids per row,
+    as Megatron's replay needs, spread evenly over the experts and the expert-parallel ranks:
+    :func:`t1async.learner.rl.fill_padding_routes`) and ``replay`` (``recorded`` under
+    ``learner.routing_replay``, else None), all on ``dev``.
     """
     T = max(t.num_tokens for t in trajs) - 1
     B = len(trajs)
@@ -210,7 +211,7 @@ def micro_batch(trajs: list[Trajectory], dev: torch.device, cfg: LearnerConfig,
     ids = torch.zeros(B, T + 1, dtype=torch.int64)
     valid = torch.zeros(B, T, dtype=torch.bool)
     vmask, mask, mu = (torch.zeros(B, T, dtype=torch.float32) for _ in range(3))
-    recorded = (torch.arange(K, dtype=torch.int64) % E).expand(B, T, L, K).clone()
+    recorded = torch.zeros(B, T, L, K, dtype=torch.int64)
     for b, traj in enumerate(trajs):
         n = traj.num_tokens - 1
         ids[b, :n + 1] = torch.from_numpy(traj.token_ids.astype(np.int64))
@@ -219,6 +220,8 @@ def micro_batch(trajs: list[Trajectory], dev: torch.device, cfg: LearnerConfig,
         mask[b, :n] = torch.from_numpy(policy_mask(traj, cfg.abnormal)[1:].astype(np.float32))
         mu[b, :n] = torch.from_numpy(traj.logprobs[1:].astype(np.float32))
         recorded[b, :n] = torch.from_numpy(traj.routed_experts.astype(np.int64))
+    ep = cfg.megatron.expert_parallel if cfg.backend == "megatron" else 1
+    recorded = fill_padding_routes(recorded, ~valid, E, ep)
     out = {"inp": ids[:, :-1], "tgt": ids[:, 1:], "valid": valid, "vmask": vmask, "mask": mask, "mu": mu,
            "recorded": recorded}
     out = {k: v.to(dev) for k, v in out.items()}

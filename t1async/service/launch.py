@@ -30,6 +30,7 @@ import ray
 from loguru import logger
 
 from t1async import require_extra
+from t1async.actors import error_line
 from t1async.actors.controller import Controller
 from t1async.actors.learner import Learner
 from t1async.actors.rollout import RolloutActor, tasks_dir
@@ -56,7 +57,8 @@ def launch(config_path: str | None, overrides: list[str] | tuple[str, ...] = ())
 
     Returns:
         The run summary (also written to ``RUN_DIR/summary.json``); ``ended`` says how it ended
-        (``done``, ``stopped``, ``signal``) and ``error`` holds one line when the learner died for good.
+        (``done``, ``stopped``, ``signal``, ``learner_died``, ``learner_failed_to_start``) and
+        ``error`` holds one line when the learner died for good or could not start.
 
     Raises:
         ConfigError, TaskError, SandboxUnavailable, KeysError: bad input, before anything is started
@@ -91,7 +93,11 @@ def launch(config_path: str | None, overrides: list[str] | tuple[str, ...] = ())
         roles["samplers"], urls = start_samplers(cfg, actor, run_dir)
         if cfg.sampler.backend == "sglang":  # processes, not Ray actors: stopped below
             roles["sglang_servers"], roles["samplers"] = roles["samplers"], []
-        roles["learner"], endpoint = start_learner(cfg, actor, run_dir, urls)  # publishes weight version 0
+        try:
+            roles["learner"], endpoint = start_learner(cfg, actor, run_dir, urls)  # publishes weight version 0
+        except LearnerStartFailed as e:
+            summary["error"], summary["ended"] = str(e), "learner_failed_to_start"
+            return summary
         lock.write(trajectories=endpoint)  # the learner's trajectory socket, for a person or a tool to find
         announce_resume(cfg, roles["learner"], run_dir)
         roles["controller"] = start_controller(cfg, actor, task_names, urls, endpoint)  # starts the rollout actors
@@ -324,13 +330,28 @@ def sampler_pool(cfg: Config, actor: Any, roles: dict[str, Any], urls: list[str]
     return pool
 
 
+class LearnerStartFailed(RuntimeError):
+    """The learner actor could not start (its ``__init__`` or its joining the samplers raised, or
+    it died meanwhile); the message is one line naming the cause and the log with the traceback."""
+
+
 def start_learner(cfg: Config, actor: Any, run_dir: Path, urls: list[str]) -> tuple[Any, str]:
-    """The learner, joined to every sampler's weight group with version 0 published; its ZeroMQ endpoint."""
+    """The learner, joined to every sampler's weight group with version 0 published; its ZeroMQ endpoint.
+
+    Raises:
+        LearnerStartFailed: any failure of the actor meanwhile, in one line (:func:`error_line`;
+            the traceback is in ``RUN_DIR/logs/learner.log``), never Ray's multi-line error.
+    """
     learner = actor(Learner, "learner").remote(cfg.learner, cfg.model, cfg.transport, cfg.weight_sync, str(run_dir),
                                                generation=cfg.generation, seed=cfg.run.seed,
                                                torch_threads=cfg.run.torch_threads)
-    endpoint = ray.get(learner.endpoint.remote())
-    ray.get(learner.connect_samplers.remote(urls))
+    try:
+        endpoint = ray.get(learner.endpoint.remote())
+        ray.get(learner.connect_samplers.remote(urls))
+    except ray.exceptions.RayError as e:
+        _try(lambda: ray.kill(learner))
+        raise LearnerStartFailed(f"the learner failed to start: {error_line(e)} (traceback in "
+                                 f"{run_dir}/logs/learner.log)") from None
     return learner, endpoint
 
 
@@ -392,6 +413,13 @@ def add_log_sink(run_dir: Path, name: str, run_cfg: RunConfig, *, keep_stderr: b
                retention=run_cfg.log_retention)
 
 
+def _log_start_failure(name: str) -> None:
+    """Log the exception being handled, with its traceback, as actor ``name``'s start-up failure (a
+    module-level function: Ray pickles the actor classes of :func:`_actor_factory` by value, and
+    the logger with its open files must not travel with them)."""
+    logger.exception("{} failed to start", name)
+
+
 def _actor_factory(run_dir: Path, run_cfg: RunConfig):
     """``actor(cls, log_name)`` -> a Ray actor class whose instances log to ``RUN_DIR/logs/``.
 
@@ -403,7 +431,11 @@ def _actor_factory(run_dir: Path, run_cfg: RunConfig):
             def __init__(self, *args: Any, log_name: str = default_log_name, **kwargs: Any):
                 add_log_sink(run_dir, log_name, run_cfg)
                 os.environ.setdefault("OMP_NUM_THREADS", "1")
-                super().__init__(*args, **kwargs)
+                try:
+                    super().__init__(*args, **kwargs)
+                except BaseException:  # the traceback goes to this actor's log; launch reports one line
+                    _log_start_failure(cls.__name__)
+                    raise
 
         Logged.__name__ = Logged.__qualname__ = cls.__name__
         return ray.remote(num_cpus=0, max_concurrency=ACTOR_MAX_CONCURRENCY, max_restarts=0)(Logged)

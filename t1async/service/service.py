@@ -32,6 +32,7 @@ from rich.live import Live
 from rich.text import Text
 from tensorboardX import SummaryWriter
 
+from t1async.actors import error_line
 from t1async.config import Config, ConfigError, check_values
 from t1async.service.control import LIVE_KEYS, live_change_refusal
 from t1async.service.rundir import append_history
@@ -293,7 +294,7 @@ class Service:
                 raise LearnerDied(self._died_line(err, f"after {self._learner_backoff.in_row} restarts in a row"))
             self.restarts["learner"] += 1
             logger.error("the learner died ({}); restart {} of {} in a row in {:.0f} s from its last checkpoint",
-                         _first_line(err), self._learner_backoff.in_row, self.cfg.run.learner_restarts, wait)
+                         error_line(err), self._learner_backoff.in_row, self.cfg.run.learner_restarts, wait)
             deadline = time.monotonic() + wait
             while time.monotonic() < deadline and not self.stop_request:
                 time.sleep(0.2)
@@ -308,7 +309,7 @@ class Service:
             return self.roles["learner"]
 
     def _died_line(self, err: Exception, when: str) -> str:
-        return (f"the learner died {when} ({_first_line(err)}; see {self.run_dir}/logs/learner.log); nothing sent "
+        return (f"the learner died {when} ({error_line(err)}; see {self.run_dir}/logs/learner.log); nothing sent "
                 f"is lost: resume with t1async launch CONFIG run.dir={self.run_dir} learner.resume=true")
 
     # ---- look inside --------------------------------------------------------------------
@@ -394,10 +395,6 @@ def _get(cfg: Any, dotted: str) -> Any:
 
 def _fmt(x: Any) -> str:
     return "-" if x is None else f"{x:.2f}"
-
-
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
 
 
 __all__ = ["LIVE_KEYS", "LearnerDied", "MetricsTail", "Service", "fit_line", "trends"]

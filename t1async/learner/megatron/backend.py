@@ -496,7 +496,8 @@ class MegatronBackend(MegatronState, AdamWPair):
         inp, tgt, replay = self._pad_tp(inp, tgt, replay)
         Tp, tp = inp.shape[1], self.tensor_parallel
         lengths = torch.full((B,), T)  # positions past T: padding, replayed with distinct ids
-        rows = replay_rows(replay, self.model_cfg.num_experts, lengths) if replay is not None else None
+        rows = (replay_rows(replay, self.model_cfg.num_experts, lengths, self.expert_parallel) if replay is not None
+                else None)
         replays = [r.router_replay for r in self._routers]
         if rows is not None:
             rows = rows[self._first_layer:self._first_layer + len(replays)]  # this pipeline stage's layers
