@@ -49,7 +49,7 @@ from t1async.learner.timeline import TIMELINE_FILE, VersionTimeline
 from t1async.learner.update import episode_reward, train_step
 from t1async.models.tokenizer import ChatTokenizer
 from t1async.rollout.transcripts import write_transcripts
-from t1async.sampling.sampler_client import SamplerError, weight_version
+from t1async.sampling.sampler_client import SamplerError, post_json, weight_version
 from t1async.trajectory import Trajectory
 from t1async.transport.delivery import ByteQueue, ConsumedLedger, ReceiveLog, read_consumed, write_consumed
 from t1async.transport.inbox import Inbox
@@ -164,25 +164,30 @@ class Learner:
         return self.version
 
     def _keep_samplers_weights(self, urls: list[str]) -> bool:
-        """Resumed: whether every sampler holds a weight version this run published whose
-        timeline version is at least the learner's; if so they count as holding it
-        (``WeightSync.held``) and :attr:`_samplers_at` is the smallest such timeline version."""
+        """Resumed: whether every sampler holds the last weight version this run started to
+        publish (so that publication completed: only its last bucket sets the version,
+        t1async/weights/distributed.py) and its timeline version is at least the learner's; if so
+        each is sent ``/continue_generation`` (the dead learner may have paused it after the last
+        bucket), they count as holding it (``WeightSync.held``) and :attr:`_samplers_at` is its
+        timeline version. Otherwise (a sampler restarted or unreachable, a publication cut short)
+        the checkpoint's weights are published, as a new version."""
         if self.resumed is None or not urls:
             return False
+        last = self.inbox.log.published_version
         try:
             held = {u: int(weight_version(u, timeout_s=10)) for u in urls}
+            if set(held.values()) != {last} or self.timeline.at(last) < self.timeline_version:
+                return False
+            for u in urls:
+                post_json(u, "/continue_generation", {}, timeout_s=10)
         except (SamplerError, OSError, ValueError) as e:
             logger.info("resumed: the samplers' weight versions are unknown ({}); publishing the checkpoint's", e)
             return False
-        if not all(0 <= v <= self.inbox.log.published_version for v in held.values()):
-            return False
-        at = min(self.timeline.at(v) for v in held.values())
-        if at < self.timeline_version:
-            return False
+        at = self.timeline.at(last)
         self._sync.held.update(held)
         self._samplers_at, self._republish_same = at, False
-        logger.info("resumed at timeline version {}: the samplers keep weight versions {} (timeline version {}) "
-                    "until the learner re-trains past them", self.timeline_version, sorted(set(held.values())), at)
+        logger.info("resumed at timeline version {}: the samplers keep weight version {} (timeline version {}) "
+                    "until the learner re-trains past it", self.timeline_version, last, at)
         return True
 
     def set_samplers(self, urls: list[str]) -> None:
