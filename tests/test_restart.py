@@ -116,3 +116,11 @@ def test_the_samplers_keep_the_lost_lifes_weights_until_the_learner_re_trains_pa
         assert not (tmp_path / "receive_log" / TIMELINE_FILE).exists()  # versions and timeline agree again
     finally:
         sampler.shutdown()
+
+
+def test_soak_draws_its_victims_from_the_roles_given_and_refuses_an_unknown_one():
+    from t1async.commands.soak import DEFAULT_VICTIMS, ROLE_TITLES, soak
+
+    assert set(DEFAULT_VICTIMS) == set(ROLE_TITLES)
+    with pytest.raises(ValueError, match=r"soak roles \['learnr'\]: each must be one of"):
+        soak("configs/local.yaml", 1, 20, [], roles=("learnr",))  # (refused before anything starts)
