@@ -51,9 +51,11 @@ from t1async.learner.abnormal import (
 from t1async.learner.advantages import ADVANTAGES
 from t1async.learner.backend import LearnerBackend, make_backend
 from t1async.learner.checkpoints import commit, resumable_checkpoint, rotate_checkpoints, staging_dir
+from t1async.learner.timeline import TIMELINE_FILE, VersionTimeline
 from t1async.learner.update import episode_reward, probe, train_step
 from t1async.models.tokenizer import ChatTokenizer
 from t1async.rollout.transcripts import write_transcripts
+from t1async.sampling.sampler_client import SamplerError, post_json, weight_version
 from t1async.trajectory import Trajectory, encode
 from t1async.transport.delivery import ByteQueue, ConsumedLedger, ReceiveLog, read_consumed, write_consumed
 from t1async.transport.inbox import Inbox
@@ -108,10 +110,17 @@ class Learner:
                                                     resume_from or cfg.init_checkpoint or None)
         self.version = 0
         self.step = 0
+        # staleness is measured in timeline versions, which a restart does not advance
+        # (t1async/learner/timeline.py); equal to the weight versions in a run that never resumed
+        self.timeline = VersionTimeline()
+        self.timeline_version = 0
+        self._sampled_at: dict[str, int] = {}  # trajectory id -> timeline version of its oldest token (taken, untrained)
+        self._earlier_lives_version = -1  # resumed: weight versions up to this one were published by earlier lives
+        self._samplers_at = -1  # resumed: timeline version of the (lost life's) weights the samplers kept
         self._held: list[Trajectory] = []  # received, kept, not yet trained (rollout.admission: learner_wait)
         self._hold_publish, self._hold_s = False, 0.0
-        self.counters = {"received": 0, "rejected": 0, "dropped_stale": 0, "trained": 0, "duplicates": 0, "replayed": 0,
-                         "quarantine_evicted": 0}
+        self.counters = {"received": 0, "rejected": 0, "dropped_stale": 0, "dropped_stale_restart": 0, "trained": 0,
+                         "duplicates": 0, "replayed": 0, "quarantine_evicted": 0}
         self.rejected_by: dict[str, int] = {}  # refused trajectories by reason (the field at fault; step_failed)
         self._failed_steps_in_a_row = 0
         self.dropped = dict.fromkeys(DROP_REASONS, 0)  # trajectories dropped, by reason (cumulative)
@@ -167,10 +176,45 @@ class Learner:
         return self.inbox.receiver.endpoint
 
     def connect_samplers(self, urls: list[str]) -> int:
-        """Form the weight group with every sampler and publish version 0; returns the version."""
+        """Form the weight group with every sampler and publish version 0; returns the version.
+
+        A resumed learner whose samplers all still hold weights of an earlier life at or past its
+        own timeline version (t1async/learner/timeline.py; the usual case after a kill: the
+        samplers keep the last version the dead learner published) leaves them serving those
+        and publishes nothing until its timeline has moved past them (:meth:`_publish`): the
+        episodes in flight, and those started meanwhile, keep sampling weights as far along as
+        before the kill instead of the checkpoint's older ones."""
         self._sync.connect(urls)
-        self._publish()
+        if not self._keep_samplers_weights(urls):
+            self._publish()
         return self.version
+
+    def _keep_samplers_weights(self, urls: list[str]) -> bool:
+        """Resumed: whether every sampler holds the last weight version this run started to
+        publish (so that publication completed: only its last bucket sets the version,
+        t1async/weights/distributed.py) and its timeline version is at least the learner's; if so
+        each is sent ``/continue_generation`` (the dead learner may have paused it after the last
+        bucket), they count as holding it (``WeightSync.held``) and :attr:`_samplers_at` is its
+        timeline version. Otherwise (a sampler restarted or unreachable, a publication cut short)
+        the checkpoint's weights are published, as a new version."""
+        if self.resumed is None or not urls:
+            return False
+        last = self.inbox.log.published_version
+        try:
+            held = {u: int(weight_version(u, timeout_s=10)) for u in urls}
+            if set(held.values()) != {last} or self.timeline.at(last) < self.timeline_version:
+                return False
+            for u in urls:
+                post_json(u, "/continue_generation", {}, timeout_s=10)
+        except (SamplerError, OSError, ValueError) as e:
+            logger.info("resumed: the samplers' weight versions are unknown ({}); publishing the checkpoint's", e)
+            return False
+        at = self.timeline.at(last)
+        self._sync.held.update(held)
+        self._samplers_at, self._republish_same = at, False
+        logger.info("resumed at timeline version {}: the samplers keep weight version {} (timeline version {}) "
+                    "until the learner re-trains past it", self.timeline_version, last, at)
+        return True
 
     def set_samplers(self, urls: list[str]) -> None:
         """The samplers to publish to from now on (the launch's sampler pool: live scaling, a
@@ -187,10 +231,11 @@ class Learner:
         self._stop.set()
 
     def status(self) -> dict[str, Any]:
-        """Step, version, queue depth, counters, dropped trajectories by reason, refused ones by
-        reason (``rejected_by``), what a resume restored, and the consumed-id ledger's size (ids in
-        all, streams, holes)."""
-        return {"step": self.step, "version": self.version, "queue_depth": self.inbox.queue.qsize() + len(self._held),
+        """Step, weight and timeline version, queue depth, counters, dropped trajectories by reason,
+        refused ones by reason (``rejected_by``), what a resume restored, and the consumed-id ledger's
+        size (ids in all, streams, holes)."""
+        return {"step": self.step, "version": self.version, "timeline_version": self.timeline_version,
+                "queue_depth": self.inbox.queue.qsize() + len(self._held),
                 "queue_bytes": self.inbox.queue.nbytes, **self.counters, "dropped": dict(self.dropped),
                 "rejected_by": dict(self.rejected_by),
                 "resumed": self.resumed, "max_steps": self.cfg.max_steps,
@@ -212,12 +257,20 @@ class Learner:
         """Restore checkpoint ``path`` (critic, optimisers, step, version, counters, consumed ids,
         the group advantage's recent rewards per task;
         the policy was loaded in ``__init__``); None: no checkpoint yet, start at step 0 and replay
-        the whole receive log. metrics.jsonl rows past the restored step are dropped."""
+        the whole receive log. metrics.jsonl rows past the restored step are dropped.
+
+        The learner resumes at the checkpoint's timeline version (t1async/learner/timeline.py,
+        read from ``receive_log/timeline.json``), not at the last weight version published: the
+        receive log's backlog and the episodes in flight are then judged, and admission runs, as
+        if the lost steps had not been lost (the backlog re-trains them)."""
+        self.timeline = VersionTimeline.load(log.dir / TIMELINE_FILE)
+        state: dict[str, Any] = {}
         if path is not None:
             if not self.backend.load_state(path):
                 logger.warning("{}/optimizers.pt was written by another learner backend: optimisers start fresh", path)
             state = json.loads((path / "trainer_state.json").read_text())
             self.step, self.version = int(state["step"]), int(state["version"])
+            self.timeline_version = int(state.get("timeline_version", self.timeline.at(self.version)))
             self.counters.update({k: int(state[k]) for k in self.counters if k in state})
             self.dropped.update({k: int(v) for k, v in state.get("dropped", {}).items()})
             self.rejected_by.update({k: int(v) for k, v in state.get("rejected_by", {}).items()})
@@ -231,18 +284,23 @@ class Learner:
         # ...unless the checkpoint was written right after a publication and nothing was published
         # since: the samplers hold exactly these weights as this version, so it is sent again
         # unchanged (a restart then does not make every trajectory in flight one version staler).
-        self._republish_same = (path is not None and self.step % self.cfg.publish_every == 0
-                                and log.published_version == self.version)
+        # (weights_published: the checkpoint's weights are those published as its version; older
+        # checkpoints lack it, and were written right after a publication when step % K == 0)
+        self._republish_same = (path is not None and log.published_version == self.version
+                                and bool(state.get("weights_published", self.step % self.cfg.publish_every == 0)))
         self.version = max(self.version, log.published_version)
+        self._earlier_lives_version = self.version
         metrics = self.run_dir / "metrics.jsonl"
         if metrics.exists():
             rows = [r for r in metrics.read_text().splitlines() if r.strip() and json.loads(r)["step"] <= self.step]
             metrics.write_text("".join(r + "\n" for r in rows))
         self.resumed = {"checkpoint": str(path) if path else None, "step": self.step, "version": self.version,
+                        "timeline_version": self.timeline_version,
                         "consumed": len(self._consumed),
                         "to_replay": sum(k not in self._consumed for k in log.keys())}
-        logger.info("resumed from {} at step {}, version {}: {} trajectories consumed, {} in the receive log",
-                    path or "no checkpoint", self.step, self.version, len(self._consumed), len(log))
+        logger.info("resumed from {} at step {}, version {} (timeline version {}): {} trajectories consumed, {} in "
+                    "the receive log", path or "no checkpoint", self.step, self.version, self.timeline_version,
+                    len(self._consumed), len(log))
 
     def _discard(self, reason: str, trajectory_id: str) -> None:
         """Give a dropped trajectory's admission slot back to the controller
@@ -263,8 +321,9 @@ class Learner:
         """Train for ``max_steps`` steps (or until :meth:`stop`), publishing and checkpointing.
 
         Args:
-            controller: optional object (or Ray handle) with ``set_version(v)`` (told after each
-                publication so admission control follows the learner),
+            controller: optional object (or Ray handle) with ``set_version(v)`` (told the timeline
+                version after each publication and on resume, so admission control follows the
+                learner; t1async/learner/timeline.py),
                 ``trajectories_consumed(ids)`` (after each step) and
                 ``trajectory_discarded(reason, trajectory_id)`` (each stale drop).
 
@@ -277,8 +336,8 @@ class Learner:
         self._hold_publish = controller is not None and hasattr(controller, "holds_publish") and bool(
             call(controller.holds_publish))
         if controller is not None:
-            if self.version > 0:  # resumed: admission must follow the restored version
-                call(controller.set_version, self.version)
+            if self.resumed is not None or self.timeline_version > 0:  # admission follows the restored
+                call(controller.set_version, self.timeline_version)  # timeline version (it may go back)
             for reason, tid in pending:
                 call(controller.trajectory_discarded, reason, tid)
         try:
@@ -292,18 +351,20 @@ class Learner:
                 metrics = self._guarded_step(batch)  # (batch loses what it quarantines)
                 if metrics is None:  # every trajectory of it was quarantined: no step
                     continue
-                staleness = [self.version - t.min_version for t in batch]
+                staleness = [max(0, self._staleness(t)) for t in batch]  # (< 0: sampled on a lost life's branch)
                 self._weights_published = False  # the policy moved past the last version published
                 self.step += 1
                 self._consumed.update((t.trajectory_id, self.step) for t in batch)
+                for t in batch:
+                    self._sampled_at.pop(t.trajectory_id, None)
                 if controller is not None:  # admission stops waiting for these (oldest-episode rule)
                     call(controller.trajectories_consumed, [t.trajectory_id for t in batch])
                 if self.step % self.cfg.publish_every == 0:
                     t_pub = time.perf_counter()
-                    self._publish()
+                    self._publish(advance=True)
                     publish_s = time.perf_counter() - t_pub
                     if controller is not None:
-                        call(controller.set_version, self.version)
+                        call(controller.set_version, self.timeline_version)
                 metrics.update(self._batch_metrics(batch, staleness))
                 if publish_s:  # samplers paused by this publish, and the group re-formed before it (seconds)
                     metrics["publish_pause_s"], metrics["publish_form_s"] = self._sync.last_pause_s, self._sync.last_form_s
@@ -321,12 +382,31 @@ class Learner:
             self._stop.set()
         return self.status()
 
+    def _sampled_timeline(self, traj: Trajectory) -> int:
+        """Timeline version of ``traj``'s oldest sampled token (t1async/learner/timeline.py), kept
+        until it is trained or dropped (a weight version's timeline version never changes once
+        published, and the frame holds none later)."""
+        tid = traj.trajectory_id
+        if tid not in self._sampled_at:
+            self._sampled_at[tid] = self.timeline.oldest(traj.versions[traj.loss_mask.astype(bool)])
+        return self._sampled_at[tid]
+
+    def _staleness(self, traj: Trajectory) -> int:
+        """Learner's timeline version - timeline version of ``traj``'s oldest sampled token: a
+        restart does not change it (t1async/learner/timeline.py); negative for a trajectory a
+        lost life sampled with weights the resumed learner has not re-trained to yet."""
+        return self.timeline_version - self._sampled_timeline(traj)
+
     def _keep(self, traj: Trajectory) -> bool:
-        """Whether ``traj`` may be trained: within the staleness bound and not to be dropped for an
-        abnormal end (:func:`t1async.learner.abnormal.drop_reason`); otherwise it is dropped and counted."""
-        staleness = self.version - traj.min_version
+        """Whether ``traj`` may be trained: within the staleness bound (:meth:`_staleness`) and not
+        to be dropped for an abnormal end (:func:`t1async.learner.abnormal.drop_reason`);
+        otherwise it is dropped and counted. A stale drop of a trajectory sampled (in part) by the
+        weights of an earlier learner life also counts in ``dropped_stale_restart``."""
+        staleness = self._staleness(traj)
         if staleness > self.cfg.max_staleness:
             self.counters["dropped_stale"] += 1
+            if traj.min_version <= self._earlier_lives_version:
+                self.counters["dropped_stale_restart"] += 1
             self._drop(traj, "stale", f"{staleness} > {self.cfg.max_staleness}")
             return False
         reason = drop_reason(traj, self.cfg.abnormal)
@@ -375,7 +455,7 @@ class Learner:
 
     def _collect_held_batch(self) -> list[Trajectory] | None:
         """``rollout.admission: learner_wait``: the ``batch_size`` oldest trajectories received
-        (smallest ``min_version`` first, then arrival order), taken once the controller allows the
+        (oldest sampled timeline version first, then arrival order), taken once the controller allows the
         publish that follows this step (:meth:`actors.controller.Controller.publish_allowed`).
 
         Admission there follows the learner's version, so fast episodes run up to
@@ -405,17 +485,17 @@ class Learner:
                 return None
             if len(self._held) >= cfg.batch_size:
                 self._held = [t for t in self._held if self._keep(t)]  # a bound changed live
-                self._held.sort(key=lambda t: t.min_version)  # stable: arrival order within a version
+                self._held.sort(key=self._sampled_timeline)  # stable: arrival order within a version
             if len(self._held) >= cfg.batch_size:
                 batch, rest = self._held[:cfg.batch_size], self._held[cfg.batch_size:]
                 # wait only for episodes not here yet (judged by their admission version): waiting
                 # cannot save one already held that the batch has no room for (it is dropped as stale)
-                ok = not publishes or call(self._controller.publish_allowed, self.version + 1,
+                ok = not publishes or call(self._controller.publish_allowed, self.timeline_version + 1,
                                            [t.trajectory_id for t in self._held])
                 if not ok and time.monotonic() > deadline:
-                    logger.warning("learner waited {} s for a slow episode; publishing version {} anyway (what "
-                                   "that makes too stale is dropped and counted)", cfg.batch_timeout_s,
-                                   self.version + 1)
+                    logger.warning("learner waited {} s for a slow episode; publishing timeline version {} anyway "
+                                   "(what that makes too stale is dropped and counted)", cfg.batch_timeout_s,
+                                   self.timeline_version + 1)
                     ok = True
                 if ok:
                     self._held = rest
@@ -436,6 +516,7 @@ class Learner:
         resume does not bring it back) and return its admission slot (:meth:`_discard`)."""
         self.dropped[reason] += 1
         self._consumed[traj.trajectory_id] = -1
+        self._sampled_at.pop(traj.trajectory_id, None)
         self._discard(f"{reason}: {detail}", traj.trajectory_id)
         logger.warning("dropped trajectory {} of {}: {} ({})", traj.trajectory_id, traj.task, reason, detail)
 
@@ -531,6 +612,7 @@ class Learner:
         return {
             "step": self.step,
             "version": self.version,
+            "timeline_version": self.timeline_version,
             "trajectories": len(batch),
             "trajectories_total": self.counters["trained"],
             "dropped_stale": self.counters["dropped_stale"],
@@ -557,11 +639,26 @@ class Learner:
             "queue_depth": self.inbox.queue.qsize(),
         }
 
-    def _publish(self) -> None:
-        """Broadcast the policy to every sampler as the next version (version 0 at start)."""
+    def _publish(self, advance: bool = False) -> None:
+        """Broadcast the policy to every sampler as the next version (version 0 at start).
+
+        ``advance``: a regular publication (every ``publish_every`` steps): the timeline version
+        advances by one. Otherwise (the first publication of a life, a joining sampler's) the
+        weights are fewer than ``publish_every`` updates past the timeline version they keep,
+        and the timeline gets a new start at this weight version, written before the broadcast
+        (t1async/learner/timeline.py)."""
+        if advance:
+            self.timeline_version += 1
+            if self.timeline_version <= self._samplers_at:  # (connect_samplers kept the samplers' weights)
+                logger.info("timeline version {}: not published, the samplers hold weights as far along (timeline "
+                            "version {})", self.timeline_version, self._samplers_at)
+                return
         if (self.step > 0 or self.version > 0) and not self._republish_same:  # (version > 0 at step 0: resumed
             self.version += 1                                                  # before the first checkpoint)
         self._republish_same = False
+        if self.timeline.at(self.version) != self.timeline_version:
+            self.timeline.rebase(self.version, self.timeline_version)
+            self.timeline.save(self.inbox.log.dir / TIMELINE_FILE, fsync=self.inbox.log.fsync)
         self.inbox.log.note_published(self.version)
         self._weights_published = True
         t0 = time.perf_counter()
@@ -597,7 +694,7 @@ class Learner:
             logger.warning("no sampler holds weights: publishing the policy as a new version for {}", joiners)
             self._publish()
             if self._controller is not None:
-                call(self._controller.set_version, self.version)
+                call(self._controller.set_version, self.timeline_version)
 
     def _write_metrics(self, metrics: dict[str, Any]) -> None:
         metrics["time"] = time.time()
@@ -616,7 +713,9 @@ class Learner:
         tmp = staging_dir(root, self.step)
         self.backend.save(tmp)
         write_consumed(tmp / "consumed.json", self._consumed)
-        (tmp / "trainer_state.json").write_text(json.dumps({"step": self.step, "version": self.version, **self.counters,
+        (tmp / "trainer_state.json").write_text(json.dumps({"step": self.step, "version": self.version,
+                                                            "timeline_version": self.timeline_version,
+                                                            "weights_published": self._weights_published, **self.counters,
                                                             "dropped": self.dropped,
                                                             "rejected_by": self.rejected_by,
                                                             "group_rewards": self._task_rewards}))

@@ -2,8 +2,9 @@
 
 Runs the service (``t1async launch CONFIG learner.max_steps=0 run.audit=true``, a child process)
 for N minutes while killing a random role with SIGKILL every S seconds (a rollout actor 2 in 4, an
-embedded sampler or the learner 1 in 4 each; found as the launch's descendant processes titled
-``ray::RolloutActor`` / ``ray::EmbeddedSampler`` / ``ray::Learner``),
+embedded sampler or the learner 1 in 4 each; ``--roles learner`` kills only the learner; found as
+the launch's descendant processes titled ``ray::RolloutActor`` / ``ray::EmbeddedSampler`` /
+``ray::Learner``),
 scales the rollout actors up and down twice (``t1async scale``), then stops it (``t1async stop``)
 and prints the ledger, counted from what the run left on disk:
 
@@ -18,10 +19,14 @@ and prints the ledger, counted from what the run left on disk:
 - ``lost`` = sent ids neither consumed by the final checkpoint nor pending;
 - ``staleness_max`` against the bound, and ``hang`` (no learner step for ``--hang-s`` seconds, or
   the service did not stop within 5 minutes).
+- ``dropped_stale_restart``: of the stale drops, those of trajectories sampled (in part) by the
+  weights of an earlier learner life (the learner's counter: an upper bound on the drops a
+  learner restart caused; t1async/learner/timeline.py says why it should be 0).
 
 Progress goes to stderr as it runs (a line at each sample, every 30 s, and at each kill and scale);
 the launch's own output to ``RUN_DIR/soak-launch.out``; the ledger, as JSON, to stdout at the end.
-Exit status 0 when lost = 0, duplicates = 0, the bound held and nothing hung; 1 otherwise.
+Exit status 0 when lost = 0, duplicates = 0, the bound held, no stale drop came from a restart and
+nothing hung; 1 otherwise.
 """
 
 from __future__ import annotations
@@ -83,6 +88,7 @@ def ledger(run_dir: Path, max_staleness: int, last_status: dict[str, Any] | None
     return {
         "started": ctrl.get("started"), "failed_episodes": ctrl.get("failed_episodes"),
         "sent": len(sent), "acked": len(sent - spooled), "trained": trained, "dropped": dropped,
+        "dropped_stale_restart": state.get("dropped_stale_restart"),
         "consumed_distinct": len(consumed), "duplicates_trained": trained + sum(dropped.values()) - len(consumed),
         "consumed_without_sent_record": len(consumed) - len(consumed_sent), "pending": len(pending),
         "lost": len(lost), "lost_ids": sorted(lost)[:10], "steps": len(rows),
@@ -184,12 +190,23 @@ def _sent_count(run_dir: Path) -> int:
     return n
 
 
+DEFAULT_VICTIMS = ("rollout", "rollout", "sampler", "learner")  # each kill draws one (a rollout actor 2 in 4)
+
+
 def soak(config: str, minutes: float, kill_every: float, overrides: list[str], *, seed: int = 0,
-         hang_s: float = 300.0, run_dir: Path | None = None, sample_every_s: float = 30.0) -> dict[str, Any]:
+         hang_s: float = 300.0, run_dir: Path | None = None, sample_every_s: float = 30.0,
+         roles: tuple[str, ...] = DEFAULT_VICTIMS) -> dict[str, Any]:
     """Run the soak; returns the ledger plus ``kills``, ``scales``, ``hang``, ``run_dir`` and
     ``resources``: every ``sample_every_s`` seconds the run directory's bytes and the resident
     memory of the launch's process tree are sampled with the trajectories spooled so far
-    (:func:`resources`). ``kill_every`` <= 0 kills nothing (a plain long run, to measure growth)."""
+    (:func:`resources`). ``kill_every`` <= 0 kills nothing (a plain long run, to measure growth).
+    ``roles``: each kill's victim is drawn from these (names of :data:`ROLE_TITLES`, repeats weigh).
+
+    Raises:
+        ValueError: a role in ``roles`` is not one of :data:`ROLE_TITLES`.
+    """
+    if not roles or set(roles) - set(ROLE_TITLES):
+        raise ValueError(f"soak roles {list(roles)}: each must be one of {sorted(ROLE_TITLES)}")
     rng = random.Random(seed)
     run_dir = (run_dir or Path(f"runs/soak-{time.strftime('%Y%m%d-%H%M%S')}")).resolve()
     cfg = load_config(config, [*overrides, f"run.dir={run_dir}"])
@@ -244,7 +261,7 @@ def soak(config: str, minutes: float, kill_every: float, overrides: list[str], *
                     say(f"scaled to rollout.num_actors={target}")
             if time.monotonic() >= next_kill:
                 next_kill += kill_every
-                role = rng.choice(["rollout", "rollout", "sampler", "learner"])
+                role = rng.choice(roles)
                 pids = role_pids(proc.pid, role)
                 if pids:
                     victim = rng.choice(pids)
@@ -308,12 +325,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kill-every", type=float, default=20.0, help="seconds between kills (default 20; 0: none)")
     p.add_argument("--seed", type=int, default=0, help="seed of the choice of victims")
     p.add_argument("--run-dir", default=None, help="run directory (default runs/soak-TIME)")
+    p.add_argument("--roles", default=",".join(DEFAULT_VICTIMS),
+                   help="comma list the victim of each kill is drawn from, repeats weigh (default "
+                        f"{','.join(DEFAULT_VICTIMS)}; e.g. learner)")
     p.set_defaults(func=run_soak)
 
 
 def run_soak(args: argparse.Namespace) -> int:
-    r = soak(args.config, args.minutes, args.kill_every, args.overrides, seed=args.seed,
-             run_dir=Path(args.run_dir) if args.run_dir else None)
+    try:
+        roles = tuple(r.strip() for r in args.roles.split(",") if r.strip())
+        r = soak(args.config, args.minutes, args.kill_every, args.overrides, seed=args.seed,
+                 run_dir=Path(args.run_dir) if args.run_dir else None, roles=roles)
+    except ValueError as e:
+        print(f"t1async soak: {e}", file=sys.stderr)
+        return 2
     print(json.dumps(r, indent=1))
-    ok = r["lost"] == 0 and r["duplicates_trained"] == 0 and r["staleness_max"] <= r["staleness_bound"] and not r["hang"]
+    ok = (r["lost"] == 0 and r["duplicates_trained"] == 0 and r["staleness_max"] <= r["staleness_bound"]
+          and not r["dropped_stale_restart"] and not r["hang"])
     return 0 if ok else 1

@@ -117,7 +117,9 @@ class LearnerConfig:
     """Trajectories per learner step; admission control lets ``batch_size x publish_every``
     rollouts start per published weight version."""
     max_staleness: int = 1
-    """Largest allowed (learner version - oldest token version) of a trajectory trained on."""
+    """Largest allowed (learner version - oldest token version) of a trajectory trained on, in
+    timeline versions (t1async/learner/timeline.py: the weight versions, but a learner restart
+    does not advance them)."""
     publish_every: int = 1
     """Publish new weights to every sampler after this many learner steps (K)."""
     checkpoint_every: int = 0
