@@ -10,13 +10,22 @@ a time, independently of t1async/models/logprobs.py.
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
 from t1async.actors.learner import Learner
-from t1async.config import GenerationConfig, LearnerConfig, ModelConfig, TransportConfig, WeightSyncConfig
+from t1async.config import (
+    ConfigError,
+    GenerationConfig,
+    LearnerConfig,
+    ModelConfig,
+    TransportConfig,
+    WeightSyncConfig,
+    load_config,
+)
 from t1async.models.logprobs import (
     EMBEDDED,
     SGLANG,
@@ -25,6 +34,8 @@ from t1async.models.logprobs import (
     sampling_semantics,
     token_logprobs,
 )
+from t1async.sampling.sglang_server import check_logprob_env
+from t1async.service import launch
 from t1async.trajectory import Trajectory
 
 MODEL = ModelConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
@@ -150,11 +161,26 @@ def test_learner_importance_weight_is_one_on_sglang_tokens_with_identical_weight
 
 
 def test_launch_refuses_untempered_sglang_logprobs_at_a_temperature_other_than_1():
-    from t1async.config import ConfigError
-    from t1async.sampling.sglang_server import check_logprob_env
-
     with pytest.raises(ConfigError, match="SGLANG_RETURN_ORIGINAL_LOGPROB=true.*temperature=0.7.*unset it"):
         check_logprob_env(0.7, {"SGLANG_RETURN_ORIGINAL_LOGPROB": "true"})
     check_logprob_env(1.0, {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"})  # untempered is tempered at T = 1
     check_logprob_env(0.7, {"SGLANG_RETURN_ORIGINAL_LOGPROB": "0"})
     check_logprob_env(0.7, {})
+
+
+def test_launch_hands_sampler_backend_to_the_learner(monkeypatch, tmp_path):
+    """``start_learner`` tells the learner which backend samples (the Ray edge faked: an actor
+    factory that records the learner's arguments), so it scores under that backend's semantics."""
+    seen = {}
+
+    def actor(cls, name):
+        def remote(*args, **kwargs):
+            seen.update(kwargs, cls=cls)
+            return SimpleNamespace(endpoint=SimpleNamespace(remote=lambda: "tcp://127.0.0.1:1"),
+                                   connect_samplers=SimpleNamespace(remote=lambda urls: None))
+        return SimpleNamespace(remote=remote)
+
+    monkeypatch.setattr(launch.ray, "get", lambda ref: ref)
+    cfg = load_config(None, ["sampler.backend=sglang", "sampler.urls=[http://127.0.0.1:30000]"])
+    launch.start_learner(cfg, actor, tmp_path, ["http://127.0.0.1:30000"])
+    assert seen["cls"] is Learner and seen["sampler_backend"] == "sglang"
