@@ -53,6 +53,7 @@ from t1async.learner.backend import LearnerBackend, make_backend
 from t1async.learner.checkpoints import commit, resumable_checkpoint, rotate_checkpoints, staging_dir
 from t1async.learner.timeline import TIMELINE_FILE, VersionTimeline
 from t1async.learner.update import episode_reward, probe, train_step
+from t1async.models.logprobs import sampling_semantics
 from t1async.models.tokenizer import ChatTokenizer
 from t1async.rollout.transcripts import write_transcripts
 from t1async.sampling.sampler_client import SamplerError, post_json, weight_version
@@ -81,20 +82,25 @@ class Learner:
         weight_sync: how to broadcast weights.
         run_dir: run directory (metrics.jsonl, checkpoints/, quarantine/, receive_log/).
         generation: the samplers' temperature, top-k and top-p: the learner scores every sampled
-            token under the same processed distribution (t1async.models.logprobs.processed_logprobs), so that
+            token under the distribution the samplers report (t1async/models/logprobs.py), so that
             log pi_prox, log pi_theta and the behaviour log mu are of one distribution. None: the
             defaults (temperature 1, no truncation).
+        sampler_backend: ``sampler.backend``; picks the log-prob semantics scored under
+            (t1async.models.logprobs.sampling_semantics: ``embedded`` renormalised over the kept
+            top-k/top-p set, ``sglang`` the full tempered softmax).
         seed: seed of the model init (the same init for every ``learner.backend``).
         torch_threads: intra-op threads of this process.
 
     Raises:
-        ValueError: ``generation.temperature`` is 0 (greedy samples have no density to train on).
+        ValueError: ``generation.temperature`` is 0 (greedy samples have no density to train on),
+            or ``sampler_backend`` is unknown.
     """
 
     def __init__(self, cfg: LearnerConfig, model_cfg: ModelConfig, transport: TransportConfig,
                  weight_sync: WeightSyncConfig, run_dir: str, *, generation: GenerationConfig | None = None,
-                 seed: int = 0, torch_threads: int = 1):
+                 seed: int = 0, torch_threads: int = 1, sampler_backend: str = "embedded"):
         self.generation = generation if generation is not None else GenerationConfig()
+        semantics = sampling_semantics(sampler_backend)
         if not self.generation.temperature > 0:
             raise ValueError(f"generation.temperature={self.generation.temperature} cannot be trained on: greedy "
                              "samples have no density (no gradient); use a temperature > 0 (greedy is for t1async eval)")
@@ -107,7 +113,7 @@ class Learner:
         # policy, critic, KL reference (the warm start, frozen, loaded from init_checkpoint so a
         # resumed run keeps it) and their optimisers: t1async/learner/backend.py
         self.backend: LearnerBackend = make_backend(cfg.backend, cfg, model_cfg, self.generation,
-                                                    resume_from or cfg.init_checkpoint or None)
+                                                    resume_from or cfg.init_checkpoint or None, semantics)
         self.version = 0
         self.step = 0
         # staleness is measured in timeline versions, which a restart does not advance

@@ -18,6 +18,7 @@ from t1async.config import GenerationConfig, LearnerConfig, ModelConfig, Transpo
 from t1async.learner.megatron.convert import CRITIC, POLICY, hf_to_megatron, megatron_to_hf, merge_tp, pack_qkv, shard_tp
 from t1async.learner.rl import routing_differs
 from t1async.learner.torch_backend import TorchBackend, ValueModel
+from t1async.models.logprobs import EMBEDDED, SGLANG, token_logprobs
 from t1async.models.model import Qwen3MoeForCausalLM
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
@@ -165,11 +166,11 @@ def test_deal_rows_gives_each_rank_a_contiguous_chunk_filled_up_with_row_0():
 # ----------------------------------------------------------------------------- parity
 
 
-def _backends(generation=GenerationConfig(), kl_coef=0.0):
+def _backends(generation=GenerationConfig(), kl_coef=0.0, semantics=EMBEDDED):
     """Both backends from the same seeded init; the critic head made non-zero (same in both)."""
     cfg = LearnerConfig(kl_coef=kl_coef)
     torch.manual_seed(0)
-    tb = TorchBackend(cfg, MODEL, generation)
+    tb = TorchBackend(cfg, MODEL, generation, semantics=semantics)
     with torch.no_grad():
         for n, p in tb.policy.named_parameters():  # a decisive router: no near-ties to flip on 1e-7
             if n.endswith("mlp.gate.weight"):
@@ -177,7 +178,7 @@ def _backends(generation=GenerationConfig(), kl_coef=0.0):
         tb.critic.head.weight.normal_(0.0, 0.5)
         tb.critic.head.bias.fill_(0.3)
     torch.manual_seed(0)  # the same init as tb's before the edit (its KL reference)
-    mb = MegatronBackend(cfg, MODEL, generation)
+    mb = MegatronBackend(cfg, MODEL, generation, semantics=semantics)
     megatron_backend.load_megatron(mb.policy, hf_to_megatron(tb.policy.state_dict(), MODEL))
     megatron_backend.load_megatron(mb.critic, hf_to_megatron(tb.critic.state_dict(), MODEL, CRITIC))
     return tb, mb
@@ -808,6 +809,32 @@ def _saved_bytes(fn):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn()
     return out, saved[0]
+
+
+def test_both_backends_score_sglang_tokens_as_sglang_reports_them():
+    """``sampler.backend: sglang`` at temperature 0.7, top-p 0.8, top-k 20: the torch and megatron
+    backends (one pass, and the LM head in chunks of 8) score each token as SGLang reports it, the
+    tempered softmax over the whole vocabulary, not renormalised over the kept set; their KL
+    reference scores the same way."""
+    gen = GenerationConfig(temperature=0.7, top_p=0.8, top_k=20)
+    tb, mb = _backends(gen, kl_coef=0.1, semantics=SGLANG)
+    ids = torch.randint(0, MODEL.vocab_size, (2, 25), generator=torch.Generator().manual_seed(3))
+    inp, tgt = ids[:, :-1], ids[:, 1:]
+    with torch.no_grad():
+        logits, ref_logits = tb.policy(inp).logits, tb.reference(inp).logits
+    want, want_ref = (torch.log_softmax(x.float() / gen.temperature, -1).gather(-1, tgt[..., None])[..., 0]
+                      for x in (logits, ref_logits))
+    assert torch.equal(token_logprobs(logits, tgt, 0.7, 20, 0.8, semantics=SGLANG), want)
+    renorm = token_logprobs(logits, tgt, 0.7, 20, 0.8, semantics=EMBEDDED)
+    assert float((renorm - want).min()) > 1e-3  # the control: renormalising would differ on every token
+    for chunk in (0, 8):
+        tb.cfg.max_tokens_per_chunk = mb.cfg.max_tokens_per_chunk = chunk
+        for backend in (tb, mb):
+            got = backend.policy_logprobs(inp, tgt, None, grad=False, routing=False)
+            assert float((got.logp - want).abs().max()) < 1e-5, (backend.name, chunk)
+            assert bool(got.outside.any())  # some sampled ids lie outside the joint set: counted, not rescored
+            if chunk:
+                assert float((backend.reference_logprobs(inp, tgt) - want_ref).abs().max()) < 1e-5
 
 
 @pytest.mark.parametrize("tp,ep,pp", [(1, 1, 1), (2, 1, 1), (1, 2, 2)])

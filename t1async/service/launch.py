@@ -41,7 +41,7 @@ from t1async.envs.limits import unmount_all_under
 from t1async.envs.loading import discover_tasks
 from t1async.envs.sandbox import check_sandbox_available
 from t1async.models.tokenizer import check_model_vocab
-from t1async.sampling.sglang_server import start_servers, stop_servers
+from t1async.sampling.sglang_server import check_logprob_env, start_servers, stop_servers
 from t1async.service.control import ControlServer
 from t1async.service.reaper import Reaper, kill_sandboxes_under
 from t1async.service.rundir import RunDirLock, check_resumable, check_reuse, history_overrides, resolve_run_dir
@@ -207,6 +207,8 @@ def check_inputs(cfg: Config) -> list[str]:
     if cfg.sampler.backend == "sglang" and not cfg.sampler.urls and not cfg.sampler.model_path:
         raise ConfigError("sampler.backend=sglang needs sampler.urls (running servers) or sampler.model_path "
                           "(a Hugging Face model folder for the servers launch starts)")
+    if cfg.sampler.backend == "sglang":
+        check_logprob_env(cfg.generation.temperature)
     check_weight_sync_hosts(cfg)
     if cfg.sampler.backend == "sglang" and cfg.weight_sync.mode == "distributed" and cfg.weight_sync.backend != "nccl":
         logger.warning("sampler.backend=sglang with weight_sync.backend={}: SGLang servers receive on GPUs, "
@@ -344,7 +346,7 @@ def start_learner(cfg: Config, actor: Any, run_dir: Path, urls: list[str]) -> tu
     """
     learner = actor(Learner, "learner").remote(cfg.learner, cfg.model, cfg.transport, cfg.weight_sync, str(run_dir),
                                                generation=cfg.generation, seed=cfg.run.seed,
-                                               torch_threads=cfg.run.torch_threads)
+                                               torch_threads=cfg.run.torch_threads, sampler_backend=cfg.sampler.backend)
     try:
         endpoint = ray.get(learner.endpoint.remote())
         ray.get(learner.connect_samplers.remote(urls))
