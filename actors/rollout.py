@@ -21,9 +21,9 @@ from loguru import logger
 import t1async.envs
 from t1async.actors import call
 from t1async.config import EnvConfig, GenerationConfig, ModelConfig, RolloutConfig, TransportConfig
-from t1async.envs.container import remove_orphan_containers
-from t1async.envs.limits import unmount_all_under
-from t1async.envs.loading import discover_tasks
+from t1async.envs.sandboxes.container import remove_orphan_containers
+from t1async.envs.sandboxes.limits import unmount_all_under
+from t1async.envs.taskio.loading import discover_tasks
 from t1async.envs.terminal import TerminalEnv
 from t1async.fileio import claim_folder, dead_owner_folders
 from t1async.models.tokenizer import ChatTokenizer

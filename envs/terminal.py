@@ -1,14 +1,14 @@
 """TerminalEnv: one task plus one sandbox for one episode (reset, step, verify, close).
 
-The env talks to its sandbox only through the :class:`~t1async.envs.protocol.Sandbox` Protocol
-(backend chosen by name in :data:`~t1async.envs.sandbox.SANDBOXES`), so the same episode runs on
+The env talks to its sandbox only through the :class:`~t1async.envs.sandboxes.protocol.Sandbox` Protocol
+(backend chosen by name in :data:`~t1async.envs.sandboxes.sandbox.SANDBOXES`), so the same episode runs on
 bubblewrap here or on Modal. Episode scratch space on the host: ``<root>/<task>-<random>/``
 (the local backend keeps ``app/``, ``tests/``, ``logs/`` there); :meth:`TerminalEnv.close`
 removes it.
 
 Environment build (:meth:`TerminalEnv.reset`). A backend that builds images (Modal) gets the
 task's Dockerfile or image and does it all. Otherwise (local) the task must not be refused
-(:attr:`Task.local_refusal`, see :mod:`t1async.envs.adapt`) and its Dockerfile subset is applied
+(:attr:`Task.local_refusal`, see :mod:`t1async.envs.taskio.adapt`) and its Dockerfile subset is applied
 in order: WORKDIR creates the folder; ENV (and ARG, for the build only) values are expanded
 (``$VAR``/``${VAR}``) against the environment so far; COPY goes through :meth:`Sandbox.put`
 (a folder source copies its contents); RUN runs ``/bin/sh -c`` in the sandbox from the current
@@ -30,7 +30,7 @@ what the benchmark's harness does (TB1: always, TB2: ``allow_internet``), which 
 uses by default; ``on``/``off`` force it.
 
 Verification (:meth:`TerminalEnv.verify`): ``tests/`` (and TB1's ``run-tests.sh``) are staged in
-/tests (the local backend stages its adapted test script, see :mod:`t1async.envs.adapt`),
+/tests (the local backend stages its adapted test script, see :mod:`t1async.envs.taskio.adapt`),
 ``/logs/verifier`` is emptied, and ``bash /tests/<script>`` runs from the WORKDIR in a clean
 environment (the shell's starting one, so the agent's exported variables do not leak in; TB1
 tasks with ``run_tests_in_same_shell`` run in the agent's shell as it is) with output to a fresh,
@@ -54,10 +54,10 @@ from loguru import logger
 
 from t1async.config import ContainerConfig
 
-from .loading import load_task
-from .protocol import CommandResult, Sandbox, SandboxError, SandboxLimits, SandboxSpec, sandbox_environment
-from .sandbox import SANDBOXES, check_sandbox_available, make_sandbox
-from .task import APP, Task, TaskError, TaskRefused, test_script_text
+from .sandboxes.protocol import CommandResult, Sandbox, SandboxError, SandboxLimits, SandboxSpec, sandbox_environment
+from .sandboxes.sandbox import SANDBOXES, check_sandbox_available, make_sandbox
+from .taskio.loading import load_task
+from .taskio.task import APP, Task, TaskError, TaskRefused, test_script_text
 from .verifier import VerifierResult, verifier_result
 
 SETUP_STEP_TIMEOUT_S = 300.0
@@ -122,7 +122,7 @@ class TerminalEnv:
     Args:
         task: the loaded task.
         root: host folder under which episode folders are created.
-        sandbox: backend name in :data:`~t1async.envs.sandbox.SANDBOXES`.
+        sandbox: backend name in :data:`~t1async.envs.sandboxes.sandbox.SANDBOXES`.
         command_timeout_s: per-command timeout of :meth:`step`, seconds.
         max_output_bytes: longest output per command, bytes (head and tail kept).
         verifier_timeout_s: overrides the task's verifier timeout when not None, seconds.
@@ -403,7 +403,7 @@ class TerminalEnv:
         run_script = f"bash /tests/{shlex.quote(script)} > /logs/verifier/{output_name} 2>&1"
         cd = f"cd {shlex.quote(self.workdir)}"
         # An agent-planted /app/pytest.py cannot replace pytest: the adapted test script imports
-        # pytest with the working folder off sys.path (envs/adapt.py PYTEST_RUNNER). The script's
+        # pytest with the working folder off sys.path (envs/taskio/adapt.py PYTEST_RUNNER). The script's
         # environment is otherwise the harness's (no PYTHONSAFEPATH: `python /app/tool.py` run by
         # a test must import its sibling modules, as under the harness).
         if task.run_tests_in_same_shell:

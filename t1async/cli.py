@@ -25,8 +25,8 @@ from typing import Any, Callable
 
 from t1async import MissingExtra
 from t1async.config import ConfigError, load_config
-from t1async.envs.sandbox import SandboxUnavailable
-from t1async.envs.task import TaskError
+from t1async.envs.sandboxes.sandbox import SandboxUnavailable
+from t1async.envs.taskio.task import TaskError
 from t1async.service.control import ControlError
 from t1async.transport.keys import KeysError
 
@@ -39,7 +39,7 @@ SUBCOMMANDS = [
     "t1async.cli:register_mismatch",
     "t1async.transport.keys:register_keys",
     "t1async.cli:register_sft",
-    "t1async.envs.cli:register",  # eval, synth, decontam
+    "t1async.envs.commands.cli:register",  # eval, synth, decontam
 ]
 
 

@@ -29,9 +29,9 @@ def _prepare() -> str:
     """"" when ready, else why not."""
     if shutil.which("podman") is None:
         return "podman is not installed (tools/setup.sh installs it with apt-get where it can)"
-    from t1async.envs.images import resolve_engine
-    from t1async.envs.protocol import SandboxError
-    from t1async.envs.stand_ins import bootstrap
+    from t1async.envs.images.engine import resolve_engine
+    from t1async.envs.images.stand_ins import bootstrap
+    from t1async.envs.sandboxes.protocol import SandboxError
 
     try:
         bootstrap(resolve_engine(), list(NAMES))

@@ -1,7 +1,7 @@
 """A fake of Modal's cloud for tests: the ``modal`` API surface t1async uses, backed by a local
 "container" (a privileged bubblewrap PID + mount namespace running ``sleep infinity``, entered
 with ``nsenter`` for every ``exec``, as root, like a Modal container). Only the cloud is fake:
-:class:`~t1async.envs.modal_sandbox.ModalSandbox` runs unchanged against it.
+:class:`~t1async.envs.sandboxes.modal_sandbox.ModalSandbox` runs unchanged against it.
 
 Needs root (privileged bubblewrap, nsenter); the tests that use it skip otherwise.
 """

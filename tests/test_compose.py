@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from t1async.envs.compose import ComposeError, harness_variables, interpolate, read_compose
-from t1async.envs.loading import load_task
-from t1async.envs.task import TaskError
+from t1async.envs.taskio.compose import ComposeError, harness_variables, interpolate, read_compose
+from t1async.envs.taskio.loading import load_task
+from t1async.envs.taskio.task import TaskError
 
 
 @pytest.mark.parametrize("text, expected, unresolved", [

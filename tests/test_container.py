@@ -24,16 +24,16 @@ import pytest
 from container_support import base_image
 
 from t1async.config import ContainerConfig
-from t1async.envs.adapt import CONTAINER_PYTHON, VerifierNeeds, adapt_script, pytest_command
-from t1async.envs.container import ContainerSandbox, remove_orphan_containers
-from t1async.envs.dockerfile import expand_heredocs, from_images, rewrite_from
-from t1async.envs.evaluate import choose_sandbox, short_error
-from t1async.envs.images import Engine, context_hash, resolve_engine
-from t1async.envs.loading import load_task
-from t1async.envs.protocol import SandboxLimits, SandboxSpec
-from t1async.envs.stand_ins import normalise, qualified, stand_in_for
-from t1async.envs.task import TaskError
-from t1async.envs.task_images import ensure_task_image
+from t1async.envs.commands.evaluate import choose_sandbox, short_error
+from t1async.envs.images.engine import Engine, context_hash, resolve_engine
+from t1async.envs.images.stand_ins import normalise, qualified, stand_in_for
+from t1async.envs.images.task_images import ensure_task_image
+from t1async.envs.sandboxes.container import ContainerSandbox, remove_orphan_containers
+from t1async.envs.sandboxes.protocol import SandboxLimits, SandboxSpec
+from t1async.envs.taskio.adapt import CONTAINER_PYTHON, VerifierNeeds, adapt_script, pytest_command
+from t1async.envs.taskio.dockerfile import expand_heredocs, from_images, rewrite_from
+from t1async.envs.taskio.loading import load_task
+from t1async.envs.taskio.task import TaskError
 from t1async.envs.terminal import TerminalEnv, validate_task
 
 FIXTURES = Path(__file__).parent / "fixtures" / "container"
@@ -354,8 +354,8 @@ def test_shipped_task_resolves_in_a_container_and_logs_its_commands(tmp_path):
 _OWNER = """
 import os, sys, time
 from pathlib import Path
-from t1async.envs.container import ContainerSandbox, remove_orphan_containers
-from t1async.envs.protocol import SandboxSpec
+from t1async.envs.sandboxes.container import ContainerSandbox, remove_orphan_containers
+from t1async.envs.sandboxes.protocol import SandboxSpec
 box = ContainerSandbox(SandboxSpec(episode_dir=Path(sys.argv[1]), command_timeout_s=10.0, docker_image=sys.argv[2]))
 box.start()
 print(box.name, flush=True)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from t1async.cli import main
-from t1async.envs.synth import FAMILIES
+from t1async.envs.commands.synth import FAMILIES
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

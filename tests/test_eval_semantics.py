@@ -28,9 +28,9 @@ from container_support import base_image
 
 from t1async.cli import main
 from t1async.config import Config, ConfigError, check_values
-from t1async.envs.evaluate import run_task
-from t1async.envs.loading import load_task, reads_keystrokes
-from t1async.envs.task import TaskRefused
+from t1async.envs.commands.evaluate import run_task
+from t1async.envs.taskio.loading import load_task, reads_keystrokes
+from t1async.envs.taskio.task import TaskRefused
 from t1async.envs.terminal import TerminalEnv, network_allowed
 
 EVAL = Path(__file__).parent / "fixtures" / "eval"

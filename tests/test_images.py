@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from t1async.envs import cli as envs_cli
-from t1async.envs import stand_ins
-from t1async.envs.dockerfile import dockerfile_instructions, from_images, rewrite_from
-from t1async.envs.images import BuildError, resolve_engine, summarise_build_failure
-from t1async.envs.stand_ins import chain, normalise, qualified, rootfs_tag, stand_in_for
-from t1async.envs.task_images import ensure_task_image
+from t1async.envs.commands import cli as envs_cli
+from t1async.envs.images import stand_ins
+from t1async.envs.images.engine import BuildError, resolve_engine, summarise_build_failure
+from t1async.envs.images.stand_ins import chain, normalise, qualified, rootfs_tag, stand_in_for
+from t1async.envs.images.task_images import ensure_task_image
+from t1async.envs.taskio.dockerfile import dockerfile_instructions, from_images, rewrite_from
 
 DIGEST = "@sha256:" + "ab" * 32
 
@@ -167,7 +167,7 @@ def test_build_error_message_is_one_line_with_the_log(monkeypatch, tmp_path):
             stdout.write(PODMAN_OUTPUT.encode())
             return type("Done", (), {"returncode": 125})()
 
-    monkeypatch.setattr("t1async.envs.images.CACHE_DIR", tmp_path)
+    monkeypatch.setattr("t1async.envs.images.engine.CACHE_DIR", tmp_path)
     with pytest.raises(BuildError) as caught:
         stand_ins._build(FakeEngine(), "localhost/x:1", DOCKERFILE, None, {}, None)
     message = str(caught.value)
@@ -207,8 +207,8 @@ def test_bootstrap_exits_non_zero_naming_each_image_without_a_stand_in(monkeypat
                 report.unknown.append(ref)
         return report
 
-    monkeypatch.setattr("t1async.envs.images.resolve_engine", lambda cfg=None: FakeEngine())
-    monkeypatch.setattr("t1async.envs.stand_ins.bootstrap", fake_bootstrap)
+    monkeypatch.setattr(envs_cli, "resolve_engine", lambda cfg=None: FakeEngine())
+    monkeypatch.setattr(envs_cli, "bootstrap", fake_bootstrap)
     args = argparse.Namespace(config=None, name=["debian:trixie"], tasks=str(tmp_path), rebuild=False)
     assert envs_cli.run_images(args) == 1
     err = capsys.readouterr().err

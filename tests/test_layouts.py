@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from t1async.envs.adapt import Refusal, adapt_script, classify, pytest_command, split_commands
-from t1async.envs.loading import load_task
-from t1async.envs.task import TaskError
+from t1async.envs.taskio.adapt import Refusal, adapt_script, classify, pytest_command, split_commands
+from t1async.envs.taskio.loading import load_task
+from t1async.envs.taskio.task import TaskError
 from t1async.envs.terminal import TerminalEnv, validate_task
 
 LAYOUTS = Path(__file__).parent / "fixtures" / "layouts"

@@ -16,7 +16,7 @@ import torch
 
 from t1async.actors.rollout import tasks_dir
 from t1async.config import AbnormalConfig, ConfigError, EnvConfig, GenerationConfig, LearnerConfig, ModelConfig, load_config
-from t1async.envs.loading import discover_tasks
+from t1async.envs.taskio.loading import discover_tasks
 from t1async.envs.terminal import TerminalEnv
 from t1async.learner.abnormal import drop_reason, finish_counts
 from t1async.learner.rl import policy_loss

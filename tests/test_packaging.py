@@ -30,9 +30,9 @@ def test_requirements_install_next_to_any_torch_and_keep_optional_parts_in_extra
     setup = (ROOT / "tools" / "setup.sh").read_text()
     assert "torch==2.13.0" in setup and setup.index("torch==2.13.0") < setup.index("-e '.[")  # the CPU build first
     assert re.search(r"-e '\.\[[a-z,]*\]'", setup).group(0) == "-e '.[test,megatron,endpoint,plot]'"
-    assert "pyyaml" in deps and "packaging" in deps  # imported by the product (config, control, envs/adapt.py)
+    assert "pyyaml" in deps and "packaging" in deps  # imported by the product (config, control, envs/taskio/adapt.py)
     assert "pytest" in deps  # the local sandbox runs the tasks' tests with the host's interpreter
-    assert PROJECT["requires-python"] == ">=3.11"  # envs/task.py imports tomllib
+    assert PROJECT["requires-python"] == ">=3.11"  # envs/taskio/task.py imports tomllib
     extras = {k: names(v) for k, v in PROJECT["optional-dependencies"].items()}
     for extra, modules in {"endpoint": ["fastapi", "uvicorn"], "plot": ["matplotlib"]}.items():
         for m in modules:
@@ -96,9 +96,9 @@ def test_the_wheel_holds_every_package_the_tasks_and_the_tokenizer(tmp_path):
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
     env = {**os.environ, "PYTHONPATH": str(site)}
-    code = ("import t1async, t1async.actors.learner, t1async.envs.loading\n"
+    code = ("import t1async, t1async.actors.learner, t1async.envs.taskio.loading\n"
             "from t1async.actors.rollout import tasks_dir\nfrom t1async.config import EnvConfig\n"
-            "from t1async.envs.loading import discover_tasks\nfrom t1async.models.tokenizer import ChatTokenizer\n"
+            "from t1async.envs.taskio.loading import discover_tasks\nfrom t1async.models.tokenizer import ChatTokenizer\n"
             "print(t1async.__file__); print(len(discover_tasks(tasks_dir(EnvConfig()), []))); ChatTokenizer.load()")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env,
                          timeout=300)

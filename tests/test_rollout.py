@@ -19,8 +19,8 @@ import torch
 from t1async.actors.rollout import RolloutActor, tasks_dir
 from t1async.actors.sampler import EmbeddedSampler
 from t1async.config import EnvConfig, GenerationConfig, ModelConfig, SamplerConfig, TransportConfig
-from t1async.envs.loading import discover_tasks
-from t1async.envs.protocol import CommandResult
+from t1async.envs.sandboxes.protocol import CommandResult
+from t1async.envs.taskio.loading import discover_tasks
 from t1async.envs.terminal import TerminalEnv
 from t1async.models.model import Qwen3MoeForCausalLM
 from t1async.models.tokenizer import ChatTokenizer
@@ -164,9 +164,9 @@ def test_rollout_actor_streams_over_zeromq(sampler_url, tmp_path):
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root, as the sandbox's disk limit does")
 def test_a_dead_actors_workspace_is_unmounted_and_removed_and_a_live_one_is_kept(tmp_path):
     from t1async.actors.rollout import claim_workdir
-    from t1async.envs.limits import _mount_points
+    from t1async.envs.sandboxes.limits import _mount_points
 
-    script = ("import sys, time; from t1async.actors.rollout import claim_workdir; from t1async.envs.limits import "
+    script = ("import sys, time; from t1async.actors.rollout import claim_workdir; from t1async.envs.sandboxes.limits import "
               "_mount_tmpfs; d, _ = claim_workdir(sys.argv[1], 9); (d / 'app').mkdir(); "
               "assert _mount_tmpfs(d / 'app', 8, 65534, 65534); (d / 'app' / 'f').write_text('x'); "
               "print(d, flush=True); time.sleep(600)")

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from t1async.envs import hostfs
-from t1async.envs import sandbox as sandbox_module
-from t1async.envs.sandbox import (
+from t1async.envs.sandboxes import hostfs
+from t1async.envs.sandboxes import sandbox as sandbox_module
+from t1async.envs.sandboxes.sandbox import (
     SANDBOXES,
     LocalSandbox,
     Sandbox,
@@ -172,7 +172,7 @@ def test_no_network(sb):
 def python_skeleton(folder: str) -> set[str] | None:
     """The entries of host ``folder`` the sandbox shows because the interpreter's own folders (bound
     read-only at their host paths) lie below it; None when none does."""
-    from t1async.envs.local import _python_paths
+    from t1async.envs.sandboxes.local import _python_paths
 
     below = [p for p in map(Path, [*_python_paths(), sys.prefix, sys.base_prefix]) if p.is_relative_to(folder)
              and p != Path(folder)]
@@ -309,7 +309,7 @@ def test_sandbox_python_is_the_interpreter_whose_packages_were_checked(sb):
 def test_task_folders_outside_app_are_private_writable_tmpfs(tmp_path):
     """Folders a task writes outside /app (its own, e.g. /db, and WRITABLE) are writable, private
     to the sandbox, and never the host's."""
-    from t1async.envs.local import WRITABLE
+    from t1async.envs.sandboxes.local import WRITABLE
 
     box = LocalSandbox(tmp_path / "app", tests_dir=tmp_path / "tests", logs_dir=tmp_path / "logs",
                        writable=("/t1async-db-probe",))

@@ -11,8 +11,8 @@ import pytest
 
 from t1async.commands.sft import build_demonstrations, demonstration, run_sft
 from t1async.config import load_config
-from t1async.envs.loading import load_task
-from t1async.envs.synth import TaskFiles, write_task
+from t1async.envs.commands.synth import TaskFiles, write_task
+from t1async.envs.taskio.loading import load_task
 from t1async.envs.terminal import TerminalEnv
 from t1async.models.model import Qwen3MoeForCausalLM
 from t1async.models.tokenizer import ChatTokenizer
@@ -100,7 +100,7 @@ def test_cli_refuses_bad_folders_in_one_line(args, message):
 
 def test_breakdown_counts_a_task_once_for_pass_at_k_and_groups_synth_families():
     from t1async.commands.sft import breakdown
-    from t1async.envs.evaluate import EvalRow
+    from t1async.envs.commands.evaluate import EvalRow
 
     def row(task, resolved):
         return EvalRow(task=task, passed=int(resolved), total=1, resolved=resolved, seconds=0.1, error=None)

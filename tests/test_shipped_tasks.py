@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 import t1async.envs
-from t1async.envs.loading import load_task, task_folders
-from t1async.envs.task import TaskError
+from t1async.envs.taskio.loading import load_task, task_folders
+from t1async.envs.taskio.task import TaskError
 from t1async.envs.terminal import TaskValidation, TerminalEnv, validate_task
 
 TASKS_DIR = Path(t1async.envs.__file__).parent / "tasks"
@@ -87,7 +87,7 @@ def test_keep_agent_processes_leaves_a_server_the_agent_started_alive_for_the_ve
     killed first, and the same tests fail."""
     import textwrap
 
-    from t1async.envs.synth import TaskFiles, write_task
+    from t1async.envs.commands.synth import TaskFiles, write_task
 
     tests = textwrap.dedent('''
         from pathlib import Path

@@ -1,4 +1,4 @@
-"""Synthesized task families (envs/synth.py): oracle command splitting, learnability bounds of the
+"""Synthesized task families (envs/commands/synth.py): oracle command splitting, learnability bounds of the
 oracle lines, determinism, and per-command episodes in the real local sandbox (dense reward)."""
 
 import filecmp
@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from t1async.envs.loading import load_task
-from t1async.envs.sandbox import SandboxUnavailable, check_sandbox_available
-from t1async.envs.synth import FAMILIES, WORDS, oracle_commands, synthesize
+from t1async.envs.commands.synth import FAMILIES, WORDS, oracle_commands, synthesize
+from t1async.envs.sandboxes.sandbox import SandboxUnavailable, check_sandbox_available
+from t1async.envs.taskio.loading import load_task
 from t1async.envs.terminal import TerminalEnv
 from t1async.models.tokenizer import ChatTokenizer
 
@@ -154,7 +154,7 @@ def _drawn_seconds(task_dir: Path) -> tuple[float, float]:
 
 
 def test_slow_build_times_are_heavy_tailed_and_scaled_down(tmp_path):
-    from t1async.envs.synth import SLOW_BUILD_MAX_S, SLOW_VERIFIER_MAX_S
+    from t1async.envs.commands.synth import SLOW_BUILD_MAX_S, SLOW_VERIFIER_MAX_S
 
     draws = [_drawn_seconds(p) for p in synthesize("slow-build", 300, tmp_path / "a", seed=0)]
     verifier = sorted(v for v, _ in draws)

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from t1async.envs.dockerfile import parse_dockerfile
-from t1async.envs.loading import discover_tasks, load_task
-from t1async.envs.task import DockerStep, TaskError, TaskRefused
+from t1async.envs.taskio.dockerfile import parse_dockerfile
+from t1async.envs.taskio.loading import discover_tasks, load_task
+from t1async.envs.taskio.task import DockerStep, TaskError, TaskRefused
 from t1async.envs.terminal import TerminalEnv, expand_vars, validate_task
 
 FIXTURES = Path(__file__).parent / "fixtures" / "tasks"

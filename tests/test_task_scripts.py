@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from container_support import base_image
 
-from t1async.envs.adapt import CONTAINER_PYTHON, Refusal, VerifierNeeds, adapt_script, invoked_test_files, pytest_command
-from t1async.envs.loading import load_task
-from t1async.envs.shell_words import parse_command, split_commands
+from t1async.envs.taskio.adapt import CONTAINER_PYTHON, Refusal, VerifierNeeds, adapt_script, invoked_test_files, pytest_command
+from t1async.envs.taskio.loading import load_task
+from t1async.envs.taskio.shell_words import parse_command, split_commands
 from t1async.envs.terminal import validate_task
 
 OWN_HELPERS = Path(__file__).parent / "fixtures" / "container" / "tb1-own-helpers"

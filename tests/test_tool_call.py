@@ -116,7 +116,7 @@ def test_demonstration_turns_use_the_tool_format():
 
 def test_sft_demonstration_in_the_tool_call_format_is_the_rollout_stream(tmp_path):
     from t1async.commands.sft import demonstration
-    from t1async.envs.loading import load_task
+    from t1async.envs.taskio.loading import load_task
     from t1async.envs.terminal import TerminalEnv
     from tests.test_sft import note_task
 

@@ -119,10 +119,10 @@ def instance_hash(task_dir: Path) -> str:
 
 def fitting_families(cfg: Config) -> list[str]:
     """Synth families whose oracle commands all fit ``generation.max_new_tokens`` (checked on 8
-    instances), less the timing families (:data:`~t1async.envs.synth.TIMING_FAMILIES`)."""
+    instances), less the timing families (:data:`~t1async.envs.commands.synth.TIMING_FAMILIES`)."""
     import random
 
-    from t1async.envs.synth import FAMILIES, TIMING_FAMILIES, oracle_commands
+    from t1async.envs.commands.synth import FAMILIES, TIMING_FAMILIES, oracle_commands
     from t1async.models.tokenizer import ChatTokenizer
 
     tok = ChatTokenizer.load()
@@ -144,7 +144,7 @@ def fitting_families(cfg: Config) -> list[str]:
 
 def _signature(task_dir: Path) -> tuple[str, tuple[str, ...]]:
     """(instruction text, oracle commands) of a synthesized task."""
-    from t1async.envs.synth import oracle_commands
+    from t1async.envs.commands.synth import oracle_commands
 
     return ((task_dir / "instruction.md").read_text().strip(),
             tuple(oracle_commands((task_dir / "solution" / "solve.sh").read_text())))
@@ -171,8 +171,8 @@ def make_split(root: Path, families: list[str], n_train: int, n_heldout: int, n_
     measured: instances of one family share its instruction templates and command shapes.
     """
     from t1async.commands.sft import synth_family
-    from t1async.envs.decontam import decontaminate
-    from t1async.envs.synth import synthesize
+    from t1async.envs.commands.decontam import decontaminate
+    from t1async.envs.commands.synth import synthesize
 
     train, heldout, sft, pool = root / "train", root / "heldout", root / "sft", root / "pool"
     rl = root / "rl"

@@ -80,7 +80,7 @@ from t1async.config import (
     TransportConfig,
     WeightSyncConfig,
 )
-from t1async.envs.loading import discover_tasks
+from t1async.envs.taskio.loading import discover_tasks
 from t1async.envs.terminal import TerminalEnv
 from t1async.learner.backend import BACKENDS
 from t1async.models.tokenizer import ChatTokenizer

@@ -41,8 +41,8 @@ from pathlib import Path
 from loguru import logger
 
 from t1async.cli import OneLineErrors, at_least_one
-from t1async.envs.local import LocalSandbox
-from t1async.envs.shell_io import OutputBuffer, Sentinel
+from t1async.envs.sandboxes.local import LocalSandbox
+from t1async.envs.sandboxes.shell_io import OutputBuffer, Sentinel
 
 TARGET_ADDED_MS = 2.0
 TARGET_BASIS = "added_vs_plain_shell_median_ms"
@@ -72,9 +72,9 @@ def _plain_shell_round_trips(n: int) -> list[float]:
 
 def _container_figures(image: str, commands: int, episodes: int) -> dict:
     """The container backend's start, close and per-command figures (see the module docstring)."""
-    from t1async.envs.container import ContainerSandbox
-    from t1async.envs.images import resolve_engine
-    from t1async.envs.protocol import SandboxError, SandboxSpec
+    from t1async.envs.images.engine import resolve_engine
+    from t1async.envs.sandboxes.container import ContainerSandbox
+    from t1async.envs.sandboxes.protocol import SandboxError, SandboxSpec
 
     try:
         engine = resolve_engine()

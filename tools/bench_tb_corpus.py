@@ -35,8 +35,8 @@ from pathlib import Path
 
 import yaml
 
-from t1async.envs.evaluate import evaluate
-from t1async.envs.loading import load_task, task_folders
+from t1async.envs.commands.evaluate import evaluate
+from t1async.envs.taskio.loading import load_task, task_folders
 
 UNREACHABLE = (
     (re.compile(r"Temporary failure resolving|Could not resolve host|Name or service not known|"

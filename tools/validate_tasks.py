@@ -24,9 +24,9 @@ from pathlib import Path
 
 from loguru import logger
 
-from t1async.envs.loading import load_task, task_folders
-from t1async.envs.sandbox import SandboxUnavailable, check_sandbox_available
-from t1async.envs.task import TaskError
+from t1async.envs.sandboxes.sandbox import SandboxUnavailable, check_sandbox_available
+from t1async.envs.taskio.loading import load_task, task_folders
+from t1async.envs.taskio.task import TaskError
 from t1async.envs.terminal import TaskValidation, validate_task
 
 DEFAULT_TASKS_DIR = Path(__file__).resolve().parents[1] / "envs" / "tasks"

@@ -61,7 +61,7 @@ import torch.nn.functional as F
 from t1async.actors.rollout import tasks_dir
 from t1async.actors.sampler import EmbeddedSampler
 from t1async.config import Config, GenerationConfig, check_trainable
-from t1async.envs.loading import discover_tasks
+from t1async.envs.taskio.loading import discover_tasks
 from t1async.envs.terminal import TerminalEnv
 from t1async.learner.rl import load_balancing_loss, routing_differs
 from t1async.models.logprobs import token_logprobs

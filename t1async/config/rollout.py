@@ -67,7 +67,7 @@ class GenerationConfig:
 @dataclass
 class ContainerConfig:
     """The ``container`` sandbox backend (``env.sandbox: container``): OCI containers built from
-    each task's own Dockerfile by podman or docker (see t1async/envs/container.py)."""
+    each task's own Dockerfile by podman or docker (see t1async/envs/sandboxes/container.py)."""
 
     engine: str = "auto"
     """``podman``, ``docker``, or ``auto`` (podman if installed, else docker if its daemon answers)."""
@@ -99,7 +99,7 @@ class ContainerConfig:
     packages it pip-installs, Debian packages it apt-installs) into a cached verifier layer at
     build time, into ``/opt/t1async-verifier`` (a venv beside the image's Python), so that tests
     run with network off; the script's own installs then become no-ops (see
-    t1async/envs/adapt.py). False: the test script runs as written."""
+    t1async/envs/taskio/adapt.py). False: the test script runs as written."""
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """What an episode needs of a task and its sandboxed shell: the ``Env`` and ``TaskInfo`` protocols.
 
 The episode loop (:mod:`t1async.rollout.episode`, :mod:`t1async.rollout.agent`) is written against
-these; ``t1async.envs.terminal.TerminalEnv`` and ``t1async.envs.task.Task`` satisfy them, and the
+these; ``t1async.envs.terminal.TerminalEnv`` and ``t1async.envs.taskio.task.Task`` satisfy them, and the
 Ray role (``actors/rollout.py``) or a command wires the real ones in. Tests may pass any object
 with these members.
 """

@@ -36,10 +36,10 @@ from t1async.actors.learner import Learner
 from t1async.actors.rollout import RolloutActor, tasks_dir
 from t1async.actors.sampler import EmbeddedSampler
 from t1async.config import Config, ConfigError, RunConfig, check_trainable, load_config, to_yaml
-from t1async.envs.container import remove_orphan_containers
-from t1async.envs.limits import unmount_all_under
-from t1async.envs.loading import discover_tasks
-from t1async.envs.sandbox import check_sandbox_available
+from t1async.envs.sandboxes.container import remove_orphan_containers
+from t1async.envs.sandboxes.limits import unmount_all_under
+from t1async.envs.sandboxes.sandbox import check_sandbox_available
+from t1async.envs.taskio.loading import discover_tasks
 from t1async.models.tokenizer import check_model_vocab
 from t1async.sampling.sglang_server import check_logprob_env, start_servers, stop_servers
 from t1async.service.control import ControlServer

@@ -27,8 +27,8 @@ import threading
 import time
 from pathlib import Path
 
-from t1async.envs.container import remove_orphan_containers
-from t1async.envs.limits import unmount_all_under
+from t1async.envs.sandboxes.container import remove_orphan_containers
+from t1async.envs.sandboxes.limits import unmount_all_under
 
 SCAN_S = 1.0
 

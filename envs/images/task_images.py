@@ -1,6 +1,6 @@
 """A task's images for the ``container`` sandbox: the task image built from its own Dockerfile
 (bases resolved to stand-ins where missing) and the verifier layer on top of it. See
-:mod:`t1async.envs.images` for caching, locking and build errors.
+:mod:`t1async.envs.images.engine` for caching, locking and build errors.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import json
 import re
 from pathlib import Path
 
-from .dockerfile import expand_heredocs, from_images, rewrite_from
-from .images import TASK_REPO, VERIFIER_DIR, Engine, _build, _build_lock, _safe_name, context_hash
+from ..taskio.dockerfile import expand_heredocs, from_images, rewrite_from
+from .engine import TASK_REPO, VERIFIER_DIR, Engine, _build, _build_lock, _safe_name, context_hash
 from .stand_ins import ensure_base, resolve_base
 
 

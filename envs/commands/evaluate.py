@@ -35,11 +35,17 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from .loading import load_task, task_folders
-from .protocol import SandboxError
-from .sandbox import SANDBOXES, check_sandbox_available
-from .task import LAYOUT_HINT, Task, TaskError
-from .terminal import DEFAULT_LIMITS, NETWORK_MODES, TerminalEnv, task_limits
+from t1async.config import Config, ConfigError, load_config
+from t1async.models.tokenizer import ChatTokenizer, check_model_vocab
+from t1async.rollout.episode import run_episode
+from t1async.sampling.sampler_client import HttpSampler
+
+from ..images.engine import resolve_engine
+from ..sandboxes.protocol import SandboxError, SandboxUnavailable
+from ..sandboxes.sandbox import SANDBOXES, check_sandbox_available
+from ..taskio.loading import load_task, task_folders
+from ..taskio.task import LAYOUT_HINT, Task, TaskError
+from ..terminal import DEFAULT_LIMITS, NETWORK_MODES, TerminalEnv, task_limits
 
 
 @dataclass
@@ -128,11 +134,9 @@ class PolicyAgent:
     """
 
     def __init__(self, checkpoint: str | Path, config: Any = None):
-        from t1async.actors.sampler import EmbeddedSampler
-        from t1async.config import Config, load_config
-        from t1async.models.model import Qwen3MoeForCausalLM, model_config_from_hf
-        from t1async.models.tokenizer import ChatTokenizer
-        from t1async.sampling.sampler_client import HttpSampler
+        # torch and ray: only the policy agent needs the model and the embedded sampler
+        from t1async.actors.sampler import EmbeddedSampler  # torch (the embedded engine)
+        from t1async.models.model import Qwen3MoeForCausalLM, model_config_from_hf  # torch
 
         path = Path(checkpoint)
         if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
@@ -151,8 +155,6 @@ class PolicyAgent:
             first = (str(exc).splitlines() or [""])[0][:300]
             raise TaskError(f"policy checkpoint {path}: {stage} cannot be loaded ({type(exc).__name__}: {first}); "
                             "pass a checkpoint folder written by the learner (RUN_DIR/checkpoints/step_N)") from None
-        from t1async.config import ConfigError
-        from t1async.models.tokenizer import check_model_vocab
 
         try:  # tool calls need the tool tokens' rows (the command format never checked small test models)
             if self.cfg.env.action_format == "tool_call":
@@ -168,7 +170,6 @@ class PolicyAgent:
 
     def episode(self, task: Task, env: TerminalEnv) -> tuple[int, int, bool, str | None]:
         """One episode; returns (passed, total, resolved, verifier error)."""
-        from t1async.rollout.episode import run_episode
 
         traj = run_episode(task, env, self.client, self.tokenizer, self.cfg.env, self.cfg.generation,
                            self.model_cfg, actor_id=0)
@@ -235,7 +236,7 @@ def run_task(folder: Path, agent: str, root: Path, *, sandbox: str = "local", po
     if env is not None:
         why = ""
         if not env.allow_network:
-            why = (f"off (--network {network}" + (f"; task.toml allow_internet = false)" if env.task.layout == "tb2"
+            why = (f"off (--network {network}" + ("; task.toml allow_internet = false)" if env.task.layout == "tb2"
                                                   else ")"))
         row.note = failure_note(row, outputs, network=why, stopped=env.stopped_agent_processes)
     row.seconds = round(time.monotonic() - started, 3)
@@ -255,14 +256,11 @@ def choose_sandbox(requested: str, tasks_dir: str | Path, config: Any = None) ->
     usable, else ``local``."""
     if requested != "auto":
         return requested, ""
-    tree = Path(__file__).resolve().parents[1]  # the checkout (envs/ sits at its top level)
+    tree = Path(__file__).resolve().parents[2]  # the checkout (envs/commands/ -> envs/ -> the checkout)
     path = Path(tasks_dir).resolve()
     if path == tree or tree in path.parents:
         return "local", ""
-    from t1async.config import load_config
 
-    from .images import resolve_engine
-    from .protocol import SandboxUnavailable
 
     try:
         engine = resolve_engine(load_config(config).env.container if not hasattr(config, "env") else config.env.container)
@@ -294,7 +292,6 @@ def evaluate(tasks_dir: str | Path, agent: str, *, concurrency: int = 1, sandbox
             also be a loaded :class:`~t1async.config.Config`.
         SandboxUnavailable: ``sandbox`` is unknown or cannot run here.
     """
-    from t1async.config import Config, load_config
 
     if agent not in ("oracle", "noop") and not (agent.startswith("policy:") and len(agent) > len("policy:")):
         raise TaskError(f"unknown agent {agent!r}: use oracle, noop or policy:CHECKPOINT")

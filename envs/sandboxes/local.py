@@ -27,7 +27,7 @@ against it, and RLIMIT_NPROC would apply (unlike uid 0 in a user namespace, whic
 host root). The workspace and logs belong to that uid. As a non-root host user, bubblewrap
 runs in a user namespace as that user (already unprivileged), as before.
 
-**Limits** (:mod:`t1async.envs.limits`): cgroup v1 ``pids``/``memory``/``cpu`` groups per sandbox
+**Limits** (:mod:`t1async.envs.sandboxes.limits`): cgroup v1 ``pids``/``memory``/``cpu`` groups per sandbox
 where writable, tmpfs disks, RLIMIT_CPU/RLIMIT_FSIZE (and RLIMIT_AS/NPROC without cgroups). A
 command that hits a limit gets a note (``[refused: ...]``) and ``CommandResult.refused``.
 
@@ -157,7 +157,10 @@ class LocalSandbox:
         self.privileged = os.geteuid() == 0 and run_as is not None
         self.uid = int(run_as) if self.privileged else os.geteuid()
         self.gid = int(run_as) if self.privileged else os.getegid()
-        user = "nobody" if self.privileged and self.uid == SANDBOX_UID else ("root" if not self.privileged and self.uid == 0 else str(self.uid))
+        if self.privileged and self.uid == SANDBOX_UID:
+            user = "nobody"
+        else:
+            user = "root" if not self.privileged and self.uid == 0 else str(self.uid)
         self.env = {**sandbox_environment(), "USER": user, "LOGNAME": user, **(env or {})}
         self.limits = limits or SandboxLimits()
         self._group = LimitGroup(self.limits, self.uid, self.gid)

@@ -1,4 +1,4 @@
-"""Dockerfiles: the subset a task may use, parsed into :class:`~t1async.envs.task.DockerStep` s,
+"""Dockerfiles: the subset a task may use, parsed into :class:`~t1async.envs.taskio.task.DockerStep` s,
 and the reading that image builds need (heredocs rewritten for builders without them, the images
 a build uses, instructions by stage for build-failure reports).
 
@@ -6,7 +6,7 @@ a build uses, instructions by stage for build-failure reports).
 ``RUN`` (continuations joined, comments dropped, heredoc bodies kept with their instruction) and
 checks ``COPY`` sources against the build context; instructions that change nothing the shell sees
 (``CMD``, ``EXPOSE``, ...) are accepted and ignored, any other is a local refusal
-(:class:`~t1async.envs.task.TaskRefused`). Source of the syntax: the Dockerfile reference
+(:class:`~t1async.envs.taskio.task.TaskRefused`). Source of the syntax: the Dockerfile reference
 (https://docs.docker.com/reference/dockerfile/).
 """
 
@@ -142,7 +142,8 @@ def parse_dockerfile(text: str, context_dir: Path, *, where: str = "Dockerfile")
         elif instruction == "WORKDIR":
             target = posixpath.normpath(posixpath.join(workdir, rest.strip("\"'")))
             if not _under_app(target):
-                raise TaskRefused(f"{at}: WORKDIR {target} is outside /app; the local sandbox has only /app writable ({LAYOUT_HINT})")
+                raise TaskRefused(f"{at}: WORKDIR {target} is outside /app; the local sandbox has only /app writable "
+                                  f"({LAYOUT_HINT})")
             workdir = target
             steps.append(DockerStep("WORKDIR", (target,), line, workdir))
         elif instruction == "ENV":
@@ -193,23 +194,29 @@ def _parse_copy(instruction: str, rest: str, at: str, workdir: str, context_dir:
     words = [w for w in words if not w.startswith("--")]
     for flag in flags:
         if flag.split("=", 1)[0] not in ("--chown", "--chmod", "--link"):
-            raise TaskRefused(f"{at}: {instruction} flag {flag!r} is not supported locally (no multi-stage builds) ({LAYOUT_HINT})")
+            raise TaskRefused(f"{at}: {instruction} flag {flag!r} is not supported locally (no multi-stage builds) "
+                              f"({LAYOUT_HINT})")
     if len(words) < 2:
         raise TaskError(f"{at}: {instruction} needs at least one source and a destination ({LAYOUT_HINT})")
     sources, dest = words[:-1], words[-1]
     for source in sources:
         if instruction == "ADD" and (re.match(r"^[a-z]+://", source) or source.startswith("git@")):
-            raise TaskRefused(f"{at}: ADD from a URL ({source}) needs network at build time; vendor the file into the build context ({LAYOUT_HINT})")
+            raise TaskRefused(f"{at}: ADD from a URL ({source}) needs network at build time; vendor the file into the "
+                              f"build context ({LAYOUT_HINT})")
         if instruction == "ADD" and _ARCHIVE.search(source):
-            raise TaskRefused(f"{at}: ADD of an archive ({source}) would unpack it in Docker; not reproduced locally: use COPY and RUN tar ({LAYOUT_HINT})")
+            raise TaskRefused(f"{at}: ADD of an archive ({source}) would unpack it in Docker; not reproduced locally: "
+                              f"use COPY and RUN tar ({LAYOUT_HINT})")
         norm = posixpath.normpath(source)
         if posixpath.isabs(norm) or norm == ".." or norm.startswith("../"):
-            raise TaskError(f"{at}: {instruction} source {source!r} must be relative to the build context and stay inside it ({LAYOUT_HINT})")
+            raise TaskError(f"{at}: {instruction} source {source!r} must be relative to the build context and stay "
+                            f"inside it ({LAYOUT_HINT})")
         if not glob.glob(str(context_dir / norm)):
-            raise TaskError(f"{at}: {instruction} source {source!r} not found in {context_dir}; add the file or fix the path ({LAYOUT_HINT})")
+            raise TaskError(f"{at}: {instruction} source {source!r} not found in {context_dir}; add the file or fix the "
+                            f"path ({LAYOUT_HINT})")
     target = posixpath.normpath(posixpath.join(workdir, dest))
     if not _under_app(target):
-        raise TaskRefused(f"{at}: {instruction} destination {target} is outside /app; the local sandbox has only /app writable ({LAYOUT_HINT})")
+        raise TaskRefused(f"{at}: {instruction} destination {target} is outside /app; the local sandbox has only /app "
+                          f"writable ({LAYOUT_HINT})")
     if dest.endswith("/") or dest in (".", "./"):
         target += "/"
     if len(sources) > 1 and not target.endswith("/"):

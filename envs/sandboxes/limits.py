@@ -14,7 +14,7 @@ Mechanisms, chosen per host at sandbox start (and reported by :meth:`LimitGroup.
 * **rlimits**, set by the wrapper before bubblewrap starts, inherited by every process:
   RLIMIT_CPU (CPU seconds per process), RLIMIT_FSIZE (largest file), and without cgroups
   RLIMIT_AS (memory per process) and RLIMIT_NPROC (processes of the sandbox's uid; it does
-  nothing for host uid 0, hence the uid switch in :mod:`t1async.envs.local`).
+  nothing for host uid 0, hence the uid switch in :mod:`t1async.envs.sandboxes.local`).
 
 Why cgroup v1 and not v2: this machine mounts the v1 hierarchies (v2 is mounted but has no
 controllers enabled). A host without writable cgroups falls back to rlimits only; the sandbox

@@ -1,5 +1,5 @@
 """The ``container`` sandbox backend: one OCI container per episode, built from the task's own
-Dockerfile by podman or docker (:mod:`t1async.envs.images`), with one persistent ``bash`` in it.
+Dockerfile by podman or docker (:mod:`t1async.envs.images.engine`), with one persistent ``bash`` in it.
 
 Lifecycle:
 
@@ -11,14 +11,14 @@ Lifecycle:
   ``--memory-swap``), ``--pids-limit``, explicit ``--ulimit`` nofile/nproc (engine defaults fail
   with EPERM on some hosts), ``fsize`` and ``cpu`` rlimits; then one ``<engine> exec -i`` of
   ``bash --noprofile --norc`` in the image's WORKDIR (``spec.workdir`` when the image sets
-  none), driven over pipes with the sentinel protocol of :mod:`t1async.envs.shell_io`, so cwd
+  none), driven over pipes with the sentinel protocol of :mod:`t1async.envs.sandboxes.shell_io`, so cwd
   and exported variables carry over (an ``exec`` costs about 0.19 s here; a command through the
   persistent shell costs about a millisecond). The image's environment applies, with
   :data:`SHELL_ENV` on top.
 * Timeouts: every process of the container but pid 1 and the shell is SIGKILLed (the command's
   whole process group, ``setsid`` and double-forked daemons alike), from the host through the
   container's pids cgroup (so it works at the process limit too), else with
-  :data:`~t1async.envs.shell_io.KILL_SCRIPT` in a second ``exec``; a shell that still does not
+  :data:`~t1async.envs.sandboxes.shell_io.KILL_SCRIPT` in a second ``exec``; a shell that still does not
   answer is replaced by a new one.
 * Limits that refused something are read from the container's own cgroup v1 counters on the host
   (``pids.events``, ``memory.oom_control``) when visible, as the local backend does.
@@ -54,7 +54,8 @@ from loguru import logger
 
 from t1async.config import ContainerConfig
 
-from .images import ENGINE_CWD, BuildError, Engine, ca_mounts, resolve_engine
+from ..images.engine import ENGINE_CWD, BuildError, Engine, ca_mounts, resolve_engine
+from ..images.task_images import ensure_task_image, ensure_verifier_image
 from .limits import LimitGroup
 from .protocol import CommandResult, SandboxError, SandboxSpec, ServiceSpec, split_root
 from .shell_io import (
@@ -71,7 +72,6 @@ from .shell_io import (
     read_to_marker,
     write_all,
 )
-from .task_images import ensure_task_image, ensure_verifier_image
 
 SHELL_ENV = {"TERM": "dumb", "PAGER": "cat", "GIT_PAGER": "cat", "DEBIAN_FRONTEND": "noninteractive",
              "PYTHONUNBUFFERED": "1", "TEST_DIR": "/tests"}
@@ -168,12 +168,12 @@ class ContainerSandbox:
     Raises:
         SandboxUnavailable: from :meth:`start`, when no engine is usable.
         SandboxError: from :meth:`start` when the build or the container fails (a
-            :class:`~t1async.envs.images.BuildError` for a failed build).
+            :class:`~t1async.envs.images.engine.BuildError` for a failed build).
     """
 
     builds_image = True
     verifier_layer = True
-    """The episode code stages the container flavour of the test script (see :mod:`t1async.envs.adapt`)."""
+    """The episode code stages the container flavour of the test script (see :mod:`t1async.envs.taskio.adapt`)."""
 
     def __init__(self, spec: SandboxSpec, cfg: ContainerConfig | None = None):
         self.spec = spec

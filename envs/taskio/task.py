@@ -1,9 +1,9 @@
 """Terminal tasks as data: :class:`Task` (one task folder, either Terminal-Bench layout, read and
 planned), :class:`DockerStep` (one parsed Dockerfile instruction) and the errors of task loading.
 
-Loading a folder is :mod:`t1async.envs.loading` (the layouts are described there); parsing its
-Dockerfile is :mod:`t1async.envs.dockerfile`, its compose file :mod:`t1async.envs.compose`, and
-what each sandbox backend must adapt :mod:`t1async.envs.adapt`. The shipped tasks live in
+Loading a folder is :mod:`t1async.envs.taskio.loading` (the layouts are described there); parsing its
+Dockerfile is :mod:`t1async.envs.taskio.dockerfile`, its compose file :mod:`t1async.envs.taskio.compose`, and
+what each sandbox backend must adapt :mod:`t1async.envs.taskio.adapt`. The shipped tasks live in
 ``envs/tasks/*``.
 """
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .protocol import ServiceSpec
+from ..sandboxes.protocol import ServiceSpec
 
 LAYOUT_HINT = "see envs/tasks/* for the layout"
 DEFAULT_AGENT_TIMEOUT_S = 600.0
@@ -85,24 +85,24 @@ class Task:
             variables) instead of a clean one.
         compose_env: variables from docker-compose.yaml's service ``environment`` (TB1/TB2).
         services: the compose file's other services (sidecars such as an API server), which the
-            ``container`` backend starts beside the agent's container (see :func:`~t1async.envs.compose.read_compose`).
+            ``container`` backend starts beside the agent's container (see :func:`~t1async.envs.taskio.compose.read_compose`).
         local_refusal: why the ``local`` backend cannot run this task faithfully, else None.
         local_test_script: the test script as the local backend runs it (test-runner downloads
-            replaced by the host's pytest; see :mod:`t1async.envs.adapt`), or None if unchanged.
+            replaced by the host's pytest; see :mod:`t1async.envs.taskio.adapt`), or None if unchanged.
         notes: what the local adaptation changed (for reports).
         container_test_script: the test script as the container backend runs it (installs moved
-            to the verifier layer, the runner mapped; see :func:`t1async.envs.adapt.plan_container`),
+            to the verifier layer, the runner mapped; see :func:`t1async.envs.taskio.adapt.plan_container`),
             or None if unchanged.
         local_helpers, container_helpers: the shell scripts of tests/ that the test script runs
             (``source $TEST_DIR/setup-uv-pytest.sh``, ...), adapted for each backend as the test
             script is: ``{path relative to tests/: text}``, only those that changed (see
-            :func:`t1async.envs.adapt.adapt_tests`).
-        verifier_needs: what the test script installs (a :class:`~t1async.envs.adapt.VerifierNeeds`),
+            :func:`t1async.envs.taskio.adapt.adapt_tests`).
+        verifier_needs: what the test script installs (a :class:`~t1async.envs.taskio.adapt.VerifierNeeds`),
             or None without a test script.
         solution_commands: TB1 ``solution.yaml`` steps that are plain commands, replayed one by one
             as the oracle (empty otherwise).
         writable: top-level folders the task writes outside the system ones (e.g. ``/db``), given
-            a private tmpfs by the local backend (see :func:`t1async.envs.adapt.writable_folders`).
+            a private tmpfs by the local backend (see :func:`t1async.envs.taskio.adapt.writable_folders`).
     """
 
     name: str
@@ -173,7 +173,7 @@ source $TEST_DIR/setup-uv-pytest.sh
 bash $TEST_DIR/run-uv-pytest.sh
 """
 """What a TB1 task without ``run-tests.sh`` is verified with (its helpers are supplied too, see
-:mod:`t1async.envs.adapt`)."""
+:mod:`t1async.envs.taskio.adapt`)."""
 
 
 def test_script_text(task: Task) -> str | None:

@@ -12,7 +12,7 @@ Lifecycle (``modal`` 1.6 API, see DESIGN.md section 3):
   ``debian_slim``. ``modal.Sandbox.create("sleep", "infinity", image=..., cpu=..., memory=...,
   workdir=..., block_network=not allow_network, timeout=...)``; then one ``bash`` started with
   ``sb.exec`` is the persistent shell, driven with the same sentinel protocol as the local
-  backend (:mod:`t1async.envs.shell_io`); a reader thread moves its stdout into a queue so reads
+  backend (:mod:`t1async.envs.sandboxes.shell_io`); a reader thread moves its stdout into a queue so reads
   have deadlines.
 * Timeouts: a second ``sb.exec`` SIGKILLs every process of the container that is neither pid 1,
   the shell nor the killer itself and its parents, and was started after the shell (higher pid:
@@ -67,7 +67,7 @@ _EXECUTOR = ThreadPoolExecutor(max_workers=8, thread_name_prefix="t1async-modal"
 
 def _import_modal() -> Any:
     try:
-        import modal
+        import modal  # modal: an optional extra, absent on most machines
     except ImportError:
         raise SandboxUnavailable(
             "the modal sandbox backend needs the `modal` package: pip install 't1async[modal]'"
@@ -286,8 +286,8 @@ class ModalSandbox:
                 status = int(bounded("wait", KILL_GRACE_S, self._proc.wait))
             except (SandboxError, TypeError, ValueError):
                 status = 1
-            note = (f"[the shell exited (status {status}); a new shell was started in {self.spec.workdir}: exported variables and "
-                    "the working directory were reset]")
+            note = (f"[the shell exited (status {status}); a new shell was started in {self.spec.workdir}: "
+                    "exported variables and the working directory were reset]")
             self._replace_shell()
         if note:
             output = output + ("" if not output or output.endswith("\n") else "\n") + note

@@ -43,8 +43,8 @@ from pathlib import Path
 
 from loguru import logger
 
-from .images import CACHE_DIR, DEBIAN_MIRROR, BuildError, Engine, _build, _build_lock
-from .protocol import SandboxError, SandboxUnavailable
+from ..sandboxes.protocol import SandboxError, SandboxUnavailable
+from .engine import CACHE_DIR, DEBIAN_MIRROR, BuildError, Engine, _build, _build_lock
 
 BASE_REPO = "localhost/t1async-base"
 """Repository of the stand-in images (``<BASE_REPO>/<chain name>:<ROOTFS_VERSION>``)."""
@@ -52,8 +52,8 @@ BASE_REPO = "localhost/t1async-base"
 ROOTFS_VERSION = 4
 """Bumped whenever a stand-in changes (2: pip ``RECORD`` files for Debian's Python packages; 4:
 per-image Debian release, CPython built into ``/usr/local``, ``WORKDIR /app`` for the
-Terminal-Bench 1 bases, man folders kept, updates and security archives, no apt cache), so that ``t1async images bootstrap`` builds and
-re-tags anew (older stand-ins are recognised and replaced; pulled images are left alone)."""
+Terminal-Bench 1 bases, man folders kept, updates and security archives, no apt cache), so that
+``t1async images bootstrap`` builds and re-tags anew (older stand-ins are recognised and replaced; pulled images are left alone)."""
 
 BASE_PACKAGES = ("ca-certificates", "procps", "netbase")
 """Packages every stand-in root filesystem gets on top of ``minbase``."""
@@ -408,7 +408,7 @@ def build_stand_in(engine: Engine, rule: StandIn, *, mirror: str = DEBIAN_MIRROR
 
     Raises:
         SandboxUnavailable: mmdebstrap is not installed.
-        BuildError: a step failed (see :func:`build_rootfs` and :func:`~t1async.envs.images._build`).
+        BuildError: a step failed (see :func:`build_rootfs` and :func:`~t1async.envs.images.engine._build`).
     """
     built: dict[str, float] = {}
     parent = ""
@@ -431,7 +431,8 @@ def build_stand_in(engine: Engine, rule: StandIn, *, mirror: str = DEBIAN_MIRROR
 
 def describe(engine: Engine, tag: str) -> str:
     """What backs the image ``tag``, read from a container of it: ``"Debian 12.12 (bookworm),
-    Python 3.13.5 at /usr/local/bin/python3.13"`` (the interpreter ``python3`` resolves to); "" when it cannot be run. Takes about a second."""
+    Python 3.13.5 at /usr/local/bin/python3.13"`` (the interpreter ``python3`` resolves to); "" when
+    it cannot be run. Takes about a second."""
     script = ('. /etc/os-release; v=$(cat /etc/debian_version 2>/dev/null); p=$(readlink -f "$(command -v python3)"); '
               'echo "${NAME%% *} ${v:-$VERSION_ID} (${VERSION_CODENAME:-?}), $($p --version 2>&1) at $p"')
     done = engine.run("run", "--rm", "--network", "none", *engine.ulimits(), "--entrypoint", "/bin/sh", tag, "-c",
@@ -514,7 +515,7 @@ def bootstrap(engine: Engine, names: list[str], *, mirror: str = DEBIAN_MIRROR, 
 
     Raises:
         SandboxUnavailable: mmdebstrap is not installed.
-        SandboxError: a build failed (:class:`~t1async.envs.images.BuildError`).
+        SandboxError: a build failed (:class:`~t1async.envs.images.engine.BuildError`).
     """
     report = BootstrapReport()
     rules: dict[str, StandIn] = {}

@@ -1,6 +1,6 @@
 """The sandbox contract: one isolated, persistent shell per episode, whatever runs it.
 
-Every backend (see :data:`t1async.envs.sandbox.SANDBOXES`) implements :class:`Sandbox`: start a
+Every backend (see :data:`t1async.envs.sandboxes.sandbox.SANDBOXES`) implements :class:`Sandbox`: start a
 shell, run commands in it (cwd and exported variables carry over, per-command timeouts kill the
 whole process tree, output bounded with a visible marker), move files in and out, close. The
 episode code (:mod:`t1async.envs.terminal`) talks to a sandbox only through this Protocol, so a
@@ -17,6 +17,7 @@ Paths passed to :meth:`Sandbox.put`, :meth:`Sandbox.clear` and :meth:`Sandbox.re
 
 from __future__ import annotations
 
+import posixpath
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -267,8 +268,6 @@ def split_root(path: str) -> tuple[str, str]:
     Raises:
         SandboxError: the path is not under /app, /tests or /logs, or climbs out with ``..``.
     """
-    import posixpath
-
     norm = posixpath.normpath(path)
     for root in ROOTS:
         if norm == root or norm.startswith(root + "/"):

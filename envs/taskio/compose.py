@@ -7,7 +7,7 @@ files use them: Harbor (TB2) sets ``CONTEXT_DIR`` (the task's ``environment/`` f
 each harness would give, :func:`interpolate` substitutes them with Compose's rules, and
 :func:`read_compose` returns what t1async needs of the file (:class:`ComposeFile`): the agent's
 service (its build, image and environment) and every other service as a sidecar
-(:class:`~t1async.envs.protocol.ServiceSpec`).
+(:class:`~t1async.envs.sandboxes.protocol.ServiceSpec`).
 
 Sources: the Compose specification, "Interpolation"
 (https://github.com/compose-spec/compose-spec/blob/main/spec.md#interpolation); Harbor's
@@ -22,8 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+from ..sandboxes.protocol import ServiceSpec
 from .dockerfile import ENV_KEY
-from .protocol import ServiceSpec
 
 MAIN_SERVICES = ("main", "client")
 """Names of the agent's own service: Harbor's ``main`` (TB2), the TB1 harness's ``client``."""
@@ -143,8 +145,6 @@ def read_compose(path: Path, variables: dict[str, str]) -> ComposeFile:
             Dockerfile does not exist or whose path uses a variable nobody sets; a sidecar with
             neither ``build`` nor ``image``.
     """
-    import yaml
-
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except (yaml.YAMLError, UnicodeDecodeError) as exc:

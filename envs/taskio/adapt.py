@@ -2,7 +2,7 @@
 
 The local sandbox has no image: it runs the host's ``/usr`` and the host's Python. A task's
 Dockerfile RUN steps and test script are read command by command (split and read into words as a
-shell does, by :mod:`t1async.envs.shell_words`; a pipeline stays one command) and each command is
+shell does, by :mod:`t1async.envs.taskio.shell_words`; a pipeline stays one command) and each command is
 classified:
 
 * **package installs** (``apt-get install``, ``pip install``, ``uv pip install``, ...): satisfied
@@ -35,7 +35,7 @@ test script runs, each is adapted like the test script itself (:func:`adapt_test
 the test script is adapted, and nothing is refused: package installs in it (apt-get, pip,
 ``uv pip install``, ``uv add``, ``uvx --with``) are collected into :class:`VerifierNeeds` and
 become ``true`` (they are installed at build time in the verifier layer, see
-:mod:`t1async.envs.images`); uv bootstraps become ``true``; the runner becomes
+:mod:`t1async.envs.images.engine`); uv bootstraps become ``true``; the runner becomes
 ``${T1ASYNC_VERIFIER_PYTHON:-python3} -m pytest -rA ...`` (the verifier layer's Python when it
 was built). Stored in :attr:`Task.container_test_script` and :attr:`Task.verifier_needs`.
 """
@@ -49,6 +49,8 @@ import shutil
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+
+from packaging.requirements import InvalidRequirement, Requirement
 
 from .shell_words import Command, parse_command, split_commands
 from .task import DockerStep, Task, test_script_text
@@ -129,8 +131,6 @@ def host_python_lacks(requirement: str, runner: bool = False) -> str | None:
     """Why the sandbox's Python (the host's, the one running t1async) does not satisfy
     ``requirement`` (a PEP 508 string), or None when it does. With ``runner``, a test-runner
     package only needs to be present (its version pin is ignored)."""
-    from packaging.requirements import InvalidRequirement, Requirement
-
     try:
         req = Requirement(requirement)
     except InvalidRequirement:
@@ -145,7 +145,7 @@ def host_python_lacks(requirement: str, runner: bool = False) -> str | None:
 
 
 def _words(command: str) -> list[str]:
-    """The words of ``command``'s first pipeline stage (see :func:`~t1async.envs.shell_words.parse_command`):
+    """The words of ``command``'s first pipeline stage (see :func:`~t1async.envs.taskio.shell_words.parse_command`):
     quotes removed; assignments, redirections and wrappers such as ``sudo`` left out."""
     return list(parse_command(command).first.words)
 
@@ -247,8 +247,8 @@ def classify(command: str, *, test_script: bool, allow_internet: bool, collect: 
         raise Refusal(f"the Dockerfile writes {target}, which the local sandbox keeps read-only (only /app, /tmp, "
                       f"HOME and the task's own top-level folders are writable): `{command.strip()[:120]}`; use "
                       "env.sandbox=container")
-    network = head in _NETWORK_WORDS or (head == "git" and len(words) > 1 and words[1] in ("clone", "fetch", "pull", "ls-remote")) \
-        or bool(_URL.search(command))
+    git_remote = head == "git" and len(words) > 1 and words[1] in ("clone", "fetch", "pull", "ls-remote")
+    network = head in _NETWORK_WORDS or git_remote or bool(_URL.search(command))
     if network and not allow_internet:
         when = "test" if test_script else "build"
         raise Refusal(f"needs network access at {when} time, which the task does not allow: `{command.strip()[:160]}`")
@@ -266,7 +266,7 @@ _WRITERS = {"mkdir", "cp", "mv", "ln", "install", "touch", "tee", "chmod", "chow
 
 def _system_write(command: Command) -> str | None:
     """The first path under :data:`LOCAL_READ_ONLY` that ``command`` (a parsed
-    :class:`~t1async.envs.shell_words.Command`) writes: an output redirection's target, a
+    :class:`~t1async.envs.taskio.shell_words.Command`) writes: an output redirection's target, a
     path argument of a program of :data:`_WRITERS` (for ``cp``/``mv``/``ln``/``install``/``rsync``
     the destination only; ``sed`` only with ``-i``), or a user account (``useradd`` writes
     /etc/passwd); None if none."""

@@ -1,15 +1,15 @@
 """Sandboxes: one persistent, isolated shell per episode; backends chosen by config.
 
-The contract every backend implements is :class:`~t1async.envs.protocol.Sandbox` (start, exec,
+The contract every backend implements is :class:`~t1async.envs.sandboxes.protocol.Sandbox` (start, exec,
 put, clear, read, close); the episode code never names a backend. Backends, by config key
 ``env.sandbox``:
 
-* ``local`` (:class:`~t1async.envs.local.LocalSandbox`): bubblewrap on this host, as an
+* ``local`` (:class:`~t1async.envs.sandboxes.local.LocalSandbox`): bubblewrap on this host, as an
   unprivileged uid, with cgroup/tmpfs/rlimit limits;
-* ``container`` (:class:`~t1async.envs.container.ContainerSandbox`): an OCI container per
+* ``container`` (:class:`~t1async.envs.sandboxes.container.ContainerSandbox`): an OCI container per
   episode built from the task's own Dockerfile by podman or docker (offline base images:
   ``t1async images bootstrap``);
-* ``modal`` (:class:`~t1async.envs.modal_sandbox.ModalSandbox`): a Modal cloud sandbox built
+* ``modal`` (:class:`~t1async.envs.sandboxes.modal_sandbox.ModalSandbox`): a Modal cloud sandbox built
   from the task's Dockerfile or image (needs the optional ``modal`` package and credentials).
 
 This module re-exports the contract's types so callers import from one place.
@@ -17,9 +17,9 @@ This module re-exports the contract's types so callers import from one place.
 
 from __future__ import annotations
 
+from ..images.engine import check_container_available
 from .container import ContainerSandbox
 from .hostfs import ETC_ENTRIES, check_local_available
-from .images import check_container_available
 from .local import LocalSandbox
 from .modal_sandbox import ModalSandbox, check_modal_available
 from .protocol import (
@@ -36,7 +36,8 @@ from .protocol import (
 )
 
 __all__ = [
-    "ETC_ENTRIES", "ROOTS", "SANDBOX_BIN", "SANDBOXES", "CommandResult", "ContainerSandbox", "LocalSandbox", "ModalSandbox", "Sandbox",
+    "ETC_ENTRIES", "ROOTS", "SANDBOX_BIN", "SANDBOXES", "CommandResult", "ContainerSandbox", "LocalSandbox", "ModalSandbox",
+    "Sandbox",
     "SandboxError", "SandboxLimits", "SandboxSpec", "SandboxUnavailable", "bash_quote", "check_sandbox_available",
     "make_sandbox", "sandbox_environment",
 ]

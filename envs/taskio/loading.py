@@ -1,4 +1,4 @@
-"""Loading a task folder in either Terminal-Bench layout into a :class:`~t1async.envs.task.Task`.
+"""Loading a task folder in either Terminal-Bench layout into a :class:`~t1async.envs.taskio.task.Task`.
 
 Terminal-Bench 2 / Harbor layout::
 
@@ -25,7 +25,7 @@ Terminal-Bench 1 layout (:func:`load_tb1_task`)::
 
 Loading never depends on the backend: what only the ``local`` backend cannot do (a Dockerfile
 instruction outside the supported subset, packages the host lacks, network at build or test time,
-several containers) is recorded in :attr:`Task.local_refusal` (see :mod:`t1async.envs.adapt`), and
+several containers) is recorded in :attr:`Task.local_refusal` (see :mod:`t1async.envs.taskio.adapt`), and
 the local backend refuses such a task with that reason instead of running it wrong. A folder that
 is invalid in itself (missing files, bad TOML/YAML, a Dockerfile that names missing files) raises
 :class:`TaskError`. The shipped tasks live in ``envs/tasks/*``.
@@ -38,6 +38,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import tomllib
+import yaml
 from loguru import logger
 
 from .adapt import plan_container, plan_local
@@ -133,8 +134,6 @@ def load_tb1_task(folder: Path, *, network: bool | None = None) -> Task:
     Raises:
         TaskError: missing files, invalid YAML, a missing or empty instruction, bad timeouts.
     """
-    import yaml
-
     if not (folder / "task.yaml").is_file():
         raise _error(folder, "missing task.yaml", "add it (Terminal-Bench 1 layout)")
     if not (folder / "run-tests.sh").is_file() and not (folder / "tests").is_dir():
@@ -269,8 +268,6 @@ def _solution_commands(path: Path) -> tuple[list[tuple[str, float]], str | None]
     (:func:`reads_keystrokes`, e.g. ``python`` then ``import x`` typed into it): refused. A step's
     timeout is ``max_timeout_sec`` (else ``min_timeout_sec``), at least 60 s.
     """
-    import yaml
-
     try:
         steps = yaml.safe_load(path.read_text())
     except (yaml.YAMLError, UnicodeDecodeError) as exc:

@@ -1,6 +1,6 @@
 """Reading shell commands as a POSIX shell reads them, for adapting task scripts.
 
-The adapters (:mod:`t1async.envs.adapt`) must know what a line of a Dockerfile ``RUN`` step or
+The adapters (:mod:`t1async.envs.taskio.adapt`) must know what a line of a Dockerfile ``RUN`` step or
 a test script *does*: which program it runs, with which arguments, and which words are not
 arguments at all. This module gives them two things:
 

@@ -26,9 +26,25 @@ import json
 import math
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
+
+from loguru import logger
+
+from t1async.config import load_config
+
+from ..images.engine import resolve_engine
+from ..images.stand_ins import DEFAULT_BOOTSTRAP_TAGS, bootstrap
+from ..sandboxes.protocol import SandboxError
+from ..taskio.dockerfile import from_images
+from ..taskio.loading import load_task, task_folders
+from ..taskio.task import TaskError
+from ..terminal import validate_task
+from .decontam import check_drop_folders, decontaminate, format_report
+from .evaluate import choose_sandbox, evaluate, format_table, is_task_folder, report_json
+from .synth import synthesize
 
 EVAL_EPILOG = ("exit status: 0 when every task ran (resolved or not), 1 when any task errored (see the error "
                "column), 2 for bad input")
@@ -116,13 +132,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                                                           "the names tasks use in FROM")
     p.add_argument("--tasks", help="also tag every FROM image of the task folders under DIR")
     p.add_argument("--name", action="append", default=[], help="image name to provide (repeatable; default: "
-                                                                 "t1async.envs.images.DEFAULT_BOOTSTRAP_TAGS)")
+                                                                 "t1async.envs.images.engine.DEFAULT_BOOTSTRAP_TAGS)")
     p.add_argument("--rebuild", action="store_true", help="rebuild root filesystems that exist already")
     p.add_argument("--config", help="YAML config whose env.container section applies")
     p.set_defaults(func=_guard(run_images))
 
     p = sub.add_parser("synth", help="generate training tasks from a parametrized family", epilog=SYNTH_EPILOG)
-    p.add_argument("--family", required=True, help="task family (see t1async.envs.synth.FAMILIES)")
+    p.add_argument("--family", required=True, help="task family (see t1async.envs.commands.synth.FAMILIES)")
     p.add_argument("--n", type=int, required=True, help="number of tasks")
     p.add_argument("--out", required=True, help="folder to write the task folders into")
     p.add_argument("--seed", type=int, default=0, help="seed (the same seed gives the same tasks)")
@@ -145,7 +161,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _quiet() -> None:
     """Only warnings and errors on stderr: the table is the output."""
-    from loguru import logger
 
     logger.remove()
     logger.add(sys.stderr, level="WARNING")
@@ -153,8 +168,6 @@ def _quiet() -> None:
 
 def run_eval(args: argparse.Namespace) -> int:
     """``t1async eval``: print the table; write the JSON report with ``--out``. 1 when a task errored."""
-    from .evaluate import choose_sandbox, evaluate, format_table, is_task_folder, report_json
-    from .loading import task_folders
 
     _quiet()
     _positive_int(args.concurrency, "--concurrency")
@@ -178,7 +191,8 @@ def run_eval(args: argparse.Namespace) -> int:
             settings = {"network": args.network, "agent_processes": args.agent_processes}
             out.write_text(json.dumps(report_json(rows, args.agent, settings), indent=2) + "\n")
         except OSError as exc:
-            raise UsageError(f"--out {out} could not be written ({exc.strerror or exc}); the table above has the results") from None
+            raise UsageError(f"--out {out} could not be written ({exc.strerror or exc}); "
+                             "the table above has the results") from None
         print(f"report written to {out}")
     errors = sum(r.error is not None for r in rows)
     if errors:
@@ -191,14 +205,7 @@ def run_images(args: argparse.Namespace) -> int:
     """``t1async images bootstrap``: build the stand-ins, print what stands in for what and which
     Debian release and Python back each. 1 when a build failed or an image named (by ``--name``
     or a task's ``FROM``) has no stand-in and is not in local storage; the others are done first."""
-    from t1async.config import load_config
 
-    from .dockerfile import from_images
-    from .images import resolve_engine
-    from .loading import load_task, task_folders
-    from .protocol import SandboxError
-    from .stand_ins import DEFAULT_BOOTSTRAP_TAGS, bootstrap
-    from .task import TaskError
 
     engine = resolve_engine(load_config(args.config).env.container)
     names = list(args.name) or list(DEFAULT_BOOTSTRAP_TAGS)
@@ -247,11 +254,7 @@ def run_images(args: argparse.Namespace) -> int:
 
 def run_synth(args: argparse.Namespace) -> int:
     """``t1async synth``: write the tasks, validate them (oracle resolves, no-op does not)."""
-    from concurrent.futures import ThreadPoolExecutor
 
-    from .loading import load_task
-    from .synth import synthesize
-    from .terminal import validate_task
 
     _quiet()
     _positive_int(args.jobs, "--jobs")
@@ -268,7 +271,9 @@ def run_synth(args: argparse.Namespace) -> int:
             reports = list(pool.map(lambda p: validate_task(load_task(p), Path(tmp)), paths))
     bad = [r for r in reports if not r.ok]
     for r in bad:
-        print(f"  INVALID {r.name}: {r.error or f'oracle {r.oracle and r.oracle.passed}/{r.oracle and r.oracle.total}, noop resolved={r.noop and r.noop.resolved}'}")
+        why = r.error or (f"oracle {r.oracle and r.oracle.passed}/{r.oracle and r.oracle.total}, "
+                          f"noop resolved={r.noop and r.noop.resolved}")
+        print(f"  INVALID {r.name}: {why}")
     print(f"validated: {len(reports) - len(bad)}/{len(reports)} ok (oracle resolves, no-op does not)")
     return 1 if bad else 0
 
@@ -277,9 +282,7 @@ def run_decontam(args: argparse.Namespace) -> int:
     """``t1async decontam``: report (and with ``--drop`` delete) overlapping training tasks.
 
     Returns 1 when a training task is flagged and kept, or could not be read (not checked)."""
-    from t1async.config import load_config
 
-    from .decontam import check_drop_folders, decontaminate, format_report
 
     _quiet()
     env = load_config(args.config).env
@@ -303,5 +306,6 @@ def run_decontam(args: argparse.Namespace) -> int:
         try:
             out.write_text(json.dumps(doc, indent=2) + "\n")
         except OSError as exc:
-            raise UsageError(f"--out {out} could not be written ({exc.strerror or exc}); the report above has the results") from None
+            raise UsageError(f"--out {out} could not be written ({exc.strerror or exc}); "
+                             "the report above has the results") from None
     return 1 if any((r.flagged and not r.dropped) or r.error is not None for r in rows) else 0

@@ -6,20 +6,20 @@ task images (:mod:`.task_images`) and stand-ins (:mod:`.stand_ins`) share.
 are called with the same sub-commands (``build``, ``run``, ``exec``, ``image exists``/``image
 inspect``, ``tag``, ``import``, ``rm``).
 
-**Task images** (:func:`~t1async.envs.task_images.ensure_task_image`): the task's own Dockerfile and build context, tagged
+**Task images** (:func:`~t1async.envs.images.task_images.ensure_task_image`): the task's own Dockerfile and build context, tagged
 ``localhost/t1async-task/<name>:<hash>`` where the hash (sha256, 16 hex digits) covers the
 Dockerfile, every file of the context (path, executable bit, bytes; ``.git`` skipped), the
 image IDs its ``FROM`` names resolve to and the build options, so an unchanged task is built once
 and a changed one, or one whose base image changed (a new bootstrap, a pulled real image), is
 rebuilt. Before the
-build: ``COPY``/``RUN`` heredocs are rewritten (:func:`~t1async.envs.dockerfile.expand_heredocs`: podman 4.3's buildah
+build: ``COPY``/``RUN`` heredocs are rewritten (:func:`~t1async.envs.taskio.dockerfile.expand_heredocs`: podman 4.3's buildah
 lacks them), each ``FROM`` image missing locally is replaced by its bootstrapped stand-in
-(:func:`~t1async.envs.stand_ins.ensure_base`), and the host CA bundle is mounted (podman ``build -v``; TLS to package
+(:func:`~t1async.envs.images.stand_ins.ensure_base`), and the host CA bundle is mounted (podman ``build -v``; TLS to package
 indexes is intercepted on some hosts) with pip and uv pointed at it. Builds run with the same
 explicit ulimits as containers. A build lock (``fcntl`` on a file in the cache folder) makes
 concurrent episodes of one task build it once.
 
-**Verifier layer** (:func:`~t1async.envs.task_images.ensure_verifier_image`): ``FROM`` the task image, the Debian packages
+**Verifier layer** (:func:`~t1async.envs.images.task_images.ensure_verifier_image`): ``FROM`` the task image, the Debian packages
 and Python requirements the task's test script would install at test time, installed at build
 time into ``/opt/t1async-verifier`` (a venv with ``--system-site-packages``, so the tests see
 the image's own packages as the test script's environment would, plus pytest). The venv's own
@@ -61,8 +61,8 @@ from loguru import logger
 
 from t1async.config import ContainerConfig
 
-from .dockerfile import dockerfile_instructions
-from .protocol import SandboxError, SandboxUnavailable
+from ..sandboxes.protocol import SandboxError, SandboxUnavailable
+from ..taskio.dockerfile import dockerfile_instructions
 
 ENGINE_CWD = tempfile.gettempdir()
 """Working directory of every engine process (podman/docker and the conmon it starts): on an
@@ -118,7 +118,8 @@ class Engine:
         except subprocess.TimeoutExpired:
             raise SandboxError(f"`{' '.join(argv[:6])} ...` did not finish within {timeout_s:g} s") from None
         if check and done.returncode != 0:
-            text = (done.stderr or b"").decode("utf-8", "replace").strip() or (done.stdout or b"").decode("utf-8", "replace").strip()
+            text = ((done.stderr or b"").decode("utf-8", "replace").strip()
+                    or (done.stdout or b"").decode("utf-8", "replace").strip())
             raise SandboxError(f"`{self.name} {' '.join(args[:3])}` failed (exit {done.returncode}): {text[-800:]}")
         return done
 
