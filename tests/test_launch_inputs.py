@@ -35,7 +35,7 @@ def test_resume_into_a_folder_that_holds_no_run_is_refused(capsys, tmp_path):
 
 
 def test_several_broken_tasks_are_reported_together_each_with_its_reason(tmp_path):
-    from t1async.envs.task import TaskError
+    from t1async.envs.taskio.task import TaskError
     from t1async.service.launch import check_inputs
 
     good = sorted(p for p in (REPO / "envs" / "tasks").iterdir() if p.is_dir())[0]
