@@ -315,7 +315,7 @@ def evaluate_policy(checkpoint: str | Path, tasks_dir: str | Path, cfg: Config, 
     """Resolved rate of ``policy:checkpoint`` on ``tasks_dir`` (``samples`` episodes per task, pass
     k sampling with seed ``run.seed + 1000 k``).
 
-    Uses ``t1async eval``'s own path (:func:`t1async.envs.evaluate.evaluate`), with the config's
+    Uses ``t1async eval``'s own path (:func:`t1async.envs.commands.evaluate.evaluate`), with the config's
     env, generation and sampler sections.
 
     Returns:
