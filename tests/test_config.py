@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
-from t1async.config import Config, ConfigError, ModelConfig, load_config
+from t1async.config import Config, ConfigError, ModelConfig, check_values, load_config, to_yaml
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -85,7 +86,7 @@ def test_yaml_whose_top_level_is_a_list_is_refused(tmp_path):
 def test_greedy_generation_is_refused_for_training_but_allowed_for_eval(tmp_path):
     from t1async.envs.commands.evaluate import PolicyAgent
     from t1async.models.model import Qwen3MoeForCausalLM
-    from t1async.service.launch import check_inputs
+    from t1async.service.preflight import check_inputs
 
     cfg = load_config(REPO / "configs" / "local.yaml", ["generation.temperature=0"])  # loading accepts it
     with pytest.raises(ConfigError) as e:
@@ -132,3 +133,64 @@ def test_sampler_urls_are_refused_unless_the_backend_is_sglang():
     with pytest.raises(ConfigError, match="sampler.urls.*unless sampler.backend=sglang"):
         load_config(None, ["sampler.urls=[http://10.9.9.9:30000]"])
     assert load_config(None, ["sampler.backend=sglang", "sampler.urls=[http://10.9.9.9:30000]"]).sampler.urls
+
+
+def test_each_section_refuses_a_bad_value_of_its_own_fields_itself():
+    """The rule of a field sits beside it (t1async/config/rules.py): the section's own ``check``
+    refuses the value, in the one line load_config gives (without the source)."""
+    from t1async.config import AbnormalConfig, FieldError, LearnerConfig, Section, TransportConfig, sections
+    from t1async.config.rules import field_rule
+
+    with pytest.raises(FieldError, match=r"^learner.batch_size=0 is invalid: use an integer >= 1$"):
+        LearnerConfig(batch_size=0).check("learner")
+    with pytest.raises(FieldError, match=r"^transport.port=70000 is invalid: use a TCP port in \[0, 65535\]"):
+        TransportConfig(port=70000).check("transport")
+    with pytest.raises(FieldError, match=r"^learner.abnormal.context_full='mask_turn' is invalid: use 'train' or 'drop'"):
+        AbnormalConfig(context_full="mask_turn").check("learner.abnormal")
+    LearnerConfig(batch_size=0, lr=0.0)  # building one in code checks nothing (tests build such sections)
+    keys = dict(sections(Config()))
+    assert list(keys)[:3] == ["run", "ray", "model"] and {"learner.abnormal", "learner.megatron", "env.container"} <= set(keys)
+    for key, section in keys.items():
+        assert isinstance(section, Section), key
+        section.check(key)  # the defaults pass their own rules
+    ruled = {f"{key}.{f.name}" for key, s in keys.items() for f in dataclasses.fields(s) if field_rule(f)}
+    assert len(ruled) >= 90 and {"learner.max_steps", "sampler.backend", "learner.megatron.device"} <= ruled
+    assert check_values(load_config(None, ["learner.lr=0.5"])) is None
+    with pytest.raises(ConfigError, match=r"^scale: learner.megatron.timeout_s=0 is invalid: use a positive number"):
+        cfg = Config()
+        cfg.learner.megatron.timeout_s = 0
+        check_values(cfg, source="scale")  # (t1async scale sets values on a copy and checks them so)
+
+
+def choice_fields() -> list[tuple[str, type]]:
+    """Every config key typed with a Choice, and its Enum."""
+    from t1async.config import Choice, sections
+
+    return [(f"{key}.{f.name}", type(f.default)) for key, s in sections(Config())
+            for f in dataclasses.fields(s) if isinstance(f.default, Choice)]
+
+
+def test_choices_are_enums_whose_values_can_be_listed_and_compare_as_strings():
+    from t1async.config import ADVANTAGE_NAMES, Advantage, Reward, Sandbox
+    from t1async.envs.sandboxes.sandbox import SANDBOXES
+
+    assert list(Reward) == [Reward.dense, Reward.binary] and Reward.values() == ("dense", "binary")
+    assert Advantage.values() == ADVANTAGE_NAMES and set(Sandbox.values()) == set(SANDBOXES)
+    keys = dict(choice_fields())
+    assert {"learner.reward", "learner.advantage", "learner.policy_loss", "learner.backend", "env.sandbox",
+            "env.network", "env.action_format", "transport.scheme", "sampler.backend", "sampler.dtype",
+            "weight_sync.mode", "rollout.admission", "learner.abnormal.aborted"} <= set(keys)
+    cfg = load_config(None, ["learner.reward=binary", "env.action_format=tool_call"])
+    assert cfg.learner.reward is Reward.binary and cfg.learner.reward == "binary" and cfg.learner.reward != "dense"
+    assert f"{cfg.env.action_format}" == str(cfg.env.action_format) == "tool_call"
+    assert repr(cfg.learner.reward) == "'binary'" and {"binary": 1}[cfg.learner.reward] == 1
+    assert "reward: binary" in to_yaml(cfg)
+
+
+@pytest.mark.parametrize("key,kind", choice_fields(), ids=lambda x: x if isinstance(x, str) else "")
+def test_a_value_outside_a_choice_is_refused_in_one_line_naming_key_value_and_the_choices(key, kind):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f"{key}=nonsense"])
+    msg = str(e.value)
+    assert msg.startswith(f"command line: {key}='nonsense' is invalid: use ") and "\n" not in msg, msg
+    assert all(v in msg for v in kind.values() if not (key.startswith("learner.abnormal.") and v == "mask_turn")), msg

@@ -158,6 +158,58 @@ class Config:
     assert stale.returncode == 1 and "stale" in stale.stderr
 
 
+
+def test_config_docs_list_the_values_of_a_choice_and_the_rule_of_a_field(tmp_path):
+    """A config choice is a subclass of an Enum subclass (``class Reward(Choice)``); its values are
+    listed, and a field's rule text (``field(metadata=rule(...))``) is shown beside it."""
+    pkg = tmp_path / "t1async" / "config"
+    pkg.mkdir(parents=True)
+    (pkg / "rules.py").write_text('''
+import enum
+
+class Choice(str, enum.Enum):
+    """Base of the choices."""
+    __str__ = str.__str__
+''')
+    (pkg / "__init__.py").write_text('''
+from dataclasses import dataclass, field
+from .rules import Choice, choice, rule
+
+class Reward(Choice):
+    """Episode reward."""
+    dense = "dense"
+    """Tests passed"""
+    binary = "binary"
+
+_ONE_UP = rule(lambda v: v >= 1, "an integer >= 1")
+
+@dataclass
+class LearnerConfig:
+    reward: Reward = field(default=Reward.binary, metadata=choice(Reward, "'dense' or 'binary'"))
+    """The reward."""
+    steps: int = field(default=3, metadata=rule(lambda v: v >= 0, "an integer >= 0 (0: ``forever``)"))
+    """Steps."""
+    batch: int = field(default=2, metadata=_ONE_UP)
+    """Batch."""
+
+@dataclass
+class Config:
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+''')
+    page = gen_config_docs.generate(tmp_path)
+    assert "- `learner.reward` (`Reward`, default `binary`): The reward.\n" \
+           "  Values (`Reward`): `dense` (Tests passed), `binary`." in page
+    assert "- `learner.steps` (`int`, default `3`): Steps.\n  Valid: an integer >= 0 (0: `forever`)." in page
+    assert "- `learner.batch` (`int`, default `2`): Batch.\n  Valid: an integer >= 1." in page
+
+
+def test_the_configuration_page_lists_the_values_of_each_choice():
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    assert "- `learner.reward` (`Reward`, default `dense`)" in page
+    assert "  Values (`Reward`): `dense` (The number of verifier tests passed), `binary` (1 when resolved, else 0)." in page
+    assert "  Values (`Sandbox`): `local` " in page and "  Valid: an integer >= 1 (episodes per drawn task)." in page
+
+
 # ------------------------------------------------------------------ metrics.jsonl keys
 
 # Keys only the learner's metrics rows hold: a dict literal with one of them is a metrics row (or

@@ -7,7 +7,10 @@ What it reads:
   (a field whose type is another dataclass is a sub-section: ``learner.abnormal``);
 - each field's annotation, default (``field(default_factory=X)`` shown as what it builds) and the
   attribute docstring on the line(s) under it;
-- ``enum.Enum`` classes defined in those files: a field typed with one lists its values.
+- ``enum.Enum`` classes defined in those files (and their subclasses, such as the config's
+  ``Choice``): a field typed with one lists its values;
+- a field's rule, ``field(metadata=rule(ok, "what is valid"))`` or ``choice(Enum, "...")``
+  (t1async/config/rules.py): its text is shown as ``Valid: ...``.
 
 Usage::
 
@@ -37,6 +40,7 @@ class Field:
     default: str | None
     doc: str
     type_names: set[str]
+    valid: str = ""  # the text of the field's rule: what a valid value is
 
 
 @dataclass
@@ -125,37 +129,62 @@ def _default(value: ast.expr | None, src: str) -> str | None:
     return _source(value, src)
 
 
+def _valid(value: ast.expr | None, module_names: dict[str, ast.expr]) -> str:
+    """The text of a field's rule: the last string argument of ``rule(...)`` / ``choice(...)`` in
+    ``field(metadata=...)``, the metadata given inline or by a module-level name ('' if none)."""
+    if not (isinstance(value, ast.Call) and isinstance(value.func, (ast.Name, ast.Attribute))):
+        return ""
+    meta = next((k.value for k in value.keywords if k.arg == "metadata"), None)
+    if isinstance(meta, ast.Name):
+        meta = module_names.get(meta.id)
+    if isinstance(meta, ast.Call) and meta.args:
+        last = meta.args[-1]
+        if isinstance(last, ast.Constant) and isinstance(last.value, str):
+            return last.value
+    return ""
+
+
 def parse(files: list[Path]) -> tuple[dict[str, Section], dict[str, EnumClass]]:
     """Every dataclass section and every Enum class of ``files``, by class name, in source order."""
     sections: dict[str, Section] = {}
     enums: dict[str, EnumClass] = {}
+    classes: list[tuple[ast.ClassDef, str, dict[str, ast.expr]]] = []
     for path in files:
         src = path.read_text()
         tree = ast.parse(src, filename=str(path))
-        for node in ast.walk(tree):
-            if not isinstance(node, ast.ClassDef):
-                continue
-            doc = inspect.cleandoc(ast.get_docstring(node, clean=False) or "")
-            bases = _base_names(node)
-            if ENUM_BASES & set(bases):
-                members = []
-                for i, stmt in enumerate(node.body):
-                    target = stmt.targets[0] if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 else None
-                    if isinstance(target, ast.Name) and not target.id.startswith("_"):
-                        v = stmt.value
-                        shown = v.value if isinstance(v, ast.Constant) else _source(v, src)
-                        members.append((stmt.targets[0].id, str(shown), _docstring_after(node.body, i)))
-                enums[node.name] = EnumClass(node.name, doc, members)
-            elif _is_dataclass(node):
-                sec = Section(node.name, doc, bases)
-                for i, stmt in enumerate(node.body):
-                    if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
-                        ann, names = _annotation(stmt.annotation, src)
-                        if "ClassVar" in names:
-                            continue
-                        sec.fields.append(Field(stmt.target.id, ann, _default(stmt.value, src),
-                                                _docstring_after(node.body, i), names))
-                sections[node.name] = sec
+        names = {t.id: stmt.value for stmt in tree.body if isinstance(stmt, ast.Assign)
+                 for t in stmt.targets if isinstance(t, ast.Name)}
+        classes += [(node, src, names) for node in ast.walk(tree) if isinstance(node, ast.ClassDef)]
+    enum_names = set(ENUM_BASES)
+    grew = True
+    while grew:  # an Enum's subclass is an Enum too (``class Reward(Choice)``, ``class Choice(str, Enum)``)
+        grew = False
+        for node, _, _ in classes:
+            if node.name not in enum_names and enum_names & set(_base_names(node)):
+                enum_names.add(node.name)
+                grew = True
+    for node, src, module_names in classes:
+        doc = inspect.cleandoc(ast.get_docstring(node, clean=False) or "")
+        bases = _base_names(node)
+        if enum_names & set(bases):
+            members = []
+            for i, stmt in enumerate(node.body):
+                target = stmt.targets[0] if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 else None
+                if isinstance(target, ast.Name) and not target.id.startswith("_"):
+                    v = stmt.value
+                    shown = v.value if isinstance(v, ast.Constant) else _source(v, src)
+                    members.append((stmt.targets[0].id, str(shown), _docstring_after(node.body, i)))
+            enums[node.name] = EnumClass(node.name, doc, members)
+        elif _is_dataclass(node):
+            sec = Section(node.name, doc, bases)
+            for i, stmt in enumerate(node.body):
+                if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+                    ann, names = _annotation(stmt.annotation, src)
+                    if "ClassVar" in names:
+                        continue
+                    sec.fields.append(Field(stmt.target.id, ann, _default(stmt.value, src),
+                                            _docstring_after(node.body, i), names, _valid(stmt.value, module_names)))
+            sections[node.name] = sec
     return sections, enums
 
 
@@ -248,6 +277,8 @@ def render(sections: dict[str, Section], enums: dict[str, EnumClass], sources: l
             head = f"- `{prefix}.{f.name}` (`{f.annotation}`, default `{_default_shown(f.default, enums)}`)"
             body = _paragraphs(_md(f.doc)) if f.doc else "(no docstring)"
             lines.append(f"{head}: {body}".replace("\n\n", "\n\n  ").replace("\n- ", "\n  - "))
+            if f.valid and not any(n in enums for n in f.type_names):  # (an Enum field lists its values below)
+                lines.append(f"  Valid: {_md(f.valid)}.")
             for e in (enums[n] for n in sorted(f.type_names) if n in enums):
                 values = ", ".join(f"`{v}`" + (f" ({_md(d).splitlines()[0]})" if d else "") for _, v, d in e.members)
                 lines.append(f"  Values (`{e.name}`): {values}.")

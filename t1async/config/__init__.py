@@ -6,8 +6,13 @@ the wrong type is refused with :class:`ConfigError` naming the key and where it 
 Each component receives only its own section (``cfg.learner`` for the learner, and so on).
 
 The sections live by stage in t1async/config/run.py, rollout.py and learner.py (each a dataclass
-with a docstring under every field); this module holds the whole :class:`Config`, the loading and
-the checks, and re-exports every section.
+with a docstring under every field). Each validates itself: the rule of a field is declared beside
+it and the section's ``check`` applies them (t1async/config/rules.py); a choice is a ``str`` Enum
+(:class:`~t1async.config.rules.Choice`) whose values can be listed. This module holds the whole
+:class:`Config`, the loading, the rules that relate fields of two sections (``_CROSS_RULES``) and
+the learner's own refusals (:func:`check_trainable`), and re-exports every section and choice.
+The checks of what a config points at (files, ports, tasks) are launch's pre-flight
+(t1async/service/preflight.py).
 
 Source of the merge semantics: OmegaConf 2.x structured configs
 (https://omegaconf.readthedocs.io/en/latest/structured_config.html).
@@ -15,54 +20,110 @@ Source of the merge semantics: OmegaConf 2.x structured configs
 
 from __future__ import annotations
 
-import re
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from t1async.config.errors import ConfigError
 from t1async.config.learner import (
     ADVANTAGE_NAMES,
     POLICY_LOSS_NAMES,
+    AbnormalAction,
     AbnormalConfig,
+    Advantage,
+    Dispatcher,
+    LearnerBackend,
     LearnerConfig,
     MegatronConfig,
     MismatchConfig,
+    PolicyLoss,
+    Reward,
     SftConfig,
+    TrainDtype,
 )
-from t1async.config.rollout import ContainerConfig, EnvConfig, GenerationConfig, RolloutConfig, SamplerConfig
-from t1async.config.run import ModelConfig, RayConfig, RunConfig, TransportConfig, WeightSyncConfig
+from t1async.config.rollout import (
+    ActionFormat,
+    Admission,
+    Agent,
+    ContainerConfig,
+    EnvConfig,
+    GenerationConfig,
+    HistoryBreak,
+    Network,
+    RolloutConfig,
+    SamplerBackend,
+    SamplerConfig,
+    SamplerDtype,
+    Sandbox,
+)
+from t1async.config.rules import Choice, FieldError, Section, field_rule
+from t1async.config.run import (
+    LogFsync,
+    ModelConfig,
+    PauseMode,
+    RayConfig,
+    RunConfig,
+    Scheme,
+    TransportConfig,
+    WeightSyncBackend,
+    WeightSyncConfig,
+    WeightSyncMode,
+)
 
 __all__ = [
     "ADVANTAGE_NAMES",
+    "AbnormalAction",
     "AbnormalConfig",
+    "ActionFormat",
+    "Admission",
+    "Advantage",
+    "Agent",
+    "Choice",
     "Config",
     "ConfigError",
     "ContainerConfig",
+    "Dispatcher",
     "EnvConfig",
+    "FieldError",
     "GenerationConfig",
+    "HistoryBreak",
+    "LearnerBackend",
     "LearnerConfig",
+    "LogFsync",
     "MegatronConfig",
     "MismatchConfig",
     "ModelConfig",
+    "Network",
     "POLICY_LOSS_NAMES",
+    "PauseMode",
+    "PolicyLoss",
     "RayConfig",
+    "Reward",
     "RolloutConfig",
     "RunConfig",
+    "SamplerBackend",
     "SamplerConfig",
+    "SamplerDtype",
+    "Sandbox",
+    "Scheme",
+    "Section",
     "SftConfig",
+    "TrainDtype",
     "TransportConfig",
+    "WeightSyncBackend",
     "WeightSyncConfig",
+    "WeightSyncMode",
     "check_trainable",
     "check_values",
     "divisors",
+    "from_node",
     "load_config",
+    "sections",
     "tensor_parallel_choices",
     "tensor_parallel_sizes",
     "to_yaml",
 ]
-
-
 
 
 @dataclass
@@ -100,7 +161,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
             wrong type; the message names the key and the file (or "command line").
     """
     from omegaconf import DictConfig, OmegaConf  # (omegaconf: deferred, so the dataclasses import without it, e.g. on a GPU box)
-    from omegaconf.errors import ConfigKeyError, OmegaConfBaseException  # (omegaconf: as above)
+    from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError  # (omegaconf: as above)
 
     base = OmegaConf.structured(Config)
     layers = []
@@ -126,13 +187,55 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
             merged = OmegaConf.merge(merged, layer)
         except OmegaConfBaseException as e:
             key = getattr(e, "full_key", None) or "?"
+            bad_choice = _choice_refusal(key, getattr(e, "value", None)) if isinstance(e, ValidationError) else None
+            if bad_choice is not None:  # a value outside a Choice field's Enum: the field's own rule text
+                raise bad_choice.at(source) from None
             reason = str(e).splitlines()[0]
             hint = _valid_keys_hint(key) if isinstance(e, ConfigKeyError) else ""
             what = "bad key" if isinstance(e, ConfigKeyError) else "bad value of"  # unknown key, or a wrong type
             raise ConfigError(f"{source}: {what} {key!r}: {reason}{hint}") from None
-    cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
-    check_values(cfg, source=" / ".join(s for s, _ in layers) or "defaults")
+    return from_node(merged, source=" / ".join(s for s, _ in layers) or "defaults")
+
+
+def from_node(node: Any, source: str = "config") -> Config:
+    """The :class:`Config` a merged OmegaConf node describes, its values checked (:func:`check_values`).
+
+    Args:
+        node: a structured ``DictConfig`` of :class:`Config` (``OmegaConf.merge`` of the layers).
+        source: where the values came from, for the message (``command line``, ``scale``).
+
+    Raises:
+        ConfigError: as :func:`check_values`.
+    """
+    from omegaconf import OmegaConf  # (omegaconf: deferred, as in load_config)
+
+    cfg: Config = OmegaConf.to_object(node)  # type: ignore[assignment]
+    check_values(cfg, source)
     return cfg
+
+
+def _choice_refusal(key: str, value: Any) -> FieldError | None:
+    """The refusal of a scalar ``value`` OmegaConf would not convert for the :class:`Choice` field
+    ``key``, worded by that field's rule (as a refused value of any field is); None when ``key``
+    is not a Choice field."""
+    f = _field(key)
+    r = field_rule(f) if f is not None else None
+    if r is None or not isinstance(f.default, Choice) or not isinstance(value, (str, int, float, bool)):
+        return None  # (a list, a mapping or null: OmegaConf's own words say more)
+    return FieldError(key, str(value), r.valid)  # (a str field would have held str(value) and refused it)
+
+
+def _field(key: str) -> dataclasses.Field | None:
+    """The dataclass field dotted ``key`` names in :class:`Config`, or None."""
+    node: Any = Config
+    f = None
+    for part in key.split("."):
+        fields = {x.name: x for x in dataclasses.fields(node)} if dataclasses.is_dataclass(node) else {}
+        f = fields.get(part)
+        if f is None:
+            return None
+        node = f.default_factory if f.default_factory is not dataclasses.MISSING else None
+    return f
 
 
 def _load_yaml(p: Path) -> Any:
@@ -168,116 +271,6 @@ def _load_yaml(p: Path) -> Any:
     except OmegaConfBaseException as e:
         raise ConfigError(f"config file {p}: {str(e).splitlines()[0]}") from None
 
-
-# (dotted key, predicate, what a valid value is): checked after merging, so a value that would
-# make the run hang or do nothing is refused up front.
-_VALUE_RULES: list[tuple[str, Any, str]] = [
-    ("learner.max_steps", lambda v: v >= 0, "an integer >= 0 (0: run until stopped)"),
-    ("learner.batch_size", lambda v: v >= 1, "an integer >= 1"),
-    ("learner.publish_every", lambda v: v >= 1, "an integer >= 1"),
-    ("learner.max_staleness", lambda v: v >= 0, "an integer >= 0"),
-    ("learner.ppo_epochs", lambda v: v >= 1, "an integer >= 1"),
-    ("learner.critic_warmup_steps", lambda v: v >= 0, "an integer >= 0"),
-    ("learner.lr_warmup_steps", lambda v: v >= 0, "an integer >= 0 (0: none)"),
-    ("learner.kl_coef", lambda v: v >= 0, "a float >= 0 (0: no KL penalty)"),
-    ("learner.reward", lambda v: v in ("dense", "binary"), "'dense' (tests passed) or 'binary' (resolved)"),
-    ("run.log_retention", lambda v: v >= 1, "an integer >= 1"),
-    ("learner.episodes_per_step", lambda v: v >= 0, "an integer >= 0 (0: no transcripts)"),
-    ("run.learner_restarts", lambda v: v >= 0, "an integer >= 0 (0: never restart)"),
-    ("run.sampler_restarts", lambda v: v >= 0, "an integer >= 0 (0: never restart)"),
-    ("learner.keep_checkpoints", lambda v: v >= 1, "an integer >= 1 (the newest is needed to resume)"),
-    ("learner.keep_every", lambda v: v >= 0, "an integer >= 0 (0: keep no older history)"),
-    ("learner.checkpoint_every", lambda v: v >= 0, "an integer >= 0 (0: final checkpoint only)"),
-    ("learner.lr", lambda v: v > 0, "a positive float"),
-    ("learner.is_cap", lambda v: v >= 1, "a float >= 1"),
-    ("learner.clip_eps", lambda v: 0 < v < 1, "a float in (0, 1)"),
-    ("learner.gamma", lambda v: 0 <= v <= 1, "a float in [0, 1]"),
-    ("learner.lam", lambda v: 0 <= v <= 1, "a float in [0, 1]"),
-    ("learner.batch_timeout_s", lambda v: v > 0, "a positive number of seconds (the longest wait for a batch)"),
-    ("rollout.num_actors", lambda v: v >= 1, "an integer >= 1 (scale live through the controller)"),
-    ("rollout.group_size", lambda v: v >= 1, "an integer >= 1 (episodes per drawn task)"),
-    ("learner.advantage", lambda v: v in ADVANTAGE_NAMES, "'gae' (the critic), 'group' (leave-one-out over a task's episodes)"
-     " or 'grpo' (group mean and standard deviation)"),
-    ("learner.policy_loss", lambda v: v in POLICY_LOSS_NAMES, "'ppo' (decoupled PPO with a truncated importance weight)"),
-    ("learner.group_window_steps", lambda v: v >= 0, "an integer >= 0"),
-    ("learner.negative_advantage_weight", lambda v: 0 <= v <= 1, "a number in [0, 1]"),
-    ("rollout.admission", lambda v: v in ("oldest_episode", "learner_version", "learner_wait"),
-     "'oldest_episode' (actors wait for slow episodes), 'learner_version' (AReaL's rule: drops what gets too"
-     " stale) or 'learner_wait' (actors run ahead, the learner waits for slow episodes)"),
-    ("rollout.agent", lambda v: v in ("builtin", "external"),
-     "'builtin' (the rollout loop) or 'external' (rollout.agent_command through the OpenAI-compatible endpoint)"),
-    ("rollout.history_break", lambda v: v in ("split", "drop"), "'split' (exact segments) or 'drop' (the episode)"),
-    ("sampler.num_samplers", lambda v: v >= 1, "an integer >= 1"),
-    ("env.max_turns", lambda v: v >= 1, "an integer >= 1"),
-    ("env.max_context_tokens", lambda v: v >= 0, "an integer >= 0 (0: model.max_position_embeddings)"),
-    ("learner.micro_batch_tokens", lambda v: v >= 0, "an integer >= 0 (0: one trajectory per micro-batch)"),
-    ("learner.max_tokens_per_chunk", lambda v: v >= 0, "an integer >= 0 (0: never chunk)"),
-    ("env.network", lambda v: v in ("task", "harness", "on", "off"),
-     "'task' (the task's allow_internet), 'harness' (TB1 on, TB2 allow_internet), 'on' or 'off'"),
-    ("env.action_format", lambda v: v in ("command", "tool_call"),
-     "'command' (the message is the shell command) or 'tool_call' (Qwen3 tool calls of a bash tool)"),
-    ("generation.max_new_tokens", lambda v: v >= 1, "an integer >= 1"),
-    ("generation.temperature", lambda v: v >= 0, "a float >= 0 (0: greedy)"),
-    ("generation.top_p", lambda v: 0 < v <= 1, "a float in (0, 1]"),
-    ("generation.top_k", lambda v: v == -1 or v >= 1, "-1 (keep all) or an integer >= 1"),
-    ("transport.scheme", lambda v: v in ("tcp", "ipc"), "'tcp' (between machines) or 'ipc' (one machine)"),
-    ("transport.port", lambda v: 0 <= v <= 65535, "a TCP port in [0, 65535] (0: any free port)"),
-    ("transport.rcvhwm", lambda v: v >= 1, "an integer >= 1"),
-    ("transport.sndhwm", lambda v: v >= 1, "an integer >= 1"),
-    ("transport.log_group_messages", lambda v: v >= 1, "an integer >= 1 (1: a receive-log flush per trajectory)"),
-    ("transport.recv_queue_messages", lambda v: v >= 0, "an integer >= 0 (0: 4 x batch size, at least 8)"),
-    ("transport.recv_queue_bytes", lambda v: v >= 1, "a positive number of bytes"),
-    ("transport.window_messages", lambda v: v >= 1, "an integer >= 1"),
-    ("transport.window_bytes", lambda v: v >= 1, "a positive number of bytes"),
-    ("transport.spool_max_messages", lambda v: v >= 1, "an integer >= 1"),
-    ("transport.spool_max_bytes", lambda v: v >= 1, "a positive number of bytes"),
-    ("transport.send_timeout_s", lambda v: v > 0, "a positive number of seconds"),
-    ("transport.ack_timeout_s", lambda v: v > 0, "a positive number of seconds"),
-    ("transport.log_fsync", lambda v: v in ("always", "never"), "'always' or 'never'"),
-    ("transport.max_message_bytes", lambda v: v >= 1, "a positive number of bytes"),
-    ("transport.quarantine_prefix_bytes", lambda v: v >= 0, "a number of bytes >= 0"),
-    ("transport.quarantine_max_bytes", lambda v: v >= 0, "a number of bytes >= 0 (0: keep none)"),
-    ("transport.quarantine_max_files", lambda v: v >= 0, "an integer >= 0 (0: keep none)"),
-    ("sampler.backend", lambda v: v in ("embedded", "sglang"), "'embedded' or 'sglang'"),
-    ("sampler.tp_size", lambda v: v >= 1, "an integer >= 1"),
-    ("sampler.start_timeout_s", lambda v: v > 0, "a positive number of seconds"),
-    ("sampler.dtype", lambda v: v in ("float32", "bfloat16", "float16"), "float32, bfloat16 or float16"),
-    ("weight_sync.mode", lambda v: v in ("distributed", "tensor"),
-     "'distributed' (a broadcast group, samplers anywhere) or 'tensor' (CUDA IPC / shared memory, samplers on this machine)"),
-    ("weight_sync.backend", lambda v: v in ("gloo", "nccl"), "'gloo' (CPU) or 'nccl' (GPUs)"),
-    ("weight_sync.timeout_s", lambda v: v > 0, "a positive number of seconds"),
-    ("weight_sync.bucket_mb", lambda v: v > 0, "a positive number of MiB"),
-    ("weight_sync.pause_mode", lambda v: v == "abort", "'abort' (see WeightSyncConfig.pause_mode)"),
-    ("mismatch.learner_dtype", lambda v: v in ("float32", "bfloat16"), "float32 or bfloat16"),
-    ("mismatch.episodes", lambda v: v >= 1, "an integer >= 1"),
-    ("model.num_experts", lambda v: v >= 1, "an integer >= 1"),
-    ("sft.steps", lambda v: v >= 1, "an integer >= 1"),
-    ("sft.batch_size", lambda v: v >= 1, "an integer >= 1"),
-    ("sft.lr", lambda v: v > 0, "a positive float"),
-    ("sft.warmup_steps", lambda v: v >= 0, "an integer >= 0"),
-    ("sft.max_demos", lambda v: v >= 0, "an integer >= 0 (0: all)"),
-    ("sft.log_every", lambda v: v >= 1, "an integer >= 1"),
-    ("sft.build_concurrency", lambda v: v >= 1, "an integer >= 1"),
-    ("sft.early_stop_frac", lambda v: 0 <= v < 1, "a float in [0, 1)"),
-    ("model.num_hidden_layers", lambda v: v >= 1, "an integer >= 1"),
-    ("learner.backend", lambda v: v in ("torch", "megatron"),
-     "'torch' (plain PyTorch) or 'megatron' (megatron-core; pip install 't1async[megatron]')"),
-    ("learner.megatron.tensor_parallel", lambda v: v >= 1,
-     "an integer >= 1 that divides the attention heads, key/value heads, vocabulary and moe_intermediate_size"),
-    ("learner.megatron.pipeline_parallel", lambda v: v >= 1, "an integer >= 1 that divides model.num_hidden_layers"),
-    ("learner.megatron.expert_parallel", lambda v: v >= 1, "an integer >= 1 that divides model.num_experts"),
-    ("learner.megatron.timeout_s", lambda v: v > 0, "a positive number of seconds"),
-    ("learner.megatron.dispatcher", lambda v: v in ("auto", "allgather", "alltoall"),
-     "'auto', 'allgather' or 'alltoall' (CUDA only)"),
-    ("learner.megatron.dtype", lambda v: v in ("float32", "bfloat16"), "float32 or bfloat16"),
-    ("learner.megatron.device", lambda v: v in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", v) is not None,
-     "'auto', 'cpu', 'cuda' or 'cuda:K'"),
-    *[(f"learner.abnormal.{kind}", lambda v: v in ("train", "mask_turn", "drop"), "'train', 'mask_turn' or 'drop'")
-      for kind in ("length_cut", "aborted", "command_timeout", "sandbox_refused", "tool_call_error")],
-    *[(f"learner.abnormal.{kind}", lambda v: v in ("train", "drop"),
-       "'train' or 'drop' (an episode-level end has no one turn to mask)")
-      for kind in ("context_full", "episode_timeout")],
-]
 
 def tensor_parallel_sizes(m: ModelConfig) -> dict[str, int]:
     """The sizes ``learner.megatron.tensor_parallel`` must divide: Megatron splits the heads and
@@ -326,21 +319,32 @@ _CROSS_RULES: list[tuple[Any, str, Any]] = [
 ]
 
 
+def sections(cfg: Any, prefix: str = "") -> Iterator[tuple[str, Section]]:
+    """Every section of ``cfg`` (a :class:`Config`, or a section) below it, with its dotted key,
+    depth first in field order: ``("run", cfg.run)``, ..., ``("learner.abnormal", ...)``, ..."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if isinstance(value, Section):
+            key = f"{prefix}{f.name}"
+            yield key, value
+            yield from sections(value, f"{key}.")
+
+
 def check_values(cfg: Config, source: str = "config") -> None:
-    """Refuse values that are well typed but meaningless (a run of -1 steps, zero rollout actors).
+    """Refuse values that are well typed but meaningless (a run of -1 steps, zero rollout actors):
+    each section's own rules (:meth:`~t1async.config.rules.Section.check`), then ``_CROSS_RULES``.
 
     Raises:
         ConfigError: naming the key, the value, what is valid, and where the config came from.
     """
-    for key, ok, valid in _VALUE_RULES:
-        value: Any = cfg
-        for name in key.split("."):
-            value = getattr(value, name)
-        if not ok(value):
-            raise ConfigError(f"{source}: {key}={value!r} is invalid: use {valid}")
+    for key, section in sections(cfg):
+        try:
+            section.check(key)
+        except FieldError as e:
+            raise e.at(source) from None
     for ok, key, valid in _CROSS_RULES:
         if not ok(cfg):
-            value = cfg
+            value: Any = cfg
             for name in key.split("."):
                 value = getattr(value, name)
             raise ConfigError(f"{source}: {key}={value!r} is invalid: it must be "

@@ -4,23 +4,104 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from t1async.config.rules import Choice, Section, choice, rule
+
+
+class SamplerBackend(Choice):
+    """``sampler.backend``: what serves the policy's tokens."""
+
+    embedded = "embedded"
+    """PyTorch engines in Ray actors, speaking SGLang's HTTP protocol"""
+    sglang = "sglang"
+    """``sglang.launch_server`` processes (started by launch, or running at ``sampler.urls``)"""
+
+
+class SamplerDtype(Choice):
+    """``sampler.dtype``: weights/activation dtype of the embedded engine."""
+
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class Sandbox(Choice):
+    """``env.sandbox``: the sandbox backend (the keys of ``t1async.envs.sandboxes.sandbox.SANDBOXES``)."""
+
+    local = "local"
+    """bubblewrap on this machine"""
+    container = "container"
+    """podman/docker, the task's own Dockerfile"""
+    modal = "modal"
+    """Modal cloud; needs credentials"""
+
+
+class Network(Choice):
+    """``env.network``: network of the sandboxes."""
+
+    task = "task"
+    """Only where the task allows it (TB2 ``allow_internet``; TB1 none)"""
+    harness = "harness"
+    """As the benchmark's harness does (TB1 on, TB2 per ``allow_internet``)"""
+    on = "on"
+    """Always"""
+    off = "off"
+    """Never"""
+
+
+class ActionFormat(Choice):
+    """``env.action_format``: how the policy acts (t1async/rollout/actions.py)."""
+
+    command = "command"
+    """The assistant message is the shell command"""
+    tool_call = "tool_call"
+    """Qwen3 tool calls of a declared ``bash`` tool"""
+
+
+class Admission(Choice):
+    """``rollout.admission``: the admission rule (see ``RolloutConfig.admission``)."""
+
+    oldest_episode = "oldest_episode"
+    """Actors wait for slow episodes"""
+    learner_version = "learner_version"
+    """AReaL's rule: drops what gets too stale"""
+    learner_wait = "learner_wait"
+    """Actors run ahead, the learner waits for slow episodes"""
+
+
+class Agent(Choice):
+    """``rollout.agent``: who drives an episode."""
+
+    builtin = "builtin"
+    """The rollout loop"""
+    external = "external"
+    """``rollout.agent_command`` through the OpenAI-compatible endpoint"""
+
+
+class HistoryBreak(Choice):
+    """``rollout.history_break``: what an external agent's broken history does."""
+
+    split = "split"
+    """Each exact segment becomes its own trajectory"""
+    drop = "drop"
+    """The episode is not trained"""
+
 
 @dataclass
-class SamplerConfig:
+class SamplerConfig(Section):
     """Samplers: embedded PyTorch engines speaking SGLang's HTTP protocol (or SGLang servers)."""
 
-    backend: str = "embedded"
+    backend: SamplerBackend = field(default=SamplerBackend.embedded, metadata=choice(SamplerBackend, "'embedded' or 'sglang'"))
     """``embedded`` (PyTorch engine in a Ray actor) or ``sglang`` (``sglang.launch_server`` processes
     started by launch, or the running servers in ``urls``; t1async/sampling/sglang_server.py). Also
     picks which distribution the learner scores tokens under, the one the backend reports (see
     ``generation.top_k``)."""
-    num_samplers: int = 1
+    num_samplers: int = field(default=1, metadata=rule(lambda v: v >= 1, "an integer >= 1"))
     """Samplers to start (M; ignored when ``urls`` is set)."""
     urls: list[str] = field(default_factory=list)
     """Base URLs of running SGLang servers to attach to (backend ``sglang`` only)."""
     host: str = "127.0.0.1"
     """Interface the embedded HTTP servers listen on."""
-    dtype: str = "float32"
+    dtype: SamplerDtype = field(default=SamplerDtype.float32, metadata=choice(SamplerDtype, "float32, bfloat16 or float16"))
     """Weights/activation dtype of the embedded engine: float32 or bfloat16."""
     prefix_cache: int = 32
     """Sequences whose KV cache and routing rows the embedded engine keeps for reuse by the
@@ -37,27 +118,27 @@ class SamplerConfig:
     model_path: str = ""
     """Backend ``sglang``, started servers: the Hugging Face model folder each server loads (its
     architecture must match ``model``; the learner's first publish replaces its weights)."""
-    tp_size: int = 1
+    tp_size: int = field(default=1, metadata=rule(lambda v: v >= 1, "an integer >= 1"))
     """Backend ``sglang``, started servers: GPUs (tensor-parallel ranks) per server; server i gets
     GPUs i*tp_size .. (i+1)*tp_size - 1 of the launch machine."""
-    start_timeout_s: float = 900.0
+    start_timeout_s: float = field(default=900.0, metadata=rule(lambda v: v > 0, "a positive number of seconds"))
     """Backend ``sglang``: most seconds to wait for every server's ``GET /health``."""
     extra_args: list[str] = field(default_factory=list)
     """Backend ``sglang``, started servers: more ``sglang.launch_server`` arguments (e.g. ``--mem-fraction-static``)."""
 
 
 @dataclass
-class GenerationConfig:
+class GenerationConfig(Section):
     """Sampling parameters of one assistant turn (SGLang ``sampling_params``)."""
 
-    max_new_tokens: int = 48
+    max_new_tokens: int = field(default=48, metadata=rule(lambda v: v >= 1, "an integer >= 1"))
     """Most tokens sampled in one turn."""
-    temperature: float = 1.0
+    temperature: float = field(default=1.0, metadata=rule(lambda v: v >= 0, "a float >= 0 (0: greedy)"))
     """Softmax temperature; 0 means greedy (``t1async eval`` only: ``launch`` refuses it, since a
     greedy token has no density to train on; see :func:`check_trainable`)."""
-    top_p: float = 1.0
+    top_p: float = field(default=1.0, metadata=rule(lambda v: 0 < v <= 1, "a float in (0, 1]"))
     """Nucleus mass kept (1.0 keeps all)."""
-    top_k: int = -1
+    top_k: int = field(default=-1, metadata=rule(lambda v: v == -1 or v >= 1, "-1 (keep all) or an integer >= 1"))
     """Keep only the k most likely tokens (>= 1; -1 keeps all). The learner scores each sampled
     token as ``sampler.backend`` reports it (t1async/models/logprobs.py ``SamplingSemantics``):
     ``embedded`` renormalised over the top-k / top-p set it drew from, ``sglang`` the tempered
@@ -65,7 +146,7 @@ class GenerationConfig:
 
 
 @dataclass
-class ContainerConfig:
+class ContainerConfig(Section):
     """The ``container`` sandbox backend (``env.sandbox: container``): OCI containers built from
     each task's own Dockerfile by podman or docker (see t1async/envs/sandboxes/container.py)."""
 
@@ -103,19 +184,20 @@ class ContainerConfig:
 
 
 @dataclass
-class EnvConfig:
+class EnvConfig(Section):
     """Terminal environment: where tasks come from and how the sandboxed shell behaves."""
 
     tasks_dir: str = ""
     """Folder of task folders (Terminal-Bench 2 or 1 layout). Empty means the shipped envs/tasks."""
     tasks: list[str] = field(default_factory=list)
     """Names of tasks to use (empty: every task in ``tasks_dir``)."""
-    sandbox: str = "local"
+    sandbox: Sandbox = field(default=Sandbox.local, metadata=choice(
+        Sandbox, "'local' (bubblewrap), 'container' (podman/docker, the task's own Dockerfile) or 'modal' (Modal cloud)"))
     """Sandbox backend: ``local`` (bubblewrap), ``container`` (podman/docker, the task's own
     Dockerfile; see ``env.container``) or ``modal`` (Modal cloud; needs credentials)."""
     container: ContainerConfig = field(default_factory=ContainerConfig)
     """Settings of the ``container`` backend."""
-    max_turns: int = 4
+    max_turns: int = field(default=4, metadata=rule(lambda v: v >= 1, "an integer >= 1"))
     """Assistant turns per episode before it is ended."""
     keep_agent_processes: bool = False
     """Leave the processes the agent started running while the verifier runs, as the
@@ -123,12 +205,14 @@ class EnvConfig:
     the background need it, e.g. TB1 ``mlflow-register``). Off (default, for training): they are
     killed before the verifier, so nothing of the agent's can kill the tests or forge their
     output (reward hacking)."""
-    network: str = "task"
+    network: Network = field(default=Network.task, metadata=choice(
+        Network, "'task' (the task's allow_internet), 'harness' (TB1 on, TB2 allow_internet), 'on' or 'off'"))
     """Network of the sandboxes: ``task`` (default, for training): only where the task allows it
     (TB2 ``[environment] allow_internet``; TB1 tasks declare nothing, so none); ``harness``: as the
     benchmark's harness does (TB1 containers always have network, TB2 per ``allow_internet``;
     ``t1async eval`` uses this unless ``--network`` says otherwise); ``on``; ``off``."""
-    max_context_tokens: int = 0
+    max_context_tokens: int = field(default=0, metadata=rule(
+        lambda v: v >= 0, "an integer >= 0 (0: model.max_position_embeddings)"))
     """Longest episode stream, tokens (0: ``model.max_position_embeddings``; a larger value is
     capped at it). Before each turn the rollout checks that the stream plus
     ``generation.max_new_tokens`` fits; when it would not, the episode ends there with
@@ -158,7 +242,8 @@ class EnvConfig:
         "Reply with `exit` when the task is done."
     )
     """System message that opens every episode (``action_format`` command)."""
-    action_format: str = "command"
+    action_format: ActionFormat = field(default=ActionFormat.command, metadata=choice(
+        ActionFormat, "'command' (the message is the shell command) or 'tool_call' (Qwen3 tool calls of a bash tool)"))
     """How the policy acts (t1async/rollout/actions.py): ``command`` (the assistant message is the shell
     command) or ``tool_call`` (Qwen3 tool calls of a declared ``bash`` tool, results as
     ``<tool_response>`` turns; needs ``model.vocab_size`` >= 4100 for the tool tokens). Rollouts,
@@ -191,20 +276,22 @@ class EnvConfig:
 
 
 @dataclass
-class RolloutConfig:
+class RolloutConfig(Section):
     """Rollout actors: each runs episodes one after another and streams trajectories."""
 
-    num_actors: int = 2
+    num_actors: int = field(default=2, metadata=rule(lambda v: v >= 1, "an integer >= 1 (scale live through the controller)"))
     """Rollout actors to start (N); tunable live through the controller."""
     max_restarts: int = 100
     """Crashed rollout actors the controller replaces before it gives up on the run."""
     crash_after_episodes: int = 0
     """Fault injection for tests: the first rollout actor raises after this many episodes
     (0 = off). Its replacement runs without it."""
-    group_size: int = 1
+    group_size: int = field(default=1, metadata=rule(lambda v: v >= 1, "an integer >= 1 (episodes per drawn task)"))
     """Episodes of each drawn task admitted back to back (G), so the learner can compare them
     (``learner.advantage: group``, as GRPO and RLOO sample G completions per prompt)."""
-    admission: str = "learner_wait"
+    admission: Admission = field(default=Admission.learner_wait, metadata=choice(
+        Admission, "'oldest_episode' (actors wait for slow episodes), 'learner_version' (AReaL's rule: drops what gets too"
+        " stale) or 'learner_wait' (actors run ahead, the learner waits for slow episodes)"))
     """Admission rule (actors/controller.py), each keeping every trajectory trained within
     ``learner.max_staleness`` versions of its sampling: ``learner_wait`` (default) lets a rollout
     start while ``started < (v + max_staleness + 1) x batch_size x publish_every`` with ``v`` the
@@ -215,7 +302,8 @@ class RolloutConfig:
     async``); ``learner_version`` is AReaL's rule alone: the fast run ahead and the learner drops
     a slow episode that became too stale (fastest; slow tasks are trained less often than they
     are started). With ``learner.max_staleness=0`` every rule is synchronous RL."""
-    agent: str = "builtin"
+    agent: Agent = field(default=Agent.builtin, metadata=choice(
+        Agent, "'builtin' (the rollout loop) or 'external' (rollout.agent_command through the OpenAI-compatible endpoint)"))
     """Who drives an episode: ``builtin`` (the rollout loop of t1async/rollout/episode.py) or ``external``
     (the program ``agent_command``, talking to an OpenAI-compatible endpoint that records every
     completion token-exactly; t1async/rollout/openai_endpoint.py, t1async/rollout/agent.py). Needs
@@ -227,7 +315,8 @@ class RolloutConfig:
     set, e.g. ``python tools/example_agent.py``."""
     agent_cwd: str = ""
     """Working folder of the agent program (empty: the folder ``t1async launch`` ran in)."""
-    history_break: str = "split"
+    history_break: HistoryBreak = field(default=HistoryBreak.split, metadata=choice(
+        HistoryBreak, "'split' (exact segments) or 'drop' (the episode)"))
     """``rollout.agent: external``, when the agent re-sends a history that does not continue the
     previous completion (edited, truncated, re-ordered): ``split`` (each exact segment becomes its
     own trajectory with the episode's reward; earlier segments end with ``finish_reason``

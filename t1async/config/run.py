@@ -2,12 +2,57 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
+
+from t1async.config.rules import Choice, Section, choice, rule
+
+
+class Scheme(Choice):
+    """``transport.scheme``: how rollout actors reach the learner's socket."""
+
+    tcp = "tcp"
+    """TCP, between machines"""
+    ipc = "ipc"
+    """A Unix socket, one machine"""
+
+
+class LogFsync(Choice):
+    """``transport.log_fsync``: receive-log durability before an acknowledgement."""
+
+    always = "always"
+    """fsync each record: survives power loss"""
+    never = "never"
+    """Page cache: survives a learner crash or SIGKILL, not the machine"""
+
+
+class WeightSyncMode(Choice):
+    """``weight_sync.mode``: how weights reach the samplers."""
+
+    distributed = "distributed"
+    """A broadcast group, samplers anywhere"""
+    tensor = "tensor"
+    """CUDA IPC / shared memory, samplers on the learner's machine"""
+
+
+class WeightSyncBackend(Choice):
+    """``weight_sync.backend``: torch.distributed backend of the broadcast group."""
+
+    gloo = "gloo"
+    """CPU"""
+    nccl = "nccl"
+    """GPUs"""
+
+
+class PauseMode(Choice):
+    """``weight_sync.pause_mode``: SGLang ``/pause_generation`` mode during an update."""
+
+    abort = "abort"
+    """Running requests end and are sent again after the update"""
 
 
 @dataclass
-class RunConfig:
+class RunConfig(Section):
     """Where the run writes and how it is seeded."""
 
     dir: str = "runs/{now}"
@@ -22,19 +67,19 @@ class RunConfig:
     log and spool are deleted first). Off: such a launch is refused unless ``learner.resume``."""
     log_rotation: str = "50 MB"
     """Each role's log (``logs/NAME.log``) is rotated at this size (loguru ``rotation``)."""
-    log_retention: int = 3
+    log_retention: int = field(default=3, metadata=rule(lambda v: v >= 1, "an integer >= 1"))
     """Rotated files kept per role log (loguru ``retention``, a count)."""
     tensorboard: bool = True
     """Write each learner step's scalars as TensorBoard events to ``tensorboard/`` (tensorboardX)."""
     audit: bool = False
     """Record the id of every trajectory the rollout actors spooled in ``RUN_DIR/audit/`` (one line
     each; ``t1async soak`` turns it into its ledger). Grows with the run: for soaks, not services."""
-    learner_restarts: int = 3
+    learner_restarts: int = field(default=3, metadata=rule(lambda v: v >= 0, "an integer >= 0 (0: never restart)"))
     """Restarts in a row of a learner that died (from its last checkpoint and the receive log, as
     ``learner.resume`` does); a learner that trained a step before dying starts a new row. Restarts
     in a row wait 5, 10, 20, 40, 60, 60 ... s (back-off); beyond this many the run stops with one
     line saying how to resume (0: never restart)."""
-    sampler_restarts: int = 3
+    sampler_restarts: int = field(default=3, metadata=rule(lambda v: v >= 0, "an integer >= 0 (0: never restart)"))
     """Restarts in a row of an embedded sampler that died (its Ray actor died, it failed three
     health checks in a row, or a weight update took it out of service), with the learner's
     back-off (5, 10, 20 ... 60 s); one that served a request before dying starts a new row. Beyond
@@ -42,7 +87,7 @@ class RunConfig:
 
 
 @dataclass
-class RayConfig:
+class RayConfig(Section):
     """How ``launch`` reaches Ray."""
 
     address: Optional[str] = None
@@ -52,7 +97,7 @@ class RayConfig:
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(Section):
     """Policy architecture: Qwen3-MoE, with Hugging Face ``Qwen3MoeConfig`` field names.
 
     Written verbatim (plus ``architectures`` and ``model_type``) as a checkpoint's config.json.
@@ -62,7 +107,7 @@ class ModelConfig:
     """Rows of the embedding and of the LM head; must be >= the tokenizer's vocabulary."""
     hidden_size: int = 128
     """Residual stream width."""
-    num_hidden_layers: int = 4
+    num_hidden_layers: int = field(default=4, metadata=rule(lambda v: v >= 1, "an integer >= 1"))
     """Decoder layers; every layer is an MoE layer (``decoder_sparse_step`` = 1)."""
     num_attention_heads: int = 4
     """Query heads."""
@@ -70,7 +115,7 @@ class ModelConfig:
     """Key/value heads (grouped-query attention); must divide ``num_attention_heads``."""
     head_dim: int = 32
     """Width of one attention head."""
-    num_experts: int = 8
+    num_experts: int = field(default=8, metadata=rule(lambda v: v >= 1, "an integer >= 1"))
     """Routed experts per MoE layer."""
     num_experts_per_tok: int = 2
     """Experts each token is routed to (top-k)."""
@@ -91,7 +136,7 @@ class ModelConfig:
 
 
 @dataclass
-class TransportConfig:
+class TransportConfig(Section):
     """Trajectory transport: ZeroMQ DEALER (rollout actors) -> ROUTER (learner), acknowledged.
 
     Delivery is at least once, de-duplicated by trajectory id (see t1async/transport/transport.py): an actor
@@ -99,55 +144,57 @@ class TransportConfig:
     acknowledges it after appending it to its durable receive log (RUN_DIR/receive_log).
     """
 
-    scheme: str = "tcp"
+    scheme: Scheme = field(default=Scheme.tcp, metadata=choice(Scheme, "'tcp' (between machines) or 'ipc' (one machine)"))
     """``tcp`` (between machines) or ``ipc`` (one machine)."""
     host: str = "127.0.0.1"
     """Interface the learner binds (tcp) and actors connect to."""
-    port: int = 0
+    port: int = field(default=0, metadata=rule(lambda v: 0 <= v <= 65535, "a TCP port in [0, 65535] (0: any free port)"))
     """TCP port the learner binds; 0 picks a free one."""
-    rcvhwm: int = 64
+    rcvhwm: int = field(default=64, metadata=rule(lambda v: v >= 1, "an integer >= 1"))
     """Learner ZeroMQ receive high-water mark, messages (ZeroMQ counts messages, not bytes; the
     byte bound is ``window_bytes`` per actor and ``recv_queue_bytes``)."""
-    sndhwm: int = 8
+    sndhwm: int = field(default=8, metadata=rule(lambda v: v >= 1, "an integer >= 1"))
     """Rollout actor ZeroMQ send high-water mark, messages."""
-    recv_queue_messages: int = 0
+    recv_queue_messages: int = field(default=0, metadata=rule(
+        lambda v: v >= 0, "an integer >= 0 (0: 4 x batch size, at least 8)"))
     """Decoded trajectories the learner holds in memory waiting for a batch (0: 4 x batch size,
     at least 8). When full, the learner stops reading the socket (backpressure)."""
-    recv_queue_bytes: int = 2 << 30
+    recv_queue_bytes: int = field(default=2 << 30, metadata=rule(lambda v: v >= 1, "a positive number of bytes"))
     """Bytes of decoded trajectories the learner holds in memory (one larger trajectory is still
     admitted into an empty queue)."""
-    window_messages: int = 64
+    window_messages: int = field(default=64, metadata=rule(lambda v: v >= 1, "an integer >= 1"))
     """Trajectories one actor has sent and not yet had acknowledged (in flight)."""
-    window_bytes: int = 256 << 20
+    window_bytes: int = field(default=256 << 20, metadata=rule(lambda v: v >= 1, "a positive number of bytes"))
     """Bytes one actor has in flight; more waits in its on-disk spool."""
     spool_dir: str = ""
     """Folder of the actors' on-disk spools of unacknowledged trajectories. Empty: launch uses
     RUN_DIR/spool; an actor built without one uses a private temporary folder. A new actor
     adopts (and resends) the spool of an actor that died."""
-    spool_max_bytes: int = 4 << 30
+    spool_max_bytes: int = field(default=4 << 30, metadata=rule(lambda v: v >= 1, "a positive number of bytes"))
     """Bytes one actor may keep spooled; ``send`` waits (backpressure) while the spool is fuller."""
-    spool_max_messages: int = 256
+    spool_max_messages: int = field(default=256, metadata=rule(lambda v: v >= 1, "an integer >= 1"))
     """Trajectories one actor may keep spooled; ``send`` waits while the spool holds more."""
-    send_timeout_s: float = 3600.0
+    send_timeout_s: float = field(default=3600.0, metadata=rule(lambda v: v > 0, "a positive number of seconds"))
     """Longest ``send`` waits for spool room before it raises TransportError."""
-    ack_timeout_s: float = 300.0
+    ack_timeout_s: float = field(default=300.0, metadata=rule(lambda v: v > 0, "a positive number of seconds"))
     """Resend a trajectory not acknowledged this long after it was sent (reconnects resend at once)."""
-    log_fsync: str = "always"
+    log_fsync: LogFsync = field(default=LogFsync.always, metadata=choice(LogFsync, "'always' or 'never'"))
     """Receive-log durability before an acknowledgement: ``always`` (fsync each record: survives
     power loss) or ``never`` (page cache: survives a learner crash or SIGKILL, not the machine)."""
-    log_group_messages: int = 64
+    log_group_messages: int = field(default=64, metadata=rule(
+        lambda v: v >= 1, "an integer >= 1 (1: a receive-log flush per trajectory)"))
     """Most deliveries already waiting on the socket that the learner stores with one flush of
     the receive log before it ACKs any of them (group commit); 1: a flush per trajectory."""
-    max_message_bytes: int = 4 << 30
+    max_message_bytes: int = field(default=4 << 30, metadata=rule(lambda v: v >= 1, "a positive number of bytes"))
     """Largest trajectory frame the learner accepts (ZeroMQ drops the peer's connection beyond)."""
-    quarantine_prefix_bytes: int = 64 << 10
+    quarantine_prefix_bytes: int = field(default=64 << 10, metadata=rule(lambda v: v >= 0, "a number of bytes >= 0"))
     """Bytes of each refused trajectory message kept in RUN_DIR/quarantine (its header and first
     arrays; never the whole message), beside its metadata: reason, error, size, sha256, time
     (t1async/transport/quarantine.py)."""
-    quarantine_max_bytes: int = 64 << 20
+    quarantine_max_bytes: int = field(default=64 << 20, metadata=rule(lambda v: v >= 0, "a number of bytes >= 0 (0: keep none)"))
     """Most bytes RUN_DIR/quarantine keeps of refused messages (prefixes and metadata); beyond it
     the oldest are evicted and counted (``quarantine_evicted``). 0: keep none (still counted)."""
-    quarantine_max_files: int = 1000
+    quarantine_max_files: int = field(default=1000, metadata=rule(lambda v: v >= 0, "an integer >= 0 (0: keep none)"))
     """Most refused messages RUN_DIR/quarantine keeps; beyond it the oldest are evicted and counted."""
     curve: bool = False
     """Authenticate and encrypt with CurveZMQ; keys come from ``keys_dir``."""
@@ -157,10 +204,12 @@ class TransportConfig:
 
 
 @dataclass
-class WeightSyncConfig:
+class WeightSyncConfig(Section):
     """How the learner hands its weights to every sampler (t1async/weights/)."""
 
-    mode: str = "distributed"
+    mode: WeightSyncMode = field(default=WeightSyncMode.distributed, metadata=choice(
+        WeightSyncMode, "'distributed' (a broadcast group, samplers anywhere) or 'tensor' (CUDA IPC / shared memory, "
+        "samplers on this machine)"))
     """``distributed``: SGLang's ``/update_weights_from_distributed``, the learner broadcasts each
     bucket over a torch.distributed group it forms with the samplers (samplers anywhere; on GPUs one
     rank per GPU). ``tensor``: SGLang's ``/update_weights_from_tensor``, for samplers on the
@@ -168,24 +217,26 @@ class WeightSyncConfig:
     as handles to the learner's memory, CUDA IPC on GPU or named shared memory on CPU, and the
     sampler copies it during the request; no group is formed, so ``backend``, ``master_address``
     and ``master_port`` are unused. Launch refuses ``tensor`` with ``sampler.urls`` on another host."""
-    backend: str = "gloo"
+    backend: WeightSyncBackend = field(default=WeightSyncBackend.gloo, metadata=choice(
+        WeightSyncBackend, "'gloo' (CPU) or 'nccl' (GPUs)"))
     """torch.distributed backend of ``mode: distributed``: ``gloo`` (CPU) or ``nccl`` (GPUs)."""
     master_address: str = "127.0.0.1"
     """Address of the learner's rendezvous TCPStore."""
     master_port: int = 0
     """Port of the rendezvous TCPStore; 0 picks a free one."""
-    timeout_s: float = 120.0
+    timeout_s: float = field(default=120.0, metadata=rule(lambda v: v > 0, "a positive number of seconds"))
     """Timeout of the group's rendezvous, of each broadcast and of each weight-sync HTTP call
     (in ``tensor`` mode: of each call, the receiver's copy of a bucket included), seconds. Both
     ends for embedded samplers (the learner sends it when the group is formed); an SGLang server
     keeps torch's 30-minute group timeout, so the learner stops waiting after this
     long and takes that server out of service (left paused, never serving partial weights)."""
-    bucket_mb: float = 512.0
+    bucket_mb: float = field(default=512.0, metadata=rule(lambda v: v > 0, "a positive number of MiB"))
     """Most MiB sent at once (distributed: SGLang ``load_format: flattened_bucket``, one uint8
     tensor per bucket; tensor: one ``/update_weights_from_tensor`` call per bucket); non-expert
     parameters first, then experts. Each bucket is allocated once more on both ends while it is in
     flight (tensor mode: on the learner's side only when its parameters are not packed)."""
-    pause_mode: str = "abort"
+    pause_mode: PauseMode = field(default=PauseMode.abort, metadata=choice(
+        PauseMode, "'abort' (see WeightSyncConfig.pause_mode)"))
     """``/pause_generation`` mode during an update. Only ``abort``: running requests end and the
     client sends them again after the update (the pinned SGLang reports no per-token weight
     versions, so ``retract``/``in_place`` would label tokens of two versions with one)."""

@@ -33,7 +33,7 @@ from rich.text import Text
 from tensorboardX import SummaryWriter
 
 from t1async.actors import error_line
-from t1async.config import Config, ConfigError, check_values
+from t1async.config import Config, ConfigError, from_node
 from t1async.service.control import LIVE_KEYS, live_change_refusal
 from t1async.service.rundir import append_history
 from t1async.service.sampler_pool import Backoff, SamplerPool
@@ -183,8 +183,7 @@ class Service:
         try:  # the same type and value rules as a config file or a launch override
             merged = OmegaConf.merge(OmegaConf.structured(self.cfg), OmegaConf.from_dotlist(
                 [f"{k}={json.dumps(v)}" for k, v in changes.items()]))
-            new: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
-            check_values(new, source="scale")
+            new: Config = from_node(merged, source="scale")  # each section's rules, then the cross rules
         except ConfigError as e:
             raise ValueError(str(e)) from None
         except Exception as e:  # (omegaconf: a value of the wrong type; name the key and the value given)
