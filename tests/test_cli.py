@@ -115,7 +115,7 @@ def test_a_named_task_is_not_refused_for_a_broken_sibling(tmp_path):
     import shutil
 
     from t1async.config import load_config
-    from t1async.service.launch import check_inputs
+    from t1async.service.preflight import check_inputs
 
     good = sorted(p for p in (REPO / "envs" / "tasks").iterdir() if p.is_dir())[0]
     shutil.copytree(good, tmp_path / good.name)

@@ -36,7 +36,7 @@ def test_resume_into_a_folder_that_holds_no_run_is_refused(capsys, tmp_path):
 
 def test_several_broken_tasks_are_reported_together_each_with_its_reason(tmp_path):
     from t1async.envs.taskio.task import TaskError
-    from t1async.service.launch import check_inputs
+    from t1async.service.preflight import check_inputs
 
     good = sorted(p for p in (REPO / "envs" / "tasks").iterdir() if p.is_dir())[0]
     shutil.copytree(good, tmp_path / good.name)
@@ -69,3 +69,24 @@ def test_a_local_ray_session_folder_is_removed_and_its_logs_kept_in_the_run_dir(
     assert _local_ray_session(run_dir) == session
     (run_dir / "service.json").write_text(f'{{"ray_session": "{session}", "ray_local": false}}')
     assert _local_ray_session(run_dir) is None
+
+
+def test_launch_makes_one_preflight_call_that_checks_the_input_and_creates_nothing(tmp_path, monkeypatch):
+    from t1async.config import ConfigError
+    from t1async.service import launch as launch_module
+    from t1async.service.preflight import preflight
+
+    run_dir = tmp_path / "run"
+    cfg, resolved, names = preflight(LOCAL, [f"run.dir={run_dir}"])
+    assert resolved == run_dir.resolve() and cfg.run.dir == str(run_dir) and names
+    assert not run_dir.exists()  # the run directory is claimed after the pre-flight, under its lock
+    calls = []
+
+    def refuse(path, overrides):
+        calls.append((path, list(overrides)))
+        raise ConfigError("refused by the pre-flight")
+
+    monkeypatch.setattr(launch_module, "preflight", refuse)
+    with pytest.raises(ConfigError, match="refused by the pre-flight"):
+        launch_module.launch(LOCAL, [f"run.dir={run_dir}"])
+    assert calls == [(LOCAL, [f"run.dir={run_dir}"])] and not run_dir.exists()

@@ -62,7 +62,7 @@ def test_learner_in_tensor_mode_publishes_its_packed_policy_to_an_embedded_sampl
 
 
 def test_launch_refuses_tensor_mode_with_samplers_on_another_host():
-    from t1async.service.launch import check_weight_sync_hosts
+    from t1async.service.preflight import check_weight_sync_hosts
 
     remote = ["weight_sync.mode=tensor", "sampler.backend=sglang", "sampler.urls=[http://192.0.2.7:30000]"]
     with pytest.raises(ConfigError) as e:

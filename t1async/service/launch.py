@@ -1,7 +1,7 @@
 """``t1async launch``: the table of contents of the whole system.
 
-    config (+ the run's live-change history on a resume) -> input checks (a resume's run
-           directory, init checkpoint, tokenizer, tasks, sandbox, port, keys) -> run directory
+    pre-flight (t1async/service/preflight.py: config + the run's live-change history on a resume,
+           a resume's run directory, init checkpoint, tokenizer, tasks, sandbox, port, keys) -> run directory
            (locked, never mixed with an earlier run) -> reaper -> Ray
            -> samplers (HTTP, SGLang protocol) -> learner (ZeroMQ ROUTER, weight group, version 0)
            -> controller (admission, supervision, sampler routing) -> rollout actors (episodes -> ZeroMQ
@@ -19,35 +19,29 @@ import copy
 import json
 import os
 import shutil
-import socket
 import sys
 import time
-import urllib.parse
 from pathlib import Path
 from typing import Any
 
 import ray
 from loguru import logger
 
-from t1async import require_extra
 from t1async.actors import error_line
 from t1async.actors.controller import Controller
 from t1async.actors.learner import Learner
-from t1async.actors.rollout import RolloutActor, tasks_dir
+from t1async.actors.rollout import RolloutActor
 from t1async.actors.sampler import EmbeddedSampler
-from t1async.config import Config, ConfigError, RunConfig, check_trainable, load_config, to_yaml
+from t1async.config import Config, ConfigError, RunConfig, to_yaml
 from t1async.envs.sandboxes.container import remove_orphan_containers
 from t1async.envs.sandboxes.limits import unmount_all_under
-from t1async.envs.sandboxes.sandbox import check_sandbox_available
-from t1async.envs.taskio.loading import discover_tasks
-from t1async.models.tokenizer import check_model_vocab
-from t1async.sampling.sglang_server import check_logprob_env, start_servers, stop_servers
+from t1async.sampling.sglang_server import start_servers, stop_servers
 from t1async.service.control import ControlServer
+from t1async.service.preflight import check_tasks, preflight
 from t1async.service.reaper import Reaper, kill_sandboxes_under
-from t1async.service.rundir import RunDirLock, check_resumable, check_reuse, history_overrides, resolve_run_dir
+from t1async.service.rundir import RunDirLock, check_reuse
 from t1async.service.sampler_pool import SamplerPool
 from t1async.service.service import LearnerDied, Service
-from t1async.transport.keys import client_keys, server_keys
 
 ACTOR_MAX_CONCURRENCY = 64  # threads of the controller/learner/sampler actors (acquire() waits block one each)
 
@@ -64,12 +58,7 @@ def launch(config_path: str | None, overrides: list[str] | tuple[str, ...] = ())
         ConfigError, TaskError, SandboxUnavailable, KeysError: bad input, before anything is started
             (a run directory in use or holding an earlier run included).
     """
-    cfg = load_config(config_path, overrides)
-    run_dir = resolve_run_dir(cfg.run.dir)
-    if cfg.learner.resume:  # live changes made to the run before (t1async scale) are kept
-        check_resumable(run_dir)  # (a mistyped run.dir must not start from scratch)
-        cfg = load_config(config_path, [*history_overrides(run_dir), *overrides])
-    task_names = check_inputs(cfg)  # every bad-input error happens here, before any process starts
+    cfg, run_dir, task_names = preflight(config_path, overrides)  # every bad-input error, before any process starts
     cfg.rollout.agent_cwd = cfg.rollout.agent_cwd or os.getcwd()  # an external agent's relative paths
     lock = claim_run_dir(cfg, run_dir)
     if cfg.env.sandbox == "container":  # an earlier launch killed before its reaper could remove them
@@ -185,123 +174,6 @@ def announce_resume(cfg: Config, learner: Any, run_dir: Path) -> None:
     logger.info("resumed from {}: step {}, version {}, {} trajectory ids consumed, {} receive-log records to replay",
                 Path(r["checkpoint"]).name if r["checkpoint"] else "no checkpoint (receive log only)", r["step"],
                 r["version"], r["consumed"], r["to_replay"])
-
-
-def check_inputs(cfg: Config) -> list[str]:
-    """Check that the config can be trained on (:func:`~t1async.config.check_trainable`) and what it
-    points at (tokenizer, tasks, sandbox, CURVE keys); returns the task names.
-
-    Raises:
-        ConfigError, TaskError, SandboxUnavailable, KeysError: with a one-line message.
-    """
-    check_trainable(cfg)
-    check_init_checkpoint(cfg.learner.init_checkpoint)
-    check_model_vocab(cfg.model.vocab_size, cfg.env.action_format)
-    if cfg.rollout.agent == "external":  # the endpoint renders and returns tool calls with the tool-call ids
-        check_model_vocab(cfg.model.vocab_size, "tool_call", "model.vocab_size (rollout.agent=external)")
-        for module in ("fastapi", "uvicorn"):  # the endpoint's extra, before any process starts
-            require_extra(module, "endpoint", "rollout.agent=external")
-    tasks = discover_tasks(tasks_dir(cfg.env), cfg.env.tasks, sandbox=cfg.env.sandbox)
-    check_sandbox_available(cfg.env.sandbox)
-    check_port_free(cfg.transport)
-    if cfg.sampler.backend == "sglang" and not cfg.sampler.urls and not cfg.sampler.model_path:
-        raise ConfigError("sampler.backend=sglang needs sampler.urls (running servers) or sampler.model_path "
-                          "(a Hugging Face model folder for the servers launch starts)")
-    if cfg.sampler.backend == "sglang":
-        check_logprob_env(cfg.generation.temperature)
-    check_weight_sync_hosts(cfg)
-    if cfg.sampler.backend == "sglang" and cfg.weight_sync.mode == "distributed" and cfg.weight_sync.backend != "nccl":
-        logger.warning("sampler.backend=sglang with weight_sync.backend={}: SGLang servers receive on GPUs, "
-                       "use weight_sync.backend=nccl", cfg.weight_sync.backend)
-    if cfg.learner.advantage == "group" and cfg.rollout.group_size < 2:
-        logger.warning("learner.advantage=group with rollout.group_size={}: a task's episodes rarely meet in "
-                       "the learner's window, so most trajectories fall back to GAE (group_baselined_frac in "
-                       "metrics.jsonl); set rollout.group_size=4 or so", cfg.rollout.group_size)
-    if cfg.transport.curve:
-        server_keys(cfg.transport.keys_dir)
-        client_keys(cfg.transport.keys_dir)
-    return [t.name for t in tasks]
-
-
-def check_init_checkpoint(path: str) -> None:
-    """Refuse a ``learner.init_checkpoint`` that is not a checkpoint folder (before Ray starts and
-    before the run directory is created, instead of a Ray traceback from the learner's start).
-
-    Raises:
-        ConfigError: one line: the folder is missing, or lacks ``config.json`` or ``model.safetensors``.
-    """
-    if not path:
-        return
-    folder = Path(path).expanduser()
-    if not folder.is_dir():
-        raise ConfigError(f"learner.init_checkpoint={path}: no such folder; give a checkpoint folder (config.json + "
-                          "model.safetensors, e.g. what t1async sft --out writes) or '' for a random init")
-    missing = [n for n in ("config.json", "model.safetensors") if not (folder / n).is_file()]
-    if missing:
-        raise ConfigError(f"learner.init_checkpoint={path} has no {' or '.join(missing)}: it is not a checkpoint "
-                          "folder (config.json + model.safetensors, e.g. what t1async sft --out writes)")
-
-
-def is_local_host(host: str) -> bool:
-    """Whether ``host`` (a name or an address) is this machine: it resolves to an address a socket
-    here can bind to (loopback included)."""
-    try:
-        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
-    except OSError:
-        return False
-    for family, _, _, _, addr in infos:
-        try:
-            with socket.socket(family, socket.SOCK_STREAM) as s:
-                s.bind((addr[0], 0))
-            return True
-        except OSError:
-            continue
-    return False
-
-
-def check_weight_sync_hosts(cfg: Config) -> None:
-    """``weight_sync.mode=tensor`` hands samplers handles to the learner's memory (CUDA IPC, shared
-    memory), which only a process on the same machine can open: refuse samplers elsewhere.
-
-    Raises:
-        ConfigError: one line naming the sampler URL (or ``sampler.host``) that is not this machine.
-    """
-    if cfg.weight_sync.mode != "tensor":
-        return
-    for url in cfg.sampler.urls:  # set only with sampler.backend=sglang (config refuses it otherwise)
-        host = urllib.parse.urlsplit(url if "://" in url else f"http://{url}").hostname or ""
-        if not is_local_host(host):
-            raise ConfigError(f"weight_sync.mode=tensor needs samplers on this machine (CUDA IPC / shared memory), "
-                              f"but sampler.urls has {url} on host {host!r}; use weight_sync.mode=distributed")
-    if cfg.sampler.backend == "embedded" and not is_local_host(cfg.sampler.host):
-        raise ConfigError(f"weight_sync.mode=tensor needs samplers on this machine, but sampler.host="
-                          f"{cfg.sampler.host!r} is not an address of it; use weight_sync.mode=distributed")
-
-
-def check_port_free(transport: Any) -> None:
-    """Refuse a ``transport.port`` another process already listens on (before Ray starts, so the
-    message is one line instead of a Ray traceback).
-
-    Raises:
-        ConfigError: the port is busy or the host cannot be bound.
-    """
-    if transport.scheme != "tcp" or transport.port == 0:
-        return
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind((transport.host, transport.port))
-        except OSError as e:
-            raise ConfigError(f"transport.port={transport.port} on {transport.host} cannot be used ({e.strerror}); "
-                              "pick a free port or transport.port=0 (any free port)") from None
-
-
-def check_tasks(cfg: Config, names: list[str]) -> None:
-    """Check that ``names`` can be drawn from (a live ``env.tasks`` change).
-
-    Raises:
-        TaskError: a name is missing or its task is invalid.
-    """
-    discover_tasks(tasks_dir(cfg.env), names, sandbox=cfg.env.sandbox)
 
 
 def start_samplers(cfg: Config, actor: Any, run_dir: Path | None = None) -> tuple[list[Any], list[str]]:

@@ -169,20 +169,6 @@ def check_reuse(run_dir: Path, *, resume: bool, overwrite: bool) -> None:
             p.unlink(missing_ok=True)
 
 
-def check_resumable(run_dir: Path) -> None:
-    """Refuse ``learner.resume=true`` into a folder that holds no run (a mistyped path, a new
-    ``{now}`` folder): resuming it would silently start from scratch. Nothing is created.
-
-    Raises:
-        ConfigError: ``run_dir`` does not exist or holds none of :data:`EARLIER_RUN`.
-    """
-    if earlier_run(run_dir) is not None:
-        return
-    what = "does not exist" if not Path(run_dir).exists() else "holds no run (no metrics, checkpoints or receive log)"
-    raise ConfigError(f"learner.resume=true but run.dir {run_dir} {what}; check the path (t1async status RUN_DIR "
-                      "shows a running one), or drop learner.resume=true to start a new run")
-
-
 def append_history(run_dir: Path, changes: dict[str, Any], source: str) -> None:
     """Record live ``changes`` (``{dotted key: value}``) from ``source`` in ``config_history.jsonl``."""
     with open(Path(run_dir) / HISTORY_FILE, "a") as f:

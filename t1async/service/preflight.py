@@ -1,0 +1,183 @@
+"""Launch's pre-flight: every check of the input made before any process starts.
+
+    config file + overrides -> load_config (each section's rules, the cross rules)
+      -> run directory resolved; on a resume: it must hold a run, and its live-change history
+         (t1async scale) is applied again -> check_trainable -> init checkpoint, tokenizer vocabulary,
+         the endpoint's extra, tasks, sandbox, transport port, SGLang log-prob environment,
+         weight-sync hosts, CURVE keys
+
+:func:`preflight` is the one call ``t1async launch`` makes; each refusal is one line naming the
+key, the value and what to do (exit status 2). It creates nothing: the run directory is claimed
+afterwards, under its lock (t1async/service/rundir.py, which also refuses to mix two runs there).
+:func:`check_tasks` is also the check of a live ``env.tasks`` change.
+"""
+
+from __future__ import annotations
+
+import socket
+import urllib.parse
+from pathlib import Path
+from typing import Any
+
+from loguru import logger
+
+from t1async import require_extra
+from t1async.actors.rollout import tasks_dir
+from t1async.config import Config, ConfigError, check_trainable, load_config
+from t1async.envs.sandboxes.sandbox import check_sandbox_available
+from t1async.envs.taskio.loading import discover_tasks
+from t1async.models.tokenizer import check_model_vocab
+from t1async.sampling.sglang_server import check_logprob_env
+from t1async.service.rundir import earlier_run, history_overrides, resolve_run_dir
+from t1async.transport.keys import client_keys, server_keys
+
+
+def preflight(config_path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> tuple[Config, Path, list[str]]:
+    """Load the config of a launch and check everything it names, before anything starts.
+
+    Returns:
+        ``(cfg, run_dir, task_names)``: the checked config (on a resume with the run's live
+        changes applied again, then ``overrides``), the resolved absolute run directory (not
+        created) and the names of the tasks episodes are drawn from.
+
+    Raises:
+        ConfigError, TaskError, SandboxUnavailable, KeysError: one line (a task folder with several
+            broken tasks: one line per task).
+    """
+    cfg = load_config(config_path, overrides)
+    run_dir = resolve_run_dir(cfg.run.dir)
+    if cfg.learner.resume:  # live changes made to the run before (t1async scale) are kept
+        check_resumable(run_dir)  # (a mistyped run.dir must not start from scratch)
+        cfg = load_config(config_path, [*history_overrides(run_dir), *overrides])
+    return cfg, run_dir, check_inputs(cfg)
+
+
+def check_resumable(run_dir: Path) -> None:
+    """Refuse ``learner.resume=true`` into a folder that holds no run (a mistyped path, a new
+    ``{now}`` folder): resuming it would silently start from scratch. Nothing is created.
+
+    Raises:
+        ConfigError: ``run_dir`` does not exist or holds none of :data:`~t1async.service.rundir.EARLIER_RUN`.
+    """
+    if earlier_run(run_dir) is not None:
+        return
+    what = "does not exist" if not Path(run_dir).exists() else "holds no run (no metrics, checkpoints or receive log)"
+    raise ConfigError(f"learner.resume=true but run.dir {run_dir} {what}; check the path (t1async status RUN_DIR "
+                      "shows a running one), or drop learner.resume=true to start a new run")
+
+
+def check_inputs(cfg: Config) -> list[str]:
+    """Check that the config can be trained on (:func:`~t1async.config.check_trainable`) and what it
+    points at (tokenizer, tasks, sandbox, CURVE keys); returns the task names.
+
+    Raises:
+        ConfigError, TaskError, SandboxUnavailable, KeysError: with a one-line message.
+    """
+    check_trainable(cfg)
+    check_init_checkpoint(cfg.learner.init_checkpoint)
+    check_model_vocab(cfg.model.vocab_size, cfg.env.action_format)
+    if cfg.rollout.agent == "external":  # the endpoint renders and returns tool calls with the tool-call ids
+        check_model_vocab(cfg.model.vocab_size, "tool_call", "model.vocab_size (rollout.agent=external)")
+        for module in ("fastapi", "uvicorn"):  # the endpoint's extra, before any process starts
+            require_extra(module, "endpoint", "rollout.agent=external")
+    tasks = discover_tasks(tasks_dir(cfg.env), cfg.env.tasks, sandbox=cfg.env.sandbox)
+    check_sandbox_available(cfg.env.sandbox)
+    check_port_free(cfg.transport)
+    if cfg.sampler.backend == "sglang" and not cfg.sampler.urls and not cfg.sampler.model_path:
+        raise ConfigError("sampler.backend=sglang needs sampler.urls (running servers) or sampler.model_path "
+                          "(a Hugging Face model folder for the servers launch starts)")
+    if cfg.sampler.backend == "sglang":
+        check_logprob_env(cfg.generation.temperature)
+    check_weight_sync_hosts(cfg)
+    if cfg.sampler.backend == "sglang" and cfg.weight_sync.mode == "distributed" and cfg.weight_sync.backend != "nccl":
+        logger.warning("sampler.backend=sglang with weight_sync.backend={}: SGLang servers receive on GPUs, "
+                       "use weight_sync.backend=nccl", cfg.weight_sync.backend)
+    if cfg.learner.advantage == "group" and cfg.rollout.group_size < 2:
+        logger.warning("learner.advantage=group with rollout.group_size={}: a task's episodes rarely meet in "
+                       "the learner's window, so most trajectories fall back to GAE (group_baselined_frac in "
+                       "metrics.jsonl); set rollout.group_size=4 or so", cfg.rollout.group_size)
+    if cfg.transport.curve:
+        server_keys(cfg.transport.keys_dir)
+        client_keys(cfg.transport.keys_dir)
+    return [t.name for t in tasks]
+
+
+def check_init_checkpoint(path: str) -> None:
+    """Refuse a ``learner.init_checkpoint`` that is not a checkpoint folder (before Ray starts and
+    before the run directory is created, instead of a Ray traceback from the learner's start).
+
+    Raises:
+        ConfigError: one line: the folder is missing, or lacks ``config.json`` or ``model.safetensors``.
+    """
+    if not path:
+        return
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise ConfigError(f"learner.init_checkpoint={path}: no such folder; give a checkpoint folder (config.json + "
+                          "model.safetensors, e.g. what t1async sft --out writes) or '' for a random init")
+    missing = [n for n in ("config.json", "model.safetensors") if not (folder / n).is_file()]
+    if missing:
+        raise ConfigError(f"learner.init_checkpoint={path} has no {' or '.join(missing)}: it is not a checkpoint "
+                          "folder (config.json + model.safetensors, e.g. what t1async sft --out writes)")
+
+
+def is_local_host(host: str) -> bool:
+    """Whether ``host`` (a name or an address) is this machine: it resolves to an address a socket
+    here can bind to (loopback included)."""
+    try:
+        infos = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except OSError:
+        return False
+    for family, _, _, _, addr in infos:
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.bind((addr[0], 0))
+            return True
+        except OSError:
+            continue
+    return False
+
+
+def check_weight_sync_hosts(cfg: Config) -> None:
+    """``weight_sync.mode=tensor`` hands samplers handles to the learner's memory (CUDA IPC, shared
+    memory), which only a process on the same machine can open: refuse samplers elsewhere.
+
+    Raises:
+        ConfigError: one line naming the sampler URL (or ``sampler.host``) that is not this machine.
+    """
+    if cfg.weight_sync.mode != "tensor":
+        return
+    for url in cfg.sampler.urls:  # set only with sampler.backend=sglang (config refuses it otherwise)
+        host = urllib.parse.urlsplit(url if "://" in url else f"http://{url}").hostname or ""
+        if not is_local_host(host):
+            raise ConfigError(f"weight_sync.mode=tensor needs samplers on this machine (CUDA IPC / shared memory), "
+                              f"but sampler.urls has {url} on host {host!r}; use weight_sync.mode=distributed")
+    if cfg.sampler.backend == "embedded" and not is_local_host(cfg.sampler.host):
+        raise ConfigError(f"weight_sync.mode=tensor needs samplers on this machine, but sampler.host="
+                          f"{cfg.sampler.host!r} is not an address of it; use weight_sync.mode=distributed")
+
+
+def check_port_free(transport: Any) -> None:
+    """Refuse a ``transport.port`` another process already listens on (before Ray starts, so the
+    message is one line instead of a Ray traceback).
+
+    Raises:
+        ConfigError: the port is busy or the host cannot be bound.
+    """
+    if transport.scheme != "tcp" or transport.port == 0:
+        return
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((transport.host, transport.port))
+        except OSError as e:
+            raise ConfigError(f"transport.port={transport.port} on {transport.host} cannot be used ({e.strerror}); "
+                              "pick a free port or transport.port=0 (any free port)") from None
+
+
+def check_tasks(cfg: Config, names: list[str]) -> None:
+    """Check that ``names`` can be drawn from (a live ``env.tasks`` change).
+
+    Raises:
+        TaskError: a name is missing or its task is invalid.
+    """
+    discover_tasks(tasks_dir(cfg.env), names, sandbox=cfg.env.sandbox)
