@@ -47,6 +47,7 @@ from t1async.learner.backend import LearnerBackend, make_backend
 from t1async.learner.checkpoints import commit, latest_checkpoint, rotate_checkpoints, staging_dir
 from t1async.learner.update import episode_reward, train_step
 from t1async.models.tokenizer import ChatTokenizer
+from t1async.rollout.task_order import write_task_order
 from t1async.rollout.transcripts import write_transcripts
 from t1async.trajectory import Trajectory
 from t1async.transport.delivery import ByteQueue, ConsumedLedger, ReceiveLog, read_consumed, write_consumed
@@ -508,13 +509,15 @@ class Learner:
 
     def save_checkpoint(self) -> Path:
         """Write ``checkpoints/step_NNNNNN/`` atomically: policy safetensors + config.json, critic,
-        optimisers, trainer state (with the group advantage's recent rewards per task), and
-        ``consumed.json`` (every trajectory id this model state trained on or dropped), staged in a
-        hidden folder and renamed into place."""
+        optimisers, trainer state (with the group advantage's recent rewards per task),
+        ``consumed.json`` (every trajectory id this model state trained on or dropped) and
+        ``task_order.json`` (the controller's task order now, so that a resumed run continues it:
+        t1async/rollout/task_order.py), staged in a hidden folder and renamed into place."""
         root = self.run_dir / "checkpoints"
         tmp = staging_dir(root, self.step)
         self.backend.save(tmp)
         write_consumed(tmp / "consumed.json", self._consumed)
+        self._save_task_order(tmp)
         (tmp / "trainer_state.json").write_text(json.dumps({"step": self.step, "version": self.version, **self.counters,
                                                             "dropped": self.dropped,
                                                             "group_rewards": self._task_rewards}))
@@ -524,6 +527,18 @@ class Learner:
         self._saved_step = self.step
         logger.info("checkpoint written to {}", path)
         return path
+
+    def _save_task_order(self, folder: Path) -> None:
+        """Write the controller's task order into checkpoint ``folder`` (nothing without a
+        controller that keeps one; a controller that cannot answer is logged: the checkpoint is
+        still written, and a resume from it starts the task order over)."""
+        controller = self._controller
+        if controller is None or not hasattr(controller, "task_order_state"):
+            return
+        try:
+            write_task_order(folder, call(controller.task_order_state))
+        except Exception as e:  # the controller may be gone at shutdown; never lose the checkpoint
+            logger.warning("checkpoint without the task order (a resume from it starts the order over): {}", e)
 
     def close(self) -> None:
         """Stop the receive thread, close the socket, and stop the backend's other ranks (if any)."""
