@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -101,6 +102,9 @@ def test_service_lifecycle(tmp_path, capsys):
         st = _wait(lambda: (s := _status(run_dir))["resumed"] and len(s["actors"]) == 3 and s, 300,
                    "the resumed service with its 3 actors")
         assert st["resumed"]["step"] >= 1
+        # ...and the task order where its checkpoint left it, not from the head again
+        continued = re.findall(r"task order continued after episode (\d+)", (run_dir / "logs" / "controller.log").read_text())
+        assert len(continued) == 1 and 0 < int(continued[0]) <= st["controller"]["tasks_drawn"]
         first = st["step"]
 
         # self-healing: kill the learner process; the service restarts it from its checkpoint
