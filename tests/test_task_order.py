@@ -16,9 +16,12 @@ from pathlib import Path
 import pytest
 
 from t1async.actors.controller import Controller
-from t1async.config import RolloutConfig
+from t1async.actors.learner import Learner
+from t1async.config import LearnerConfig, RolloutConfig, TransportConfig, WeightSyncConfig
 from t1async.rollout.task_order import TaskOrder, read_task_order, write_task_order
-from tests.test_delivery import MODEL
+from t1async.trajectory import encode
+from t1async.transport.transport import ZmqSender
+from tests.test_delivery import MODEL, synthetic
 
 REPO = Path(__file__).resolve().parents[1]
 TASKS = [f"task-{i}" for i in range(8)]
@@ -99,6 +102,26 @@ def test_a_controller_given_a_saved_order_continues_it_instead_of_replaying_the_
     got = [second.acquire(0) for _ in range(12)]
     assert got == rest and got != head
     assert second.status()["tasks_drawn"] == 24
+
+
+def test_each_checkpoint_holds_the_controllers_task_order_of_that_step(tmp_path):
+    ctl = Controller(RolloutConfig(num_actors=1, group_size=2), TASKS, rollouts_per_version=100, max_staleness=0,
+                     make_rollout=lambda aid, crash: None, seed=0)
+    drawn = [ctl.acquire(0) for _ in range(5)]
+    cfg = LearnerConfig(max_steps=1, batch_size=1, publish_every=1000, checkpoint_every=1, batch_timeout_s=60)
+    learner = Learner(cfg, MODEL, TransportConfig(), WeightSyncConfig(), str(tmp_path), seed=0)
+    try:
+        tx = ZmqSender(learner.endpoint())
+        tx.send("traj-00001", encode(synthetic(1)))
+        assert learner.run(ctl)["step"] == 1
+        tx.close()
+    finally:
+        learner.close()
+    saved = read_task_order(tmp_path / "checkpoints" / "step_000001")
+    assert saved == ctl.task_order_state() and saved["drawn"] == 5 and saved["pass_taken"] == 5
+    again = Controller(RolloutConfig(num_actors=1, group_size=2), TASKS, rollouts_per_version=100, max_staleness=0,
+                       make_rollout=lambda aid, crash: None, seed=0, task_order=saved)
+    assert drawn + [again.acquire(0) for _ in range(5)] == stream(10, group_size=2)
 
 
 # ---- across a real SIGKILL and resume --------------------------------------------------------
