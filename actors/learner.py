@@ -55,6 +55,7 @@ from t1async.learner.timeline import TIMELINE_FILE, VersionTimeline
 from t1async.learner.update import episode_reward, probe, train_step
 from t1async.models.logprobs import sampling_semantics
 from t1async.models.tokenizer import ChatTokenizer
+from t1async.rollout.task_order import write_task_order
 from t1async.rollout.transcripts import write_transcripts
 from t1async.sampling.sampler_client import SamplerError, post_json, weight_version
 from t1async.trajectory import Trajectory, encode
@@ -711,14 +712,16 @@ class Learner:
 
     def save_checkpoint(self) -> Path:
         """Write ``checkpoints/step_NNNNNN/`` atomically: policy safetensors + config.json, critic,
-        optimisers, trainer state (with the group advantage's recent rewards per task), and
-        ``consumed.json`` (every trajectory id this model state trained on or dropped), staged in a
-        hidden folder and renamed into place."""
+        optimisers, trainer state (with the group advantage's recent rewards per task),
+        ``consumed.json`` (every trajectory id this model state trained on or dropped) and
+        ``task_order.json`` (the controller's task order now, so that a resumed run continues it:
+        t1async/rollout/task_order.py), staged in a hidden folder and renamed into place."""
         root = self.run_dir / "checkpoints"
         self._take_refused()
         tmp = staging_dir(root, self.step)
         self.backend.save(tmp)
         write_consumed(tmp / "consumed.json", self._consumed)
+        self._save_task_order(tmp)
         (tmp / "trainer_state.json").write_text(json.dumps({"step": self.step, "version": self.version,
                                                             "timeline_version": self.timeline_version,
                                                             "weights_published": self._weights_published, **self.counters,
@@ -731,6 +734,18 @@ class Learner:
         self._saved_step = self.step
         logger.info("checkpoint written to {}", path)
         return path
+
+    def _save_task_order(self, folder: Path) -> None:
+        """Write the controller's task order into checkpoint ``folder`` (nothing without a
+        controller that keeps one; a controller that cannot answer is logged: the checkpoint is
+        still written, and a resume from it starts the task order over)."""
+        controller = self._controller
+        if controller is None or not hasattr(controller, "task_order_state"):
+            return
+        try:
+            write_task_order(folder, call(controller.task_order_state))
+        except Exception as e:  # the controller may be gone at shutdown; never lose the checkpoint
+            logger.warning("checkpoint without the task order (a resume from it starts the order over): {}", e)
 
     def close(self) -> None:
         """Stop the receive thread, close the socket, and stop the backend's other ranks (if any)."""

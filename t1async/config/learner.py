@@ -259,7 +259,8 @@ class LearnerConfig:
     """Settings of the ``megatron`` backend."""
     resume: bool = False
     """Resume in ``run.dir`` (give the killed run's directory): restore the latest checkpoint
-    (weights, optimisers, step, version, the ids it consumed), then train on every trajectory in
+    (weights, optimisers, step, version, the ids it consumed; the controller continues the task
+    order saved with it), then train on every trajectory in
     the receive log that checkpoint had not consumed. No checkpoint: start at step 0 and replay
     the whole log. Off: a receive log left in ``run.dir`` is discarded."""
 

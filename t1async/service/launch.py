@@ -41,6 +41,7 @@ from t1async.envs.sandboxes.limits import unmount_all_under
 from t1async.envs.sandboxes.sandbox import check_sandbox_available
 from t1async.envs.taskio.loading import discover_tasks
 from t1async.models.tokenizer import check_model_vocab
+from t1async.rollout.task_order import read_task_order
 from t1async.sampling.sglang_server import check_logprob_env, start_servers, stop_servers
 from t1async.service.control import ControlServer
 from t1async.service.reaper import Reaper, kill_sandboxes_under
@@ -99,8 +100,9 @@ def launch(config_path: str | None, overrides: list[str] | tuple[str, ...] = ())
             summary["error"], summary["ended"] = str(e), "learner_failed_to_start"
             return summary
         lock.write(trajectories=endpoint)  # the learner's trajectory socket, for a person or a tool to find
-        announce_resume(cfg, roles["learner"], run_dir)
-        roles["controller"] = start_controller(cfg, actor, task_names, urls, endpoint)  # starts the rollout actors
+        resumed_from = announce_resume(cfg, roles["learner"], run_dir)
+        roles["controller"] = start_controller(cfg, actor, task_names, urls, endpoint,  # starts the rollout actors
+                                               task_order=saved_task_order(resumed_from))
         pool = sampler_pool(cfg, actor, roles, urls)  # live scaling and restarts of embedded samplers
         service = Service(cfg, run_dir, roles,
                           lambda: restart_learner(service.cfg, actor, run_dir, pool.member_urls() if pool else urls,
@@ -171,20 +173,39 @@ def claim_run_dir(cfg: Config, run_dir: Path) -> RunDirLock:
     return lock
 
 
-def announce_resume(cfg: Config, learner: Any, run_dir: Path) -> None:
-    """Say on the console what a resume restored, or warn that there was nothing to resume."""
+def announce_resume(cfg: Config, learner: Any, run_dir: Path) -> str | None:
+    """Say on the console what a resume restored, or warn that there was nothing to resume;
+    returns the checkpoint the learner resumed from (None: none, or not a resume)."""
     if not cfg.learner.resume:
-        return
+        return None
     r = ray.get(learner.status.remote())["resumed"]
     for line in r.get("set_aside", []):  # newer checkpoints that failed verification
         logger.warning("{}", line)
     if r["checkpoint"] is None and r["to_replay"] == 0:
         logger.warning("learner.resume=true but {} holds nothing to resume (no checkpoint, empty receive log): "
                        "starting fresh at step 0", run_dir)
-        return
+        return None
     logger.info("resumed from {}: step {}, version {}, {} trajectory ids consumed, {} receive-log records to replay",
                 Path(r["checkpoint"]).name if r["checkpoint"] else "no checkpoint (receive log only)", r["step"],
                 r["version"], r["consumed"], r["to_replay"])
+    return r["checkpoint"]
+
+
+def saved_task_order(checkpoint: str | None) -> dict[str, Any] | None:
+    """The task order saved in the checkpoint a resumed learner restored, for its controller to
+    continue (t1async/rollout/task_order.py); None, said on the console, when it holds none or
+    it is unreadable (the order then starts over from its head)."""
+    if checkpoint is None:
+        return None
+    try:
+        state = read_task_order(checkpoint)
+    except ValueError as e:
+        logger.error("{}", e)
+        return None
+    if state is None:
+        logger.warning("{} holds no task order (written before it was saved): the task order starts over from "
+                       "its head", Path(checkpoint).name)
+    return state
 
 
 def check_inputs(cfg: Config) -> list[str]:
@@ -370,8 +391,10 @@ def restart_learner(cfg: Config, actor: Any, run_dir: Path, urls: list[str], end
     return learner
 
 
-def start_controller(cfg: Config, actor: Any, task_names: list[str], urls: list[str], endpoint: str) -> Any:
-    """The controller, running its supervision loop, which starts and replaces the rollout actors."""
+def start_controller(cfg: Config, actor: Any, task_names: list[str], urls: list[str], endpoint: str,
+                     task_order: dict[str, Any] | None = None) -> Any:
+    """The controller, running its supervision loop, which starts and replaces the rollout actors;
+    its task order continues ``task_order`` (a resumed checkpoint's, :func:`saved_task_order`)."""
     rollout_cls = actor(RolloutActor, "rollout")
     work_root = str(Path(cfg.run.dir) / "workspaces")
 
@@ -384,7 +407,8 @@ def start_controller(cfg: Config, actor: Any, task_names: list[str], urls: list[
 
     controller = actor(Controller, "controller").remote(
         cfg.rollout, task_names, rollouts_per_version=cfg.learner.batch_size * cfg.learner.publish_every,
-        max_staleness=cfg.learner.max_staleness, make_rollout=make_rollout, seed=cfg.run.seed, sampler_urls=urls)
+        max_staleness=cfg.learner.max_staleness, make_rollout=make_rollout, seed=cfg.run.seed, sampler_urls=urls,
+        task_order=task_order)
     controller.run.remote()
     return controller
 
