@@ -115,6 +115,7 @@ def test_a_disk_that_refuses_tensorboard_events_never_blocks_and_loses_none(tmp_
     assert sorted(shown) == [1, 2, 3, 4] and raw == 4
 
 
+@pytest.mark.slow  # (wandb starts its service process per launch: about 6 s each here)
 def test_wandb_offline_writes_a_run_folder_and_a_resumed_launch_appends(tmp_path):
     pytest.importorskip("wandb")
     from t1async.config import MetricsConfig

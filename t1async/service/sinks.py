@@ -20,6 +20,7 @@ import os
 import socket
 import struct
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -172,7 +173,7 @@ class WandbSink:
         self.folder.mkdir(parents=True, exist_ok=True)
         state_path = folder / "t1async.json"
         state = json.loads(state_path.read_text()) if state_path.exists() else {}
-        self._state_path, self.run_id = state_path, state.get("run_id") or wandb.util.generate_id()
+        self._state_path, self.run_id = state_path, state.get("run_id") or uuid.uuid4().hex[:12]
         self.last_step, self.newest = int(state.get("step", 0)), float(state.get("time", 0.0))
         self._run = wandb.init(project=project, dir=str(folder), mode=mode, id=self.run_id, resume="allow",
                                config=config, settings=wandb.Settings(init_timeout=60, console="off"))
