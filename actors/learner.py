@@ -26,6 +26,7 @@ due checkpoint). :meth:`Learner.stop` ends a pause at once.
 
 from __future__ import annotations
 
+import errno
 import json
 import queue
 import shutil
@@ -607,7 +608,11 @@ class Learner:
         """Write ``checkpoints/step_NNNNNN/`` atomically: policy safetensors + config.json, critic,
         optimisers, trainer state (with the group advantage's recent rewards per task), and
         ``consumed.json`` (every trajectory id this model state trained on or dropped), staged in a
-        hidden folder and renamed into place (a failed write removes the staged folder and raises)."""
+        hidden folder and renamed into place (a failed write removes the staged folder and raises).
+
+        Raises:
+            OSError: ENOSPC when the disk is full or failing (the fault is recorded in ``self.disk``).
+        """
         root = self.run_dir / "checkpoints"
         tmp = staging_dir(root, self.step)
         try:
@@ -617,8 +622,13 @@ class Learner:
                                                                 **self.counters, "dropped": self.dropped,
                                                                 "group_rewards": self._task_rewards}))
             path = commit(tmp, root / f"step_{self.step:06d}", fsync=self.inbox.log.fsync)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)  # (a full disk gets its space back)
+        except Exception as e:
+            # judged before the staged folder's space comes back (torch's own error on a full disk
+            # says "iostream error", not ENOSPC)
+            full = self.disk.fault(e, root)
+            shutil.rmtree(tmp, ignore_errors=True)
+            if full:
+                raise OSError(errno.ENOSPC, f"checkpoint not written: {str(e).splitlines()[0][:200]}") from e
             raise
         rotate_checkpoints(root, self.cfg.keep_checkpoints, self.cfg.keep_every)
         self.inbox.log.drop_consumed(self._consumed)

@@ -272,8 +272,10 @@ def test_a_launch_on_a_full_disk_says_degraded_runs_no_step_resumes_when_freed_a
         except ControlError:
             return None
 
+    t0 = time.monotonic()
     try:
         _wait(lambda: (s := status()) and s.get("step", 0) >= 1, 240, "the first step")
+        print(f"first step after {time.monotonic() - t0:.0f} s")
         free = os.statvfs(mnt).f_bavail * os.statvfs(mnt).f_frsize
         with open(filler, "wb") as f:  # the disk fills: up to 2 MB short of full (below the 8 MB floor)
             f.write(b"\0" * max(0, free - (2 << 20)))
@@ -288,7 +290,8 @@ def test_a_launch_on_a_full_disk_says_degraded_runs_no_step_resumes_when_freed_a
         _wait(lambda: (s := status()) and s.get("step", 0) > step and s["state"] == "running", 120,
               "a step after space came back")
         request(run_dir, {"cmd": "stop"})
-        assert p.wait(timeout=120) == 0
+        rc = p.wait(timeout=120)
+        assert rc == 0, (tmp_path / "launch.out").read_text()[-4000:]
     finally:
         if p.poll() is None:
             os.killpg(p.pid, 9)

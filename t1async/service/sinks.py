@@ -25,6 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from loguru import logger
+from tensorboardX.proto.event_pb2 import Event, SessionLog
+from tensorboardX.proto.summary_pb2 import Summary
+from tensorboardX.record_writer import masked_crc32c  # (TFRecord's masked CRC-32C)
 
 from t1async import require_extra
 from t1async.fileio import DiskGuard, append_whole
@@ -32,17 +35,10 @@ from t1async.fileio import DiskGuard, append_whole
 MAX_PENDING_RECORDS = 100_000  # TensorBoard records kept in memory while the disk refuses them (about 100 steps)
 
 
-def _masked_crc32c(data: bytes) -> int:
-    """TFRecord's masked CRC-32C (tensorboardX's implementation of the TFRecord framing)."""
-    from tensorboardX.record_writer import masked_crc32c  # (tensorboardX: imported where events are written)
-
-    return masked_crc32c(data)
-
-
 def tfrecord(data: bytes) -> bytes:
     """One TFRecord: length (u64), its masked crc32c, ``data``, the data's masked crc32c."""
     head = struct.pack("<Q", len(data))
-    return head + struct.pack("<I", _masked_crc32c(head)) + data + struct.pack("<I", _masked_crc32c(data))
+    return head + struct.pack("<I", masked_crc32c(head)) + data + struct.pack("<I", masked_crc32c(data))
 
 
 def read_tfrecords(path: Path) -> list[bytes]:
@@ -51,7 +47,7 @@ def read_tfrecords(path: Path) -> list[bytes]:
     while pos + 12 <= len(data):
         (n,) = struct.unpack("<Q", data[pos:pos + 8])
         end = pos + 12 + n + 4
-        if end > len(data) or struct.unpack("<I", data[pos + 8:pos + 12])[0] != _masked_crc32c(data[pos:pos + 8]):
+        if end > len(data) or struct.unpack("<I", data[pos + 8:pos + 12])[0] != masked_crc32c(data[pos:pos + 8]):
             break
         out.append(data[pos + 12:pos + 12 + n])
         pos = end
@@ -62,8 +58,6 @@ def visible_steps(folder: Path) -> tuple[dict[int, float], float]:
     """What TensorBoard shows of the event files in ``folder``: ``({step: wall time}, newest wall
     time written)``, following ``purge_step`` markers (a ``SessionLog.START`` at step s hides the
     earlier points at steps >= s), files in name order (their names start with the time)."""
-    from tensorboardX.proto.event_pb2 import Event, SessionLog  # (tensorboardX: as above)
-
     steps: dict[int, float] = {}
     newest = 0.0
     for f in sorted(folder.glob("events.out.tfevents.*")):
@@ -104,8 +98,6 @@ class TensorBoardSink:
         self._started = False
 
     def _event(self, **fields: Any) -> None:
-        from tensorboardX.proto.event_pb2 import Event  # (tensorboardX: as above)
-
         if not self._started:  # the file's first record, as every TensorBoard writer starts
             self._started = True
             self._pending.append(tfrecord(Event(wall_time=time.time(), file_version="brain.Event:2")
@@ -118,9 +110,6 @@ class TensorBoardSink:
 
     def write(self, step: int, wall_time: float, scalars: dict[str, float]) -> None:
         """Queue one step's scalars (see the class docstring for what is skipped or purged)."""
-        from tensorboardX.proto.event_pb2 import SessionLog  # (tensorboardX: as above)
-        from tensorboardX.proto.summary_pb2 import Summary
-
         if wall_time <= self.newest:
             return
         if step <= self.last_step:
