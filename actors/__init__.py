@@ -1,6 +1,10 @@
 """Ray actor roles (plain classes; ``ray.remote`` is applied in :mod:`t1async.service.launch`)."""
 
+import re
 from typing import Any
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_FRAME = re.compile(r'\s+File ".*", line \d+')  # a traceback frame's first line
 
 
 def call(method: Any, *args: Any) -> Any:
@@ -13,3 +17,27 @@ def call(method: Any, *args: Any) -> Any:
 
         return ray.get(method.remote(*args))
     return method(*args)
+
+
+def error_line(e: BaseException, limit: int = 300) -> str:
+    """One line (at most ``limit`` characters) naming what went wrong in ``e``.
+
+    A Ray error raised for a remote failure (``ActorDiedError`` of an actor whose ``__init__``
+    raised, ``RayTaskError`` of a method that raised) carries the remote traceback in its text;
+    its cause is the exception line after the traceback's last frame: ``Type: first line of the
+    message`` (the type without its module path, terminal colour codes removed). Any other
+    error: the first line of its text, or its type's name when the text is empty.
+    """
+    lines = _ANSI.sub("", str(e)).strip().splitlines()
+    frames = [i for i, x in enumerate(lines) if _FRAME.match(x)]
+    if frames:
+        line = next((x for x in lines[frames[-1] + 1:] if x.strip() and not x[0].isspace()), "")
+        head, sep, msg = line.partition(": ")
+        if re.fullmatch(r"[\w.]+", head):
+            line = f"{head.rsplit('.', 1)[-1]}{sep}{msg}"
+        if line:
+            return line[:limit]
+    return (lines or [type(e).__name__])[0][:limit]
+
+
+__all__ = ["call", "error_line"]

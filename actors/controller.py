@@ -179,7 +179,10 @@ class Controller:
         logger.debug("learner discarded a trajectory: {}", reason)
 
     def set_version(self, version: int) -> None:
-        """The learner published ``version``; admit more rollouts accordingly."""
+        """The learner published ``version``, a timeline version (t1async/learner/timeline.py: the
+        weight version in a run whose learner never restarted; a resumed learner reports its
+        checkpoint's, which may be lower than the last one: admission then waits while it
+        re-trains the steps it lost); admit rollouts accordingly."""
         with self._cond:
             self.version = version
             self._cond.notify_all()

@@ -22,6 +22,12 @@ t1async/fileio.py ``DiskGuard``) pauses the learner instead of crashing or hangi
 stops ACKing (the actors keep their spools), no step runs, :meth:`Learner.status` says why
 (``disk``), and once space is back it resumes by itself and writes what waited (metrics rows, a
 due checkpoint). :meth:`Learner.stop` ends a pause at once.
+
+Poison: the inbox refuses (REJ), counts by reason and quarantines every trajectory that breaks the
+run's own facts (t1async/transport/intake.py), so none reaches a step. One that still makes a step
+raise (a bug of ours) is found by running the step's forward passes on each trajectory alone
+(:func:`t1async.learner.update.probe`), quarantined and skipped, and the step is retried without
+it (:meth:`Learner._guarded_step`); a resume skips it (``quarantine/ids.txt``).
 """
 
 from __future__ import annotations
@@ -53,16 +59,26 @@ from t1async.learner.abnormal import (
 )
 from t1async.learner.advantages import ADVANTAGES
 from t1async.learner.backend import LearnerBackend, make_backend
-from t1async.learner.checkpoints import commit, latest_checkpoint, rotate_checkpoints, staging_dir
-from t1async.learner.update import episode_reward, train_step
+from t1async.learner.checkpoints import commit, resumable_checkpoint, rotate_checkpoints, staging_dir
+from t1async.learner.timeline import TIMELINE_FILE, VersionTimeline
+from t1async.learner.update import episode_reward, probe, train_step
+from t1async.models.logprobs import sampling_semantics
 from t1async.models.tokenizer import ChatTokenizer
 from t1async.rollout.transcripts import write_transcripts
-from t1async.trajectory import Trajectory
+from t1async.sampling.sampler_client import SamplerError, post_json, weight_version
+from t1async.trajectory import Trajectory, encode
 from t1async.transport.delivery import ByteQueue, ConsumedLedger, ReceiveLog, read_consumed, write_consumed
 from t1async.transport.inbox import Inbox
+from t1async.transport.intake import RunFacts
+from t1async.transport.quarantine import Quarantine
 from t1async.transport.transport import ZmqReceiver
 from t1async.weights.factory import make_weight_sync
 from t1async.weights.protocol import WeightSync, WeightSyncError
+
+MAX_FAILED_STEPS_IN_A_ROW = 3
+"""Batches in a row whose step raised even after quarantining what the probe blamed: then the
+fault is not in the data (a bug of ours, a broken device) and the learner raises (the service
+restarts it; what it quarantined stays skipped)."""
 
 
 class Learner:
@@ -75,20 +91,25 @@ class Learner:
         weight_sync: how to broadcast weights.
         run_dir: run directory (metrics.jsonl, checkpoints/, quarantine/, receive_log/).
         generation: the samplers' temperature, top-k and top-p: the learner scores every sampled
-            token under the same processed distribution (t1async.models.logprobs.processed_logprobs), so that
+            token under the distribution the samplers report (t1async/models/logprobs.py), so that
             log pi_prox, log pi_theta and the behaviour log mu are of one distribution. None: the
             defaults (temperature 1, no truncation).
+        sampler_backend: ``sampler.backend``; picks the log-prob semantics scored under
+            (t1async.models.logprobs.sampling_semantics: ``embedded`` renormalised over the kept
+            top-k/top-p set, ``sglang`` the full tempered softmax).
         seed: seed of the model init (the same init for every ``learner.backend``).
         torch_threads: intra-op threads of this process.
 
     Raises:
-        ValueError: ``generation.temperature`` is 0 (greedy samples have no density to train on).
+        ValueError: ``generation.temperature`` is 0 (greedy samples have no density to train on),
+            or ``sampler_backend`` is unknown.
     """
 
     def __init__(self, cfg: LearnerConfig, model_cfg: ModelConfig, transport: TransportConfig,
                  weight_sync: WeightSyncConfig, run_dir: str, *, generation: GenerationConfig | None = None,
-                 seed: int = 0, torch_threads: int = 1):
+                 seed: int = 0, torch_threads: int = 1, sampler_backend: str = "embedded"):
         self.generation = generation if generation is not None else GenerationConfig()
+        semantics = sampling_semantics(sampler_backend)
         if not self.generation.temperature > 0:
             raise ValueError(f"generation.temperature={self.generation.temperature} cannot be trained on: greedy "
                              "samples have no density (no gradient); use a temperature > 0 (greedy is for t1async eval)")
@@ -96,16 +117,27 @@ class Learner:
         torch.manual_seed(seed)
         self.cfg, self.model_cfg = cfg, model_cfg
         self.run_dir = Path(run_dir)
-        resume_from = latest_checkpoint(self.run_dir / "checkpoints") if cfg.resume else None
+        # the newest checkpoint that verifies against its manifest; newer corrupt ones are moved aside
+        resume_from, set_aside = resumable_checkpoint(self.run_dir / "checkpoints") if cfg.resume else (None, [])
         # policy, critic, KL reference (the warm start, frozen, loaded from init_checkpoint so a
         # resumed run keeps it) and their optimisers: t1async/learner/backend.py
         self.backend: LearnerBackend = make_backend(cfg.backend, cfg, model_cfg, self.generation,
-                                                    resume_from or cfg.init_checkpoint or None)
+                                                    resume_from or cfg.init_checkpoint or None, semantics)
         self.version = 0
         self.step = 0
+        # staleness is measured in timeline versions, which a restart does not advance
+        # (t1async/learner/timeline.py); equal to the weight versions in a run that never resumed
+        self.timeline = VersionTimeline()
+        self.timeline_version = 0
+        self._sampled_at: dict[str, int] = {}  # trajectory id -> timeline version of its oldest token (taken, untrained)
+        self._earlier_lives_version = -1  # resumed: weight versions up to this one were published by earlier lives
+        self._samplers_at = -1  # resumed: timeline version of the (lost life's) weights the samplers kept
         self._held: list[Trajectory] = []  # received, kept, not yet trained (rollout.admission: learner_wait)
         self._hold_publish, self._hold_s = False, 0.0
-        self.counters = {"received": 0, "rejected": 0, "dropped_stale": 0, "trained": 0, "duplicates": 0, "replayed": 0}
+        self.counters = {"received": 0, "rejected": 0, "dropped_stale": 0, "dropped_stale_restart": 0, "trained": 0,
+                         "duplicates": 0, "replayed": 0, "quarantine_evicted": 0}
+        self.rejected_by: dict[str, int] = {}  # refused trajectories by reason (the field at fault; step_failed)
+        self._failed_steps_in_a_row = 0
         self.dropped = dict.fromkeys(DROP_REASONS, 0)  # trajectories dropped, by reason (cumulative)
         self._task_rewards: dict[str, list[tuple[int, float]]] = {}  # advantage: group (step, reward) per task, recent
         self._consumed = ConsumedLedger()  # trajectory id -> step that trained it (-1: dropped), bounded
@@ -114,8 +146,14 @@ class Learner:
         self._republish_same = False  # resumed at a checkpoint whose weights are the last version published
         self._weights_published = False  # the policy's weights are those of the last version published
         self._sync_managed = False  # the launch's sampler pool sets the membership (set_samplers)
+        self.quarantine = Quarantine(self.run_dir / "quarantine", prefix_bytes=transport.quarantine_prefix_bytes,
+                                     max_bytes=transport.quarantine_max_bytes, max_files=transport.quarantine_max_files,
+                                     fsync=transport.log_fsync == "always")
         if cfg.resume:
             self._resume(resume_from, log)
+            self.resumed["set_aside"] = set_aside  # (announced by the launch: t1async/service/launch.py)
+            # receive-log records refused after they were stored (replay, step) are never replayed
+            self._consumed.update((k, -1) for k in self.quarantine.ids() if k in log)
         backlog = [k for k in log.keys() if k not in self._consumed]  # replayed before the socket
         inbox_queue = ByteQueue(transport.recv_queue_messages or max(4 * cfg.batch_size, 8), transport.recv_queue_bytes)
         self._stop = threading.Event()  # training stops (stop(), or run() ended)
@@ -133,6 +171,10 @@ class Learner:
                            shape=(model_cfg.num_experts, model_cfg.num_hidden_layers, model_cfg.num_experts_per_tok),
                            version=lambda: self.version, training_stopped=self._stop,
                            dump_trajectories=cfg.dump_trajectories, group_messages=transport.log_group_messages,
+                           facts=RunFacts(vocab_size=model_cfg.vocab_size, num_experts=model_cfg.num_experts,
+                                          num_layers=model_cfg.num_hidden_layers, top_k=model_cfg.num_experts_per_tok,
+                                          reward=cfg.reward),
+                           quarantine=self.quarantine, rejected_by=self.rejected_by,
                            disk=self.disk)
         self.inbox.start(backlog)
         (self.run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
@@ -154,10 +196,45 @@ class Learner:
         return self.inbox.receiver.endpoint
 
     def connect_samplers(self, urls: list[str]) -> int:
-        """Form the weight group with every sampler and publish version 0; returns the version."""
+        """Form the weight group with every sampler and publish version 0; returns the version.
+
+        A resumed learner whose samplers all still hold weights of an earlier life at or past its
+        own timeline version (t1async/learner/timeline.py; the usual case after a kill: the
+        samplers keep the last version the dead learner published) leaves them serving those
+        and publishes nothing until its timeline has moved past them (:meth:`_publish`): the
+        episodes in flight, and those started meanwhile, keep sampling weights as far along as
+        before the kill instead of the checkpoint's older ones."""
         self._sync.connect(urls)
-        self._publish()
+        if not self._keep_samplers_weights(urls):
+            self._publish()
         return self.version
+
+    def _keep_samplers_weights(self, urls: list[str]) -> bool:
+        """Resumed: whether every sampler holds the last weight version this run started to
+        publish (so that publication completed: only its last bucket sets the version,
+        t1async/weights/distributed.py) and its timeline version is at least the learner's; if so
+        each is sent ``/continue_generation`` (the dead learner may have paused it after the last
+        bucket), they count as holding it (``WeightSync.held``) and :attr:`_samplers_at` is its
+        timeline version. Otherwise (a sampler restarted or unreachable, a publication cut short)
+        the checkpoint's weights are published, as a new version."""
+        if self.resumed is None or not urls:
+            return False
+        last = self.inbox.log.published_version
+        try:
+            held = {u: int(weight_version(u, timeout_s=10)) for u in urls}
+            if set(held.values()) != {last} or self.timeline.at(last) < self.timeline_version:
+                return False
+            for u in urls:
+                post_json(u, "/continue_generation", {}, timeout_s=10)
+        except (SamplerError, OSError, ValueError) as e:
+            logger.info("resumed: the samplers' weight versions are unknown ({}); publishing the checkpoint's", e)
+            return False
+        at = self.timeline.at(last)
+        self._sync.held.update(held)
+        self._samplers_at, self._republish_same = at, False
+        logger.info("resumed at timeline version {}: the samplers keep weight version {} (timeline version {}) "
+                    "until the learner re-trains past it", self.timeline_version, last, at)
+        return True
 
     def set_samplers(self, urls: list[str]) -> None:
         """The samplers to publish to from now on (the launch's sampler pool: live scaling, a
@@ -174,11 +251,14 @@ class Learner:
         self._stop.set()
 
     def status(self) -> dict[str, Any]:
-        """Step, version, queue depth, counters, dropped trajectories by reason, what a resume
-        restored, the consumed-id ledger's size (ids in all, streams, holes), and ``disk``: None, or
-        why intake and training are paused (``disk full at PATH (N MB free)``), with ``disk_paused_s``."""
-        return {"step": self.step, "version": self.version, "queue_depth": self.inbox.queue.qsize() + len(self._held),
+        """Step, weight and timeline version, queue depth, counters, dropped trajectories by reason,
+        refused ones by reason (``rejected_by``), what a resume restored, and the consumed-id ledger's
+        size (ids in all, streams, holes), and ``disk``: None, or why intake and training are
+        paused (``disk full at PATH (N MB free)``), with ``disk_paused_s``."""
+        return {"step": self.step, "version": self.version, "timeline_version": self.timeline_version,
+                "queue_depth": self.inbox.queue.qsize() + len(self._held),
                 "queue_bytes": self.inbox.queue.nbytes, **self.counters, "dropped": dict(self.dropped),
+                "rejected_by": dict(self.rejected_by),
                 "resumed": self.resumed, "max_steps": self.cfg.max_steps,
                 "disk": self.disk.check(), "disk_paused_s": round(self._paused_s, 1),
                 "weight_group": self._sync.snapshot(),
@@ -199,14 +279,23 @@ class Learner:
         """Restore checkpoint ``path`` (critic, optimisers, step, version, counters, consumed ids,
         the group advantage's recent rewards per task;
         the policy was loaded in ``__init__``); None: no checkpoint yet, start at step 0 and replay
-        the whole receive log. metrics.jsonl rows past the restored step are dropped."""
+        the whole receive log. metrics.jsonl rows past the restored step are dropped.
+
+        The learner resumes at the checkpoint's timeline version (t1async/learner/timeline.py,
+        read from ``receive_log/timeline.json``), not at the last weight version published: the
+        receive log's backlog and the episodes in flight are then judged, and admission runs, as
+        if the lost steps had not been lost (the backlog re-trains them)."""
+        self.timeline = VersionTimeline.load(log.dir / TIMELINE_FILE)
+        state: dict[str, Any] = {}
         if path is not None:
             if not self.backend.load_state(path):
                 logger.warning("{}/optimizers.pt was written by another learner backend: optimisers start fresh", path)
             state = json.loads((path / "trainer_state.json").read_text())
             self.step, self.version = int(state["step"]), int(state["version"])
+            self.timeline_version = int(state.get("timeline_version", self.timeline.at(self.version)))
             self.counters.update({k: int(state[k]) for k in self.counters if k in state})
             self.dropped.update({k: int(v) for k, v in state.get("dropped", {}).items()})
+            self.rejected_by.update({k: int(v) for k, v in state.get("rejected_by", {}).items()})
             self._consumed = read_consumed(path / "consumed.json")
             # advantage: group's window of recent rewards per task (peers of a group split across
             # the checkpoint); absent from checkpoints written before it was saved
@@ -217,18 +306,23 @@ class Learner:
         # ...unless the checkpoint was written right after a publication and nothing was published
         # since: the samplers hold exactly these weights as this version, so it is sent again
         # unchanged (a restart then does not make every trajectory in flight one version staler).
-        self._republish_same = (path is not None and self.step % self.cfg.publish_every == 0
-                                and log.published_version == self.version)
+        # (weights_published: the checkpoint's weights are those published as its version; older
+        # checkpoints lack it, and were written right after a publication when step % K == 0)
+        self._republish_same = (path is not None and log.published_version == self.version
+                                and bool(state.get("weights_published", self.step % self.cfg.publish_every == 0)))
         self.version = max(self.version, log.published_version)
+        self._earlier_lives_version = self.version
         metrics = self.run_dir / "metrics.jsonl"
         if metrics.exists():
             rows = [r for r in metrics.read_text().splitlines() if r.strip() and json.loads(r)["step"] <= self.step]
             metrics.write_text("".join(r + "\n" for r in rows))
         self.resumed = {"checkpoint": str(path) if path else None, "step": self.step, "version": self.version,
+                        "timeline_version": self.timeline_version,
                         "consumed": len(self._consumed),
                         "to_replay": sum(k not in self._consumed for k in log.keys())}
-        logger.info("resumed from {} at step {}, version {}: {} trajectories consumed, {} in the receive log",
-                    path or "no checkpoint", self.step, self.version, len(self._consumed), len(log))
+        logger.info("resumed from {} at step {}, version {} (timeline version {}): {} trajectories consumed, {} in "
+                    "the receive log", path or "no checkpoint", self.step, self.version, self.timeline_version,
+                    len(self._consumed), len(log))
 
     def _discard(self, reason: str, trajectory_id: str) -> None:
         """Give a dropped trajectory's admission slot back to the controller
@@ -249,8 +343,9 @@ class Learner:
         """Train for ``max_steps`` steps (or until :meth:`stop`), publishing and checkpointing.
 
         Args:
-            controller: optional object (or Ray handle) with ``set_version(v)`` (told after each
-                publication so admission control follows the learner),
+            controller: optional object (or Ray handle) with ``set_version(v)`` (told the timeline
+                version after each publication and on resume, so admission control follows the
+                learner; t1async/learner/timeline.py),
                 ``trajectories_consumed(ids)`` (after each step) and
                 ``trajectory_discarded(reason, trajectory_id)`` (each stale drop).
 
@@ -263,8 +358,8 @@ class Learner:
         self._hold_publish = controller is not None and hasattr(controller, "holds_publish") and bool(
             call(controller.holds_publish))
         if controller is not None:
-            if self.version > 0:  # resumed: admission must follow the restored version
-                call(controller.set_version, self.version)
+            if self.resumed is not None or self.timeline_version > 0:  # admission follows the restored
+                call(controller.set_version, self.timeline_version)  # timeline version (it may go back)
             for reason, tid in pending:
                 call(controller.trajectory_discarded, reason, tid)
         try:
@@ -276,21 +371,25 @@ class Learner:
                 batch = self._collect_batch()
                 if batch is None:
                     break
-                staleness = [self.version - t.min_version for t in batch]
                 t0 = time.perf_counter()
                 wait_s, publish_s = t0 - t_wait, 0.0
-                metrics = self._train_step(batch)
+                metrics = self._guarded_step(batch)  # (batch loses what it quarantines)
+                if metrics is None:  # every trajectory of it was quarantined: no step
+                    continue
+                staleness = [max(0, self._staleness(t)) for t in batch]  # (< 0: sampled on a lost life's branch)
                 self._weights_published = False  # the policy moved past the last version published
                 self.step += 1
                 self._consumed.update((t.trajectory_id, self.step) for t in batch)
+                for t in batch:
+                    self._sampled_at.pop(t.trajectory_id, None)
                 if controller is not None:  # admission stops waiting for these (oldest-episode rule)
                     call(controller.trajectories_consumed, [t.trajectory_id for t in batch])
                 if self.step % self.cfg.publish_every == 0:
                     t_pub = time.perf_counter()
-                    self._publish()
+                    self._publish(advance=True)
                     publish_s = time.perf_counter() - t_pub
                     if controller is not None:
-                        call(controller.set_version, self.version)
+                        call(controller.set_version, self.timeline_version)
                 metrics.update(self._batch_metrics(batch, staleness))
                 if publish_s:  # samplers paused by this publish, and the group re-formed before it (seconds)
                     metrics["publish_pause_s"], metrics["publish_form_s"] = self._sync.last_pause_s, self._sync.last_form_s
@@ -309,12 +408,31 @@ class Learner:
             self._stop.set()
         return self.status()
 
+    def _sampled_timeline(self, traj: Trajectory) -> int:
+        """Timeline version of ``traj``'s oldest sampled token (t1async/learner/timeline.py), kept
+        until it is trained or dropped (a weight version's timeline version never changes once
+        published, and the frame holds none later)."""
+        tid = traj.trajectory_id
+        if tid not in self._sampled_at:
+            self._sampled_at[tid] = self.timeline.oldest(traj.versions[traj.loss_mask.astype(bool)])
+        return self._sampled_at[tid]
+
+    def _staleness(self, traj: Trajectory) -> int:
+        """Learner's timeline version - timeline version of ``traj``'s oldest sampled token: a
+        restart does not change it (t1async/learner/timeline.py); negative for a trajectory a
+        lost life sampled with weights the resumed learner has not re-trained to yet."""
+        return self.timeline_version - self._sampled_timeline(traj)
+
     def _keep(self, traj: Trajectory) -> bool:
-        """Whether ``traj`` may be trained: within the staleness bound and not to be dropped for an
-        abnormal end (:func:`t1async.learner.abnormal.drop_reason`); otherwise it is dropped and counted."""
-        staleness = self.version - traj.min_version
+        """Whether ``traj`` may be trained: within the staleness bound (:meth:`_staleness`) and not
+        to be dropped for an abnormal end (:func:`t1async.learner.abnormal.drop_reason`);
+        otherwise it is dropped and counted. A stale drop of a trajectory sampled (in part) by the
+        weights of an earlier learner life also counts in ``dropped_stale_restart``."""
+        staleness = self._staleness(traj)
         if staleness > self.cfg.max_staleness:
             self.counters["dropped_stale"] += 1
+            if traj.min_version <= self._earlier_lives_version:
+                self.counters["dropped_stale_restart"] += 1
             self._drop(traj, "stale", f"{staleness} > {self.cfg.max_staleness}")
             return False
         reason = drop_reason(traj, self.cfg.abnormal)
@@ -350,6 +468,7 @@ class Learner:
         if self.disk.check() is not None:
             self._wait_disk()
             return None
+        self._take_refused()
         try:
             traj = self.inbox.queue.get(timeout=0.5)
         except queue.Empty:
@@ -357,9 +476,17 @@ class Learner:
             return None
         return traj if self._keep(traj) else None
 
+    def _take_refused(self) -> None:
+        """Count the receive-log records refused after they were stored (on replay, or by a failed
+        step: :meth:`t1async.transport.inbox.Inbox.refuse_stored`) as consumed (-1) and return
+        their admission slots."""
+        for tid in self.inbox.take_refused():
+            self._consumed[tid] = -1
+            self._discard("quarantined: refused after it was stored", tid)
+
     def _collect_held_batch(self) -> list[Trajectory] | None:
         """``rollout.admission: learner_wait``: the ``batch_size`` oldest trajectories received
-        (smallest ``min_version`` first, then arrival order), taken once the controller allows the
+        (oldest sampled timeline version first, then arrival order), taken once the controller allows the
         publish that follows this step (:meth:`actors.controller.Controller.publish_allowed`).
 
         Admission there follows the learner's version, so fast episodes run up to
@@ -390,17 +517,17 @@ class Learner:
                 return None
             if len(self._held) >= cfg.batch_size:
                 self._held = [t for t in self._held if self._keep(t)]  # a bound changed live
-                self._held.sort(key=lambda t: t.min_version)  # stable: arrival order within a version
+                self._held.sort(key=self._sampled_timeline)  # stable: arrival order within a version
             if len(self._held) >= cfg.batch_size:
                 batch, rest = self._held[:cfg.batch_size], self._held[cfg.batch_size:]
                 # wait only for episodes not here yet (judged by their admission version): waiting
                 # cannot save one already held that the batch has no room for (it is dropped as stale)
-                ok = not publishes or call(self._controller.publish_allowed, self.version + 1,
+                ok = not publishes or call(self._controller.publish_allowed, self.timeline_version + 1,
                                            [t.trajectory_id for t in self._held])
                 if not ok and time.monotonic() > deadline + self._paused_s - paused0:
-                    logger.warning("learner waited {} s for a slow episode; publishing version {} anyway (what "
-                                   "that makes too stale is dropped and counted)", cfg.batch_timeout_s,
-                                   self.version + 1)
+                    logger.warning("learner waited {} s for a slow episode; publishing timeline version {} anyway "
+                                   "(what that makes too stale is dropped and counted)", cfg.batch_timeout_s,
+                                   self.timeline_version + 1)
                     ok = True
                 if ok:
                     self._held = rest
@@ -421,8 +548,66 @@ class Learner:
         resume does not bring it back) and return its admission slot (:meth:`_discard`)."""
         self.dropped[reason] += 1
         self._consumed[traj.trajectory_id] = -1
+        self._sampled_at.pop(traj.trajectory_id, None)
         self._discard(f"{reason}: {detail}", traj.trajectory_id)
         logger.warning("dropped trajectory {} of {}: {} ({})", traj.trajectory_id, traj.task, reason, detail)
+
+    def _guarded_step(self, batch: list[Trajectory]) -> dict[str, Any] | None:
+        """:meth:`_train_step`, and when it raises: blame the trajectories whose forward passes
+        raise alone (:func:`t1async.learner.update.probe`; all of the batch when none or every one
+        of several does), quarantine them (:meth:`_refuse_in_step`), remove them from ``batch``
+        (in place) and retry without them.
+
+        A step that raises does so in its first forward passes for a trajectory it cannot take
+        (the critic's values, or the first epoch's log-probs, both before any optimiser step), so
+        the retry starts from the same weights; gradients are zeroed first.
+
+        Returns:
+            The step's metrics (``batch`` then holds the trajectories it trained), or None when
+            every one was quarantined.
+
+        Raises:
+            RuntimeError: :data:`MAX_FAILED_STEPS_IN_A_ROW` batches in a row needed a retry whose
+                culprit the probe could not single out (the fault is ours, not the data's).
+        """
+        while batch:
+            try:
+                metrics = self._train_step(batch)
+                self._failed_steps_in_a_row = 0
+                return metrics
+            except Exception as e:
+                logger.opt(exception=e).error("step {} failed on {} trajectories; probing them one by one",
+                                              self.step + 1, len(batch))
+                self.backend.zero_grad()
+                blamed = []
+                for t in batch:
+                    try:
+                        probe(t, self.backend, self.cfg, num_experts=self.model_cfg.num_experts)
+                    except Exception as pe:
+                        blamed.append((t, pe))
+                if not blamed or (len(blamed) == len(batch) > 1):  # not one trajectory's fault
+                    self._failed_steps_in_a_row += 1
+                    if self._failed_steps_in_a_row >= MAX_FAILED_STEPS_IN_A_ROW:
+                        raise RuntimeError(f"{self._failed_steps_in_a_row} steps in a row failed and no single "
+                                           f"trajectory was to blame (last: {type(e).__name__}: {e}); this is a "
+                                           "learner bug, not bad data: see the traceback above") from e
+                    blamed = [(t, e) for t in batch]
+                for t, err in blamed:
+                    self._refuse_in_step(t, err)
+                batch[:] = [t for t in batch if all(t is not b for b, _ in blamed)]
+        return None
+
+    def _refuse_in_step(self, traj: Trajectory, err: Exception) -> None:
+        """Quarantine a trajectory that made a step fail: counted under ``rejected_by["step_failed"]``,
+        consumed (-1), its id in ``quarantine/ids.txt`` (a resume skips it) and its admission slot
+        returned."""
+        tid = traj.trajectory_id
+        try:
+            frame = self.inbox.log.read(tid) if tid in self.inbox.log else encode(traj)
+        except Exception as e:  # (the frame is evidence only)
+            frame = f"<frame unavailable: {e}>".encode()
+        self.inbox.refuse_stored(tid, frame, _StepFailed(f"{type(err).__name__}: {err}"), source="step")
+        self._take_refused()
 
     def _train_step(self, batch: list[Trajectory]) -> dict[str, Any]:
         """One update on ``batch`` (:func:`t1async.learner.update.train_step`) with this learner's
@@ -459,6 +644,7 @@ class Learner:
         return {
             "step": self.step,
             "version": self.version,
+            "timeline_version": self.timeline_version,
             "trajectories": len(batch),
             "trajectories_total": self.counters["trained"],
             "dropped_stale": self.counters["dropped_stale"],
@@ -468,6 +654,8 @@ class Learner:
             "masked_turns": int(sum(masked_turns(t, self.cfg.abnormal).sum() for t in batch)),
             "finish_reasons": finish_counts(batch),
             "rejected": self.counters["rejected"],
+            "rejected_by": dict(self.rejected_by),  # refused trajectories by reason, cumulative
+            "quarantine_evicted": self.counters["quarantine_evicted"],
             "reward_mean": float(np.mean([t.reward for t in batch])),
             "resolved_rate": float(np.mean([t.resolved for t in batch])),
             "staleness_max": int(max(stale)) if stale else 0,
@@ -483,12 +671,27 @@ class Learner:
             "queue_depth": self.inbox.queue.qsize(),
         }
 
-    def _publish(self) -> None:
-        """Broadcast the policy to every sampler as the next version (version 0 at start)."""
+    def _publish(self, advance: bool = False) -> None:
+        """Broadcast the policy to every sampler as the next version (version 0 at start).
+
+        ``advance``: a regular publication (every ``publish_every`` steps): the timeline version
+        advances by one. Otherwise (the first publication of a life, a joining sampler's) the
+        weights are fewer than ``publish_every`` updates past the timeline version they keep,
+        and the timeline gets a new start at this weight version, written before the broadcast
+        (t1async/learner/timeline.py)."""
+        if advance:
+            self.timeline_version += 1
+            if self.timeline_version <= self._samplers_at:  # (connect_samplers kept the samplers' weights)
+                logger.info("timeline version {}: not published, the samplers hold weights as far along (timeline "
+                            "version {})", self.timeline_version, self._samplers_at)
+                return
         if (self.step > 0 or self.version > 0) and not self._republish_same:  # (version > 0 at step 0: resumed
             self.version += 1                                                  # before the first checkpoint)
         self._republish_same = False
-        if not self._note_published():
+        rebased = self.timeline.at(self.version) != self.timeline_version
+        if rebased:
+            self.timeline.rebase(self.version, self.timeline_version)
+        if not self._note_published(save_timeline=rebased):
             logger.error("weight version {} not published: stopped while the disk was full", self.version)
             return
         self._weights_published = True
@@ -525,14 +728,17 @@ class Learner:
             logger.warning("no sampler holds weights: publishing the policy as a new version for {}", joiners)
             self._publish()
             if self._controller is not None:
-                call(self._controller.set_version, self.version)
+                call(self._controller.set_version, self.timeline_version)
 
-    def _note_published(self) -> bool:
-        """Record durably that ``self.version`` is being published (before the broadcast: a
-        version number is never reused); on a full disk wait for space and try again. False:
-        stopped while waiting (nothing is broadcast)."""
+    def _note_published(self, save_timeline: bool) -> bool:
+        """Record durably that ``self.version`` is being published, and with ``save_timeline`` the
+        timeline's new start (before the broadcast: a version number is never reused); on a full
+        disk wait for space and try again. False: stopped while waiting (nothing is broadcast)."""
         while True:
             try:
+                if save_timeline:
+                    self.timeline.save(self.inbox.log.dir / TIMELINE_FILE, fsync=self.inbox.log.fsync)
+                    save_timeline = False
                 self.inbox.log.note_published(self.version)
                 return True
             except OSError as e:
@@ -614,12 +820,16 @@ class Learner:
             OSError: ENOSPC when the disk is full or failing (the fault is recorded in ``self.disk``).
         """
         root = self.run_dir / "checkpoints"
+        self._take_refused()
         tmp = staging_dir(root, self.step)
         try:
             self.backend.save(tmp)
             write_consumed(tmp / "consumed.json", self._consumed)
             (tmp / "trainer_state.json").write_text(json.dumps({"step": self.step, "version": self.version,
-                                                                **self.counters, "dropped": self.dropped,
+                                                                "timeline_version": self.timeline_version,
+                                                                "weights_published": self._weights_published, **self.counters,
+                                                                "dropped": self.dropped,
+                                                                "rejected_by": self.rejected_by,
                                                                 "group_rewards": self._task_rewards}))
             path = commit(tmp, root / f"step_{self.step:06d}", fsync=self.inbox.log.fsync)
         except Exception as e:
@@ -643,3 +853,9 @@ class Learner:
         self._sync.close()
         self.backend.close()  # (the megatron backend's expert-parallel ranks)
 
+
+
+class _StepFailed(Exception):
+    """A trajectory made a training step raise (counted under ``step_failed``)."""
+
+    field = "step_failed"

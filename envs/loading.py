@@ -363,17 +363,19 @@ def discover_tasks(root: str | Path, names: Sequence[str] = (), *, skip_invalid:
     """Load the tasks under ``root`` (all, or those in ``names``), sorted by name.
 
     An invalid folder, or with ``sandbox="local"`` a task that backend refuses, raises unless
-    ``skip_invalid`` is set (then it is skipped with a warning, except when named in ``names``).
+    ``skip_invalid`` is set (then it is skipped with a warning, except when named in ``names``);
+    several are reported together, one line each after a first line that counts them.
     A name matches a folder name or a ``[task] name``.
 
     Raises:
         TaskError: ``root`` is missing or holds no valid task, a folder is invalid (and not
-            skipped), a named task is missing or invalid, or two tasks share a name.
+            skipped; every such folder is named), a named task is missing or invalid, or two tasks share a name.
         TaskRefused: a task the local backend cannot run (and not skipped).
     """
     wanted = set(names)
     tasks: list[Task] = []
     available: list[str] = []
+    broken: list[TaskError] = []  # every invalid folder that is not skipped: reported together
     for folder in task_folders(root):
         try:
             task = load_task(folder)
@@ -381,13 +383,21 @@ def discover_tasks(root: str | Path, names: Sequence[str] = (), *, skip_invalid:
                 raise TaskRefused(f"task {folder}: refused by the local sandbox: {task.local_refusal}")
         except TaskError as exc:
             if folder.name in wanted or not (skip_invalid or wanted):  # named tasks: a broken sibling is not used
-                raise
-            logger.warning("skipping invalid task folder: {}", exc)
+                broken.append(exc)
+            else:
+                logger.warning("skipping invalid task folder: {}", exc)
             continue
         available.append(task.name)
         if wanted and folder.name not in wanted and task.name not in wanted:
             continue
         tasks.append(task)
+    if len(broken) == 1:
+        raise broken[0]
+    if broken:  # one line each, so that one pass fixes them all
+        kind = TaskRefused if all(isinstance(e, TaskRefused) for e in broken) else TaskError
+        raise kind(f"{len(broken)} task folders under {root} are invalid (fix each, or name the good ones in "
+                   "env.tasks):\n" + "\n".join(f"  {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+                                                for e in broken))
     seen: dict[str, Path] = {}
     for task in tasks:
         if task.name in seen:

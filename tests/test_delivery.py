@@ -43,7 +43,8 @@ def synthetic(seed: int, version: int = 0, T: int = 40) -> Trajectory:
     return Trajectory(
         task="synthetic", actor_id=0, token_ids=rng.integers(0, 256, T).astype(np.uint32), loss_mask=mask,
         logprobs=np.where(mask == 1, -5.5, 0.0).astype(np.float32), versions=np.where(mask == 1, version, -1).astype(np.int32),
-        turn_offsets=np.array([[10, 20], [28, T]], np.int32), routed_experts=rng.integers(0, 4, (T - 1, 2, 2)).astype(np.uint8),
+        turn_offsets=np.array([[10, 20], [28, T]], np.int32),
+        routed_experts=((rng.integers(0, 4, (T - 1, 2, 1)) + np.arange(2)) % 4).astype(np.uint8),  # top-2 distinct
         num_experts=4, reward=1.0, passed=1, total=2, resolved=False, finish_reason="max_turns",
         tests=[("a", True), ("b", False)],
         trajectory_id=f"traj-{seed:05d}", started_at=1.0, finished_at=2.0,
@@ -125,7 +126,10 @@ def test_fuzz_decoder_and_live_learner_socket(tmp_path):
         # the learner is alive, stored and queued nothing, and still takes a valid trajectory
         st = learner.status()
         assert st["received"] == 0 and st["queue_depth"] == 0 and len(learner.inbox.log) == 0 and learner.step == 0
-        assert len(list((tmp_path / "quarantine").glob("*.txt"))) == 100  # bounded
+        kept = list((tmp_path / "quarantine").glob("*.json"))  # bounded: the newest, prefix and metadata
+        assert len(kept) == TransportConfig().quarantine_max_files and learner.counters["quarantine_evicted"] == (
+            len(invalid) + n_env - len(kept))
+        assert sum(st["rejected_by"].values()) == st["rejected"] and len(st["rejected_by"]) >= 10
         good = synthetic(99)
         sock.send_multipart([PROTOCOL, good.trajectory_id.encode(), encode(good)])
         assert _wait(lambda: learner.status()["received"] == 1, 10)

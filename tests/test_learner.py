@@ -18,6 +18,7 @@ from t1async.config import (
     AbnormalConfig,
     GenerationConfig,
     LearnerConfig,
+    MegatronConfig,
     ModelConfig,
     SamplerConfig,
     TransportConfig,
@@ -46,7 +47,7 @@ def synthetic(version: int, seed: int, reward: float = 1.0, T: int = 40) -> Traj
         task="synthetic", actor_id=0, token_ids=rng.integers(0, 256, T).astype(np.uint32), loss_mask=mask,
         logprobs=np.where(mask == 1, -5.5, 0.0).astype(np.float32), versions=np.where(mask == 1, version, -1).astype(np.int32),
         turn_offsets=np.array([[a, b], [c, T]], np.int32),
-        routed_experts=rng.integers(0, 4, (T - 1, 2, 2)).astype(np.uint8), num_experts=4,
+        routed_experts=((rng.integers(0, 4, (T - 1, 2, 1)) + np.arange(2)) % 4).astype(np.uint8), num_experts=4,
         reward=reward, passed=int(reward), total=2, resolved=reward == 2, finish_reason="max_turns",
         tests=[("a", reward >= 1), ("b", reward >= 2)],
     )
@@ -91,7 +92,9 @@ def test_learner_trains_publishes_drops_stale_and_quarantines(tmp_path):
         assert rows[0]["reward_mean"] == 1.0 and rows[0]["resolved_rate"] == 0.5
         assert rows[1]["dropped_stale"] == 1 and rows[1]["dropped"]["stale"] == 1 and rows[1]["staleness_max"] == 0
         assert rows[0]["logprob_diff_mean"] > 0  # the synthetic behaviour log-probs are not the model's
-        assert result["rejected"] == 1 and (tmp_path / "quarantine" / "000001.txt").exists()
+        assert result["rejected"] == 1 and result["rejected_by"] == {"<frame>": 1}
+        meta = json.loads((tmp_path / "quarantine" / "000001.json").read_text())
+        assert meta["reason"] == "<frame>" and meta["key"] == "not-a-trajectory" and meta["source"] == "receipt"
         assert sampler.version == 2
         # the stale drop frees its admission slot; the rejected message does not (its sender does, see
         # test_rollout): a stranger's garbage must not widen admission
@@ -290,6 +293,7 @@ def test_a_trajectory_whose_every_turn_is_masked_is_dropped_and_its_slot_returne
 def test_kl_penalty_pulls_the_policy_back_to_the_reference(tmp_path):
     """With kl_coef > 0 and no advantage signal (every trajectory the same reward, so whitened
     advantages are 0), a step moves a perturbed policy toward the frozen warm start."""
+    torch.manual_seed(0)  # the warm start's init: else it depends on the random numbers earlier tests drew
     ckpt = tmp_path / "warm"
     Qwen3MoeForCausalLM(MODEL).save_pretrained(ckpt)
     cfg = LearnerConfig(max_steps=1, batch_size=2, kl_coef=1.0, lr=1e-3, lam=1.0, init_checkpoint=str(ckpt),
@@ -316,6 +320,63 @@ def test_kl_penalty_pulls_the_policy_back_to_the_reference(tmp_path):
         assert m["kl_ref"] > 0
         assert kl_to_reference() < before
         assert all(not p.requires_grad for p in learner.reference.parameters())
+    finally:
+        learner.close()
+
+
+def test_the_kl_penalty_s_gradient_through_a_learner_step_is_exactly_that_of_kl_to_the_reference(tmp_path, monkeypatch):
+    """learner.kl_coef through a whole learner step, off-policy: one context, and one trajectory per
+    vocabulary token x sampled after it by a uniform behaviour policy (log mu = -log 256), so the
+    step's mean over loss tokens is the exact expectation over mu. With no advantage signal (one
+    group, equal rewards), the step's policy gradient must equal kl_coef x the gradient of
+    KL(pi_theta || pi_ref) at that context, computed exactly over the vocabulary (main's
+    unweighted k3 gives another one)."""
+    ckpt = tmp_path / "warm"
+    Qwen3MoeForCausalLM(MODEL).save_pretrained(ckpt)
+    cfg = LearnerConfig(max_steps=1, batch_size=MODEL.vocab_size, kl_coef=1.0, is_cap=1e9, init_checkpoint=str(ckpt),
+                        advantage="group", critic=False, routing_replay=False, group_window_steps=0,
+                        batch_timeout_s=30)
+    learner = Learner(cfg, MODEL, TransportConfig(), WeightSyncConfig(), str(tmp_path / "run"), seed=0)
+    try:
+        with torch.no_grad():
+            for p in learner.policy.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        ctx = [5, 17, 42]
+        rng = np.random.default_rng(0)
+
+        def traj(x: int) -> Trajectory:
+            return Trajectory(
+                task="one", actor_id=0, token_ids=np.array(ctx + [x], np.uint32), loss_mask=np.array([0, 0, 0, 1], np.uint8),
+                logprobs=np.array([0, 0, 0, -np.log(MODEL.vocab_size)], np.float32),
+                versions=np.array([-1, -1, -1, 0], np.int32), turn_offsets=np.array([[3, 4]], np.int32),
+                routed_experts=rng.integers(0, 4, (3, 2, 2)).astype(np.uint8), num_experts=4, reward=1.0, passed=1,
+                total=2, resolved=False, finish_reason="max_turns", tests=[("a", True), ("b", False)])
+
+        batch = [traj(x) for x in range(MODEL.vocab_size)]
+        named = [(n, p) for n, p in learner.policy.named_parameters() if p.requires_grad]
+        got: dict[str, torch.Tensor] = {}
+        real_step = learner.backend.step
+
+        def step(**kw):
+            got.update({n: p.grad.detach().clone() for n, p in named if p.grad is not None})
+            return real_step(**kw)
+
+        monkeypatch.setattr(learner.backend, "step", step)
+        ids = torch.tensor([ctx])
+        with torch.enable_grad():
+            lp = torch.log_softmax(learner.policy(ids).logits[0, -1].float(), -1)
+        with torch.no_grad():
+            ref = torch.log_softmax(learner.reference(ids).logits[0, -1].float(), -1)
+        kl = (lp.exp() * (lp - ref)).sum()
+        want = torch.autograd.grad(kl, [p for _, p in named], allow_unused=True)
+        learner.policy.zero_grad(set_to_none=True)
+        m = learner._train_step(batch)
+        assert m["group_baselined_frac"] == 1.0
+        flat_got = torch.cat([got.get(n, torch.zeros_like(p)).flatten() for n, p in named])
+        flat_want = torch.cat([(w if w is not None else torch.zeros_like(p)).flatten() for (n, p), w in zip(named, want)])
+        assert float(flat_want.norm()) > 0
+        torch.testing.assert_close(flat_got, flat_want, rtol=1e-3, atol=1e-3 * float(flat_want.abs().max()))
+        assert m["kl_ref"] == pytest.approx(float(kl.detach()), rel=1e-3)  # the importance-weighted k3 value
     finally:
         learner.close()
 
@@ -468,6 +529,51 @@ def test_micro_batches_group_longest_first_within_the_token_budget():
         micro_batches(lengths, -1)
 
 
+@pytest.mark.parametrize("backend,ep", [("torch", 1), ("megatron", 2), ("megatron", 4)])
+def test_micro_batch_spreads_padding_over_experts_and_expert_parallel_ranks(backend, ep):
+    """Padded positions replay K distinct experts per row, each expert taking floor or ceil of the
+    padding's assignments (per layer) and each expert-parallel rank likewise: no hot spot on
+    experts 0..K-1 and rank 0. Real positions keep the sampler's rows."""
+    from t1async.learner.rl import micro_batches
+    from t1async.learner.update import micro_batch
+
+    cfg = LearnerConfig(backend=backend, megatron=MegatronConfig(expert_parallel=ep))
+    batch = varied_batch()
+    E = 4  # varied_batch: 4 experts, top-2
+    for group in micro_batches([t.num_tokens - 1 for t in batch], 4096):
+        mb = micro_batch([batch[i] for i in group], torch.device("cpu"), cfg, E)
+        rec, pad = mb["recorded"], ~mb["valid"]
+        assert int(pad.sum()) >= 10  # lengths 8..40 in one micro-batch: plenty of padding
+        rows = rec[pad]  # [n, L, K]
+        assert (rows.sort(-1).values.diff(dim=-1) > 0).all()  # K distinct per row
+        for layer in range(rows.shape[1]):
+            per_expert = torch.bincount(rows[:, layer].flatten(), minlength=E)
+            per_rank = per_expert.view(ep, E // ep).sum(1)
+            assert int(per_expert.max() - per_expert.min()) <= 1, per_expert.tolist()
+            assert int(per_rank.max() - per_rank.min()) <= 1, per_rank.tolist()
+            assert float(per_rank.max() / per_rank.min()) < 1.1
+        for b, i in enumerate(group):
+            n = batch[i].num_tokens - 1
+            assert torch.equal(rec[b, :n], torch.from_numpy(batch[i].routed_experts.astype(np.int64)))
+
+
+def test_padding_routes_balance_experts_and_ranks_exactly_and_refuse_impossible_sizes():
+    from t1async.learner.rl import padding_routes
+
+    for n, K, E, P in [(1, 2, 4, 1), (7, 2, 8, 2), (13, 3, 8, 4), (5, 8, 8, 8), (9, 1, 6, 3), (0, 2, 4, 2)]:
+        r = padding_routes(n, K, E, P)
+        assert r.shape == (n, K) and r.dtype == torch.int64 and torch.equal(r, padding_routes(n, K, E, P))
+        assert all(len(set(row)) == K for row in r.tolist())
+        per_expert = torch.bincount(r.flatten(), minlength=E)
+        per_rank = per_expert.view(P, E // P).sum(1)
+        assert len(per_expert) == E and int(per_expert.max() - per_expert.min()) <= (1 if n else 0)
+        assert int(per_rank.max() - per_rank.min()) <= (1 if n else 0)
+    with pytest.raises(ValueError, match="top_k=5, num_experts=4"):
+        padding_routes(3, 5, 4)
+    with pytest.raises(ValueError, match="expert_parallel=3"):
+        padding_routes(3, 2, 4, 3)
+
+
 def test_bench_micro_batch_compares_both_on_one_batch_and_refuses_bad_counts(capsys):
     """t1async bench micro-batch: one JSON with each value's tokens/s and speedup over the first;
     the two learners took the same update (same loss); bad counts are one line, rc 2."""
@@ -486,6 +592,15 @@ def test_bench_micro_batch_compares_both_on_one_batch_and_refuses_bad_counts(cap
     assert a["speedup"] == 1.0 and b["speedup"] == pytest.approx(b["tokens_per_s"] / a["tokens_per_s"], rel=1e-2)
     assert b["policy_loss_last"] == pytest.approx(a["policy_loss_last"], rel=1e-4, abs=1e-7)
     assert a["padding_frac"] == 0.0 and 0.0 < b["padding_frac"] < 1.0  # one per forward: no padding at all
+    # where the padding's replayed token slots go: spread (after) vs all on experts 0..K-1 (before)
+    E, K = ModelConfig().num_experts, ModelConfig().num_experts_per_tok  # the bench's local model
+    after, before = b["routing"]["after"], b["routing"]["before"]
+    assert max(after["padding_expert_share"]) - min(after["padding_expert_share"]) <= 1.0 / E
+    assert before["padding_expert_share"] == [1.0 / K] * K + [0.0] * (E - K)
+    assert after["ep_rank_max_over_min"] < before["ep_rank_max_over_min"] and len(after["ep_rank_slot_ratio"]) == 2
+    assert a["routing"]["after"] == a["routing"]["before"]  # no padding: nothing to spread
+    assert main(["bench", "micro-batch", "--expert-parallel", "3"]) == 2
+    assert "--expert-parallel 3 must divide" in capsys.readouterr().err
 
 
 def test_policy_steps_raise_the_rewarded_trajectory_and_lower_the_unrewarded_one(tmp_path):
@@ -557,6 +672,57 @@ def test_group_advantage_leaves_a_task_every_episode_resolves_untouched_and_move
     finally:
         group.close()
         gae_.close()
+
+
+@pytest.mark.parametrize("advantage", ["group", "grpo"])
+def test_whitening_leaves_a_group_that_scored_alike_at_exactly_zero_advantage_and_gradient(tmp_path, monkeypatch,
+                                                                                          advantage):
+    """learner.normalize_advantages on (the default) with a per-episode estimator, as
+    configs/learning.yaml runs it. A task whose two episodes scored alike has advantage exactly 0
+    on every token and adds exactly 0 to the policy gradient, although the other task's group
+    (episodes of unequal length, so the batch's token mean advantage is not 0) has a signal; that
+    group keeps its signs and is divided by the batch's std, not re-centred."""
+    cfg = LearnerConfig(max_steps=4, batch_size=4, lr=1e-3, routing_replay=False, batch_timeout_s=30,
+                        advantage=advantage, critic=False, micro_batch_tokens=0, group_window_steps=0)
+    assert cfg.normalize_advantages
+    learner = Learner(cfg, MODEL, TransportConfig(), WeightSyncConfig(), str(tmp_path / "run"), seed=0)
+    from t1async.learner import update
+
+    real = update.POLICY_LOSSES["ppo"]
+    seen: list[tuple[int, torch.Tensor, torch.Tensor, float]] = []
+
+    def spy(logp, logp_prox, logp_behavior, advantages, mask, **kw):
+        out = real(logp, logp_prox, logp_behavior, advantages, mask, **kw)
+        params = [p for p in learner.policy.parameters() if p.requires_grad]
+        grads = torch.autograd.grad(out.loss, params, retain_graph=True, allow_unused=True)
+        norm = sum(float(g.abs().sum()) for g in grads if g is not None)
+        seen.append((logp.shape[1], advantages.detach().clone(), mask.clone(), norm))
+        return out
+
+    monkeypatch.setitem(update.POLICY_LOSSES, "ppo", spy)
+    try:
+        won, lost = synthetic(0, 1, reward=2.0, T=48), synthetic(0, 2, reward=0.0, T=40)
+        same = [synthetic(0, 3, reward=1.0, T=32), synthetic(0, 4, reward=1.0, T=32)]
+        won.task = lost.task = "mixed"
+        for t in same:
+            t.task = "same"
+        m = learner._train_step([won, lost, *same])
+        assert m["group_baselined_frac"] == 1.0
+        by_len = {}
+        for positions, adv, mask, norm in seen:
+            by_len.setdefault(positions, []).append((adv[mask.bool()], norm))
+        assert sorted(len(v) for v in by_len.values()) == [1, 1, 2]
+        for adv, norm in by_len[31]:  # the group that scored alike
+            assert adv.numel() > 0 and bool((adv == 0).all()), adv
+            assert norm == 0.0
+        (a_won, n_won), = by_len[47]
+        (a_lost, n_lost), = by_len[39]
+        assert bool((a_won > 0).all()) and bool((a_lost < 0).all())  # signs kept
+        assert n_won > 0 and n_lost > 0
+        flat = torch.cat([a_won, a_lost, *(a for a, _ in by_len[31])])
+        assert float(flat.std(unbiased=False)) == pytest.approx(1.0, rel=1e-5)  # scaled by the batch's std
+    finally:
+        learner.close()
 
 
 def test_negative_advantage_weight_zero_trains_only_on_episodes_above_their_baseline(tmp_path):

@@ -18,6 +18,7 @@ from t1async.config import GenerationConfig, LearnerConfig, ModelConfig, Transpo
 from t1async.learner.megatron.convert import CRITIC, POLICY, hf_to_megatron, megatron_to_hf, merge_tp, pack_qkv, shard_tp
 from t1async.learner.rl import routing_differs
 from t1async.learner.torch_backend import TorchBackend, ValueModel
+from t1async.models.logprobs import EMBEDDED, SGLANG, token_logprobs
 from t1async.models.model import Qwen3MoeForCausalLM
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
@@ -136,12 +137,16 @@ def test_tensor_parallel_slices_merge_back_bitwise_and_follow_megatrons_layout(t
 # ----------------------------------------------------------------------------- replay rows
 
 
-def test_replay_rows_are_sequence_major_with_distinct_padding_and_refuse_repeated_ids():
+def test_replay_rows_are_sequence_major_with_spread_distinct_padding_and_refuse_repeated_ids():
     r = _distinct_rows(2, 5)
     rows = megatron_backend.replay_rows(r, MODEL.num_experts, lengths=torch.tensor([5, 3]))
     assert len(rows) == MODEL.num_hidden_layers and rows[0].shape == (10, 2)
     assert torch.equal(rows[1][2 * 4 + 0], r[0, 4, 1]) and torch.equal(rows[1][2 * 1 + 1], r[1, 1, 1])  # s * B + b
-    assert torch.equal(rows[0][2 * 3 + 1], torch.tensor([0, 1])) and torch.equal(rows[0][2 * 4 + 1], torch.tensor([0, 1]))
+    # the two padded positions (sequence 1, tokens 3 and 4) take distinct, spread rows: slots 0-1, 2-3
+    assert torch.equal(rows[0][2 * 3 + 1], torch.tensor([0, 1])) and torch.equal(rows[0][2 * 4 + 1], torch.tensor([2, 3]))
+    ep2 = megatron_backend.replay_rows(r, MODEL.num_experts, lengths=torch.tensor([5, 3]), expert_parallel=2)
+    # over 2 expert-parallel ranks (experts 0-1, 2-3) consecutive slots alternate ranks
+    assert torch.equal(ep2[1][2 * 3 + 1], torch.tensor([0, 2])) and torch.equal(ep2[1][2 * 4 + 1], torch.tensor([1, 3]))
     r[1, 2, 0] = torch.tensor([3, 3])
     with pytest.raises(ValueError, match="sequence 1, token 2, layer 0.*distinct"):
         megatron_backend.replay_rows(r, MODEL.num_experts)
@@ -161,11 +166,11 @@ def test_deal_rows_gives_each_rank_a_contiguous_chunk_filled_up_with_row_0():
 # ----------------------------------------------------------------------------- parity
 
 
-def _backends(generation=GenerationConfig(), kl_coef=0.0):
+def _backends(generation=GenerationConfig(), kl_coef=0.0, semantics=EMBEDDED):
     """Both backends from the same seeded init; the critic head made non-zero (same in both)."""
     cfg = LearnerConfig(kl_coef=kl_coef)
     torch.manual_seed(0)
-    tb = TorchBackend(cfg, MODEL, generation)
+    tb = TorchBackend(cfg, MODEL, generation, semantics=semantics)
     with torch.no_grad():
         for n, p in tb.policy.named_parameters():  # a decisive router: no near-ties to flip on 1e-7
             if n.endswith("mlp.gate.weight"):
@@ -173,7 +178,7 @@ def _backends(generation=GenerationConfig(), kl_coef=0.0):
         tb.critic.head.weight.normal_(0.0, 0.5)
         tb.critic.head.bias.fill_(0.3)
     torch.manual_seed(0)  # the same init as tb's before the edit (its KL reference)
-    mb = MegatronBackend(cfg, MODEL, generation)
+    mb = MegatronBackend(cfg, MODEL, generation, semantics=semantics)
     megatron_backend.load_megatron(mb.policy, hf_to_megatron(tb.policy.state_dict(), MODEL))
     megatron_backend.load_megatron(mb.critic, hf_to_megatron(tb.critic.state_dict(), MODEL, CRITIC))
     return tb, mb
@@ -341,6 +346,73 @@ def test_kl_reference_parity():
     ref = tb.reference_logprobs(ids, ids)
     assert float((ref - mb.reference_logprobs(ids, ids)).abs().max()) < 1e-5
     assert float((ref - mb.policy_logprobs(ids, ids, None, grad=False, routing=False).logp).abs().max()) > 1e-3
+
+
+# ----------------------------------------------------------------------------- tied embeddings
+
+TIED = dataclasses.replace(MODEL, tie_word_embeddings=True)
+
+
+def test_tied_converter_writes_no_output_layer_and_refuses_an_lm_head_that_is_not_the_embedding():
+    torch.manual_seed(0)
+    hf = dict(Qwen3MoeForCausalLM(TIED).named_parameters())  # a tied model's parameters: no lm_head.weight
+    assert "lm_head.weight" not in hf
+    meg = hf_to_megatron(hf, TIED)
+    assert "output_layer.weight" not in meg and "embedding.word_embeddings.weight" in meg
+    back = megatron_to_hf(meg, TIED)
+    assert set(back) == set(hf) and all(torch.equal(back[k], hf[k]) for k in hf)
+    # a state dict holding the tied head as well (state_dict() lists it): the same Megatron weights
+    assert set(hf_to_megatron({**hf, "lm_head.weight": hf["model.embed_tokens.weight"].clone()}, TIED)) == set(meg)
+    with pytest.raises(ValueError, match="lm_head.weight differs from model.embed_tokens.weight"):
+        hf_to_megatron({**hf, "lm_head.weight": torch.randn_like(hf["model.embed_tokens.weight"])}, TIED)
+
+
+def test_tied_embeddings_megatron_matches_the_torch_model_and_round_trips_a_tied_checkpoint(tmp_path):
+    """A tied HF checkpoint without lm_head.weight: the Megatron backend builds from it (random
+    init too), its logits equal the torch model's, one learner step moves both alike, and its
+    checkpoint is again tied HF without lm_head.weight, loading bitwise into the torch model."""
+    from safetensors import safe_open
+
+    from t1async.actors.learner import Learner
+
+    torch.manual_seed(0)
+    src = Qwen3MoeForCausalLM(TIED)
+    with torch.no_grad():
+        src.model.embed_tokens.weight.normal_(0.0, 0.5)  # a head that matters (it is the embedding)
+    src.save_pretrained(tmp_path / "init")
+    with safe_open(str(tmp_path / "init" / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in f.keys()
+    MegatronBackend(LearnerConfig(), TIED, GenerationConfig())  # random init: starts (main: unexpected output_layer)
+    mb = MegatronBackend(LearnerConfig(), TIED, GenerationConfig(), tmp_path / "init")
+    assert mb.policy.output_layer.weight is None and mb.policy.share_embeddings_and_output_weights
+    ids = torch.randint(0, TIED.vocab_size, (2, 17), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = src(ids).logits
+        got = mb.policy.output_layer.logits(mb._run(mb.policy, ids)).float()
+    print(f"tied logits max|torch - megatron| {float((want - got).abs().max()):.2e}")
+    assert got.shape == want.shape and float((want - got).abs().max()) < 1e-5
+    assert float(want.std()) > 0.1
+    out = {}
+    for backend in ("torch", "megatron"):
+        cfg = LearnerConfig(batch_size=2, lr=1e-3, backend=backend, init_checkpoint=str(tmp_path / "init"))
+        learner = Learner(cfg, TIED, TransportConfig(), WeightSyncConfig(), str(tmp_path / backend), seed=0)
+        try:
+            metrics = learner._train_step(_batch())
+            learner.step = 1
+            ckpt = learner.save_checkpoint()
+            out[backend] = metrics, {k: v.detach().clone() for k, v in learner.backend.hf_weights()}, ckpt
+        finally:
+            learner.close()
+    (mt, wt, _), (mm, wm, ckpt) = out["torch"], out["megatron"]
+    assert set(wm) == set(wt) and "lm_head.weight" not in wm
+    assert_same_metrics(mt, mm)
+    rel, moved = weight_gap(wt, wm, dict(src.named_parameters()))
+    assert rel < 1e-5 and moved > 1e-3
+    with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in f.keys()
+    loaded = Qwen3MoeForCausalLM.from_pretrained(ckpt)
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    assert all(torch.equal(p, wm[n]) for n, p in loaded.named_parameters())
 
 
 # ----------------------------------------------------------------------------- two processes
@@ -737,6 +809,32 @@ def _saved_bytes(fn):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn()
     return out, saved[0]
+
+
+def test_both_backends_score_sglang_tokens_as_sglang_reports_them():
+    """``sampler.backend: sglang`` at temperature 0.7, top-p 0.8, top-k 20: the torch and megatron
+    backends (one pass, and the LM head in chunks of 8) score each token as SGLang reports it, the
+    tempered softmax over the whole vocabulary, not renormalised over the kept set; their KL
+    reference scores the same way."""
+    gen = GenerationConfig(temperature=0.7, top_p=0.8, top_k=20)
+    tb, mb = _backends(gen, kl_coef=0.1, semantics=SGLANG)
+    ids = torch.randint(0, MODEL.vocab_size, (2, 25), generator=torch.Generator().manual_seed(3))
+    inp, tgt = ids[:, :-1], ids[:, 1:]
+    with torch.no_grad():
+        logits, ref_logits = tb.policy(inp).logits, tb.reference(inp).logits
+    want, want_ref = (torch.log_softmax(x.float() / gen.temperature, -1).gather(-1, tgt[..., None])[..., 0]
+                      for x in (logits, ref_logits))
+    assert torch.equal(token_logprobs(logits, tgt, 0.7, 20, 0.8, semantics=SGLANG), want)
+    renorm = token_logprobs(logits, tgt, 0.7, 20, 0.8, semantics=EMBEDDED)
+    assert float((renorm - want).min()) > 1e-3  # the control: renormalising would differ on every token
+    for chunk in (0, 8):
+        tb.cfg.max_tokens_per_chunk = mb.cfg.max_tokens_per_chunk = chunk
+        for backend in (tb, mb):
+            got = backend.policy_logprobs(inp, tgt, None, grad=False, routing=False)
+            assert float((got.logp - want).abs().max()) < 1e-5, (backend.name, chunk)
+            assert bool(got.outside.any())  # some sampled ids lie outside the joint set: counted, not rescored
+            if chunk:
+                assert float((backend.reference_logprobs(inp, tgt) - want_ref).abs().max()) < 1e-5
 
 
 @pytest.mark.parametrize("tp,ep,pp", [(1, 1, 1), (2, 1, 1), (1, 2, 2)])

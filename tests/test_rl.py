@@ -164,3 +164,67 @@ def test_every_registered_estimator_and_loss_is_a_config_value_and_back():
         load_config(None, ["learner.advantage=nope"])
     with pytest.raises(ConfigError, match="learner.policy_loss"):
         load_config(None, ["learner.policy_loss=nope"])
+
+
+def test_whiten_recentres_gae_only_and_keeps_a_zero_advantage_zero():
+    """learner.normalize_advantages (t1async/learner/advantages.py ``whiten``): re-centred,
+    (A - mean) / std over the masked tokens; not re-centred, A / std (0 stays 0, signs kept); the
+    registry re-centres GAE only; masks of the wrong shape are refused."""
+    from t1async.learner.advantages import ADVANTAGES, whiten
+
+    a = [torch.tensor([[2.0, 2.0, 9.0], [0.0, 0.0, 0.0]]), torch.tensor([[-1.0, 5.0]])]
+    m = [torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]]), torch.tensor([[1.0, 0.0]])]
+    flat = torch.tensor([2.0, 2.0, 0.0, 0.0, -1.0])
+    mean, std = flat.mean(), flat.std(unbiased=False)
+    centred = whiten(a, m, recentre=True)
+    torch.testing.assert_close(centred[0], (a[0] - mean) / std * m[0])
+    torch.testing.assert_close(centred[1], (a[1] - mean) / std * m[1])
+    scaled = whiten(a, m, recentre=False)
+    torch.testing.assert_close(scaled[0], a[0] / std * m[0])
+    assert bool((scaled[0][1] == 0).all()) and float(scaled[1][0, 0]) < 0
+    assert [name for name, adv in ADVANTAGES.items() if adv.recentre] == ["gae"]
+    assert whiten([torch.zeros(1, 2)], [torch.ones(1, 2)], recentre=False)[0].abs().max() == 0  # all alike: 0, no nan
+    with pytest.raises(ValueError, match="one mask per advantage"):
+        whiten(a, m[:1], recentre=True)
+
+
+def test_kl_penalty_gradient_is_the_documented_kl_s_on_and_off_policy_and_k3_s_is_the_other_direction():
+    """learner.kl_coef (t1async/learner/rl.py ``kl_penalty``) on a categorical of 7 tokens, the
+    expectation over the sampler's tokens taken exactly (a sum over the vocabulary, weighted by
+    mu): its gradient is that of KL(pi_theta || pi_ref) on-policy, with a behaviour policy other
+    than pi_theta, and with a proximal policy other than both (a later PPO epoch); its value is
+    that KL. Differentiating k3 instead (main's penalty) gives the gradient of KL(pi_ref || pi_theta)."""
+    from t1async.learner.rl import k3, kl_penalty
+
+    g = torch.Generator().manual_seed(0)
+    V = 7
+    theta = torch.randn(V, dtype=torch.float64, generator=g, requires_grad=True)
+    ref, mu_off, prox_off = (torch.randn(V, dtype=torch.float64, generator=g).log_softmax(-1) for _ in range(3))
+    lp = theta.log_softmax(-1)
+    kl = (lp.exp() * (lp - ref)).sum()
+    want = torch.autograd.grad(kl, theta, retain_graph=True)[0]
+    reverse = torch.autograd.grad((ref.exp() * (ref - lp)).sum(), theta, retain_graph=True)[0]
+    one = torch.ones(1, 1, dtype=torch.float64)
+
+    def expected(mu: torch.Tensor, prox: torch.Tensor) -> tuple[torch.Tensor, float]:
+        loss, value = 0.0, 0.0
+        for x in range(V):  # the token x, drawn with probability mu(x)
+            out = kl_penalty(lp[x].view(1, 1), ref[x].view(1, 1), prox[x].view(1, 1), mu[x].view(1, 1), one,
+                             is_cap=float("inf"))
+            loss = loss + mu[x].exp() * out.loss
+            value += float(mu[x].exp() * out.value)
+        return torch.autograd.grad(loss, theta, retain_graph=True)[0], value
+
+    on = lp.detach()
+    for mu, prox in ((on, on), (mu_off, on), (mu_off, prox_off)):
+        grad, value = expected(mu, prox)
+        torch.testing.assert_close(grad, want, rtol=1e-10, atol=1e-12)
+        assert value == pytest.approx(float(kl.detach()), rel=1e-10)
+    k3_loss = sum(on[x].exp() * k3(ref[x], lp[x]) for x in range(V))  # on-policy, k3 as the loss
+    k3_grad = torch.autograd.grad(k3_loss, theta)[0]
+    torch.testing.assert_close(k3_grad, reverse, rtol=1e-10, atol=1e-12)
+    assert float((k3_grad - want).abs().max()) > 0.05
+    # a behaviour weight above the cap is truncated as the policy loss truncates it
+    capped = kl_penalty(torch.zeros(1, 1), torch.full((1, 1), -1.0), torch.zeros(1, 1), torch.full((1, 1), -3.0),
+                        torch.ones(1, 1), is_cap=2.0)
+    assert float(capped.loss) == pytest.approx(2.0 * 0.5)

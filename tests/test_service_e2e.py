@@ -61,6 +61,25 @@ def _main_error(capsys, argv: list[str]) -> str:
     return capsys.readouterr().err.strip()
 
 
+def _poison_control_socket(run_dir: Path) -> None:
+    """Send the control socket a two-frame request and a non-JSON one; each must be answered with an error."""
+    import zmq
+
+    from t1async.service.rundir import read_service
+
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.REQ_RELAXED, 1)
+    sock.connect(read_service(run_dir)["control"])
+    try:
+        for frames in ([b'{"cmd": "status"}', b"x"], [b"\x00garbage"]):
+            sock.send_multipart(frames)
+            assert sock.poll(15_000), f"no reply to {frames!r}"
+            assert json.loads(sock.recv())["ok"] is False
+    finally:
+        sock.close()
+
+
 def test_service_lifecycle(tmp_path, capsys):
     run_dir = tmp_path / "run"
     out_a = open(tmp_path / "a.out", "w")
@@ -71,6 +90,14 @@ def test_service_lifecycle(tmp_path, capsys):
         st = _wait(lambda: (s := _status(run_dir))["step"] >= 1 and s, 300, "the first step")
         assert st["max_steps"] == 0 and len(st["actors"]) == 2 and st["samplers"][0]["state"] == "serving"
         assert f"in use by t1async launch pid {a.pid}" in _main_error(capsys, ["launch", *CLI[4:], f"run.dir={run_dir}"])
+
+        from t1async.service.rundir import read_service
+
+        assert read_service(run_dir)["trajectories"].startswith("tcp://")  # the learner's socket, documented
+        ray_sessions = [Path(read_service(run_dir)["ray_session"])]
+        # a malformed message (two frames, then garbage) gets an error reply; the socket keeps serving
+        _poison_control_socket(run_dir)
+        assert _status(run_dir)["step"] >= 1
 
         # scale up live: a new actor runs an episode; a key that cannot change live is refused with why
         assert request(run_dir, {"cmd": "scale", "changes": {"rollout.num_actors": 3}})["applied"] == {
@@ -92,16 +119,18 @@ def test_service_lifecycle(tmp_path, capsys):
         time.sleep(1)
         alive = [p for p in tree if _running(p) and b"t1async.service.reaper" not in Path(f"/proc/{p}/cmdline").read_bytes()]
         assert alive == [] and _mounts_under(run_dir) == [] and not (run_dir / "workspaces").exists()
+        assert not ray_sessions[0].exists()  # the reaper removed the Ray session folder from the temp dir
         assert "earlier run" in _main_error(capsys, ["launch", *CLI[4:], f"run.dir={run_dir}"])
 
         # resume: says what it restored, keeps the live change (3 actors)
         out_b = open(tmp_path / "b.out", "w")
         b = subprocess.Popen(CLI + [f"run.dir={run_dir}", "learner.resume=true", *SMALL], stdout=out_b,
                              stderr=subprocess.STDOUT, start_new_session=True)
-        st = _wait(lambda: (s := _status(run_dir))["resumed"] and len(s["actors"]) == 3 and s, 300,
+        st = _wait(lambda: (s := _status(run_dir))["resumed"] and len(s.get("actors", [])) == 3 and s, 300,
                    "the resumed service with its 3 actors")
         assert st["resumed"]["step"] >= 1
         first = st["step"]
+        ray_sessions.append(Path(read_service(run_dir)["ray_session"]))
 
         # self-healing: kill the learner process; the service restarts it from its checkpoint
         learner = [p for p in descendants(b.pid) if Path(f"/proc/{p}/cmdline").read_bytes().startswith(b"ray::Learner")]
@@ -126,5 +155,8 @@ def test_service_lifecycle(tmp_path, capsys):
     assert all(r["staleness_max"] <= 2 for r in rows)
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*")) and list((run_dir / "episodes").glob("*.md"))
     assert not (run_dir / "service.json").exists()
+    assert not ray_sessions[1].exists() and (run_dir / "logs" / "ray").is_dir()  # Ray's logs kept in the run dir
+    restarts = json.loads((run_dir / "summary.json").read_text())["restarts"]
+    assert restarts["learner"] == 1 and "samplers" in restarts, restarts  # sampler restarts counted too
     with pytest.raises(ControlError, match="not running"):
         _status(run_dir)

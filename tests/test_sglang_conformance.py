@@ -90,3 +90,43 @@ def test_pinned_release_facts_t1async_relies_on():
     assert "abort" in mode["type"] and "retract" in mode["type"] and "in_place" in mode["type"]
     assert {"weight_version", "routed_experts", "output_token_logprobs", "finish_reason"} <= set(FIXTURE["meta_info_keys"])
     json.dumps(FIXTURE)  # plain JSON, loadable by the fake server
+
+
+def _sampler_source(wheel: Path) -> str:
+    import zipfile
+
+    with zipfile.ZipFile(wheel) as z:
+        return z.read("sglang/srt/layers/sampler.py").decode("utf-8")
+
+
+def test_pinned_sampler_reports_the_unrenormalised_tempered_softmax():
+    """The facts t1async/models/logprobs.py ``SGLANG`` restates, read from the pinned release's
+    ``srt/layers/sampler.py`` (parsed, never run): the reported log-prob is ``log`` of the whole
+    tempered softmax the sampler draws from (no renormalisation over top-k / top-p); the torch
+    sampler's top-k keeps ranks below k and its top-p cuts where the mass before a token exceeds
+    top_p (``>``), both on the cumulative sum of the full distribution (joint, as the flashinfer
+    call's ``filter_apply_order="joint"``); ``SGLANG_RETURN_ORIGINAL_LOGPROB`` switches to
+    untempered log-probs (launch refuses it, t1async/sampling/sglang_server.py)."""
+    import ast
+
+    tree = ast.parse(_sampler_source(_wheel()))
+    fns = {n.name: n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+    sampler = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "Sampler")
+    forward = next(n for n in sampler.body if isinstance(n, ast.FunctionDef) and n.name == "forward")
+    stmts = [ast.unparse(n) for n in ast.walk(forward) if isinstance(n, (ast.Assign, ast.Expr))]
+    standard = ["logits.div_(sampling_info.temperatures)", "logits[:] = torch.softmax(logits, dim=-1)", "probs = logits"]
+    at = [stmts.index(s) for s in standard]
+    assert at == sorted(at), "the standard path no longer divides, softmaxes, then keeps probs"
+    assert any(s.startswith("logprobs = ") and s.endswith("torch.log(probs)") for s in stmts), \
+        "the reported log-prob is no longer log(probs) of the tempered softmax"
+    torch_sampler = fns["top_k_top_p_min_p_sampling_from_probs_torch"]
+    body = [ast.unparse(n) for n in torch_sampler.body]
+    cumsum = body.index("probs_sum = torch.cumsum(probs_sort, dim=-1)")
+    top_k = next(i for i, s in enumerate(body) if ">= top_ks.view(-1, 1)" in s)
+    assert cumsum < top_k, "top-p no longer reads the full distribution's mass (not joint)"
+    cuts = {ast.unparse(c.left): type(c.ops[0]).__name__ for c in ast.walk(torch_sampler) if isinstance(c, ast.Compare)}
+    assert cuts.get("probs_sum - probs_sort") == "Gt", cuts
+    orders = {ast.unparse(k.value) for k in ast.walk(tree) if isinstance(k, ast.keyword) and k.arg == "filter_apply_order"}
+    assert orders == {"'joint'"}, orders
+    env = [n for n in ast.walk(tree) if isinstance(n, ast.Constant) and n.value == "SGLANG_RETURN_ORIGINAL_LOGPROB"]
+    assert env, "SGLANG_RETURN_ORIGINAL_LOGPROB renamed: update t1async/sampling/sglang_server.py check_logprob_env"

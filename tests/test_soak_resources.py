@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from t1async.commands.soak import dir_bytes, disk_by_part, growth_per_10k, resources, tree_rss_bytes
 
@@ -50,3 +51,39 @@ def test_tree_rss_counts_descendants():
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_soak_says_how_it_goes_in_one_line():
+    from t1async.commands.soak import progress_line
+
+    line = progress_line(2.5, 20, {"step": 14, "restarts": {"learner": 1, "samplers": 2},
+                                   "dropped": {"stale": 0, "aborted": 3}}, {"rollout": 3, "sampler": 1, "learner": 1}, 120)
+    assert line == ('2.5/20 min  step 14  sent 120  kills rollout 3 sampler 1 learner 1  restarts learner 1 samplers 2  '
+                    'dropped {"aborted": 3}')
+    assert progress_line(0.0, 1, None, {"rollout": 0}, 0).startswith("0.0/1 min  step -  sent 0")
+
+
+def test_a_soak_writes_nothing_beside_its_run_dir(tmp_path, monkeypatch, capsys):
+    """The launch's output goes inside the run directory (here a launch that exits at once)."""
+    import subprocess
+
+    import pytest
+
+    from t1async.commands import soak as soak_mod
+
+    class Exited:
+        pid, returncode = 0, 1
+
+        def __init__(self, args, stdout, **kwargs):
+            stdout.write("launch output\n")
+
+        def poll(self):
+            return 1
+
+    monkeypatch.setattr(subprocess, "Popen", Exited)
+    run_dir = tmp_path / "soak-run"
+    with pytest.raises(RuntimeError, match="did not make a first step"):
+        soak_mod.soak(str(Path(__file__).resolve().parents[1] / "configs" / "local.yaml"), 0.1, 0, [], run_dir=run_dir)
+    assert [p.name for p in tmp_path.iterdir()] == ["soak-run"]
+    assert (run_dir / soak_mod.LAUNCH_OUT).read_text() == "launch output\n"
+    assert f"launched the service in {run_dir}" in capsys.readouterr().err  # progress on stderr from the start

@@ -13,8 +13,16 @@ median step seconds and trajectory tokens per second; ``speedup`` is each value'
 first value's; ``padding_frac``, the share of the micro-batches' positions that are padding (what
 packing sequences into rows instead of padding them could save at most, in positions forwarded).
 
+``routing`` (per value, from the same micro-batches as the learner builds them, with
+``learner.backend: megatron`` and ``--expert-parallel`` P ranks): where the replayed token slots
+go, ``after`` (padding spread over experts and ranks, t1async/learner/rl.py ``padding_routes``)
+and ``before`` (the earlier replay of ``arange(K) % E`` at every padded position), side by side:
+``padding_expert_share`` (each expert's share of the padding's expert assignments; even is 1/E),
+``expert_share`` (of all assignments, real tokens too), ``ep_rank_slot_ratio`` (each rank's
+token slots over the ranks' mean; even is 1.0) and ``ep_rank_max_over_min``.
+
 Usage: ``t1async bench micro-batch [--micro-batch-tokens 0,4096] [--batch 64] [--min-tokens 100]
-[--max-tokens 300] [--steps 5] [--advantage group|gae] [--model local|mid]``.
+[--max-tokens 300] [--steps 5] [--advantage group|gae] [--model local|mid] [--expert-parallel 2]``.
 """
 
 from __future__ import annotations
@@ -34,8 +42,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_learner import MODELS  # noqa: E402  (the same model sizes as t1async bench learner)
 
 from t1async.cli import OneLineErrors, at_least_one, at_least_zero  # noqa: E402
-from t1async.config import GenerationConfig, LearnerConfig, ModelConfig, TransportConfig, WeightSyncConfig  # noqa: E402
+from t1async.config import (  # noqa: E402
+    GenerationConfig,
+    LearnerConfig,
+    MegatronConfig,
+    ModelConfig,
+    TransportConfig,
+    WeightSyncConfig,
+)
 from t1async.learner.rl import micro_batches  # noqa: E402
+from t1async.learner.update import micro_batch  # noqa: E402
 from t1async.trajectory import Trajectory  # noqa: E402
 
 
@@ -63,6 +79,34 @@ def make_trajectories(model: ModelConfig, n: int, lo: int, hi: int, seed: int = 
     return out
 
 
+def routing_balance(batch: list[Trajectory], model: ModelConfig, max_tokens: int, expert_parallel: int) -> dict:
+    """Where the replayed token slots of ``batch``'s micro-batches (``learner.micro_batch_tokens``
+    ``max_tokens``, megatron backend with ``expert_parallel`` ranks) go: ``{"after": ..., "before":
+    ...}`` (module docstring), each with ``padding_expert_share``, ``expert_share`` (lists of E
+    floats summing to 1), ``ep_rank_slot_ratio`` (P floats, mean 1) and ``ep_rank_max_over_min``."""
+    E, K, P = model.num_experts, model.num_experts_per_tok, expert_parallel
+    cfg = LearnerConfig(backend="megatron", micro_batch_tokens=max_tokens, megatron=MegatronConfig(expert_parallel=P))
+    lengths = [t.num_tokens - 1 for t in batch]
+    counts = {w: {"pad": torch.zeros(E, dtype=torch.int64), "all": torch.zeros(E, dtype=torch.int64)}
+              for w in ("after", "before")}
+    for group in micro_batches(lengths, max_tokens):
+        mb = micro_batch([batch[i] for i in group], torch.device("cpu"), cfg, E)
+        after, pad = mb["recorded"], ~mb["valid"]
+        before = after.clone()
+        before[pad] = torch.arange(K) % E  # the earlier scheme, for comparison
+        for w, rec in (("after", after), ("before", before)):
+            counts[w]["pad"] += torch.bincount(rec[pad].flatten(), minlength=E)
+            counts[w]["all"] += torch.bincount(rec.flatten(), minlength=E)
+    out = {}
+    for w, c in counts.items():
+        ranks = c["all"].view(P, E // P).sum(1).double()
+        out[w] = {"padding_expert_share": [round(float(x), 4) for x in c["pad"] / max(int(c["pad"].sum()), 1)],
+                  "expert_share": [round(float(x), 4) for x in c["all"] / c["all"].sum()],
+                  "ep_rank_slot_ratio": [round(float(x), 4) for x in ranks / ranks.mean()],
+                  "ep_rank_max_over_min": round(float(ranks.max() / ranks.min()), 4)}
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     from t1async.actors.learner import Learner
 
@@ -79,6 +123,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--model", choices=sorted(MODELS), default="local",
                    help="local: configs/local.yaml's model (4.4 M parameters); mid: about 390 M (tools/bench_learner.py)")
     p.add_argument("--threads", type=at_least_one, default=2, help="torch intra-op threads")
+    p.add_argument("--expert-parallel", type=at_least_one, default=2,
+                   help="expert-parallel ranks the routing balance is counted over (must divide the experts)")
     args = p.parse_args(argv)
     try:
         values = [int(v) for v in args.micro_batch_tokens.split(",") if v.strip()]
@@ -91,6 +137,9 @@ def main(argv: list[str] | None = None) -> dict:
                 f"--max-tokens {args.max_tokens}")
     torch.set_num_threads(args.threads)
     model = MODELS[args.model]
+    if model.num_experts % args.expert_parallel:
+        p.error(f"--expert-parallel {args.expert_parallel} must divide the {args.model} model's "
+                f"{model.num_experts} experts")
     batch = make_trajectories(model, args.batch, args.min_tokens, args.max_tokens)
     tokens = sum(t.num_tokens for t in batch)
     learners = {}
@@ -119,12 +168,14 @@ def main(argv: list[str] | None = None) -> dict:
         padded = sum(len(g) * max(lengths[i] for i in g) for g in micro_batches(lengths, v))
         results[str(v)] = {"step_s_median": round(dt, 3), "step_s_all": [round(t, 3) for t in times[v]],
                            "tokens_per_s": round(tokens / dt, 1), "policy_loss_last": last[v]["policy_loss"],
-                           "padding_frac": round(1 - sum(lengths) / padded, 4)}
+                           "padding_frac": round(1 - sum(lengths) / padded, 4),
+                           "routing": routing_balance(batch, model, v, args.expert_parallel)}
     first = results[str(values[0])]["tokens_per_s"]
     for r in results.values():
         r["speedup"] = round(r["tokens_per_s"] / first, 3)
     out = {"model": args.model, "batch": args.batch, "tokens": tokens, "min_tokens": args.min_tokens,
-           "max_tokens": args.max_tokens, "advantage": args.advantage, "steps": args.steps, "results": results}
+           "max_tokens": args.max_tokens, "advantage": args.advantage, "steps": args.steps,
+           "expert_parallel": args.expert_parallel, "results": results}
     print(json.dumps(out))
     return out
 

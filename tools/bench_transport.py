@@ -61,7 +61,8 @@ def make(T: int, layers: int, top_k: int, experts: int, turns: int = 100, seed: 
     return Trajectory(task="bench", actor_id=0, token_ids=rng.integers(0, 151_000, T).astype(np.uint32), loss_mask=mask,
                       logprobs=np.where(mask == 1, -rng.random(T), 0).astype(np.float32),
                       versions=np.where(mask == 1, 7, -1).astype(np.int32), turn_offsets=np.array(spans, np.int32),
-                      routed_experts=rng.integers(0, experts, (T - 1, layers, top_k)).astype(experts_dtype(experts)),
+                      routed_experts=((rng.integers(0, experts, (T - 1, layers, 1)) + np.arange(top_k))
+                                      % experts).astype(experts_dtype(experts)),  # top-k distinct per row
                       num_experts=experts, reward=3.0, passed=3, total=4, resolved=False, finish_reason="end_signal",
                       tests=[(f"test_{i}", i < 3) for i in range(4)], started_at=1.0, finished_at=2.0)
 

@@ -2,8 +2,9 @@
 
 Runs the service (``t1async launch CONFIG learner.max_steps=0 run.audit=true``, a child process)
 for N minutes while killing a random role with SIGKILL every S seconds (a rollout actor 2 in 4, an
-embedded sampler or the learner 1 in 4 each; found as the launch's descendant processes titled
-``ray::RolloutActor`` / ``ray::EmbeddedSampler`` / ``ray::Learner``),
+embedded sampler or the learner 1 in 4 each; ``--roles learner`` kills only the learner; found as
+the launch's descendant processes titled ``ray::RolloutActor`` / ``ray::EmbeddedSampler`` /
+``ray::Learner``),
 scales the rollout actors up and down twice (``t1async scale``), then stops it (``t1async stop``)
 and prints the ledger, counted from what the run left on disk:
 
@@ -18,8 +19,14 @@ and prints the ledger, counted from what the run left on disk:
 - ``lost`` = sent ids neither consumed by the final checkpoint nor pending;
 - ``staleness_max`` against the bound, and ``hang`` (no learner step for ``--hang-s`` seconds, or
   the service did not stop within 5 minutes).
+- ``dropped_stale_restart``: of the stale drops, those of trajectories sampled (in part) by the
+  weights of an earlier learner life (the learner's counter: an upper bound on the drops a
+  learner restart caused; t1async/learner/timeline.py says why it should be 0).
 
-Exit status 0 when lost = 0, duplicates = 0, the bound held and nothing hung; 1 otherwise.
+Progress goes to stderr as it runs (a line at each sample, every 30 s, and at each kill and scale);
+the launch's own output to ``RUN_DIR/soak-launch.out``; the ledger, as JSON, to stdout at the end.
+Exit status 0 when lost = 0, duplicates = 0, the bound held, no stale drop came from a restart and
+nothing hung; 1 otherwise.
 """
 
 from __future__ import annotations
@@ -42,6 +49,8 @@ from t1async.service.reaper import descendants
 from t1async.service.rundir import is_held
 from t1async.transport.delivery import ReceiveLog, read_consumed
 
+LAUNCH_OUT = "soak-launch.out"
+"""The launch's console output, in the run directory."""
 ROLE_TITLES = {"rollout": b"ray::RolloutActor", "sampler": b"ray::EmbeddedSampler", "learner": b"ray::Learner"}
 
 
@@ -79,6 +88,7 @@ def ledger(run_dir: Path, max_staleness: int, last_status: dict[str, Any] | None
     return {
         "started": ctrl.get("started"), "failed_episodes": ctrl.get("failed_episodes"),
         "sent": len(sent), "acked": len(sent - spooled), "trained": trained, "dropped": dropped,
+        "dropped_stale_restart": state.get("dropped_stale_restart"),
         "consumed_distinct": len(consumed), "duplicates_trained": trained + sum(dropped.values()) - len(consumed),
         "consumed_without_sent_record": len(consumed) - len(consumed_sent), "pending": len(pending),
         "lost": len(lost), "lost_ids": sorted(lost)[:10], "steps": len(rows),
@@ -180,20 +190,32 @@ def _sent_count(run_dir: Path) -> int:
     return n
 
 
+DEFAULT_VICTIMS = ("rollout", "rollout", "sampler", "learner")  # each kill draws one (a rollout actor 2 in 4)
+
+
 def soak(config: str, minutes: float, kill_every: float, overrides: list[str], *, seed: int = 0,
-         hang_s: float = 300.0, run_dir: Path | None = None, sample_every_s: float = 30.0) -> dict[str, Any]:
+         hang_s: float = 300.0, run_dir: Path | None = None, sample_every_s: float = 30.0,
+         roles: tuple[str, ...] = DEFAULT_VICTIMS) -> dict[str, Any]:
     """Run the soak; returns the ledger plus ``kills``, ``scales``, ``hang``, ``run_dir`` and
     ``resources``: every ``sample_every_s`` seconds the run directory's bytes and the resident
     memory of the launch's process tree are sampled with the trajectories spooled so far
-    (:func:`resources`). ``kill_every`` <= 0 kills nothing (a plain long run, to measure growth)."""
+    (:func:`resources`). ``kill_every`` <= 0 kills nothing (a plain long run, to measure growth).
+    ``roles``: each kill's victim is drawn from these (names of :data:`ROLE_TITLES`, repeats weigh).
+
+    Raises:
+        ValueError: a role in ``roles`` is not one of :data:`ROLE_TITLES`.
+    """
+    if not roles or set(roles) - set(ROLE_TITLES):
+        raise ValueError(f"soak roles {list(roles)}: each must be one of {sorted(ROLE_TITLES)}")
     rng = random.Random(seed)
     run_dir = (run_dir or Path(f"runs/soak-{time.strftime('%Y%m%d-%H%M%S')}")).resolve()
     cfg = load_config(config, [*overrides, f"run.dir={run_dir}"])
     launch_args = [sys.executable, "-m", "t1async.cli", "launch", config, *overrides, f"run.dir={run_dir}",
                    "learner.max_steps=0", "run.audit=true", "run.learner_restarts=20"]
     run_dir.mkdir(parents=True, exist_ok=True)
-    out = open(run_dir.parent / f"{run_dir.name}.launch.out", "w")  # noqa: SIM115
+    out = open(run_dir / LAUNCH_OUT, "w")  # noqa: SIM115  (inside the run directory, nothing beside it)
     proc = subprocess.Popen(launch_args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    say(f"launched the service in {run_dir} (its output: {out.name}); waiting for its first step")
     kills: dict[str, int] = {"rollout": 0, "sampler": 0, "learner": 0}
     scales: list[int] = []
     samples: list[dict[str, float]] = []
@@ -207,6 +229,8 @@ def soak(config: str, minutes: float, kill_every: float, overrides: list[str], *
             time.sleep(2)
             last = _try_status(run_dir) or last
         t0 = time.monotonic()
+        say(f"first step; soaking for {minutes:g} min, a kill every {kill_every:g} s" if kill_every > 0
+            else f"first step; running for {minutes:g} min without kills")
         end = t0 + minutes * 60
         n = cfg.rollout.num_actors
         scale_at = [t0 + f * minutes * 60 for f in (0.2, 0.4, 0.6, 0.8)]
@@ -220,6 +244,7 @@ def soak(config: str, minutes: float, kill_every: float, overrides: list[str], *
                 parts = disk_by_part(run_dir)
                 samples.append({"minutes": round((time.monotonic() - t0) / 60, 2), "sent": _sent_count(run_dir),
                                 "disk": sum(parts.values()), "parts": parts, "rss": tree_rss_bytes(proc.pid)})
+                say(progress_line(samples[-1]["minutes"], minutes, last, kills, samples[-1]["sent"]))
             st = _try_status(run_dir)
             if st is not None:
                 last = st
@@ -233,13 +258,17 @@ def soak(config: str, minutes: float, kill_every: float, overrides: list[str], *
                 target = n + 1 if len(scales) % 2 == 0 else n
                 if _try(lambda: request(run_dir, {"cmd": "scale", "changes": {"rollout.num_actors": target}})):
                     scales.append(target)
+                    say(f"scaled to rollout.num_actors={target}")
             if time.monotonic() >= next_kill:
                 next_kill += kill_every
-                role = rng.choice(["rollout", "rollout", "sampler", "learner"])
+                role = rng.choice(roles)
                 pids = role_pids(proc.pid, role)
                 if pids:
-                    os.kill(rng.choice(pids), signal.SIGKILL)
+                    victim = rng.choice(pids)
+                    os.kill(victim, signal.SIGKILL)
                     kills[role] += 1
+                    say(f"killed a {role} (pid {victim})")
+        say("stopping the service (t1async stop) and counting the ledger")
         _try(lambda: request(run_dir, {"cmd": "stop"}))
         try:
             proc.wait(timeout=300)
@@ -258,6 +287,22 @@ def soak(config: str, minutes: float, kill_every: float, overrides: list[str], *
                    "sampler_restarts": (last or {}).get("restarts", {}).get("samplers"), "hang": hang,
                    "exit_status": proc.returncode, "run_dir": str(run_dir), "resources": resources(samples)})
     return result
+
+
+def progress_line(elapsed_min: float, minutes: float, status: dict[str, Any] | None, kills: dict[str, int],
+                  sent: int) -> str:
+    """One line of a soak's progress: minutes done of ``minutes``, the learner's step, trajectories
+    sent so far, kills by role, restarts (from the last ``status`` reply) and drops by reason."""
+    st = status or {}
+    restarts = " ".join(f"{k} {v}" for k, v in (st.get("restarts") or {}).items())
+    dropped = json.dumps({k: v for k, v in (st.get("dropped") or {}).items() if v})
+    return (f"{elapsed_min:.1f}/{minutes:g} min  step {st.get('step', '-')}  sent {sent}  "
+            f"kills {' '.join(f'{k} {v}' for k, v in kills.items())}  restarts {restarts or '-'}  dropped {dropped}")
+
+
+def say(line: str) -> None:
+    """A progress line of the soak on stderr (the ledger alone goes to stdout, at the end)."""
+    print(f"t1async soak: {line}", file=sys.stderr, flush=True)
 
 
 def _try_status(run_dir: Path) -> dict[str, Any] | None:
@@ -280,12 +325,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kill-every", type=float, default=20.0, help="seconds between kills (default 20; 0: none)")
     p.add_argument("--seed", type=int, default=0, help="seed of the choice of victims")
     p.add_argument("--run-dir", default=None, help="run directory (default runs/soak-TIME)")
+    p.add_argument("--roles", default=",".join(DEFAULT_VICTIMS),
+                   help="comma list the victim of each kill is drawn from, repeats weigh (default "
+                        f"{','.join(DEFAULT_VICTIMS)}; e.g. learner)")
     p.set_defaults(func=run_soak)
 
 
 def run_soak(args: argparse.Namespace) -> int:
-    r = soak(args.config, args.minutes, args.kill_every, args.overrides, seed=args.seed,
-             run_dir=Path(args.run_dir) if args.run_dir else None)
+    try:
+        roles = tuple(r.strip() for r in args.roles.split(",") if r.strip())
+        r = soak(args.config, args.minutes, args.kill_every, args.overrides, seed=args.seed,
+                 run_dir=Path(args.run_dir) if args.run_dir else None, roles=roles)
+    except ValueError as e:
+        print(f"t1async soak: {e}", file=sys.stderr)
+        return 2
     print(json.dumps(r, indent=1))
-    ok = r["lost"] == 0 and r["duplicates_trained"] == 0 and r["staleness_max"] <= r["staleness_bound"] and not r["hang"]
+    ok = (r["lost"] == 0 and r["duplicates_trained"] == 0 and r["staleness_max"] <= r["staleness_bound"]
+          and not r["dropped_stale_restart"] and not r["hang"])
     return 0 if ok else 1

@@ -117,7 +117,9 @@ class LearnerConfig:
     """Trajectories per learner step; admission control lets ``batch_size x publish_every``
     rollouts start per published weight version."""
     max_staleness: int = 1
-    """Largest allowed (learner version - oldest token version) of a trajectory trained on."""
+    """Largest allowed (learner version - oldest token version) of a trajectory trained on, in
+    timeline versions (t1async/learner/timeline.py: the weight versions, but a learner restart
+    does not advance them)."""
     publish_every: int = 1
     """Publish new weights to every sampler after this many learner steps (K)."""
     checkpoint_every: int = 0
@@ -158,7 +160,13 @@ class LearnerConfig:
     lam: float = 0.95
     """GAE lambda."""
     normalize_advantages: bool = True
-    """Whiten advantages over the batch's loss tokens (mean 0, std 1)."""
+    """Whiten advantages over the batch's policy-loss tokens (:func:`t1async.learner.advantages.whiten`).
+    ``advantage: gae``: ``(A - mean) / std`` (mean 0, std 1, as PPO does). ``group`` and ``grpo``:
+    ``A / std``, not re-centred (group-level mean, batch-level std: Liu et al. 2025, "Tricks or
+    Traps? A Deep Dive into RL for LLM Reasoning"), so a task whose episodes all scored alike keeps
+    advantage 0 on every token and gives no gradient, and no advantage changes sign; trajectories
+    of such a batch that fell back to GAE are scaled alike. The std is over tokens (a long episode
+    weighs more), floored at 1e-6."""
     policy_loss: str = "ppo"
     """The policy's loss: ``ppo`` (decoupled PPO with a truncated behaviour importance weight,
     the proximal policy in the ratio's denominator; :func:`t1async.learner.rl.policy_loss`).
@@ -188,8 +196,9 @@ class LearnerConfig:
     negative_advantage_weight: float = 1.0
     """Multiplier of negative advantages, after whitening when ``normalize_advantages`` (0..1).
     1: the usual policy gradient. Below 1 the update leans toward what did better than the
-    baseline: with group advantages and whitening off, 0 trains only on the episodes above their
-    baseline; with whitening on, only on tokens above the batch's mean advantage (reward-filtered imitation
+    baseline: with group advantages (whitened or not: their whitening keeps every sign), 0 trains
+    only on the episodes above their baseline; with GAE and whitening on, only on tokens above the
+    batch's mean advantage (reward-filtered imitation
     of the policy's own better episodes, RAFT++ in
     Xiong et al. 2025, "A Minimalist Approach to LLM Reasoning"; Arnal et al. 2025, "Asymmetric
     REINFORCE", show why a baseline below the mean is the stable side off-policy): pushing
@@ -200,11 +209,15 @@ class LearnerConfig:
     policy, before the first policy update (``phase`` is ``critic_warmup`` in metrics.jsonl)."""
     kl_coef: float = 0.0
     """Weight of a KL penalty to the reference policy (the warm start ``init_checkpoint``, frozen;
-    the initial weights without one): ``kl_coef x`` the per-token k3 estimate of
-    KL(pi_theta || pi_ref) (Schulman 2020), averaged over loss tokens, is added to the policy loss
-    (as InstructGPT, Ouyang et al. 2022, anchors PPO). It keeps behaviour the reward does not see
-    (ending with the end signal, the shape of commands) from drifting. 0 = off (no reference is
-    kept). Reported as ``kl_ref``."""
+    the initial weights without one): ``kl_coef x`` a per-token surrogate, averaged over loss
+    tokens, is added to the policy loss (as InstructGPT, Ouyang et al. 2022, anchors PPO), whose
+    gradient estimates that of KL(pi_theta || pi_ref) at each token's state from the sampler's
+    tokens: ``sg(rho) (log pi_theta - log pi_ref)^2 / 2`` with the importance weight rho =
+    pi_theta / mu, its behaviour part capped at ``is_cap`` (:func:`t1async.learner.rl.kl_penalty`;
+    Tang & Munos 2025; differentiating the k3 estimate would descend KL(pi_ref || pi_theta)). It
+    keeps behaviour the reward does not see (ending with the end signal, the shape of commands)
+    from drifting. 0 = off (no reference is kept). Reported as ``kl_ref``: the k3 estimate of
+    KL(pi_theta || pi_ref) (Schulman 2020), weighted by rho."""
     reward: str = "dense"
     """Episode reward: ``dense`` (the number of verifier tests passed, the reference's choice) or
     ``binary`` (1 when resolved, else 0)."""

@@ -11,7 +11,9 @@ class SamplerConfig:
 
     backend: str = "embedded"
     """``embedded`` (PyTorch engine in a Ray actor) or ``sglang`` (``sglang.launch_server`` processes
-    started by launch, or the running servers in ``urls``; t1async/sampling/sglang_server.py)."""
+    started by launch, or the running servers in ``urls``; t1async/sampling/sglang_server.py). Also
+    picks which distribution the learner scores tokens under, the one the backend reports (see
+    ``generation.top_k``)."""
     num_samplers: int = 1
     """Samplers to start (M; ignored when ``urls`` is set)."""
     urls: list[str] = field(default_factory=list)
@@ -56,8 +58,10 @@ class GenerationConfig:
     top_p: float = 1.0
     """Nucleus mass kept (1.0 keeps all)."""
     top_k: int = -1
-    """Keep only the k most likely tokens (>= 1; -1 keeps all). The sampler reports, and the
-    learner scores, log-probs of this processed distribution (t1async.models.logprobs.processed_logprobs)."""
+    """Keep only the k most likely tokens (>= 1; -1 keeps all). The learner scores each sampled
+    token as ``sampler.backend`` reports it (t1async/models/logprobs.py ``SamplingSemantics``):
+    ``embedded`` renormalised over the top-k / top-p set it drew from, ``sglang`` the tempered
+    softmax over the whole vocabulary (SGLang does not renormalise; it cuts top-k and top-p jointly)."""
 
 
 @dataclass

@@ -158,6 +158,15 @@ class TransportConfig:
     the receive log before it ACKs any of them (group commit); 1: a flush per trajectory."""
     max_message_bytes: int = 4 << 30
     """Largest trajectory frame the learner accepts (ZeroMQ drops the peer's connection beyond)."""
+    quarantine_prefix_bytes: int = 64 << 10
+    """Bytes of each refused trajectory message kept in RUN_DIR/quarantine (its header and first
+    arrays; never the whole message), beside its metadata: reason, error, size, sha256, time
+    (t1async/transport/quarantine.py)."""
+    quarantine_max_bytes: int = 64 << 20
+    """Most bytes RUN_DIR/quarantine keeps of refused messages (prefixes and metadata); beyond it
+    the oldest are evicted and counted (``quarantine_evicted``). 0: keep none (still counted)."""
+    quarantine_max_files: int = 1000
+    """Most refused messages RUN_DIR/quarantine keeps; beyond it the oldest are evicted and counted."""
     curve: bool = False
     """Authenticate and encrypt with CurveZMQ; keys come from ``keys_dir``."""
     keys_dir: str = ""

@@ -4,8 +4,9 @@ The learner (actors/learner.py) owns the data path, batch preparation (tensors, 
 advantages), the RL losses (t1async/learner/rl.py) and metrics. A backend owns the models (policy,
 critic, optional frozen reference), their optimisers and their layouts, and answers five things:
 
-- :meth:`LearnerBackend.policy_logprobs`: per-token log-probs of the targets under the sampling
-  distribution (t1async/models/logprobs.py token_logprobs), with the sampler's routed experts replayed or not;
+- :meth:`LearnerBackend.policy_logprobs`: per-token log-probs of the targets under the distribution
+  the samplers report (t1async/models/logprobs.py token_logprobs, under the ``SamplingSemantics`` of
+  ``sampler.backend``), with the sampler's routed experts replayed or not;
 - :meth:`LearnerBackend.values`: the critic's per-token values;
 - :meth:`LearnerBackend.backward` / :meth:`LearnerBackend.step`: gradients and one optimiser step
   (gradient clipping, learning rate);
@@ -34,6 +35,7 @@ from loguru import logger
 from safetensors.torch import load_file, save_file
 
 from t1async.config import GenerationConfig, LearnerConfig, ModelConfig
+from t1async.models.logprobs import EMBEDDED, SamplingSemantics
 
 __all__ = ["BACKENDS", "ONE_PROCESS", "AdamWPair", "LearnerBackend", "MasterWeightAdamW", "PolicyForward",
            "ShardedAdamW", "chunk_size", "make_backend"]
@@ -117,8 +119,9 @@ class LearnerBackend(Protocol):
 
 
 def make_backend(name: str, cfg: LearnerConfig, model_cfg: ModelConfig, generation: GenerationConfig,
-                 init: str | Path | None) -> LearnerBackend:
-    """Build backend ``name`` (a key of :data:`BACKENDS`).
+                 init: str | Path | None, semantics: SamplingSemantics = EMBEDDED) -> LearnerBackend:
+    """Build backend ``name`` (a key of :data:`BACKENDS`), scoring tokens under ``semantics`` (the
+    samplers' log-prob semantics, t1async/models/logprobs.py :func:`sampling_semantics`).
 
     Raises:
         ValueError: unknown name. ImportError: the backend's optional dependency is missing
@@ -127,7 +130,7 @@ def make_backend(name: str, cfg: LearnerConfig, model_cfg: ModelConfig, generati
     if name not in BACKENDS:
         raise ValueError(f"learner.backend={name!r} is not one of {sorted(BACKENDS)}")
     module, cls = BACKENDS[name].split(":")
-    return getattr(importlib.import_module(module), cls)(cfg, model_cfg, generation, init)
+    return getattr(importlib.import_module(module), cls)(cfg, model_cfg, generation, init, semantics=semantics)
 
 
 def chunk_size(max_tokens_per_chunk: int, positions: int) -> int:

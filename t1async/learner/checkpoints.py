@@ -1,19 +1,31 @@
 """Checkpoints: one directory per step, written in a hidden folder and renamed into place.
 
 ``RUN_DIR/checkpoints/step_NNNNNN/`` holds the backend's weights and optimisers, the trainer
-state and ``consumed.json`` (t1async/transport/delivery.py ``ConsumedLedger``: every trajectory id
-that model state consumed); :func:`latest_checkpoint` finds the newest complete one on resume.
+state, ``consumed.json`` (t1async/transport/delivery.py ``ConsumedLedger``: every trajectory id
+that model state consumed) and ``manifest.json`` (the size and SHA-256 of every other file,
+written by :func:`commit`). :func:`latest_checkpoint` finds the newest complete one;
+:func:`resumable_checkpoint`, used on resume, takes the newest that also verifies against its
+manifest and moves each newer one that does not aside, as ``step_NNNNNN.corrupt`` (kept for a
+look, never loaded, never rotated away). A checkpoint written before manifests existed has none:
+it is loaded unverified, as before.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 import shutil
 import uuid
 from pathlib import Path
 
+from loguru import logger
+
 from t1async.fileio import fsync_dir
+
+MANIFEST = "manifest.json"
+"""``{"format": 1, "files": {relative path: {"bytes": int, "sha256": hex str}}}`` of a checkpoint."""
 
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 
@@ -30,8 +42,10 @@ def commit(staged: Path, final: Path, *, fsync: bool = True) -> Path:
 
     With ``fsync``, every file is fsync-ed first, so a power loss leaves either the old or the new
     checkpoint, never a mix. Between the two renames of a replacement a crash leaves no ``final``;
-    :func:`latest_checkpoint` then takes the previous step (still consistent).
+    :func:`latest_checkpoint` then takes the previous step (still consistent). The manifest
+    (:func:`write_manifest`) is written first, so what a later resume verifies is what was staged.
     """
+    write_manifest(staged)
     if fsync:
         for f in staged.rglob("*"):
             if f.is_file():
@@ -56,6 +70,76 @@ def latest_checkpoint(root: Path) -> Path | None:
     found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name))
              and (p / "trainer_state.json").is_file()]
     return max(found)[1] if found else None
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_manifest(folder: Path) -> Path:
+    """Write ``folder/manifest.json``: the size (bytes) and SHA-256 (hex) of every file under
+    ``folder`` but the manifest itself (about 1 s per GB read). Returns its path."""
+    files = {f.relative_to(folder).as_posix(): {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+             for f in sorted(folder.rglob("*")) if f.is_file() and f.name != MANIFEST}
+    path = folder / MANIFEST
+    path.write_text(json.dumps({"format": 1, "files": files}, indent=1))
+    return path
+
+
+def verify_checkpoint(folder: Path) -> str | None:
+    """Why checkpoint ``folder`` cannot be trusted (one line: the first file missing, of the
+    wrong size, or whose SHA-256 differs from ``manifest.json``; a manifest that cannot be read),
+    or None when it verifies. A checkpoint without a manifest (written before they existed)
+    verifies if it has ``trainer_state.json``."""
+    if not (folder / MANIFEST).exists():
+        return None if (folder / "trainer_state.json").is_file() else "no trainer_state.json"
+    try:
+        files = json.loads((folder / MANIFEST).read_text())["files"]
+        entries = [(name, int(e["bytes"]), str(e["sha256"])) for name, e in files.items()]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"{MANIFEST} cannot be read ({type(e).__name__})"
+    for name, size, digest in entries:
+        f = folder / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != size:
+            return f"{name} has {f.stat().st_size} bytes, its manifest says {size}"
+        if _sha256(f) != digest:
+            return f"{name}'s SHA-256 differs from its manifest"
+    return None
+
+
+def resumable_checkpoint(root: Path) -> tuple[Path | None, list[str]]:
+    """The newest committed checkpoint under ``root`` that verifies (:func:`verify_checkpoint`), and
+    one line for each newer one that did not: that one is renamed ``step_NNNNNN.corrupt``
+    (a number suffix when that name is taken) so that no later resume tries it again.
+
+    Returns:
+        ``(path or None, lines)``; None when no checkpoint verifies (a resume then replays the
+        whole receive log from step 0).
+    """
+    if not root.is_dir():
+        return None, []
+    found = sorted(((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()),
+                   reverse=True)
+    lines: list[str] = []
+    for _, path in found:
+        why = verify_checkpoint(path)
+        if why is None:
+            return path, lines
+        aside = path.with_name(f"{path.name}.corrupt")
+        n = 1
+        while aside.exists():
+            n += 1
+            aside = path.with_name(f"{path.name}.corrupt{n}")
+        os.rename(path, aside)
+        lines.append(f"checkpoint {path.name} failed verification ({why}); moved aside to {aside}")
+        logger.error("{}", lines[-1])
+    return None, lines
 
 
 def rotate_checkpoints(root: Path, keep_last: int, keep_every: int = 0) -> list[Path]:

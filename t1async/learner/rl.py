@@ -8,6 +8,7 @@ log pi_prox_i (the learner's weights before this update, no gradient), current l
     r_i = exp(log pi_theta_i - log pi_prox_i)
     w_i = min(exp(log pi_prox_i - log mu_i), C)
     L_policy = - sum_i w_i * min(r_i A_i, clip(r_i, 1 - eps, 1 + eps) A_i) / n
+    L_KL     = sum_i sg(w_i r_i) * (log pi_theta_i - log pi_ref_i)^2 / 2 / n     (kl_penalty)
 
 Sources: decoupled PPO (Hilton et al. 2021, "Batch size-invariance for policy optimization");
 AReaL (Fu et al. 2025); truncated importance sampling as in IMPALA / V-trace (Espeholt et al.
@@ -206,6 +207,14 @@ def k3(logp: torch.Tensor, logp_behavior: torch.Tensor) -> torch.Tensor:
     processing (temperature, top-k, top-p: :func:`processed_logprobs`, as the engine reports and
     the learner scores), and never negative.
 
+    A value to report, not a penalty to differentiate: as the KL penalty it would be
+    ``k3(log pi_ref, log pi_theta)`` on tokens of pi_theta (an estimate of KL(pi_theta || pi_ref)),
+    and its gradient ``(1 - pi_ref / pi_theta) grad log pi_theta`` has expectation
+    ``sum_x (pi_theta - pi_ref) grad log pi_theta = grad KL(pi_ref || pi_theta)``: the other
+    direction, since autograd does not see that the tokens' distribution depends on theta (Tang &
+    Munos 2025, "On a few pitfalls in KL divergence gradient estimation for RL"). The penalty's
+    estimator: :func:`kl_penalty`.
+
     Args:
         logp: float ``[...]`` learner log-probs log pi of the sampled tokens.
         logp_behavior: float, same shape, the sampler's log mu of the same tokens.
@@ -215,6 +224,69 @@ def k3(logp: torch.Tensor, logp_behavior: torch.Tensor) -> torch.Tensor:
     """
     log_r = (logp - logp_behavior).double()
     return (torch.expm1(log_r) - log_r).to(logp.dtype)
+
+
+@dataclass
+class KLPenaltyOutput:
+    """The KL penalty of a micro-batch (:func:`kl_penalty`)."""
+
+    loss: torch.Tensor
+    """Scalar to differentiate: its gradient estimates that of KL(pi_theta || pi_ref) per token."""
+    value: torch.Tensor
+    """Scalar, no gradient: the importance-weighted k3 estimate of KL(pi_theta || pi_ref) per token
+    (same normalisation as ``loss``); ``kl_ref`` in metrics.jsonl."""
+
+
+def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, logp_prox: torch.Tensor, logp_behavior: torch.Tensor,
+               mask: torch.Tensor, *, is_cap: float, denom: float | None = None) -> KLPenaltyOutput:
+    """The KL penalty to the reference, ``learner.kl_coef``: a surrogate whose gradient estimates
+    that of KL(pi_theta || pi_ref) at each loss token's state, from tokens sampled by the behaviour
+    policy mu (the sampler's, possibly stale).
+
+    Derivation, per state s, with k1 = log pi_theta(x) - log pi_ref(x) (Schulman 2020,
+    "Approximating KL divergence", for k1 / k2 / k3)::
+
+        grad KL = grad sum_x pi_theta(x) k1(x) = sum_x (grad pi_theta(x)) k1(x) + sum_x grad pi_theta(x)
+                = E_{x ~ pi_theta}[k1(x) grad log pi_theta(x)]            (sum_x grad pi_theta = grad 1 = 0)
+                = E_{x ~ mu}[rho(x) k1(x) grad log pi_theta(x)],          rho = pi_theta / mu
+
+    and ``sg(rho) * k1^2 / 2`` ("k2" with a stop-gradient importance weight) has exactly
+    ``rho k1 grad log pi_theta`` as gradient. On-policy (rho = 1) this is k2 as a loss, whose
+    gradient is unbiased for the reverse KL's (Tang & Munos 2025, "On a few pitfalls in KL divergence
+    gradient estimation for RL"; Liu et al. 2025, "Rethinking KL Regularization in RLHF"); k3 as
+    a loss is not (:func:`k3`). ``rho`` is split as the policy loss splits it (decoupled PPO):
+    ``min(pi_prox / mu, C) * pi_theta / pi_prox``, the behaviour part truncated at C =
+    ``learner.is_cap`` (biased only on the tokens it truncates), the proximal part exact.
+
+    What it optimises: the sum over loss tokens of the per-state KL(pi_theta(.|s_t) || pi_ref(.|s_t))
+    at the states the episodes visited; theta's effect on which states are visited (the later
+    tokens' share of the sequence-level KL) is not differentiated, the "partial gradient" of Tang &
+    Munos 2025 that every per-token KL loss takes.
+
+    Args:
+        logp: float ``[B, T]`` log pi_theta of the sampled tokens, with gradient.
+        logp_ref, logp_prox, logp_behavior: float ``[B, T]`` the reference's, the proximal
+            policy's and the sampler's log-probs of the same tokens, under the same processing
+            (no gradient taken through them).
+        mask: float ``[B, T]`` of 0/1, 1 on the tokens the policy trains.
+        is_cap: C, the cap of the behaviour weight (> 0; ``float("inf")``: none).
+        denom: divide the token sums by this (default: the loss tokens in ``mask``), so
+            micro-batches accumulate into one batch mean.
+
+    Returns:
+        :class:`KLPenaltyOutput`: ``loss`` (differentiate it) and ``value`` (``sum(rho k3) / denom``
+        with k3 = ``k3(logp_ref, logp)``, unbiased for KL(pi_theta || pi_ref) where no weight is
+        truncated, never negative).
+    """
+    logp_ref, logp_prox, logp_behavior = logp_ref.detach(), logp_prox.detach(), logp_behavior.detach()
+    with torch.no_grad():
+        behaviour = torch.exp((logp_prox - logp_behavior).double()).clamp(max=is_cap)
+        rho = (behaviour * torch.exp((logp.detach() - logp_prox).double())).to(logp.dtype)
+    log_ratio = logp - logp_ref
+    d = denom if denom is not None else mask.sum().clamp(min=1.0)
+    loss = (rho * 0.5 * log_ratio ** 2 * mask).sum() / d
+    value = ((rho * k3(logp_ref, logp.detach())) * mask).sum() / d
+    return KLPenaltyOutput(loss=loss, value=value.detach())
 
 
 def routing_differs(experts: torch.Tensor, recorded: torch.Tensor) -> torch.Tensor:
@@ -230,6 +302,51 @@ def routing_differs(experts: torch.Tensor, recorded: torch.Tensor) -> torch.Tens
     a = experts.long().sort(dim=-1).values
     b = recorded.long().sort(dim=-1).values
     return (a != b).any(dim=-1).any(dim=-1)
+
+
+def padding_routes(n: int, top_k: int, num_experts: int, expert_parallel: int = 1) -> torch.Tensor:
+    """Replayed experts for ``n`` padded positions, spread evenly over the experts and the
+    expert-parallel ranks (a padded position's output is masked, but it still takes a token slot
+    on the experts it is sent to).
+
+    Slot j of row r is s = r K + j, and goes to expert
+    ``e(s) = (s mod P) E/P + (s div P) mod (E/P)`` (P = ``expert_parallel``; rank p holds experts
+    [p E/P, (p+1) E/P), as Megatron places them). ``e`` maps any E consecutive slots onto the E
+    experts one-to-one and consecutive slots alternate over the ranks, so: the K ids of a row are
+    distinct (K <= E consecutive slots), each expert gets floor(nK/E) or ceil(nK/E) of the n K
+    assignments, and each rank floor(nK/P) or ceil(nK/P). Deterministic.
+
+    Returns:
+        int64 ``[n, top_k]``.
+
+    Raises:
+        ValueError: ``top_k`` > ``num_experts``, or ``expert_parallel`` not dividing ``num_experts``.
+    """
+    K, E, P = top_k, num_experts, expert_parallel
+    if not 1 <= K <= E or P < 1 or E % P:
+        raise ValueError(f"padding_routes needs 1 <= top_k <= num_experts and expert_parallel dividing "
+                         f"num_experts, got top_k={K}, num_experts={E}, expert_parallel={P}")
+    s = torch.arange(n * K, dtype=torch.int64).view(n, K)
+    return (s % P) * (E // P) + (s // P) % (E // P)
+
+
+def fill_padding_routes(routed: torch.Tensor, pad: torch.Tensor, num_experts: int,
+                        expert_parallel: int = 1) -> torch.Tensor:
+    """``routed`` with its padded positions' rows replaced by :func:`padding_routes` (the i-th
+    padded position in row-major order takes row i, the same in every layer).
+
+    Args:
+        routed: integer ``[B, T, L, K]`` expert ids. pad: bool ``[B, T]``, True at padding.
+        num_experts, expert_parallel: as :func:`padding_routes`.
+
+    Returns:
+        int64 ``[B, T, L, K]`` (a new tensor on ``routed``'s device).
+    """
+    out = routed.long().clone()
+    pad = pad.to(out.device)
+    n, L, K = int(pad.sum()), out.shape[2], out.shape[3]
+    out[pad] = padding_routes(n, K, num_experts, expert_parallel).to(out.device)[:, None, :].expand(n, L, K)
+    return out
 
 
 def load_balancing_loss(gate_logits: list[torch.Tensor], num_experts: int, top_k: int) -> torch.Tensor:

@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 from t1async.config import GenerationConfig, LearnerConfig, ModelConfig
 from t1async.learner.backend import AdamWPair, PolicyForward, chunk_size
-from t1async.models.logprobs import token_logprobs
+from t1async.models.logprobs import EMBEDDED, SamplingSemantics, token_logprobs
 from t1async.models.model import Qwen3MoeForCausalLM, Qwen3MoeModel
 from t1async.weights.buckets import pack_parameters
 
@@ -58,7 +58,8 @@ def layer_checkpointing(trunk: Qwen3MoeModel) -> Iterator[None]:
 
 
 def chunked_token_logprobs(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, tgt: torch.Tensor,
-                           g: GenerationConfig, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+                           g: GenerationConfig, chunk: int, semantics: SamplingSemantics = EMBEDDED
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`t1async.models.logprobs.token_logprobs` of ``head(hidden).float()``, ``chunk`` positions at a time.
 
     With gradients on, each chunk is checkpointed (``torch.utils.checkpoint``, non-reentrant):
@@ -73,12 +74,14 @@ def chunked_token_logprobs(head: Callable[[torch.Tensor], torch.Tensor], hidden:
         tgt: int64 [B, T] target ids.
         g: temperature, top-k, top-p the samplers used.
         chunk: positions per chunk, >= 1.
+        semantics: the samplers' log-prob semantics (t1async/models/logprobs.py :class:`SamplingSemantics`).
 
     Returns:
         (float32 [B, T] log-probs, bool [B, T] targets kept outside the filter's set).
     """
     def score(h: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return token_logprobs(head(h).float(), t, g.temperature, g.top_k, g.top_p, return_outside=True)
+        return token_logprobs(head(h).float(), t, g.temperature, g.top_k, g.top_p, semantics=semantics,
+                              return_outside=True)
 
     parts = []
     for s in range(0, hidden.shape[1], chunk):
@@ -109,6 +112,8 @@ class TorchBackend(AdamWPair):
     Args:
         cfg, model_cfg: learner settings and policy architecture.
         generation: the samplers' temperature, top-k and top-p (log-probs are of that distribution).
+        semantics: which distribution the samplers' log-probs are of (renormalised or not:
+            t1async/models/logprobs.py :class:`SamplingSemantics`, from ``sampler.backend``).
         init: checkpoint folder of the policy, or None (seeded init).
         device, dtype: where and in which dtype the models run (the critic's head stays float32).
     """
@@ -117,8 +122,8 @@ class TorchBackend(AdamWPair):
 
     def __init__(self, cfg: LearnerConfig, model_cfg: ModelConfig, generation: GenerationConfig,
                  init: str | Path | None = None, *, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32):
-        self.cfg, self.generation = cfg, generation
+                 dtype: torch.dtype = torch.float32, semantics: SamplingSemantics = EMBEDDED):
+        self.cfg, self.generation, self.semantics = cfg, generation, semantics
         self.device = torch.device(device)
         self.policy = load_policy(model_cfg, init)
         self.critic = ValueModel(self.policy) if cfg.critic else None  # learner.critic: false builds none
@@ -152,13 +157,14 @@ class TorchBackend(AdamWPair):
         with torch.set_grad_enabled(grad):
             if not chunk:
                 out = self.policy(inp, routed_experts=replay, return_routing=routing)
-                # scored under the sampler's processing (temperature, top-k, top-p); a sampled id
-                # just outside this model's own nucleus is kept in it (counted by the learner)
-                logp, outside = token_logprobs(out.logits, tgt, g.temperature, g.top_k, g.top_p, return_outside=True)
+                # scored as the samplers report (temperature, top-k, top-p, self.semantics); a sampled
+                # id just outside this model's own nucleus is kept in it (counted by the learner)
+                logp, outside = token_logprobs(out.logits, tgt, g.temperature, g.top_k, g.top_p,
+                                               semantics=self.semantics, return_outside=True)
             else:
                 with layer_checkpointing(self.policy.model):
                     out = self.policy(inp, routed_experts=replay, return_routing=routing, logits_to_keep=1)
-                logp, outside = chunked_token_logprobs(self.policy.lm_head, out.hidden, tgt, g, chunk)
+                logp, outside = chunked_token_logprobs(self.policy.lm_head, out.hidden, tgt, g, chunk, self.semantics)
         return PolicyForward(logp, outside, out.routed_experts, out.router_experts)
 
     def reference_logprobs(self, inp, tgt) -> torch.Tensor:
@@ -168,9 +174,10 @@ class TorchBackend(AdamWPair):
         chunk = self._chunk(inp)
         with torch.no_grad():
             if not chunk:
-                return token_logprobs(self.reference(inp).logits, tgt, g.temperature, g.top_k, g.top_p)
+                return token_logprobs(self.reference(inp).logits, tgt, g.temperature, g.top_k, g.top_p,
+                                      semantics=self.semantics)
             hidden = self.reference(inp, logits_to_keep=1).hidden
-            return chunked_token_logprobs(self.reference.lm_head, hidden, tgt, g, chunk)[0]
+            return chunked_token_logprobs(self.reference.lm_head, hidden, tgt, g, chunk, self.semantics)[0]
 
     def values(self, inp, *, grad) -> torch.Tensor:
         if self.critic is None:

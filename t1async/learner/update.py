@@ -2,9 +2,10 @@
 
     batch --micro-batches (right-padded, learner.micro_batch_tokens)--> critic values (old),
     GAE over sampled tokens (or the per-episode estimate of ``learner.advantage``,
-    t1async/learner/advantages.py) --> whitening --> ``ppo_epochs`` x (policy log-probs under
-    routing replay; proximal = the first epoch's; policy loss ``learner.policy_loss``,
-    t1async/learner/losses.py; k3 KL to the reference; clipped value loss) --> one optimiser
+    t1async/learner/advantages.py) --> whitening (re-centred for GAE only) --> ``ppo_epochs`` x
+    (policy log-probs under routing replay; proximal = the first epoch's; policy loss
+    ``learner.policy_loss``, t1async/learner/losses.py; importance-weighted KL penalty to the
+    reference, :func:`t1async.learner.rl.kl_penalty`; clipped value loss) --> one optimiser
     step per epoch --> the step's metrics.
 
 The Ray role (actors/learner.py) collects the batch, calls :func:`train_step`, then publishes
@@ -20,10 +21,10 @@ import torch
 
 from t1async.config import LearnerConfig
 from t1async.learner.abnormal import policy_mask
-from t1async.learner.advantages import ADVANTAGES
+from t1async.learner.advantages import ADVANTAGES, whiten
 from t1async.learner.backend import LearnerBackend, chunk_size
 from t1async.learner.losses import POLICY_LOSSES
-from t1async.learner.rl import gae, k3, micro_batches, routing_differs, value_loss
+from t1async.learner.rl import fill_padding_routes, gae, k3, kl_penalty, micro_batches, routing_differs, value_loss
 from t1async.trajectory import Trajectory
 
 
@@ -101,11 +102,11 @@ def train_step(batch: list[Trajectory], backend: LearnerBackend, cfg: LearnerCon
     n_value = float(sum(it["vmask"].sum() for it in items))  # every sampled token
     ev = explained_variance(torch.cat([it["old_v"][it["vmask"].bool()] for it in items]),
                             torch.cat([it["ret"][it["vmask"].bool()] for it in items])) if cfg.critic else None
-    if cfg.normalize_advantages:
-        flat = torch.cat([it["adv"][it["mask"].bool()] for it in items])
-        mean, std = flat.mean(), flat.std(unbiased=False).clamp(min=1e-6)
-        for it in items:
-            it["adv"] = (it["adv"] - mean) / std * it["mask"]
+    if cfg.normalize_advantages:  # GAE: (A - mean) / std; per-episode estimators: A / std (a zero stays zero)
+        whitened = whiten([it["adv"] for it in items], [it["mask"] for it in items],
+                          recentre=ADVANTAGES[cfg.advantage].recentre)
+        for it, adv in zip(items, whitened):
+            it["adv"] = adv
     if cfg.negative_advantage_weight != 1.0:
         for it in items:
             it["adv"] = torch.where(it["adv"] < 0, it["adv"] * cfg.negative_advantage_weight, it["adv"])
@@ -138,11 +139,11 @@ def train_step(batch: list[Trajectory], backend: LearnerBackend, cfg: LearnerCon
             if cfg.kl_coef > 0 and train_policy:
                 if epoch == 0:
                     it["ref"] = torch.where(it["valid"], backend.reference_logprobs(it["inp"], it["tgt"]), 0.0)
-                # k3 estimate of KL(pi_theta || pi_ref) on tokens sampled from (nearly) pi_theta
-                kl = (k3(it["ref"], logp) * it["mask"]).sum() / n_tokens
-                kl_term = cfg.kl_coef * kl
+                # gradient of KL(pi_theta || pi_ref) from the behaviour policy's tokens (importance-weighted)
+                kl = kl_penalty(logp, it["ref"], it["prox"], it["mu"], it["mask"], is_cap=cfg.is_cap, denom=n_tokens)
+                kl_term = cfg.kl_coef * kl.loss
                 if epoch == cfg.ppo_epochs - 1:
-                    sums["kl_ref"] = sums.get("kl_ref", 0.0) + float(kl.detach())
+                    sums["kl_ref"] = sums.get("kl_ref", 0.0) + float(kl.value)
             vl = value_loss(backend.values(it["inp"], grad=True), it["old_v"], it["ret"], it["vmask"], clip=cfg.value_clip,
                             denom=n_value) if cfg.critic else torch.zeros(())
             loss = cfg.value_coef * vl + (pl.loss + kl_term if train_policy else 0.0)
@@ -171,6 +172,26 @@ def train_step(batch: list[Trajectory], backend: LearnerBackend, cfg: LearnerCon
                if ADVANTAGES[cfg.advantage].per_episode is not None else {})}
 
 
+def probe(traj: Trajectory, backend: LearnerBackend, cfg: LearnerConfig, *, num_experts: int) -> None:
+    """Run the forward passes of a :func:`train_step` on ``traj`` alone, without gradient and
+    without changing ``backend``: the critic's values (``learner.critic``), the policy's log-probs
+    with its routed experts (replayed under ``learner.routing_replay``) and the reference's
+    (``learner.kl_coef`` > 0). The learner calls it on each trajectory of a step that raised, to
+    find the one to quarantine (actors/learner.py ``_guarded_step``).
+
+    Raises:
+        Exception: whatever the step would raise on this trajectory (e.g. ``IndexError`` for a
+            token id past the embedding).
+    """
+    it = micro_batch([traj], backend.device, cfg, num_experts)
+    with torch.no_grad():
+        if cfg.critic:
+            backend.values(it["inp"], grad=False)
+        backend.policy_logprobs(it["inp"], it["tgt"], it["replay"], grad=False, routing=True)
+        if cfg.kl_coef > 0:
+            backend.reference_logprobs(it["inp"], it["tgt"])
+
+
 def micro_batch(trajs: list[Trajectory], dev: torch.device, cfg: LearnerConfig,
                 num_experts: int) -> dict[str, torch.Tensor]:
     """Trajectories right-padded to the longest into ``[B, T]`` tensors (``T`` = its positions).
@@ -178,9 +199,10 @@ def micro_batch(trajs: list[Trajectory], dev: torch.device, cfg: LearnerConfig,
     Returns ``inp``, ``tgt`` (int64; padding id 0), ``valid`` (bool: a real position),
     ``vmask`` (float: every sampled token), ``mask`` (float: the policy's,
     :func:`t1async.learner.abnormal.policy_mask`), ``mu`` (float32 sampler log-probs, 0 on padding),
-    ``recorded`` (int64 ``[B, T, L, K]`` routed experts; padding holds the distinct ids
-    ``arange(K) % num_experts``, as Megatron's replay needs) and ``replay`` (``recorded``
-    under ``learner.routing_replay``, else None), all on ``dev``.
+    ``recorded`` (int64 ``[B, T, L, K]`` routed experts; padding holds K distinct ids per row,
+    as Megatron's replay needs, spread evenly over the experts and the expert-parallel ranks:
+    :func:`t1async.learner.rl.fill_padding_routes`) and ``replay`` (``recorded`` under
+    ``learner.routing_replay``, else None), all on ``dev``.
     """
     T = max(t.num_tokens for t in trajs) - 1
     B = len(trajs)
@@ -189,7 +211,7 @@ def micro_batch(trajs: list[Trajectory], dev: torch.device, cfg: LearnerConfig,
     ids = torch.zeros(B, T + 1, dtype=torch.int64)
     valid = torch.zeros(B, T, dtype=torch.bool)
     vmask, mask, mu = (torch.zeros(B, T, dtype=torch.float32) for _ in range(3))
-    recorded = (torch.arange(K, dtype=torch.int64) % E).expand(B, T, L, K).clone()
+    recorded = torch.zeros(B, T, L, K, dtype=torch.int64)
     for b, traj in enumerate(trajs):
         n = traj.num_tokens - 1
         ids[b, :n + 1] = torch.from_numpy(traj.token_ids.astype(np.int64))
@@ -198,6 +220,8 @@ def micro_batch(trajs: list[Trajectory], dev: torch.device, cfg: LearnerConfig,
         mask[b, :n] = torch.from_numpy(policy_mask(traj, cfg.abnormal)[1:].astype(np.float32))
         mu[b, :n] = torch.from_numpy(traj.logprobs[1:].astype(np.float32))
         recorded[b, :n] = torch.from_numpy(traj.routed_experts.astype(np.int64))
+    ep = cfg.megatron.expert_parallel if cfg.backend == "megatron" else 1
+    recorded = fill_padding_routes(recorded, ~valid, E, ep)
     out = {"inp": ids[:, :-1], "tgt": ids[:, 1:], "valid": valid, "vmask": vmask, "mask": mask, "mu": mu,
            "recorded": recorded}
     out = {k: v.to(dev) for k, v in out.items()}

@@ -26,7 +26,8 @@ draws the token here and scores it in the learner, so behaviour log mu and proxi
 are of the same distribution). With temperature 1 and no truncation that is the plain
 ``log_softmax(logits)``. Temperature 0 (greedy) samples from a point mass on the argmax, so its
 log-prob is reported as 0.0 (such output cannot be trained on; launch refuses it). This differs
-from SGLang, whose ``output_token_logprobs`` are of the unprocessed distribution by default.
+from SGLang, whose ``output_token_logprobs`` are of the tempered softmax before top-k / top-p, not
+renormalised; the learner scores each backend's own (t1async/models/logprobs.py ``SamplingSemantics``).
 
 Sampling seeds: temperature 0 is greedy (argmax); otherwise one multinomial draw per token from
 the processed distribution above, with the REQUEST's own ``torch.Generator``, seeded by

@@ -9,7 +9,13 @@ learner yet), and writes ``RUN_DIR/logs/sglang{i}.log``. Launch waits until ever
 
 Attached servers (``sampler.urls``) are only health-checked; start them with the same flags.
 
-Source: SGLang 0.5.10.post1 ``server_args.py`` flags, ``http_server.py`` ``/health``.
+Log-probs: a server reports the drawn token's ``log_softmax(logits / T)`` over the whole vocabulary,
+not renormalised over its top-k / top-p set; the learner scores that same quantity
+(t1async/models/logprobs.py ``SGLANG``). The server environment variable
+``SGLANG_RETURN_ORIGINAL_LOGPROB`` would make it untempered: :func:`check_logprob_env` refuses it.
+
+Source: SGLang 0.5.10.post1 ``server_args.py`` flags, ``http_server.py`` ``/health``,
+``layers/sampler.py`` log-probs.
 """
 
 from __future__ import annotations
@@ -19,11 +25,12 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from loguru import logger
 
-from t1async.config import SamplerConfig
+from t1async.config import ConfigError, SamplerConfig
 from t1async.sampling.sampler_client import SamplerError, post_json
 from t1async.weights.group import free_port
 
@@ -37,6 +44,24 @@ def sglang_command(cfg: SamplerConfig, port: int) -> list[str]:
     return [sys.executable, "-m", "sglang.launch_server", "--model-path", cfg.model_path, "--host", cfg.host,
             "--port", str(port), "--tp-size", str(cfg.tp_size), "--enable-return-routed-experts",
             "--skip-tokenizer-init", "--weight-version", "-1", *cfg.extra_args]
+
+
+def check_logprob_env(temperature: float, environ: Mapping[str, str] | None = None) -> None:
+    """Refuse ``SGLANG_RETURN_ORIGINAL_LOGPROB`` (true or 1, SGLang's reading) in the environment the
+    servers inherit at a temperature other than 1: SGLang then reports ``log_softmax(logits)``
+    (untempered), a distribution the tokens were not drawn from and the learner does not score.
+
+    Args:
+        temperature: ``generation.temperature``.
+        environ: the environment (default ``os.environ``, which started servers inherit).
+
+    Raises:
+        ConfigError: one line naming the variable, the temperature and the fix.
+    """
+    value = (os.environ if environ is None else environ).get("SGLANG_RETURN_ORIGINAL_LOGPROB", "")
+    if value.lower() in ("1", "true") and temperature != 1.0:
+        raise ConfigError(f"SGLANG_RETURN_ORIGINAL_LOGPROB={value} makes SGLang report untempered log-probs, "
+                          f"but generation.temperature={temperature}: unset it (t1async scores the tempered softmax)")
 
 
 def wait_healthy(urls: list[str], timeout_s: float, procs: list[subprocess.Popen] | None = None,

@@ -1,6 +1,6 @@
 """Control of a running service by its run directory: ``t1async status | stop | scale RUN_DIR``.
 
-Channel: a ZeroMQ REP socket owned by the launch process (the run directory's holder, see
+Channel: a ZeroMQ ROUTER socket (answering REQ clients) owned by the launch process (the run directory's holder, see
 t1async/service/rundir.py), bound on ``transport.host`` at a free TCP port written to
 ``RUN_DIR/service.json`` as ``control``. Why this and not a Ray named actor: the launch process
 already holds every role's handle and the run directory's lock, so it is the one place that can
@@ -10,7 +10,9 @@ directory and reaches the host, as the trajectory socket does; ZeroMQ is already
 
 Protocol: one JSON request, one JSON reply. Requests: ``{"cmd": "status"}``,
 ``{"cmd": "stop", "now": bool}``, ``{"cmd": "scale", "changes": {"rollout.num_actors": 4}}``.
-Replies: ``{"ok": true, ...}`` or ``{"ok": false, "error": "one line"}``.
+Replies: ``{"ok": true, ...}`` or ``{"ok": false, "error": "one line"}``. Any message gets a reply,
+a malformed one (several frames, not JSON, too large) an error, and the socket keeps serving
+(:class:`ControlServer`).
 
 Live-changeable settings are the short list :data:`LIVE_KEYS`; anything else is refused with the
 reason. The CLI here only formats: every decision is taken by the service (t1async/service/launch.py).
@@ -31,6 +33,7 @@ from loguru import logger
 from rich.console import Console
 from rich.table import Table
 
+from t1async.config import Config
 from t1async.service.rundir import describe_holder, is_held, read_service
 
 LIVE_KEYS = {
@@ -51,10 +54,29 @@ class ControlError(Exception):
     """A control command could not be carried out (no such run, stopped, refused); one line."""
 
 
+def _config_key_error(key: str) -> str | None:
+    """Why dotted ``key`` names no setting of :class:`~t1async.config.Config` (None: it names one)."""
+    node: Any = Config()
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        fields = getattr(node, "__dataclass_fields__", None)
+        if fields is None or part not in fields:
+            where = ".".join(parts[:i]) or "the top level"
+            return f"{key} is not a config key; valid keys of {where}: {', '.join(fields or [])}"
+        node = getattr(node, part)
+    if hasattr(node, "__dataclass_fields__"):
+        return f"{key} is a config section, not a key; give one of its keys, e.g. {key}.{next(iter(vars(node)))}"
+    return None
+
+
 def live_change_refusal(key: str) -> str | None:
-    """Why ``key`` cannot change live (None: it can)."""
+    """Why ``key`` cannot change live (None: it can): not a config key at all (with the valid keys
+    where it went wrong), or one the roles read once (with why, and how to change it on a resume)."""
     if key in LIVE_KEYS:
         return None
+    unknown = _config_key_error(key)
+    if unknown is not None:
+        return f"{unknown}. Live keys: {', '.join(LIVE_KEYS)}"
     section = key.split(".", 1)[0]
     why = {
         "model": "the weights' shapes are fixed for the run",
@@ -91,8 +113,50 @@ def parse_changes(pairs: list[str]) -> dict[str, Any]:
 
 
 # ---- server (in the launch process) ---------------------------------------------------------
+MAX_REQUEST_BYTES = 64 << 10
+"""Largest control request answered (bytes); a larger one gets an error reply. Requests are a
+few hundred bytes; a message over :data:`MAX_FRAME_BYTES` is refused by ZeroMQ itself, which drops
+that sender's connection (it cannot be answered; the socket keeps serving the others)."""
+MAX_FRAME_BYTES = 1 << 20
+
+
+def parse_request(parts: list[bytes]) -> dict[str, Any]:
+    """The request carried by a control message's frames (after the envelope), or an error.
+
+    Args:
+        parts: the message's payload frames (one for a well-formed request).
+
+    Returns:
+        The request, a dict with a string ``cmd``.
+
+    Raises:
+        ControlError: one line saying what is wrong with the message (several frames, too large,
+            not UTF-8 JSON, not a JSON object, no ``cmd``).
+    """
+    if len(parts) != 1:
+        raise ControlError(f"a control request is one JSON frame, this message has {len(parts)}")
+    raw = parts[0]
+    if len(raw) > MAX_REQUEST_BYTES:
+        raise ControlError(f"a control request is at most {MAX_REQUEST_BYTES} bytes, this one is {len(raw)}")
+    try:
+        req = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        raise ControlError(f"a control request is UTF-8 JSON, this one starts {raw[:20]!r}") from None
+    if not isinstance(req, dict) or not isinstance(req.get("cmd"), str):
+        raise ControlError('a control request is a JSON object with a "cmd" string, e.g. {"cmd": "status"}')
+    return req
+
+
 class ControlServer:
-    """Answers control requests on a ZeroMQ REP socket from a daemon thread.
+    """Answers control requests from a daemon thread, one at a time, whatever a client sends.
+
+    A ZeroMQ ROUTER socket (not REP, whose strict receive-then-send cycle a malformed message can
+    break for good): every message gets a reply, a well-formed one its handler's, anything else
+    (several frames, too large, not JSON, not an object, an unknown command) ``{"ok": false,
+    "error": "one line"}``; a reply to a client that is gone or never reads is dropped, never
+    waited for. A REQ client (:func:`request`) and a DEALER client (no empty delimiter frame) are
+    both answered in their own envelope. Messages over :data:`MAX_FRAME_BYTES` drop the sender's
+    connection (ZeroMQ ``MAXMSGSIZE``) and get no reply.
 
     Args:
         host: interface to bind (``transport.host``).
@@ -102,28 +166,52 @@ class ControlServer:
 
     def __init__(self, host: str, handlers: dict[str, Callable[[dict[str, Any]], dict[str, Any]]]):
         self.handlers = handlers
+        self.answered = 0  # messages answered (well-formed or not)
         self._ctx = zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.REP)
+        self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        self._sock.setsockopt(zmq.SNDHWM, 64)
         port = self._sock.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="control", daemon=True)
         self._thread.start()
 
+    def answer(self, parts: list[bytes]) -> dict[str, Any]:
+        """The reply to one message's payload ``parts`` (never raises)."""
+        try:
+            req = parse_request(parts)
+            fn = self.handlers.get(req["cmd"])
+            if fn is None:
+                return {"ok": False, "error": f"unknown command {req['cmd']!r}; commands: {', '.join(self.handlers)}"}
+            return fn(req)
+        except Exception as e:  # a bad request must not end the service
+            logger.warning("control request failed: {}", e)
+            return {"ok": False, "error": str(e).splitlines()[0] if str(e) else type(e).__name__}
+
     def _loop(self) -> None:
-        """Consumes one request at a time; produces one reply each. Stopped by :meth:`close`."""
+        """Consumes one message at a time; produces one reply each. Stopped by :meth:`close`."""
         while not self._stop.is_set():
-            if not self._sock.poll(200):
-                continue
             try:
-                req = json.loads(self._sock.recv())
-                fn = self.handlers.get(req.get("cmd"))
-                reply = fn(req) if fn else {"ok": False, "error": f"unknown command {req.get('cmd')!r}"}
-            except Exception as e:  # a bad request must not end the service
-                logger.warning("control request failed: {}", e)
-                reply = {"ok": False, "error": str(e).splitlines()[0] if str(e) else type(e).__name__}
-            self._sock.send(json.dumps(reply, default=str).encode())
+                if not self._sock.poll(200):
+                    continue
+                frames = self._sock.recv_multipart()
+                # [peer, b"", payload...] from REQ; [peer, payload...] from DEALER
+                envelope = frames[:2] if len(frames) > 1 and frames[1] == b"" else frames[:1]
+                reply = self.answer(frames[len(envelope):])
+                try:
+                    body = json.dumps(reply, default=str).encode()
+                except (TypeError, ValueError) as e:
+                    body = json.dumps({"ok": False, "error": f"the reply could not be encoded: {e}"}).encode()
+                self._sock.send_multipart([*envelope, body], flags=zmq.NOBLOCK)
+                self.answered += 1
+            except zmq.Again:
+                continue  # the client's queue is full (it never reads): its reply is dropped
+            except Exception as e:  # never let one message end the thread
+                if self._stop.is_set():
+                    return
+                logger.opt(exception=e).error("control socket: a message could not be answered")
 
     def close(self) -> None:
         self._stop.set()

@@ -1,7 +1,8 @@
 """``t1async launch``: the table of contents of the whole system.
 
-    config (+ the run's live-change history on a resume) -> input checks (tokenizer, tasks,
-           sandbox, port, keys) -> run directory (locked, never mixed with an earlier run) -> reaper -> Ray
+    config (+ the run's live-change history on a resume) -> input checks (a resume's run
+           directory, init checkpoint, tokenizer, tasks, sandbox, port, keys) -> run directory
+           (locked, never mixed with an earlier run) -> reaper -> Ray
            -> samplers (HTTP, SGLang protocol) -> learner (ZeroMQ ROUTER, weight group, version 0)
            -> controller (admission, supervision, sampler routing) -> rollout actors (episodes -> ZeroMQ
               DEALER, ACKed) -> sampler pool (live sampler count, sampler restarts)
@@ -29,6 +30,7 @@ import ray
 from loguru import logger
 
 from t1async import require_extra
+from t1async.actors import error_line
 from t1async.actors.controller import Controller
 from t1async.actors.learner import Learner
 from t1async.actors.rollout import RolloutActor, tasks_dir
@@ -39,10 +41,10 @@ from t1async.envs.limits import unmount_all_under
 from t1async.envs.loading import discover_tasks
 from t1async.envs.sandbox import check_sandbox_available
 from t1async.models.tokenizer import check_model_vocab
-from t1async.sampling.sglang_server import start_servers, stop_servers
+from t1async.sampling.sglang_server import check_logprob_env, start_servers, stop_servers
 from t1async.service.control import ControlServer
 from t1async.service.reaper import Reaper, kill_sandboxes_under
-from t1async.service.rundir import RunDirLock, check_reuse, history_overrides, resolve_run_dir
+from t1async.service.rundir import RunDirLock, check_resumable, check_reuse, history_overrides, resolve_run_dir
 from t1async.service.sampler_pool import SamplerPool
 from t1async.service.service import LearnerDied, Service
 from t1async.transport.keys import client_keys, server_keys
@@ -55,7 +57,8 @@ def launch(config_path: str | None, overrides: list[str] | tuple[str, ...] = ())
 
     Returns:
         The run summary (also written to ``RUN_DIR/summary.json``); ``ended`` says how it ended
-        (``done``, ``stopped``, ``signal``) and ``error`` holds one line when the learner died for good.
+        (``done``, ``stopped``, ``signal``, ``learner_died``, ``learner_failed_to_start``) and
+        ``error`` holds one line when the learner died for good or could not start.
 
     Raises:
         ConfigError, TaskError, SandboxUnavailable, KeysError: bad input, before anything is started
@@ -64,6 +67,7 @@ def launch(config_path: str | None, overrides: list[str] | tuple[str, ...] = ())
     cfg = load_config(config_path, overrides)
     run_dir = resolve_run_dir(cfg.run.dir)
     if cfg.learner.resume:  # live changes made to the run before (t1async scale) are kept
+        check_resumable(run_dir)  # (a mistyped run.dir must not start from scratch)
         cfg = load_config(config_path, [*history_overrides(run_dir), *overrides])
     task_names = check_inputs(cfg)  # every bad-input error happens here, before any process starts
     cfg.rollout.agent_cwd = cfg.rollout.agent_cwd or os.getcwd()  # an external agent's relative paths
@@ -78,7 +82,9 @@ def launch(config_path: str | None, overrides: list[str] | tuple[str, ...] = ())
     reaper = Reaper.start(run_dir)  # cleans up Ray and the sandboxes should this process be killed
     ctx = ray.init(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=False,
                    log_to_driver=False, logging_level="WARNING")
-    lock.write(ray_session=ctx.address_info.get("session_dir"))
+    ray_session = ctx.address_info.get("session_dir")
+    ray_local = cfg.ray.address in (None, "", "local")  # a Ray this launch starts (and stops)
+    lock.write(ray_session=ray_session, ray_local=ray_local)  # (the reaper removes a local one too)
     actor = _actor_factory(run_dir, cfg.run)
     summary: dict[str, Any] = {"run_dir": str(run_dir), "max_steps": cfg.learner.max_steps}
     roles: dict[str, Any] = {}
@@ -87,7 +93,12 @@ def launch(config_path: str | None, overrides: list[str] | tuple[str, ...] = ())
         roles["samplers"], urls = start_samplers(cfg, actor, run_dir)
         if cfg.sampler.backend == "sglang":  # processes, not Ray actors: stopped below
             roles["sglang_servers"], roles["samplers"] = roles["samplers"], []
-        roles["learner"], endpoint = start_learner(cfg, actor, run_dir, urls)  # publishes weight version 0
+        try:
+            roles["learner"], endpoint = start_learner(cfg, actor, run_dir, urls)  # publishes weight version 0
+        except LearnerStartFailed as e:
+            summary["error"], summary["ended"] = str(e), "learner_failed_to_start"
+            return summary
+        lock.write(trajectories=endpoint)  # the learner's trajectory socket, for a person or a tool to find
         announce_resume(cfg, roles["learner"], run_dir)
         roles["controller"] = start_controller(cfg, actor, task_names, urls, endpoint)  # starts the rollout actors
         pool = sampler_pool(cfg, actor, roles, urls)  # live scaling and restarts of embedded samplers
@@ -103,7 +114,7 @@ def launch(config_path: str | None, overrides: list[str] | tuple[str, ...] = ())
         except LearnerDied as e:
             summary["error"], summary["ended"] = str(e), "learner_died"
         summary["max_steps"], summary["stop_request"] = service.cfg.learner.max_steps, service.stop_request
-        summary["restarts"] = service.restarts
+        summary["restarts"] = service.restart_counts()  # learner and samplers
     finally:
         if control is not None:
             control.close()
@@ -128,6 +139,8 @@ def launch(config_path: str | None, overrides: list[str] | tuple[str, ...] = ())
         except OSError as e:  # a full disk: the summary is still logged below
             logger.error("summary.json not written ({}); the summary follows in the log", e)
         ray.shutdown()
+        if ray_local:  # a Ray this launch started: its session folder goes, its logs are kept
+            keep_ray_logs(ray_session, run_dir)
         reaper.done()
         lock.release()
     logger.info("done: {}", json.dumps({k: v for k, v in summary.items() if k not in ("samplers",)}, default=str))
@@ -166,6 +179,8 @@ def announce_resume(cfg: Config, learner: Any, run_dir: Path) -> None:
     if not cfg.learner.resume:
         return
     r = ray.get(learner.status.remote())["resumed"]
+    for line in r.get("set_aside", []):  # newer checkpoints that failed verification
+        logger.warning("{}", line)
     if r["checkpoint"] is None and r["to_replay"] == 0:
         logger.warning("learner.resume=true but {} holds nothing to resume (no checkpoint, empty receive log): "
                        "starting fresh at step 0", run_dir)
@@ -183,6 +198,7 @@ def check_inputs(cfg: Config) -> list[str]:
         ConfigError, TaskError, SandboxUnavailable, KeysError: with a one-line message.
     """
     check_trainable(cfg)
+    check_init_checkpoint(cfg.learner.init_checkpoint)
     check_model_vocab(cfg.model.vocab_size, cfg.env.action_format)
     if cfg.rollout.agent == "external":  # the endpoint renders and returns tool calls with the tool-call ids
         check_model_vocab(cfg.model.vocab_size, "tool_call", "model.vocab_size (rollout.agent=external)")
@@ -196,6 +212,8 @@ def check_inputs(cfg: Config) -> list[str]:
     if cfg.sampler.backend == "sglang" and not cfg.sampler.urls and not cfg.sampler.model_path:
         raise ConfigError("sampler.backend=sglang needs sampler.urls (running servers) or sampler.model_path "
                           "(a Hugging Face model folder for the servers launch starts)")
+    if cfg.sampler.backend == "sglang":
+        check_logprob_env(cfg.generation.temperature)
     check_weight_sync_hosts(cfg)
     if cfg.sampler.backend == "sglang" and cfg.weight_sync.mode == "distributed" and cfg.weight_sync.backend != "nccl":
         logger.warning("sampler.backend=sglang with weight_sync.backend={}: SGLang servers receive on GPUs, "
@@ -208,6 +226,25 @@ def check_inputs(cfg: Config) -> list[str]:
         server_keys(cfg.transport.keys_dir)
         client_keys(cfg.transport.keys_dir)
     return [t.name for t in tasks]
+
+
+def check_init_checkpoint(path: str) -> None:
+    """Refuse a ``learner.init_checkpoint`` that is not a checkpoint folder (before Ray starts and
+    before the run directory is created, instead of a Ray traceback from the learner's start).
+
+    Raises:
+        ConfigError: one line: the folder is missing, or lacks ``config.json`` or ``model.safetensors``.
+    """
+    if not path:
+        return
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise ConfigError(f"learner.init_checkpoint={path}: no such folder; give a checkpoint folder (config.json + "
+                          "model.safetensors, e.g. what t1async sft --out writes) or '' for a random init")
+    missing = [n for n in ("config.json", "model.safetensors") if not (folder / n).is_file()]
+    if missing:
+        raise ConfigError(f"learner.init_checkpoint={path} has no {' or '.join(missing)}: it is not a checkpoint "
+                          "folder (config.json + model.safetensors, e.g. what t1async sft --out writes)")
 
 
 def is_local_host(host: str) -> bool:
@@ -300,13 +337,28 @@ def sampler_pool(cfg: Config, actor: Any, roles: dict[str, Any], urls: list[str]
     return pool
 
 
+class LearnerStartFailed(RuntimeError):
+    """The learner actor could not start (its ``__init__`` or its joining the samplers raised, or
+    it died meanwhile); the message is one line naming the cause and the log with the traceback."""
+
+
 def start_learner(cfg: Config, actor: Any, run_dir: Path, urls: list[str]) -> tuple[Any, str]:
-    """The learner, joined to every sampler's weight group with version 0 published; its ZeroMQ endpoint."""
+    """The learner, joined to every sampler's weight group with version 0 published; its ZeroMQ endpoint.
+
+    Raises:
+        LearnerStartFailed: any failure of the actor meanwhile, in one line (:func:`error_line`;
+            the traceback is in ``RUN_DIR/logs/learner.log``), never Ray's multi-line error.
+    """
     learner = actor(Learner, "learner").remote(cfg.learner, cfg.model, cfg.transport, cfg.weight_sync, str(run_dir),
                                                generation=cfg.generation, seed=cfg.run.seed,
-                                               torch_threads=cfg.run.torch_threads)
-    endpoint = ray.get(learner.endpoint.remote())
-    ray.get(learner.connect_samplers.remote(urls))
+                                               torch_threads=cfg.run.torch_threads, sampler_backend=cfg.sampler.backend)
+    try:
+        endpoint = ray.get(learner.endpoint.remote())
+        ray.get(learner.connect_samplers.remote(urls))
+    except ray.exceptions.RayError as e:
+        _try(lambda: ray.kill(learner))
+        raise LearnerStartFailed(f"the learner failed to start: {error_line(e)} (traceback in "
+                                 f"{run_dir}/logs/learner.log)") from None
     return learner, endpoint
 
 
@@ -368,6 +420,13 @@ def add_log_sink(run_dir: Path, name: str, run_cfg: RunConfig, *, keep_stderr: b
                retention=run_cfg.log_retention)
 
 
+def _log_start_failure(name: str) -> None:
+    """Log the exception being handled, with its traceback, as actor ``name``'s start-up failure (a
+    module-level function: Ray pickles the actor classes of :func:`_actor_factory` by value, and
+    the logger with its open files must not travel with them)."""
+    logger.exception("{} failed to start", name)
+
+
 def _actor_factory(run_dir: Path, run_cfg: RunConfig):
     """``actor(cls, log_name)`` -> a Ray actor class whose instances log to ``RUN_DIR/logs/``.
 
@@ -379,12 +438,33 @@ def _actor_factory(run_dir: Path, run_cfg: RunConfig):
             def __init__(self, *args: Any, log_name: str = default_log_name, **kwargs: Any):
                 add_log_sink(run_dir, log_name, run_cfg)
                 os.environ.setdefault("OMP_NUM_THREADS", "1")
-                super().__init__(*args, **kwargs)
+                try:
+                    super().__init__(*args, **kwargs)
+                except BaseException:  # the traceback goes to this actor's log; launch reports one line
+                    _log_start_failure(cls.__name__)
+                    raise
 
         Logged.__name__ = Logged.__qualname__ = cls.__name__
         return ray.remote(num_cpus=0, max_concurrency=ACTOR_MAX_CONCURRENCY, max_restarts=0)(Logged)
 
     return actor
+
+
+def keep_ray_logs(session_dir: str | None, run_dir: Path) -> None:
+    """Move the logs of a Ray session this launch started to ``RUN_DIR/logs/ray`` (replacing an
+    earlier life's) and delete the session folder, so that no launch leaves a folder in the system
+    temp directory. Failures are logged, never raised (the run is over)."""
+    if not session_dir or not Path(session_dir).is_dir():
+        return
+    session = Path(session_dir)
+    dest = run_dir / "logs" / "ray"
+    try:
+        if (session / "logs").is_dir():
+            shutil.rmtree(dest, ignore_errors=True)
+            shutil.move(str(session / "logs"), str(dest))
+        shutil.rmtree(session, ignore_errors=True)
+    except OSError as e:
+        logger.warning("could not move Ray's session logs from {} to {}: {}", session, dest, e)
 
 
 def _metrics_summary(path: Path) -> dict[str, Any]:

@@ -8,7 +8,8 @@ descendants (pid and start time: Ray's GCS, raylet, agents and workers, the sand
 - ``done`` then end of file: the launch exited cleanly (it shut Ray down itself); the reaper exits.
 - end of file alone: the launch process died (kill -9, a crash of the interpreter). The reaper
   kills every recorded descendant still alive (the same pid with the same start time, never a
-  reused pid), detaches the sandbox tmpfs mounts under ``RUN_DIR/workspaces`` and removes it.
+  reused pid), detaches the sandbox tmpfs mounts under ``RUN_DIR/workspaces`` and removes it,
+  and removes the session folder of a Ray the launch started (``service.json``: ``ray_session``).
 
 Measured here: after ``kill -9`` of a launch, Ray's GCS and raylet exit on their own, but its
 dashboard and runtime-env agents stay (reparented to init), and sandbox mounts stay until detached.
@@ -16,6 +17,7 @@ dashboard and runtime-env agents stay (reparented to init), and sandbox mounts s
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -109,7 +111,20 @@ def reap(recorded: dict[int, int], run_dir: Path) -> int:
         time.sleep(0.5)  # let the killed sandboxes release their mounts
         unmount_all_under(work)
         shutil.rmtree(work, ignore_errors=True)
+    session = _local_ray_session(run_dir)
+    if session is not None:  # the Ray this launch started leaves no folder in the system temp directory
+        shutil.rmtree(session, ignore_errors=True)
     return killed
+
+
+def _local_ray_session(run_dir: Path) -> Path | None:
+    """The session folder of the Ray the dead launch started itself (``service.json``: ``ray_local``)."""
+    try:
+        info = json.loads((run_dir / "service.json").read_text())
+    except (OSError, ValueError):
+        return None
+    session = info.get("ray_session") if info.get("ray_local") else None
+    return Path(session) if session and Path(session).name.startswith("session_") else None
 
 
 def main(argv: list[str]) -> int:

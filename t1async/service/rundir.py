@@ -3,16 +3,19 @@
     RUN_DIR/service.lock    flock-ed by the launch process for its whole life (the kernel releases
                             it when that process dies, however it dies: kill -9 included)
     RUN_DIR/service.json    who holds it: pid, host, start time, the control address
-                            (t1async/service/control.py), the Ray session; removed at a clean exit
+                            (``control``, t1async/service/control.py), the learner's trajectory
+                            socket (``trajectories``, the address rollout actors push to; the same
+                            after a learner restart), the Ray session; removed at a clean exit
     RUN_DIR/config_history.jsonl   live changes (``t1async scale``), one JSON object a line;
                             a resume applies them again so it keeps what was changed live
 
 A second ``launch`` into a held directory is refused in one line naming the holder. A directory
 that holds an earlier run (metrics, checkpoints, a receive log) is refused unless the launch
 resumes it (``learner.resume=true``) or asks to start over (``run.overwrite=true``, which deletes
-the earlier run's files first). A holder killed with SIGKILL leaves ``service.json`` behind with
-its lock free: the next launch takes the directory over (and cleans up what it left, see
-:func:`stale_holder`).
+the earlier run's files first); ``learner.resume=true`` into one that holds no run is refused too
+(:func:`check_resumable`: a mistyped path must not start from scratch). A holder killed with
+SIGKILL leaves ``service.json`` behind with its lock free: the next launch takes the directory
+over (and cleans up what it left, see :func:`stale_holder`).
 
 Errors are :class:`~t1async.config.ConfigError` (bad input: one line, exit status 2).
 """
@@ -164,6 +167,20 @@ def check_reuse(run_dir: Path, *, resume: bool, overwrite: bool) -> None:
             shutil.rmtree(p)
         else:
             p.unlink(missing_ok=True)
+
+
+def check_resumable(run_dir: Path) -> None:
+    """Refuse ``learner.resume=true`` into a folder that holds no run (a mistyped path, a new
+    ``{now}`` folder): resuming it would silently start from scratch. Nothing is created.
+
+    Raises:
+        ConfigError: ``run_dir`` does not exist or holds none of :data:`EARLIER_RUN`.
+    """
+    if earlier_run(run_dir) is not None:
+        return
+    what = "does not exist" if not Path(run_dir).exists() else "holds no run (no metrics, checkpoints or receive log)"
+    raise ConfigError(f"learner.resume=true but run.dir {run_dir} {what}; check the path (t1async status RUN_DIR "
+                      "shows a running one), or drop learner.resume=true to start a new run")
 
 
 def append_history(run_dir: Path, changes: dict[str, Any], source: str) -> None:

@@ -29,6 +29,7 @@ from typing import Any, Callable
 import ray
 from loguru import logger
 
+from t1async.actors import error_line
 from t1async.sampling.sampler_client import SamplerError, SamplerUnavailable, post_json
 
 MAX_BACKOFF_S = 60.0  # longest wait before restarting a role that keeps dying
@@ -206,7 +207,7 @@ class SamplerPool:
                 try:
                     s.url = ray.get(s.url_ref)
                 except Exception as e:
-                    self._died(s, f"could not start: {_first_line(e)}")
+                    self._died(s, f"could not start: {error_line(e)}")
                     continue
                 s.url_ref, s.state = None, "joining"
                 s.life_ref = s.handle.wait_closed.remote()
@@ -354,11 +355,7 @@ def _ray_error(ref: Any) -> str:
         ray.get(ref, timeout=1)
         return "its server stopped"
     except Exception as e:
-        return f"the actor died ({_first_line(e)})"
-
-
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        return f"the actor died ({error_line(e)})"
 
 
 __all__ = ["Backoff", "SamplerPool", "Slot"]

@@ -32,7 +32,9 @@ from loguru import logger
 from omegaconf import OmegaConf
 from rich.console import Console
 from rich.live import Live
+from rich.text import Text
 
+from t1async.actors import error_line
 from t1async.config import Config, ConfigError, MetricsConfig, check_values
 from t1async.fileio import DiskGuard
 from t1async.service.control import LIVE_KEYS, live_change_refusal
@@ -169,7 +171,7 @@ class Service:
             out["controller_error"] = str(e).splitlines()[0] if str(e) else type(e).__name__
         if self.samplers is not None:  # embedded: the pool's view (states, restarts, how each joined)
             out["samplers"] = self.samplers.status()
-            out["restarts"] = {**self.restarts, "samplers": self.samplers.restarts}
+            out["restarts"] = self.restart_counts()
         else:
             out["samplers"] = []
             for i, s in enumerate(self.roles.get("samplers", [])):
@@ -179,6 +181,14 @@ class Service:
                 except Exception:
                     out["samplers"].append({"name": f"sampler{i}", "state": "unreachable"})
         out.update(trends(self.tail.rows))
+        return out
+
+    def restart_counts(self) -> dict[str, int]:
+        """Restarts so far: ``learner``, and ``samplers`` (every embedded sampler's, in all) when
+        the launch's sampler pool runs them (``status`` and ``summary.json`` report this)."""
+        out = dict(self.restarts)
+        if self.samplers is not None:
+            out["samplers"] = self.samplers.restarts
         return out
 
     def request_stop(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -206,8 +216,11 @@ class Service:
             check_values(new, source="scale")
         except ConfigError as e:
             raise ValueError(str(e)) from None
-        except Exception as e:
-            raise ValueError(f"scale: {str(e).splitlines()[0]}") from None
+        except Exception as e:  # (omegaconf: a value of the wrong type; name the key and the value given)
+            key = getattr(e, "full_key", None)
+            given = f"={json.dumps(changes[key])}" if key in changes else ""
+            raise ValueError(f"scale: bad value of {key}{given}: {str(e).splitlines()[0]}" if key
+                             else f"scale: {str(e).splitlines()[0]}") from None
         if "env.tasks" in changes:
             self.check_tasks(list(new.env.tasks))
         if "sampler.num_samplers" in changes and self.samplers is None:
@@ -310,7 +323,7 @@ class Service:
                 raise LearnerDied(self._died_line(err, f"after {self._learner_backoff.in_row} restarts in a row"))
             self.restarts["learner"] += 1
             logger.error("the learner died ({}); restart {} of {} in a row in {:.0f} s from its last checkpoint",
-                         _first_line(err), self._learner_backoff.in_row, self.cfg.run.learner_restarts, wait)
+                         error_line(err), self._learner_backoff.in_row, self.cfg.run.learner_restarts, wait)
             deadline = time.monotonic() + wait
             while time.monotonic() < deadline and not self.stop_request:
                 time.sleep(0.2)
@@ -325,7 +338,7 @@ class Service:
             return self.roles["learner"]
 
     def _died_line(self, err: Exception, when: str) -> str:
-        return (f"the learner died {when} ({_first_line(err)}; see {self.run_dir}/logs/learner.log); nothing sent "
+        return (f"the learner died {when} ({error_line(err)}; see {self.run_dir}/logs/learner.log); nothing sent "
                 f"is lost: resume with t1async launch CONFIG run.dir={self.run_dir} learner.resume=true")
 
     # ---- look inside --------------------------------------------------------------------
@@ -352,15 +365,34 @@ class Service:
             return
         t = trends(self.tail.rows)
         last = self.tail.rows[-1] if self.tail.rows else {}
-        line = (f"step {last.get('step', 0)}  v{last.get('version', 0)}  actors {self.cfg.rollout.num_actors}  "
-                f"samplers {self._samplers_line()}  traj/s {_fmt(t['trajectories_per_s'])}  "
-                f"reward {_fmt(t['reward_recent'])}  resolved {_fmt(t['resolved_recent'])}  "
-                f"staleness {last.get('staleness_max', '-')}  queue {last.get('queue_depth', '-')}  "
-                f"restarts {self.restarts['learner']}")
-        if self._live is not None:
-            self._live.update(line)
+        fields = [f"step {last.get('step', 0)}", f"v{last.get('version', 0)}", f"actors {self.cfg.rollout.num_actors}",
+                  f"samplers {self._samplers_line()}", f"traj/s {_fmt(t['trajectories_per_s'])}",
+                  f"reward {_fmt(t['reward_recent'])}", f"resolved {_fmt(t['resolved_recent'])}",
+                  f"staleness {last.get('staleness_max', '-')}", f"queue {last.get('queue_depth', '-')}",
+                  f"restarts {self.restarts['learner']}"]
+        if self._live is not None:  # one terminal line, never wrapped
+            self._live.update(Text(fit_line(fields, self._live.console.width - 1), no_wrap=True, overflow="ellipsis"))
         elif new_rows:
-            logger.info(line)
+            logger.info("  ".join(fields))
+
+
+LINE_PRIORITY = (0, 1, 5, 6, 4, 7, 2, 3, 8, 9)
+"""The status line's fields by importance (indices into its field list): step, version, reward,
+resolved, traj/s, staleness, actors, samplers, queue, restarts; the last ones go first when the
+terminal is narrow."""
+
+
+def fit_line(fields: list[str], width: int, priority: tuple[int, ...] = LINE_PRIORITY) -> str:
+    """``fields`` joined by two spaces, leaving out the least important (``priority``: indices, most
+    important first; fields it does not name go first) until the line fits ``width`` columns; the
+    most important field alone is cut to ``width``."""
+    order = [i for i in priority if i < len(fields)] + [i for i in range(len(fields)) if i not in priority]
+    for n in range(len(order), 0, -1):
+        kept = sorted(order[:n])
+        line = "  ".join(fields[i] for i in kept)
+        if len(line) <= width:
+            return line
+    return fields[order[0]][:max(width, 0)] if order else ""
 
 
 def trends(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -394,8 +426,4 @@ def _fmt(x: Any) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-
-
-__all__ = ["LIVE_KEYS", "LearnerDied", "MetricsTail", "Service", "trends"]
+__all__ = ["LIVE_KEYS", "LearnerDied", "MetricsTail", "Service", "fit_line", "trends"]

@@ -1,9 +1,11 @@
 """The learner's inbox: receive durability between the ZeroMQ socket and the training loop.
 
-    ZeroMQ ROUTER --(receive thread: de-duplicate by trajectory id; decode + validate, bad
-    frames counted, quarantined and REJected; append to the receive log, one flush per burst
-    of waiting messages, then ACK)--> bounded queue (messages and bytes) --> the learner's
-    batch collector (:attr:`Inbox.queue`).
+    ZeroMQ ROUTER --(receive thread: de-duplicate by trajectory id; decode + validate, then
+    check against the run's own facts (t1async/transport/intake.py: vocabulary, experts,
+    published versions, reward vs tests); bad frames counted by reason, quarantined (bounded:
+    t1async/transport/quarantine.py) and REJected; append to the receive log, one flush per
+    burst of waiting messages, then ACK)--> bounded queue (messages and bytes) --> the
+    learner's batch collector (:attr:`Inbox.queue`).
 
 The receive thread stops reading the socket while the queue is full, so the actors' send
 windows and spools fill and their ``send`` waits (backpressure); it stops the same way while the
@@ -11,7 +13,9 @@ run directory's disk is full or failing (``disk``, t1async/fileio.py ``DiskGuard
 free-space floor, or a write failed with ENOSPC/EIO), and reads on by itself once space is back. With ``learner.resume`` the
 backlog (the receive log's trajectories the restored checkpoint had not consumed) is queued first,
 before the socket: nothing lost, nothing trained twice (the exact guarantee is in
-t1async/transport/delivery.py).
+t1async/transport/delivery.py). A backlog record that fails the same checks (a log written before
+a check existed, or a corrupt one) is quarantined, counted as consumed (dropped) and recorded in
+``quarantine/ids.txt``, so no later resume replays it again.
 """
 
 from __future__ import annotations
@@ -27,9 +31,10 @@ from loguru import logger
 from t1async.fileio import DiskGuard
 from t1async.trajectory import Trajectory, TrajectoryError, decode
 from t1async.transport.delivery import ByteQueue, ConsumedLedger, ReceiveLog
+from t1async.transport.intake import RunFacts, check_trajectory
+from t1async.transport.quarantine import Quarantine
 from t1async.transport.transport import Delivery, TrajectoryReceiver
 
-MAX_QUARANTINED_FILES = 100
 GROUP_COMMIT_BYTES = 256 << 20  # most bytes stored with one receive-log flush (held in memory until ACKed)
 MAX_REMEMBERED_REJECTIONS = 100_000  # ids of rejected messages kept to answer a resend without counting it again
 
@@ -44,13 +49,20 @@ class Inbox:
         consumed: the ids the model state consumed (trained, or dropped: -1); a delivery of one of
             them is ACKed as a duplicate. Shared with the learner, which adds to it.
         counters: the learner's counters; this updates ``received``, ``rejected``,
-            ``duplicates`` and ``replayed``.
+            ``duplicates``, ``replayed`` and ``quarantine_evicted``.
         run_dir: where ``quarantine/`` and (``dump_trajectories``) ``trajectories/`` are written.
         shape: ``(num_experts, num_layers, top_k)`` of the model, which every frame must match.
         version: the learner's current version (no frame may carry a later one).
         training_stopped: set once training ended: deliveries are then stored and ACKed, not queued.
         dump_trajectories: keep the first N received frames in ``trajectories/``.
         group_messages: most deliveries stored with one flush of the receive log.
+        facts: the run's vocabulary, experts, routing shape and reward kind, checked for every
+            frame at receipt and at replay (:func:`t1async.transport.intake.check_trajectory`);
+            None: only the frame's own invariants and ``shape``.
+        quarantine: where refused messages are kept (bounded); None: ``RUN_DIR/quarantine`` with
+            the default bounds.
+        rejected_by: refusals counted by reason (the field at fault; shared with the learner,
+            which adds ``step_failed``); None: a new dict.
         disk: the run directory's disk guard: while it says the disk is full the socket is not
             read (no ACK: the actors keep their spools); a failed write is recorded in it. None:
             a guard with the default floor.
@@ -59,8 +71,14 @@ class Inbox:
     def __init__(self, receiver: TrajectoryReceiver, log: ReceiveLog, queue: ByteQueue, consumed: ConsumedLedger,
                  counters: dict[str, int], *, run_dir: Path, shape: tuple[int, int, int], version: Callable[[], int],
                  training_stopped: threading.Event, dump_trajectories: int = 0, group_messages: int = 64,
+                 facts: RunFacts | None = None, quarantine: Quarantine | None = None,
+                 rejected_by: dict[str, int] | None = None,
                  disk: DiskGuard | None = None):
         self.receiver, self.log, self.queue = receiver, log, queue
+        self.facts = facts
+        self.quarantine = quarantine if quarantine is not None else Quarantine(run_dir / "quarantine")
+        self.rejected_by = rejected_by if rejected_by is not None else {}
+        self._refused: collections.deque[str] = collections.deque()  # stored ids refused (refuse_stored)
         self._consumed, self.counters = consumed, counters
         self.run_dir, self._shape, self._version = run_dir, shape, version
         self._training_stopped = training_stopped
@@ -94,7 +112,7 @@ class Inbox:
         or it was stopped), deliveries are still stored and ACKed, not queued: the receive log keeps
         them for a resumed run, and rollout actors finishing their last episodes at shutdown get
         their ACKs instead of waiting for them. A frame that fails validation is
-        counted, logged, written to ``quarantine/`` (first 100) and REJected, never trained on;
+        counted by reason, logged, quarantined (bounded) and REJected, never trained on;
         a trajectory id already stored or consumed is ACKed again and dropped (de-duplication).
         Stopped by :meth:`close`.
         """
@@ -102,10 +120,12 @@ class Inbox:
             if self._training_stopped.is_set():  # (no training any more: the rest stays in the log for a resume)
                 break
             frame = self.log.read(key)
-            try:
-                traj = self._decode(frame, max_version=None)  # validated at receipt; re-checked
+            try:  # validated at receipt; re-checked (a log of an older learner, a check added since)
+                traj = self._decode(frame, max_version=max(self._version(), self.log.published_version))
+                if traj.trajectory_id != key:
+                    raise TrajectoryError("trajectory_id", f"{traj.trajectory_id!r} differs from its log key {key!r}")
             except TrajectoryError as e:
-                self._quarantine(frame, e)
+                self.refuse_stored(key, frame, e, source="replay")
                 continue
             self.counters["replayed"] += 1
             self.enqueue(traj, len(frame))
@@ -127,8 +147,11 @@ class Inbox:
 
     def _decode(self, frame: Any, max_version: int | None) -> Trajectory:
         try:
-            return decode(frame, num_experts=self._shape[0], num_layers=self._shape[1],
+            traj = decode(frame, num_experts=self._shape[0], num_layers=self._shape[1],
                           top_k=self._shape[2], max_version=max_version)
+            if self.facts is not None:
+                check_trajectory(traj, self.facts, max_version=max_version)
+            return traj
         except TrajectoryError:
             raise
         except Exception as e:  # a decoder bug must not kill the receive thread
@@ -176,7 +199,7 @@ class Inbox:
         (ok, reason) to send after the flush, or None (no reply: not stored, the actor resends).
         A stored trajectory is appended to ``stored``."""
         if d.error is not None:
-            self._quarantine(d.frame, TrajectoryError("<envelope>", d.error))
+            self._quarantine(d.frame, TrajectoryError("<envelope>", d.error), key=d.key)
             return False, d.error
         if d.key in self.log or d.key in self._consumed:
             self.counters["duplicates"] += 1
@@ -189,7 +212,7 @@ class Inbox:
             if traj.trajectory_id != d.key:
                 raise TrajectoryError("trajectory_id", f"{traj.trajectory_id!r} differs from the envelope key {d.key!r}")
         except TrajectoryError as e:
-            self._quarantine(d.frame, e)
+            self._quarantine(d.frame, e, key=d.key)
             self._rejected_keys[d.key] = str(e)[:1000]
             if len(self._rejected_keys) > MAX_REMEMBERED_REJECTIONS:
                 self._rejected_keys.popitem(last=False)
@@ -211,21 +234,36 @@ class Inbox:
             except queue.Full:
                 continue
 
-    def _quarantine(self, frame: bytes | memoryview, err: Exception) -> None:
-        """Count, log and (first 100) keep a rejected frame with its error in ``quarantine/``.
+    def _quarantine(self, frame: bytes | memoryview, err: Exception, *, key: str = "",
+                    source: str = "receipt") -> None:
+        """Count (``rejected``, and by reason in :attr:`rejected_by`), log and keep a capped prefix
+        of a refused frame with its metadata (:class:`t1async.transport.quarantine.Quarantine`;
+        what that evicts is counted in ``quarantine_evicted``).
 
         The admission slot is returned by the rollout actor that gets the REJ (once per trajectory),
         not here: a garbage message or a resent rejected one must not free a slot.
         """
+        reason = getattr(err, "field", type(err).__name__)
         self.counters["rejected"] += 1
-        n = self.counters["rejected"]
-        logger.warning("rejected trajectory #{}: {}", n, err)
-        if n <= MAX_QUARANTINED_FILES:
-            qdir = self.run_dir / "quarantine"
-            try:
-                qdir.mkdir(exist_ok=True)
-                (qdir / f"{n:06d}.traj").write_bytes(frame)
-                (qdir / f"{n:06d}.txt").write_text(f"{err}\n")
-            except OSError as e:  # counted and logged above; the copy is for inspection only
-                self.disk.fault(e, qdir)
-                logger.error("could not keep rejected trajectory #{} in {}: {}", n, qdir, e)
+        self.rejected_by[reason] = self.rejected_by.get(reason, 0) + 1
+        logger.warning("rejected trajectory #{} ({}{}): {}", self.counters["rejected"], source,
+                       f" {key!r}" if key else "", err)
+        evicted = self.quarantine.put(frame, reason=reason, error=str(err), key=key, source=source)
+        self.counters["quarantine_evicted"] = self.counters.get("quarantine_evicted", 0) + evicted
+
+    def refuse_stored(self, key: str, frame: bytes | memoryview, err: Exception, *, source: str) -> None:
+        """Refuse a trajectory already in the receive log (``source``: ``replay``, a backlog record
+        that fails the checks; ``step``, one that made a training step fail): quarantine it, count
+        it to be counted as consumed (dropped: the learner takes it with :meth:`take_refused`, in
+        its own thread, before it writes the ledger) and record its id in ``quarantine/ids.txt``
+        so a resume before the next checkpoint skips it too."""
+        self._quarantine(frame, err, key=key, source=source)
+        self.quarantine.add_id(key)
+        self._refused.append(key)
+
+    def take_refused(self) -> list[str]:
+        """Ids refused by :meth:`refuse_stored` since the last call (to mark consumed, -1)."""
+        out = []
+        while self._refused:
+            out.append(self._refused.popleft())
+        return out

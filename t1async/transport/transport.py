@@ -9,7 +9,9 @@ Messages (ZeroMQ multipart; the ROUTER sees the peer's identity frame first)::
                                                          t1async.trajectory.encode(...)
     learner -> actor   [b"ACK" | b"REJ", key, reason]   ACK: durably stored (or a duplicate of a
                                                          stored one); REJ: invalid, quarantined,
-                                                         never resend
+                                                         never resend (a malformed envelope, wrong
+                                                         protocol or key included: REJ with the key
+                                                         frame as sent, empty if none)
 
 Delivery guarantee: at least once on the wire, exactly once into the learner's receive log.
 :class:`ZmqSender` writes each trajectory to its on-disk spool (t1async/transport/spool.py) before sending
@@ -82,12 +84,15 @@ class Delivery:
         frame: the payload, a read-only zero-copy view of the ZeroMQ message.
         peer: the sender's ROUTER identity (where the ACK goes).
         error: set when the envelope itself is malformed (then ``frame`` may be empty).
+        reply_key: the key frame's bytes as sent (at most ``MAX_KEY_BYTES``; empty when there was
+            none), so that a malformed envelope is answered too (REJ with that key and the error).
     """
 
     key: str
     frame: memoryview
     peer: bytes
     error: str | None = None
+    reply_key: bytes = b""
 
 
 class TrajectorySender(Protocol):
@@ -460,28 +465,33 @@ class ZmqReceiver:
             return None
         parts = self._sock.recv_multipart(copy=False)
         peer = parts[0].bytes
-        if len(parts) != 4 or parts[1].bytes != PROTOCOL:
+        raw_key = parts[2].bytes[:MAX_KEY_BYTES] if len(parts) > 2 else b""
+        if len(parts) != 4:
             return Delivery("", memoryview(b""), peer, f"envelope of {len(parts) - 1} parts, expected "
-                                                          f"[{PROTOCOL.decode()}, key, frame]")
+                                                          f"[{PROTOCOL.decode()}, key, frame]", raw_key)
+        if parts[1].bytes != PROTOCOL:
+            return Delivery("", memoryview(b""), peer, f"protocol {parts[1].bytes[:40]!r}, expected "
+                                                          f"{PROTOCOL.decode()!r} (sender and learner of different "
+                                                          "t1async versions?)", raw_key)
         try:
             key = parts[2].bytes.decode("utf-8")
         except UnicodeDecodeError:
-            return Delivery("", memoryview(b""), peer, "key is not utf-8")
+            return Delivery("", memoryview(b""), peer, "key is not utf-8", raw_key)
         frame = parts[3].buffer
         if not key or len(parts[2].bytes) > MAX_KEY_BYTES or not key.isprintable():
-            return Delivery("", frame, peer, f"key {key[:40]!r} is not 1-{MAX_KEY_BYTES} printable bytes")
+            return Delivery("", frame, peer, f"key {key[:40]!r} is not 1-{MAX_KEY_BYTES} printable bytes", raw_key)
         return Delivery(key, frame, peer)
 
     def ack(self, delivery: Delivery, ok: bool, reason: str = "") -> None:
         """Answer ACK (stored; the sender forgets it) or REJ (invalid; the sender forgets it too).
 
-        A delivery without a key cannot be answered and is ignored here.
+        A malformed envelope (no valid key) is answered with its key frame as sent
+        (:attr:`Delivery.reply_key`, empty when it had none), so that its sender hears why.
         """
-        if not delivery.key:
-            return
+        key = delivery.key.encode() if delivery.key else delivery.reply_key
         try:
-            self._sock.send_multipart([delivery.peer, ACK if ok else REJECT, delivery.key.encode(),
-                                       reason.encode()[:1000]], flags=zmq.NOBLOCK)
+            self._sock.send_multipart([delivery.peer, ACK if ok else REJECT, key, reason.encode()[:1000]],
+                                      flags=zmq.NOBLOCK)
         except zmq.ZMQError:
             pass  # the sender is gone or its queue is full: it resends and gets a duplicate ACK
 

@@ -117,7 +117,7 @@ from t1async.learner.megatron.ranks import (
 )
 from t1async.learner.megatron.state import MegatronState
 from t1async.learner.torch_backend import ValueModel, chunked_token_logprobs, load_policy
-from t1async.models.logprobs import token_logprobs
+from t1async.models.logprobs import EMBEDDED, SamplingSemantics, token_logprobs
 from t1async.weights.buckets import is_expert
 
 __all__ = ["MegatronBackend", "build_gpt", "deal_rows", "init_megatron", "replay_rows", "transformer_config"]
@@ -158,6 +158,8 @@ class MegatronBackend(MegatronState, AdamWPair):
 
     Args:
         cfg, model_cfg, generation, init: as :class:`t1async.learner.backend.LearnerBackend`.
+        semantics: which distribution the samplers' log-probs are of (t1async/models/logprobs.py
+            :class:`SamplingSemantics`, from ``sampler.backend``); every rank scores under it.
         device, dtype: override ``cfg.megatron.device`` / ``dtype`` (the bench uses them).
         ranks: set on a follower rank only (t1async/learner/megatron/ranks.py ``Follower``): its place
             in the world; its weights come from rank 0, not from ``init``.
@@ -174,7 +176,8 @@ class MegatronBackend(MegatronState, AdamWPair):
 
     def __init__(self, cfg: LearnerConfig, model_cfg: ModelConfig, generation: GenerationConfig,
                  init: str | Path | None = None, *, device: str | torch.device | None = None,
-                 dtype: torch.dtype | None = None, ranks: RankGroup | None = None):
+                 dtype: torch.dtype | None = None, ranks: RankGroup | None = None,
+                 semantics: SamplingSemantics = EMBEDDED):
         mc: MegatronConfig = cfg.megatron
         ep, tp, pp = mc.expert_parallel, mc.tensor_parallel, mc.pipeline_parallel
         if pp < 1 or model_cfg.num_hidden_layers % pp:
@@ -189,7 +192,7 @@ class MegatronBackend(MegatronState, AdamWPair):
         split = tensor_parallel_sizes(model_cfg)
         if tp < 1 or any(v % tp for v in split.values()):
             raise ValueError(f"learner.megatron.tensor_parallel={tp} must divide each of {split}")
-        self.cfg, self.generation, self.model_cfg = cfg, generation, model_cfg
+        self.cfg, self.generation, self.model_cfg, self.semantics = cfg, generation, model_cfg, semantics
         want = device or mc.device
         if want == "auto":
             want = "cuda" if torch.cuda.is_available() else "cpu"
@@ -206,8 +209,8 @@ class MegatronBackend(MegatronState, AdamWPair):
         self.forwarded = {"forwards": 0, "rows": 0, "tokens": 0}  # this rank's model forwards since it was built
         if self.world > 1 and ranks is None:
             ranks = RankGroup.start(self.world, self.device, mc.timeout_s, dict(
-                cfg=cfg, model_cfg=model_cfg, generation=generation, device=self.device.type, dtype=self.dtype,
-                threads=torch.get_num_threads(), backend=type(self), ops=FOLLOWER_OPS),
+                cfg=cfg, model_cfg=model_cfg, generation=generation, semantics=semantics, device=self.device.type,
+                dtype=self.dtype, threads=torch.get_num_threads(), backend=type(self), ops=FOLLOWER_OPS),
                 tensor_parallel=tp, pipeline_parallel=pp)
         self._ranks = ranks
         self._lock = threading.RLock()
@@ -453,8 +456,9 @@ class MegatronBackend(MegatronState, AdamWPair):
         g, head = self.generation, model.output_layer
         tgt = tgt.to(self.device)
         if c := chunk_size(self.cfg.max_tokens_per_chunk, hidden.shape[1]):
-            return chunked_token_logprobs(head.logits, hidden, tgt, g, c)
-        return token_logprobs(head.logits(hidden).float(), tgt, g.temperature, g.top_k, g.top_p, return_outside=True)
+            return chunked_token_logprobs(head.logits, hidden, tgt, g, c, self.semantics)
+        return token_logprobs(head.logits(hidden).float(), tgt, g.temperature, g.top_k, g.top_p,
+                              semantics=self.semantics, return_outside=True)
 
     def _pad_tp(self, inp: torch.Tensor, *more: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         """Right-pad ``[b, T, ...]`` tensors with zeros to a multiple of the tensor-parallel size in
@@ -496,7 +500,8 @@ class MegatronBackend(MegatronState, AdamWPair):
         inp, tgt, replay = self._pad_tp(inp, tgt, replay)
         Tp, tp = inp.shape[1], self.tensor_parallel
         lengths = torch.full((B,), T)  # positions past T: padding, replayed with distinct ids
-        rows = replay_rows(replay, self.model_cfg.num_experts, lengths) if replay is not None else None
+        rows = (replay_rows(replay, self.model_cfg.num_experts, lengths, self.expert_parallel) if replay is not None
+                else None)
         replays = [r.router_replay for r in self._routers]
         if rows is not None:
             rows = rows[self._first_layer:self._first_layer + len(replays)]  # this pipeline stage's layers

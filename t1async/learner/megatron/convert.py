@@ -23,7 +23,8 @@ mlp.experts.{e}.{gate,up}_proj.weight      mlp.experts.local_experts.{e - ep_ran
                                            .weight = cat(gate, up) on rows
 mlp.experts.{e}.down_proj.weight           mlp.experts.local_experts.{...}.linear_fc2.weight
 model.norm.weight                          decoder.final_layernorm.weight (last stage)
-lm_head.weight                             output_layer.weight (last stage; absent when tied)
+lm_head.weight                             output_layer.weight (last stage); none when tied
+                                           (the head reads embedding.word_embeddings.weight)
 =========================================  =====================================================
 
 Parallel ranks: with expert parallelism EP a rank holds experts [ep_rank E/EP, (ep_rank+1) E/EP)
@@ -123,8 +124,10 @@ def hf_to_megatron(sd: dict[str, torch.Tensor], cfg: ModelConfig, layout: Layout
     """The Megatron state dict of one (expert, pipeline) rank, from a full HF state dict.
 
     Args:
-        sd: HF names (per-expert layout, as t1async/models/model.py writes) -> tensors; ``lm_head``
-            may be absent when ``cfg.tie_word_embeddings``.
+        sd: HF names (per-expert layout, as t1async/models/model.py writes) -> tensors. With
+            ``cfg.tie_word_embeddings`` (policy layout) ``lm_head.weight`` may be absent; present, it
+            must equal the embedding, and no ``output_layer.weight`` is written (megatron-core's
+            ``share_embeddings_and_output_weights``: the LM head reads the embedding).
         cfg: the architecture. layout: :data:`POLICY` or :data:`CRITIC`.
         ep_rank, ep_size, pp_rank, pp_size: this rank's place (sizes must divide E and L).
 
@@ -132,7 +135,8 @@ def hf_to_megatron(sd: dict[str, torch.Tensor], cfg: ModelConfig, layout: Layout
         Megatron names -> tensors (views or concatenations of ``sd``'s, same dtype).
 
     Raises:
-        KeyError: a weight the mapping needs is missing. ValueError: sizes that do not divide.
+        KeyError: a weight the mapping needs is missing. ValueError: sizes that do not divide, or a
+            tied config whose ``lm_head.weight`` differs from its embedding.
     """
     first, n_layers, e0, n_exp = _ranges(cfg, ep_rank, ep_size, pp_rank, pp_size)
     t = layout.trunk
@@ -153,10 +157,17 @@ def hf_to_megatron(sd: dict[str, torch.Tensor], cfg: ModelConfig, layout: Layout
             out[x + "linear_fc2.weight"] = sd[e + "down_proj.weight"]
     if pp_rank == pp_size - 1:
         out["decoder.final_layernorm.weight"] = sd[f"{t}norm.weight"]
+        tied = layout is POLICY and cfg.tie_word_embeddings
         for a, b in layout.head.items():
-            if a in sd:
+            if tied:  # the LM head is the embedding (megatron: share_embeddings_and_output_weights)
+                if a in sd and sd[a] is not sd[f"{t}embed_tokens.weight"] and not torch.equal(
+                        sd[a], sd[f"{t}embed_tokens.weight"]):
+                    raise ValueError(f"model.tie_word_embeddings is true but {a} differs from "
+                                     f"{t}embed_tokens.weight: set model.tie_word_embeddings=false for an untied "
+                                     "checkpoint")
+            elif a in sd:
                 out[b] = sd[a]
-            elif not (layout is POLICY and cfg.tie_word_embeddings):
+            else:
                 raise KeyError(a)
     return out
 

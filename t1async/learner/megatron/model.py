@@ -46,6 +46,7 @@ from torch.utils.checkpoint import checkpoint
 
 from t1async.config import ModelConfig
 from t1async.learner.megatron.convert import CRITIC, POLICY, hf_to_megatron, shard_tp
+from t1async.learner.rl import fill_padding_routes
 
 try:
     from megatron.core import parallel_state
@@ -419,13 +420,15 @@ def load_megatron(model: nn.Module, sd: dict[str, torch.Tensor]) -> None:
             p.copy_(sd[n])
 
 
-def replay_rows(routed: torch.Tensor, num_experts: int, lengths: torch.Tensor | None = None) -> list[torch.Tensor]:
+def replay_rows(routed: torch.Tensor, num_experts: int, lengths: torch.Tensor | None = None,
+                expert_parallel: int = 1) -> list[torch.Tensor]:
     """Routed experts [B, T, L, K] -> Megatron's replay rows: per layer, int64 [T * B, K] in its
     token order (sequence-major: row s * B + b is token s of sequence b).
 
     Megatron builds a token's routing map by scattering its K ids, so a repeated id within a row
     would silently route to fewer than K experts and break the dispatcher's token count. Padded
-    positions (``t >= lengths[b]``) get the distinct ids ``arange(K) % num_experts``.
+    positions (``t >= lengths[b]``) get K distinct ids, spread evenly over the experts and the
+    ``expert_parallel`` ranks (:func:`t1async.learner.rl.fill_padding_routes`).
 
     Raises:
         ValueError: a real row repeats an expert id (the sampler's rows never do).
@@ -434,7 +437,7 @@ def replay_rows(routed: torch.Tensor, num_experts: int, lengths: torch.Tensor | 
     r = routed.long()
     if lengths is not None:
         pad = torch.arange(T, device=r.device)[None, :] >= lengths.to(r.device)[:, None]  # [B, T]
-        r = torch.where(pad[:, :, None, None], torch.arange(K, device=r.device) % num_experts, r)
+        r = fill_padding_routes(r, pad, num_experts, expert_parallel)
     s = r.sort(dim=-1).values
     if K > 1 and bool((s[..., 1:] == s[..., :-1]).any()):
         b, t, layer = (s[..., 1:] == s[..., :-1]).any(-1).nonzero()[0].tolist()

@@ -433,8 +433,8 @@ class Follower:
     """A follower rank's Ray actor: one long :meth:`serve` call runs rank 0's announced backend calls."""
 
     def serve(self, *, rank: int, world: int, host: str, port: int, tensor_parallel: int, pipeline_parallel: int,
-              cfg: Any, model_cfg: Any, generation: Any, device: str, dtype: torch.dtype, threads: int,
-              backend: Any, ops: frozenset[str]) -> int:
+              cfg: Any, model_cfg: Any, generation: Any, semantics: Any, device: str, dtype: torch.dtype,
+              threads: int, backend: Any, ops: frozenset[str]) -> int:
         """Join rank 0's world, build this rank's part of the backend (weights from rank 0), then
         run each announced call until ``close``. Returns ``rank``.
 
@@ -453,7 +453,7 @@ class Follower:
         group = RankGroup.join(rank, world, host, port, dev, tensor_parallel=tensor_parallel,
                                pipeline_parallel=pipeline_parallel)
         try:
-            impl = backend(cfg, model_cfg, generation, device=dev, dtype=dtype, ranks=group)
+            impl = backend(cfg, model_cfg, generation, device=dev, dtype=dtype, ranks=group, semantics=semantics)
             while True:
                 op, args = group.receive()
                 if op == "close":

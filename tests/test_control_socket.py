@@ -1,0 +1,179 @@
+"""The control socket survives any client: every malformed message gets a one-line error reply
+(or, past ZeroMQ's size limit, a dropped connection) and the next ``status`` is answered."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from t1async.service.control import (
+    MAX_FRAME_BYTES,
+    MAX_REQUEST_BYTES,
+    ControlError,
+    ControlServer,
+    parse_request,
+    request,
+)
+from t1async.service.rundir import RunDirLock
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """A control server (status answers step 3) holding a run directory."""
+    run_dir = tmp_path_factory.mktemp("run")
+    server = ControlServer("127.0.0.1", {"status": lambda req: {"ok": True, "step": 3},
+                                         "stop": lambda req: {"ok": True, "now": req.get("now")}})
+    lock = RunDirLock(run_dir)
+    lock.write(control=server.address)
+    yield run_dir, server
+    server.close()
+    lock.release()
+
+
+def _socket(kind: int, address: str) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    return sock
+
+
+def _reply(sock: zmq.Socket, timeout_s: float = 3.0) -> list[bytes] | None:
+    return sock.recv_multipart() if sock.poll(int(timeout_s * 1000)) else None
+
+
+def test_a_two_part_message_gets_an_error_and_the_socket_keeps_serving(served):
+    run_dir, server = served
+    sock = _socket(zmq.REQ, server.address)
+    try:
+        sock.send_multipart([b'{"cmd": "status"}', b"second part"])
+        reply = _reply(sock)
+        assert reply is not None, "no reply to a two-part request"
+        assert json.loads(reply[-1]) == {"ok": False, "error": "a control request is one JSON frame, this message has 2"}
+    finally:
+        sock.close()
+    assert request(run_dir, {"cmd": "status"}, timeout_s=3)["step"] == 3
+
+
+@pytest.mark.parametrize("frames, error", [
+    ([b"\xff\xfe"], "UTF-8 JSON"),
+    ([b"not json"], "UTF-8 JSON"),
+    ([b"[1, 2]"], 'JSON object with a "cmd" string'),
+    ([b'{"cmd": 7}'], 'JSON object with a "cmd" string'),
+    ([b'{"cmd": "dance"}'], "unknown command 'dance'; commands: status, stop"),
+    ([b" " * (MAX_REQUEST_BYTES + 1)], f"at most {MAX_REQUEST_BYTES} bytes"),
+    ([], "has 0"),
+])
+def test_each_malformed_request_is_named_in_one_line(served, frames, error):
+    run_dir, server = served
+    sock = _socket(zmq.DEALER, server.address)  # (no REQ state machine: any frames, an empty message too)
+    try:
+        sock.send_multipart([b"", *frames])
+        reply = _reply(sock)
+        assert reply is not None and reply[0] == b""
+        body = json.loads(reply[1])
+        assert body["ok"] is False and error in body["error"] and "\n" not in body["error"]
+    finally:
+        sock.close()
+    assert request(run_dir, {"cmd": "status"}, timeout_s=3)["step"] == 3
+
+
+def test_a_message_past_the_frame_limit_drops_that_client_only(served):
+    run_dir, server = served
+    sock = _socket(zmq.DEALER, server.address)
+    try:
+        sock.send_multipart([b"", b"x" * (MAX_FRAME_BYTES + 1)])
+        assert _reply(sock, timeout_s=0.5) is None  # ZeroMQ disconnected it: nothing can answer
+    finally:
+        sock.close()
+    assert request(run_dir, {"cmd": "stop", "now": True}, timeout_s=3) == {"ok": True, "now": True}
+
+
+def test_parse_request_accepts_a_request_and_refuses_the_rest():
+    assert parse_request([b'{"cmd": "scale", "changes": {"learner.lr": 0.1}}'])["changes"] == {"learner.lr": 0.1}
+    with pytest.raises(ControlError, match="one JSON frame"):
+        parse_request([b"{}", b"{}"])
+
+
+_frame = st.one_of(st.binary(max_size=64), st.just(b""), st.just(b'{"cmd": "status"}'),
+                   st.builds(lambda d: json.dumps(d).encode(),
+                             st.dictionaries(st.sampled_from(["cmd", "now", "changes", "x"]),
+                                             st.one_of(st.none(), st.integers(), st.text(max_size=8),
+                                                       st.lists(st.integers(), max_size=3)), max_size=3)))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(frames=st.lists(_frame, max_size=4), dealer=st.booleans())
+def test_fuzzed_messages_each_get_one_reply_and_status_still_answers(served, frames, dealer):
+    """Any frames from a DEALER (with or without the empty delimiter) or a REQ client: exactly
+    one reply, ``ok`` false unless it was a well-formed request, and the socket keeps serving."""
+    run_dir, server = served
+    sock = _socket(zmq.DEALER if dealer else zmq.REQ, server.address)
+    try:
+        frames = frames or [b""]  # (ZeroMQ sends no message of zero frames)
+        sock.send_multipart(frames)
+        reply = _reply(sock)
+        assert reply is not None, f"no reply to {frames!r}"
+        body = json.loads(reply[-1])
+        assert isinstance(body, dict) and isinstance(body.get("ok"), bool)
+        if not body["ok"]:
+            assert body["error"] and "\n" not in body["error"]
+        assert _reply(sock, timeout_s=0.01) is None  # one reply, not two
+    finally:
+        sock.close()
+    assert request(run_dir, {"cmd": "status"}, timeout_s=3)["step"] == 3
+
+
+# ---- what scale says ------------------------------------------------------------------------
+def test_scale_of_an_unknown_key_says_it_is_not_a_config_key():
+    from t1async.service.control import parse_changes
+
+    with pytest.raises(ControlError) as err:
+        parse_changes(["foo.bar=1"])
+    assert str(err.value).startswith("foo.bar is not a config key; valid keys of the top level: run, ray, model")
+    assert "on a resume" not in str(err.value)
+    with pytest.raises(ControlError, match=r"^learner.lrr is not a config key; valid keys of learner: max_steps"):
+        parse_changes(["learner.lrr=0.1"])
+
+
+def test_scale_with_a_value_of_the_wrong_type_names_the_key(tmp_path):
+    from t1async.config import load_config
+    from t1async.service.service import Service
+
+    cfg = load_config(None, ["run.tensorboard=false"])
+    service = Service(cfg, tmp_path, {}, restart_learner=lambda: None, check_tasks=lambda names: None)
+    with pytest.raises(ValueError) as err:
+        service.scale({"changes": {"learner.lr": "abc"}})
+    assert str(err.value).startswith('scale: bad value of learner.lr="abc": ') and "\n" not in str(err.value)
+
+
+def test_restart_counts_hold_the_samplers_too(tmp_path):
+    """What summary.json's ``restarts`` is made of (t1async/service/launch.py): the learner's and
+    the embedded samplers' restarts."""
+    from types import SimpleNamespace
+
+    from t1async.config import load_config
+    from t1async.service.service import Service
+
+    cfg = load_config(None, ["run.tensorboard=false"])
+    service = Service(cfg, tmp_path, {}, restart_learner=lambda: None, check_tasks=lambda names: None,
+                      samplers=SimpleNamespace(restarts=3))  # (the pool's counter)
+    service.restarts["learner"] = 1
+    assert service.restart_counts() == {"learner": 1, "samplers": 3}
+
+
+def test_the_live_line_fits_an_80_column_terminal():
+    from t1async.service.service import fit_line
+
+    fields = ["step 12345", "v6172", "actors 16", "samplers 4/4", "traj/s 12.34", "reward 3.25", "resolved 0.42",
+              "staleness 2", "queue 17", "restarts 3"]
+    full = "  ".join(fields)
+    assert len(full) > 79 and fit_line(fields, 200) == full
+    line = fit_line(fields, 79)
+    assert len(line) <= 79 and line.startswith("step 12345  v6172  ") and "reward 3.25" in line and "resolved 0.42" in line
+    assert "restarts" not in line  # the least important go first, the order of the rest is kept
+    assert fit_line(fields, 40) == "step 12345  v6172  reward 3.25"
+    assert fit_line(fields, 5) == "step "

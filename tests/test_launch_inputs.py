@@ -1,0 +1,71 @@
+"""Bad launch input is refused at once, in one line, before Ray starts and before a run directory
+is created: a missing ``learner.init_checkpoint``, ``learner.resume=true`` into a folder that holds
+no run; a task folder with several broken tasks names every one."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from t1async.config import load_config
+from tests.test_cli import LOCAL, REPO, assert_main_one_line
+
+
+def test_a_missing_init_checkpoint_is_one_line_and_creates_no_run_dir(capsys, tmp_path):
+    run_dir = tmp_path / "run"
+    assert_main_one_line(capsys, ["launch", LOCAL, f"run.dir={run_dir}", f"learner.init_checkpoint={tmp_path}/nope"],
+                         f"learner.init_checkpoint={tmp_path}/nope: no such folder", "t1async sft --out")
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "config.json").write_text("{}")
+    assert_main_one_line(capsys, ["launch", LOCAL, f"run.dir={run_dir}", f"learner.init_checkpoint={tmp_path}/half"],
+                         "has no model.safetensors: it is not a checkpoint folder")
+    assert not run_dir.exists()
+
+
+def test_resume_into_a_folder_that_holds_no_run_is_refused(capsys, tmp_path):
+    typo = tmp_path / "runs" / "my-rnu"
+    assert_main_one_line(capsys, ["launch", LOCAL, f"run.dir={typo}", "learner.resume=true"],
+                         f"learner.resume=true but run.dir {typo} does not exist", "drop learner.resume=true")
+    assert not typo.exists()
+    assert_main_one_line(capsys, ["launch", LOCAL, f"run.dir={tmp_path}", "learner.resume=true"],
+                         "holds no run (no metrics, checkpoints or receive log)")
+    assert list(tmp_path.iterdir()) == []  # nothing created, not even the lock
+
+
+def test_several_broken_tasks_are_reported_together_each_with_its_reason(tmp_path):
+    from t1async.envs.task import TaskError
+    from t1async.service.launch import check_inputs
+
+    good = sorted(p for p in (REPO / "envs" / "tasks").iterdir() if p.is_dir())[0]
+    shutil.copytree(good, tmp_path / good.name)
+    for name in ("broken-a", "broken-b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "instruction.md").write_text("do it")
+    shutil.copytree(good, tmp_path / "broken-c")
+    (tmp_path / "broken-c" / "task.toml").write_text("[task\n")  # not TOML
+    cfg = load_config(LOCAL, [f"env.tasks_dir={tmp_path}"])
+    with pytest.raises(TaskError) as err:
+        check_inputs(cfg)
+    lines = str(err.value).splitlines()
+    assert lines[0].startswith(f"3 task folders under {tmp_path} are invalid")
+    assert [Path(line.split()[1].rstrip(":")).name for line in lines[1:]] == ["broken-a", "broken-b", "broken-c"], lines
+
+
+def test_a_local_ray_session_folder_is_removed_and_its_logs_kept_in_the_run_dir(tmp_path):
+    from t1async.service.launch import keep_ray_logs
+    from t1async.service.reaper import _local_ray_session
+
+    run_dir, session = tmp_path / "run", tmp_path / "ray" / "session_2026-12-03_01-02-03_000000_1"
+    (run_dir / "logs").mkdir(parents=True)
+    (session / "logs").mkdir(parents=True)
+    (session / "logs" / "raylet.out").write_text("raylet")
+    (session / "sockets").mkdir()
+    keep_ray_logs(str(session), run_dir)
+    assert not session.exists() and (run_dir / "logs" / "ray" / "raylet.out").read_text() == "raylet"
+    # after a kill -9 of the launch, its reaper finds the session in service.json (only a local Ray's)
+    (run_dir / "service.json").write_text(f'{{"ray_session": "{session}", "ray_local": true}}')
+    assert _local_ray_session(run_dir) == session
+    (run_dir / "service.json").write_text(f'{{"ray_session": "{session}", "ray_local": false}}')
+    assert _local_ray_session(run_dir) is None
