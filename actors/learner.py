@@ -17,6 +17,12 @@ spools fill and their ``send`` waits (backpressure). ``run`` returns after ``max
 receive log's trajectories that checkpoint had not consumed: nothing lost, nothing trained twice
 (the exact guarantee is in t1async/transport/delivery.py).
 
+A full or failing disk (below ``learner.disk_floor_mb`` free, or a write refused with ENOSPC/EIO:
+t1async/fileio.py ``DiskGuard``) pauses the learner instead of crashing or hanging it: the inbox
+stops ACKing (the actors keep their spools), no step runs, :meth:`Learner.status` says why
+(``disk``), and once space is back it resumes by itself and writes what waited (metrics rows, a
+due checkpoint). :meth:`Learner.stop` ends a pause at once.
+
 Poison: the inbox refuses (REJ), counts by reason and quarantines every trajectory that breaks the
 run's own facts (t1async/transport/intake.py), so none reaches a step. One that still makes a step
 raise (a bug of ours) is found by running the step's forward passes on each trajectory alone
@@ -26,8 +32,10 @@ it (:meth:`Learner._guarded_step`); a resume skips it (``quarantine/ids.txt``).
 
 from __future__ import annotations
 
+import errno
 import json
 import queue
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -39,6 +47,7 @@ from loguru import logger
 
 from t1async.actors import call
 from t1async.config import GenerationConfig, LearnerConfig, ModelConfig, TransportConfig, WeightSyncConfig
+from t1async.fileio import DiskGuard, append_whole
 from t1async.learner.abnormal import (
     DROP_REASONS,
     drop_detail,
@@ -152,6 +161,10 @@ class Learner:
         self._controller: Any = None
         self._pending_discards: list[tuple[str, str]] = []  # (reason, trajectory id)
         self._discard_lock = threading.Lock()
+        self.disk = DiskGuard(self.run_dir, cfg.disk_floor_mb)  # a full disk pauses intake and training
+        self._paused_s = 0.0  # seconds paused for the disk (not counted against batch_timeout_s)
+        self._unwritten_metrics: list[str] = []  # metrics.jsonl rows a full disk refused, written later
+        self._checkpoint_due = False  # a checkpoint a full disk refused, written once space is back
         receiver = ZmqReceiver.from_config(transport)
         self._sync: WeightSync = make_weight_sync(weight_sync)  # weight_sync.mode: distributed or tensor
         # receive durability (socket -> receive log -> ACK -> queue): t1async/transport/inbox.py
@@ -162,7 +175,8 @@ class Learner:
                            facts=RunFacts(vocab_size=model_cfg.vocab_size, num_experts=model_cfg.num_experts,
                                           num_layers=model_cfg.num_hidden_layers, top_k=model_cfg.num_experts_per_tok,
                                           reward=cfg.reward),
-                           quarantine=self.quarantine, rejected_by=self.rejected_by)
+                           quarantine=self.quarantine, rejected_by=self.rejected_by,
+                           disk=self.disk)
         self.inbox.start(backlog)
         (self.run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
         self._metrics_path = self.run_dir / "metrics.jsonl"
@@ -240,12 +254,14 @@ class Learner:
     def status(self) -> dict[str, Any]:
         """Step, weight and timeline version, queue depth, counters, dropped trajectories by reason,
         refused ones by reason (``rejected_by``), what a resume restored, and the consumed-id ledger's
-        size (ids in all, streams, holes)."""
+        size (ids in all, streams, holes), and ``disk``: None, or why intake and training are
+        paused (``disk full at PATH (N MB free)``), with ``disk_paused_s``."""
         return {"step": self.step, "version": self.version, "timeline_version": self.timeline_version,
                 "queue_depth": self.inbox.queue.qsize() + len(self._held),
                 "queue_bytes": self.inbox.queue.nbytes, **self.counters, "dropped": dict(self.dropped),
                 "rejected_by": dict(self.rejected_by),
                 "resumed": self.resumed, "max_steps": self.cfg.max_steps,
+                "disk": self.disk.check(), "disk_paused_s": round(self._paused_s, 1),
                 "weight_group": self._sync.snapshot(),
                 "ledger": {"consumed": len(self._consumed), "streams": len(self._consumed.marks),
                            "holes": self._consumed.holes(), "others": len(self._consumed.others)}}
@@ -350,6 +366,9 @@ class Learner:
         try:
             while (not self.cfg.max_steps or self.step < self.cfg.max_steps) and not self._stop.is_set():
                 t_wait = time.perf_counter()
+                self._wait_disk()
+                if self._stop.is_set():
+                    break
                 batch = self._collect_batch()
                 if batch is None:
                     break
@@ -380,12 +399,13 @@ class Learner:
                 metrics["hold_s"] = self._hold_s  # of batch_wait_s: held for a slow episode (learner_wait)
                 metrics["tokens_per_s"] = metrics.pop("trained_tokens") / metrics["step_s"]
                 self._write_metrics(metrics)
-                write_transcripts(self.run_dir / "episodes", self.step, batch, self.cfg.episodes_per_step, self._tok)
-                if self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0:
-                    self.save_checkpoint()
+                self._write_transcripts(batch)
+                if self._checkpoint_due or (self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0):
+                    self._checkpoint()
         finally:
+            self._flush_metrics()
             if getattr(self, "_saved_step", None) != self.step:
-                self.save_checkpoint()
+                self._checkpoint()  # (a full disk: one line; a resume starts from the last one written)
             self._stop.set()
         return self.status()
 
@@ -429,10 +449,11 @@ class Learner:
             return self._collect_held_batch()
         batch: list[Trajectory] = []
         deadline = time.monotonic() + self.cfg.batch_timeout_s
+        paused0 = self._paused_s  # (time paused for the disk does not count as starving)
         while len(batch) < self.cfg.batch_size:
             if self._stop.is_set():
                 return None
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline + self._paused_s - paused0:
                 logger.error("learner starved: {} of {} trajectories in {} s; stopping", len(batch),
                              self.cfg.batch_size, self.cfg.batch_timeout_s)
                 return None
@@ -443,7 +464,11 @@ class Learner:
 
     def _receive(self) -> Trajectory | None:
         """The next received trajectory that :meth:`_keep` keeps, waiting up to 0.5 s; None when
-        none came (samplers waiting to join are served meanwhile) or it was dropped."""
+        none came (samplers waiting to join are served meanwhile) or it was dropped; waits first
+        while the disk is full (:meth:`_wait_disk`)."""
+        if self.disk.check() is not None:
+            self._wait_disk()
+            return None
         self._take_refused()
         try:
             traj = self.inbox.queue.get(timeout=0.5)
@@ -485,6 +510,7 @@ class Learner:
         cfg = self.cfg
         publishes = (self.step + 1) % cfg.publish_every == 0
         deadline = time.monotonic() + cfg.batch_timeout_s
+        paused0 = self._paused_s  # (time paused for the disk does not count as starving or holding)
         held_since: float | None = None
         self._hold_s = 0.0
         while True:
@@ -499,7 +525,7 @@ class Learner:
                 # cannot save one already held that the batch has no room for (it is dropped as stale)
                 ok = not publishes or call(self._controller.publish_allowed, self.timeline_version + 1,
                                            [t.trajectory_id for t in self._held])
-                if not ok and time.monotonic() > deadline:
+                if not ok and time.monotonic() > deadline + self._paused_s - paused0:
                     logger.warning("learner waited {} s for a slow episode; publishing timeline version {} anyway "
                                    "(what that makes too stale is dropped and counted)", cfg.batch_timeout_s,
                                    self.timeline_version + 1)
@@ -510,7 +536,7 @@ class Learner:
                         self._hold_s = time.monotonic() - held_since
                     return batch
                 held_since = held_since if held_since is not None else time.monotonic()
-            elif time.monotonic() > deadline:
+            elif time.monotonic() > deadline + self._paused_s - paused0:
                 logger.error("learner starved: {} of {} trajectories in {} s; stopping", len(self._held),
                              cfg.batch_size, cfg.batch_timeout_s)
                 return None
@@ -663,10 +689,12 @@ class Learner:
         if (self.step > 0 or self.version > 0) and not self._republish_same:  # (version > 0 at step 0: resumed
             self.version += 1                                                  # before the first checkpoint)
         self._republish_same = False
-        if self.timeline.at(self.version) != self.timeline_version:
+        rebased = self.timeline.at(self.version) != self.timeline_version
+        if rebased:
             self.timeline.rebase(self.version, self.timeline_version)
-            self.timeline.save(self.inbox.log.dir / TIMELINE_FILE, fsync=self.inbox.log.fsync)
-        self.inbox.log.note_published(self.version)
+        if not self._note_published(save_timeline=rebased):
+            logger.error("weight version {} not published: stopped while the disk was full", self.version)
+            return
         self._weights_published = True
         t0 = time.perf_counter()
         try:
@@ -703,32 +731,119 @@ class Learner:
             if self._controller is not None:
                 call(self._controller.set_version, self.timeline_version)
 
+    def _note_published(self, save_timeline: bool) -> bool:
+        """Record durably that ``self.version`` is being published, and with ``save_timeline`` the
+        timeline's new start (before the broadcast: a version number is never reused); on a full
+        disk wait for space and try again. False: stopped while waiting (nothing is broadcast)."""
+        while True:
+            try:
+                if save_timeline:
+                    self.timeline.save(self.inbox.log.dir / TIMELINE_FILE, fsync=self.inbox.log.fsync)
+                    save_timeline = False
+                self.inbox.log.note_published(self.version)
+                return True
+            except OSError as e:
+                if not self.disk.fault(e, self.inbox.log.dir):
+                    raise
+                logger.error("could not record weight version {} ({}); waiting for disk space", self.version, e)
+            self._wait_disk()
+            if self._stop.is_set():
+                return False
+
+    def _wait_disk(self) -> None:
+        """While the run directory's disk is full or failing (:class:`~t1async.fileio.DiskGuard`):
+        pause (no step; the inbox stops ACKing too) until space is back or :meth:`stop`; then write
+        the metrics rows that waited. The time paused is not counted against ``batch_timeout_s``."""
+        why = self.disk.check()
+        if why is None:
+            return
+        logger.error("{}: intake and training paused until space is back (t1async status: degraded)", why)
+        waited = self.disk.wait(self._stop)
+        self._paused_s += waited
+        if not self._stop.is_set():
+            logger.warning("disk space is back after {:.0f} s: intake and training resume", waited)
+            self._flush_metrics()
+
     def _write_metrics(self, metrics: dict[str, Any]) -> None:
         metrics["time"] = time.time()
-        with self._metrics_path.open("a") as f:
-            f.write(json.dumps(metrics) + "\n")
+        self._unwritten_metrics.append(json.dumps(metrics) + "\n")
+        self._flush_metrics()
         logger.info("step {step} v{version}: reward {reward_mean:.2f} resolved {resolved_rate:.2f} "
                     "staleness max {staleness_max} |dlogp| {logprob_diff_mean:.4f} {tokens_per_s:.0f} tok/s", **metrics)
+
+    def _flush_metrics(self) -> bool:
+        """Append the metrics rows not yet in metrics.jsonl, whole (t1async/fileio.py
+        ``append_whole``); a full disk keeps them for the next try (logged, never dropped)."""
+        if not self._unwritten_metrics:
+            return True
+        try:
+            append_whole(self._metrics_path, "".join(self._unwritten_metrics).encode())
+        except OSError as e:
+            if not self.disk.fault(e, self._metrics_path):
+                raise
+            logger.error("metrics.jsonl: {} rows wait for disk space ({})", len(self._unwritten_metrics), e)
+            return False
+        self._unwritten_metrics.clear()
+        return True
+
+    def _write_transcripts(self, batch: list[Trajectory]) -> None:
+        """This step's episode transcripts (t1async/rollout/transcripts.py); a full disk skips them (logged)."""
+        try:
+            write_transcripts(self.run_dir / "episodes", self.step, batch, self.cfg.episodes_per_step, self._tok)
+        except OSError as e:
+            if not self.disk.fault(e, self.run_dir / "episodes"):
+                raise
+            logger.error("transcripts of step {} not written: {}", self.step, e)
+
+    def _checkpoint(self) -> bool:
+        """:meth:`save_checkpoint`; on a full or failing disk, one line instead of a crash, and the
+        checkpoint is due again after the next step once space is back (a resume meanwhile starts
+        from the last checkpoint written and the receive log: nothing lost). Returns whether it was written."""
+        try:
+            self.save_checkpoint()
+        except Exception as e:
+            if not self.disk.fault(e, self.run_dir / "checkpoints"):
+                raise
+            self._checkpoint_due = True
+            logger.error("checkpoint of step {} not written ({}): {}", self.step, str(e).splitlines()[0][:200],
+                         self.disk.check() or "disk fault")
+            return False
+        self._checkpoint_due = False
+        return True
 
     def save_checkpoint(self) -> Path:
         """Write ``checkpoints/step_NNNNNN/`` atomically: policy safetensors + config.json, critic,
         optimisers, trainer state (with the group advantage's recent rewards per task),
         ``consumed.json`` (every trajectory id this model state trained on or dropped) and
         ``task_order.json`` (the controller's task order now, so that a resumed run continues it:
-        t1async/rollout/task_order.py), staged in a hidden folder and renamed into place."""
+        t1async/rollout/task_order.py), staged in a hidden folder and renamed into place (a failed
+        write removes the staged folder and raises).
+
+        Raises:
+            OSError: ENOSPC when the disk is full or failing (the fault is recorded in ``self.disk``).
+        """
         root = self.run_dir / "checkpoints"
         self._take_refused()
         tmp = staging_dir(root, self.step)
-        self.backend.save(tmp)
-        write_consumed(tmp / "consumed.json", self._consumed)
-        self._save_task_order(tmp)
-        (tmp / "trainer_state.json").write_text(json.dumps({"step": self.step, "version": self.version,
-                                                            "timeline_version": self.timeline_version,
-                                                            "weights_published": self._weights_published, **self.counters,
-                                                            "dropped": self.dropped,
-                                                            "rejected_by": self.rejected_by,
-                                                            "group_rewards": self._task_rewards}))
-        path = commit(tmp, root / f"step_{self.step:06d}", fsync=self.inbox.log.fsync)
+        try:
+            self.backend.save(tmp)
+            write_consumed(tmp / "consumed.json", self._consumed)
+            self._save_task_order(tmp)
+            (tmp / "trainer_state.json").write_text(json.dumps({"step": self.step, "version": self.version,
+                                                                "timeline_version": self.timeline_version,
+                                                                "weights_published": self._weights_published, **self.counters,
+                                                                "dropped": self.dropped,
+                                                                "rejected_by": self.rejected_by,
+                                                                "group_rewards": self._task_rewards}))
+            path = commit(tmp, root / f"step_{self.step:06d}", fsync=self.inbox.log.fsync)
+        except Exception as e:
+            # judged before the staged folder's space comes back (torch's own error on a full disk
+            # says "iostream error", not ENOSPC)
+            full = self.disk.fault(e, root)
+            shutil.rmtree(tmp, ignore_errors=True)
+            if full:
+                raise OSError(errno.ENOSPC, f"checkpoint not written: {str(e).splitlines()[0][:200]}") from e
+            raise
         rotate_checkpoints(root, self.cfg.keep_checkpoints, self.cfg.keep_every)
         self.inbox.log.drop_consumed(self._consumed)
         self._saved_step = self.step

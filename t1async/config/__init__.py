@@ -31,7 +31,15 @@ from t1async.config.learner import (
     SftConfig,
 )
 from t1async.config.rollout import ContainerConfig, EnvConfig, GenerationConfig, RolloutConfig, SamplerConfig
-from t1async.config.run import ModelConfig, RayConfig, RunConfig, TransportConfig, WeightSyncConfig
+from t1async.config.run import (
+    WANDB_MODES,
+    MetricsConfig,
+    ModelConfig,
+    RayConfig,
+    RunConfig,
+    TransportConfig,
+    WeightSyncConfig,
+)
 
 __all__ = [
     "ADVANTAGE_NAMES",
@@ -43,6 +51,7 @@ __all__ = [
     "GenerationConfig",
     "LearnerConfig",
     "MegatronConfig",
+    "MetricsConfig",
     "MismatchConfig",
     "ModelConfig",
     "POLICY_LOSS_NAMES",
@@ -52,6 +61,7 @@ __all__ = [
     "SamplerConfig",
     "SftConfig",
     "TransportConfig",
+    "WANDB_MODES",
     "WeightSyncConfig",
     "check_trainable",
     "check_values",
@@ -79,6 +89,7 @@ class Config:
     transport: TransportConfig = field(default_factory=TransportConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     mismatch: MismatchConfig = field(default_factory=MismatchConfig)
     """Only ``t1async mismatch`` reads this section."""
     sft: SftConfig = field(default_factory=SftConfig)
@@ -194,6 +205,8 @@ _VALUE_RULES: list[tuple[str, Any, str]] = [
     ("learner.gamma", lambda v: 0 <= v <= 1, "a float in [0, 1]"),
     ("learner.lam", lambda v: 0 <= v <= 1, "a float in [0, 1]"),
     ("learner.batch_timeout_s", lambda v: v > 0, "a positive number of seconds (the longest wait for a batch)"),
+    ("learner.disk_floor_mb", lambda v: v >= 0, "MiB of free space >= 0 (0: no floor)"),
+    ("metrics.wandb_mode", lambda v: v in WANDB_MODES, f"one of {', '.join(WANDB_MODES)}"),
     ("rollout.num_actors", lambda v: v >= 1, "an integer >= 1 (scale live through the controller)"),
     ("rollout.group_size", lambda v: v >= 1, "an integer >= 1 (episodes per drawn task)"),
     ("learner.advantage", lambda v: v in ADVANTAGE_NAMES, "'gae' (the critic), 'group' (leave-one-out over a task's episodes)"

@@ -232,6 +232,13 @@ class LearnerConfig:
     """Longest wait for one batch before the learner reports it is starved and stops; under
     ``rollout.admission: learner_wait`` also the longest it holds a publish for a slow episode
     (it then publishes anyway, logged, and drops what that makes too stale)."""
+    disk_floor_mb: float = 1024.0
+    """Free-space floor of the run directory's filesystem, MiB: below it (or below 5 % of the
+    filesystem's size, if that is less) the learner pauses intake and training before the disk is
+    full: it stops ACKing (rollout actors keep their trajectories in their spools), runs no step,
+    and ``t1async status`` says ``degraded: disk full at PATH (N MB free)``; it resumes by itself
+    once space is back. A write that fails on a full or failing disk (ENOSPC, EDQUOT, EIO) pauses
+    it the same way, at any floor (t1async/fileio.py ``DiskGuard``). 0: no floor."""
     micro_batch_tokens: int = 4096
     """Trajectories trained in one padded forward and backward, up to this many positions
     (sequences x the longest, :func:`t1async.learner.rl.micro_batches`; longest first). Results equal

@@ -41,6 +41,24 @@ class RunConfig:
     this many in a row it is left ``failed`` in ``t1async status`` (0: never restart)."""
 
 
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+@dataclass
+class MetricsConfig:
+    """Where the launch process sends each learner step's scalars besides ``metrics.jsonl`` and
+    TensorBoard (``run.tensorboard``); t1async/service/sinks.py."""
+
+    wandb: bool = False
+    """Also log them to Weights & Biases (extra ``wandb``: ``pip install 't1async[wandb]'``), in
+    ``RUN_DIR/wandb``; every life of a run appends to one wandb run."""
+    wandb_project: str = "t1async"
+    """The wandb project."""
+    wandb_mode: str = "offline"
+    """wandb's ``mode``: ``offline`` (no network or account; ``wandb sync RUN_DIR/wandb/wandb/offline-run-*``
+    uploads later), ``online`` (needs ``WANDB_API_KEY`` or ``wandb login``) or ``disabled``."""
+
+
 @dataclass
 class RayConfig:
     """How ``launch`` reaches Ray."""

@@ -136,7 +136,10 @@ def launch(config_path: str | None, overrides: list[str] | tuple[str, ...] = ())
         shutil.rmtree(run_dir / "workspaces", ignore_errors=True)
         summary["wall_s"] = round(time.time() - t_start, 1)
         summary.update(_metrics_summary(run_dir / "metrics.jsonl"))
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        try:
+            (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        except OSError as e:  # a full disk: the summary is still logged below
+            logger.error("summary.json not written ({}); the summary follows in the log", e)
         ray.shutdown()
         if ray_local:  # a Ray this launch started: its session folder goes, its logs are kept
             keep_ray_logs(ray_session, run_dir)
@@ -222,6 +225,8 @@ def check_inputs(cfg: Config) -> list[str]:
         check_model_vocab(cfg.model.vocab_size, "tool_call", "model.vocab_size (rollout.agent=external)")
         for module in ("fastapi", "uvicorn"):  # the endpoint's extra, before any process starts
             require_extra(module, "endpoint", "rollout.agent=external")
+    if cfg.metrics.wandb:  # (its extra, before any process starts)
+        require_extra("wandb", "wandb", "metrics.wandb=true")
     tasks = discover_tasks(tasks_dir(cfg.env), cfg.env.tasks, sandbox=cfg.env.sandbox)
     check_sandbox_available(cfg.env.sandbox)
     check_port_free(cfg.transport)
