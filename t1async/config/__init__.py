@@ -32,6 +32,8 @@ from t1async.config.learner import (
 )
 from t1async.config.rollout import ContainerConfig, EnvConfig, GenerationConfig, RolloutConfig, SamplerConfig
 from t1async.config.run import (
+    PLACEMENT_ROLES,
+    RESERVED_RESOURCES,
     WANDB_MODES,
     MetricsConfig,
     ModelConfig,
@@ -54,7 +56,9 @@ __all__ = [
     "MetricsConfig",
     "MismatchConfig",
     "ModelConfig",
+    "PLACEMENT_ROLES",
     "POLICY_LOSS_NAMES",
+    "RESERVED_RESOURCES",
     "RayConfig",
     "RolloutConfig",
     "RunConfig",
@@ -221,6 +225,10 @@ _VALUE_RULES: list[tuple[str, Any, str]] = [
      "'builtin' (the rollout loop) or 'external' (rollout.agent_command through the OpenAI-compatible endpoint)"),
     ("rollout.history_break", lambda v: v in ("split", "drop"), "'split' (exact segments) or 'drop' (the episode)"),
     ("sampler.num_samplers", lambda v: v >= 1, "an integer >= 1"),
+    ("ray.placement", lambda v: all(role in PLACEMENT_ROLES and res.strip() and res not in RESERVED_RESOURCES
+                                    for role, res in v.items()),
+     f"a mapping of roles ({', '.join(PLACEMENT_ROLES)}) to custom Ray resource names, e.g. "
+     "{learner: learner_node, rollout: rollout_node} (not empty, not one of " + ", ".join(RESERVED_RESOURCES) + ")"),
     ("env.max_turns", lambda v: v >= 1, "an integer >= 1"),
     ("env.max_context_tokens", lambda v: v >= 0, "an integer >= 0 (0: model.max_position_embeddings)"),
     ("learner.micro_batch_tokens", lambda v: v >= 0, "an integer >= 0 (0: one trajectory per micro-batch)"),

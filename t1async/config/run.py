@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Dict, Optional
+
+PLACEMENT_ROLES = ("learner", "controller", "sampler", "rollout")
+"""The roles ``ray.placement`` can place (the Ray actors ``launch`` starts)."""
+RESERVED_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+"""Ray's built-in resources, which ``ray.placement`` cannot use as a node's mark."""
 
 
 @dataclass
@@ -67,6 +72,17 @@ class RayConfig:
     """Address of an existing Ray cluster (``auto`` or ``host:port``); None starts a local one."""
     num_cpus: Optional[int] = None
     """CPUs a locally started Ray advertises; None lets Ray count them."""
+    placement: Dict[str, str] = field(default_factory=dict)
+    """Role -> custom Ray resource that marks the nodes it runs on, e.g. ``{learner: learner_node,
+    controller: learner_node, sampler: rollout_node, rollout: rollout_node}`` with nodes started as
+    ``ray start ... --resources '{"rollout_node": 1}'``. Roles: learner, controller, sampler,
+    rollout; a role left out goes where Ray puts it. Each actor of a placed role asks for 0.001 of
+    its resource (a mark, not a capacity: 1,000 actors fit a node marked 1); a role's actors take
+    the live nodes that have it in turn (live: alive in Ray's node table and its raylet reachable,
+    so a lost node gets no new actor while Ray has not yet marked it dead). Soft: when no live node
+    has the resource (its nodes were lost), the role is started on any node, with a warning; a
+    restart (a rollout actor, a sampler, the learner) looks again, so it goes back to marked nodes
+    while one is alive. Empty: Ray places every role."""
 
 
 @dataclass

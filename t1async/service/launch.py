@@ -24,10 +24,11 @@ import sys
 import time
 import urllib.parse
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import ray
 from loguru import logger
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from t1async import require_extra
 from t1async.actors import error_line
@@ -35,7 +36,7 @@ from t1async.actors.controller import Controller
 from t1async.actors.learner import Learner
 from t1async.actors.rollout import RolloutActor, tasks_dir
 from t1async.actors.sampler import EmbeddedSampler
-from t1async.config import Config, ConfigError, RunConfig, check_trainable, load_config, to_yaml
+from t1async.config import Config, ConfigError, RayConfig, RunConfig, check_trainable, load_config, to_yaml
 from t1async.envs.sandboxes.container import remove_orphan_containers
 from t1async.envs.sandboxes.limits import unmount_all_under
 from t1async.envs.sandboxes.sandbox import check_sandbox_available
@@ -51,6 +52,9 @@ from t1async.service.service import LearnerDied, Service
 from t1async.transport.keys import client_keys, server_keys
 
 ACTOR_MAX_CONCURRENCY = 64  # threads of the controller/learner/sampler actors (acquire() waits block one each)
+PLACEMENT_SHARE = 0.001  # of its node's custom resource each placed actor asks for: a mark, not a capacity
+ROLE_OF = {"Learner": "learner", "Controller": "controller", "EmbeddedSampler": "sampler", "RolloutActor": "rollout"}
+"""The ``ray.placement`` role of each actor class launch starts."""
 
 
 def launch(config_path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
@@ -86,7 +90,7 @@ def launch(config_path: str | None, overrides: list[str] | tuple[str, ...] = ())
     ray_session = ctx.address_info.get("session_dir")
     ray_local = cfg.ray.address in (None, "", "local")  # a Ray this launch starts (and stops)
     lock.write(ray_session=ray_session, ray_local=ray_local)  # (the reaper removes a local one too)
-    actor = _actor_factory(run_dir, cfg.run)
+    actor = _actor_factory(run_dir, cfg.run, cfg.ray)
     summary: dict[str, Any] = {"run_dir": str(run_dir), "max_steps": cfg.learner.max_steps}
     roles: dict[str, Any] = {}
     control = pool = None
@@ -451,12 +455,78 @@ def _log_start_failure(name: str) -> None:
     logger.exception("{} failed to start", name)
 
 
-def _actor_factory(run_dir: Path, run_cfg: RunConfig):
-    """``actor(cls, log_name)`` -> a Ray actor class whose instances log to ``RUN_DIR/logs/``.
+def placement_options(role: str, resource: str, nodes: list[dict[str, Any]], turn: int = 0,
+                      reachable: Callable[[dict[str, Any]], bool] | None = None) -> dict[str, Any]:
+    """Ray actor options that place one actor of ``role`` on a live node marked with ``resource``
+    (``ray.placement``); ``{}`` (any node) when no such node is left: the soft fallback after a
+    node loss, logged as a warning.
+
+    A node counts as live when Ray's node table says so and its raylet accepts a TCP connection
+    (``reachable``): Ray takes a health-check period to mark a lost node dead (13 s in ``t1async
+    bench multinode``), and an actor sent there meanwhile dies with it. The live nodes are taken in
+    turn (``turn``, counted by the caller: successive actors of a role go round the nodes), soft:
+    should the node be lost before the actor starts, Ray puts it on another node with the resource.
+
+    Args:
+        role: the role's name (for the warning).
+        resource: the custom resource marking the role's nodes.
+        nodes: Ray's node table (``ray.nodes()``: dicts with ``NodeID``, ``Alive``, ``Resources``,
+            ``NodeManagerAddress``, ``NodeManagerPort``).
+        turn: how many actors of this role the caller placed before.
+        reachable: ``node -> bool``; default :func:`raylet_reachable`.
+    """
+    reachable = reachable or raylet_reachable
+    marked = sorted((n for n in nodes if n.get("Alive") and n.get("Resources", {}).get(resource, 0) > 0),
+                    key=lambda n: n["NodeID"])
+    live = [n for n in marked if reachable(n)]
+    if not live:
+        logger.warning("ray.placement: no live Ray node has resource {!r} for the {}; starting it on any node "
+                       "(join a node with ray start --resources '{{\"{}\": 1}}' to place it there again)",
+                       resource, role, resource)
+        return {}
+    node = live[turn % len(live)]
+    return {"resources": {resource: PLACEMENT_SHARE},
+            "scheduling_strategy": NodeAffinitySchedulingStrategy(node["NodeID"], soft=True)}
+
+
+def raylet_reachable(node: dict[str, Any], timeout_s: float = 1.0) -> bool:
+    """Whether the raylet of a row of ``ray.nodes()`` accepts a TCP connection within ``timeout_s``
+    (a lost machine's port refuses at once or times out)."""
+    try:
+        with socket.create_connection((node["NodeManagerAddress"], int(node["NodeManagerPort"])), timeout=timeout_s):
+            return True
+    except (OSError, KeyError, ValueError):
+        return False
+
+
+class PlacedActor:
+    """A Ray actor class whose ``.remote(...)`` places each new actor by :func:`placement_options`,
+    looked up at that moment (so a restart after a node loss sees the nodes still alive) and
+    taking the role's nodes in turn (``turns``: role -> actors placed so far, shared by the
+    placed classes of one process). Picklable: the controller starts rollout actors through one."""
+
+    def __init__(self, actor_class: Any, role: str, resource: str, turns: dict[str, int] | None = None):
+        self.actor_class, self.role, self.resource = actor_class, role, resource
+        self.turns = turns if turns is not None else {}
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        """Start one actor (``ActorClass.options(...).remote(*args, **kwargs)``); its handle."""
+        turn = self.turns.get(self.role, 0)
+        self.turns[self.role] = turn + 1
+        options = placement_options(self.role, self.resource, ray.nodes(), turn)
+        return self.actor_class.options(**options).remote(*args, **kwargs)
+
+
+def _actor_factory(run_dir: Path, run_cfg: RunConfig, ray_cfg: RayConfig | None = None):
+    """``actor(cls, log_name)`` -> a Ray actor class whose instances log to ``RUN_DIR/logs/``
+    (a :class:`PlacedActor` for a role in ``ray.placement``).
 
     Actors take no CPU reservation: on a 2-core machine all roles share the cores, and each
     limits torch to ``run.torch_threads`` threads.
     """
+    placement = ray_cfg.placement if ray_cfg is not None else {}
+    turns: dict[str, int] = {}  # role -> actors placed so far (samplers get a class each: one count)
+
     def actor(cls: type, default_log_name: str):
         class Logged(cls):  # type: ignore[misc, valid-type]
             def __init__(self, *args: Any, log_name: str = default_log_name, **kwargs: Any):
@@ -469,7 +539,9 @@ def _actor_factory(run_dir: Path, run_cfg: RunConfig):
                     raise
 
         Logged.__name__ = Logged.__qualname__ = cls.__name__
-        return ray.remote(num_cpus=0, max_concurrency=ACTOR_MAX_CONCURRENCY, max_restarts=0)(Logged)
+        remote = ray.remote(num_cpus=0, max_concurrency=ACTOR_MAX_CONCURRENCY, max_restarts=0)(Logged)
+        resource = placement.get(ROLE_OF.get(cls.__name__, ""))
+        return PlacedActor(remote, ROLE_OF[cls.__name__], resource, turns) if resource else remote
 
     return actor
 
