@@ -17,6 +17,8 @@ import pytest
 
 import t1async.actors.learner as learner_mod
 import t1async.fileio as fileio
+import t1async.learner.checkpoints as checkpoints_mod
+import t1async.learner.metrics as metrics_mod
 import t1async.transport.delivery as delivery
 from t1async.actors.learner import Learner
 from t1async.actors.rollout import RolloutActor
@@ -91,8 +93,8 @@ def test_writes_refused_by_a_full_disk_pause_the_learner_and_are_written_once_sp
             return real(*a, **k)
         return write
 
-    for name in ("append_whole", "write_transcripts", "commit"):
-        monkeypatch.setattr(learner_mod, name, refused(getattr(learner_mod, name)))
+    for mod, name in ((metrics_mod, "append_whole"), (learner_mod, "write_transcripts"), (checkpoints_mod, "commit")):
+        monkeypatch.setattr(mod, name, refused(getattr(mod, name)))
     learner = _learner(tmp_path, max_steps=2, checkpoint_every=1)
     learner.disk.retry_s = 60.0
     tx = ZmqSender(learner.endpoint())
