@@ -12,6 +12,10 @@ trajectory by the rollout actor that ran it (the learner cannot tell an actor's 
 trajectory from a stranger's garbage or a resent rejection), a stale drop by the learner (it
 drops each trajectory id at most once).
 
+Task order: :class:`t1async.rollout.task_order.TaskOrder` (a shuffled round robin); the learner saves
+its :meth:`task_order_state` with each checkpoint and a resumed launch passes it back as ``task_order``,
+so a resumed run continues the stream from the checkpoint instead of replaying its head.
+
 Supervision: :meth:`run` watches every rollout actor's ``run`` call; an actor that crashes is
 logged and replaced (up to ``max_restarts``), and the actor count follows :meth:`scale`.
 :meth:`stop` ends admission, waits a grace period, then kills what is still running.
@@ -19,7 +23,6 @@ logged and replaced (up to ``max_restarts``), and the actor count follows :meth:
 
 from __future__ import annotations
 
-import random
 import threading
 import time
 from typing import Any, Callable
@@ -28,6 +31,7 @@ from loguru import logger
 
 from t1async.config import RolloutConfig
 from t1async.rollout.admission import ADMISSION_RULES, may_start, publish_allowed
+from t1async.rollout.task_order import TaskOrder
 
 
 class Controller:
@@ -42,12 +46,15 @@ class Controller:
         max_staleness: eta, the staleness bound.
         make_rollout: ``(actor_id, crash_after_episodes) -> Ray actor handle`` of a RolloutActor.
         seed: seed of the task order.
+        task_order: where to continue the task order from (:meth:`task_order_state` as saved in
+            the checkpoint a resumed learner restored; None: from its head).
         sampler_urls: samplers rollout actors are routed to (those holding weights; kept live by the
             launch's sampler pool through :meth:`set_samplers`).
     """
 
     def __init__(self, cfg: RolloutConfig, task_names: list[str], *, rollouts_per_version: int, max_staleness: int,
-                 make_rollout: Callable[[int, int], Any], seed: int = 0, sampler_urls: list[str] | None = None):
+                 make_rollout: Callable[[int, int], Any], seed: int = 0, sampler_urls: list[str] | None = None,
+                 task_order: dict[str, Any] | None = None):
         if not task_names:
             raise ValueError("the controller needs at least one task")
         self.cfg = cfg
@@ -60,9 +67,15 @@ class Controller:
         self.discarded = 0
         self.crashes = 0
         self.target = cfg.num_actors
-        self._tasks = list(task_names)
-        self._rng = random.Random(seed)
-        self._order: list[str] = []
+        self._order = TaskOrder(task_names, cfg.group_size, seed)
+        if task_order is not None:
+            try:
+                note = self._order.restore(task_order)
+                logger.log("WARNING" if note else "INFO", "task order continued after episode {} (pass {}){}",
+                           self._order.drawn, self._order.passes, f": {note}" if note else "")
+            except ValueError as e:  # (a resume is not refused over its task order)
+                self._order = TaskOrder(task_names, cfg.group_size, seed)
+                logger.error("the saved task order cannot be continued ({}): it starts over from its head", e)
         self._cond = threading.Condition()
         self._stopping = False
         self._actors: dict[int, tuple[Any, Any]] = {}  # actor_id -> (handle, run ObjectRef)
@@ -93,10 +106,7 @@ class Controller:
                     self._running[actor_id] = self.version
                     self._episodes[actor_id] = self._episodes.get(actor_id, 0) + 1
                     self._first_episode.setdefault(actor_id, time.time())
-                    if not self._order:  # popped from the end: each task's group_size episodes in a row
-                        self._order = [t for t in self._rng.sample(self._tasks, len(self._tasks))
-                                       for _ in range(self.cfg.group_size)]
-                    return self._order.pop()
+                    return self._order.draw()
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return ""
@@ -195,9 +205,15 @@ class Controller:
             if "tasks" in changes:
                 if not changes["tasks"]:
                     raise ValueError("the controller needs at least one task")
-                self._tasks, self._order = list(changes["tasks"]), []
+                self._order.set_tasks(list(changes["tasks"]))
             self._cond.notify_all()
         logger.info("live change: {}", changes)
+
+    def task_order_state(self) -> dict[str, Any]:
+        """The task order's position now (:meth:`t1async.rollout.task_order.TaskOrder.state`),
+        taken by the learner as it writes each checkpoint."""
+        with self._cond:
+            return self._order.state()
 
     def set_samplers(self, urls: list[str]) -> None:
         """The samplers rollout actors may use from now on: those holding the current weights,
@@ -222,7 +238,8 @@ class Controller:
         logger.info("rollout actors scaled to {}", num_actors)
 
     def status(self) -> dict[str, Any]:
-        """Actor count, admissions, failures (in all and by reason key), crashes and the version admission follows."""
+        """Actor count, admissions, failures (in all and by reason key), crashes, the version admission
+        follows, and ``tasks_drawn`` (episodes the task order has drawn, over every life of the run)."""
         with self._cond:
             running, pending, oldest = len(self._running), len(self._pending), self.oldest_version()
             detail = [{"id": aid, "state": "retiring" if aid in self._retired else
@@ -230,7 +247,8 @@ class Controller:
                        "version": self._running.get(aid), "episodes": self._episodes.get(aid, 0),
                        "started_at": self._started_at.get(aid), "first_episode_at": self._first_episode.get(aid)}
                       for aid in sorted(self._actors)]
-        return {"actors_detail": detail, "max_staleness": self.max_staleness, "tasks": len(self._tasks),
+        return {"actors_detail": detail, "max_staleness": self.max_staleness, "tasks": len(self._order.tasks),
+                "tasks_drawn": self._order.drawn,
                 "actors": len(self._actors), "target": self.target, "started": self.started, "version": self.version,
                 "oldest_version": oldest, "running": running, "pending": pending,
                 "failed_episodes": self.failed_episodes, "episode_failures": dict(self.failures),

@@ -17,59 +17,54 @@ spools fill and their ``send`` waits (backpressure). ``run`` returns after ``max
 receive log's trajectories that checkpoint had not consumed: nothing lost, nothing trained twice
 (the exact guarantee is in t1async/transport/delivery.py).
 
+A full or failing disk (below ``learner.disk_floor_mb`` free, or a write refused with ENOSPC/EIO:
+t1async/fileio.py ``DiskGuard``) pauses the learner instead of crashing or hanging it: the inbox
+stops ACKing (the actors keep their spools), no step runs, :meth:`Learner.status` says why
+(``disk``), and once space is back it resumes by itself and writes what waited (metrics rows, a
+due checkpoint). :meth:`Learner.stop` ends a pause at once.
+
 Poison: the inbox refuses (REJ), counts by reason and quarantines every trajectory that breaks the
 run's own facts (t1async/transport/intake.py), so none reaches a step. One that still makes a step
 raise (a bug of ours) is found by running the step's forward passes on each trajectory alone
 (:func:`t1async.learner.update.probe`), quarantined and skipped, and the step is retried without
-it (:meth:`Learner._guarded_step`); a resume skips it (``quarantine/ids.txt``).
+it (t1async/learner/step_guard.py); a resume skips it (``quarantine/ids.txt``).
 """
 
 from __future__ import annotations
 
-import json
 import queue
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from loguru import logger
 
 from t1async.actors import call
 from t1async.config import GenerationConfig, LearnerConfig, ModelConfig, TransportConfig, WeightSyncConfig
-from t1async.learner.abnormal import (
-    DROP_REASONS,
-    drop_detail,
-    drop_reason,
-    finish_counts,
-    masked_turns,
-    tool_call_counts,
-    turn_counts,
-)
-from t1async.learner.advantages import ADVANTAGES
+from t1async.fileio import DiskGuard
+from t1async.learner.abnormal import DROP_REASONS, drop_detail, drop_reason
 from t1async.learner.backend import LearnerBackend, make_backend
-from t1async.learner.checkpoints import commit, resumable_checkpoint, rotate_checkpoints, staging_dir
-from t1async.learner.timeline import TIMELINE_FILE, VersionTimeline
-from t1async.learner.update import episode_reward, probe, train_step
+from t1async.learner.batching import HeldTrajectories, collect_batch
+from t1async.learner.checkpoints import read_trainer_state, resumable_checkpoint, write_checkpoint
+from t1async.learner.disk_pause import DiskPause
+from t1async.learner.metrics import MetricsFile, batch_metrics
+from t1async.learner.step_guard import StepGuard, refuse_in_step
+from t1async.learner.timeline import TIMELINE_FILE, SampledTimelines, VersionTimeline
+from t1async.learner.update import advantage_estimates, policy_lr, train_step
 from t1async.models.logprobs import sampling_semantics
 from t1async.models.tokenizer import ChatTokenizer
 from t1async.rollout.transcripts import write_transcripts
 from t1async.sampling.sampler_client import SamplerError, post_json, weight_version
-from t1async.trajectory import Trajectory, encode
-from t1async.transport.delivery import ByteQueue, ConsumedLedger, ReceiveLog, read_consumed, write_consumed
+from t1async.trajectory import Trajectory
+from t1async.transport.delivery import ByteQueue, ConsumedLedger, ReceiveLog
 from t1async.transport.inbox import Inbox
 from t1async.transport.intake import RunFacts
 from t1async.transport.quarantine import Quarantine
 from t1async.transport.transport import ZmqReceiver
 from t1async.weights.factory import make_weight_sync
 from t1async.weights.protocol import WeightSync, WeightSyncError
-
-MAX_FAILED_STEPS_IN_A_ROW = 3
-"""Batches in a row whose step raised even after quarantining what the probe blamed: then the
-fault is not in the data (a bug of ours, a broken device) and the learner raises (the service
-restarts it; what it quarantined stays skipped)."""
 
 
 class Learner:
@@ -120,15 +115,15 @@ class Learner:
         # (t1async/learner/timeline.py); equal to the weight versions in a run that never resumed
         self.timeline = VersionTimeline()
         self.timeline_version = 0
-        self._sampled_at: dict[str, int] = {}  # trajectory id -> timeline version of its oldest token (taken, untrained)
+        self._sampled = SampledTimelines()  # timeline version of each taken, untrained trajectory's oldest token
         self._earlier_lives_version = -1  # resumed: weight versions up to this one were published by earlier lives
         self._samplers_at = -1  # resumed: timeline version of the (lost life's) weights the samplers kept
-        self._held: list[Trajectory] = []  # received, kept, not yet trained (rollout.admission: learner_wait)
-        self._hold_publish, self._hold_s = False, 0.0
+        self._held = HeldTrajectories()  # received, kept, not yet trained (rollout.admission: learner_wait)
+        self._hold_publish = False
         self.counters = {"received": 0, "rejected": 0, "dropped_stale": 0, "dropped_stale_restart": 0, "trained": 0,
                          "duplicates": 0, "replayed": 0, "quarantine_evicted": 0}
         self.rejected_by: dict[str, int] = {}  # refused trajectories by reason (the field at fault; step_failed)
-        self._failed_steps_in_a_row = 0
+        self._guard = StepGuard(self.backend, cfg, num_experts=model_cfg.num_experts)  # probe and retry a failed step
         self.dropped = dict.fromkeys(DROP_REASONS, 0)  # trajectories dropped, by reason (cumulative)
         self._task_rewards: dict[str, list[tuple[int, float]]] = {}  # advantage: group (step, reward) per task, recent
         self._consumed = ConsumedLedger()  # trajectory id -> step that trained it (-1: dropped), bounded
@@ -140,6 +135,8 @@ class Learner:
         self.quarantine = Quarantine(self.run_dir / "quarantine", prefix_bytes=transport.quarantine_prefix_bytes,
                                      max_bytes=transport.quarantine_max_bytes, max_files=transport.quarantine_max_files,
                                      fsync=transport.log_fsync == "always")
+        self.disk = DiskGuard(self.run_dir, cfg.disk_floor_mb)  # a full disk pauses intake and training
+        self._metrics = MetricsFile(self.run_dir / "metrics.jsonl", self.disk)  # (keeps rows a full disk refused)
         if cfg.resume:
             self._resume(resume_from, log)
             self.resumed["set_aside"] = set_aside  # (announced by the launch: t1async/service/launch.py)
@@ -151,6 +148,8 @@ class Learner:
         self._controller: Any = None
         self._pending_discards: list[tuple[str, str]] = []  # (reason, trajectory id)
         self._discard_lock = threading.Lock()
+        self._pause = DiskPause(self.disk, self._stop, on_space=self._metrics.flush)  # a full disk pauses the loop
+        self._checkpoint_due = False  # a checkpoint a full disk refused, written once space is back
         receiver = ZmqReceiver.from_config(transport)
         self._sync: WeightSync = make_weight_sync(weight_sync)  # weight_sync.mode: distributed or tensor
         # receive durability (socket -> receive log -> ACK -> queue): t1async/transport/inbox.py
@@ -161,10 +160,10 @@ class Learner:
                            facts=RunFacts(vocab_size=model_cfg.vocab_size, num_experts=model_cfg.num_experts,
                                           num_layers=model_cfg.num_hidden_layers, top_k=model_cfg.num_experts_per_tok,
                                           reward=cfg.reward),
-                           quarantine=self.quarantine, rejected_by=self.rejected_by)
+                           quarantine=self.quarantine, rejected_by=self.rejected_by,
+                           disk=self.disk)
         self.inbox.start(backlog)
         (self.run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
-        self._metrics_path = self.run_dir / "metrics.jsonl"
         self._tok = ChatTokenizer.load() if cfg.episodes_per_step else None
         logger.info("learner ({} backend): policy {:.2f} M parameters, trajectories at {}", cfg.backend,
                     self.backend.num_parameters() / 1e6, self.inbox.receiver.endpoint)
@@ -239,12 +238,14 @@ class Learner:
     def status(self) -> dict[str, Any]:
         """Step, weight and timeline version, queue depth, counters, dropped trajectories by reason,
         refused ones by reason (``rejected_by``), what a resume restored, and the consumed-id ledger's
-        size (ids in all, streams, holes)."""
+        size (ids in all, streams, holes), and ``disk``: None, or why intake and training are
+        paused (``disk full at PATH (N MB free)``), with ``disk_paused_s``."""
         return {"step": self.step, "version": self.version, "timeline_version": self.timeline_version,
                 "queue_depth": self.inbox.queue.qsize() + len(self._held),
                 "queue_bytes": self.inbox.queue.nbytes, **self.counters, "dropped": dict(self.dropped),
                 "rejected_by": dict(self.rejected_by),
                 "resumed": self.resumed, "max_steps": self.cfg.max_steps,
+                "disk": self.disk.check(), "disk_paused_s": round(self._pause.paused_s, 1),
                 "weight_group": self._sync.snapshot(),
                 "ledger": {"consumed": len(self._consumed), "streams": len(self._consumed.marks),
                            "holes": self._consumed.holes(), "others": len(self._consumed.others)}}
@@ -270,36 +271,25 @@ class Learner:
         receive log's backlog and the episodes in flight are then judged, and admission runs, as
         if the lost steps had not been lost (the backlog re-trains them)."""
         self.timeline = VersionTimeline.load(log.dir / TIMELINE_FILE)
-        state: dict[str, Any] = {}
+        st = None
         if path is not None:
             if not self.backend.load_state(path):
                 logger.warning("{}/optimizers.pt was written by another learner backend: optimisers start fresh", path)
-            state = json.loads((path / "trainer_state.json").read_text())
-            self.step, self.version = int(state["step"]), int(state["version"])
-            self.timeline_version = int(state.get("timeline_version", self.timeline.at(self.version)))
-            self.counters.update({k: int(state[k]) for k in self.counters if k in state})
-            self.dropped.update({k: int(v) for k, v in state.get("dropped", {}).items()})
-            self.rejected_by.update({k: int(v) for k, v in state.get("rejected_by", {}).items()})
-            self._consumed = read_consumed(path / "consumed.json")
-            # advantage: group's window of recent rewards per task (peers of a group split across
-            # the checkpoint); absent from checkpoints written before it was saved
-            self._task_rewards = {task: [(int(s), float(r)) for s, r in rows]
-                                  for task, rows in state.get("group_rewards", {}).items()}
+            st = read_trainer_state(path, self.timeline, publish_every=self.cfg.publish_every)
+            self.step, self.version, self.timeline_version = st.step, st.version, st.timeline_version
+            self._consumed, self._task_rewards = st.consumed, st.group_rewards
+            self.counters.update({k: v for k, v in st.counters.items() if k in self.counters})
+            self.dropped.update(st.dropped)
+            self.rejected_by.update(st.rejected_by)
         # Weights published after that checkpoint are lost: the next publication takes a new,
         # higher number (see _publish), so versions never repeat.
         # ...unless the checkpoint was written right after a publication and nothing was published
         # since: the samplers hold exactly these weights as this version, so it is sent again
         # unchanged (a restart then does not make every trajectory in flight one version staler).
-        # (weights_published: the checkpoint's weights are those published as its version; older
-        # checkpoints lack it, and were written right after a publication when step % K == 0)
-        self._republish_same = (path is not None and log.published_version == self.version
-                                and bool(state.get("weights_published", self.step % self.cfg.publish_every == 0)))
+        self._republish_same = st is not None and log.published_version == self.version and st.weights_published
         self.version = max(self.version, log.published_version)
         self._earlier_lives_version = self.version
-        metrics = self.run_dir / "metrics.jsonl"
-        if metrics.exists():
-            rows = [r for r in metrics.read_text().splitlines() if r.strip() and json.loads(r)["step"] <= self.step]
-            metrics.write_text("".join(r + "\n" for r in rows))
+        self._metrics.trim(self.step)
         self.resumed = {"checkpoint": str(path) if path else None, "step": self.step, "version": self.version,
                         "timeline_version": self.timeline_version,
                         "consumed": len(self._consumed),
@@ -349,6 +339,9 @@ class Learner:
         try:
             while (not self.cfg.max_steps or self.step < self.cfg.max_steps) and not self._stop.is_set():
                 t_wait = time.perf_counter()
+                self._pause.wait()
+                if self._stop.is_set():
+                    break
                 batch = self._collect_batch()
                 if batch is None:
                     break
@@ -362,7 +355,7 @@ class Learner:
                 self.step += 1
                 self._consumed.update((t.trajectory_id, self.step) for t in batch)
                 for t in batch:
-                    self._sampled_at.pop(t.trajectory_id, None)
+                    self._sampled.forget(t.trajectory_id)
                 if controller is not None:  # admission stops waiting for these (oldest-episode rule)
                     call(controller.trajectories_consumed, [t.trajectory_id for t in batch])
                 if self.step % self.cfg.publish_every == 0:
@@ -371,37 +364,37 @@ class Learner:
                     publish_s = time.perf_counter() - t_pub
                     if controller is not None:
                         call(controller.set_version, self.timeline_version)
-                metrics.update(self._batch_metrics(batch, staleness))
+                self.counters["trained"] += len(batch)
+                metrics.update(batch_metrics(batch, staleness, self.cfg.abnormal, step=self.step, version=self.version,
+                                             timeline_version=self.timeline_version, counters=self.counters,
+                                             dropped=self.dropped, rejected_by=self.rejected_by,
+                                             queue_depth=self.inbox.queue.qsize()))
                 if publish_s:  # samplers paused by this publish, and the group re-formed before it (seconds)
                     metrics["publish_pause_s"], metrics["publish_form_s"] = self._sync.last_pause_s, self._sync.last_form_s
                 metrics["step_s"] = time.perf_counter() - t0  # train + publish (seconds)
                 metrics["batch_wait_s"], metrics["publish_s"] = wait_s, publish_s  # idle: waiting for the batch
-                metrics["hold_s"] = self._hold_s  # of batch_wait_s: held for a slow episode (learner_wait)
+                metrics["hold_s"] = self._held.hold_s  # of batch_wait_s: held for a slow episode (learner_wait)
                 metrics["tokens_per_s"] = metrics.pop("trained_tokens") / metrics["step_s"]
-                self._write_metrics(metrics)
-                write_transcripts(self.run_dir / "episodes", self.step, batch, self.cfg.episodes_per_step, self._tok)
-                if self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0:
-                    self.save_checkpoint()
+                self._metrics.write(metrics)
+                self._write_transcripts(batch)
+                if self._checkpoint_due or (self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0):
+                    self._checkpoint()
         finally:
+            self._metrics.flush()
             if getattr(self, "_saved_step", None) != self.step:
-                self.save_checkpoint()
+                self._checkpoint()  # (a full disk: one line; a resume starts from the last one written)
             self._stop.set()
         return self.status()
 
     def _sampled_timeline(self, traj: Trajectory) -> int:
-        """Timeline version of ``traj``'s oldest sampled token (t1async/learner/timeline.py), kept
-        until it is trained or dropped (a weight version's timeline version never changes once
-        published, and the frame holds none later)."""
-        tid = traj.trajectory_id
-        if tid not in self._sampled_at:
-            self._sampled_at[tid] = self.timeline.oldest(traj.versions[traj.loss_mask.astype(bool)])
-        return self._sampled_at[tid]
+        """Timeline version of ``traj``'s oldest sampled token (t1async/learner/timeline.py
+        :class:`SampledTimelines`), kept until it is trained or dropped."""
+        return self._sampled.of(self.timeline, traj)
 
     def _staleness(self, traj: Trajectory) -> int:
-        """Learner's timeline version - timeline version of ``traj``'s oldest sampled token: a
-        restart does not change it (t1async/learner/timeline.py); negative for a trajectory a
-        lost life sampled with weights the resumed learner has not re-trained to yet."""
-        return self.timeline_version - self._sampled_timeline(traj)
+        """Learner's timeline version - :meth:`_sampled_timeline`: a restart does not change it;
+        negative for a trajectory a lost life sampled with weights not re-trained to yet."""
+        return self._sampled.staleness(self.timeline, self.timeline_version, traj)
 
     def _keep(self, traj: Trajectory) -> bool:
         """Whether ``traj`` may be trained: within the staleness bound (:meth:`_staleness`) and not
@@ -423,26 +416,19 @@ class Learner:
 
     def _collect_batch(self) -> list[Trajectory] | None:
         """Take ``batch_size`` trajectories that :meth:`_keep` keeps, in arrival order (under
-        ``rollout.admission: learner_wait``, :meth:`_collect_held_batch`)."""
+        ``rollout.admission: learner_wait``, :meth:`_collect_held_batch`); t1async/learner/batching.py."""
         if self._hold_publish:
             return self._collect_held_batch()
-        batch: list[Trajectory] = []
-        deadline = time.monotonic() + self.cfg.batch_timeout_s
-        while len(batch) < self.cfg.batch_size:
-            if self._stop.is_set():
-                return None
-            if time.monotonic() > deadline:
-                logger.error("learner starved: {} of {} trajectories in {} s; stopping", len(batch),
-                             self.cfg.batch_size, self.cfg.batch_timeout_s)
-                return None
-            traj = self._receive()
-            if traj is not None:
-                batch.append(traj)
-        return batch
+        return collect_batch(self.cfg.batch_size, self.cfg.batch_timeout_s, receive=self._receive, stopped=self._stop,
+                             paused_s=lambda: self._pause.paused_s)
 
     def _receive(self) -> Trajectory | None:
         """The next received trajectory that :meth:`_keep` keeps, waiting up to 0.5 s; None when
-        none came (samplers waiting to join are served meanwhile) or it was dropped."""
+        none came (samplers waiting to join are served meanwhile) or it was dropped; waits first
+        while the disk is full (t1async/learner/disk_pause.py)."""
+        if self.disk.check() is not None:
+            self._pause.wait()
+            return None
         self._take_refused()
         try:
             traj = self.inbox.queue.get(timeout=0.5)
@@ -460,190 +446,45 @@ class Learner:
             self._discard("quarantined: refused after it was stored", tid)
 
     def _collect_held_batch(self) -> list[Trajectory] | None:
-        """``rollout.admission: learner_wait``: the ``batch_size`` oldest trajectories received
-        (oldest sampled timeline version first, then arrival order), taken once the controller allows the
-        publish that follows this step (:meth:`actors.controller.Controller.publish_allowed`).
-
-        Admission there follows the learner's version, so fast episodes run up to
-        ``max_staleness`` versions ahead while a slow one is still running or verifying; the
-        learner, not the actors, waits for the slow one before publishing a version it could not
-        be trained at, and then trains it first (oldest first is earliest-deadline-first: each
-        version's admissions fit in the ``max_staleness + 1`` batches that may train them). No
-        trajectory becomes stale while the learner waits, and the actors keep sampling meanwhile
-        (what can still be dropped: a held trajectory that more than a batch of older ones keep
-        out of the last batch that may train it, and what a hold past the timeout makes stale).
-        Held trajectories count in ``queue_depth``; they are bounded by the admission window,
-        ``(max_staleness + 1) x batch_size x publish_every``. After ``batch_timeout_s`` the
-        learner publishes anyway (logged; what then becomes too stale is dropped and counted,
-        never trained). Time spent holding is reported per step as ``hold_s``.
-
-        Returns:
-            The batch, or None when the learner is stopped or starved (fewer than ``batch_size``
-            trajectories received within ``batch_timeout_s``).
-        """
-        cfg = self.cfg
-        publishes = (self.step + 1) % cfg.publish_every == 0
-        deadline = time.monotonic() + cfg.batch_timeout_s
-        held_since: float | None = None
-        self._hold_s = 0.0
-        while True:
-            if self._stop.is_set():
-                return None
-            if len(self._held) >= cfg.batch_size:
-                self._held = [t for t in self._held if self._keep(t)]  # a bound changed live
-                self._held.sort(key=self._sampled_timeline)  # stable: arrival order within a version
-            if len(self._held) >= cfg.batch_size:
-                batch, rest = self._held[:cfg.batch_size], self._held[cfg.batch_size:]
-                # wait only for episodes not here yet (judged by their admission version): waiting
-                # cannot save one already held that the batch has no room for (it is dropped as stale)
-                ok = not publishes or call(self._controller.publish_allowed, self.timeline_version + 1,
-                                           [t.trajectory_id for t in self._held])
-                if not ok and time.monotonic() > deadline:
-                    logger.warning("learner waited {} s for a slow episode; publishing timeline version {} anyway "
-                                   "(what that makes too stale is dropped and counted)", cfg.batch_timeout_s,
-                                   self.timeline_version + 1)
-                    ok = True
-                if ok:
-                    self._held = rest
-                    if held_since is not None:
-                        self._hold_s = time.monotonic() - held_since
-                    return batch
-                held_since = held_since if held_since is not None else time.monotonic()
-            elif time.monotonic() > deadline:
-                logger.error("learner starved: {} of {} trajectories in {} s; stopping", len(self._held),
-                             cfg.batch_size, cfg.batch_timeout_s)
-                return None
-            traj = self._receive()
-            if traj is not None:
-                self._held.append(traj)
+        """``rollout.admission: learner_wait``: the ``batch_size`` oldest trajectories received, taken
+        once the controller allows the publish that follows this step (t1async/learner/batching.py
+        :class:`HeldTrajectories`). None: stopped or starved."""
+        return self._held.collect(
+            self.cfg.batch_size, self.cfg.batch_timeout_s, publishes=(self.step + 1) % self.cfg.publish_every == 0,
+            next_version=self.timeline_version + 1, keep=self._keep, order=self._sampled_timeline,
+            allowed=lambda ids: call(self._controller.publish_allowed, self.timeline_version + 1, ids),
+            receive=self._receive, stopped=self._stop, paused_s=lambda: self._pause.paused_s)
 
     def _drop(self, traj: Trajectory, reason: str, detail: str) -> None:
         """Never train ``traj``: count it under ``reason``, mark its id consumed (-1: a resend or a
         resume does not bring it back) and return its admission slot (:meth:`_discard`)."""
         self.dropped[reason] += 1
         self._consumed[traj.trajectory_id] = -1
-        self._sampled_at.pop(traj.trajectory_id, None)
+        self._sampled.forget(traj.trajectory_id)
         self._discard(f"{reason}: {detail}", traj.trajectory_id)
         logger.warning("dropped trajectory {} of {}: {} ({})", traj.trajectory_id, traj.task, reason, detail)
 
     def _guarded_step(self, batch: list[Trajectory]) -> dict[str, Any] | None:
-        """:meth:`_train_step`, and when it raises: blame the trajectories whose forward passes
-        raise alone (:func:`t1async.learner.update.probe`; all of the batch when none or every one
-        of several does), quarantine them (:meth:`_refuse_in_step`), remove them from ``batch``
-        (in place) and retry without them.
-
-        A step that raises does so in its first forward passes for a trajectory it cannot take
-        (the critic's values, or the first epoch's log-probs, both before any optimiser step), so
-        the retry starts from the same weights; gradients are zeroed first.
-
-        Returns:
-            The step's metrics (``batch`` then holds the trajectories it trained), or None when
-            every one was quarantined.
-
-        Raises:
-            RuntimeError: :data:`MAX_FAILED_STEPS_IN_A_ROW` batches in a row needed a retry whose
-                culprit the probe could not single out (the fault is ours, not the data's).
-        """
-        while batch:
-            try:
-                metrics = self._train_step(batch)
-                self._failed_steps_in_a_row = 0
-                return metrics
-            except Exception as e:
-                logger.opt(exception=e).error("step {} failed on {} trajectories; probing them one by one",
-                                              self.step + 1, len(batch))
-                self.backend.zero_grad()
-                blamed = []
-                for t in batch:
-                    try:
-                        probe(t, self.backend, self.cfg, num_experts=self.model_cfg.num_experts)
-                    except Exception as pe:
-                        blamed.append((t, pe))
-                if not blamed or (len(blamed) == len(batch) > 1):  # not one trajectory's fault
-                    self._failed_steps_in_a_row += 1
-                    if self._failed_steps_in_a_row >= MAX_FAILED_STEPS_IN_A_ROW:
-                        raise RuntimeError(f"{self._failed_steps_in_a_row} steps in a row failed and no single "
-                                           f"trajectory was to blame (last: {type(e).__name__}: {e}); this is a "
-                                           "learner bug, not bad data: see the traceback above") from e
-                    blamed = [(t, e) for t in batch]
-                for t, err in blamed:
-                    self._refuse_in_step(t, err)
-                batch[:] = [t for t in batch if all(t is not b for b, _ in blamed)]
-        return None
+        """:meth:`_train_step`; when it raises, the trajectories to blame are quarantined
+        (:meth:`_refuse_in_step`), removed from ``batch`` (in place) and the step retried
+        without them (t1async/learner/step_guard.py :class:`StepGuard`). None: every one was
+        quarantined. Raises RuntimeError when the fault is not the data's."""
+        return self._guard.run(batch, self._train_step, self._refuse_in_step, step=self.step)
 
     def _refuse_in_step(self, traj: Trajectory, err: Exception) -> None:
-        """Quarantine a trajectory that made a step fail: counted under ``rejected_by["step_failed"]``,
-        consumed (-1), its id in ``quarantine/ids.txt`` (a resume skips it) and its admission slot
-        returned."""
-        tid = traj.trajectory_id
-        try:
-            frame = self.inbox.log.read(tid) if tid in self.inbox.log else encode(traj)
-        except Exception as e:  # (the frame is evidence only)
-            frame = f"<frame unavailable: {e}>".encode()
-        self.inbox.refuse_stored(tid, frame, _StepFailed(f"{type(err).__name__}: {err}"), source="step")
+        """Quarantine a trajectory that made a step fail (``rejected_by["step_failed"]``; a resume
+        skips it): consumed (-1) and its admission slot returned."""
+        refuse_in_step(self.inbox, traj, err)
         self._take_refused()
 
     def _train_step(self, batch: list[Trajectory]) -> dict[str, Any]:
         """One update on ``batch`` (:func:`t1async.learner.update.train_step`) with this learner's
-        step, learning rate and per-episode advantage estimates."""
+        step, learning rate (:func:`~t1async.learner.update.policy_lr`) and per-episode advantage
+        estimates (:func:`~t1async.learner.update.advantage_estimates`, which then remember the
+        batch's rewards per task for the next ``group_window_steps`` steps)."""
+        estimates, self._task_rewards = advantage_estimates(batch, self.cfg, self._task_rewards, self.step + 1)
         return train_step(batch, self.backend, self.cfg, num_experts=self.model_cfg.num_experts, step=self.step,
-                          policy_lr=self._policy_lr(), estimates=self._advantage_estimates(batch))
-
-    def _advantage_estimates(self, batch: list[Trajectory]) -> list[tuple[float, float] | None] | None:
-        """The per-episode estimates of ``learner.advantage`` for ``batch`` (trained as step
-        ``self.step + 1``; t1async/learner/advantages.py), then remember its rewards for the next
-        ``group_window_steps`` steps (older ones are forgotten); None under ``gae``."""
-        estimate = ADVANTAGES[self.cfg.advantage].per_episode
-        if estimate is None:
-            return None
-        step, window = self.step + 1, self.cfg.group_window_steps
-        rewards = [episode_reward(t, self.cfg.reward) for t in batch]
-        out = estimate([t.task for t in batch], rewards, self._task_rewards, step, window)
-        for t, r in zip(batch, rewards):
-            self._task_rewards.setdefault(t.task, []).append((step, r))
-        self._task_rewards = {k: kept for k, v in self._task_rewards.items()
-                              if (kept := [(s, r) for s, r in v if step + 1 - s <= window])}
-        return out
-
-    def _policy_lr(self) -> float:
-        """Linear warm-up of the policy's learning rate over its first ``lr_warmup_steps`` updates
-        (counted after critic warm-up): Adam's first updates are about ``lr`` per parameter
-        whatever the gradient's size, which on small batches is mostly noise."""
-        k = self.step - self.cfg.critic_warmup_steps + 1
-        scale = min(1.0, k / self.cfg.lr_warmup_steps) if self.cfg.lr_warmup_steps > 0 else 1.0
-        return self.cfg.lr * scale
-
-    def _batch_metrics(self, batch: list[Trajectory], stale: list[int]) -> dict[str, Any]:
-        self.counters["trained"] += len(batch)
-        return {
-            "step": self.step,
-            "version": self.version,
-            "timeline_version": self.timeline_version,
-            "trajectories": len(batch),
-            "trajectories_total": self.counters["trained"],
-            "dropped_stale": self.counters["dropped_stale"],
-            "dropped": dict(self.dropped),
-            "abnormal_turns": turn_counts(batch),
-            "tool_call_errors": tool_call_counts(batch),
-            "masked_turns": int(sum(masked_turns(t, self.cfg.abnormal).sum() for t in batch)),
-            "finish_reasons": finish_counts(batch),
-            "rejected": self.counters["rejected"],
-            "rejected_by": dict(self.rejected_by),  # refused trajectories by reason, cumulative
-            "quarantine_evicted": self.counters["quarantine_evicted"],
-            "reward_mean": float(np.mean([t.reward for t in batch])),
-            "resolved_rate": float(np.mean([t.resolved for t in batch])),
-            "staleness_max": int(max(stale)) if stale else 0,
-            "staleness_mean": float(np.mean(stale)) if stale else 0.0,
-            "staleness_counts": {str(s): stale.count(s) for s in sorted(set(stale))},  # trajectories by staleness
-            "versions_in_batch": sorted({int(v) for t in batch for v in np.unique(t.versions[t.loss_mask.astype(bool)])}),
-            "tokens": int(sum(t.num_tokens for t in batch)),
-            # mean sampler log-prob of the sampled tokens: minus a Monte-Carlo estimate of the
-            # sampling distribution's entropy per token (nats); rises toward 0 as RL sharpens the policy
-            "sampled_logprob_mean": float(np.mean(lp)) if (lp := np.concatenate(
-                [t.logprobs[t.loss_mask.astype(bool)] for t in batch])).size else 0.0,
-            "turns_mean": float(np.mean([t.turn_offsets.shape[0] for t in batch])),
-            "queue_depth": self.inbox.queue.qsize(),
-        }
+                          policy_lr=policy_lr(self.cfg, self.step), estimates=estimates)
 
     def _publish(self, advance: bool = False) -> None:
         """Broadcast the policy to every sampler as the next version (version 0 at start).
@@ -662,10 +503,12 @@ class Learner:
         if (self.step > 0 or self.version > 0) and not self._republish_same:  # (version > 0 at step 0: resumed
             self.version += 1                                                  # before the first checkpoint)
         self._republish_same = False
-        if self.timeline.at(self.version) != self.timeline_version:
+        rebased = self.timeline.at(self.version) != self.timeline_version
+        if rebased:
             self.timeline.rebase(self.version, self.timeline_version)
-            self.timeline.save(self.inbox.log.dir / TIMELINE_FILE, fsync=self.inbox.log.fsync)
-        self.inbox.log.note_published(self.version)
+        if not self._note_published(save_timeline=rebased):
+            logger.error("weight version {} not published: stopped while the disk was full", self.version)
+            return
         self._weights_published = True
         t0 = time.perf_counter()
         try:
@@ -702,31 +545,65 @@ class Learner:
             if self._controller is not None:
                 call(self._controller.set_version, self.timeline_version)
 
-    def _write_metrics(self, metrics: dict[str, Any]) -> None:
-        metrics["time"] = time.time()
-        with self._metrics_path.open("a") as f:
-            f.write(json.dumps(metrics) + "\n")
-        logger.info("step {step} v{version}: reward {reward_mean:.2f} resolved {resolved_rate:.2f} "
-                    "staleness max {staleness_max} |dlogp| {logprob_diff_mean:.4f} {tokens_per_s:.0f} tok/s", **metrics)
+    def _note_published(self, save_timeline: bool) -> bool:
+        """Record durably that ``self.version`` is being published, and with ``save_timeline`` the
+        timeline's new start (before the broadcast: a version number is never reused); on a full
+        disk wait for space and try again. False: stopped while waiting (nothing is broadcast)."""
+        todo = {"timeline": save_timeline}
+
+        def record() -> None:
+            if todo["timeline"]:
+                self.timeline.save(self.inbox.log.dir / TIMELINE_FILE, fsync=self.inbox.log.fsync)
+                todo["timeline"] = False
+            self.inbox.log.note_published(self.version)
+
+        return self._pause.retry(record, self.inbox.log.dir, f"weight version {self.version}")
+
+    def _write_transcripts(self, batch: list[Trajectory]) -> None:
+        """This step's episode transcripts (t1async/rollout/transcripts.py); a full disk skips them (logged)."""
+        try:
+            write_transcripts(self.run_dir / "episodes", self.step, batch, self.cfg.episodes_per_step, self._tok)
+        except OSError as e:
+            if not self.disk.fault(e, self.run_dir / "episodes"):
+                raise
+            logger.error("transcripts of step {} not written: {}", self.step, e)
+
+    def _checkpoint(self) -> bool:
+        """:meth:`save_checkpoint`; on a full or failing disk, one line instead of a crash, and the
+        checkpoint is due again after the next step once space is back (a resume meanwhile starts
+        from the last checkpoint written and the receive log: nothing lost). Returns whether it was written."""
+        try:
+            self.save_checkpoint()
+        except Exception as e:
+            if not self.disk.fault(e, self.run_dir / "checkpoints"):
+                raise
+            self._checkpoint_due = True
+            logger.error("checkpoint of step {} not written ({}): {}", self.step, str(e).splitlines()[0][:200],
+                         self.disk.check() or "disk fault")
+            return False
+        self._checkpoint_due = False
+        return True
 
     def save_checkpoint(self) -> Path:
-        """Write ``checkpoints/step_NNNNNN/`` atomically: policy safetensors + config.json, critic,
-        optimisers, trainer state (with the group advantage's recent rewards per task), and
-        ``consumed.json`` (every trajectory id this model state trained on or dropped), staged in a
-        hidden folder and renamed into place."""
-        root = self.run_dir / "checkpoints"
+        """Write ``checkpoints/step_NNNNNN/`` atomically (t1async/learner/checkpoints.py
+        :func:`write_checkpoint`): policy safetensors + config.json, critic, optimisers, trainer
+        state (with the group advantage's recent rewards per task), ``consumed.json`` (every
+        trajectory id this model state trained on or dropped) and ``task_order.json`` (the
+        controller's task order now, so that a resumed run continues it); then rotate old ones.
+
+        Raises:
+            OSError: ENOSPC when the disk is full or failing (the fault is recorded in ``self.disk``).
+        """
         self._take_refused()
-        tmp = staging_dir(root, self.step)
-        self.backend.save(tmp)
-        write_consumed(tmp / "consumed.json", self._consumed)
-        (tmp / "trainer_state.json").write_text(json.dumps({"step": self.step, "version": self.version,
-                                                            "timeline_version": self.timeline_version,
-                                                            "weights_published": self._weights_published, **self.counters,
-                                                            "dropped": self.dropped,
-                                                            "rejected_by": self.rejected_by,
-                                                            "group_rewards": self._task_rewards}))
-        path = commit(tmp, root / f"step_{self.step:06d}", fsync=self.inbox.log.fsync)
-        rotate_checkpoints(root, self.cfg.keep_checkpoints, self.cfg.keep_every)
+        controller = self._controller
+        keeps_order = controller is not None and hasattr(controller, "task_order_state")
+        path = write_checkpoint(
+            self.run_dir / "checkpoints", self.step, backend=self.backend, consumed=self._consumed,
+            trainer_state={"step": self.step, "version": self.version, "timeline_version": self.timeline_version,
+                           "weights_published": self._weights_published, **self.counters, "dropped": self.dropped,
+                           "rejected_by": self.rejected_by, "group_rewards": self._task_rewards},
+            task_order=(lambda: call(controller.task_order_state)) if keeps_order else None, disk=self.disk,
+            fsync=self.inbox.log.fsync, keep_last=self.cfg.keep_checkpoints, keep_every=self.cfg.keep_every)
         self.inbox.log.drop_consumed(self._consumed)
         self._saved_step = self.step
         logger.info("checkpoint written to {}", path)
@@ -738,10 +615,3 @@ class Learner:
         self.inbox.close()
         self._sync.close()
         self.backend.close()  # (the megatron backend's expert-parallel ranks)
-
-
-
-class _StepFailed(Exception):
-    """A trajectory made a training step raise (counted under ``step_failed``)."""
-
-    field = "step_failed"

@@ -6,6 +6,11 @@ waits for admission from the controller before each episode (staleness control),
 in a fresh sandbox (``t1async.envs``), encodes the trajectory and hands it to its ZeroMQ sender
 (it spools, sends and resends until the learner acknowledges; t1async/transport/transport.py),
 and stops when admission says so.
+
+A full or failing disk (its workspace or spool refuses writes: ENOSPC, EIO) is not a reason to
+spin: an episode that fails on it, or a trajectory its spool cannot take, makes the actor back off
+(1, 2, 4 ... :data:`DISK_BACKOFF_MAX_S` s, reset by the next episode that works); a trajectory
+already finished is kept in memory and spooled once space is back, never dropped.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +31,15 @@ from t1async.envs.sandboxes.container import remove_orphan_containers
 from t1async.envs.sandboxes.limits import unmount_all_under
 from t1async.envs.taskio.loading import discover_tasks
 from t1async.envs.terminal import TerminalEnv
-from t1async.fileio import claim_folder, dead_owner_folders
+from t1async.fileio import claim_folder, dead_owner_folders, free_bytes, is_disk_error
 from t1async.models.tokenizer import ChatTokenizer
 from t1async.rollout.episode import run_episode
 from t1async.sampling.sampler_client import HttpSampler, RoutedSampler
 from t1async.trajectory import EncodedTrajectory, Trajectory
 from t1async.transport.transport import TrajectorySender, ZmqSender
+
+DISK_BACKOFF_MAX_S = 60.0  # longest pause between tries on a full disk
+DISK_LOW_BYTES = 16 << 20  # an episode failing with less free than this in its workspace counts as a disk fault
 
 
 class RolloutActor:
@@ -70,6 +79,7 @@ class RolloutActor:
         self.episodes = 0
         self.failed = 0
         self._rejections_reported = 0
+        self._disk_backoff_s = 0.0  # the current back-off on a full disk (0: none)
         self.workdir, self._workdir_lock = claim_workdir(work_root, actor_id)
         self.rollout_cfg = rollout_cfg or RolloutConfig()
         self.endpoint = None
@@ -109,12 +119,15 @@ class RolloutActor:
                     self.failed += 1
                     logger.opt(exception=e).error("rollout {} episode of {} failed", self.actor_id, name)
                     call(controller.episode_failed, self.actor_id, f"{type(e).__name__}: {e}")
+                    if self._disk_fault(e):
+                        self._back_off(f"episode of {name} failed on the disk")
                     continue
+                self._disk_backoff_s = 0.0
                 traj = trajs[-1]  # the episode's last segment; earlier ones take slots of their own
                 extra = [[t.trajectory_id for t in trajs[:-1]]] if len(trajs) > 1 else []
                 call(controller.episode_finished, self.actor_id, traj.trajectory_id, *extra)  # before they can be consumed
                 for t in trajs:
-                    self.sender.send(t.trajectory_id, EncodedTrajectory(t))
+                    self._send(t)
                     if self._audit is not None:
                         self._audit.write(t.trajectory_id + "\n")
                 self.episodes += 1
@@ -135,6 +148,33 @@ class RolloutActor:
             except Exception as e:  # the controller may be gone at shutdown
                 logger.warning("rollout {} could not report rejected trajectories: {}", self.actor_id, e)
         return {"episodes": self.episodes, "failed": self.failed, "rerouted": self.sampler.rerouted}
+
+    def _disk_fault(self, e: BaseException) -> bool:
+        """Whether ``e`` is the disk's fault (t1async/fileio.py ``is_disk_error``, or the workspace's
+        filesystem has less than :data:`DISK_LOW_BYTES` free: a sandbox's own error text may not say why)."""
+        try:
+            return is_disk_error(e) or free_bytes(self.workdir) < DISK_LOW_BYTES
+        except OSError:
+            return True
+
+    def _back_off(self, why: str) -> None:
+        """Sleep 1, 2, 4 ... :data:`DISK_BACKOFF_MAX_S` s (doubling per call, reset by a working episode)."""
+        self._disk_backoff_s = min(DISK_BACKOFF_MAX_S, max(1.0, 2 * self._disk_backoff_s))
+        logger.error("rollout {}: {}; waiting {:.0f} s for disk space", self.actor_id, why, self._disk_backoff_s)
+        time.sleep(self._disk_backoff_s)
+
+    def _send(self, traj: Trajectory) -> None:
+        """Spool and queue ``traj`` (the sender delivers it); while the disk refuses the spool
+        file, back off and try again: a finished trajectory is never dropped for a full disk."""
+        frame = EncodedTrajectory(traj)
+        while True:
+            try:
+                self.sender.send(traj.trajectory_id, frame)
+                return
+            except OSError as e:
+                if not self._disk_fault(e):
+                    raise
+                self._back_off(f"trajectory {traj.trajectory_id} could not be spooled ({e})")
 
     def _report_rejections(self, controller: Any) -> None:
         """Return the admission slot of each trajectory the learner rejected since the last call."""

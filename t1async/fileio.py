@@ -1,13 +1,18 @@
 """File helpers shared by the actor's spool, the learner's receive log and the rollout workspaces:
-writing whole records, and folders owned by a live process (``flock``) that a successor can take
-over once their owner died.
+writing whole records, folders owned by a live process (``flock``) that a successor can take
+over once their owner died, and the disk as a fault (:class:`DiskGuard`: a full or failing disk
+pauses the service instead of crashing or hanging it).
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
+import shutil
 import tempfile
+import threading
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -17,6 +22,13 @@ OWNER_LOCK = "lock"
 when the process dies, however it dies)."""
 
 _IOV_MAX = 1024  # most buffers one pwritev takes (Linux UIO_MAXIOV)
+
+DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EIO)
+"""errno values that are a fault of the disk, not of the caller: full, over quota, failing."""
+_DISK_MESSAGES = ("No space left on device", "Disk quota exceeded", "Input/output error", "os error 28")
+FLOOR_FRACTION = 0.05
+"""The free-space floor of :class:`DiskGuard` is at most this fraction of the filesystem's size
+(a 64 MiB filesystem is not paused for good by a 1 GiB floor)."""
 
 
 def pwrite_all(fd: int, parts: Sequence[Any], offset: int) -> int:
@@ -40,6 +52,25 @@ def pwrite_all(fd: int, parts: Sequence[Any], offset: int) -> int:
                 skip = 0
         done += os.pwritev(fd, rest[:_IOV_MAX], offset + done)
     return total
+
+
+def append_whole(path: str | os.PathLike[str], data: bytes) -> None:
+    """Append ``data`` to the file ``path`` (created) as a whole or not at all: a write the disk
+    refuses part-way is cut back off, so a reader never meets half a record (a torn JSON line).
+
+    Raises:
+        OSError: the write failed (ENOSPC on a full disk); the file is as it was.
+    """
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        end = os.fstat(fd).st_size
+        try:
+            pwrite_all(fd, [data], end)
+        except OSError:
+            os.ftruncate(fd, end)
+            raise
+    finally:
+        os.close(fd)
 
 
 def fsync_dir(path: Path) -> None:
@@ -84,3 +115,93 @@ def dead_owner_folders(root: Path, pattern: str = "*") -> Iterator[Path]:
             yield folder
         finally:
             os.close(fd)
+
+
+def is_disk_error(exc: BaseException | None) -> bool:
+    """Whether ``exc``, or an exception it was raised from or while handling, is a disk fault: an
+    ``OSError`` with an errno of :data:`DISK_ERRNOS`, or a library's wrapped error whose text says
+    so (safetensors' ``os error 28``, a subprocess's "No space left on device")."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in DISK_ERRNOS:
+            return True
+        if any(m in str(exc) for m in _DISK_MESSAGES):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def free_bytes(path: str | os.PathLike[str]) -> int:
+    """Bytes free to an unprivileged writer on the filesystem of ``path`` (or of its nearest
+    existing parent: the path may not exist yet)."""
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return shutil.disk_usage(p).free
+
+
+class DiskGuard:
+    """Whether the disk of a run directory can take writes: a free-space floor and the faults seen.
+
+    ``check()`` is None while writes may go on; otherwise one line, ``disk full at PATH (N MB
+    free)`` (or ``disk error at PATH ...`` for EIO), and writers pause (the learner stops
+    ACKing and training; its callers keep what they hold) instead of failing again. It turns None
+    again by itself: once free space is back above the floor and, after a fault, at least
+    ``retry_s`` seconds later (the write that failed is then tried again; a new failure is a new
+    fault). Thread-safe.
+
+    Args:
+        path: the folder watched (the run directory).
+        floor_mb: pause below this many MiB free, or below :data:`FLOOR_FRACTION` of the
+            filesystem's size if that is less; 0: no floor (only faults pause).
+        retry_s: how long a fault pauses at least, seconds.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], floor_mb: float = 1024.0, retry_s: float = 5.0):
+        self.path, self.floor_mb, self.retry_s = Path(path), float(floor_mb), float(retry_s)
+        self._lock = threading.Lock()
+        self._fault: tuple[float, str, str] | None = None  # (monotonic time, where, what)
+        self.faults = 0
+
+    def floor_bytes(self) -> int:
+        """The floor in bytes (see the class docstring)."""
+        if self.floor_mb <= 0:
+            return 0
+        p = self.path.absolute()
+        while not p.exists() and p != p.parent:
+            p = p.parent
+        return int(min(self.floor_mb * (1 << 20), FLOOR_FRACTION * shutil.disk_usage(p).total))
+
+    def fault(self, exc: BaseException, where: str | os.PathLike[str]) -> bool:
+        """Record a failed write at ``where`` if ``exc`` is a disk fault (:func:`is_disk_error`,
+        or any error while free space is below the floor: a library that does not say why its
+        write failed); returns whether it was one (otherwise the caller re-raises)."""
+        if not is_disk_error(exc) and free_bytes(self.path) >= self.floor_bytes():
+            return False
+        what = "error" if isinstance(exc, OSError) and exc.errno == errno.EIO else "full"
+        with self._lock:
+            self._fault = (time.monotonic(), str(where), what)
+            self.faults += 1
+        return True
+
+    def check(self) -> str | None:
+        """None while writes may go on, else why not (one line; see the class docstring)."""
+        free = free_bytes(self.path)
+        with self._lock:
+            fault = self._fault
+            if fault is not None and time.monotonic() - fault[0] >= self.retry_s and free >= self.floor_bytes():
+                self._fault = fault = None
+        if fault is not None:
+            return f"disk {fault[2]} at {fault[1]} ({free / (1 << 20):.0f} MB free)"
+        if free < self.floor_bytes():
+            return (f"disk full at {self.path} ({free / (1 << 20):.0f} MB free, below the floor of "
+                    f"{self.floor_bytes() / (1 << 20):.0f} MB)")
+        return None
+
+    def wait(self, stop: threading.Event, poll_s: float = 1.0) -> float:
+        """Block while :meth:`check` says no, until ``stop`` is set; returns the seconds waited."""
+        t0 = time.monotonic()
+        while not stop.is_set() and self.check() is not None:
+            stop.wait(poll_s)
+        return time.monotonic() - t0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -126,9 +127,12 @@ def test_service_lifecycle(tmp_path, capsys):
         out_b = open(tmp_path / "b.out", "w")
         b = subprocess.Popen(CLI + [f"run.dir={run_dir}", "learner.resume=true", *SMALL], stdout=out_b,
                              stderr=subprocess.STDOUT, start_new_session=True)
-        st = _wait(lambda: (s := _status(run_dir))["resumed"] and len(s.get("actors", [])) == 3 and s, 300,
+        st = _wait(lambda: (s := _status(run_dir))["resumed"] and len(s.get("actors", ())) == 3 and s, 300,
                    "the resumed service with its 3 actors")
         assert st["resumed"]["step"] >= 1
+        # ...and the task order where its checkpoint left it, not from the head again
+        continued = re.findall(r"task order continued after episode (\d+)", (run_dir / "logs" / "controller.log").read_text())
+        assert len(continued) == 1 and 0 < int(continued[0]) <= st["controller"]["tasks_drawn"]
         first = st["step"]
         ray_sessions.append(Path(read_service(run_dir)["ray_session"]))
 

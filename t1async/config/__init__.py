@@ -59,13 +59,18 @@ from t1async.config.rollout import (
 )
 from t1async.config.rules import Choice, FieldError, Section, field_rule
 from t1async.config.run import (
+    PLACEMENT_ROLES,
+    RESERVED_RESOURCES,
+    WANDB_MODES,
     LogFsync,
+    MetricsConfig,
     ModelConfig,
     PauseMode,
     RayConfig,
     RunConfig,
     Scheme,
     TransportConfig,
+    WandbMode,
     WeightSyncBackend,
     WeightSyncConfig,
     WeightSyncMode,
@@ -92,12 +97,15 @@ __all__ = [
     "LearnerConfig",
     "LogFsync",
     "MegatronConfig",
+    "MetricsConfig",
     "MismatchConfig",
     "ModelConfig",
     "Network",
+    "PLACEMENT_ROLES",
     "POLICY_LOSS_NAMES",
     "PauseMode",
     "PolicyLoss",
+    "RESERVED_RESOURCES",
     "RayConfig",
     "Reward",
     "RolloutConfig",
@@ -111,6 +119,8 @@ __all__ = [
     "SftConfig",
     "TrainDtype",
     "TransportConfig",
+    "WANDB_MODES",
+    "WandbMode",
     "WeightSyncBackend",
     "WeightSyncConfig",
     "WeightSyncMode",
@@ -140,6 +150,7 @@ class Config:
     transport: TransportConfig = field(default_factory=TransportConfig)
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     mismatch: MismatchConfig = field(default_factory=MismatchConfig)
     """Only ``t1async mismatch`` reads this section."""
     sft: SftConfig = field(default_factory=SftConfig)

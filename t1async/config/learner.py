@@ -313,6 +313,13 @@ class LearnerConfig(Section):
     """Longest wait for one batch before the learner reports it is starved and stops; under
     ``rollout.admission: learner_wait`` also the longest it holds a publish for a slow episode
     (it then publishes anyway, logged, and drops what that makes too stale)."""
+    disk_floor_mb: float = field(default=1024.0, metadata=rule(lambda v: v >= 0, "MiB of free space >= 0 (0: no floor)"))
+    """Free-space floor of the run directory's filesystem, MiB: below it (or below 5 % of the
+    filesystem's size, if that is less) the learner pauses intake and training before the disk is
+    full: it stops ACKing (rollout actors keep their trajectories in their spools), runs no step,
+    and ``t1async status`` says ``degraded: disk full at PATH (N MB free)``; it resumes by itself
+    once space is back. A write that fails on a full or failing disk (ENOSPC, EDQUOT, EIO) pauses
+    it the same way, at any floor (t1async/fileio.py ``DiskGuard``). 0: no floor."""
     micro_batch_tokens: int = field(default=4096, metadata=rule(
         lambda v: v >= 0, "an integer >= 0 (0: one trajectory per micro-batch)"))
     """Trajectories trained in one padded forward and backward, up to this many positions
@@ -342,7 +349,8 @@ class LearnerConfig(Section):
     """Settings of the ``megatron`` backend."""
     resume: bool = False
     """Resume in ``run.dir`` (give the killed run's directory): restore the latest checkpoint
-    (weights, optimisers, step, version, the ids it consumed), then train on every trajectory in
+    (weights, optimisers, step, version, the ids it consumed; the controller continues the task
+    order saved with it), then train on every trajectory in
     the receive log that checkpoint had not consumed. No checkpoint: start at step 0 and replay
     the whole log. Off: a receive log left in ``run.dir`` is discarded."""
 

@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Dict, Optional
 
 from t1async.config.rules import Choice, Section, choice, rule
+
+PLACEMENT_ROLES = ("learner", "controller", "sampler", "rollout")
+"""The roles ``ray.placement`` can place (the Ray actors ``launch`` starts)."""
+RESERVED_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+"""Ray's built-in resources, which ``ray.placement`` cannot use as a node's mark."""
+
 
 
 class Scheme(Choice):
@@ -86,6 +92,35 @@ class RunConfig(Section):
     this many in a row it is left ``failed`` in ``t1async status`` (0: never restart)."""
 
 
+class WandbMode(Choice):
+    """``metrics.wandb_mode``: wandb's ``mode``."""
+
+    offline = "offline"
+    """No network or account; ``wandb sync`` uploads later"""
+    online = "online"
+    """Needs ``WANDB_API_KEY`` or ``wandb login``"""
+    disabled = "disabled"
+
+
+WANDB_MODES = WandbMode.values()
+"""Values of ``metrics.wandb_mode``."""
+
+
+@dataclass
+class MetricsConfig(Section):
+    """Where the launch process sends each learner step's scalars besides ``metrics.jsonl`` and
+    TensorBoard (``run.tensorboard``); t1async/service/sinks.py."""
+
+    wandb: bool = False
+    """Also log them to Weights & Biases (extra ``wandb``: ``pip install 't1async[wandb]'``), in
+    ``RUN_DIR/wandb``; every life of a run appends to one wandb run."""
+    wandb_project: str = "t1async"
+    """The wandb project."""
+    wandb_mode: WandbMode = field(default=WandbMode.offline, metadata=choice(WandbMode, f"one of {', '.join(WANDB_MODES)}"))
+    """wandb's ``mode``: ``offline`` (no network or account; ``wandb sync RUN_DIR/wandb/wandb/offline-run-*``
+    uploads later), ``online`` (needs ``WANDB_API_KEY`` or ``wandb login``) or ``disabled``."""
+
+
 @dataclass
 class RayConfig(Section):
     """How ``launch`` reaches Ray."""
@@ -94,6 +129,20 @@ class RayConfig(Section):
     """Address of an existing Ray cluster (``auto`` or ``host:port``); None starts a local one."""
     num_cpus: Optional[int] = None
     """CPUs a locally started Ray advertises; None lets Ray count them."""
+    placement: Dict[str, str] = field(default_factory=dict, metadata=rule(
+        lambda v: all(role in PLACEMENT_ROLES and res.strip() and res not in RESERVED_RESOURCES for role, res in v.items()),
+        f"a mapping of roles ({', '.join(PLACEMENT_ROLES)}) to custom Ray resource names, e.g. "
+        "{learner: learner_node, rollout: rollout_node} (not empty, not one of " + ", ".join(RESERVED_RESOURCES) + ")"))
+    """Role -> custom Ray resource that marks the nodes it runs on, e.g. ``{learner: learner_node,
+    controller: learner_node, sampler: rollout_node, rollout: rollout_node}`` with nodes started as
+    ``ray start ... --resources '{"rollout_node": 1}'``. Roles: learner, controller, sampler,
+    rollout; a role left out goes where Ray puts it. Each actor of a placed role asks for 0.001 of
+    its resource (a mark, not a capacity: 1,000 actors fit a node marked 1); a role's actors take
+    the live nodes that have it in turn (live: alive in Ray's node table and its raylet reachable,
+    so a lost node gets no new actor while Ray has not yet marked it dead). Soft: when no live node
+    has the resource (its nodes were lost), the role is started on any node, with a warning; a
+    restart (a rollout actor, a sampler, the learner) looks again, so it goes back to marked nodes
+    while one is alive. Empty: Ray places every role."""
 
 
 @dataclass

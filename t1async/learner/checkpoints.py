@@ -7,22 +7,30 @@ written by :func:`commit`). :func:`latest_checkpoint` finds the newest complete 
 :func:`resumable_checkpoint`, used on resume, takes the newest that also verifies against its
 manifest and moves each newer one that does not aside, as ``step_NNNNNN.corrupt`` (kept for a
 look, never loaded, never rotated away). A checkpoint written before manifests existed has none:
-it is loaded unverified, as before.
+it is loaded unverified, as before. :func:`write_checkpoint` writes one (the learner's
+``save_checkpoint``); :func:`read_trainer_state` reads its trainer state back on resume.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import re
 import shutil
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 from loguru import logger
 
-from t1async.fileio import fsync_dir
+from t1async.fileio import DiskGuard, fsync_dir
+from t1async.learner.backend import LearnerBackend
+from t1async.learner.timeline import VersionTimeline
+from t1async.rollout.task_order import write_task_order
+from t1async.transport.delivery import ConsumedLedger, read_consumed, write_consumed
 
 MANIFEST = "manifest.json"
 """``{"format": 1, "files": {relative path: {"bytes": int, "sha256": hex str}}}`` of a checkpoint."""
@@ -155,3 +163,81 @@ def rotate_checkpoints(root: Path, keep_last: int, keep_every: int = 0) -> list[
     for p in doomed:
         shutil.rmtree(p, ignore_errors=True)
     return doomed
+
+
+def write_checkpoint(root: Path, step: int, *, backend: LearnerBackend, consumed: ConsumedLedger,
+                     trainer_state: dict[str, Any], task_order: Callable[[], Any] | None, disk: DiskGuard,
+                     fsync: bool, keep_last: int, keep_every: int) -> Path:
+    """Write ``root/step_NNNNNN/`` atomically and rotate the older ones (:func:`rotate_checkpoints`).
+
+    The folder holds the backend's weights and optimisers (``backend.save``), ``consumed.json``
+    (every trajectory id this model state trained on or dropped), ``trainer_state.json``
+    (``trainer_state``, JSON-serialisable) and ``task_order.json`` (t1async/rollout/task_order.py:
+    ``task_order()``, the controller's task order now, so that a resumed run continues it; None:
+    no task order; one that raises is logged and the checkpoint is still written, a resume from it
+    then starts the order over). It is staged in a hidden folder (:func:`staging_dir`) and renamed
+    into place (:func:`commit`, fsync-ed with ``fsync``); a failed write removes the staged folder
+    and raises.
+
+    Raises:
+        OSError: ENOSPC when the disk is full or failing (the fault is recorded in ``disk``,
+            judged before the staged folder's space comes back: torch's own error on a full disk
+            says "iostream error", not ENOSPC); any other error as it was raised.
+    """
+    tmp = staging_dir(root, step)
+    try:
+        backend.save(tmp)
+        write_consumed(tmp / "consumed.json", consumed)
+        if task_order is not None:
+            try:
+                write_task_order(tmp, task_order())
+            except Exception as e:  # the controller may be gone at shutdown; never lose the checkpoint
+                logger.warning("checkpoint without the task order (a resume from it starts the order over): {}", e)
+        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state))
+        path = commit(tmp, root / f"step_{step:06d}", fsync=fsync)
+    except Exception as e:
+        full = disk.fault(e, root)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if full:
+            raise OSError(errno.ENOSPC, f"checkpoint not written: {str(e).splitlines()[0][:200]}") from e
+        raise
+    rotate_checkpoints(root, keep_last, keep_every)
+    return path
+
+
+@dataclass
+class TrainerState:
+    """What a checkpoint's ``trainer_state.json`` and ``consumed.json`` restore (:func:`read_trainer_state`)."""
+
+    step: int
+    version: int  # weight version of the checkpoint's weights
+    timeline_version: int  # t1async/learner/timeline.py
+    counters: dict[str, int]  # every int-valued key of trainer_state.json (the learner keeps its counters)
+    dropped: dict[str, int]  # trajectories dropped, by reason
+    rejected_by: dict[str, int]  # trajectories refused, by reason
+    group_rewards: dict[str, list[tuple[int, float]]]  # task -> recent (step, reward): the group advantage's window
+    weights_published: bool  # the checkpoint's weights are those published as ``version``
+    consumed: ConsumedLedger
+
+
+def read_trainer_state(path: Path, timeline: VersionTimeline, *, publish_every: int) -> TrainerState:
+    """The trainer state of checkpoint ``path`` (written by :func:`write_checkpoint`).
+
+    Checkpoints written before a field existed lack it: ``timeline_version`` is then
+    ``timeline.at(version)``; ``group_rewards`` (the window of a group whose peers the checkpoint
+    split) empty; ``weights_published`` true when ``step`` is a multiple of ``publish_every``
+    (such checkpoints were written right after a publication then).
+
+    Raises:
+        OSError, ValueError, KeyError: a file is missing or not a trainer state (a verified checkpoint has both).
+    """
+    state = json.loads((path / "trainer_state.json").read_text())
+    step, version = int(state["step"]), int(state["version"])
+    return TrainerState(
+        step=step, version=version, timeline_version=int(state.get("timeline_version", timeline.at(version))),
+        counters={k: int(v) for k, v in state.items() if isinstance(v, int) and not isinstance(v, bool)},
+        dropped={k: int(v) for k, v in state.get("dropped", {}).items()},
+        rejected_by={k: int(v) for k, v in state.get("rejected_by", {}).items()},
+        group_rewards={task: [(int(s), float(r)) for s, r in rows] for task, rows in state.get("group_rewards", {}).items()},
+        weights_published=bool(state.get("weights_published", step % publish_every == 0)),
+        consumed=read_consumed(path / "consumed.json"))

@@ -59,6 +59,8 @@ from pathlib import Path
 
 import numpy as np
 
+from t1async.trajectory import Trajectory
+
 TIMELINE_FILE = "timeline.json"
 
 
@@ -139,3 +141,29 @@ class VersionTimeline:
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{path} is not a version timeline ({e}); move it aside to resume measuring "
                              "staleness in weight versions") from None
+
+
+class SampledTimelines:
+    """Timeline version of each trajectory's oldest sampled token, kept from its first look until
+    it is trained or dropped (:meth:`forget`): a weight version's timeline version never changes
+    once published, and the trajectory holds no later one."""
+
+    def __init__(self) -> None:
+        self.at: dict[str, int] = {}  # trajectory id -> timeline version of its oldest sampled token
+
+    def of(self, timeline: VersionTimeline, traj: Trajectory) -> int:
+        """Timeline version (under ``timeline``) of ``traj``'s oldest sampled token; -1 when it has none."""
+        tid = traj.trajectory_id
+        if tid not in self.at:
+            self.at[tid] = timeline.oldest(traj.versions[traj.loss_mask.astype(bool)])
+        return self.at[tid]
+
+    def staleness(self, timeline: VersionTimeline, timeline_version: int, traj: Trajectory) -> int:
+        """``timeline_version`` (the learner's) minus :meth:`of`: a restart does not change it;
+        negative for a trajectory a lost life sampled with weights the resumed learner has not
+        re-trained to yet."""
+        return timeline_version - self.of(timeline, traj)
+
+    def forget(self, trajectory_id: str) -> None:
+        """Trained or dropped: no longer kept."""
+        self.at.pop(trajectory_id, None)

@@ -33,6 +33,43 @@ def episode_reward(traj: Trajectory, kind: str) -> float:
     return float(traj.reward) if kind == "dense" else float(traj.resolved)
 
 
+def advantage_estimates(batch: list[Trajectory], cfg: LearnerConfig, task_rewards: dict[str, list[tuple[int, float]]],
+                        step: int) -> tuple[list[tuple[float, float] | None] | None, dict[str, list[tuple[int, float]]]]:
+    """The per-episode estimates of ``cfg.advantage`` for ``batch`` trained as ``step``
+    (t1async/learner/advantages.py), and the window of recent rewards per task to keep.
+
+    Args:
+        batch: the step's trajectories.
+        cfg: the ``learner`` section (``advantage``, ``reward``, ``group_window_steps``).
+        task_rewards: task -> ``(step, reward)`` of its recent episodes (``batch``'s are appended).
+        step: the step that trains ``batch`` (the learner's steps done + 1).
+
+    Returns:
+        ``(estimates, task_rewards)``: estimates per trajectory (None under ``gae``), and the
+        window with ``batch``'s rewards added and what is older than ``group_window_steps``
+        steps forgotten (under ``gae``: ``task_rewards`` unchanged).
+    """
+    estimate = ADVANTAGES[cfg.advantage].per_episode
+    if estimate is None:
+        return None, task_rewards
+    window = cfg.group_window_steps
+    rewards = [episode_reward(t, cfg.reward) for t in batch]
+    out = estimate([t.task for t in batch], rewards, task_rewards, step, window)
+    for t, r in zip(batch, rewards):
+        task_rewards.setdefault(t.task, []).append((step, r))
+    return out, {k: kept for k, v in task_rewards.items() if (kept := [(s, r) for s, r in v if step + 1 - s <= window])}
+
+
+def policy_lr(cfg: LearnerConfig, step: int) -> float:
+    """The policy's learning rate for the update after ``step`` updates: a linear warm-up over
+    its first ``lr_warmup_steps`` updates (counted after critic warm-up): Adam's first updates
+    are about ``lr`` per parameter whatever the gradient's size, which on small batches is
+    mostly noise."""
+    k = step - cfg.critic_warmup_steps + 1
+    scale = min(1.0, k / cfg.lr_warmup_steps) if cfg.lr_warmup_steps > 0 else 1.0
+    return cfg.lr * scale
+
+
 def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> float | None:
     """``1 - Var(returns - values) / Var(returns)`` over loss tokens (1: perfect critic, 0: no
     better than a constant, < 0: worse); None when the returns do not vary.
@@ -177,7 +214,7 @@ def probe(traj: Trajectory, backend: LearnerBackend, cfg: LearnerConfig, *, num_
     without changing ``backend``: the critic's values (``learner.critic``), the policy's log-probs
     with its routed experts (replayed under ``learner.routing_replay``) and the reference's
     (``learner.kl_coef`` > 0). The learner calls it on each trajectory of a step that raised, to
-    find the one to quarantine (actors/learner.py ``_guarded_step``).
+    find the one to quarantine (t1async/learner/step_guard.py).
 
     Raises:
         Exception: whatever the step would raise on this trajectory (e.g. ``IndexError`` for a

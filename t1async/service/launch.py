@@ -19,22 +19,25 @@ import copy
 import json
 import os
 import shutil
+import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import ray
 from loguru import logger
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from t1async.actors import error_line
 from t1async.actors.controller import Controller
 from t1async.actors.learner import Learner
 from t1async.actors.rollout import RolloutActor
 from t1async.actors.sampler import EmbeddedSampler
-from t1async.config import Config, ConfigError, RunConfig, to_yaml
+from t1async.config import Config, ConfigError, RayConfig, RunConfig, to_yaml
 from t1async.envs.sandboxes.container import remove_orphan_containers
 from t1async.envs.sandboxes.limits import unmount_all_under
+from t1async.rollout.task_order import read_task_order
 from t1async.sampling.sglang_server import start_servers, stop_servers
 from t1async.service.control import ControlServer
 from t1async.service.preflight import check_tasks, preflight
@@ -44,6 +47,9 @@ from t1async.service.sampler_pool import SamplerPool
 from t1async.service.service import LearnerDied, Service
 
 ACTOR_MAX_CONCURRENCY = 64  # threads of the controller/learner/sampler actors (acquire() waits block one each)
+PLACEMENT_SHARE = 0.001  # of its node's custom resource each placed actor asks for: a mark, not a capacity
+ROLE_OF = {"Learner": "learner", "Controller": "controller", "EmbeddedSampler": "sampler", "RolloutActor": "rollout"}
+"""The ``ray.placement`` role of each actor class launch starts."""
 
 
 def launch(config_path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
@@ -74,7 +80,7 @@ def launch(config_path: str | None, overrides: list[str] | tuple[str, ...] = ())
     ray_session = ctx.address_info.get("session_dir")
     ray_local = cfg.ray.address in (None, "", "local")  # a Ray this launch starts (and stops)
     lock.write(ray_session=ray_session, ray_local=ray_local)  # (the reaper removes a local one too)
-    actor = _actor_factory(run_dir, cfg.run)
+    actor = _actor_factory(run_dir, cfg.run, cfg.ray)
     summary: dict[str, Any] = {"run_dir": str(run_dir), "max_steps": cfg.learner.max_steps}
     roles: dict[str, Any] = {}
     control = pool = None
@@ -88,8 +94,9 @@ def launch(config_path: str | None, overrides: list[str] | tuple[str, ...] = ())
             summary["error"], summary["ended"] = str(e), "learner_failed_to_start"
             return summary
         lock.write(trajectories=endpoint)  # the learner's trajectory socket, for a person or a tool to find
-        announce_resume(cfg, roles["learner"], run_dir)
-        roles["controller"] = start_controller(cfg, actor, task_names, urls, endpoint)  # starts the rollout actors
+        resumed_from = announce_resume(cfg, roles["learner"], run_dir)
+        roles["controller"] = start_controller(cfg, actor, task_names, urls, endpoint,  # starts the rollout actors
+                                               task_order=saved_task_order(resumed_from))
         pool = sampler_pool(cfg, actor, roles, urls)  # live scaling and restarts of embedded samplers
         service = Service(cfg, run_dir, roles,
                           lambda: restart_learner(service.cfg, actor, run_dir, pool.member_urls() if pool else urls,
@@ -123,7 +130,10 @@ def launch(config_path: str | None, overrides: list[str] | tuple[str, ...] = ())
         shutil.rmtree(run_dir / "workspaces", ignore_errors=True)
         summary["wall_s"] = round(time.time() - t_start, 1)
         summary.update(_metrics_summary(run_dir / "metrics.jsonl"))
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        try:
+            (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        except OSError as e:  # a full disk: the summary is still logged below
+            logger.error("summary.json not written ({}); the summary follows in the log", e)
         ray.shutdown()
         if ray_local:  # a Ray this launch started: its session folder goes, its logs are kept
             keep_ray_logs(ray_session, run_dir)
@@ -160,20 +170,39 @@ def claim_run_dir(cfg: Config, run_dir: Path) -> RunDirLock:
     return lock
 
 
-def announce_resume(cfg: Config, learner: Any, run_dir: Path) -> None:
-    """Say on the console what a resume restored, or warn that there was nothing to resume."""
+def announce_resume(cfg: Config, learner: Any, run_dir: Path) -> str | None:
+    """Say on the console what a resume restored, or warn that there was nothing to resume;
+    returns the checkpoint the learner resumed from (None: none, or not a resume)."""
     if not cfg.learner.resume:
-        return
+        return None
     r = ray.get(learner.status.remote())["resumed"]
     for line in r.get("set_aside", []):  # newer checkpoints that failed verification
         logger.warning("{}", line)
     if r["checkpoint"] is None and r["to_replay"] == 0:
         logger.warning("learner.resume=true but {} holds nothing to resume (no checkpoint, empty receive log): "
                        "starting fresh at step 0", run_dir)
-        return
+        return None
     logger.info("resumed from {}: step {}, version {}, {} trajectory ids consumed, {} receive-log records to replay",
                 Path(r["checkpoint"]).name if r["checkpoint"] else "no checkpoint (receive log only)", r["step"],
                 r["version"], r["consumed"], r["to_replay"])
+    return r["checkpoint"]
+
+
+def saved_task_order(checkpoint: str | None) -> dict[str, Any] | None:
+    """The task order saved in the checkpoint a resumed learner restored, for its controller to
+    continue (t1async/rollout/task_order.py); None, said on the console, when it holds none or
+    it is unreadable (the order then starts over from its head)."""
+    if checkpoint is None:
+        return None
+    try:
+        state = read_task_order(checkpoint)
+    except ValueError as e:
+        logger.error("{}", e)
+        return None
+    if state is None:
+        logger.warning("{} holds no task order (written before it was saved): the task order starts over from "
+                       "its head", Path(checkpoint).name)
+    return state
 
 
 def start_samplers(cfg: Config, actor: Any, run_dir: Path | None = None) -> tuple[list[Any], list[str]]:
@@ -242,8 +271,10 @@ def restart_learner(cfg: Config, actor: Any, run_dir: Path, urls: list[str], end
     return learner
 
 
-def start_controller(cfg: Config, actor: Any, task_names: list[str], urls: list[str], endpoint: str) -> Any:
-    """The controller, running its supervision loop, which starts and replaces the rollout actors."""
+def start_controller(cfg: Config, actor: Any, task_names: list[str], urls: list[str], endpoint: str,
+                     task_order: dict[str, Any] | None = None) -> Any:
+    """The controller, running its supervision loop, which starts and replaces the rollout actors;
+    its task order continues ``task_order`` (a resumed checkpoint's, :func:`saved_task_order`)."""
     rollout_cls = actor(RolloutActor, "rollout")
     work_root = str(Path(cfg.run.dir) / "workspaces")
 
@@ -256,7 +287,8 @@ def start_controller(cfg: Config, actor: Any, task_names: list[str], urls: list[
 
     controller = actor(Controller, "controller").remote(
         cfg.rollout, task_names, rollouts_per_version=cfg.learner.batch_size * cfg.learner.publish_every,
-        max_staleness=cfg.learner.max_staleness, make_rollout=make_rollout, seed=cfg.run.seed, sampler_urls=urls)
+        max_staleness=cfg.learner.max_staleness, make_rollout=make_rollout, seed=cfg.run.seed, sampler_urls=urls,
+        task_order=task_order)
     controller.run.remote()
     return controller
 
@@ -294,12 +326,78 @@ def _log_start_failure(name: str) -> None:
     logger.exception("{} failed to start", name)
 
 
-def _actor_factory(run_dir: Path, run_cfg: RunConfig):
-    """``actor(cls, log_name)`` -> a Ray actor class whose instances log to ``RUN_DIR/logs/``.
+def placement_options(role: str, resource: str, nodes: list[dict[str, Any]], turn: int = 0,
+                      reachable: Callable[[dict[str, Any]], bool] | None = None) -> dict[str, Any]:
+    """Ray actor options that place one actor of ``role`` on a live node marked with ``resource``
+    (``ray.placement``); ``{}`` (any node) when no such node is left: the soft fallback after a
+    node loss, logged as a warning.
+
+    A node counts as live when Ray's node table says so and its raylet accepts a TCP connection
+    (``reachable``): Ray takes a health-check period to mark a lost node dead (13 s in ``t1async
+    bench multinode``), and an actor sent there meanwhile dies with it. The live nodes are taken in
+    turn (``turn``, counted by the caller: successive actors of a role go round the nodes), soft:
+    should the node be lost before the actor starts, Ray puts it on another node with the resource.
+
+    Args:
+        role: the role's name (for the warning).
+        resource: the custom resource marking the role's nodes.
+        nodes: Ray's node table (``ray.nodes()``: dicts with ``NodeID``, ``Alive``, ``Resources``,
+            ``NodeManagerAddress``, ``NodeManagerPort``).
+        turn: how many actors of this role the caller placed before.
+        reachable: ``node -> bool``; default :func:`raylet_reachable`.
+    """
+    reachable = reachable or raylet_reachable
+    marked = sorted((n for n in nodes if n.get("Alive") and n.get("Resources", {}).get(resource, 0) > 0),
+                    key=lambda n: n["NodeID"])
+    live = [n for n in marked if reachable(n)]
+    if not live:
+        logger.warning("ray.placement: no live Ray node has resource {!r} for the {}; starting it on any node "
+                       "(join a node with ray start --resources '{{\"{}\": 1}}' to place it there again)",
+                       resource, role, resource)
+        return {}
+    node = live[turn % len(live)]
+    return {"resources": {resource: PLACEMENT_SHARE},
+            "scheduling_strategy": NodeAffinitySchedulingStrategy(node["NodeID"], soft=True)}
+
+
+def raylet_reachable(node: dict[str, Any], timeout_s: float = 1.0) -> bool:
+    """Whether the raylet of a row of ``ray.nodes()`` accepts a TCP connection within ``timeout_s``
+    (a lost machine's port refuses at once or times out)."""
+    try:
+        with socket.create_connection((node["NodeManagerAddress"], int(node["NodeManagerPort"])), timeout=timeout_s):
+            return True
+    except (OSError, KeyError, ValueError):
+        return False
+
+
+class PlacedActor:
+    """A Ray actor class whose ``.remote(...)`` places each new actor by :func:`placement_options`,
+    looked up at that moment (so a restart after a node loss sees the nodes still alive) and
+    taking the role's nodes in turn (``turns``: role -> actors placed so far, shared by the
+    placed classes of one process). Picklable: the controller starts rollout actors through one."""
+
+    def __init__(self, actor_class: Any, role: str, resource: str, turns: dict[str, int] | None = None):
+        self.actor_class, self.role, self.resource = actor_class, role, resource
+        self.turns = turns if turns is not None else {}
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        """Start one actor (``ActorClass.options(...).remote(*args, **kwargs)``); its handle."""
+        turn = self.turns.get(self.role, 0)
+        self.turns[self.role] = turn + 1
+        options = placement_options(self.role, self.resource, ray.nodes(), turn)
+        return self.actor_class.options(**options).remote(*args, **kwargs)
+
+
+def _actor_factory(run_dir: Path, run_cfg: RunConfig, ray_cfg: RayConfig | None = None):
+    """``actor(cls, log_name)`` -> a Ray actor class whose instances log to ``RUN_DIR/logs/``
+    (a :class:`PlacedActor` for a role in ``ray.placement``).
 
     Actors take no CPU reservation: on a 2-core machine all roles share the cores, and each
     limits torch to ``run.torch_threads`` threads.
     """
+    placement = ray_cfg.placement if ray_cfg is not None else {}
+    turns: dict[str, int] = {}  # role -> actors placed so far (samplers get a class each: one count)
+
     def actor(cls: type, default_log_name: str):
         class Logged(cls):  # type: ignore[misc, valid-type]
             def __init__(self, *args: Any, log_name: str = default_log_name, **kwargs: Any):
@@ -312,7 +410,9 @@ def _actor_factory(run_dir: Path, run_cfg: RunConfig):
                     raise
 
         Logged.__name__ = Logged.__qualname__ = cls.__name__
-        return ray.remote(num_cpus=0, max_concurrency=ACTOR_MAX_CONCURRENCY, max_restarts=0)(Logged)
+        remote = ray.remote(num_cpus=0, max_concurrency=ACTOR_MAX_CONCURRENCY, max_restarts=0)(Logged)
+        resource = placement.get(ROLE_OF.get(cls.__name__, ""))
+        return PlacedActor(remote, ROLE_OF[cls.__name__], resource, turns) if resource else remote
 
     return actor
 

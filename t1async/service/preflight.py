@@ -80,6 +80,8 @@ def check_inputs(cfg: Config) -> list[str]:
         check_model_vocab(cfg.model.vocab_size, "tool_call", "model.vocab_size (rollout.agent=external)")
         for module in ("fastapi", "uvicorn"):  # the endpoint's extra, before any process starts
             require_extra(module, "endpoint", "rollout.agent=external")
+    if cfg.metrics.wandb:  # (its extra, before any process starts)
+        require_extra("wandb", "wandb", "metrics.wandb=true")
     tasks = discover_tasks(tasks_dir(cfg.env), cfg.env.tasks, sandbox=cfg.env.sandbox)
     check_sandbox_available(cfg.env.sandbox)
     check_port_free(cfg.transport)

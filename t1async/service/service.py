@@ -5,12 +5,15 @@ live status line and the TensorBoard events.
                                                      died: restart it from its last checkpoint and
                                                            the receive log (back-off 5, 10, 20 s...)
                                                            or, past run.learner_restarts, one line
-    metrics.jsonl --(tail)--> TensorBoard events (RUN_DIR/tensorboard) + status line (a TTY) or log lines
+    metrics.jsonl --(tail)--> TensorBoard events (RUN_DIR/tensorboard), wandb (metrics.wandb; sinks.py)
+                              + status line (a TTY) or log lines
     control socket (t1async/service/control.py) --> status | stop | scale (live-safe keys only)
     SIGINT, SIGTERM, SIGHUP --> stop after the learner's current step (final checkpoint)
 
 Waits on: the learner's ``run``. Stopped by: the learner finishing ``max_steps``, ``t1async
-stop``, a signal, or a learner that keeps dying.
+stop``, a signal, or a learner that keeps dying. Nothing in this loop waits on the disk: a full
+run directory makes ``status`` say ``degraded: disk full at PATH (N MB free)`` (the learner's
+pause, or this process's own writes refused), and stop and signals work as ever.
 """
 
 from __future__ import annotations
@@ -30,13 +33,14 @@ from omegaconf import OmegaConf
 from rich.console import Console
 from rich.live import Live
 from rich.text import Text
-from tensorboardX import SummaryWriter
 
 from t1async.actors import error_line
-from t1async.config import Config, ConfigError, from_node
+from t1async.config import Config, ConfigError, MetricsConfig, from_node
+from t1async.fileio import DiskGuard
 from t1async.service.control import LIVE_KEYS, live_change_refusal
 from t1async.service.rundir import append_history
 from t1async.service.sampler_pool import Backoff, SamplerPool
+from t1async.service.sinks import TensorBoardSink, WandbSink
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 TB_SKIP = ("step", "version", "time", "phase", "train_policy")
@@ -47,14 +51,26 @@ class LearnerDied(RuntimeError):
 
 
 class MetricsTail:
-    """Reads rows appended to ``metrics.jsonl`` since the last call; writes their numbers as
-    TensorBoard scalars (tensorboardX, ``RUN_DIR/tensorboard``; dict fields as ``name/key``)."""
+    """Reads rows appended to ``metrics.jsonl`` since the last call; sends their numbers (dict
+    fields as ``name/key``) to TensorBoard (``RUN_DIR/tensorboard``) and, with ``metrics.wandb``,
+    Weights & Biases: one point per step across the run's lives (t1async/service/sinks.py).
 
-    def __init__(self, path: Path, tensorboard: bool):
+    Args:
+        path: ``RUN_DIR/metrics.jsonl``.
+        tensorboard: write TensorBoard events (``run.tensorboard``).
+        metrics: the ``metrics`` section (wandb); None: no wandb.
+        disk: the run directory's disk guard (a refused write is recorded there); None: none.
+        config: the run's config, recorded with a wandb run.
+    """
+
+    def __init__(self, path: Path, tensorboard: bool, metrics: MetricsConfig | None = None,
+                 disk: DiskGuard | None = None, config: dict[str, Any] | None = None):
         self.path, self.pos, self.rows = path, 0, []
-        self.writer = None
+        self.sinks: list[Any] = []
         if tensorboard:
-            self.writer = SummaryWriter(str(path.parent / "tensorboard"), flush_secs=10)
+            self.sinks.append(TensorBoardSink(path.parent / "tensorboard", disk))
+        if metrics is not None and metrics.wandb:
+            self.sinks.append(WandbSink(path.parent / "wandb", metrics.wandb_project, metrics.wandb_mode, config))
 
     def poll(self) -> list[dict[str, Any]]:
         """New complete rows (a resumed learner's truncation is followed: reading starts over)."""
@@ -72,22 +88,27 @@ class MetricsTail:
         self.rows = (self.rows + new)[-200:]
         for row in new:
             self._write(row)
+        for sink in self.sinks:
+            sink.flush()
         return new
 
     def _write(self, row: dict[str, Any]) -> None:
-        if self.writer is None:
+        if not self.sinks:
             return
+        scalars: dict[str, float] = {}
         for key, value in row.items():
             if key in TB_SKIP:
                 continue
             items = value.items() if isinstance(value, dict) else [(None, value)]
             for sub, v in items:
                 if isinstance(v, (int, float)) and not isinstance(v, bool):
-                    self.writer.add_scalar(f"{key}/{sub}" if sub else key, v, row["step"], walltime=row.get("time"))
+                    scalars[f"{key}/{sub}" if sub else key] = float(v)
+        for sink in self.sinks:
+            sink.write(int(row["step"]), float(row.get("time", time.time())), scalars)
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        for sink in self.sinks:
+            sink.close()
 
 
 class Service:
@@ -111,7 +132,9 @@ class Service:
         self._learner_backoff = Backoff(cfg.run.learner_restarts)
         self.stop_request: str | None = None  # "drain" | "now" (t1async stop) | "signal"
         self.started = time.time()
-        self.tail = MetricsTail(run_dir / "metrics.jsonl", cfg.run.tensorboard)
+        self.disk = DiskGuard(run_dir, cfg.learner.disk_floor_mb)  # this process's writes (TensorBoard, wandb)
+        self.tail = MetricsTail(run_dir / "metrics.jsonl", cfg.run.tensorboard, cfg.metrics, self.disk,
+                                config=OmegaConf.to_container(OmegaConf.structured(cfg)) if cfg.metrics.wandb else None)
         self._lock = threading.Lock()
         self._live = None
         self._life_started = time.time()  # (wall clock: compared with metrics rows)
@@ -121,9 +144,12 @@ class Service:
 
     # ---- control ------------------------------------------------------------------------
     def status(self, req: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Everything ``t1async status`` shows (see t1async/service/control.py format_status)."""
+        """Everything ``t1async status`` shows (see t1async/service/control.py format_status).
+        ``state``: ``running``, ``stopping``, or ``degraded: WHY`` while the run directory's disk
+        pauses the learner (``disk``, ``disk_paused_s`` from its status) or refuses this process's writes."""
+        disk = self.disk.check()
         out: dict[str, Any] = {"ok": True, "run_dir": str(self.run_dir), "pid": os.getpid(),
-                               "state": "stopping" if self.stop_request else "running",
+                               "state": "stopping" if self.stop_request else f"degraded: {disk}" if disk else "running",
                                "uptime_s": round(time.time() - self.started, 1), "restarts": self.restarts,
                                "max_staleness": self.cfg.learner.max_staleness}
         try:
@@ -131,6 +157,9 @@ class Service:
             out.update({k: ls[k] for k in ("step", "version", "queue_depth", "dropped", "received", "rejected",
                                            "duplicates", "trained", "max_steps", "ledger", "resumed",
                                            "weight_group")})
+            out["disk_paused_s"] = ls.get("disk_paused_s", 0.0)
+            if ls.get("disk") and not self.stop_request:  # the learner's pause (its own writes, its view)
+                out["state"] = f"degraded: {ls['disk']}"
         except Exception as e:
             out["learner_error"] = str(e).splitlines()[0] if str(e) else type(e).__name__
         try:

@@ -8,7 +8,9 @@
     learner's batch collector (:attr:`Inbox.queue`).
 
 The receive thread stops reading the socket while the queue is full, so the actors' send
-windows and spools fill and their ``send`` waits (backpressure). With ``learner.resume`` the
+windows and spools fill and their ``send`` waits (backpressure); it stops the same way while the
+run directory's disk is full or failing (``disk``, t1async/fileio.py ``DiskGuard``: below the
+free-space floor, or a write failed with ENOSPC/EIO), and reads on by itself once space is back. With ``learner.resume`` the
 backlog (the receive log's trajectories the restored checkpoint had not consumed) is queued first,
 before the socket: nothing lost, nothing trained twice (the exact guarantee is in
 t1async/transport/delivery.py). A backlog record that fails the same checks (a log written before
@@ -26,6 +28,7 @@ from typing import Any, Callable
 
 from loguru import logger
 
+from t1async.fileio import DiskGuard
 from t1async.trajectory import Trajectory, TrajectoryError, decode
 from t1async.transport.delivery import ByteQueue, ConsumedLedger, ReceiveLog
 from t1async.transport.intake import RunFacts, check_trajectory
@@ -60,13 +63,17 @@ class Inbox:
             the default bounds.
         rejected_by: refusals counted by reason (the field at fault; shared with the learner,
             which adds ``step_failed``); None: a new dict.
+        disk: the run directory's disk guard: while it says the disk is full the socket is not
+            read (no ACK: the actors keep their spools); a failed write is recorded in it. None:
+            a guard with the default floor.
     """
 
     def __init__(self, receiver: TrajectoryReceiver, log: ReceiveLog, queue: ByteQueue, consumed: ConsumedLedger,
                  counters: dict[str, int], *, run_dir: Path, shape: tuple[int, int, int], version: Callable[[], int],
                  training_stopped: threading.Event, dump_trajectories: int = 0, group_messages: int = 64,
                  facts: RunFacts | None = None, quarantine: Quarantine | None = None,
-                 rejected_by: dict[str, int] | None = None):
+                 rejected_by: dict[str, int] | None = None,
+                 disk: DiskGuard | None = None):
         self.receiver, self.log, self.queue = receiver, log, queue
         self.facts = facts
         self.quarantine = quarantine if quarantine is not None else Quarantine(run_dir / "quarantine")
@@ -76,6 +83,7 @@ class Inbox:
         self.run_dir, self._shape, self._version = run_dir, shape, version
         self._training_stopped = training_stopped
         self._dump, self._group_messages = dump_trajectories, group_messages
+        self.disk = disk if disk is not None else DiskGuard(run_dir)
         self._rejected_keys: collections.OrderedDict[str, str] = collections.OrderedDict()  # id -> reason, newest last
         self._closed = threading.Event()  # receiving stops (close())
         self._thread: threading.Thread | None = None
@@ -122,6 +130,9 @@ class Inbox:
             self.counters["replayed"] += 1
             self.enqueue(traj, len(frame))
         while not self._closed.is_set():  # after training too: stored and ACKed, kept for a resume
+            if self.disk.check() is not None:  # a full disk: no ACK, the actors keep their spools
+                self._closed.wait(0.5)
+                continue
             d = self.receiver.recv(timeout_s=0.5)
             if d is None:
                 continue
@@ -164,6 +175,7 @@ class Inbox:
         try:
             self.log.sync()
         except OSError as e:
+            self.disk.fault(e, self.log.dir)
             logger.error("receive log flush failed ({}); {} trajectories not acknowledged", e, len(stored))
             replies = [r for r in replies if not r[1] or r[0].key in self.log or r[0].key in self._consumed]
             stored = [(d, t) for d, t in stored if d.key in self.log]
@@ -173,8 +185,13 @@ class Inbox:
             self.counters["received"] += 1
             if self.counters["received"] <= self._dump:
                 tdir = self.run_dir / "trajectories"
-                tdir.mkdir(exist_ok=True)
-                (tdir / f"{traj.trajectory_id}.traj").write_bytes(d.frame)
+                try:
+                    tdir.mkdir(exist_ok=True)
+                    (tdir / f"{traj.trajectory_id}.traj").write_bytes(d.frame)
+                except OSError as e:  # an inspection copy: the receive log holds the trajectory
+                    self.disk.fault(e, tdir)
+                    logger.error("could not dump trajectory {} to {} ({}); it is in the receive log",
+                                 traj.trajectory_id, tdir, e)
             self.enqueue(traj, len(d.frame))
 
     def _store(self, d: Delivery, stored: list[tuple[Delivery, Trajectory]]) -> tuple[bool, str] | None:
@@ -203,6 +220,7 @@ class Inbox:
         try:
             self.log.append(d.key, d.frame, sync=False)
         except OSError as e:  # not stored: no ACK, the actor keeps it and resends
+            self.disk.fault(e, self.log.dir)
             logger.error("receive log append failed ({}); trajectory {} not acknowledged", e, d.key)
             return None
         stored.append((d, traj))

@@ -59,7 +59,7 @@ Data parallelism within the expert-parallel group (N below is P, the expert-para
   hold its slices, is the whole micro-batch's, unscaled; the other sliced gradients hold one
   data-parallel rank's rows and are summed over the data-parallel group, whole weights (norms,
   routers, the critic's head) are summed over the stage's tensor- and data-parallel ranks
-  (:meth:`MegatronBackend._clip`). The clip norm is the true global norm over every distinct
+  (t1async/learner/megatron/grads.py). The clip norm is the true global norm over every distinct
   slice; every rank clips with it and steps AdamW on its own parameters (verified against the
   torch backend to 1e-5 in tests/test_megatron.py, with B = 1, 2 and 5, TP x EP x PP = 1x2x1,
   2x1x1, 1x1x2, 2x2x1 and 1x2x2).
@@ -97,6 +97,7 @@ from torch import nn
 from t1async.config import GenerationConfig, LearnerConfig, MegatronConfig, ModelConfig, tensor_parallel_sizes
 from t1async.learner.backend import AdamWPair, PolicyForward, ShardedAdamW, chunk_size
 from t1async.learner.megatron.convert import CRITIC, POLICY, tp_partition
+from t1async.learner.megatron.grads import clip_global_norm
 from t1async.learner.megatron.model import (  # noqa: F401  (re-exported)
     LayerRecompute,
     build_gpt,
@@ -107,8 +108,6 @@ from t1async.learner.megatron.model import (  # noqa: F401  (re-exported)
 )
 from t1async.learner.megatron.ranks import (
     RankGroup,
-    all_reduce_,
-    all_reduce_sum,
     expert_owner,
     gather_tensors,
     leave_world,
@@ -672,34 +671,9 @@ class MegatronBackend(MegatronState, AdamWPair):
 
     def _clip(self, model: nn.Module) -> float:
         """Gradients of several ranks made whole, then clipped to ``cfg.max_grad_norm`` by their
-        global norm, which is returned (before clipping). One process: the plain global norm.
-
-        Each data-parallel rank forwarded its own rows, and Megatron's dispatcher brings each
-        token to its experts once: an expert's gradient (on the ranks holding its slices) is
-        already the whole batch's and is left as it is. Tensor-parallel slices of the other
-        weights hold their data-parallel rank's rows: summed over the data-parallel group. Weights
-        every rank holds whole under sequence parallelism (norms, routers, the critic's head:
-        attribute ``sequence_parallel``) hold one slice of one rank's rows: summed over the
-        tensor- and data-parallel ranks (of this pipeline stage: each stage holds its own layers).
-        Norm: sqrt of the sum of squares of every distinct slice (experts on every rank, the
-        tensor-parallel slices on data-parallel rank 0, the whole weights on tensor- and
-        data-parallel rank 0 of each stage), the same on every rank.
-        """
-        named = [(k, p) for k, p in model.named_parameters() if p.grad is not None]
-        experts = [p.grad for k, p in named if is_expert(k)]
-        whole = [p.grad for k, p in named if not is_expert(k) and getattr(p, "sequence_parallel", False)]
-        sliced = [p.grad for k, p in named if not is_expert(k) and not getattr(p, "sequence_parallel", False)]
-        if self.world > 1:
-            all_reduce_(sliced, parallel_state.get_data_parallel_group())
-            all_reduce_(whole, parallel_state.get_tensor_and_data_parallel_group())
-        sq = lambda gs: float(sum(g.float().pow(2).sum() for g in gs)) if gs else 0.0  # noqa: E731
-        mine = [sq(experts), (sq(sliced) if self.dp_rank == 0 else 0.0)
-                + (sq(whole) if self.dp_rank == 0 and self.tp_rank == 0 else 0.0)]
-        expert_sq, other_sq = all_reduce_sum(mine, self.device) if self.world > 1 else mine
-        total = math.sqrt(expert_sq + other_sq)
-        self.last_expert_grad_norm = math.sqrt(expert_sq)  # (before clipping)
-        coef = min(1.0, self.cfg.max_grad_norm / (total + 1e-6))
-        if coef < 1.0:
-            for g in experts + whole + sliced:
-                g.mul_(coef)
+        global norm, which is returned (before clipping; t1async/learner/megatron/grads.py
+        :func:`clip_global_norm`). One process: the plain global norm."""
+        total, self.last_expert_grad_norm = clip_global_norm(model, self.cfg.max_grad_norm, world=self.world,
+                                                             dp_rank=self.dp_rank, tp_rank=self.tp_rank,
+                                                             device=self.device)
         return total

@@ -1,0 +1,133 @@
+"""Where each learner step's scalars go: TensorBoard across the lives of a run (one point per
+step), a disk that refuses the events, and the optional Weights & Biases sink (offline)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import struct
+import time
+from pathlib import Path
+
+import pytest
+import tensorboardX.proto.event_pb2  # noqa: F401 (tensorboardX imports torch: at collection, not in a test's time)
+
+from t1async.service.service import MetricsTail
+
+
+def _rows(steps, t0: float) -> list[dict]:
+    return [{"step": s, "version": s, "trajectories": 2, "reward_mean": 0.1 * s, "resolved_rate": 0.0,
+             "staleness_max": 0, "dropped": {"stale": 0}, "time": t0 + s} for s in steps]
+
+
+def _write(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _shown(folder: Path, tag: str = "reward_mean") -> tuple[dict[int, float], int]:
+    """What TensorBoard shows of ``tag`` ({step: value}: a SessionLog START at step s hides the
+    earlier points at steps >= s, files in name order) and how many points the files hold."""
+    from tensorboardX.proto.event_pb2 import Event, SessionLog
+
+    shown: dict[int, float] = {}
+    raw = 0
+    for f in sorted(folder.glob("events.out.tfevents.*")):
+        data, pos = f.read_bytes(), 0
+        while pos < len(data):
+            (n,) = struct.unpack("<Q", data[pos:pos + 8])
+            ev = Event.FromString(data[pos + 12:pos + 12 + n])
+            pos += 12 + n + 4
+            if ev.HasField("session_log") and ev.session_log.status == SessionLog.START:
+                shown = {s: v for s, v in shown.items() if s < ev.step}
+            for v in ev.summary.value:
+                if v.tag == tag:
+                    shown[ev.step] = v.simple_value
+                    raw += 1
+    return shown, raw
+
+
+def _life(path: Path, rows: list[dict]) -> None:
+    """One launch of the service: metrics.jsonl as the learner left it, tailed to its end."""
+    _write(path, rows)
+    tail = MetricsTail(path, tensorboard=True)
+    tail.poll()
+    tail.close()
+
+
+def test_tensorboard_appends_across_lives_one_point_per_step(tmp_path):
+    path, t0 = tmp_path / "metrics.jsonl", time.time() - 1000
+    rows: list[dict] = []
+    for life in range(5):  # five lives of 10 steps, each ended by a clean stop (final checkpoint)
+        rows += _rows(range(10 * life + 1, 10 * life + 11), t0)
+        _life(path, rows)
+    shown, raw = _shown(tmp_path / "tensorboard")
+    assert sorted(shown) == list(range(1, 51)) and raw == 50  # (main: 10 + 20 + ... + 50 = 150 points)
+    assert shown[50] == pytest.approx(5.0)
+
+
+def test_steps_trained_again_after_a_resume_replace_the_lost_lifes_points(tmp_path):
+    path, t0 = tmp_path / "metrics.jsonl", time.time() - 1000
+    first = _rows(range(1, 11), t0)
+    _life(path, first)
+    # killed at step 10 with its last checkpoint at step 8: the resumed learner drops rows 9-10
+    # (actors/learner.py _resume) and trains steps 9, 10, 11 again, later and with other values
+    again = [{**r, "reward_mean": 7.0 + r["step"], "time": t0 + 100 + r["step"]} for r in _rows(range(9, 12), t0)]
+    tail = MetricsTail(path, tensorboard=True)
+    _write(path, first[:8])
+    tail.poll()
+    with open(path, "a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in again))
+    tail.poll()
+    tail.close()
+    shown, raw = _shown(tmp_path / "tensorboard")
+    assert sorted(shown) == list(range(1, 12))
+    assert shown[8] == pytest.approx(0.8) and shown[9] == pytest.approx(16.0) and shown[11] == pytest.approx(18.0)
+    assert raw == 10 + 3  # steps 1-8 are not written again (main: 10 + 8 + 3)
+    _life(path, first[:8] + again)  # and a later life adds nothing
+    shown, raw = _shown(tmp_path / "tensorboard")
+    assert sorted(shown) == list(range(1, 12)) and raw == 13
+
+
+def test_a_disk_that_refuses_tensorboard_events_never_blocks_and_loses_none(tmp_path, monkeypatch):
+    import t1async.service.sinks as sinks
+    from t1async.fileio import DiskGuard
+
+    path, t0 = tmp_path / "metrics.jsonl", time.time() - 1000
+    disk = DiskGuard(tmp_path, floor_mb=0)
+    tail = MetricsTail(path, tensorboard=True, disk=disk)
+    real = sinks.append_whole
+
+    def full(p, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(sinks, "append_whole", full)
+    rows = _rows(range(1, 4), t0)
+    for i in range(1, 4):  # (main: tensorboardX's writer thread dies; after 10 events every call blocks)
+        _write(path, rows[:i])
+        t = time.monotonic()
+        assert [r["step"] for r in tail.poll()] == [i] and time.monotonic() - t < 1
+    assert disk.check().startswith(f"disk full at {tmp_path / 'tensorboard'}")
+    monkeypatch.setattr(sinks, "append_whole", real)  # space is back
+    _write(path, _rows(range(1, 5), t0))
+    tail.poll()
+    tail.close()
+    shown, raw = _shown(tmp_path / "tensorboard")
+    assert sorted(shown) == [1, 2, 3, 4] and raw == 4
+
+
+@pytest.mark.slow  # (wandb starts its service process per launch: about 6 s each here)
+def test_wandb_offline_writes_a_run_folder_and_a_resumed_launch_appends(tmp_path):
+    pytest.importorskip("wandb")
+    from t1async.config import MetricsConfig
+
+    path, t0 = tmp_path / "metrics.jsonl", time.time() - 1000
+    cfg = MetricsConfig(wandb=True, wandb_project="t1async-test", wandb_mode="offline")
+    for life in range(2):
+        _write(path, _rows(range(1, 4 + 3 * life), t0))
+        tail = MetricsTail(path, tensorboard=False, metrics=cfg)
+        tail.poll()
+        tail.close()
+    runs = list((tmp_path / "wandb" / "wandb").glob("offline-run-*"))
+    state = json.loads((tmp_path / "wandb" / "t1async.json").read_text())
+    assert runs and all(list(r.glob("*.wandb")) for r in runs) and state["step"] == 6
+    assert all(r.name.endswith(state["run_id"]) for r in runs)  # one wandb run across both lives
