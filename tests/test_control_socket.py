@@ -150,6 +150,22 @@ def test_scale_with_a_value_of_the_wrong_type_names_the_key(tmp_path):
     assert str(err.value).startswith('scale: bad value of learner.lr="abc": ') and "\n" not in str(err.value)
 
 
+
+def test_scale_refuses_a_value_its_section_rule_refuses_in_the_config_s_one_line(tmp_path):
+    """A live change is checked by the same rules as a config file: the section's own (beside the
+    field) and the cross-section ones, named with the source ``scale``."""
+    from t1async.config import load_config
+    from t1async.service.service import Service
+
+    cfg = load_config(None, ["run.tensorboard=false"])
+    service = Service(cfg, tmp_path, {}, restart_learner=lambda: None, check_tasks=lambda names: None)
+    with pytest.raises(ValueError, match=r"^scale: learner.lr=0.0 is invalid: use a positive float$"):
+        service.scale({"changes": {"learner.lr": 0}})
+    with pytest.raises(ValueError, match=r"^scale: rollout.num_actors=0 is invalid: use an integer >= 1"):
+        service.scale({"changes": {"rollout.num_actors": 0}})
+    assert service.cfg is cfg  # nothing applied
+
+
 def test_restart_counts_hold_the_samplers_too(tmp_path):
     """What summary.json's ``restarts`` is made of (t1async/service/launch.py): the learner's and
     the embedded samplers' restarts."""
