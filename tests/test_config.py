@@ -147,6 +147,8 @@ def test_each_section_refuses_a_bad_value_of_its_own_fields_itself():
         TransportConfig(port=70000).check("transport")
     with pytest.raises(FieldError, match=r"^learner.abnormal.context_full='mask_turn' is invalid: use 'train' or 'drop'"):
         AbnormalConfig(context_full="mask_turn").check("learner.abnormal")
+    with pytest.raises(FieldError, match=r"^model.num_key_value_heads=3 is invalid: it must be a divisor of model.num_"):
+        ModelConfig(num_key_value_heads=3).check("model")  # a rule over two fields of one section is the section's
     LearnerConfig(batch_size=0, lr=0.0)  # building one in code checks nothing (tests build such sections)
     keys = dict(sections(Config()))
     assert list(keys)[:3] == ["run", "ray", "model"] and {"learner.abnormal", "learner.megatron", "env.container"} <= set(keys)

@@ -301,16 +301,11 @@ def tensor_parallel_choices(m: ModelConfig) -> list[int]:
     return [d for d in divisors(m.num_key_value_heads) if all(v % d == 0 for v in sizes)]
 
 
-# (rule over the whole config, the keys it concerns, what must hold: text, or a function of the config)
+# Rules that relate fields of two sections (those within one section are its RULES): (rule over the whole
+# config, the key it names, what that key must be: text, or a function of the config)
 _CROSS_RULES: list[tuple[Any, str, Any]] = [
     (lambda c: c.env.max_context_tokens == 0 or c.env.max_context_tokens > c.generation.max_new_tokens,
      "env.max_context_tokens", "0 (the model's context) or more than generation.max_new_tokens"),
-    (lambda c: c.rollout.agent != "external" or c.rollout.agent_command.strip() != "", "rollout.agent_command",
-     "the agent program to run when rollout.agent=external (e.g. 'python tools/example_agent.py')"),
-    (lambda c: 1 <= c.model.num_experts_per_tok <= c.model.num_experts, "model.num_experts_per_tok",
-     "between 1 and model.num_experts"),
-    (lambda c: c.model.num_key_value_heads >= 1 and c.model.num_attention_heads % c.model.num_key_value_heads == 0,
-     "model.num_key_value_heads", "a divisor of model.num_attention_heads"),
     (lambda c: c.model.num_experts % c.learner.megatron.expert_parallel == 0, "learner.megatron.expert_parallel",
      lambda c: (f"a divisor of model.num_experts={c.model.num_experts}, one of "
                 f"{divisors(c.model.num_experts)} "
@@ -325,8 +320,6 @@ _CROSS_RULES: list[tuple[Any, str, Any]] = [
     (lambda c: c.learner.megatron.pipeline_parallel == 1 or not c.model.tie_word_embeddings,
      "learner.megatron.pipeline_parallel", "1 when model.tie_word_embeddings (the tied embedding and LM head would "
      "sit on two stages)"),
-    (lambda c: not c.sampler.urls or c.sampler.backend == "sglang", "sampler.urls",
-     "empty unless sampler.backend=sglang (the embedded samplers start on this machine and would ignore it)"),
 ]
 
 

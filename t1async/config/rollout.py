@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from t1async.config.rules import Choice, Section, choice, rule
+from t1async.config.rules import Choice, Section, choice, rule, section_rule
 
 
 class SamplerBackend(Choice):
@@ -89,6 +89,12 @@ class HistoryBreak(Choice):
 @dataclass
 class SamplerConfig(Section):
     """Samplers: embedded PyTorch engines speaking SGLang's HTTP protocol (or SGLang servers)."""
+
+    RULES = (
+        section_rule(lambda c: not c.urls or c.backend == "sglang", "urls",
+                     "empty unless sampler.backend=sglang (the embedded samplers start on this machine and would "
+                     "ignore it)"),
+    )
 
     backend: SamplerBackend = field(default=SamplerBackend.embedded, metadata=choice(SamplerBackend, "'embedded' or 'sglang'"))
     """``embedded`` (PyTorch engine in a Ray actor) or ``sglang`` (``sglang.launch_server`` processes
@@ -278,6 +284,11 @@ class EnvConfig(Section):
 @dataclass
 class RolloutConfig(Section):
     """Rollout actors: each runs episodes one after another and streams trajectories."""
+
+    RULES = (
+        section_rule(lambda c: c.agent != "external" or c.agent_command.strip() != "", "agent_command",
+                     "the agent program to run when rollout.agent=external (e.g. 'python tools/example_agent.py')"),
+    )
 
     num_actors: int = field(default=2, metadata=rule(lambda v: v >= 1, "an integer >= 1 (scale live through the controller)"))
     """Rollout actors to start (N); tunable live through the controller."""

@@ -6,7 +6,8 @@ A field's rule is declared where the field is, in its ``field(metadata=...)``::
     reward: Reward = field(default=Reward.dense, metadata=choice(Reward, "'dense' (...) or 'binary' (...)"))
 
 Every section is a :class:`Section`, whose :meth:`Section.check` applies the rules of its own
-fields (not of its sub-sections: :func:`t1async.config.check_values` walks those). A value of a
+fields (not of its sub-sections: :func:`t1async.config.check_values` walks those), then its
+rules over two of its own fields (``RULES``, :func:`section_rule`). A value of a
 :class:`Choice` field outside its Enum is refused already when the config is merged
 (OmegaConf's ``ValidationError``); :func:`t1async.config.load_config` words that refusal with
 the field's rule text, so both say the same one line: ``KEY=VALUE is invalid: use WHAT``.
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, ClassVar, NamedTuple
 
 from t1async.config.errors import ConfigError
 
@@ -70,8 +71,28 @@ def choice(kind: type[Choice], valid: str) -> dict[str, Rule]:
     return rule(lambda v: v in values, valid)
 
 
+class SectionRule(NamedTuple):
+    """A rule over several fields of one section, reported on one of them.
+
+    Attributes:
+        ok: predicate over the section; False refuses it.
+        name: the field the refusal names (its value is shown).
+        must: what that field must be, in words, completing "it must be ...".
+    """
+
+    ok: Callable[[Any], bool]
+    name: str
+    must: str
+
+
+def section_rule(ok: Callable[[Any], bool], name: str, must: str) -> SectionRule:
+    """A :class:`SectionRule`, for a section's ``RULES``."""
+    return SectionRule(ok, name, must)
+
+
 class FieldError(ConfigError):
-    """A field's value breaks its rule; the message is ``KEY=VALUE is invalid: use WHAT``.
+    """A field's value breaks its rule; the message is ``KEY=VALUE is invalid: use WHAT`` (a field
+    rule) or ``KEY=VALUE is invalid: it must be WHAT`` (a rule over several fields).
 
     Attributes:
         key: dotted config key (``learner.batch_size``).
@@ -79,8 +100,8 @@ class FieldError(ConfigError):
         valid: the rule's text.
     """
 
-    def __init__(self, key: str, value: Any, valid: str):
-        super().__init__(f"{key}={value!r} is invalid: use {valid}")
+    def __init__(self, key: str, value: Any, valid: str, *, must: bool = False):
+        super().__init__(f"{key}={value!r} is invalid: {'it must be' if must else 'use'} {valid}")
         self.key, self.value, self.valid = key, value, valid
 
     def at(self, source: str) -> ConfigError:
@@ -94,10 +115,14 @@ def field_rule(f: dataclasses.Field) -> Rule | None:
 
 
 class Section:
-    """Base of every config section: :meth:`check` applies the rules declared beside its fields."""
+    """Base of every config section: :meth:`check` applies the rules declared beside its fields,
+    then the section's ``RULES`` over several of its fields."""
+
+    RULES: ClassVar[tuple[SectionRule, ...]] = ()
 
     def check(self, prefix: str) -> None:
-        """Refuse a field of this section whose value breaks its rule (the first, in field order).
+        """Refuse a field of this section whose value breaks its rule (the first, in field order),
+        then a breach of one of ``RULES`` (in their order).
 
         Args:
             prefix: this section's dotted key in :class:`~t1async.config.Config` (``learner.megatron``),
@@ -113,3 +138,6 @@ class Section:
             value = getattr(self, f.name)
             if not r.ok(value):
                 raise FieldError(f"{prefix}.{f.name}", value, r.valid)
+        for sr in self.RULES:
+            if not sr.ok(self):
+                raise FieldError(f"{prefix}.{sr.name}", getattr(self, sr.name), sr.must, must=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, Optional
 
-from t1async.config.rules import Choice, Section, choice, rule
+from t1async.config.rules import Choice, Section, choice, rule, section_rule
 
 PLACEMENT_ROLES = ("learner", "controller", "sampler", "rollout")
 """The roles ``ray.placement`` can place (the Ray actors ``launch`` starts)."""
@@ -151,6 +151,13 @@ class ModelConfig(Section):
 
     Written verbatim (plus ``architectures`` and ``model_type``) as a checkpoint's config.json.
     """
+
+    RULES = (
+        section_rule(lambda m: 1 <= m.num_experts_per_tok <= m.num_experts, "num_experts_per_tok",
+                     "between 1 and model.num_experts"),
+        section_rule(lambda m: m.num_key_value_heads >= 1 and m.num_attention_heads % m.num_key_value_heads == 0,
+                     "num_key_value_heads", "a divisor of model.num_attention_heads"),
+    )
 
     vocab_size: int = 4096
     """Rows of the embedding and of the LM head; must be >= the tokenizer's vocabulary."""
