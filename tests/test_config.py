@@ -189,7 +189,7 @@ def test_choices_are_enums_whose_values_can_be_listed_and_compare_as_strings():
     assert "reward: binary" in to_yaml(cfg)
 
 
-@pytest.mark.parametrize("key,kind", choice_fields(), ids=lambda x: x if isinstance(x, str) else "")
+@pytest.mark.parametrize("key,kind", choice_fields(), ids=[k for k, _ in choice_fields()])
 def test_a_value_outside_a_choice_is_refused_in_one_line_naming_key_value_and_the_choices(key, kind):
     with pytest.raises(ConfigError) as e:
         load_config(None, [f"{key}=nonsense"])
