@@ -10,7 +10,7 @@ no such function: GAE everywhere (whitened with re-centring).
 Adding an estimator: write one function with the signature of :data:`EpisodeEstimator` (pure:
 it reads the batch's tasks and rewards and the recent rewards per task, it changes nothing),
 register it in :data:`ADVANTAGES` and add its name to the value check of ``learner.advantage``
-in ``t1async/config.py`` (``tests/test_rl.py`` checks that the two agree).
+in ``t1async/config/`` (``tests/test_rl.py`` checks that the two agree).
 """
 
 from __future__ import annotations
