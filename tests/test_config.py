@@ -173,11 +173,11 @@ def choice_fields() -> list[tuple[str, type]]:
 
 
 def test_choices_are_enums_whose_values_can_be_listed_and_compare_as_strings():
-    from t1async.config import ADVANTAGE_NAMES, Advantage, Reward, Sandbox
+    from t1async.config import ADVANTAGE_NAMES, AdvantageName, Reward, SandboxName
     from t1async.envs.sandboxes.sandbox import SANDBOXES
 
     assert list(Reward) == [Reward.dense, Reward.binary] and Reward.values() == ("dense", "binary")
-    assert Advantage.values() == ADVANTAGE_NAMES and set(Sandbox.values()) == set(SANDBOXES)
+    assert AdvantageName.values() == ADVANTAGE_NAMES and set(SandboxName.values()) == set(SANDBOXES)
     keys = dict(choice_fields())
     assert {"learner.reward", "learner.advantage", "learner.policy_loss", "learner.backend", "env.sandbox",
             "env.network", "env.action_format", "transport.scheme", "sampler.backend", "sampler.dtype",

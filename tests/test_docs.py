@@ -207,7 +207,7 @@ def test_the_configuration_page_lists_the_values_of_each_choice():
     page = (ROOT / "docs" / "configuration.md").read_text()
     assert "- `learner.reward` (`Reward`, default `dense`)" in page
     assert "  Values (`Reward`): `dense` (The number of verifier tests passed), `binary` (1 when resolved, else 0)." in page
-    assert "  Values (`Sandbox`): `local` " in page and "  Valid: an integer >= 1 (episodes per drawn task)." in page
+    assert "  Values (`SandboxName`): `local` " in page and "  Valid: an integer >= 1 (episodes per drawn task)." in page
 
 
 # ------------------------------------------------------------------ metrics.jsonl keys

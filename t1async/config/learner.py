@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from t1async.config.rules import Choice, Section, choice, rule
 
 
-class Advantage(Choice):
+class AdvantageName(Choice):
     """``learner.advantage``: the keys of ``t1async.learner.advantages.ADVANTAGES`` (see ``LearnerConfig.advantage``)."""
 
     gae = "gae"
@@ -19,16 +19,16 @@ class Advantage(Choice):
     """Group mean and standard deviation"""
 
 
-class PolicyLoss(Choice):
+class PolicyLossName(Choice):
     """``learner.policy_loss``: the keys of ``t1async.learner.losses.POLICY_LOSSES``."""
 
     ppo = "ppo"
     """Decoupled PPO with a truncated importance weight"""
 
 
-ADVANTAGE_NAMES = Advantage.values()
+ADVANTAGE_NAMES = AdvantageName.values()
 """Values of ``learner.advantage``."""
-POLICY_LOSS_NAMES = PolicyLoss.values()
+POLICY_LOSS_NAMES = PolicyLossName.values()
 """Values of ``learner.policy_loss``."""
 
 
@@ -41,7 +41,7 @@ class Reward(Choice):
     """1 when resolved, else 0"""
 
 
-class LearnerBackend(Choice):
+class LearnerBackendName(Choice):
     """``learner.backend``: the training engine."""
 
     torch = "torch"
@@ -244,13 +244,13 @@ class LearnerConfig(Section):
     advantage 0 on every token and gives no gradient, and no advantage changes sign; trajectories
     of such a batch that fell back to GAE are scaled alike. The std is over tokens (a long episode
     weighs more), floored at 1e-6."""
-    policy_loss: PolicyLoss = field(default=PolicyLoss.ppo, metadata=choice(
-        PolicyLoss, "'ppo' (decoupled PPO with a truncated importance weight)"))
+    policy_loss: PolicyLossName = field(default=PolicyLossName.ppo, metadata=choice(
+        PolicyLossName, "'ppo' (decoupled PPO with a truncated importance weight)"))
     """The policy's loss: ``ppo`` (decoupled PPO with a truncated behaviour importance weight,
     the proximal policy in the ratio's denominator; :func:`t1async.learner.rl.policy_loss`).
     The losses are registered in t1async/learner/losses.py."""
-    advantage: Advantage = field(default=Advantage.gae, metadata=choice(
-        Advantage, "'gae' (the critic), 'group' (leave-one-out over a task's episodes)"
+    advantage: AdvantageName = field(default=AdvantageName.gae, metadata=choice(
+        AdvantageName, "'gae' (the critic), 'group' (leave-one-out over a task's episodes)"
         " or 'grpo' (group mean and standard deviation)"))
     """How each sampled token's advantage is estimated: ``gae`` (the critic, GAE over sampled
     tokens), ``group`` (leave-one-out: the episode's reward less the mean reward of the other
@@ -340,8 +340,8 @@ class LearnerConfig(Section):
     forward, unchanged. 0 = never chunk."""
     abnormal: AbnormalConfig = field(default_factory=AbnormalConfig)
     """What to train of episodes and turns that did not end normally (see :class:`AbnormalConfig`)."""
-    backend: LearnerBackend = field(default=LearnerBackend.torch, metadata=choice(
-        LearnerBackend, "'torch' (plain PyTorch) or 'megatron' (megatron-core; pip install 't1async[megatron]')"))
+    backend: LearnerBackendName = field(default=LearnerBackendName.torch, metadata=choice(
+        LearnerBackendName, "'torch' (plain PyTorch) or 'megatron' (megatron-core; pip install 't1async[megatron]')"))
     """Training engine: ``torch`` (plain PyTorch, t1async/models/model.py; the CPU default) or
     ``megatron`` (megatron-core GPTModel, ``pip install 't1async[megatron]'``). Checkpoints are
     Hugging Face safetensors either way, so a resumed run may switch."""

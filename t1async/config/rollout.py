@@ -24,7 +24,7 @@ class SamplerDtype(Choice):
     float16 = "float16"
 
 
-class Sandbox(Choice):
+class SandboxName(Choice):
     """``env.sandbox``: the sandbox backend (the keys of ``t1async.envs.sandboxes.sandbox.SANDBOXES``)."""
 
     local = "local"
@@ -77,7 +77,7 @@ class Agent(Choice):
     """``rollout.agent_command`` through the OpenAI-compatible endpoint"""
 
 
-class HistoryBreak(Choice):
+class HistoryBreakAction(Choice):
     """``rollout.history_break``: what an external agent's broken history does."""
 
     split = "split"
@@ -197,8 +197,8 @@ class EnvConfig(Section):
     """Folder of task folders (Terminal-Bench 2 or 1 layout). Empty means the shipped envs/tasks."""
     tasks: list[str] = field(default_factory=list)
     """Names of tasks to use (empty: every task in ``tasks_dir``)."""
-    sandbox: Sandbox = field(default=Sandbox.local, metadata=choice(
-        Sandbox, "'local' (bubblewrap), 'container' (podman/docker, the task's own Dockerfile) or 'modal' (Modal cloud)"))
+    sandbox: SandboxName = field(default=SandboxName.local, metadata=choice(
+        SandboxName, "'local' (bubblewrap), 'container' (podman/docker, the task's own Dockerfile) or 'modal' (Modal cloud)"))
     """Sandbox backend: ``local`` (bubblewrap), ``container`` (podman/docker, the task's own
     Dockerfile; see ``env.container``) or ``modal`` (Modal cloud; needs credentials)."""
     container: ContainerConfig = field(default_factory=ContainerConfig)
@@ -326,8 +326,8 @@ class RolloutConfig(Section):
     set, e.g. ``python tools/example_agent.py``."""
     agent_cwd: str = ""
     """Working folder of the agent program (empty: the folder ``t1async launch`` ran in)."""
-    history_break: HistoryBreak = field(default=HistoryBreak.split, metadata=choice(
-        HistoryBreak, "'split' (exact segments) or 'drop' (the episode)"))
+    history_break: HistoryBreakAction = field(default=HistoryBreakAction.split, metadata=choice(
+        HistoryBreakAction, "'split' (exact segments) or 'drop' (the episode)"))
     """``rollout.agent: external``, when the agent re-sends a history that does not continue the
     previous completion (edited, truncated, re-ordered): ``split`` (each exact segment becomes its
     own trajectory with the episode's reward; earlier segments end with ``finish_reason``

@@ -9,8 +9,8 @@ no such function: GAE everywhere (whitened with re-centring).
 
 Adding an estimator: write one function with the signature of :data:`EpisodeEstimator` (pure:
 it reads the batch's tasks and rewards and the recent rewards per task, it changes nothing),
-register it in :data:`ADVANTAGES` and add its name to the value check of ``learner.advantage``
-in ``t1async/config.py`` (``tests/test_rl.py`` checks that the two agree).
+register it in :data:`ADVANTAGES` and add its name to the ``AdvantageName`` choice of ``learner.advantage``
+(t1async/config/learner.py, with the field's rule text; ``tests/test_rl.py`` checks that the two agree).
 """
 
 from __future__ import annotations

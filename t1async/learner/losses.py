@@ -9,7 +9,7 @@ and its clip / importance-weight statistics, which metrics.jsonl reports). The u
 (:func:`t1async.learner.update.train_step`) calls ``POLICY_LOSSES[learner.policy_loss]``.
 
 Adding a loss (CISPO, GSPO, DAPO's clip-higher): one function with this signature, registered
-here and named in the value check of ``learner.policy_loss`` in ``t1async/config.py``, with its test against
+here and named in the ``PolicyLossName`` choice of ``learner.policy_loss`` (t1async/config/learner.py), with its test against
 a reference computation in tests/test_rl.py.
 """
 

@@ -38,8 +38,8 @@ during a slow episode instead of waiting with it (``t1async bench async`` compar
 rules' throughput and drops).
 
 A new rule is one :class:`AdmissionRule` in :data:`ADMISSION_RULES` (and its name in the
-value check of ``rollout.admission`` in ``t1async/config.py``; ``tests/test_controller.py`` checks
-that the two agree).
+``Admission`` choice of ``rollout.admission``, t1async/config/rollout.py; ``tests/test_controller.py``
+checks that the two agree).
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@
            -> service: control socket (status/stop/scale), learner restarts, status line, TensorBoard;
               until max_steps (0: until stopped), t1async stop, or a signal -> stop everything -> summary
 
-This is the only core module that touches Ray and the environment layer; the roles are plain
-classes in ``t1async.actors`` and get ``ray.remote`` here.
+The roles are plain classes in ``t1async.actors`` and get ``ray.remote`` here; the run loops
+themselves start in the controller (rollout actors) and in :class:`t1async.service.service.Service`
+(supervision), which this function hands over to.
 """
 
 from __future__ import annotations
