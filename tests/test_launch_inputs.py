@@ -90,3 +90,36 @@ def test_launch_makes_one_preflight_call_that_checks_the_input_and_creates_nothi
     with pytest.raises(ConfigError, match="refused by the pre-flight"):
         launch_module.launch(LOCAL, [f"run.dir={run_dir}"])
     assert calls == [(LOCAL, [f"run.dir={run_dir}"])] and not run_dir.exists()
+
+
+def test_a_ray_node_that_times_out_at_start_up_is_started_again_and_other_errors_are_not(monkeypatch):
+    """Ray's own start-up wait expires on a loaded machine ("The current node timed out during
+    startup"): the launch tries again (up to RAY_START_ATTEMPTS in all); any other error is raised at once."""
+    from t1async.service import launch as launch_module
+
+    calls = []
+
+    def flaky(**kwargs):
+        calls.append(kwargs)
+        if len(calls) < 3:
+            raise Exception("The current node timed out during startup. This could happen because ...")
+        return "ctx"
+
+    monkeypatch.setattr(launch_module.ray, "init", flaky)
+    monkeypatch.setattr(launch_module.ray, "shutdown", lambda: None)
+    cfg = load_config(None)
+    assert launch_module.init_ray(cfg) == "ctx" and len(calls) == 3
+    calls.clear()
+    with pytest.raises(Exception, match="timed out during startup"):
+        launch_module.init_ray(cfg, attempts=2)
+    assert len(calls) == 2
+
+    def broken(**kwargs):
+        calls.append(kwargs)
+        raise RuntimeError("address in use")
+
+    calls.clear()
+    monkeypatch.setattr(launch_module.ray, "init", broken)
+    with pytest.raises(RuntimeError, match="address in use"):
+        launch_module.init_ray(cfg)
+    assert len(calls) == 1

@@ -76,8 +76,7 @@ def launch(config_path: str | None, overrides: list[str] | tuple[str, ...] = ())
                 cfg.sampler.num_samplers, cfg.learner.max_steps or "unlimited (until t1async stop)")
     t_start = time.time()
     reaper = Reaper.start(run_dir)  # cleans up Ray and the sandboxes should this process be killed
-    ctx = ray.init(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=False,
-                   log_to_driver=False, logging_level="WARNING")
+    ctx = init_ray(cfg)
     ray_session = ctx.address_info.get("session_dir")
     ray_local = cfg.ray.address in (None, "", "local")  # a Ray this launch starts (and stops)
     lock.write(ray_session=ray_session, ray_local=ray_local)  # (the reaper removes a local one too)
@@ -169,6 +168,31 @@ def claim_run_dir(cfg: Config, run_dir: Path) -> RunDirLock:
         unmount_all_under(run_dir / "workspaces")
         shutil.rmtree(run_dir / "workspaces", ignore_errors=True)
     return lock
+
+
+RAY_START_ATTEMPTS = 3
+"""Tries at starting a local Ray node: on a loaded machine Ray's own start-up wait can expire
+("The current node timed out during startup"), which a second try usually survives."""
+
+
+def init_ray(cfg: Config, attempts: int = RAY_START_ATTEMPTS) -> Any:
+    """``ray.init`` for this launch (``ray.address``, ``ray.num_cpus``, no dashboard, workers' logs
+    kept in their files), tried again up to ``attempts`` times in all when Ray says its node timed
+    out during start-up; any other error, or the last try's, is raised as Ray raised it.
+
+    Returns:
+        Ray's context (``address_info`` holds the session folder).
+    """
+    for attempt in range(1, attempts + 1):
+        try:
+            return ray.init(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=False,
+                            log_to_driver=False, logging_level="WARNING")
+        except Exception as e:  # Ray raises a bare Exception for this
+            if "timed out during startup" not in str(e) or attempt == attempts:
+                raise
+            logger.warning("Ray's node timed out during start-up (try {} of {}); starting it again", attempt, attempts)
+            ray.shutdown()
+    raise AssertionError("unreachable")
 
 
 def announce_resume(cfg: Config, learner: Any, run_dir: Path) -> str | None:
