@@ -80,6 +80,8 @@ SHELL_ENV = {"TERM": "dumb", "PAGER": "cat", "GIT_PAGER": "cat", "DEBIAN_FRONTEN
 KILL_GRACE_S = 3.0
 """After a timeout kill, how long to wait for the shell's sentinel before replacing the shell."""
 
+SHELL_START_TRIES = 3
+"""How many times an exec session that ends before the shell answers is started (runc is transient)."""
 CALL_TIMEOUT_S = 60.0
 """Bound on one ``exec`` used for files and kills, seconds."""
 
@@ -345,21 +347,41 @@ class ContainerSandbox:
         self._group = LimitGroup.watch(self.spec.limits, groups)
 
     def _start_shell(self) -> None:
+        """Start the persistent shell with ``<engine> exec -i``; its pid in the container.
+
+        An exec session that ends before the shell answers (EOF) is started again, up to
+        :data:`SHELL_START_TRIES` times with 0.5, 1, 2 s between: runc's exec can fail transiently
+        (``read init-p: connection reset by peer``) right after the container's processes were
+        killed or while the machine is loaded. Each retry is logged.
+
+        Raises:
+            SandboxError: the shell did not answer after the last try, or answered something else
+                than its pid (an image without bash).
+        """
         assert self.engine is not None
         started = time.monotonic()
         env = [opt for key, value in {**SHELL_ENV, **self.spec.env}.items() for opt in ("-e", f"{key}={value}")]
         self._exec_simple(["mkdir", "-p", self.workdir])
-        self._proc = subprocess.Popen(
-            # stderr joins stdout inside the container: the engine relays the two on separate
-            # streams, which would reorder a command's error after its end-of-command marker
-            [*self.engine.argv, "exec", "-i", "-w", self.workdir, *env, self.name, "bash", "--noprofile", "--norc",
-             "-c", "exec 2>&1; exec bash --noprofile --norc"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-            cwd=ENGINE_CWD)
-        status, output, _ = self._run("printf '%s\\n' \"$$\"", self.cfg.start_timeout_s)
-        if status != 0 or not output.strip().isdigit():
-            raise SandboxError(f"the container's shell did not answer at start (status {status}, output "
-                               f"{output.strip()[:300]!r}); does the image {self.image} have bash?")
+        for attempt in range(1, SHELL_START_TRIES + 1):
+            self._proc = subprocess.Popen(
+                # stderr joins stdout inside the container: the engine relays the two on separate
+                # streams, which would reorder a command's error after its end-of-command marker
+                [*self.engine.argv, "exec", "-i", "-w", self.workdir, *env, self.name, "bash", "--noprofile",
+                 "--norc", "-c", "exec 2>&1; exec bash --noprofile --norc"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                cwd=ENGINE_CWD)
+            status, output, _ = self._run("printf '%s\\n' \"$$\"", self.cfg.start_timeout_s)
+            if status == 0 and output.strip().isdigit():
+                break
+            if status != EOF or attempt == SHELL_START_TRIES:
+                raise SandboxError(f"the container's shell did not answer at start (status {status}, output "
+                                   f"{output.strip()[:300]!r}, try {attempt} of {SHELL_START_TRIES}); does the "
+                                   f"image {self.image} have bash?")
+            self._stop_shell()
+            logger.warning("container {}: the engine's exec session ended before the shell answered ({!r}); "
+                           "starting it again (try {} of {})", self.name, output.strip()[:200], attempt + 1,
+                           SHELL_START_TRIES)
+            time.sleep(0.5 * 2 ** (attempt - 1))
         self._shell_pid = int(output.strip())
         self.timings["shell"] = time.monotonic() - started
 
