@@ -1,7 +1,7 @@
 """The container sandbox's shell start survives a transient engine exec failure.
 
-runc's ``exec`` can fail once with ``read init-p: connection reset by peer`` right after the
-container's processes were killed (seen in CI after ``kill -9 -1`` inside a container). The engine
+runc's ``exec`` fails with ``read init-p: connection reset by peer`` while the container's pids
+cgroup is full (seen in CI: a fork bomb that outlived its timeout kill on a loaded machine). The engine
 here is a real script standing in for podman: its ``exec`` runs the command on this host, and its
 first ``exec -i`` sessions fail the way runc does. The sandbox code under test is the real one.
 """
@@ -51,6 +51,8 @@ def _box(tmp_path: Path, monkeypatch, fails: int) -> ContainerSandbox:
     monkeypatch.setattr("time.sleep", lambda s: None)
     box = ContainerSandbox(SandboxSpec(episode_dir=tmp_path, workdir=str(tmp_path / "app")))
     box.engine, box.name, box.image = Engine("podman", [str(script)]), "fake", "fake-image"
+    box.kills = []  # the real kill would signal this host's processes: record the calls instead
+    monkeypatch.setattr(box, "_kill_commands", lambda: box.kills.append(box._shell_pid) or 0)
     return box
 
 
@@ -59,6 +61,7 @@ def test_a_shell_whose_first_exec_sessions_fail_transiently_is_started_again(tmp
     try:
         box._start_shell()
         assert (tmp_path / "sessions").read_text().strip() == str(SHELL_START_TRIES)
+        assert box.kills == [0] * (SHELL_START_TRIES - 1), "each retry first clears the container, old shell too"
         result = box.exec("pwd; echo $((6 * 7))")
         assert result.exit_code == 0 and result.output.split() == [str(tmp_path / "app"), "42"], result.output
     finally:

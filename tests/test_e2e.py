@@ -112,12 +112,14 @@ def test_launch_with_an_external_agent(tmp_path):
         assert 1 <= len(t.turn_offsets) <= 2 and t.routed_experts.shape == (t.num_tokens - 1, 4, 2)
 
 
-@pytest.mark.parametrize("inherited,sig", [("default", signal.SIGINT), ("ignored", signal.SIGINT),
-                                           ("default", signal.SIGHUP)], ids=["sigint", "sigint-ignored", "sighup"])
+@pytest.mark.parametrize("inherited,sig", [("ignored", signal.SIGINT), ("default", signal.SIGHUP)],
+                         ids=["sigint-ignored", "sighup"])
 def test_ctrl_c_stops_cleanly_with_final_checkpoint(tmp_path, inherited, sig):
     """SIGINT to the process group stops the run with a final checkpoint, also when the launch
     inherited SIGINT ignored (a background job of a shell script, where Python leaves it ignored);
-    SIGHUP (the terminal closed) stops it the same way."""
+    SIGHUP (the terminal closed) stops it the same way. (The launch installs its handlers
+    whatever it inherited, t1async/service/service.py, so the inherited-ignored case also covers
+    a plain Ctrl-C; a separate default-SIGINT launch cost 35 s of suite time for no other path.)"""
     run_dir = tmp_path / "run"
     overrides = [f"run.dir={run_dir}", "learner.max_steps=1000", "learner.batch_size=2", "env.max_turns=2",
                  "generation.max_new_tokens=16"]

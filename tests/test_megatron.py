@@ -601,7 +601,7 @@ def _varied_batch():
     return out
 
 
-@pytest.mark.parametrize("mbt,tp,ep,pp", [(0, 1, 2, 1), (0, 2, 1, 1), (4096, 2, 2, 1), (4096, 1, 2, 2)])
+@pytest.mark.parametrize("mbt,tp,ep,pp", [(0, 1, 2, 1), (4096, 2, 2, 1), (4096, 1, 2, 2)])  # TP split: in (4096, 2, 2, 1)
 def test_multi_rank_data_parallel_split_of_varied_lengths_matches_the_torch_backend(tmp_path, local_ray, mbt, tp, ep,
                                                                                      pp):
     """Five trajectories of 8 to 40 tokens, replay and a KL penalty on, over expert_parallel=2,
@@ -676,7 +676,7 @@ def test_each_rank_forwards_only_its_rows_and_rank_0_returns_the_whole_micro_bat
         mb.close()
 
 
-@pytest.mark.parametrize("tp,ep,pp", [(1, 2, 1), (2, 1, 1), (1, 1, 2)])
+@pytest.mark.parametrize("tp,ep,pp", [(1, 2, 1), (1, 1, 2)])  # TP merge: the bitwise slice test above
 def test_two_rank_checkpoint_is_one_hf_checkpoint_that_one_process_loads_bitwise(tmp_path, local_ray, tp, ep, pp):
     """A 2-rank backend's checkpoint (expert-, tensor- or pipeline-parallel): one HF
     model.safetensors with all 4 experts and both layers, whole (both ranks' experts, slices or

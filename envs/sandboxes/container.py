@@ -350,9 +350,10 @@ class ContainerSandbox:
         """Start the persistent shell with ``<engine> exec -i``; its pid in the container.
 
         An exec session that ends before the shell answers (EOF) is started again, up to
-        :data:`SHELL_START_TRIES` times with 0.5, 1, 2 s between: runc's exec can fail transiently
-        (``read init-p: connection reset by peer``) right after the container's processes were
-        killed or while the machine is loaded. Each retry is logged.
+        :data:`SHELL_START_TRIES` times with 0.5, 1, 2 s between, after SIGKILLing every process
+        of the container but pid 1 (the old shell included): runc's exec fails (``read init-p:
+        connection reset by peer``) while the container's pids cgroup is full, as after a fork
+        bomb that outlived its command's timeout kill on a loaded machine. Each retry is logged.
 
         Raises:
             SandboxError: the shell did not answer after the last try, or answered something else
@@ -378,9 +379,13 @@ class ContainerSandbox:
                                    f"{output.strip()[:300]!r}, try {attempt} of {SHELL_START_TRIES}); does the "
                                    f"image {self.image} have bash?")
             self._stop_shell()
+            # a full pids cgroup (a fork bomb the timeout kill did not finish, the old shell still
+            # forking) makes runc's exec fail: clear every process but pid 1 before the next try
+            self._shell_pid = 0
+            killed = self._kill_commands()
             logger.warning("container {}: the engine's exec session ended before the shell answered ({!r}); "
-                           "starting it again (try {} of {})", self.name, output.strip()[:200], attempt + 1,
-                           SHELL_START_TRIES)
+                           "killed {} process(es) in it, starting the shell again (try {} of {})", self.name,
+                           output.strip()[:200], killed, attempt + 1, SHELL_START_TRIES)
             time.sleep(0.5 * 2 ** (attempt - 1))
         self._shell_pid = int(output.strip())
         self.timings["shell"] = time.monotonic() - started
