@@ -117,9 +117,8 @@ def test_launch_with_an_external_agent(tmp_path):
 def test_ctrl_c_stops_cleanly_with_final_checkpoint(tmp_path, inherited, sig):
     """SIGINT to the process group stops the run with a final checkpoint, also when the launch
     inherited SIGINT ignored (a background job of a shell script, where Python leaves it ignored);
-    SIGHUP (the terminal closed) stops it the same way. (The launch installs its handlers
-    whatever it inherited, t1async/service/service.py, so the inherited-ignored case also covers
-    a plain Ctrl-C; a separate default-SIGINT launch cost 35 s of suite time for no other path.)"""
+    SIGHUP (the terminal closed) stops it the same way. The launch installs its handlers whatever
+    it inherited (t1async/service/service.py), so the inherited-ignored case covers a plain Ctrl-C."""
     run_dir = tmp_path / "run"
     overrides = [f"run.dir={run_dir}", "learner.max_steps=1000", "learner.batch_size=2", "env.max_turns=2",
                  "generation.max_new_tokens=16"]

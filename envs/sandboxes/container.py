@@ -81,7 +81,8 @@ KILL_GRACE_S = 3.0
 """After a timeout kill, how long to wait for the shell's sentinel before replacing the shell."""
 
 SHELL_START_TRIES = 3
-"""How many times an exec session that ends before the shell answers is started (runc is transient)."""
+"""Starts of the shell's exec session when it ends before the shell answers (see ``_start_shell``)."""
+
 CALL_TIMEOUT_S = 60.0
 """Bound on one ``exec`` used for files and kills, seconds."""
 
