@@ -107,6 +107,7 @@ class ChatTemplateRenderer:
         self.vocab_size = len(tokenizer)
         self.eos_ids = [int(i) for i in eos_ids]
         self._eos_text = [tokenizer.convert_ids_to_tokens(i) for i in self.eos_ids]
+        self._added_text = tuple(t.content for t in tokenizer.added_tokens_decoder.values())
         self.template_mismatches = 0
 
     @classmethod
@@ -141,13 +142,20 @@ class ChatTemplateRenderer:
     # -- text <-> ids ------------------------------------------------------------------------------------------
 
     def encode(self, text: str) -> list[int]:
-        """Ids of ``text`` as plain text: special-token strings in it are NOT read as special ids.
+        """Ids of ``text`` as plain text: added-token strings in it (``<|im_end|>``, ``<think>``) are NOT read
+        as their ids; on text without them, the same ids as the tokenizer's own encoding.
 
         Note the template's own output is encoded with :meth:`_encode_rendered` instead, where the template's
         special tokens are ids."""
         if not text:
             return []
-        return self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        # the backend's pipeline without its added-token matcher: normalizer, pre-tokenizer, BPE model
+        # (split_special_tokens would still match non-special added tokens such as Qwen3's <think>)
+        b = self.tokenizer.backend_tokenizer
+        if b.normalizer is not None:
+            text = b.normalizer.normalize_str(text)
+        pieces = b.pre_tokenizer.pre_tokenize_str(text) if b.pre_tokenizer is not None else [(text, None)]
+        return [t.id for piece, _ in pieces for t in b.model.tokenize(piece)]
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids`` with special tokens as their strings.
@@ -161,10 +169,33 @@ class ChatTemplateRenderer:
             raise ValueError(f"token ids {bad[:5]} are outside [0, {self.vocab_size})")
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
-    def _encode_rendered(self, text: str) -> list[int]:
+    def _encode_rendered(self, text: str, plain: Sequence[str] = ()) -> list[int]:
         """Ids of template output: its special tokens (``<|im_start|>``, ``<tool_call>``...) as ids, as a
-        template-driven tokenizer reads it (``apply_chat_template(tokenize=True)``)."""
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+        template-driven tokenizer reads it (``apply_chat_template(tokenize=True)``).
+
+        ``plain`` are message texts that came from outside (the task's instruction, a command's output), in the
+        order the rendering holds them: one that spells an added token (``<|im_end|>``) is found in ``text``
+        (stripped, as templates trim) and encoded as plain text, so it cannot inject a special id. Texts that
+        spell none are left to the whole-text encoding (identical to transformers').
+
+        Raises:
+            TemplateError: such a text is not found in the rendering (the template rewrote it).
+        """
+        risky = [p.strip() for p in plain if p and any(t in p for t in self._added_text)]
+        if not text:
+            return []
+        if not risky:
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids: list[int] = []
+        pos = 0
+        for p in risky:
+            k = text.find(p, pos)
+            if k < 0:
+                raise TemplateError(f"{self.path or 'chat template'}: a message text that spells a special token "
+                                    f"({p[:40]!r}...) is not in the template's rendering, so it cannot be kept plain")
+            ids += self._encode_rendered(text[pos:k]) + self.encode(p)
+            pos = k + len(p)
+        return ids + self._encode_rendered(text[pos:])
 
     def _render(self, messages: list[dict], tools: Sequence[dict], generation_prompt: bool) -> str:
         """The template's text for ``messages``.
@@ -196,7 +227,7 @@ class ChatTemplateRenderer:
         Raises:
             TemplateError: the template cannot render them.
         """
-        return self._encode_rendered(self._render(self._opening(system, user), tools, True))
+        return self._encode_rendered(self._render(self._opening(system, user), tools, True), [user])
 
     @staticmethod
     def _opening(system: str, user: str) -> list[dict]:
@@ -258,9 +289,11 @@ class ChatTemplateRenderer:
                                 "(generation_config.json eos_token_id) follows the assistant turn in the rendering")
         pos, s = min(found)
         new = rest[pos + len(s):]
-        ids = self._encode_rendered(new)
+        text = obs.get("content")
+        ids = self._encode_rendered(new, [text] if isinstance(text, str) else [])
         if stream is not None:
-            whole = self._encode_rendered(after)
+            whole = self._encode_rendered(after, [m["content"] for m in history + [obs]
+                                                  if m.get("role") in ("user", "tool") and isinstance(m.get("content"), str)])
             if whole != [*stream, *ids]:
                 self.template_mismatches += 1
         return ids
