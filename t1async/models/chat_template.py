@@ -1,0 +1,305 @@
+"""A model's own chat template as the episode's token layout, append-only at the token level.
+
+:class:`ChatTemplateRenderer` reads a Hugging Face tokenizer folder (``tokenizer.json``,
+``tokenizer_config.json`` with ``chat_template`` or a ``chat_template.jinja`` beside it, and
+``generation_config.json`` for the end-of-turn ids) and renders an episode the way the model was trained to
+see it:
+
+- the first prompt is the template's rendering of ``[system, user]`` with the tools declared through the
+  template's own ``tools`` variable, plus the generation prompt;
+- each later turn appends the *exact sampled ids* of the assistant turn and then only the ids of the new
+  observation: the text the template adds when the observation message is rendered after the history
+  (``add_generation_prompt=True``) minus the rendering without it, preceded by whatever the template writes
+  after the assistant's end-of-turn token (Qwen's ``\\n`` after ``<|im_end|>``). The history is never
+  re-tokenized, so the trajectory is the sampled stream (drift 0).
+
+Some templates are not append-only: Qwen3's and Qwen3.5's drop or rewrite the ``<think>`` block of earlier
+assistant turns, so a re-render of the whole conversation is not a prefix of the stream the model actually
+sampled. :attr:`ChatTemplateRenderer.template_mismatches` counts the turns where that happens (only when the
+caller passes the stream to :meth:`ChatTemplateRenderer.render_observation`); the stream is kept as sampled.
+
+:class:`ChatRenderer` is the part of this interface the shipped ChatML renderer
+(:class:`t1async.models.tokenizer.ChatTokenizer`) shares, so the rollout loop can hold either.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Protocol, Sequence, runtime_checkable
+
+__all__ = ["ChatRenderer", "ChatTemplateRenderer", "TemplateError"]
+
+
+_SENTINEL = "\u27e6t1async:end-of-assistant-text\u27e7"
+"""Appended to the last assistant message's text to find in the rendering where that text ends."""
+
+
+class TemplateError(ValueError):
+    """A tokenizer folder or its template cannot render an episode; the message names the file or the turn."""
+
+
+@runtime_checkable
+class ChatRenderer(Protocol):
+    """What both episode renderers provide (:class:`ChatTemplateRenderer`, ``ChatTokenizer``).
+
+    Attributes:
+        vocab_size: ids the model's embedding must hold.
+    """
+
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]:
+        """Ids of ``text`` as plain text."""
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids``, special tokens as their strings."""
+
+    def render_prompt(self, system: str, user: str, tools: Sequence[dict] = ()) -> list[int]:
+        """The episode's opening ids, ending with the generation prompt."""
+
+    @property
+    def end_of_turn_ids(self) -> list[int]:
+        """Ids that end an assistant turn; the first closes a truncated turn (drift repair)."""
+
+
+def _as_tool(spec: dict) -> dict:
+    """A JSON-schema function spec (``{"name", "description", "parameters"}``, as ChatTokenizer takes) in the
+    OpenAI form templates iterate over (``{"type": "function", "function": spec}``); already wrapped specs pass."""
+    if not isinstance(spec, dict):
+        raise TemplateError(f"a tool must be a dict (a JSON-schema function spec), got {type(spec).__name__}")
+    if spec.get("type") == "function" and isinstance(spec.get("function"), dict):
+        return spec
+    if "name" not in spec:
+        raise TemplateError(f"tool spec {spec!r} has no 'name'; give {{'name', 'description', 'parameters'}}")
+    return {"type": "function", "function": spec}
+
+
+class ChatTemplateRenderer:
+    """Episode ids from a Hugging Face tokenizer folder's own chat template.
+
+    Attributes:
+        path: the folder.
+        tokenizer: the ``transformers`` fast tokenizer loaded from it.
+        vocab_size: ``len(tokenizer)`` (added tokens included).
+        eos_ids: end-of-turn ids, in the order of ``generation_config.json``'s ``eos_token_id`` (else the
+            tokenizer's ``eos_token``).
+        template_mismatches: turns, counted by :meth:`render_observation` when given the stream, where the
+            template's re-render of the whole conversation is not a prefix of the sampled stream.
+
+    Construct with :meth:`load`.
+    """
+
+    def __init__(self, tokenizer, eos_ids: Sequence[int], path: Path | None = None) -> None:
+        """Wrap a loaded ``transformers`` tokenizer that has a ``chat_template``.
+
+        Raises:
+            TemplateError: no chat template, or no end-of-turn id.
+        """
+        if not getattr(tokenizer, "chat_template", None):
+            raise TemplateError(f"{path or 'tokenizer'} has no chat template: put it in tokenizer_config.json's "
+                                "chat_template or in chat_template.jinja")
+        if not eos_ids:
+            raise TemplateError(f"{path or 'tokenizer'}: no end-of-turn id (generation_config.json eos_token_id or "
+                                "tokenizer eos_token)")
+        self.path = path
+        self.tokenizer = tokenizer
+        self.vocab_size = len(tokenizer)
+        self.eos_ids = [int(i) for i in eos_ids]
+        self._eos_text = [tokenizer.convert_ids_to_tokens(i) for i in self.eos_ids]
+        self._added_text = tuple(t.content for t in tokenizer.added_tokens_decoder.values())
+        self.template_mismatches = 0
+
+    @classmethod
+    def load(cls, path: str | Path) -> "ChatTemplateRenderer":
+        """Load the tokenizer folder ``path``.
+
+        Raises:
+            TemplateError: ``path`` lacks ``tokenizer.json``, a chat template or an end-of-turn id, or
+                ``transformers`` is not installed.
+        """
+        path = Path(path)
+        if not (path / "tokenizer.json").is_file():
+            raise TemplateError(f"{path} has no tokenizer.json; give a Hugging Face tokenizer or model folder")
+        try:
+            from transformers import AutoTokenizer  # transformers: a test extra, heavy to import
+        except ImportError:
+            raise TemplateError("rendering a model's own chat template needs transformers; "
+                                "pip install transformers") from None
+        tok = AutoTokenizer.from_pretrained(str(path))
+        eos: list[int] = []
+        gen = path / "generation_config.json"
+        if gen.is_file():
+            try:
+                e = json.loads(gen.read_text("utf-8")).get("eos_token_id")
+            except json.JSONDecodeError as err:
+                raise TemplateError(f"{gen} is not JSON: {err}") from None
+            eos = [e] if isinstance(e, int) else list(e or [])
+        if not eos and tok.eos_token_id is not None:
+            eos = [tok.eos_token_id]
+        return cls(tok, eos, path)
+
+    # -- text <-> ids ------------------------------------------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        """Ids of ``text`` as plain text: added-token strings in it (``<|im_end|>``, ``<think>``) are NOT read
+        as their ids; on text without them, the same ids as the tokenizer's own encoding.
+
+        Note the template's own output is encoded with :meth:`_encode_rendered` instead, where the template's
+        special tokens are ids."""
+        if not text:
+            return []
+        # the backend's pipeline without its added-token matcher: normalizer, pre-tokenizer, BPE model
+        # (split_special_tokens would still match non-special added tokens such as Qwen3's <think>)
+        b = self.tokenizer.backend_tokenizer
+        if b.normalizer is not None:
+            text = b.normalizer.normalize_str(text)
+        pieces = b.pre_tokenizer.pre_tokenize_str(text) if b.pre_tokenizer is not None else [(text, None)]
+        return [t.id for piece, _ in pieces for t in b.model.tokenize(piece)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids`` with special tokens as their strings.
+
+        Raises:
+            ValueError: an id outside [0, vocab_size).
+        """
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside [0, {self.vocab_size})")
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def _encode_rendered(self, text: str, plain: Sequence[str] = ()) -> list[int]:
+        """Ids of template output: its special tokens (``<|im_start|>``, ``<tool_call>``...) as ids, as a
+        template-driven tokenizer reads it (``apply_chat_template(tokenize=True)``).
+
+        ``plain`` are message texts that came from outside (the task's instruction, a command's output), in the
+        order the rendering holds them: one that spells an added token (``<|im_end|>``) is found in ``text``
+        (stripped, as templates trim) and encoded as plain text, so it cannot inject a special id. Texts that
+        spell none are left to the whole-text encoding (identical to transformers').
+
+        Raises:
+            TemplateError: such a text is not found in the rendering (the template rewrote it).
+        """
+        risky = [p.strip() for p in plain if p and any(t in p for t in self._added_text)]
+        if not text:
+            return []
+        if not risky:
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids: list[int] = []
+        pos = 0
+        for p in risky:
+            k = text.find(p, pos)
+            if k < 0:
+                raise TemplateError(f"{self.path or 'chat template'}: a message text that spells a special token "
+                                    f"({p[:40]!r}...) is not in the template's rendering, so it cannot be kept plain")
+            ids += self._encode_rendered(text[pos:k]) + self.encode(p)
+            pos = k + len(p)
+        return ids + self._encode_rendered(text[pos:])
+
+    def _render(self, messages: list[dict], tools: Sequence[dict], generation_prompt: bool) -> str:
+        """The template's text for ``messages``.
+
+        Raises:
+            TemplateError: the template raised (the message names the template's own complaint).
+        """
+        try:
+            return self.tokenizer.apply_chat_template(messages, tools=[_as_tool(t) for t in tools] or None,
+                                                      add_generation_prompt=generation_prompt, tokenize=False)
+        except TemplateError:
+            raise
+        except Exception as e:  # jinja2's TemplateError and the template's raise_exception
+            raise TemplateError(f"{self.path or 'chat template'} cannot render roles "
+                                f"{[m.get('role') for m in messages]}: {e}") from None
+
+    # -- episode layout ----------------------------------------------------------------------------------------
+
+    def render_prompt(self, system: str, user: str, tools: Sequence[dict] = ()) -> list[int]:
+        """Episode opening: the template's rendering of a system and a user message, the tools declared
+        through its ``tools`` variable, then the generation prompt; ids equal to transformers'
+        ``apply_chat_template(messages, tools=..., add_generation_prompt=True)``.
+
+        Args:
+            system, user: message texts (an empty ``system`` omits the system message).
+            tools: JSON-schema function specs (``{"name", "description", "parameters"}``) or their OpenAI
+                ``{"type": "function", "function": ...}`` form.
+
+        Raises:
+            TemplateError: the template cannot render them.
+        """
+        return self._encode_rendered(self._render(self._opening(system, user), tools, True), [user])
+
+    @staticmethod
+    def _opening(system: str, user: str) -> list[dict]:
+        return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+
+    def render_observation(self, history: Sequence[dict], observation_message: dict | str,
+                           tools: Sequence[dict] = (), stream: Sequence[int] | None = None) -> list[int]:
+        """Ids to append after an assistant turn's exact sampled ids: the observation turn as the template
+        renders it, then the next generation prompt.
+
+        Found at the text level, never by re-tokenizing the history: the template renders ``history +
+        [observation]`` with the generation prompt, once as is and once with a marker appended to the last
+        assistant message's text (the two must differ only by the marker). The new text is what follows the
+        first end-of-turn token (:attr:`end_of_turn_ids`) after the marker: whatever the template writes after
+        the assistant's ``<|im_end|>`` (Qwen's ``\\n``), the observation turn, the next generation prompt. An
+        end-of-turn token that the template writes as the start of the next turn (GLM's ``<|observation|>``)
+        is therefore not repeated: the sampled stream already ends with it. The rendering of the conversation
+        *without* the observation is not used, because templates render the last assistant turn differently
+        (Qwen3 adds an empty ``<think>`` block to it). A sampled turn that did not end with an end-of-turn id
+        must be closed with ``end_of_turn_ids[:1]`` first.
+
+        Args:
+            history: the conversation so far as messages (``role``, ``content``), ending with the assistant
+                turn whose text is the decoded sampled ids.
+            observation_message: the new message (``{"role": "tool", "content": ...}``); a string is a tool
+                message with that content.
+            tools: the tools the prompt declared (the template may render them in every turn).
+            stream: the episode's ids so far (prompt, sampled and appended ids); when given, the turn is
+                counted in :attr:`template_mismatches` if the template's re-render of the whole conversation
+                is not a prefix-equal of ``stream`` plus the returned ids.
+
+        Returns:
+            the new ids (loss mask 0 in the episode).
+
+        Raises:
+            TemplateError: the history does not end with an assistant message, the template cannot render
+                the observation, the template rewrites the assistant's text so its end cannot be found, or no
+                end-of-turn token follows it.
+        """
+        history = [dict(m) for m in history]
+        if not history or history[-1].get("role") != "assistant":
+            raise TemplateError(f"render_observation needs a history that ends with the assistant turn, got roles "
+                                f"{[m.get('role') for m in history]}")
+        obs = {"role": "tool", "content": observation_message} if isinstance(observation_message, str) \
+            else dict(observation_message)
+        content = history[-1].get("content") or ""
+        if not isinstance(content, str) or _SENTINEL in content:
+            raise TemplateError("the last assistant message's content must be the sampled text (a string)")
+        after = self._render(history + [obs], tools, True)
+        marked = self._render(history[:-1] + [{**history[-1], "content": content + _SENTINEL}, obs], tools, True)
+        k = marked.find(_SENTINEL)
+        if k < 0 or marked[:k] + marked[k + len(_SENTINEL):] != after:
+            raise TemplateError(f"{self.path or 'chat template'}: cannot find where the assistant turn ends in the "
+                                "template's rendering (it rewrites the turn's text); this template cannot be appended to")
+        rest = marked[k + len(_SENTINEL):]
+        found = [(rest.find(s), s) for s in self._eos_text if s in rest]
+        if not found:
+            raise TemplateError(f"{self.path or 'chat template'}: none of the end-of-turn tokens {self._eos_text} "
+                                "(generation_config.json eos_token_id) follows the assistant turn in the rendering")
+        pos, s = min(found)
+        new = rest[pos + len(s):]
+        text = obs.get("content")
+        ids = self._encode_rendered(new, [text] if isinstance(text, str) else [])
+        if stream is not None:
+            whole = self._encode_rendered(after, [m["content"] for m in history + [obs]
+                                                  if m.get("role") in ("user", "tool") and isinstance(m.get("content"), str)])
+            if whole != [*stream, *ids]:
+                self.template_mismatches += 1
+        return ids
+
+    @property
+    def end_of_turn_ids(self) -> list[int]:
+        """:attr:`eos_ids` (a copy): ids that end a sampled assistant turn (sampler stop ids); the first is
+        appended (loss mask 0) to close a turn that did not end with one (drift repair)."""
+        return list(self.eos_ids)
