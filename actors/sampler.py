@@ -37,7 +37,7 @@ import torch
 from loguru import logger
 
 from t1async.config import ModelConfig, SamplerConfig, WeightSyncConfig
-from t1async.models.model import Qwen3MoeForCausalLM
+from t1async.models.families import build_model
 from t1async.sampling.engine import Engine, SamplingParams
 from t1async.weights.group import join_group, leave_group
 from t1async.weights.handles import deserialize_named_tensors
@@ -66,7 +66,7 @@ class EmbeddedSampler:
         if cfg.dtype not in _DTYPES:
             raise ValueError(f"sampler.dtype {cfg.dtype!r} is not one of {sorted(_DTYPES)}")
         self.model_cfg = model_cfg
-        model = Qwen3MoeForCausalLM(model_cfg).to(_DTYPES[cfg.dtype]).eval()
+        model = build_model(model_cfg).to(_DTYPES[cfg.dtype]).eval()  # the weights arrive from the learner
         self.engine = Engine(model, seed=seed, prefix_cache=cfg.prefix_cache, prefill_chunk=cfg.prefill_chunk,
                              max_batch=cfg.max_batch)
         self.version = -1
@@ -195,9 +195,11 @@ class EmbeddedSampler:
 
     def model_info(self) -> dict[str, Any]:
         """SGLang ``GET /model_info``: where newer SGLang reports ``weight_version`` (a string)."""
-        return {"model_path": "t1async-embedded", "tokenizer_path": None, "is_generation": True,
+        mc = self.model_cfg
+        return {"model_path": mc.path or "t1async-embedded", "tokenizer_path": mc.path or None, "is_generation": True,
                 "preferred_sampling_params": None, "weight_version": str(self.version),
-                "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}
+                "model_type": mc.model_type,
+                "architectures": mc.hf_config.get("architectures") or ["Qwen3MoeForCausalLM"]}
 
     def handle_flush_cache(self, body: dict) -> tuple[int, str]:
         """SGLang ``/flush_cache``: drop every cached prefix. Answers plain text, as SGLang does:

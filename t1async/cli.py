@@ -39,6 +39,7 @@ SUBCOMMANDS = [
     "t1async.cli:register_mismatch",
     "t1async.transport.keys:register_keys",
     "t1async.cli:register_sft",
+    "t1async.commands.model:register",  # model init, model check
     "t1async.envs.commands.cli:register",  # eval, synth, decontam
 ]
 

@@ -64,6 +64,7 @@ from t1async.config import Config, GenerationConfig, check_trainable
 from t1async.envs.taskio.loading import discover_tasks
 from t1async.envs.terminal import TerminalEnv
 from t1async.learner.rl import load_balancing_loss, routing_differs
+from t1async.learner.torch_backend import load_policy
 from t1async.models.logprobs import token_logprobs
 from t1async.models.model import Qwen3MoeForCausalLM
 from t1async.models.tokenizer import ChatTokenizer
@@ -347,12 +348,7 @@ def build_policy(cfg: Config) -> tuple[Qwen3MoeForCausalLM, dict]:
     """The fp32 policy: loaded, or seeded random init; pretrained if asked (returns its stats)."""
     mc = cfg.mismatch
     torch.manual_seed(cfg.run.seed)
-    if mc.init_checkpoint:
-        policy = Qwen3MoeForCausalLM.from_pretrained(mc.init_checkpoint)
-        if policy.cfg != cfg.model:
-            raise ValueError(f"mismatch.init_checkpoint {mc.init_checkpoint} has a model config that differs from `model`")
-    else:
-        policy = Qwen3MoeForCausalLM(cfg.model)
+    policy = load_policy(cfg.model, mc.init_checkpoint or None)  # the checkpoint, model.path, or random
     stats: dict = {}
     if mc.pretrain_steps > 0:
         tokenizer = ChatTokenizer.load()

@@ -51,6 +51,8 @@ from t1async.envs.sandboxes.protocol import SandboxError
 from t1async.envs.taskio.loading import discover_tasks
 from t1async.envs.terminal import TerminalEnv
 from t1async.learner.rl import load_balancing_loss
+from t1async.learner.torch_backend import load_policy
+from t1async.models.families import save_model
 from t1async.models.model import Qwen3MoeForCausalLM
 from t1async.models.tokenizer import ChatTokenizer, check_model_vocab
 from t1async.rollout.actions import action_turn_ids
@@ -289,15 +291,12 @@ def run_sft(cfg: Config, tasks_dir: str | Path, out: str | Path, *, heldout: str
         raise ValueError(f"no usable demonstration under {tasks_dir}: {demos.skipped_by_reason()}")
     logger.info("sft: {} demonstrations ({} stopped early, {} skipped: {})", len(demos.trajectories),
                 len(demos.stopped_early), len(demos.skipped), demos.skipped_by_reason())
-    if cfg.learner.init_checkpoint:
-        model = Qwen3MoeForCausalLM.from_pretrained(cfg.learner.init_checkpoint)
-    else:
-        model = Qwen3MoeForCausalLM(cfg.model)
+    model = load_policy(cfg.model, cfg.learner.init_checkpoint or None)  # the warm start, model.path, or random
     if cfg.env.action_format == "tool_call":  # the demonstrations hold the tool tokens' ids
         check_model_vocab(model.cfg.vocab_size, "tool_call",
                           f"{cfg.learner.init_checkpoint}: vocab_size" if cfg.learner.init_checkpoint else "model.vocab_size")
     curve = sft_train(model, demos.trajectories, cfg.sft)
-    model.save_pretrained(out)
+    save_model(out, cfg.model, model.state_dict())  # HF layout, model.path's config and tokenizer files copied
     result: dict[str, Any] = {
         "checkpoint": str(Path(out).resolve()), "demonstrations": len(demos.trajectories),
         "stopped_early": len(demos.stopped_early),

@@ -42,6 +42,7 @@ from t1async.config.learner import (
     SftConfig,
     TrainDtype,
 )
+from t1async.config.model_folder import MODEL_TYPES, refuse_size_keys, resolve_model
 from t1async.config.rollout import (
     ActionFormat,
     Admission,
@@ -96,6 +97,7 @@ __all__ = [
     "LearnerBackendName",
     "LearnerConfig",
     "LogFsync",
+    "MODEL_TYPES",
     "MegatronConfig",
     "MetricsConfig",
     "MismatchConfig",
@@ -205,6 +207,9 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
             hint = _valid_keys_hint(key) if isinstance(e, ConfigKeyError) else ""
             what = "bad key" if isinstance(e, ConfigKeyError) else "bad value of"  # unknown key, or a wrong type
             raise ConfigError(f"{source}: {what} {key!r}: {reason}{hint}") from None
+    if merged.model.path:  # the folder is the architecture: size keys beside it would contradict it
+        refuse_size_keys([str(k) for _, layer in layers if isinstance(layer.get("model"), DictConfig)
+                          for k in layer["model"]])
     return from_node(merged, source=" / ".join(s for s, _ in layers) or "defaults")
 
 
@@ -221,6 +226,7 @@ def from_node(node: Any, source: str = "config") -> Config:
     from omegaconf import OmegaConf  # (omegaconf: deferred, as in load_config)
 
     cfg: Config = OmegaConf.to_object(node)  # type: ignore[assignment]
+    cfg.model = resolve_model(cfg.model)  # model.path: the architecture from the folder's config.json
     check_values(cfg, source)
     return cfg
 

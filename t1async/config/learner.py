@@ -205,6 +205,9 @@ class LearnerConfig(Section):
     """Checkpoints kept after each new one: the newest this many (>= 1), plus those of
     ``keep_every``; the others are deleted (a default checkpoint is about 95 MB: policy, critic and
     both AdamW states)."""
+    checkpoint_shard_mb: int = field(default=5000, metadata=rule(lambda v: v >= 1, "an integer >= 1 (MB)"))
+    """Most MB (10^6 bytes) of one safetensors shard of a checkpoint's policy; larger policies are written as
+    shards with a ``model.safetensors.index.json``, as Hugging Face checkpoints are (transformers' default 5 GB)."""
     keep_every: int = field(default=0, metadata=rule(lambda v: v >= 0, "an integer >= 0 (0: keep no older history)"))
     """Also keep every checkpoint whose step is a multiple of this, for history (0 = none)."""
     episodes_per_step: int = field(default=2, metadata=rule(lambda v: v >= 0, "an integer >= 0 (0: no transcripts)"))
@@ -273,6 +276,9 @@ class LearnerConfig(Section):
     what the policy's do).
     Off requires ``advantage: group`` and ``critic_warmup_steps: 0``; ``value_loss`` and
     ``explained_variance`` are then absent from metrics.jsonl."""
+    critic_path: str = ""
+    """Checkpoint folder whose ``critic.safetensors`` warm-starts the critic ('' = the policy's trunk with a
+    fresh zero value head, the default warm start)."""
     negative_advantage_weight: float = field(default=1.0, metadata=rule(lambda v: 0 <= v <= 1, "a number in [0, 1]"))
     """Multiplier of negative advantages, after whitening when ``normalize_advantages`` (0..1).
     1: the usual policy gradient. Below 1 the update leans toward what did better than the

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
 
+from t1async.config.model_folder import SIZE_KEYS, model_type_of, text_config
 from t1async.config.rules import Choice, Section, choice, rule, section_rule
 
 PLACEMENT_ROLES = ("learner", "controller", "sampler", "rollout")
@@ -147,9 +148,16 @@ class RayConfig(Section):
 
 @dataclass
 class ModelConfig(Section):
-    """Policy architecture: Qwen3-MoE, with Hugging Face ``Qwen3MoeConfig`` field names.
+    """Policy architecture, with Hugging Face ``Qwen3MoeConfig`` field names.
 
-    Written verbatim (plus ``architectures`` and ``model_type``) as a checkpoint's config.json.
+    Two ways to give it:
+
+    - ``model.path: DIR``, a Hugging Face model folder (t1async/config/model_folder.py): the folder's
+      config.json sets every field below and ``hf_config``; its weights, tokenizer, chat template and
+      end-of-turn ids are the run's. Size keys given beside it are refused.
+    - otherwise the fields below describe the built-in Qwen3-MoE (random init or
+      ``learner.init_checkpoint``) with the shipped 4,096-id tokenizer; they are written verbatim (plus
+      ``architectures`` and ``model_type``) as a checkpoint's config.json.
     """
 
     RULES = (
@@ -189,6 +197,26 @@ class ModelConfig(Section):
     """Share the embedding matrix with the LM head."""
     initializer_range: float = 0.02
     """Std of the normal init of linear and embedding weights."""
+    path: str = ""
+    """Hugging Face model folder to train ('' = the built-in model above); see ``t1async model init``."""
+    hf_config: Dict[str, Any] = field(default_factory=dict)
+    """The folder's whole config.json (filled from ``model.path``; not set by hand)."""
+
+    @property
+    def model_type(self) -> str:
+        """The family: config.json's ``model_type`` (the text decoder's), ``qwen3_moe`` for the built-in model."""
+        return model_type_of(self.hf_config) if self.hf_config else "qwen3_moe"
+
+    def architecture(self) -> dict[str, Any]:
+        """The size fields (:data:`~t1async.config.model_folder.SIZE_KEYS`) and the family: what two
+        configs must share for one's weights to load into the other's model."""
+        return {"model_type": self.model_type, **{k: getattr(self, k) for k in SIZE_KEYS}}
+
+    @property
+    def routed_layers(self) -> int:
+        """MoE layers: the L of every routed-experts array ``[T, L, K]`` (GLM's first
+        ``first_k_dense_replace`` layers are dense; every layer of the Qwen families is MoE)."""
+        return self.num_hidden_layers - int(text_config(self.hf_config).get("first_k_dense_replace") or 0)
 
 
 @dataclass

@@ -10,15 +10,18 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
+from safetensors.torch import load_file
 from torch.utils.checkpoint import checkpoint
 
 from t1async.config import GenerationConfig, LearnerConfig, ModelConfig
+from t1async.config.model_folder import resolve_model
 from t1async.learner.backend import AdamWPair, PolicyForward, chunk_size
+from t1async.models.families import build_model, family, load_model, save_model
 from t1async.models.logprobs import EMBEDDED, SamplingSemantics, token_logprobs
 from t1async.models.model import Qwen3MoeForCausalLM, Qwen3MoeModel
 from t1async.weights.buckets import pack_parameters
 
-__all__ = ["TorchBackend", "ValueModel", "chunked_token_logprobs", "layer_checkpointing", "load_policy"]
+__all__ = ["TorchBackend", "ValueModel", "chunked_token_logprobs", "layer_checkpointing", "load_critic", "load_policy"]
 
 
 class ValueModel(nn.Module):
@@ -90,18 +93,42 @@ def chunked_token_logprobs(head: Callable[[torch.Tensor], torch.Tensor], hidden:
     return torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1)
 
 
-def load_policy(model_cfg: ModelConfig, init: str | Path | None) -> Qwen3MoeForCausalLM:
-    """The policy from checkpoint folder ``init``, or a fresh seeded one (the caller seeds torch).
+def load_policy(model_cfg: ModelConfig, init: str | Path | None) -> nn.Module:
+    """The policy of ``model_cfg``'s family (t1async/models/families.py): from checkpoint folder ``init``,
+    else from ``model.path``, else a fresh seeded one (the caller seeds torch). Weights are streamed.
 
     Raises:
-        ValueError: the checkpoint's architecture differs from ``model_cfg``.
+        ValueError: the checkpoint's config.json describes another architecture than ``model_cfg``.
+        ModelFolderError: the folder's weights do not match (named), or its family is not implemented.
     """
     if not init:
-        return Qwen3MoeForCausalLM(model_cfg)
-    policy = Qwen3MoeForCausalLM.from_pretrained(init)
-    if policy.cfg != model_cfg:
-        raise ValueError(f"checkpoint {init} has a model config that differs from `model`")
-    return policy
+        return load_model(model_cfg) if model_cfg.path else build_model(model_cfg)
+    theirs = resolve_model(ModelConfig(path=str(init))).architecture()
+    ours = model_cfg.architecture()
+    if theirs != ours:
+        diff = ", ".join(f"{k} {theirs[k]!r} (model: {ours[k]!r})" for k in ours if theirs[k] != ours[k])
+        raise ValueError(f"checkpoint {init} has another architecture than `model`: {diff}")
+    return load_model(model_cfg, init)
+
+
+def load_critic(policy: nn.Module, cfg: LearnerConfig) -> "ValueModel":
+    """The critic: the policy's trunk with a fresh zero value head (the warm start of PPO's critic from the
+    policy), or, with ``learner.critic_path``, the trunk and head of that checkpoint's ``critic.safetensors``.
+
+    Raises:
+        ValueError: ``critic_path`` holds no critic.safetensors, or one of another shape (names listed).
+    """
+    critic = ValueModel(policy)
+    if cfg.critic_path:
+        path = Path(cfg.critic_path) / "critic.safetensors"
+        if not path.is_file():
+            raise ValueError(f"learner.critic_path={cfg.critic_path} holds no critic.safetensors; give a checkpoint "
+                             "folder of a run with a critic (RUN_DIR/checkpoints/step_N)")
+        missing, unexpected = critic.load_state_dict(load_file(str(path)), strict=False)
+        if missing or unexpected:
+            raise ValueError(f"{path} does not fit this policy's critic: missing {missing[:3]}, unexpected "
+                             f"{unexpected[:3]}; it must come from a run of the same model")
+    return critic
 
 
 class TorchBackend(AdamWPair):
@@ -125,11 +152,13 @@ class TorchBackend(AdamWPair):
                  dtype: torch.dtype = torch.float32, semantics: SamplingSemantics = EMBEDDED):
         self.cfg, self.generation, self.semantics = cfg, generation, semantics
         self.device = torch.device(device)
+        self.model_cfg = model_cfg
+        family(model_cfg, self.name)
         self.policy = load_policy(model_cfg, init)
-        self.critic = ValueModel(self.policy) if cfg.critic else None  # learner.critic: false builds none
-        self.reference: Qwen3MoeForCausalLM | None = None
+        self.critic = load_critic(self.policy, cfg) if cfg.critic else None  # learner.critic: false builds none
+        self.reference: nn.Module | None = None
         if cfg.kl_coef > 0:
-            self.reference = (Qwen3MoeForCausalLM.from_pretrained(cfg.init_checkpoint) if cfg.init_checkpoint
+            self.reference = (load_policy(model_cfg, cfg.init_checkpoint) if cfg.init_checkpoint
                               else copy.deepcopy(self.policy)).eval().requires_grad_(False)
         if self.device.type != "cpu" or dtype != torch.float32:
             for m in (self.policy, self.critic, self.reference):
@@ -192,7 +221,7 @@ class TorchBackend(AdamWPair):
         return self.policy.named_parameters()
 
     def save(self, folder: Path) -> None:
-        self.policy.save_pretrained(folder)
+        save_model(folder, self.model_cfg, self.policy.state_dict(), max_shard_bytes=self.cfg.checkpoint_shard_mb * 10**6)
         self._save_state(folder, self.critic.state_dict() if self.critic is not None else None)
 
     def load_state(self, folder: Path) -> bool:

@@ -45,17 +45,16 @@ the fused layout and splits it.
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from t1async.config import ModelConfig
+from t1async.models.hf_folder import load_weights, read_config, save_folder
 
 __all__ = [
     "KVCache",
@@ -81,7 +80,7 @@ def model_config_to_hf(cfg: ModelConfig) -> dict:
     every layer sparse, SiLU experts, no attention bias, no sliding window. ``torch_dtype`` is
     "float32" here; :meth:`Qwen3MoeForCausalLM.save_pretrained` writes the weights' real dtype.
     """
-    d = dataclasses.asdict(cfg)
+    d = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("path", "hf_config")}
     d.update(
         architectures=["Qwen3MoeForCausalLM"],
         model_type="qwen3_moe",
@@ -604,55 +603,54 @@ class Qwen3MoeForCausalLM(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> "Qwen3MoeForCausalLM":
-        """Load ``config.json`` + ``model.safetensors`` from folder ``path``.
+        """Load a Hugging Face Qwen3-MoE folder: ``config.json`` and the weights, one
+        ``model.safetensors`` or shards listed in ``model.safetensors.index.json``, streamed tensor by
+        tensor into the float32 parameters (t1async/models/hf_folder.py: peak about one copy).
 
-        Weights keep the model's float32 parameters (checkpoint tensors are cast on copy); call
-        ``.to(dtype)`` afterwards for another dtype. Accepts transformers v5's fused expert
-        tensors as well as the per-expert layout.
+        Call ``.to(dtype)`` afterwards for another dtype. Accepts transformers v5's fused expert tensors as
+        well as the per-expert layout; a tied model's checkpoint may omit ``lm_head.weight``.
 
         Raises:
-            FileNotFoundError: a file is missing. ValueError: unsupported config.
-            RuntimeError: missing or unexpected weights (strict load).
+            ModelFolderError: no config.json or weights, a truncated shard, missing, unexpected or
+                mis-shaped weights (named). ValueError: a config this implementation cannot run.
         """
         path = Path(path)
-        cfg = model_config_from_hf(json.loads((path / "config.json").read_text()))
+        cfg = model_config_from_hf(read_config(path))
         model = cls(cfg)
-        sd = _unfuse_experts(load_file(str(path / "model.safetensors")), cfg)
-        if cfg.tie_word_embeddings:
-            sd.pop("lm_head.weight", None)
-            missing, unexpected = model.load_state_dict(sd, strict=False)
-            missing = [k for k in missing if k != "lm_head.weight"]
-            if missing or unexpected:
-                raise RuntimeError(f"checkpoint {path}: missing {missing}, unexpected {unexpected}")
-        else:
-            model.load_state_dict(sd, strict=True)
+        load_weights(model, path, convert=lambda name, t: _unfuse_experts({name: t}, cfg).items(),
+                     skip=lambda name: cfg.tie_word_embeddings and name == "lm_head.weight")
         return model
 
-    def save_pretrained(self, path: str | Path) -> None:
-        """Write ``config.json`` (HF Qwen3-MoE keys) and ``model.safetensors`` into folder ``path``.
-
-        Weights are written in their current dtype, per-expert layout, under the HF names
-        (``lm_head.weight`` omitted when tied). The folder is created if needed.
-        """
-        save_hf(path, self.cfg, self.state_dict())
+    def save_pretrained(self, path: str | Path, **kw) -> None:
+        """Write ``config.json`` (HF Qwen3-MoE keys) and the weights into folder ``path``
+        (:func:`save_hf`; ``kw``: its ``max_shard_bytes`` and ``source``)."""
+        save_hf(path, self.cfg, self.state_dict(), **kw)
 
 
-def save_hf(path: str | Path, cfg: ModelConfig, state_dict: dict[str, torch.Tensor]) -> None:
-    """Write ``config.json`` (HF Qwen3-MoE keys, ``torch_dtype`` of the embedding) and
-    ``model.safetensors`` (``state_dict``, HF names, per-expert layout; ``lm_head.weight`` omitted
-    when tied) into folder ``path``, created if needed. Every learner backend's checkpoint."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    d = model_config_to_hf(cfg)
-    d["torch_dtype"] = str(state_dict["model.embed_tokens.weight"].dtype).removeprefix("torch.")
-    (path / "config.json").write_text(json.dumps(d, indent=2) + "\n")
-    # safetensors refuses tensors sharing a storage (a packed policy, t1async/weights/
-    # pack_parameters): such views are copied out
-    sd = {k: v.detach().contiguous() for k, v in state_dict.items()}
-    sd = {k: v if v.untyped_storage().nbytes() == v.numel() * v.element_size() else v.clone() for k, v in sd.items()}
-    if cfg.tie_word_embeddings:
-        sd.pop("lm_head.weight", None)
-    save_file(sd, str(path / "model.safetensors"), metadata={"format": "pt"})
+def save_hf(path: str | Path, cfg: ModelConfig, state_dict: dict[str, torch.Tensor], *,
+            max_shard_bytes: int = 5 * 2**30, source: str | Path | None = None) -> list[str]:
+    """Write a Hugging Face Qwen3-MoE folder: ``config.json`` and ``state_dict`` (HF names, per-expert layout,
+    ``lm_head.weight`` omitted when tied) as safetensors shards of at most ``max_shard_bytes`` with their
+    index (one ``model.safetensors`` when it fits), created if needed; every learner backend's checkpoint.
+
+    The config is the source model's own config.json (``cfg.hf_config``, from ``model.path``) with its dtype
+    set to the weights' (``torch_dtype``, and transformers v5's ``dtype``), else :func:`model_config_to_hf`.
+    ``source`` (default ``cfg.path``): a model folder whose tokenizer files and chat template are copied.
+
+    Returns:
+        the weight file names written (t1async/models/hf_folder.py :func:`save_folder`).
+    """
+    dtype = str(state_dict["model.embed_tokens.weight"].dtype).removeprefix("torch.")
+    if cfg.hf_config:
+        d = dict(cfg.hf_config)
+        d["torch_dtype"] = dtype
+        if "dtype" in d:
+            d["dtype"] = dtype
+    else:
+        d = model_config_to_hf(cfg)
+        d["torch_dtype"] = dtype
+    items = ((k, v) for k, v in state_dict.items() if not (cfg.tie_word_embeddings and k == "lm_head.weight"))
+    return save_folder(path, items, d, max_shard_bytes=max_shard_bytes, source=source or cfg.path or None)
 
 
 def _unfuse_experts(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:

@@ -116,6 +116,7 @@ from t1async.learner.megatron.ranks import (
 )
 from t1async.learner.megatron.state import MegatronState
 from t1async.learner.torch_backend import ValueModel, chunked_token_logprobs, load_policy
+from t1async.models.families import family
 from t1async.models.logprobs import EMBEDDED, SamplingSemantics, token_logprobs
 from t1async.weights.buckets import is_expert
 
@@ -177,6 +178,7 @@ class MegatronBackend(MegatronState, AdamWPair):
                  init: str | Path | None = None, *, device: str | torch.device | None = None,
                  dtype: torch.dtype | None = None, ranks: RankGroup | None = None,
                  semantics: SamplingSemantics = EMBEDDED):
+        family(model_cfg, self.name)  # another family: one line naming the backend that runs it
         mc: MegatronConfig = cfg.megatron
         ep, tp, pp = mc.expert_parallel, mc.tensor_parallel, mc.pipeline_parallel
         if pp < 1 or model_cfg.num_hidden_layers % pp:

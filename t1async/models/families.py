@@ -1,0 +1,204 @@
+"""Model families: which implementation builds, loads and saves a ``model_type``, and the run's renderer.
+
+Every stage builds its model through here, never through a class name, so a run with ``model.path``
+gets the folder's family everywhere (learner, embedded samplers, SFT, eval, mismatch):
+
+- :func:`build_model`: a seeded random init of the run's architecture (the samplers' shell before the
+  first weights arrive, a run without a warm start);
+- :func:`load_model`: a Hugging Face folder, streamed (t1async/models/hf_folder.py);
+- :func:`save_model`: a checkpoint in the same layout, the source's config and tokenizer files copied;
+- :func:`check_model_folder`: every refusal that can be made before loading: weights against the
+  architecture (from the shards' headers, on a meta-device model), the tokenizer and template, a
+  tokenizer larger than the embedding, memory;
+- :func:`load_renderer`: the episode renderer: the model's own chat template for ``model.path``
+  (t1async/models/chat_template.py), the shipped ChatML tokenizer otherwise.
+
+A family is a :class:`Family`: ``model_type``, how to build the model from a ModelConfig, how one
+checkpoint tensor maps onto the model's parameters (layout conversions such as transformers v5's fused
+experts), and the learner backends that run it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from t1async.config import MODEL_TYPES, ModelConfig
+from t1async.config.model_folder import text_config
+from t1async.models.chat_template import ChatTemplateRenderer, TemplateError
+from t1async.models.hf_folder import Convert, ModelFolderError, check_memory, check_model_weights, load_weights
+from t1async.models.model import Qwen3MoeForCausalLM, _unfuse_experts, model_config_from_hf, model_config_to_hf, save_hf
+from t1async.models.tokenizer import ChatTokenizer
+
+__all__ = ["Family", "FAMILIES", "family", "build_model", "load_model", "save_model", "check_model_folder",
+           "load_renderer"]
+
+
+@dataclass(frozen=True)
+class Family:
+    """How t1async runs one ``model_type``.
+
+    Attributes:
+        model_type: config.json's ``model_type``.
+        build: ModelConfig -> a model with fresh weights (the caller seeds torch).
+        convert: (checkpoint tensor name, tensor) -> the model's (name, tensor) pairs, for a ModelConfig.
+        skip: (ModelConfig, state_dict name) -> whether a checkpoint may omit it (a tied LM head).
+        backends: ``learner.backend`` values that train it.
+        init_config: (sizes, renderer) -> the config.json dict of a new random-weight folder
+            (``t1async model init``; sizes in the family's config.json names, ``vocab_size`` set).
+    """
+
+    model_type: str
+    build: Callable[[ModelConfig], nn.Module]
+    convert: Callable[[ModelConfig], Convert]
+    skip: Callable[[ModelConfig, str], bool]
+    backends: tuple[str, ...]
+    init_config: Callable[[dict, object], dict]
+
+
+def _qwen3_build(cfg: ModelConfig) -> nn.Module:
+    """Qwen3MoeForCausalLM of ``cfg``; a folder's config.json is first checked to be one it runs."""
+    if cfg.hf_config:
+        try:
+            model_config_from_hf(text_config(cfg.hf_config))
+        except ValueError as e:
+            raise ModelFolderError(f"model.path={cfg.path}: {e}") from None
+    return Qwen3MoeForCausalLM(cfg)
+
+
+def _qwen3_convert(cfg: ModelConfig) -> Convert:
+    return lambda name, t: _unfuse_experts({name: t}, cfg).items()
+
+
+def _qwen3_init(sizes: dict, renderer) -> dict:
+    names = {f.name for f in dataclasses.fields(ModelConfig)} - {"path", "hf_config"}
+    bad = sorted(set(sizes) - names)
+    if bad:
+        raise ModelFolderError(f"qwen3_moe has no config key {bad[0]!r}; its keys: {', '.join(sorted(names))}")
+    d = model_config_to_hf(ModelConfig(**sizes))
+    d["eos_token_id"] = renderer.end_of_turn_ids[0]
+    return d
+
+
+FAMILIES: dict[str, Family] = {
+    "qwen3_moe": Family("qwen3_moe", _qwen3_build, _qwen3_convert,
+                        lambda cfg, name: cfg.tie_word_embeddings and name == "lm_head.weight", ("torch", "megatron"),
+                        _qwen3_init),
+}
+"""The families t1async implements, by ``model_type``."""
+
+
+def family(cfg: ModelConfig, backend: str | None = None) -> Family:
+    """The :class:`Family` of ``cfg.model_type``.
+
+    Args:
+        cfg: the run's model section.
+        backend: a learner backend that must run it (None: any).
+
+    Raises:
+        ModelFolderError: no implementation of that model_type (the message lists those there are), or
+            ``backend`` does not run it (the message names the backends that do).
+    """
+    fam = FAMILIES.get(cfg.model_type)
+    if fam is None:
+        have = ", ".join(sorted(FAMILIES))
+        raise ModelFolderError(f"model.path={cfg.path}: model_type {cfg.model_type!r} has no implementation in this "
+                               f"build (implemented: {have}; known: {', '.join(MODEL_TYPES)})")
+    if backend is not None and backend not in fam.backends:
+        raise ModelFolderError(f"learner.backend={backend} does not run model_type {cfg.model_type} (model.path="
+                               f"{cfg.path}); use learner.backend={fam.backends[0]}")
+    return fam
+
+
+def build_model(cfg: ModelConfig) -> nn.Module:
+    """A model of ``cfg``'s family and architecture with fresh weights (float32; the caller seeds torch)."""
+    return family(cfg).build(cfg)
+
+
+def load_model(cfg: ModelConfig, folder: str | Path | None = None) -> nn.Module:
+    """The model of ``cfg``'s architecture with the weights of ``folder`` (default ``cfg.path``), streamed.
+
+    Raises:
+        ModelFolderError: as :func:`t1async.models.hf_folder.load_weights` (weights named), or no folder.
+    """
+    folder = folder or cfg.path
+    if not folder:
+        raise ModelFolderError("load_model needs a folder: model.path is empty")
+    fam = family(cfg)
+    model = fam.build(cfg)
+    load_weights(model, folder, convert=fam.convert(cfg), skip=lambda name: fam.skip(cfg, name))
+    return model
+
+
+def save_model(out: str | Path, cfg: ModelConfig, state_dict: dict[str, torch.Tensor], *,
+               max_shard_bytes: int = 5 * 2**30) -> list[str]:
+    """Write ``state_dict`` (HF names) as a model folder of ``cfg``'s family: shards and index, the source
+    config (``cfg.hf_config``) and tokenizer files (``cfg.path``), as :func:`t1async.models.model.save_hf`."""
+    family(cfg)
+    return save_hf(out, cfg, state_dict, max_shard_bytes=max_shard_bytes)
+
+
+def _parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def check_model_folder(cfg: ModelConfig, *, backend: str | None = None, tokenizer: bool = True,
+                       available: int | None = None) -> dict:
+    """Every check of ``model.path`` that can run before a weight is read.
+
+    - the family runs on ``backend``;
+    - the weights: shards readable and complete, names and shapes those of the architecture (a model built
+      on the meta device, no memory), each fault named;
+    - memory: the float32 model fits what this machine has available (:func:`hf_folder.check_memory`);
+    - with ``tokenizer``: the tokenizer files load, the template renders a prompt with a tool and a tool
+      observation turn, and the tokenizer's ids fit the embedding.
+
+    Returns:
+        facts for the log: ``parameters``, ``weight_bytes``, ``vocab`` (the tokenizer's size, when checked).
+
+    Raises:
+        ModelFolderError: one line naming the folder, the fault and the fix.
+    """
+    fam = family(cfg, backend)
+    with torch.device("meta"):
+        meta = fam.build(cfg)
+    n = _parameters(meta)
+    check_memory(cfg.path, n, available=available)
+    specs = check_model_weights(meta, cfg.path, fam.convert(cfg), lambda name: fam.skip(cfg, name))
+    facts = {"parameters": n, "weight_bytes": sum(torch.empty(s, dtype=d, device="meta").nbytes
+                                                 for s, d, _ in specs.values())}
+    if tokenizer:
+        r = load_renderer(cfg)
+        facts["vocab"] = r.vocab_size
+        if r.vocab_size > cfg.vocab_size:
+            raise ModelFolderError(f"model.path={cfg.path}: the tokenizer has {r.vocab_size} ids but the embedding only "
+                                   f"{cfg.vocab_size} rows (config.json vocab_size); the tokenizer files and the weights "
+                                   "must come from the same model")
+    return facts
+
+
+def load_renderer(cfg: ModelConfig):
+    """The run's episode renderer: ``cfg.path``'s own chat template, checked to render a tool prompt and a
+    tool observation (:class:`t1async.models.chat_template.ChatTemplateRenderer`), or the shipped ChatML
+    tokenizer (:class:`t1async.models.tokenizer.ChatTokenizer`) for the built-in model.
+
+    Raises:
+        ModelFolderError: the folder's tokenizer files are missing or its template cannot render a tool turn.
+    """
+    if not cfg.path:
+        return ChatTokenizer.load()
+    try:
+        r = ChatTemplateRenderer.load(cfg.path)
+        probe = {"name": "bash", "description": "Run a shell command.",
+                 "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}
+        r.render_prompt("system", "user", [probe])
+        r.render_observation([{"role": "system", "content": "system"}, {"role": "user", "content": "user"},
+                              {"role": "assistant", "content": "ls"}], "output", [probe])
+    except TemplateError as e:
+        raise ModelFolderError(f"model.path={cfg.path}: {e}") from None
+    return r
