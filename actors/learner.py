@@ -53,8 +53,8 @@ from t1async.learner.metrics import MetricsFile, batch_metrics
 from t1async.learner.step_guard import StepGuard, refuse_in_step
 from t1async.learner.timeline import TIMELINE_FILE, SampledTimelines, VersionTimeline
 from t1async.learner.update import advantage_estimates, policy_lr, train_step
+from t1async.models.families import load_renderer
 from t1async.models.logprobs import sampling_semantics
-from t1async.models.tokenizer import ChatTokenizer
 from t1async.rollout.transcripts import write_transcripts
 from t1async.sampling.sampler_client import SamplerError, post_json, weight_version
 from t1async.trajectory import Trajectory
@@ -154,17 +154,17 @@ class Learner:
         self._sync: WeightSync = make_weight_sync(weight_sync)  # weight_sync.mode: distributed or tensor
         # receive durability (socket -> receive log -> ACK -> queue): t1async/transport/inbox.py
         self.inbox = Inbox(receiver, log, inbox_queue, self._consumed, self.counters, run_dir=self.run_dir,
-                           shape=(model_cfg.num_experts, model_cfg.num_hidden_layers, model_cfg.num_experts_per_tok),
+                           shape=(model_cfg.num_experts, model_cfg.routed_layers, model_cfg.num_experts_per_tok),
                            version=lambda: self.version, training_stopped=self._stop,
                            dump_trajectories=cfg.dump_trajectories, group_messages=transport.log_group_messages,
                            facts=RunFacts(vocab_size=model_cfg.vocab_size, num_experts=model_cfg.num_experts,
-                                          num_layers=model_cfg.num_hidden_layers, top_k=model_cfg.num_experts_per_tok,
+                                          num_layers=model_cfg.routed_layers, top_k=model_cfg.num_experts_per_tok,
                                           reward=cfg.reward),
                            quarantine=self.quarantine, rejected_by=self.rejected_by,
                            disk=self.disk)
         self.inbox.start(backlog)
         (self.run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
-        self._tok = ChatTokenizer.load() if cfg.episodes_per_step else None
+        self._tok = load_renderer(model_cfg) if cfg.episodes_per_step else None
         logger.info("learner ({} backend): policy {:.2f} M parameters, trajectories at {}", cfg.backend,
                     self.backend.num_parameters() / 1e6, self.inbox.receiver.endpoint)
 

@@ -32,7 +32,7 @@ from t1async.envs.sandboxes.limits import unmount_all_under
 from t1async.envs.taskio.loading import discover_tasks
 from t1async.envs.terminal import TerminalEnv
 from t1async.fileio import claim_folder, dead_owner_folders, free_bytes, is_disk_error
-from t1async.models.tokenizer import ChatTokenizer
+from t1async.models.families import load_renderer
 from t1async.rollout.episode import run_episode
 from t1async.sampling.sampler_client import HttpSampler, RoutedSampler
 from t1async.trajectory import EncodedTrajectory, Trajectory
@@ -70,9 +70,9 @@ class RolloutActor:
         self.actor_id = actor_id
         self.env_cfg, self.gen_cfg, self.model_cfg = env_cfg, gen_cfg, model_cfg
         self.tasks = {t.name: t for t in discover_tasks(tasks_dir(env_cfg), env_cfg.tasks, sandbox=env_cfg.sandbox)}
-        self.tokenizer = ChatTokenizer.load()
+        self.tokenizer = load_renderer(model_cfg)  # model.path's own chat template, or the shipped ChatML
         self.sampler = RoutedSampler(sampler_urls, actor_id, lambda url: HttpSampler(
-            url, num_layers=model_cfg.num_hidden_layers, top_k=model_cfg.num_experts_per_tok,
+            url, num_layers=model_cfg.routed_layers, top_k=model_cfg.num_experts_per_tok,
             num_experts=model_cfg.num_experts, timeout_s=request_timeout_s), unavailable_for_s=request_timeout_s)
         self.sender: TrajectorySender = ZmqSender.from_config(endpoint, transport)
         self.crash_after = crash_after_episodes

@@ -22,7 +22,8 @@ from t1async.envs.taskio.loading import discover_tasks
 from t1async.envs.terminal import TerminalEnv
 from t1async.models.model import Qwen3MoeForCausalLM
 from t1async.models.tokenizer import ChatTokenizer
-from t1async.rollout.episode import EpisodeBuilder, run_episode, template_renders_differently
+from t1async.rollout.conversation import template_renders_differently
+from t1async.rollout.episode import EpisodeBuilder, run_episode
 from t1async.sampling.sampler_client import SamplerResponse
 
 TOK = ChatTokenizer.load()

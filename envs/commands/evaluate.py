@@ -164,7 +164,7 @@ class PolicyAgent:
         self.sampler = EmbeddedSampler(self.model_cfg, self.cfg.sampler, seed=self.cfg.run.seed)
         self.sampler.load_weights(model.state_dict(), version=0)
         url = self.sampler.url() if callable(self.sampler.url) else self.sampler.url
-        self.client = HttpSampler(url, num_layers=self.model_cfg.num_hidden_layers,
+        self.client = HttpSampler(url, num_layers=self.model_cfg.routed_layers,
                                   top_k=self.model_cfg.num_experts_per_tok)
         self.tokenizer = ChatTokenizer.load()
 

@@ -329,7 +329,7 @@ def rollouts(cfg: Config, policy: Qwen3MoeForCausalLM, episodes: int) -> list[Tr
     out = []
     try:
         sampler.load_weights(policy.state_dict(), 0)
-        client = HttpSampler(sampler.url(), num_layers=cfg.model.num_hidden_layers, top_k=cfg.model.num_experts_per_tok,
+        client = HttpSampler(sampler.url(), num_layers=cfg.model.routed_layers, top_k=cfg.model.num_experts_per_tok,
                              timeout_s=cfg.sampler.request_timeout_s)
         with tempfile.TemporaryDirectory(prefix="t1async-mismatch-") as root:
             for i in range(episodes):

@@ -148,7 +148,7 @@ def demonstration(task: Any, env: Any, cfg: Config, tokenizer: ChatTokenizer, *,
     if len(commands) > cfg.env.max_turns:
         raise ValueError(f"too many commands: {len(commands)} > env.max_turns={cfg.env.max_turns}")
     mc = cfg.model
-    sampler = ScriptedSampler(turns, num_layers=mc.num_hidden_layers, top_k=mc.num_experts_per_tok)
+    sampler = ScriptedSampler(turns, num_layers=mc.routed_layers, top_k=mc.num_experts_per_tok)
     return run_episode(task, env, sampler, tokenizer, cfg.env, cfg.generation, mc, actor_id=0)
 
 

@@ -56,8 +56,8 @@ import numpy as np
 from loguru import logger
 
 from t1async.config import EnvConfig, GenerationConfig, ModelConfig
-from t1async.models.tokenizer import ChatTokenizer
-from t1async.rollout.actions import observation_ids, parse_action, prompt_ids, template_turn_ids
+from t1async.models.chat_template import ChatRenderer
+from t1async.rollout.conversation import start_conversation
 from t1async.rollout.env import Env, TaskInfo
 from t1async.sampling.sampler_client import Sampler, SamplerError
 from t1async.trajectory import (
@@ -160,34 +160,7 @@ class EpisodeBuilder:
         )
 
 
-def split_turn(output_ids: list[int], stop_ids: tuple[int, ...]) -> tuple[list[int], bool]:
-    """(body, stopped): a turn's sampled ids without their final stop id, and whether there was one."""
-    if output_ids and output_ids[-1] in stop_ids:
-        return output_ids[:-1], True
-    return list(output_ids), False
-
-
-def template_renders_differently(tokenizer: ChatTokenizer, turn_ids: list[int], action_format: str = "command",
-                                 end_signal: str = "exit") -> bool:
-    """Would the chat template render this assistant turn with other ids than the stream holds?
-
-    ``turn_ids`` are the turn's sampled ids (a final ``<|im_end|>`` or ``<|endoftext|>`` included).
-    The stream holds ``header + sampled ids (+ <|im_end|> repair when the turn did not end with
-    it)``; the template renders the message text, ``render_turn("assistant", decode(body))``.
-    They differ when re-encoding the decoded text merges or splits tokens (inside it or across
-    the ``assistant\n`` header), when the turn holds a special id (eos, ``<|im_start|>``) or
-    bytes that are not UTF-8. With ``action_format`` tool_call the template re-renders a valid call
-    from its parsed JSON (:func:`t1async.rollout.actions.template_turn_ids`): other spacing, key order or
-    escapes in the sampled JSON count too.
-    """
-    body, _ = split_turn(turn_ids, (tokenizer.im_end_id, tokenizer.eos_id))
-    ended = bool(turn_ids) and turn_ids[-1] == tokenizer.im_end_id
-    stream = [tokenizer.im_start_id, *tokenizer.encode("assistant\n"), *turn_ids,
-              *([] if ended else tokenizer.end_of_turn_ids)]
-    return stream != template_turn_ids(tokenizer, body, action_format, end_signal)
-
-
-def run_episode(task: TaskInfo, env: Env, sampler: Sampler, tokenizer: ChatTokenizer, env_cfg: EnvConfig,
+def run_episode(task: TaskInfo, env: Env, sampler: Sampler, tokenizer: ChatRenderer, env_cfg: EnvConfig,
                 gen_cfg: GenerationConfig, model_cfg: ModelConfig, actor_id: int) -> Trajectory:
     """Run one episode of ``task`` to its end and return its trajectory (the env is reset here, closed by the caller).
 
@@ -208,11 +181,10 @@ def run_episode(task: TaskInfo, env: Env, sampler: Sampler, tokenizer: ChatToken
     started = time.time()
     instruction = env.reset()
     budget = min(task.agent_timeout_s, env_cfg.episode_timeout_s)
-    fmt = env_cfg.action_format
-    ep = EpisodeBuilder(prompt_ids(tokenizer, env_cfg, instruction))
-    eot = tokenizer.end_of_turn_ids
+    conv = start_conversation(tokenizer, env_cfg, instruction)
+    ep = EpisodeBuilder(conv.prompt)
     params = {"max_new_tokens": gen_cfg.max_new_tokens, "temperature": gen_cfg.temperature, "top_p": gen_cfg.top_p,
-              "top_k": gen_cfg.top_k, "stop_token_ids": [tokenizer.im_end_id, tokenizer.eos_id]}
+              "top_k": gen_cfg.top_k, "stop_token_ids": list(conv.stop_ids)}
     context = context_limit(env_cfg, model_cfg)
     finish = "max_turns"
     for _ in range(env_cfg.max_turns):
@@ -227,10 +199,8 @@ def run_episode(task: TaskInfo, env: Env, sampler: Sampler, tokenizer: ChatToken
             raise SamplerError(f"sampler answered no tokens (finish_reason {resp.finish_reason!r}) "
                                f"after {len(ep.turns)} turns")
         ep.add_sampled(resp.output_ids, resp.logprobs, resp.weight_version, resp.routed_experts)
-        ep.template_mismatches += template_renders_differently(tokenizer, resp.output_ids, fmt, env_cfg.end_signal)
-        ended = bool(resp.output_ids) and resp.output_ids[-1] == tokenizer.im_end_id
-        body, _ = split_turn(resp.output_ids, (tokenizer.im_end_id, tokenizer.eos_id))
-        action = parse_action(tokenizer, body, fmt, env_cfg.end_signal)
+        ended = resp.output_ids[-1] == conv.repair_ids[0]  # a turn that ends otherwise is closed (drift repair)
+        action = conv.assistant_turn(resp.output_ids)
         command = action.command
         cut, aborted = resp.finish_reason == "length", resp.finish_reason == "abort"
         run_it = not aborted and (not cut or env_cfg.run_cut_commands)
@@ -238,7 +208,7 @@ def run_episode(task: TaskInfo, env: Env, sampler: Sampler, tokenizer: ChatToken
             finish = "end_signal"
             break
         if not ended:
-            ep.add_context(eot)  # drift repair: close the turn as the template would
+            ep.add_context(conv.repair_ids)  # drift repair: close the turn as the template would
         output = ""
         if aborted:
             ep.turn_status[-1], output = TURN_ABORTED, ABORT_NOTE
@@ -258,7 +228,8 @@ def run_episode(task: TaskInfo, env: Env, sampler: Sampler, tokenizer: ChatToken
                 ep.turn_status[-1] = TURN_COMMAND_TIMEOUT
         elif cut:
             ep.turn_status[-1] = TURN_LENGTH_CUT
-        ep.add_context(observation_ids(tokenizer, output, fmt))
+        ep.add_context(conv.observation(output, ep.ids))
+    ep.template_mismatches = conv.template_mismatches
     if not ep.turns:  # nothing sampled: no trajectory to build (the caller counts the failed episode)
         raise EpisodeError(f"episode of {task.name} ended ({finish}) before its first turn: the prompt is "
                            f"{len(ep.ids)} tokens, the context {context} and generation.max_new_tokens "

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from t1async.models.chat_template import ChatRenderer
 from t1async.models.tokenizer import ChatTokenizer
 from t1async.trajectory import TURN_STATUS, Trajectory
 
@@ -36,7 +37,7 @@ def _role_body(text: str, role: str) -> str:
     return text[start + len(head): end if end >= 0 else None]
 
 
-def render(traj: Trajectory, tok: ChatTokenizer) -> str:
+def render(traj: Trajectory, tok: ChatRenderer) -> str:
     """One trajectory as Markdown (task, instruction, commands and outputs, verdict)."""
     ids = traj.token_ids
     turns = traj.turn_offsets
@@ -64,7 +65,7 @@ def render(traj: Trajectory, tok: ChatTokenizer) -> str:
 
 
 def write_transcripts(folder: Path, step: int, batch: list[Trajectory], n: int,
-                      tokenizer: ChatTokenizer | None = None) -> Path | None:
+                      tokenizer: ChatRenderer | None = None) -> Path | None:
     """Write the first ``n`` of ``batch`` to ``folder/step_NNNNNN.md``; keep the newest files.
 
     Returns:

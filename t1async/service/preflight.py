@@ -26,6 +26,7 @@ from t1async.actors.rollout import tasks_dir
 from t1async.config import Config, ConfigError, check_trainable, load_config
 from t1async.envs.sandboxes.sandbox import check_sandbox_available
 from t1async.envs.taskio.loading import discover_tasks
+from t1async.models.families import check_model_folder
 from t1async.models.tokenizer import check_model_vocab
 from t1async.sampling.sglang_server import check_logprob_env
 from t1async.service.rundir import earlier_run, history_overrides, resolve_run_dir
@@ -75,7 +76,15 @@ def check_inputs(cfg: Config) -> list[str]:
     """
     check_trainable(cfg)
     check_init_checkpoint(cfg.learner.init_checkpoint)
-    check_model_vocab(cfg.model.vocab_size, cfg.env.action_format)
+    if cfg.model.path:  # the folder's weights, tokenizer, template and size, before anything starts
+        facts = check_model_folder(cfg.model, backend=cfg.learner.backend)
+        logger.info("model.path={}: {} {:.1f} M parameters, {} tokenizer ids", cfg.model.path, cfg.model.model_type,
+                    facts["parameters"] / 1e6, facts["vocab"])
+        if cfg.rollout.agent == "external":
+            raise ConfigError("rollout.agent=external renders the OpenAI endpoint with the built-in ChatML template; "
+                              "with model.path use rollout.agent=builtin")
+    else:
+        check_model_vocab(cfg.model.vocab_size, cfg.env.action_format)
     if cfg.rollout.agent == "external":  # the endpoint renders and returns tool calls with the tool-call ids
         check_model_vocab(cfg.model.vocab_size, "tool_call", "model.vocab_size (rollout.agent=external)")
         for module in ("fastapi", "uvicorn"):  # the endpoint's extra, before any process starts
@@ -117,7 +126,8 @@ def check_init_checkpoint(path: str) -> None:
     if not folder.is_dir():
         raise ConfigError(f"learner.init_checkpoint={path}: no such folder; give a checkpoint folder (config.json + "
                           "model.safetensors, e.g. what t1async sft --out writes) or '' for a random init")
-    missing = [n for n in ("config.json", "model.safetensors") if not (folder / n).is_file()]
+    missing = [n for n in ("config.json", "model.safetensors") if not (folder / n).is_file()
+               and not (n == "model.safetensors" and (folder / "model.safetensors.index.json").is_file())]
     if missing:
         raise ConfigError(f"learner.init_checkpoint={path} has no {' or '.join(missing)}: it is not a checkpoint "
                           "folder (config.json + model.safetensors, e.g. what t1async sft --out writes)")
