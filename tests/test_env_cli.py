@@ -128,7 +128,10 @@ def test_eval_refuses_bad_input_before_running(tmp_path, capsys):
     _one_line_error(capsys, "config.json cannot be loaded")
     (ckpt / "config.json").write_text("{}")
     assert main([*eval_[:-1], f"policy:{ckpt}"]) == 2
-    _one_line_error(capsys, "model.safetensors cannot be loaded")
+    _one_line_error(capsys, "config.json has model_type None, which t1async does not run; supported: qwen3_moe")
+    (ckpt / "config.json").write_text('{"model_type": "qwen3_moe"}')
+    assert main([*eval_[:-1], f"policy:{ckpt}"]) == 2
+    _one_line_error(capsys, "the weights cannot be loaded")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "empty"]  # the --out probe left nothing
 
 

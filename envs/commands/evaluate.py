@@ -35,8 +35,9 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from t1async.config import Config, ConfigError, load_config
-from t1async.models.tokenizer import ChatTokenizer, check_model_vocab
+from t1async.config import Config, ConfigError, ModelConfig, load_config
+from t1async.config.model_folder import resolve_model
+from t1async.models.tokenizer import check_model_vocab
 from t1async.rollout.episode import run_episode
 from t1async.sampling.sampler_client import HttpSampler
 
@@ -136,21 +137,24 @@ class PolicyAgent:
     def __init__(self, checkpoint: str | Path, config: Any = None):
         # torch and ray: only the policy agent needs the model and the embedded sampler
         from t1async.actors.sampler import EmbeddedSampler  # torch (the embedded engine)
-        from t1async.models.model import Qwen3MoeForCausalLM, model_config_from_hf  # torch
+        from t1async.models.families import load_model, load_renderer  # torch
 
         path = Path(checkpoint)
-        if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
-            raise TaskError(f"policy checkpoint {path} needs config.json and model.safetensors "
-                            "(e.g. RUN_DIR/checkpoints/step_000004)")
+        if not (path / "config.json").is_file() or not ((path / "model.safetensors").is_file()
+                                                         or (path / "model.safetensors.index.json").is_file()):
+            raise TaskError(f"policy checkpoint {path} needs config.json and model.safetensors (or shards with "
+                            "model.safetensors.index.json), e.g. RUN_DIR/checkpoints/step_000004")
         self.cfg = config if isinstance(config, Config) else load_config(config)
         stage = "config.json"
         try:  # garbage config.json or weights: a user error, reported in one line
-            hf = json.loads((path / "config.json").read_text())
-            if not isinstance(hf, dict):
-                raise ValueError("not a JSON object")
-            self.model_cfg = model_config_from_hf(hf)
-            stage = "model.safetensors"
-            model = Qwen3MoeForCausalLM.from_pretrained(path)
+            self.model_cfg = resolve_model(ModelConfig(path=str(path)))
+            if not (path / "tokenizer.json").is_file() and self.model_cfg.model_type == "qwen3_moe":
+                # the built-in model's checkpoint: the shipped tokenizer and ChatML
+                self.model_cfg = replace(self.model_cfg, path="", hf_config={})
+            stage = "the weights"
+            model = load_model(self.model_cfg, path)
+            stage = "the tokenizer"
+            self.tokenizer = load_renderer(self.model_cfg)
         except Exception as exc:
             first = (str(exc).splitlines() or [""])[0][:300]
             raise TaskError(f"policy checkpoint {path}: {stage} cannot be loaded ({type(exc).__name__}: {first}); "
@@ -166,7 +170,6 @@ class PolicyAgent:
         url = self.sampler.url() if callable(self.sampler.url) else self.sampler.url
         self.client = HttpSampler(url, num_layers=self.model_cfg.routed_layers,
                                   top_k=self.model_cfg.num_experts_per_tok)
-        self.tokenizer = ChatTokenizer.load()
 
     def episode(self, task: Task, env: TerminalEnv) -> tuple[int, int, bool, str | None]:
         """One episode; returns (passed, total, resolved, verifier error)."""
