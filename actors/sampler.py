@@ -196,7 +196,8 @@ class EmbeddedSampler:
     def model_info(self) -> dict[str, Any]:
         """SGLang ``GET /model_info``: where newer SGLang reports ``weight_version`` (a string)."""
         mc = self.model_cfg
-        return {"model_path": mc.path or "t1async-embedded", "tokenizer_path": mc.path or None, "is_generation": True,
+        # model_path "t1async-embedded" is how weight sync tells this engine from an SGLang server
+        return {"model_path": "t1async-embedded", "tokenizer_path": mc.path or None, "is_generation": True,
                 "preferred_sampling_params": None, "weight_version": str(self.version),
                 "model_type": mc.model_type,
                 "architectures": mc.hf_config.get("architectures") or ["Qwen3MoeForCausalLM"]}
