@@ -33,6 +33,9 @@ from t1async.config.model_folder import text_config
 from t1async.models.chat_template import ChatTemplateRenderer, TemplateError
 from t1async.models.hf_folder import Convert, ModelFolderError, check_memory, check_model_weights, load_weights
 from t1async.models.model import Qwen3MoeForCausalLM, _unfuse_experts, model_config_from_hf, model_config_to_hf, save_hf
+from t1async.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen35TextConfig
+from t1async.models.qwen3_5_moe import config_from_hf as qwen35_config_from_hf
+from t1async.models.qwen3_5_moe import config_to_hf as qwen35_config_to_hf
 from t1async.models.tokenizer import ChatTokenizer
 
 __all__ = ["Family", "FAMILIES", "family", "build_model", "load_model", "save_model", "check_model_folder",
@@ -85,7 +88,50 @@ def _qwen3_init(sizes: dict, renderer) -> dict:
     return d
 
 
+def _qwen35_build(cfg: ModelConfig) -> nn.Module:
+    try:
+        return Qwen3_5MoeForCausalLM(cfg)
+    except ValueError as e:
+        raise ModelFolderError(f"model.path={cfg.path}: {e}") from None
+
+
+_QWEN35_SKIPPED = ("mtp.", "model.visual.", "visual.")
+
+
+def _qwen35_convert(cfg: ModelConfig) -> Convert:
+    """A multimodal checkpoint's text decoder (``model.language_model.*``) under the text model's names; the
+    vision tower and MTP head weights are not loaded (the config's warning names them)."""
+    def convert(name: str, t: torch.Tensor):
+        if name.startswith(_QWEN35_SKIPPED):
+            return ()
+        return ((name.replace("model.language_model.", "model.", 1), t),)
+    return convert
+
+
+def _qwen35_init(sizes: dict, renderer) -> dict:
+    tiny = {"linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4, "shared_expert_intermediate_size": sizes.get("moe_intermediate_size", 64)}
+    d = {**tiny, **sizes}
+    names = {f.name for f in dataclasses.fields(Qwen35TextConfig)}
+    bad = sorted(set(d) - names)
+    if bad:
+        raise ModelFolderError(f"qwen3_5_moe has no config key {bad[0]!r}; its keys: {', '.join(sorted(names))}")
+    n = int(d.get("num_hidden_layers", 2))
+    if not d.get("layer_types"):  # one full-attention layer in four, the last layer full in a short model
+        d["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 or i == n - 1 else "linear_attention" for i in range(n)]
+    try:
+        c = qwen35_config_from_hf(d)
+    except ValueError as e:
+        raise ModelFolderError(f"qwen3_5_moe: {e}") from None
+    out = qwen35_config_to_hf(c)
+    out["eos_token_id"] = renderer.end_of_turn_ids[0]
+    return out
+
+
 FAMILIES: dict[str, Family] = {
+    "qwen3_5_moe": Family("qwen3_5_moe", _qwen35_build, _qwen35_convert,
+                          lambda cfg, name: cfg.tie_word_embeddings and name == "lm_head.weight", ("torch",),
+                          _qwen35_init),
     "qwen3_moe": Family("qwen3_moe", _qwen3_build, _qwen3_convert,
                         lambda cfg, name: cfg.tie_word_embeddings and name == "lm_head.weight", ("torch", "megatron"),
                         _qwen3_init),

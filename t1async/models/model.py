@@ -59,6 +59,7 @@ from t1async.models.hf_folder import load_weights, read_config, save_folder
 __all__ = [
     "KVCache",
     "Linear",
+    "MoeCausalLM",
     "PackedSegments",
     "ModelOutput",
     "Qwen3MoeForCausalLM",
@@ -178,6 +179,9 @@ def padded_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
 class KVCache:
     """Per-layer key/value cache for incremental decoding.
 
+    ``truncatable``: setting :attr:`seq_len` to m < seq_len rolls the cache back to its first m tokens
+    (the embedded engine's prefix cache reuses a shorter shared prefix so).
+
     Holds, for each layer, keys and values after q/k-norm and RoPE, shaped
     [B, num_key_value_heads, capacity, head_dim] in the model's dtype, of which the first
     :attr:`seq_len` positions are filled. Storage is allocated on the first write and doubles when
@@ -188,6 +192,8 @@ class KVCache:
     The model writes every layer during a forward, then advances :attr:`seq_len` by the number of
     new tokens. Positions default to ``seq_len + arange(T)``.
     """
+
+    truncatable = True
 
     def __init__(self, capacity: int = 0) -> None:
         self.capacity = int(capacity)
@@ -480,31 +486,28 @@ class Qwen3MoeModel(nn.Module):
         return self.norm(x), torch.stack(routing, dim=2), torch.stack(owns, dim=2) if own_topk else None
 
 
-class Qwen3MoeForCausalLM(nn.Module):
-    """Qwen3-MoE causal LM: :class:`Qwen3MoeModel` trunk plus ``lm_head``.
+class MoeCausalLM(nn.Module):
+    """What every family's causal LM shares: the forward over right-padded batches with routing replay, the
+    packed forward of the embedded engine, the replay checks, and a per-sequence cache.
 
-    Args:
-        cfg: architecture (HF ``Qwen3MoeConfig`` field names). Weights are initialised N(0,
-            ``initializer_range``) for linear and embedding weights, ones for norms.
+    A subclass sets ``cfg`` (the run's :class:`ModelConfig`), ``model`` (a trunk whose forward is
+    ``(input_ids, position_ids, routed_experts, kv_cache, own_topk) -> (final-norm hidden [B, T, H], expert
+    ids used [B, T, L, K] int64, the routers' own top-k or None)``, advancing the cache(s) by the tokens fed)
+    and ``lm_head``, and overrides :meth:`new_cache` when its layers keep more than keys and values.
 
-    Raises:
-        ValueError: inconsistent config (kv heads not dividing heads, odd head_dim, top-k out of
-            range).
+    Attributes:
+        routed_layers: MoE layers L, the L of every routed-experts array.
     """
 
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        _check_config(cfg)
-        self.cfg = cfg
-        self.model = Qwen3MoeModel(cfg)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.apply(self._init_weights)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+    cfg: ModelConfig
 
-    def _init_weights(self, m: nn.Module) -> None:
-        if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, mean=0.0, std=self.cfg.initializer_range)
+    @property
+    def routed_layers(self) -> int:
+        return self.cfg.routed_layers
+
+    def new_cache(self, capacity: int = 0) -> KVCache:
+        """An empty per-sequence cache for incremental decoding (``capacity``: tokens to reserve)."""
+        return KVCache(capacity)
 
     def forward(self, input_ids: torch.Tensor, *, position_ids: torch.Tensor | None = None,
                 routed_experts: torch.Tensor | None = None, kv_cache: KVCache | None = None,
@@ -587,9 +590,9 @@ class Qwen3MoeForCausalLM(nn.Module):
         return logits, routing[0]
 
     def _check_replay(self, r: torch.Tensor, B: int, T: int) -> torch.Tensor:
-        L, K, E = self.cfg.num_hidden_layers, self.cfg.num_experts_per_tok, self.cfg.num_experts
+        L, K, E = self.routed_layers, self.cfg.num_experts_per_tok, self.cfg.num_experts
         if tuple(r.shape) != (B, T, L, K):
-            raise ValueError(f"routed_experts must have shape [B, T, num_hidden_layers, num_experts_per_tok]"
+            raise ValueError(f"routed_experts must have shape [B, T, MoE layers, num_experts_per_tok]"
                              f" = {(B, T, L, K)}, got {tuple(r.shape)}")
         if r.dtype.is_floating_point or r.dtype.is_complex or r.dtype == torch.bool:
             raise ValueError(f"routed_experts must hold integer expert ids, got dtype {r.dtype}")
@@ -598,6 +601,34 @@ class Qwen3MoeForCausalLM(nn.Module):
             raise ValueError(f"routed_experts ids must be in [0, num_experts={E}), got range "
                              f"[{int(r.min())}, {int(r.max())}]")
         return r
+
+
+
+class Qwen3MoeForCausalLM(MoeCausalLM):
+    """Qwen3-MoE causal LM: :class:`Qwen3MoeModel` trunk plus ``lm_head``.
+
+    Args:
+        cfg: architecture (HF ``Qwen3MoeConfig`` field names). Weights are initialised N(0,
+            ``initializer_range``) for linear and embedding weights, ones for norms.
+
+    Raises:
+        ValueError: inconsistent config (kv heads not dividing heads, odd head_dim, top-k out of
+            range).
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        _check_config(cfg)
+        self.cfg = cfg
+        self.model = Qwen3MoeModel(cfg)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.apply(self._init_weights)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def _init_weights(self, m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, mean=0.0, std=self.cfg.initializer_range)
 
     # ------------------------------------------------------------------------- checkpoints
 

@@ -297,7 +297,9 @@ class Engine:
     def _take_prefix(self, ids: list[int]) -> tuple[KVCache | None, torch.Tensor | None, int]:
         """Remove and return the cached entry sharing the longest prefix with ``ids`` (at least
         one token, at most ``len(ids) - 1`` so the last prompt token is always fed), truncated
-        to that prefix: (kv, rows [m, L, K], m), or (None, None, 0)."""
+        to that prefix: (kv, rows [m, L, K], m), or (None, None, 0). A cache that cannot be rolled back
+        (``truncatable`` False: a hybrid model's linear-attention recurrent state) is reused only when its
+        whole sequence is a prefix of ``ids``."""
         best, best_m = None, 0
         for key, c in self._cache.items():
             n = min(len(c.ids), len(ids) - 1)
@@ -306,6 +308,8 @@ class Engine:
                 a, b = np.asarray(c.ids[:n]), np.asarray(ids[:n])
                 neq = np.flatnonzero(a != b)
                 m = int(neq[0]) if neq.size else n
+            if m < len(c.ids) and not c.kv.truncatable:  # recurrent state: only a whole cached sequence resumes
+                m = 0
             if m > best_m:
                 best, best_m = key, m
         if best is None:
@@ -440,7 +444,7 @@ class Engine:
         req.version = self.weight_version
         kv, rows, m = self._take_prefix(req.ids) if self.prefix_cache else (None, None, 0)
         if kv is None:
-            req.cache = KVCache(capacity=len(req.ids) + req.params.max_new_tokens)
+            req.cache = self.model.new_cache(len(req.ids) + req.params.max_new_tokens)
         else:
             req.cache = kv
             req.routing.append(rows)
