@@ -167,3 +167,20 @@ def test_unavailable_archive_names_the_reason(tmp_path, monkeypatch):
     assert hf_tokenizers.main(["--names", "qwen3"]) == 2
     with pytest.raises(ValueError, match="unknown tokenizer folder"):
         hf_tokenizers.build_folders(["llama"])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_sampled_text_the_template_rewrites_still_gets_its_observation_and_counts_a_mismatch(folders, name):
+    """Templates trim an assistant message's text and split it at ``</think>``: a sampled turn ending in
+    whitespace (a random or early policy writes such turns) still gets the observation turn a clean text gets,
+    and the turn counts in ``template_mismatches`` (before: TemplateError, and the episode was lost)."""
+    r = _renderer(folders, name)
+    head = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER}]
+    clean = r.render_observation(head + [{"role": "assistant", "content": "ls"}], "out", [TOOL])
+    # trailing whitespace: Qwen3.5's and GLM's templates trim the text; every template splits at </think>
+    for text, rewrites in (("ls  \n", name in {"qwen3.5", "glm-4.6"}), (" </think>\nls ", True)):
+        before = r.template_mismatches
+        ids = r.render_observation(head + [{"role": "assistant", "content": text}], "out", [TOOL],
+                                   stream=r.render_prompt(SYSTEM, USER, [TOOL]) + r.encode(text) + r.end_of_turn_ids[:1])
+        assert ids == clean, text
+        assert r.template_mismatches == before + rewrites, text

@@ -238,3 +238,16 @@ def test_an_episode_on_the_qwen3_template_appends_sampled_ids_and_observation_tu
     assert obs.count(im_end) == 1 and ids[e1] == im_end  # the template's own end only; the repair after turn 2
     # Qwen3 drops the first turn's <think> block when it re-renders the history: counted, stream kept
     assert traj.template_mismatches >= 1
+
+
+def test_template_mismatches_are_counted_per_episode_not_over_the_renderer_life(tiny):
+    """One renderer serves every episode of a rollout actor: each trajectory carries its own count."""
+    r = load_renderer(_cfg(tiny))
+    im_end = r.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    counts = []
+    for _ in range(3):
+        turns = [r.encode("<think>\nx\n</think>\n\nls") + [im_end], r.encode("exit") + [im_end]]
+        traj = run_episode(SimpleNamespace(name="t", agent_timeout_s=60.0), _Env(), _Sampler(turns), r,
+                           EnvConfig(max_turns=2), GenerationConfig(max_new_tokens=16), _cfg(tiny), actor_id=0)
+        counts.append(traj.template_mismatches)
+    assert counts[0] >= 1 and counts == [counts[0]] * 3

@@ -33,6 +33,10 @@ __all__ = ["ChatRenderer", "ChatTemplateRenderer", "TemplateError"]
 
 _SENTINEL = "\u27e6t1async:end-of-assistant-text\u27e7"
 """Appended to the last assistant message's text to find in the rendering where that text ends."""
+_NEUTRAL = "ok"
+"""The assistant text rendered in place of a sampled text the template rewrites (trims, splits at
+``</think>``): what follows an assistant turn does not depend on its text in the templates we know; such a
+turn counts as a template mismatch."""
 
 
 class TemplateError(ValueError):
@@ -277,12 +281,13 @@ class ChatTemplateRenderer:
         if not isinstance(content, str) or _SENTINEL in content:
             raise TemplateError("the last assistant message's content must be the sampled text (a string)")
         after = self._render(history + [obs], tools, True)
-        marked = self._render(history[:-1] + [{**history[-1], "content": content + _SENTINEL}, obs], tools, True)
-        k = marked.find(_SENTINEL)
-        if k < 0 or marked[:k] + marked[k + len(_SENTINEL):] != after:
+        rest = self._after_marker(history, content, obs, tools, after)
+        rewritten = rest is None
+        if rewritten:  # the template rewrote the sampled text (trimmed it, split it at </think>): a neutral text
+            rest = self._after_marker(history, _NEUTRAL, obs, tools, None)
+        if rest is None:
             raise TemplateError(f"{self.path or 'chat template'}: cannot find where the assistant turn ends in the "
                                 "template's rendering (it rewrites the turn's text); this template cannot be appended to")
-        rest = marked[k + len(_SENTINEL):]
         found = [(rest.find(s), s) for s in self._eos_text if s in rest]
         if not found:
             raise TemplateError(f"{self.path or 'chat template'}: none of the end-of-turn tokens {self._eos_text} "
@@ -291,12 +296,28 @@ class ChatTemplateRenderer:
         new = rest[pos + len(s):]
         text = obs.get("content")
         ids = self._encode_rendered(new, [text] if isinstance(text, str) else [])
-        if stream is not None:
+        if stream is not None and rewritten:
+            self.template_mismatches += 1
+        elif stream is not None:
             whole = self._encode_rendered(after, [m["content"] for m in history + [obs]
                                                   if m.get("role") in ("user", "tool") and isinstance(m.get("content"), str)])
             if whole != [*stream, *ids]:
                 self.template_mismatches += 1
         return ids
+
+    def _after_marker(self, history: list[dict], content: str, obs: dict, tools: Sequence[dict],
+                      after: str | None) -> str | None:
+        """The rendering that follows the last assistant message's text when that text is ``content``: the
+        template renders it with a marker appended; None when the marker is lost, or when ``after`` (the
+        rendering of the sampled text) does not end with the same text (the template rewrote the turn)."""
+        marked = self._render(history[:-1] + [{**history[-1], "content": content + _SENTINEL}, obs], tools, True)
+        k = marked.find(_SENTINEL)
+        if k < 0:
+            return None
+        rest = marked[k + len(_SENTINEL):]
+        if after is not None and (marked[:k] + rest != after and not after.endswith(rest)):
+            return None
+        return rest
 
     @property
     def end_of_turn_ids(self) -> list[int]:

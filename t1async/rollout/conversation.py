@@ -129,10 +129,11 @@ class TemplateConversation:
         self.prompt = renderer.render_prompt(system, instruction, self.tools)
         self.stop_ids = renderer.end_of_turn_ids
         self.repair_ids = renderer.end_of_turn_ids[:1]
+        self._mismatches_before = renderer.template_mismatches  # the renderer counts over every episode
 
     @property
     def template_mismatches(self) -> int:
-        return self.r.template_mismatches
+        return self.r.template_mismatches - self._mismatches_before
 
     def assistant_turn(self, sampled: Sequence[int]) -> Action:
         text = self.r.decode(_strip_stop(sampled, self.stop_ids))
