@@ -18,7 +18,9 @@ tool turn saying what was wrong and how to call the tool) and a per-turn status 
 ``</tool_call>`` or the reverse), ``bad_json``, ``unknown_tool``, ``bad_arguments`` (missing,
 ill-typed or unexpected arguments), ``multiple_calls`` (one call per turn).
 
-Parsing reads the sampled *ids*: a tag is the special id, never the text ``<tool_call>``.
+Parsing reads the sampled *ids*: a tag is the special id, never the text ``<tool_call>``. The parsing and the
+schema check are t1async/rollout/tool_formats.py's (:data:`~t1async.rollout.tool_formats.QWEN3_JSON`), which
+also parses the other models' own formats.
 """
 
 from __future__ import annotations
@@ -28,19 +30,10 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from t1async.models.tokenizer import ChatTokenizer
+from t1async.rollout.tool_formats import BASH_TOOL, QWEN3_JSON, ToolCallProblem, error_message, parse_ids
 
-BASH_TOOL = {
-    "name": "bash",
-    "description": "Run one command in the task's bash shell (working directory /app; the shell keeps its state "
-                   "between calls) and return its output.",
-    "parameters": {"type": "object",
-                   "properties": {"command": {"type": "string", "description": "The shell command to run."}},
-                   "required": ["command"]},
-}
-"""The one tool of the ``tool_call`` format (a JSON-schema function spec)."""
-
-_HOW = ('Call the bash tool as <tool_call>\n{"name": "bash", "arguments": {"command": "ls"}}\n</tool_call>, '
-        "one call per message; reply with `{end}` and no tool call when the task is done.")
+__all__ = ["BASH_TOOL", "Action", "action_turn_ids", "observation_ids", "parse_action", "prompt_ids",
+           "template_turn_ids"]
 
 
 @dataclass
@@ -60,10 +53,6 @@ class Action:
     message: str = ""
 
 
-def _error(reason: str, what: str, end_signal: str) -> Action:
-    return Action(error=reason, message=f"[tool call error ({reason}): {what} {_HOW.replace('{end}', end_signal)}]")
-
-
 def parse_action(tokenizer: ChatTokenizer, body: Sequence[int], action_format: str, end_signal: str) -> Action:
     """The action of a turn's sampled ids ``body`` (its final stop id removed).
 
@@ -78,39 +67,12 @@ def parse_action(tokenizer: ChatTokenizer, body: Sequence[int], action_format: s
         return Action(command=command, end=command == end_signal)
     if action_format != "tool_call":
         raise ValueError(f"action_format {action_format!r} is not 'command' or 'tool_call'")
-    opens = [i for i, t in enumerate(body) if t == tokenizer.tool_call_id]
-    closes = [i for i, t in enumerate(body) if t == tokenizer.tool_call_end_id]
-    if not opens and not closes:
-        if tokenizer.decode(body).replace("\x00", "").strip() == end_signal:
+    call = parse_ids(tokenizer, body, QWEN3_JSON)
+    if isinstance(call, ToolCallProblem):
+        if call.reason == "no_tool_call" and tokenizer.decode(body).replace("\x00", "").strip() == end_signal:
             return Action(end=True)
-        return _error("no_tool_call", "your message holds no tool call.", end_signal)
-    if len(opens) > 1 or len(closes) > 1:
-        return _error("multiple_calls", f"your message holds {max(len(opens), len(closes))} tool calls; none was run.",
-                      end_signal)
-    if len(opens) != len(closes) or closes[0] < opens[0]:
-        return _error("unbalanced", "every <tool_call> needs its </tool_call> after it.", end_signal)
-    text = tokenizer.decode(body[opens[0] + 1: closes[0]]).replace("\x00", "")
-    try:
-        call = json.loads(text)
-    except json.JSONDecodeError as e:
-        return _error("bad_json", f"the call is not JSON ({e}).", end_signal)
-    if not isinstance(call, dict):
-        return _error("bad_json", f"the call is a JSON {type(call).__name__}, not an object with name and arguments.",
-                      end_signal)
-    if call.get("name") != BASH_TOOL["name"]:
-        return _error("unknown_tool", f"there is no tool {call.get('name')!r}; the only tool is 'bash'.", end_signal)
-    extra = sorted(set(call) - {"name", "arguments"})
-    args = call.get("arguments")
-    if extra or not isinstance(args, dict):
-        why = f"unexpected keys {extra}" if extra else "arguments must be a JSON object"
-        return _error("bad_arguments", f"{why}.", end_signal)
-    if not isinstance(args.get("command"), str):
-        what = "missing" if "command" not in args else f"a {type(args['command']).__name__}, not a string"
-        return _error("bad_arguments", f"the argument command is {what}.", end_signal)
-    if set(args) != {"command"}:
-        return _error("bad_arguments", f"unexpected arguments {sorted(set(args) - {'command'})}; bash takes only "
-                                       "command.", end_signal)
-    command = args["command"].replace("\x00", "").strip()
+        return Action(error=call.reason, message=error_message(call, QWEN3_JSON, end_signal))
+    command = call.arguments["command"].replace("\x00", "").strip()
     return Action(command=command, end=command == end_signal)
 
 
