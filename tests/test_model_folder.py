@@ -251,3 +251,27 @@ def test_template_mismatches_are_counted_per_episode_not_over_the_renderer_life(
                            EnvConfig(max_turns=2), GenerationConfig(max_new_tokens=16), _cfg(tiny), actor_id=0)
         counts.append(traj.template_mismatches)
     assert counts[0] >= 1 and counts == [counts[0]] * 3
+
+
+def test_a_tool_call_episode_on_the_qwen3_template_parses_calls_in_its_format_after_the_reasoning(tiny):
+    """env.action_format=tool_call with model.path: the bash tool is declared by the template, a call is read
+    in the template's format from the ids after </think>, a malformed one becomes the error observation."""
+    from t1async.rollout.tool_formats import QWEN3_JSON
+
+    r = load_renderer(_cfg(tiny))
+    im_end = r.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    call = r._encode_rendered(QWEN3_JSON.example("bash", {"command": "ls /app"}))
+    in_thought = r._encode_rendered("<think>\n" + QWEN3_JSON.example("bash", {"command": "rm -rf /"}) + "\n</think>\n\n")
+    turns = [in_thought + call + [im_end],
+             r._encode_rendered('<tool_call>\n{"name": "bash", "arguments": {}}\n</tool_call>') + [im_end],
+             r.encode("exit") + [im_end]]
+    env = _Env()
+    traj = run_episode(SimpleNamespace(name="t", agent_timeout_s=60.0), env, _Sampler(turns), r,
+                       EnvConfig(max_turns=3, action_format="tool_call"), GenerationConfig(max_new_tokens=64),
+                       _cfg(tiny), actor_id=0)
+    assert env.commands == ["ls /app"]  # the call inside the reasoning was not run; the malformed one neither
+    ids = traj.token_ids.tolist()
+    assert "<tools>" in r.decode(ids[:traj.turn_offsets[0][0]]) and traj.drift_tokens == 0
+    s2 = traj.turn_offsets[2][0]
+    assert "[tool call error (bad_arguments)" in r.decode(ids[traj.turn_offsets[1][1]:s2])
+    assert traj.finish_reason == "end_signal"

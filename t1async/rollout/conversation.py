@@ -25,8 +25,10 @@ from t1async.config import EnvConfig
 from t1async.models.chat_template import ChatTemplateRenderer
 from t1async.models.tokenizer import ChatTokenizer
 from t1async.rollout.actions import BASH_TOOL, Action, observation_ids, parse_action, prompt_ids, template_turn_ids
+from t1async.rollout.tool_formats import ToolCallFormat, ToolCallProblem, detect, error_message, parse_ids, tag_ids
 
 __all__ = ["Conversation", "ChatMLConversation", "TemplateConversation", "start_conversation", "split_turn",
+           "template_tool_format",
            "template_renders_differently", "THINK_END"]
 
 THINK_END = "</think>"
@@ -112,17 +114,22 @@ class TemplateConversation:
     The history is kept as messages whose assistant contents are the decoded sampled ids (stop id removed),
     so the template renders each observation after exactly what was sampled.
 
+    With ``env.action_format`` tool_call the bash tool is declared through the template, and a turn's call is
+    parsed in the format the template declares (t1async/rollout/tool_formats.py), from the ids after the
+    turn's reasoning: a malformed call becomes an error observation, as in the ChatML loop.
+
     Raises:
         TemplateError: the template cannot render the prompt (at construction) or an observation.
-        ValueError: ``env.action_format`` tool_call (the template's own tool-call format is not parsed yet).
+        ValueError: tool_call and a template with no tool-call format t1async knows, or tags that are not
+            single token ids (:func:`template_tool_format`).
     """
 
     def __init__(self, renderer: ChatTemplateRenderer, env_cfg: EnvConfig, instruction: str) -> None:
         self.r, self.env_cfg = renderer, env_cfg
         fmt = env_cfg.action_format
-        if fmt == "tool_call":
-            raise ValueError("env.action_format=tool_call with model.path needs the template's tool-call format; "
-                             "use env.action_format=command")
+        self.call_format = template_tool_format(renderer) if fmt == "tool_call" else None
+        think_end = renderer.tokenizer.convert_tokens_to_ids(THINK_END)
+        self._think_end = think_end if isinstance(think_end, int) and renderer.decode([think_end]) == THINK_END else None
         self.tools: list[dict] = [BASH_TOOL] if fmt == "tool_call" else []
         system = env_cfg.tool_system_prompt if fmt == "tool_call" else env_cfg.system_prompt
         self.messages: list[dict] = [{"role": "system", "content": system}, {"role": "user", "content": instruction}]
@@ -136,16 +143,39 @@ class TemplateConversation:
         return self.r.template_mismatches - self._mismatches_before
 
     def assistant_turn(self, sampled: Sequence[int]) -> Action:
-        text = self.r.decode(_strip_stop(sampled, self.stop_ids))
+        body = _strip_stop(sampled, self.stop_ids)
+        text = self.r.decode(body)
         self.messages.append({"role": "assistant", "content": text})
-        command = text.rsplit(THINK_END, 1)[-1].replace("\x00", "").strip()
-        return Action(command=command, end=command == self.env_cfg.end_signal)
+        end = self.env_cfg.end_signal
+        if self.call_format is None:
+            command = text.rsplit(THINK_END, 1)[-1].replace("\x00", "").strip()
+            return Action(command=command, end=command == end)
+        if self._think_end is not None and self._think_end in body:  # a call inside the reasoning is not a call
+            body = body[len(body) - body[::-1].index(self._think_end):]
+        call = parse_ids(self.r, body, self.call_format)
+        if isinstance(call, ToolCallProblem):
+            if call.reason == "no_tool_call" and self.r.decode(body).replace("\x00", "").strip() == end:
+                return Action(end=True)
+            return Action(error=call.reason, message=error_message(call, self.call_format, end))
+        command = str(call.arguments["command"]).replace("\x00", "").strip()
+        return Action(command=command, end=command == end)
 
     def observation(self, output: str, stream: Sequence[int]) -> list[int]:
         message = {"role": "tool", "content": output}
         ids = self.r.render_observation(self.messages, message, self.tools, stream=stream)
         self.messages.append(message)
         return ids
+
+
+def template_tool_format(renderer: ChatTemplateRenderer) -> ToolCallFormat:
+    """The tool-call format ``renderer``'s template declares, checked to have single-id tags.
+
+    Raises:
+        ValueError: one line: no known format, or tags that are not single added-token ids.
+    """
+    fmt = detect(renderer.tokenizer.chat_template)
+    tag_ids(renderer, fmt)
+    return fmt
 
 
 def start_conversation(renderer: ChatTokenizer | ChatTemplateRenderer, env_cfg: EnvConfig,

@@ -26,8 +26,9 @@ from t1async.actors.rollout import tasks_dir
 from t1async.config import Config, ConfigError, check_trainable, load_config
 from t1async.envs.sandboxes.sandbox import check_sandbox_available
 from t1async.envs.taskio.loading import discover_tasks
-from t1async.models.families import check_model_folder
+from t1async.models.families import check_model_folder, load_renderer
 from t1async.models.tokenizer import check_model_vocab
+from t1async.rollout.conversation import template_tool_format
 from t1async.sampling.sglang_server import check_logprob_env
 from t1async.service.rundir import earlier_run, history_overrides, resolve_run_dir
 from t1async.transport.keys import client_keys, server_keys
@@ -80,6 +81,11 @@ def check_inputs(cfg: Config) -> list[str]:
         facts = check_model_folder(cfg.model, backend=cfg.learner.backend)
         logger.info("model.path={}: {} {:.1f} M parameters, {} tokenizer ids", cfg.model.path, cfg.model.model_type,
                     facts["parameters"] / 1e6, facts["vocab"])
+        if cfg.env.action_format == "tool_call":  # the template's own tool-call format, before anything starts
+            try:
+                template_tool_format(load_renderer(cfg.model))
+            except ValueError as e:
+                raise ConfigError(f"env.action_format=tool_call with model.path={cfg.model.path}: {e}") from None
         if cfg.rollout.agent == "external":
             raise ConfigError("rollout.agent=external renders the OpenAI endpoint with the built-in ChatML template; "
                               "with model.path use rollout.agent=builtin")
