@@ -380,11 +380,18 @@ class FusedExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(c.num_experts, 2 * c.moe_intermediate_size, c.hidden_size))
         self.down_proj = nn.Parameter(torch.empty(c.num_experts, c.hidden_size, c.moe_intermediate_size))
 
-    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        """Expert ``e`` on rows x [n, H] (row-padded, as :class:`~t1async.models.model.Linear`)."""
+    def weights(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """Per-expert views of both parameters, taken once per forward: ``unbind``'s backward writes all
+        experts' gradients in one stack (indexing per expert would zero-fill a full-size gradient each time)."""
+        return self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
+
+    @staticmethod
+    def expert(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """One expert (its ``gate_up`` [2I, H] and ``down`` [H, I]) on rows x [n, H], row-padded as
+        :class:`~t1async.models.model.Linear`."""
         rows, m = padded_rows(x)
-        gate, up = F.linear(rows, self.gate_up_proj[e]).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj[e])[:m]
+        gate, up = F.linear(rows, gate_up).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, down)[:m]
 
 
 class SparseMoeBlock(nn.Module):
@@ -420,9 +427,10 @@ class SparseMoeBlock(nn.Module):
             token_of = order // self.top_k
             xs = x.index_select(0, token_of)
             parts, start = [], 0
+            gate_up, down = self.experts.weights()
             for e, n in enumerate(counts):
                 if n:
-                    parts.append(self.experts.expert(e, xs[start:start + n]))
+                    parts.append(self.experts.expert(gate_up[e], down[e], xs[start:start + n]))
                     start += n
             ys = torch.cat(parts, 0) * weights.reshape(-1)[order, None]
             out = out.index_add(0, token_of, ys)
