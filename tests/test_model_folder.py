@@ -275,3 +275,23 @@ def test_a_tool_call_episode_on_the_qwen3_template_parses_calls_in_its_format_af
     s2 = traj.turn_offsets[2][0]
     assert "[tool call error (bad_arguments)" in r.decode(ids[traj.turn_offsets[1][1]:s2])
     assert traj.finish_reason == "end_signal"
+
+
+@pytest.mark.parametrize("fmt", ["command", "tool_call"])
+def test_sft_demonstration_turns_are_the_templates_own_assistant_turns_and_replay_as_an_episode(tiny, fmt):
+    """t1async sft with model.path: each oracle command is the assistant turn the model's template writes
+    (Qwen3: an empty think block, the command or its tool call, <|im_end|>); the episode loop runs them."""
+    from t1async.commands.sft import template_demonstration_turns
+
+    r = load_renderer(_cfg(tiny))
+    env_cfg = EnvConfig(max_turns=3, action_format=fmt)
+    turns = template_demonstration_turns(r, env_cfg, "Count the files in /app.", ["ls /app", "wc -l x"])
+    assert r.decode(turns[-1]) == "<think>\n\n</think>\n\nexit<|im_end|>"
+    if fmt == "command":
+        assert r.decode(turns[0]) == "<think>\n\n</think>\n\nls /app<|im_end|>"
+    else:
+        assert r.tokenizer.convert_tokens_to_ids("<tool_call>") in turns[0]
+    env = _Env()
+    traj = run_episode(SimpleNamespace(name="t", agent_timeout_s=60.0), env, _Sampler(turns), r, env_cfg,
+                       GenerationConfig(max_new_tokens=64), _cfg(tiny), actor_id=0)
+    assert env.commands == ["ls /app", "wc -l x"] and traj.finish_reason == "end_signal" and traj.drift_tokens == 0

@@ -52,10 +52,11 @@ from t1async.envs.taskio.loading import discover_tasks
 from t1async.envs.terminal import TerminalEnv
 from t1async.learner.rl import load_balancing_loss
 from t1async.learner.torch_backend import load_policy
-from t1async.models.families import save_model
+from t1async.models.chat_template import ChatRenderer, ChatTemplateRenderer
+from t1async.models.families import load_renderer, save_model
 from t1async.models.model import Qwen3MoeForCausalLM
-from t1async.models.tokenizer import ChatTokenizer, check_model_vocab
-from t1async.rollout.actions import action_turn_ids
+from t1async.models.tokenizer import check_model_vocab
+from t1async.rollout.actions import BASH_TOOL, action_turn_ids
 from t1async.rollout.episode import run_episode
 from t1async.sampling.sampler_client import SamplerResponse
 from t1async.trajectory import Trajectory
@@ -116,7 +117,7 @@ class Demonstrations:
         return out
 
 
-def demonstration(task: Any, env: Any, cfg: Config, tokenizer: ChatTokenizer, *, stop_early: bool = False) -> Trajectory:
+def demonstration(task: Any, env: Any, cfg: Config, tokenizer: ChatRenderer, *, stop_early: bool = False) -> Trajectory:
     """Play ``task``'s oracle through :func:`~t1async.rollout.episode.run_episode` and return the episode.
 
     Each complete command of the oracle solution is one assistant turn (its ids plus
@@ -139,8 +140,11 @@ def demonstration(task: Any, env: Any, cfg: Config, tokenizer: ChatTokenizer, *,
     if stop_early and len(commands) > 1:
         commands = commands[:-1]
     fmt = cfg.env.action_format  # the rollout's own format (t1async/rollout/actions.py)
-    turns = [action_turn_ids(tokenizer, c, fmt) for c in commands]
-    turns.append(action_turn_ids(tokenizer, cfg.env.end_signal, "command"))  # the end signal: a plain message
+    if isinstance(tokenizer, ChatTemplateRenderer):  # model.path: each turn as the model's own template writes it
+        turns = template_demonstration_turns(tokenizer, cfg.env, task.instruction, commands)
+    else:
+        turns = [action_turn_ids(tokenizer, c, fmt) for c in commands]
+        turns.append(action_turn_ids(tokenizer, cfg.env.end_signal, "command"))  # the end signal: a plain message
     longest = max(len(t) for t in turns)
     if longest > cfg.generation.max_new_tokens:
         raise ValueError(f"command too long: {longest} tokens > generation.max_new_tokens="
@@ -150,6 +154,28 @@ def demonstration(task: Any, env: Any, cfg: Config, tokenizer: ChatTokenizer, *,
     mc = cfg.model
     sampler = ScriptedSampler(turns, num_layers=mc.routed_layers, top_k=mc.num_experts_per_tok)
     return run_episode(task, env, sampler, tokenizer, cfg.env, cfg.generation, mc, actor_id=0)
+
+
+def template_demonstration_turns(r: ChatTemplateRenderer, env_cfg: Any, instruction: str,
+                                 commands: list[str]) -> list[list[int]]:
+    """A demonstration's turns on a model's own template: each command as an assistant message (a bash tool
+    call with ``env.action_format`` tool_call), then the end signal as plain content, each rendered after the
+    episode's opening (system, instruction) by :meth:`ChatTemplateRenderer.render_assistant`. (How a template
+    writes an assistant turn does not depend on the earlier turns in the templates t1async knows: Qwen3's adds an
+    empty ``<think>`` block to a turn after the last user message whatever precedes it.)"""
+    tool = env_cfg.action_format == "tool_call"
+    system = env_cfg.tool_system_prompt if tool else env_cfg.system_prompt
+    opening = [{"role": "system", "content": system}, {"role": "user", "content": instruction}]
+    tools = [BASH_TOOL] if tool else []
+
+    def message(command: str) -> dict:
+        if not tool:
+            return {"role": "assistant", "content": command}
+        return {"role": "assistant", "content": "",
+                "tool_calls": [{"type": "function", "function": {"name": "bash", "arguments": {"command": command}}}]}
+
+    return [*(r.render_assistant(opening, message(c), tools) for c in commands),
+            r.render_assistant(opening, {"role": "assistant", "content": env_cfg.end_signal}, tools)]
 
 
 def build_demonstrations(tasks_dir: str | Path, cfg: Config, *, limit: int = 0, concurrency: int = 2) -> Demonstrations:
@@ -165,7 +191,7 @@ def build_demonstrations(tasks_dir: str | Path, cfg: Config, *, limit: int = 0, 
         TaskError: ``tasks_dir`` holds no loadable task.
     """
     tasks = sorted(discover_tasks(tasks_dir, [], sandbox=cfg.env.sandbox), key=lambda t: t.name)
-    tokenizer = ChatTokenizer.load()
+    tokenizer = load_renderer(cfg.model)  # model.path's own template, or the shipped ChatML
     out = Demonstrations()
     names = [t.name for t in tasks]
     early = set(random.Random(cfg.sft.seed).sample(names, round(cfg.sft.early_stop_frac * len(names))))
@@ -292,7 +318,7 @@ def run_sft(cfg: Config, tasks_dir: str | Path, out: str | Path, *, heldout: str
     logger.info("sft: {} demonstrations ({} stopped early, {} skipped: {})", len(demos.trajectories),
                 len(demos.stopped_early), len(demos.skipped), demos.skipped_by_reason())
     model = load_policy(cfg.model, cfg.learner.init_checkpoint or None)  # the warm start, model.path, or random
-    if cfg.env.action_format == "tool_call":  # the demonstrations hold the tool tokens' ids
+    if cfg.env.action_format == "tool_call" and not cfg.model.path:  # the demonstrations hold the tool tokens' ids
         check_model_vocab(model.cfg.vocab_size, "tool_call",
                           f"{cfg.learner.init_checkpoint}: vocab_size" if cfg.learner.init_checkpoint else "model.vocab_size")
     curve = sft_train(model, demos.trajectories, cfg.sft)

@@ -305,6 +305,30 @@ class ChatTemplateRenderer:
                 self.template_mismatches += 1
         return ids
 
+    def render_assistant(self, history: Sequence[dict], message: dict, tools: Sequence[dict] = ()) -> list[int]:
+        """The ids a model trained on this template samples for assistant ``message`` after ``history``: the
+        text the template writes for the message after the generation prompt, up to and including the first
+        end-of-turn token (a demonstration's turn, ``t1async sft``).
+
+        Raises:
+            TemplateError: the rendering with the message does not extend the generation prompt, or holds no
+                end-of-turn token after it.
+        """
+        history = [dict(m) for m in history]
+        head = self._render(history, tools, True)
+        full = self._render(history + [dict(message)], tools, False)
+        if not full.startswith(head):
+            raise TemplateError(f"{self.path or 'chat template'}: an assistant message does not extend the generation "
+                                "prompt in this template's rendering")
+        turn = full[len(head):]
+        found = [(turn.find(t), t) for t in self._eos_text if t in turn]
+        if not found:
+            raise TemplateError(f"{self.path or 'chat template'}: no end-of-turn token {self._eos_text} after the "
+                                "assistant message")
+        pos, eos = min(found)
+        content = message.get("content")
+        return self._encode_rendered(turn[:pos + len(eos)], [content] if isinstance(content, str) else [])
+
     def _after_marker(self, history: list[dict], content: str, obs: dict, tools: Sequence[dict],
                       after: str | None) -> str | None:
         """The rendering that follows the last assistant message's text when that text is ``content``: the
