@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from safetensors import safe_open
 
 transformers = pytest.importorskip("transformers")
 
@@ -170,8 +171,17 @@ def test_from_pretrained_and_save_pretrained_round_trip_through_transformers(tmp
     model.save_pretrained(tmp_path / "a")
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "a", dtype=torch.float32)
     back = HFMoeForCausalLM.from_pretrained(tmp_path / "a")
-    assert back.routed_layers == 2 and back.cfg.num_experts == 8 and back.cfg.path == str(tmp_path / "a")
+    assert back.routed_layers == back.cfg.routed_layers == 2 and back.cfg.num_experts == 8
+    assert back.cfg.path == str(tmp_path / "a")
+    with torch.device("meta"):  # the run's ModelConfig builds the same architecture (a families.build)
+        shell = HFMoeForCausalLM(back.cfg)
+    assert {k: v.shape for k, v in shell.state_dict().items()} == {k: v.shape for k, v in model.state_dict().items()}
     assert back.state_dict().keys() == model.state_dict().keys() == hf.state_dict().keys()
+    with safe_open(str(tmp_path / "a" / "model.safetensors"), "pt") as f:  # transformers' checkpoint layout
+        written = {k: f.get_tensor(k) for k in f.keys()}
+    mine = model.checkpoint_state_dict()
+    assert mine.keys() == written.keys() and "model.layers.1.mlp.experts.7.down_proj.weight" in mine
+    assert all(torch.equal(mine[k], written[k]) for k in written)
     ids = _ids(seed=11)
     with torch.no_grad():
         ref = model(ids, return_routing=True)

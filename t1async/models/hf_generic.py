@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from t1async.config import ModelConfig
 from t1async.config.model_folder import SIZE_KEYS, resolve_model, text_config
@@ -136,7 +137,7 @@ def config_from_hf(d: dict):
     Raises:
         ValueError: one line naming the key and what is supported.
     """
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # transformers: deferred (heavy; an optional extra)
 
     d = text_config(d)
     mt = d.get("model_type")
@@ -151,7 +152,7 @@ def config_to_hf(config) -> dict:
     """The config.json dict of a transformers config (``to_dict``), ``architectures`` set to the causal LM."""
     d = config.to_dict()
     if not d.get("architectures"):
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM  # transformers: deferred (heavy; an optional extra)
 
         d["architectures"] = [AutoModelForCausalLM._model_mapping[type(config)].__name__]
     return d
@@ -218,7 +219,6 @@ class _Routing:
     def checkpoint(self, fn, *args, **kwargs):
         """The layers' checkpoint function (transformers' ``_gradient_checkpointing_func``): non-reentrant,
         with :meth:`checkpoint_contexts`."""
-        from torch.utils.checkpoint import checkpoint
 
         return checkpoint(fn, *args, use_reentrant=False, context_fn=self.checkpoint_contexts, **kwargs)
 
@@ -260,7 +260,7 @@ class HFCache:
     truncatable = True
 
     def __init__(self, config, capacity: int = 0) -> None:
-        from transformers import DynamicCache
+        from transformers import DynamicCache  # transformers: deferred (heavy; an optional extra)
 
         self.capacity = int(capacity)  # DynamicCache grows by concatenation: nothing to reserve
         self.cache = DynamicCache(config=config)
@@ -363,7 +363,7 @@ class HFMoeForCausalLM(MoeCausalLM):
             if not cfg.hf_config:
                 raise ValueError("HFMoeForCausalLM needs cfg.hf_config, a config.json dict (model.path, or "
                                  "HFMoeForCausalLM.wrap / from_pretrained)")
-            from transformers import AutoModelForCausalLM
+            from transformers import AutoModelForCausalLM  # transformers: deferred (heavy; an optional extra)
 
             hf = AutoModelForCausalLM.from_config(config_from_hf(cfg.hf_config), dtype=torch.float32)
         else:
@@ -399,7 +399,7 @@ class HFMoeForCausalLM(MoeCausalLM):
             ConfigError: no config.json or an unknown model_type. ValueError: a model type without an adapter.
             Whatever transformers raises for missing or mis-shaped weights.
         """
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM  # transformers: deferred (heavy; an optional extra)
 
         cfg = resolve_model(ModelConfig(path=str(path)))
         adapter_for(text_config(cfg.hf_config).get("model_type"))  # before any weight is read
@@ -410,6 +410,14 @@ class HFMoeForCausalLM(MoeCausalLM):
         """Write ``config.json`` and the weights into ``path`` with transformers' ``save_pretrained`` (its names
         and layout; ``kw`` passed on, e.g. ``max_shard_size``)."""
         self.hf.save_pretrained(str(path), **kw)
+
+    def checkpoint_state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights under the names and layout of transformers' checkpoints (what :meth:`save_pretrained`
+        writes: per-expert ``mlp.experts.{e}.gate_proj.weight`` ...), through transformers'
+        ``revert_weight_conversion``; :meth:`state_dict` has the fused module names."""
+        from transformers.core_model_loading import revert_weight_conversion  # transformers: deferred (heavy)
+
+        return revert_weight_conversion(self.hf, dict(self.hf.state_dict()))
 
     def new_cache(self, capacity: int = 0) -> HFCache:
         """An empty :class:`HFCache` (truncatable)."""
