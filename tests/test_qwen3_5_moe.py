@@ -154,28 +154,47 @@ def test_incremental_decoding_equals_one_full_forward(tiny, splits):
 
 
 def test_a_packed_forward_equals_each_sequence_fed_alone(tiny):
-    """Bitwise: each sequence's token mixer runs on its own tokens and state; the projections and experts
-    are batch-invariant (row-padded Linear)."""
+    """Bitwise, over a schedule mixing prefill chunks and decode steps: each sequence's token mixer runs
+    on its own tokens and state, the projections and experts are batch-invariant (row-padded Linear), and
+    the few float32 transcendentals over all packed rows are rounded from float64."""
     _, ours, _ = tiny
-    seqs = [_ids(1, n, seed=10 + n)[0] for n in (5, 11, 17)]
+    seqs = [_ids(1, n, seed=10 + n)[0] for n in (6, 15, 20)]
+    steps = [[4, 10, 19], [1, 5, 1], [1, 0, 0]]  # tokens per sequence per forward (0: not in it)
+    packed = [ours.new_cache() for _ in seqs]
+    alone = [ours.new_cache() for _ in seqs]
     with torch.no_grad():
-        alone = []
-        for s in seqs:  # prefill all but the last token, then the last token
-            c = ours.new_cache()
-            a = ours.forward_packed(s[:-1], PackedSegments([c], [len(s) - 1]))
-            b = ours.forward_packed(s[-1:], PackedSegments([c], [1]))
-            alone.append((a, b))
-        caches = [ours.new_cache() for _ in seqs]
-        pa = ours.forward_packed(torch.cat([s[:-1] for s in seqs]), PackedSegments(caches, [len(s) - 1 for s in seqs]))
-        pb = ours.forward_packed(torch.cat([s[-1:] for s in seqs]), PackedSegments(caches, [1, 1, 1]))
-        full = [ours(s[None]).logits[0, -1] for s in seqs]
-    a = 0
-    for i, s in enumerate(seqs):
-        n = len(s) - 1
-        assert torch.equal(pa[0][i], alone[i][0][0][0]) and torch.equal(pa[1][a:a + n], alone[i][0][1])
-        assert torch.equal(pb[0][i], alone[i][1][0][0]) and torch.equal(pb[1][i], alone[i][1][1][0])
-        assert (pb[0][i] - full[i]).abs().max().item() <= 1e-5
-        a += n
+        for step in steps:
+            run = [(i, n) for i, n in enumerate(step) if n]
+            ids = torch.cat([seqs[i][packed[i].seq_len:packed[i].seq_len + n] for i, n in run])
+            logits, routed = ours.forward_packed(ids, PackedSegments([packed[i] for i, _ in run], [n for _, n in run]))
+            a = 0
+            for j, (i, n) in enumerate(run):
+                one = seqs[i][alone[i].seq_len:alone[i].seq_len + n]
+                lo, ro = ours.forward_packed(one, PackedSegments([alone[i]], [n]))
+                assert torch.equal(logits[j], lo[0]) and torch.equal(routed[a:a + n], ro)
+                a += n
+        for s, c in zip(seqs, packed):
+            assert c.seq_len == len(s)
+            last = ours.forward_packed(s[:1], PackedSegments([c], [1]))[0][0]  # one more token on its cache
+            ref = ours(torch.cat([s, s[:1]])[None]).logits[0, -1]
+            assert (last - ref).abs().max().item() <= 1e-5
+
+
+def test_the_engine_answers_a_request_batched_with_others_as_alone(tiny):
+    """Continuous batching: three concurrent requests get bitwise the tokens, log-probs and routed experts
+    each gets alone."""
+    _, ours, _ = tiny
+    prompts = [_ids(1, n, seed=20 + n)[0].tolist() for n in (5, 9, 14)]
+    params = [SamplingParams(max_new_tokens=4 + i, temperature=1.0, sampling_seed=i) for i in range(3)]
+    alone = [Engine(ours, prefix_cache=0, prefill_chunk=4).generate(p, q) for p, q in zip(prompts, params)]
+    eng = Engine(ours, prefix_cache=0, prefill_chunk=4)
+    reqs = [eng.submit(p, q) for p, q in zip(prompts, params)]
+    eng.run_until_done(reqs)
+    assert eng.forward_sequences > eng.forwards  # batched
+    for r, a in zip(reqs, alone):
+        b = r.result()
+        assert b.output_ids == a.output_ids and b.output_logprobs == a.output_logprobs
+        assert (b.routed_experts == a.routed_experts).all()
 
 
 def test_engine_prefix_cache_on_and_off_agree_over_a_two_turn_continuation(tiny):

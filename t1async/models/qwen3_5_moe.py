@@ -25,7 +25,11 @@ their config keys and weights are ignored with a warning naming them.
 
 Batch invariance and packing follow t1async/models/model.py: every projection is its row-padded
 :class:`~t1async.models.model.Linear`, and a packed forward runs each sequence's token mixer on its own
-(attention on its own keys, the delta rule and conv on its own state).
+(attention on its own keys; the gates, conv, delta rule and gated norm of a linear-attention layer on its
+own slice and state). The float32 transcendentals taken over all packed rows at once whose length is not
+a multiple of the vector width (the shared-expert gate's sigmoid over [N, 1], RoPE's cos/sin) are rounded
+from float64 (:func:`_invariant_sigmoid`), so a sequence's logits and routed experts are bitwise the same
+whatever it is packed with (tests/test_qwen3_5_moe.py).
 """
 
 from __future__ import annotations
@@ -376,6 +380,18 @@ def _attend(q, k, v, past: int, gqa: bool) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
+def _invariant_sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """``sigmoid(x)`` in float64, rounded to x's dtype: a row's value whatever the tensor's length.
+
+    CPU kernels run a tensor's elements through a vectorized loop and its last few through a scalar one,
+    and the two float32 transcendentals may differ by an ulp; which elements are the last few depends on the
+    tensor's length (the tokens packed together), so a float32 sigmoid over [N, 1] could make one
+    sequence's result depend on its neighbours. Rounded from float64 the two paths agree (bar a double
+    rounding tie). Also used for RoPE's cos/sin.
+    """
+    return torch.sigmoid(x.double()).to(x.dtype)
+
+
 class SwiGLU(nn.Module):
     """``down(silu(gate(x)) * up(x))`` (the shared expert)."""
 
@@ -453,7 +469,7 @@ class SparseMoeBlock(nn.Module):
                     start += n
             ys = torch.cat(parts, 0) * weights.reshape(-1)[order, None]
             out = out.index_add(0, token_of, ys)
-        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        shared = _invariant_sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out + shared, ids, own
 
 
@@ -498,8 +514,8 @@ class Qwen3_5MoeTextModel(nn.Module):
         r = self.rotary_dim
         inv = 1.0 / (self.c.rope_theta ** (torch.arange(0, r, 2, dtype=torch.float32, device=position_ids.device) / r))
         freqs = position_ids[..., None].float() * inv  # [B, T, r/2]
-        emb = torch.cat([freqs, freqs], -1)[:, None]  # [B, 1, T, r], rotate-half layout
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        emb = torch.cat([freqs, freqs], -1)[:, None].double()  # [B, 1, T, r], rotate-half layout
+        return emb.cos().to(dtype), emb.sin().to(dtype)  # float64: see _invariant_sigmoid
 
     def forward(self, input_ids, position_ids, routed_experts, kv_cache, own_topk=False):
         """Returns (final-norm hidden [B, T, H], expert ids used [B, T, L, K] int64, own top-k or None)."""
