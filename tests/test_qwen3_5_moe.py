@@ -123,6 +123,27 @@ def test_replaying_other_experts_uses_exactly_those_and_the_router_gets_a_gradie
         ours(ids, routed_experts=other[:, :, :2])
 
 
+def test_gradient_checkpointing_gives_the_same_loss_and_gradients(tiny):
+    """The learner's activation checkpointing (``model.gradient_checkpointing``) recomputes each layer,
+    delta rule and conv included: same loss, same gradients."""
+    _, ours, _ = tiny
+    ids = _ids(2, 70, seed=9)  # two chunks
+    grads = []
+    try:
+        for ckpt in (False, True):
+            ours.model.gradient_checkpointing = ckpt
+            loss = ours(ids).logits.log_softmax(-1)[..., 5].sum()
+            loss.backward()
+            grads.append((loss.detach(), {n: p.grad.clone() for n, p in ours.named_parameters()}))
+            ours.zero_grad(set_to_none=True)
+    finally:
+        ours.model.gradient_checkpointing = False
+    (l0, g0), (l1, g1) = grads
+    assert torch.equal(l0, l1) and g0.keys() == g1.keys()
+    assert all(torch.equal(g0[n], g1[n]) for n in g0)
+    assert g0["model.layers.0.linear_attn.A_log"].abs().sum() > 0
+
+
 def test_new_cache_holds_kv_and_per_linear_layer_conv_and_recurrent_state(tiny):
     _, ours, _ = tiny
     cache = ours.new_cache(16)
