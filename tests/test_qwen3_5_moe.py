@@ -267,14 +267,17 @@ def test_a_model_built_from_sizes_saves_a_qwen3_5_config(tmp_path):
 
 
 def test_a_conditional_generation_checkpoint_loads_its_text_decoder(tiny, tmp_path, monkeypatch):
-    """config.json with a nested text_config (mtp_* keys inside it, vision_config beside it), weights
-    under model.language_model.* plus vision and MTP tensors: the decoder loads, the rest is skipped, and
-    one warning names the ignored keys."""
+    """config.json with a nested text_config (mtp_* keys and the interleaved MRoPE sections inside it,
+    vision_config beside it), weights under model.language_model.* plus vision and MTP tensors: the decoder
+    loads (as transformers' Qwen3_5MoeForCausalLM loads it: same logits), the rest is skipped, and one
+    warning names the ignored keys."""
     cfg, ours, _ = tiny
     text = {**config_to_hf(config_from_hf(TINY)), "mtp_num_hidden_layers": 1, "mtp_use_dedicated_embeddings": False}
+    text["rope_parameters"] = {**text["rope_parameters"], "mrope_section": [1, 1, 0], "mrope_interleaved": True}
     outer = {"model_type": "qwen3_5_moe", "architectures": ["Qwen3_5MoeForConditionalGeneration"],
-             "text_config": text, "vision_config": {"depth": 2}, "image_token_id": 248056,
-             "tie_word_embeddings": False}
+             "text_config": text, "image_token_id": 248056, "tie_word_embeddings": False,
+             "vision_config": {"depth": 1, "hidden_size": 32, "num_heads": 2, "intermediate_size": 32,
+                               "out_hidden_size": 64}}
     _folder(tmp_path, outer)
     sd = {k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k: v.contiguous()
           for k, v in ours.state_dict().items()}
@@ -293,9 +296,12 @@ def test_a_conditional_generation_checkpoint_loads_its_text_decoder(tiny, tmp_pa
     for key in ("image_token_id", "mtp_num_hidden_layers", "mtp_use_dedicated_embeddings", "vision_config"):
         assert key in seen[0]
     assert back.config == ours.config and back.routed_layers == L
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).float().eval()  # its text decoder, too
     ids = _ids(1, 10, seed=8)
     with torch.no_grad():
-        assert torch.equal(back(ids).logits, ours(ids).logits)
+        a, b = back(ids).logits, hf(ids).logits
+        assert torch.equal(a, ours(ids).logits)
+    assert (a.log_softmax(-1) - b.log_softmax(-1)).abs().max().item() <= 1e-5
 
 
 @pytest.mark.parametrize("edit,match", [
