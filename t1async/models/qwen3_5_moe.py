@@ -25,12 +25,18 @@ their config keys and weights are ignored with a warning naming them.
 
 Batch invariance and packing follow t1async/models/model.py: every projection is its row-padded
 :class:`~t1async.models.model.Linear`, and a packed forward runs each sequence's token mixer on its own
-(attention on its own keys, the delta rule and conv on its own state).
+(attention on its own keys; the gates, conv, delta rule and gated norm of a linear-attention layer on its
+own slice and state). The float32 transcendentals taken over all packed rows at once whose length is not
+a multiple of the vector width (the shared-expert gate's sigmoid over [N, 1], RoPE's cos/sin) are rounded
+from float64 (:func:`_invariant_sigmoid`), so a sequence's logits and routed experts are bitwise the same
+whatever it is packed with (tests/test_qwen3_5_moe.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,8 +46,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from t1async.config import ModelConfig
-from t1async.config.model_folder import text_config
-from t1async.models.model import KVCache, Linear, MoeCausalLM, PackedSegments, _apply_rope, padded_rows
+from t1async.config.model_folder import resolve_model, text_config
+from t1async.models.hf_folder import ModelFolderError
+from t1async.models.model import KVCache, Linear, MoeCausalLM, PackedSegments, _apply_rope, padded_rows, save_hf
 
 __all__ = ["Qwen3_5MoeForCausalLM", "Qwen35TextConfig", "HybridCache", "config_from_hf", "config_to_hf", "CHUNK"]
 
@@ -77,24 +84,35 @@ class Qwen35TextConfig:
     initializer_range: float = 0.02
 
 
+_SHARED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_experts", "num_experts_per_tok",
+           "max_position_embeddings", "tie_word_embeddings")
+"""Fields the run's ModelConfig and the text config both hold: they must agree."""
+
 _IGNORED = ("mtp_", "vision_config", "image_token_id", "video_token_id", "vision_start_token_id",
             "vision_end_token_id")
-_warned: set[str] = set()
+_warned: set[tuple[str, ...]] = set()
+"""Ignored-key sets already warned about (one warning per set and process)."""
 
 
 def config_from_hf(d: dict) -> Qwen35TextConfig:
     """The text decoder of a Qwen3.5-MoE config.json dict (a conditional-generation config's ``text_config``).
 
+    Keys of the parts not built (``vision_config``, the image/video token ids, ``mtp_*``, inside
+    ``text_config`` or beside it) are ignored with one ``loguru`` warning naming them; keys transformers'
+    ``Qwen3_5MoeTextConfig`` has and this decoder does not need (``router_aux_loss_coef``, token ids, ...)
+    are ignored silently. A key the dict lacks takes transformers' default.
+
     Raises:
         ValueError: what this implementation does not run, named: another activation, attention biases, a RoPE
             scaling type, ``layer_types`` of another length or with other values, heads that do not divide.
     """
-    ignored = sorted(k for k in d if k.startswith(_IGNORED))
-    if ignored and tuple(ignored) not in _warned:
-        _warned.add(tuple(ignored))
+    t = text_config(d)
+    # a conditional-generation config.json keeps vision_config outside and the mtp_* keys inside text_config
+    ignored = tuple(sorted({k for k in (*d, *t) if k.startswith(_IGNORED)}))
+    if ignored and ignored not in _warned:
+        _warned.add(ignored)
         logger.warning("qwen3_5_moe: the vision tower and the MTP head are not built (RL on text needs neither); "
                        "ignored config keys: {}", ", ".join(ignored))
-    t = text_config(d)
     if t.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {t['hidden_act']!r} is not supported (only silu)")
     if t.get("attention_bias"):
@@ -264,25 +282,29 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_a = Linear(c.hidden_size, self.hv, bias=False)
 
     def forward(self, x: torch.Tensor, cache: "HybridCache | PackedSegments | None") -> torch.Tensor:
-        B, T, _ = x.shape
-        qkv = self.in_proj_qkv(x)  # [B, T, conv_dim]
-        z = self.in_proj_z(x)
-        beta = self.in_proj_b(x).sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
-        if isinstance(cache, PackedSegments):  # B == 1: each sequence on its own state
-            outs, a = [], 0
+        """x [B, T, H] -> [B, T, H]; ``cache``: a sequence's :class:`HybridCache` (read and written), a packed
+        row's segments (B == 1: each sequence on its own state), or None (zero state, nothing kept)."""
+        qkv, z = self.in_proj_qkv(x), self.in_proj_z(x)  # [B, T, conv_dim], [B, T, Hv*Dv]
+        b, a = self.in_proj_b(x), self.in_proj_a(x)  # [B, T, Hv] each
+        if isinstance(cache, PackedSegments):
+            # everything after the projections runs per sequence on its own [1, n, .] slice, as when fed
+            # alone: elementwise and reduction kernels then see the same shapes (bitwise batch invariance)
+            outs, s = [], 0
             for c, n in zip(cache.caches, cache.lengths):
-                outs.append(self._mix(qkv[:, a:a + n], beta[:, a:a + n], g[:, a:a + n], c))
-                a += n
+                outs.append(self._mix(qkv[:, s:s + n], z[:, s:s + n], b[:, s:s + n], a[:, s:s + n], c))
+                s += n
             o = torch.cat(outs, 1)
         else:
-            o = self._mix(qkv, beta, g, cache)
-        o = self.norm(o.reshape(-1, self.dv), z.reshape(-1, self.dv)).reshape(B, T, -1)
+            o = self._mix(qkv, z, b, a, cache)
         return self.out_proj(o)
 
-    def _mix(self, qkv: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, cache: HybridCache | None) -> torch.Tensor:
-        """conv1d + SiLU + delta rule of one sequence (or a right-padded batch without cache): [B, T, Hv*Dv]."""
+    def _mix(self, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+             cache: HybridCache | None) -> torch.Tensor:
+        """Gates, conv1d + SiLU, the delta rule and the gated norm of one sequence (or a right-padded batch
+        without cache), from the projections: -> [B, T, Hv*Dv] (the input of ``out_proj``)."""
         B, T, _ = qkv.shape
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         xt = qkv.transpose(1, 2)  # [B, C, T]
         past = cache.conv.get(self.layer_idx) if cache is not None else None
         if past is None:
@@ -302,7 +324,8 @@ class GatedDeltaNet(nn.Module):
         o, S = delta_rule(q, k, v, g.transpose(1, 2), beta.transpose(1, 2).float(), state)
         if cache is not None:
             cache.recurrent[self.layer_idx] = S.detach()
-        return o.transpose(1, 2).to(qkv.dtype).reshape(B, T, -1)
+        o = o.transpose(1, 2).to(qkv.dtype).reshape(-1, self.dv)
+        return self.norm(o, z.reshape(-1, self.dv)).reshape(B, T, -1)
 
 
 class GatedAttention(nn.Module):
@@ -355,6 +378,18 @@ def _attend(q, k, v, past: int, gqa: bool) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     mask = torch.ones(T, past + T, dtype=torch.bool, device=q.device).tril(diagonal=past)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+def _invariant_sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """``sigmoid(x)`` in float64, rounded to x's dtype: a row's value whatever the tensor's length.
+
+    CPU kernels run a tensor's elements through a vectorized loop and its last few through a scalar one,
+    and the two float32 transcendentals may differ by an ulp; which elements are the last few depends on the
+    tensor's length (the tokens packed together), so a float32 sigmoid over [N, 1] could make one
+    sequence's result depend on its neighbours. Rounded from float64 the two paths agree (bar a double
+    rounding tie). Also used for RoPE's cos/sin.
+    """
+    return torch.sigmoid(x.double()).to(x.dtype)
 
 
 class SwiGLU(nn.Module):
@@ -434,7 +469,7 @@ class SparseMoeBlock(nn.Module):
                     start += n
             ys = torch.cat(parts, 0) * weights.reshape(-1)[order, None]
             out = out.index_add(0, token_of, ys)
-        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        shared = _invariant_sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out + shared, ids, own
 
 
@@ -479,8 +514,8 @@ class Qwen3_5MoeTextModel(nn.Module):
         r = self.rotary_dim
         inv = 1.0 / (self.c.rope_theta ** (torch.arange(0, r, 2, dtype=torch.float32, device=position_ids.device) / r))
         freqs = position_ids[..., None].float() * inv  # [B, T, r/2]
-        emb = torch.cat([freqs, freqs], -1)[:, None]  # [B, 1, T, r], rotate-half layout
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        emb = torch.cat([freqs, freqs], -1)[:, None].double()  # [B, 1, T, r], rotate-half layout
+        return emb.cos().to(dtype), emb.sin().to(dtype)  # float64: see _invariant_sigmoid
 
     def forward(self, input_ids, position_ids, routed_experts, kv_cache, own_topk=False):
         """Returns (final-norm hidden [B, T, H], expert ids used [B, T, L, K] int64, own top-k or None)."""
@@ -512,7 +547,9 @@ class Qwen3_5MoeForCausalLM(MoeCausalLM):
             config.json, :func:`config_from_hf`), its ModelConfig sizes when ``hf_config`` is empty.
 
     Raises:
-        ValueError: a config this implementation cannot run (:func:`config_from_hf`).
+        ValueError: a config this implementation cannot run (:func:`config_from_hf`), or a ``cfg`` whose
+            size fields disagree with its ``hf_config`` (build it with
+            :func:`t1async.config.model_folder.resolve_model`).
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -521,9 +558,15 @@ class Qwen3_5MoeForCausalLM(MoeCausalLM):
         self.config = config_from_hf(cfg.hf_config) if cfg.hf_config else config_from_hf(
             {k: getattr(cfg, k) for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                                           "num_key_value_heads", "head_dim", "num_experts", "num_experts_per_tok",
-                                          "moe_intermediate_size", "rms_norm_eps", "max_position_embeddings",
-                                          "tie_word_embeddings", "initializer_range")})
+                                          "moe_intermediate_size", "rms_norm_eps", "rope_theta",
+                                          "max_position_embeddings", "tie_word_embeddings", "initializer_range")})
         c = self.config
+        for k in _SHARED:  # the rest of t1async (engine, replay checks, routed-experts rows) reads cfg's
+            if getattr(cfg, k) != getattr(c, k):
+                raise ValueError(f"model.{k}={getattr(cfg, k)!r} but the Qwen3.5 text config has {k}="
+                                 f"{getattr(c, k)!r} (transformers' default where config.json omits it); build the "
+                                 "ModelConfig with t1async.config.model_folder.resolve_model from a config.json that "
+                                 f"states {k}")
         self.model = Qwen3_5MoeTextModel(c)
         self.lm_head = Linear(c.hidden_size, c.vocab_size, bias=False)
         std = c.initializer_range
@@ -539,3 +582,34 @@ class Qwen3_5MoeForCausalLM(MoeCausalLM):
     def new_cache(self, capacity: int = 0) -> HybridCache:
         """A :class:`HybridCache` (not truncatable)."""
         return HybridCache(capacity)
+
+    # ------------------------------------------------------------------------- checkpoints
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> "Qwen3_5MoeForCausalLM":
+        """Load a Hugging Face Qwen3.5-MoE folder (``config.json``, a text-only or conditional-generation one,
+        and the weights: one ``model.safetensors`` or shards with their index), streamed into float32
+        parameters (:func:`t1async.models.families.load_model`; vision and MTP weights are skipped).
+
+        Raises:
+            ConfigError: no such folder or config.json, another ``model_type``. ModelFolderError: missing,
+                unexpected or mis-shaped weights (named), a config this implementation cannot run.
+        """
+        from t1async.models.families import load_model  # families imports this module
+
+        cfg = resolve_model(ModelConfig(path=str(path)))
+        if cfg.model_type != "qwen3_5_moe":
+            raise ModelFolderError(f"{path}: config.json has model_type {cfg.model_type!r}, not qwen3_5_moe; load it "
+                                   "with t1async.models.families.load_model")
+        return load_model(cfg)
+
+    def save_pretrained(self, path: str | Path, **kw) -> list[str]:
+        """Write ``config.json`` (the source's, or :func:`config_to_hf` for a model built from sizes) and the
+        weights into folder ``path``, loadable by ``transformers.AutoModelForCausalLM.from_pretrained``
+        (:func:`t1async.models.model.save_hf`; ``kw``: its ``max_shard_bytes`` and ``source``).
+
+        Returns:
+            the weight file names written.
+        """
+        cfg = self.cfg if self.cfg.hf_config else dataclasses.replace(self.cfg, hf_config=config_to_hf(self.config))
+        return save_hf(path, cfg, self.state_dict(), **kw)
