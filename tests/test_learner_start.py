@@ -56,9 +56,9 @@ def test_a_learner_that_cannot_start_ends_the_launch_with_one_line_naming_the_ca
     assert "Traceback" not in proc.stderr and "File \"" not in proc.stderr, proc.stderr[-3000:]
     errors = [x for x in proc.stderr.splitlines() if x.startswith("t1async: error:")]
     assert errors == [proc.stderr.strip().splitlines()[-1]], proc.stderr[-3000:]
-    assert errors[0].startswith("t1async: error: the learner failed to start: SafetensorError: Error while "
-                                "deserializing header"), errors
+    assert errors[0].startswith(f"t1async: error: the learner failed to start: ModelFolderError: {weights} is "
+                                "not a readable safetensors file"), errors
     assert f"{run_dir}/logs/learner.log" in errors[0]
     log = (run_dir / "logs" / "learner.log").read_text()
-    assert "Learner failed to start" in log and "Traceback" in log and "from_pretrained" in log
+    assert "Learner failed to start" in log and "Traceback" in log and "load_weights" in log
     assert json.loads((run_dir / "summary.json").read_text())["ended"] == "learner_failed_to_start"

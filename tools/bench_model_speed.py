@@ -98,7 +98,7 @@ def write_folder(family: str, out: Path) -> Path:
     (out / "config.json").write_text(json.dumps(d))
     cfg = resolve_model(ModelConfig(path=str(out)))
     torch.manual_seed(0)
-    save_model(out, cfg, build_model(cfg).state_dict())
+    save_model(out, cfg, build_model(cfg))
     return out
 
 

@@ -85,7 +85,7 @@ def init_folder(family: str, tokenizer: str | Path, out: str | Path, sizes: dict
     cfg = resolve_model(ModelConfig(path=str(out)))
     torch.manual_seed(seed)
     model = build_model(cfg)
-    save_model(out, cfg, model.state_dict())
+    save_model(out, cfg, model)
     check_model_folder(cfg)
     return out
 

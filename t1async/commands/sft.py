@@ -322,7 +322,7 @@ def run_sft(cfg: Config, tasks_dir: str | Path, out: str | Path, *, heldout: str
         check_model_vocab(model.cfg.vocab_size, "tool_call",
                           f"{cfg.learner.init_checkpoint}: vocab_size" if cfg.learner.init_checkpoint else "model.vocab_size")
     curve = sft_train(model, demos.trajectories, cfg.sft)
-    save_model(out, cfg.model, model.state_dict())  # HF layout, model.path's config and tokenizer files copied
+    save_model(out, cfg.model, model)  # HF layout, model.path's config and tokenizer files copied
     result: dict[str, Any] = {
         "checkpoint": str(Path(out).resolve()), "demonstrations": len(demos.trajectories),
         "stopped_early": len(demos.stopped_early),

@@ -221,7 +221,7 @@ class TorchBackend(AdamWPair):
         return self.policy.named_parameters()
 
     def save(self, folder: Path) -> None:
-        save_model(folder, self.model_cfg, self.policy.state_dict(), max_shard_bytes=self.cfg.checkpoint_shard_mb * 10**6)
+        save_model(folder, self.model_cfg, self.policy, max_shard_bytes=self.cfg.checkpoint_shard_mb * 10**6)
         self._save_state(folder, self.critic.state_dict() if self.critic is not None else None)
 
     def load_state(self, folder: Path) -> bool:

@@ -21,6 +21,7 @@ experts), and the learner backends that run it.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,10 +33,14 @@ from t1async.config import MODEL_TYPES, ModelConfig
 from t1async.config.model_folder import text_config
 from t1async.models.chat_template import ChatTemplateRenderer, TemplateError
 from t1async.models.hf_folder import Convert, ModelFolderError, check_memory, check_model_weights, load_weights
+from t1async.models.hf_generic import HFMoeForCausalLM
+from t1async.models.hf_generic import config_from_hf as hf_generic_config
+from t1async.models.hf_generic import config_to_hf as hf_generic_config_to_hf
 from t1async.models.model import Qwen3MoeForCausalLM, _unfuse_experts, model_config_from_hf, model_config_to_hf, save_hf
 from t1async.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen35TextConfig
 from t1async.models.qwen3_5_moe import config_from_hf as qwen35_config_from_hf
 from t1async.models.qwen3_5_moe import config_to_hf as qwen35_config_to_hf
+from t1async.models.qwen3_5_moe import hf_convert as qwen35_hf_convert
 from t1async.models.tokenizer import ChatTokenizer
 
 __all__ = ["Family", "FAMILIES", "family", "build_model", "load_model", "save_model", "check_model_folder",
@@ -95,19 +100,6 @@ def _qwen35_build(cfg: ModelConfig) -> nn.Module:
         raise ModelFolderError(f"model.path={cfg.path}: {e}") from None
 
 
-_QWEN35_SKIPPED = ("mtp.", "model.visual.", "visual.")
-
-
-def _qwen35_convert(cfg: ModelConfig) -> Convert:
-    """A multimodal checkpoint's text decoder (``model.language_model.*``) under the text model's names; the
-    vision tower and MTP head weights are not loaded (the config's warning names them)."""
-    def convert(name: str, t: torch.Tensor):
-        if name.startswith(_QWEN35_SKIPPED):
-            return ()
-        return ((name.replace("model.language_model.", "model.", 1), t),)
-    return convert
-
-
 def _qwen35_init(sizes: dict, renderer) -> dict:
     tiny = {"linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2,
             "linear_num_value_heads": 4, "shared_expert_intermediate_size": sizes.get("moe_intermediate_size", 64)}
@@ -128,8 +120,52 @@ def _qwen35_init(sizes: dict, renderer) -> dict:
     return out
 
 
+def _hf_build(cfg: ModelConfig) -> nn.Module:
+    try:
+        return HFMoeForCausalLM(cfg)
+    except ValueError as e:
+        raise ModelFolderError(f"model.path={cfg.path}: {e}") from None
+
+
+_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+
+
+def _per_expert_convert(cfg: ModelConfig) -> Convert:
+    """transformers' checkpoint layout (one tensor per expert, what its ``save_pretrained`` and the Hub hold)
+    into the fused parameters of its v5 modules: ``gate_up_proj[e]`` rows [0, I) gate, [I, 2I) up;
+    ``down_proj[e]``. Fused tensors pass as they are."""
+    def convert(name: str, t: torch.Tensor):
+        m = _EXPERT.fullmatch(name)
+        if m is None:
+            return ((name, t),)
+        prefix, e, which = m.group(1), int(m.group(2)), m.group(3)
+        if which == "down_proj":
+            return ((f"{prefix}.down_proj", t, e),)
+        rows = slice(0, t.shape[0]) if which == "gate_proj" else slice(t.shape[0], 2 * t.shape[0])
+        return ((f"{prefix}.gate_up_proj", t, (e, rows)),)
+    return convert
+
+
+def _glm4_init(sizes: dict, renderer) -> dict:
+    from transformers import Glm4MoeConfig  # (transformers: deferred, heavy)
+
+    d = {"n_routed_experts": sizes.pop("num_experts", 4), "n_group": 1, "topk_group": 1, "n_shared_experts": 1,
+         "first_k_dense_replace": 1, "intermediate_size": 2 * sizes.get("moe_intermediate_size", 64),
+         "attention_dropout": 0.0, **sizes}
+    try:
+        c = Glm4MoeConfig(**d)
+        hf_generic_config(c.to_dict())
+    except (TypeError, ValueError) as e:
+        raise ModelFolderError(f"glm4_moe: {e}") from None
+    out = hf_generic_config_to_hf(c)
+    out["eos_token_id"] = renderer.end_of_turn_ids
+    return out
+
+
 FAMILIES: dict[str, Family] = {
-    "qwen3_5_moe": Family("qwen3_5_moe", _qwen35_build, _qwen35_convert,
+    "glm4_moe": Family("glm4_moe", _hf_build, _per_expert_convert,
+                       lambda cfg, name: cfg.tie_word_embeddings and name == "lm_head.weight", ("torch",), _glm4_init),
+    "qwen3_5_moe": Family("qwen3_5_moe", _qwen35_build, qwen35_hf_convert,
                           lambda cfg, name: cfg.tie_word_embeddings and name == "lm_head.weight", ("torch",),
                           _qwen35_init),
     "qwen3_moe": Family("qwen3_moe", _qwen3_build, _qwen3_convert,
@@ -181,12 +217,16 @@ def load_model(cfg: ModelConfig, folder: str | Path | None = None) -> nn.Module:
     return model
 
 
-def save_model(out: str | Path, cfg: ModelConfig, state_dict: dict[str, torch.Tensor], *,
+def save_model(out: str | Path, cfg: ModelConfig, weights: nn.Module | dict[str, torch.Tensor], *,
                max_shard_bytes: int = 5 * 2**30) -> list[str]:
-    """Write ``state_dict`` (HF names) as a model folder of ``cfg``'s family: shards and index, the source
-    config (``cfg.hf_config``) and tokenizer files (``cfg.path``), as :func:`t1async.models.model.save_hf`."""
+    """Write a model (or its state dict, HF names) as a model folder of ``cfg``'s family: shards and index,
+    the source config (``cfg.hf_config``) and tokenizer files (``cfg.path``), as
+    :func:`t1async.models.model.save_hf`. A model with a ``checkpoint_state_dict`` (the transformers-backed
+    families) is written in transformers' checkpoint layout (one tensor per expert, as the Hub and SGLang read)."""
     family(cfg)
-    return save_hf(out, cfg, state_dict, max_shard_bytes=max_shard_bytes)
+    if isinstance(weights, nn.Module):
+        weights = weights.checkpoint_state_dict() if hasattr(weights, "checkpoint_state_dict") else weights.state_dict()
+    return save_hf(out, cfg, weights, max_shard_bytes=max_shard_bytes)
 
 
 def _parameters(model: nn.Module) -> int:

@@ -184,8 +184,10 @@ def check_weights(folder: str | Path, expected: dict[str, tuple[int, ...]],
                                "the weights and the config must come from the same checkpoint")
 
 
-Convert = Callable[[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
-"""A layout conversion: one checkpoint tensor -> the model's (name, tensor) pairs (e.g. fused experts split)."""
+Convert = Callable[[str, torch.Tensor], Iterable[tuple]]
+"""A layout conversion: one checkpoint tensor -> the model's ``(name, tensor)`` pairs (e.g. fused experts split),
+or ``(name, tensor, index)`` triples that fill ``parameter[index]`` (e.g. one expert of a fused parameter; the
+parameter counts as present once its parts cover it)."""
 
 
 def _identity(name: str, t: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
@@ -229,10 +231,22 @@ def check_model_weights(model: torch.nn.Module, folder: str | Path, convert: Con
             continue
         seen.add(id(t))
         expected[name] = tuple(t.shape)
+    targets = dict(model.state_dict(keep_vars=True))
     converted: dict[str, tuple[tuple[int, ...], torch.dtype, str]] = {}
+    covered: dict[str, int] = {}
     for name, (shape, dtype, shard) in specs.items():
-        for new, meta in convert(name, torch.empty(shape, dtype=dtype, device="meta")):
-            converted[new] = (tuple(meta.shape), dtype, shard)
+        for part in convert(name, torch.empty(shape, dtype=dtype, device="meta")):
+            new, meta = part[0], part[1]
+            if len(part) == 2:
+                converted[new] = (tuple(meta.shape), dtype, shard)
+                continue
+            # a slice of a parameter (per-expert tensors into fused experts): counted until the whole is covered
+            if new not in targets or tuple(targets[new][part[2]].shape) != tuple(meta.shape):
+                converted[f"{name} (into {new})"] = (tuple(meta.shape), dtype, shard)
+                continue
+            covered[new] = covered.get(new, 0) + meta.numel()
+            if covered[new] == targets[new].numel():
+                converted[new] = (tuple(targets[new].shape), dtype, shard)
     check_weights(folder, expected, converted)
     return specs
 
@@ -264,8 +278,9 @@ def load_weights(model: torch.nn.Module, folder: str | Path, convert: Convert = 
     with torch.no_grad():
         for name, tensor in iter_tensors(folder, specs):
             read += tensor.numel() * tensor.element_size()
-            for new, part in convert(name, tensor):
-                targets[new].copy_(part)
+            for part in convert(name, tensor):
+                target = targets[part[0]]
+                (target[part[2]] if len(part) == 3 else target).copy_(part[1])
             del tensor
     return read
 

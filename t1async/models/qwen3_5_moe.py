@@ -47,7 +47,7 @@ from torch.utils.checkpoint import checkpoint
 
 from t1async.config import ModelConfig
 from t1async.config.model_folder import resolve_model, text_config
-from t1async.models.hf_folder import ModelFolderError
+from t1async.models.hf_folder import Convert, ModelFolderError, load_weights
 from t1async.models.model import KVCache, Linear, MoeCausalLM, PackedSegments, _apply_rope, padded_rows, save_hf
 
 __all__ = ["Qwen3_5MoeForCausalLM", "Qwen35TextConfig", "HybridCache", "config_from_hf", "config_to_hf", "CHUNK"]
@@ -139,6 +139,22 @@ def config_from_hf(d: dict) -> Qwen35TextConfig:
     if not 1 <= c.num_experts_per_tok <= c.num_experts:
         raise ValueError(f"num_experts_per_tok={c.num_experts_per_tok} must be in [1, num_experts={c.num_experts}]")
     return c
+
+
+HF_SKIPPED = ("mtp.", "model.visual.", "visual.")
+"""Checkpoint name prefixes of the vision tower and the MTP head: not loaded (not needed for RL on text)."""
+
+
+def hf_convert(cfg: ModelConfig) -> Convert:
+    """The checkpoint-to-model name map of a Qwen3.5-MoE folder (:data:`t1async.models.hf_folder.Convert`): a
+    conditional-generation checkpoint's text decoder (``model.language_model.*``) under the text model's names;
+    :data:`HF_SKIPPED` weights map to nothing (the config's warning names them). ``cfg`` is unused: every
+    Qwen3.5-MoE checkpoint names its tensors the same way."""
+    def convert(name: str, t: torch.Tensor):
+        if name.startswith(HF_SKIPPED):
+            return ()
+        return ((name.replace("model.language_model.", "model.", 1), t),)
+    return convert
 
 
 def config_to_hf(c: Qwen35TextConfig) -> dict:
@@ -589,19 +605,23 @@ class Qwen3_5MoeForCausalLM(MoeCausalLM):
     def from_pretrained(cls, path: str | Path) -> "Qwen3_5MoeForCausalLM":
         """Load a Hugging Face Qwen3.5-MoE folder (``config.json``, a text-only or conditional-generation one,
         and the weights: one ``model.safetensors`` or shards with their index), streamed into float32
-        parameters (:func:`t1async.models.families.load_model`; vision and MTP weights are skipped).
+        parameters (:func:`hf_convert`: vision and MTP weights are skipped).
 
         Raises:
             ConfigError: no such folder or config.json, another ``model_type``. ModelFolderError: missing,
                 unexpected or mis-shaped weights (named), a config this implementation cannot run.
         """
-        from t1async.models.families import load_model  # families imports this module
-
         cfg = resolve_model(ModelConfig(path=str(path)))
         if cfg.model_type != "qwen3_5_moe":
             raise ModelFolderError(f"{path}: config.json has model_type {cfg.model_type!r}, not qwen3_5_moe; load it "
                                    "with t1async.models.families.load_model")
-        return load_model(cfg)
+        try:
+            model = cls(cfg)
+        except ValueError as e:
+            raise ModelFolderError(f"model.path={cfg.path}: {e}") from None
+        load_weights(model, path, convert=hf_convert(cfg),
+                     skip=lambda name: cfg.tie_word_embeddings and name == "lm_head.weight")
+        return model
 
     def save_pretrained(self, path: str | Path, **kw) -> list[str]:
         """Write ``config.json`` (the source's, or :func:`config_to_hf` for a model built from sizes) and the
