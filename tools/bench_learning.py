@@ -98,8 +98,9 @@ def parse_args(argv: list[str] | None = None):
         p.error("--minutes and --eval-every must be positive")
     for seed in args.seed_list if args.warm_start else []:
         folder = Path(args.warm_start.replace("{seed}", str(seed)))
-        if not all((folder / f).is_file() for f in ("config.json", "model.safetensors")):
-            p.error(f"--warm-start {folder}: no config.json + model.safetensors there (a checkpoint folder, "
+        if not ((folder / "config.json").is_file() and any((folder / f).is_file() for f in
+                                                            ("model.safetensors", "model.safetensors.index.json"))):
+            p.error(f"--warm-start {folder}: no config.json + model.safetensors (or its shard index) there (a checkpoint folder, "
                     "e.g. OUT/seed0/sft-checkpoint of an earlier run)")
     return args
 
@@ -123,9 +124,9 @@ def fitting_families(cfg: Config) -> list[str]:
     import random
 
     from t1async.envs.commands.synth import FAMILIES, TIMING_FAMILIES, oracle_commands
-    from t1async.models.tokenizer import ChatTokenizer
+    from t1async.models.families import load_renderer
 
-    tok = ChatTokenizer.load()
+    tok = load_renderer(cfg.model)  # model.path's tokenizer, or the shipped one
     out = []
     for name, make in FAMILIES.items():
         if name in TIMING_FAMILIES:
@@ -264,17 +265,21 @@ def rl_run(run_dir: Path, ckpt: Path, tasks: Path, seed: int, reward: str, minut
 
 
 def _snapshot(run_dir: Path, snaps_dir: Path, minutes: float, keep_all: bool = False) -> str | None:
-    """Copy the latest checkpoint's policy (config.json + model.safetensors) to ``snaps_dir``;
-    remove older checkpoint folders (the bench needs only the snapshots) unless ``keep_all``."""
+    """Copy the latest checkpoint's policy (a Hugging Face folder: config.json, the weights or their shards
+    and index, generation_config.json and the tokenizer files) to ``snaps_dir``; remove older checkpoint
+    folders (the bench needs only the snapshots) unless ``keep_all``."""
     from t1async.learner.checkpoints import latest_checkpoint
+    from t1async.models.hf_folder import CONFIG, TOKENIZER_FILES
 
     latest = latest_checkpoint(run_dir / "checkpoints")
     if latest is None:
         return None
     dest = snaps_dir / f"{latest.name}-min{minutes:06.2f}"
     dest.mkdir(parents=True, exist_ok=True)
-    for name in ("config.json", "model.safetensors"):
-        shutil.copy2(latest / name, dest / name)
+    policy = {CONFIG, "generation_config.json", *TOKENIZER_FILES}
+    for f in latest.iterdir():
+        if f.is_file() and (f.name in policy or (f.name.startswith("model") and ".safetensors" in f.name)):
+            shutil.copy2(f, dest / f.name)
     if not keep_all:
         for old in (run_dir / "checkpoints").glob("step_*"):
             if old != latest:
