@@ -12,12 +12,18 @@ What a server exposes, and so what is checked (SGLang 0.5.x ``http_server.py``):
   for servers launch starts), its config.json ``vocab_size`` and generation_config.json ``eos_token_id``
   are compared with the learner's; otherwise (a hub id, another machine's path) they are logged as
   unchecked.
+  The architecture keys that fix the names and shapes of the weights the sync sends
+  (``num_hidden_layers``, ``hidden_size``, experts, top-k, expert width) are compared the same way.
 - ``POST /get_weights_by_name`` (``{"name", "truncate_size"}``): 200 with values for a parameter the
   model has, 400 ``Get parameter by name failed`` for one it does not. SGLang has no endpoint listing
   parameter names, and it fuses some (q/k/v, gate/up, the experts) under its own names, so only names
   that are the same in the Hugging Face layout the weight sync sends and in SGLang's modules are
   probed: the embedding, the final norm, the first and last layer's input norm, and ``lm_head`` when
-  untied. A missing last-layer norm means fewer layers; a missing embedding, another naming.
+  untied. SGLang 0.5.10.post1 implements the lookup only for a few dense models (llama, granite,
+  exaone4, opt; ``ModelRunner.get_weights_by_name`` answers None otherwise), not for ``qwen3_moe``,
+  ``qwen3_5_moe`` or ``glm4_moe``: a server that does not know even the embedding is taken as one
+  without the lookup, and the names are logged as unchecked. One that knows the embedding but not
+  another probed name is refused (a missing last-layer norm: fewer layers).
 
 A mismatch raises :class:`~t1async.config.ConfigError` with one line naming the server, the field, both
 values and what to do.
@@ -38,6 +44,10 @@ from t1async.config.model_folder import model_type_of, text_config
 from t1async.sampling.sampler_client import SamplerError, post_json
 
 __all__ = ["folder_facts", "probe_names", "check_server", "check_servers"]
+
+ARCH_KEYS = ("num_hidden_layers", "hidden_size", "num_experts", "n_routed_experts", "num_experts_per_tok",
+             "moe_intermediate_size")
+"""config.json keys (text decoder) that fix the weight names and shapes the sync sends."""
 
 _PROBE = re.compile(r"^(model\.embed_tokens\.weight|model\.norm\.weight|lm_head\.weight|"
                     r"model\.layers\.(\d+)\.input_layernorm\.weight)$")
@@ -72,7 +82,8 @@ def folder_facts(folder: str | Path) -> dict[str, Any] | None:
 
     Returns:
         ``{"model_type": str, "vocab_size": int | None, "eos_token_id": sorted list[int] | None,
-        "weight_names": list[str]}`` (config.json's text decoder, generation_config.json, safetensors names).
+        "weight_names": list[str], ARCH_KEYS...: value or None}`` (config.json's own ``model_type``, as
+        SGLang reports it; the text decoder's other keys; generation_config.json; safetensors names).
     """
     folder = Path(folder).expanduser()
     raw = _read_json(folder / "config.json")
@@ -83,16 +94,17 @@ def folder_facts(folder: str | Path) -> dict[str, Any] | None:
     eos = gen.get("eos_token_id", d.get("eos_token_id"))
     eos_ids = sorted(int(e) for e in (eos if isinstance(eos, list) else [eos])) if eos is not None else None
     vocab = d.get("vocab_size")
-    return {"model_type": model_type_of(raw), "vocab_size": int(vocab) if vocab is not None else None,
-            "eos_token_id": eos_ids, "weight_names": weight_names(folder)}
+    return {"model_type": raw.get("model_type") or model_type_of(raw), "vocab_size": int(vocab) if vocab is not None else None,
+            "eos_token_id": eos_ids, "weight_names": weight_names(folder), **{k: d.get(k) for k in ARCH_KEYS}}
 
 
 def probe_names(names: list[str]) -> list[str]:
-    """The names of ``names`` (a Hugging Face layout) that SGLang's modules keep unfused: embedding, final
-    norm, ``lm_head``, and the input norm of the first and last layer."""
+    """The names of ``names`` (a Hugging Face layout) that SGLang's modules keep unfused: embedding (first),
+    final norm, ``lm_head``, and the input norm of the first and last layer; otherwise in ``names``' order."""
     layers = sorted({int(m.group(2)) for n in names if (m := _PROBE.match(n)) and m.group(2) is not None})
     keep = {f"model.layers.{i}.input_layernorm.weight" for i in (layers[:1] + layers[-1:])}
-    return [n for n in names if _PROBE.match(n) and (n in keep or ".layers." not in n)]
+    out = [n for n in names if _PROBE.match(n) and (n in keep or ".layers." not in n)]
+    return sorted(out, key=lambda n: n != "model.embed_tokens.weight")  # the embedding first: every model has it
 
 
 def _refuse(url: str, field: str, server: Any, learner: Any, fix: str) -> None:
@@ -128,15 +140,20 @@ def check_server(url: str, learner: dict[str, Any], *, timeout_s: float = 30.0) 
         logger.warning("SGLang server {}: its model_path {!r} is not a folder readable here, so its vocabulary size "
                        "and end ids are not checked against the learner's", url, path)
     else:
-        for field in ("vocab_size", "eos_token_id"):
+        for field in ("vocab_size", "eos_token_id", *ARCH_KEYS):
             if None not in (served[field], learner[field]) and served[field] != learner[field]:
                 _refuse(url, field, served[field], learner[field], fix)
-    for name in probe_names(learner["weight_names"]):
+    names = probe_names(learner["weight_names"])
+    for i, name in enumerate(names):
         try:
             post_json(url, "/get_weights_by_name", {"name": name, "truncate_size": 1}, timeout_s=timeout_s)
         except SamplerError as e:
             if "HTTP 400" not in str(e):
                 raise
+            if i == 0:  # not even the embedding: this model has no get_weights_by_name in SGLang
+                logger.warning("SGLang server {} answers no get_weights_by_name for {} (SGLang implements it for a few "
+                               "dense models only): weight names unchecked", url, name)
+                return
             raise ConfigError(f"SGLang server {url} has no parameter {name} (get_weights_by_name failed), which the "
                               f"learner's weight sync sends: {fix}") from None
 
