@@ -162,6 +162,12 @@ class FakeSGLangServer:
         routing_fault: ``None``, ``"minus_one"`` (stale padded rows written as -1) or
             ``"out_of_range"`` (an id equal to ``num_experts``).
         group_timeout_s: the workers' group timeout (SGLang keeps torch's default, 30 min).
+        model_path, model_type: what ``/model_info`` and ``/server_info`` report (SGLang's server args and
+            the folder's config.json ``model_type``); see :meth:`of_folder`.
+        param_names: the parameters the fake model has: ``/get_weights_by_name`` answers 200 (zeros until
+            received) for these and 400 ``Get parameter by name failed`` for any other, like SGLang. None:
+            only the received names are known.
+        skip_tokenizer_init: the server flag as ``/server_info`` reports it.
 
     Attributes:
         rejected: requests answered 422, by route. weight_version: the version string held.
@@ -170,8 +176,12 @@ class FakeSGLangServer:
 
     def __init__(self, *, num_layers: int, top_k: int, num_experts: int, vocab_size: int, tp_size: int = 1,
                  enable_return_routed_experts: bool = True, token_delay_s: float = 0.0,
-                 routing_fault: str | None = None, group_timeout_s: float = 1800.0, port: int = 0):
+                 routing_fault: str | None = None, group_timeout_s: float = 1800.0, port: int = 0,
+                 model_path: str = "fake", model_type: str = "qwen3_moe", param_names: list[str] | None = None,
+                 skip_tokenizer_init: bool = True):
         self.schema = json.loads(SCHEMA_PATH.read_text())
+        self.model_path, self.model_type, self.skip_tokenizer_init = model_path, model_type, skip_tokenizer_init
+        self.param_names = None if param_names is None else set(param_names)
         self.L, self.K, self.E, self.V = num_layers, top_k, num_experts, vocab_size
         self.tp_size, self.flag, self.token_delay_s = tp_size, enable_return_routed_experts, token_delay_s
         self.routing_fault = routing_fault
@@ -266,12 +276,13 @@ class FakeSGLangServer:
         if path in ("/health", "/health_generate"):
             return 200, ""
         if path == "/model_info":
-            return 200, {"model_path": "fake", "tokenizer_path": "fake", "is_generation": True,
+            return 200, {"model_path": self.model_path, "tokenizer_path": self.model_path, "is_generation": True,
                          "preferred_sampling_params": None, "weight_version": self.weight_version,
                          "has_image_understanding": False, "has_audio_understanding": False,
-                         "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}
+                         "model_type": self.model_type, "architectures": ["Qwen3MoeForCausalLM"]}
         if path == "/server_info":
-            return 200, {"tp_size": self.tp_size, "enable_return_routed_experts": self.flag,
+            return 200, {"model_path": self.model_path, "tp_size": self.tp_size, "enable_return_routed_experts": self.flag,
+                         "skip_tokenizer_init": self.skip_tokenizer_init,
                          "version": self.schema["sglang_version"], "weight_version": self.weight_version}
         if path == "/flush_cache":
             with self._cond:
@@ -328,6 +339,8 @@ class FakeSGLangServer:
             return 200, {"success": True, "message": "Success"}
         if path == "/get_weights_by_name":
             r = self._workers("get", {"name": body["name"], "truncate_size": body.get("truncate_size", 100)})[0]
+            if not r["success"] and self.param_names is not None and body["name"] in self.param_names:
+                return 200, [0.0] * int(body.get("truncate_size", 100))  # loaded at start, not received yet
             return (200, r["values"]) if r["success"] else (400, {"error": {"message": "Get parameter by name failed"}})
         if path == "/generate":
             return self._generate(body)
@@ -406,6 +419,23 @@ class FakeSGLangServer:
                 proc.kill()
 
 
+def folder_shape(folder: str | Path) -> dict[str, Any]:
+    """The :class:`FakeSGLangServer` keyword arguments that fake the model of a Hugging Face folder: its
+    layers, top-k, experts, vocabulary, ``model_type`` and safetensors parameter names (the fixed
+    2/2/4/512 shape when ``folder`` has no config.json)."""
+    from t1async.config.model_folder import model_type_of, text_config
+    from t1async.sampling.server_check import weight_names
+
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        return {"num_layers": 2, "top_k": 2, "num_experts": 4, "vocab_size": 512}
+    raw = json.loads(path.read_text())
+    d = text_config(raw)
+    return {"num_layers": int(d["num_hidden_layers"]), "top_k": int(d["num_experts_per_tok"]),
+            "num_experts": int(d.get("num_experts", d.get("n_routed_experts", 4))), "vocab_size": int(d["vocab_size"]),
+            "model_path": str(folder), "model_type": model_type_of(raw), "param_names": weight_names(Path(folder))}
+
+
 def main(argv: list[str] | None = None) -> None:
     """``python -m sglang.launch_server``'s stand-in (tests/fake_sglang_pkg): the flags launch passes,
     a fake server on ``--port`` until killed."""
@@ -423,7 +453,8 @@ def main(argv: list[str] | None = None) -> None:
     import os
 
     print(f"fake sglang on {a.port}, CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}", flush=True)
-    srv = FakeSGLangServer(num_layers=2, top_k=2, num_experts=4, vocab_size=512, tp_size=a.tp_size,
+    print(f"--model-path {a.model_path}", flush=True)
+    srv = FakeSGLangServer(**folder_shape(a.model_path), tp_size=a.tp_size, skip_tokenizer_init=a.skip_tokenizer_init,
                            enable_return_routed_experts=a.enable_return_routed_experts, port=a.port)
     srv.weight_version = a.weight_version
     while True:

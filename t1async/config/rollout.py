@@ -122,8 +122,10 @@ class SamplerConfig(Section):
     request_timeout_s: float = 300.0
     """HTTP timeout of one /generate call, seconds."""
     model_path: str = ""
-    """Backend ``sglang``, started servers: the Hugging Face model folder each server loads (its
-    architecture must match ``model``; the learner's first publish replaces its weights)."""
+    """Backend ``sglang``, started servers, without ``model.path``: the Hugging Face model folder each
+    server loads (its architecture must match ``model``; the learner's first publish replaces its
+    weights). With ``model.path`` leave it empty: servers start from ``model.path`` (on a resume the
+    newest intact checkpoint) and are checked against it; another folder here is refused."""
     tp_size: int = field(default=1, metadata=rule(lambda v: v >= 1, "an integer >= 1"))
     """Backend ``sglang``, started servers: GPUs (tensor-parallel ranks) per server; server i gets
     GPUs i*tp_size .. (i+1)*tp_size - 1 of the launch machine."""

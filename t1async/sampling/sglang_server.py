@@ -7,7 +7,10 @@ Started servers run on this (the launch) machine: sampler i gets GPUs ``i*tp .. 
 learner yet), and writes ``RUN_DIR/logs/sglang{i}.log``. Launch waits until every server answers
 ``GET /health`` with 200 (at most ``sampler.start_timeout_s``) and stops them at exit.
 
-Attached servers (``sampler.urls``) are only health-checked; start them with the same flags.
+Attached servers (``sampler.urls``) are health-checked; start them with the same flags. With
+``model.path`` every server, started or attached, is then checked against the learner's model folder
+(t1async/sampling/server_check.py: model type, vocabulary size, end ids, weight names); launch starts
+servers with ``--model-path`` = ``model.path``, or on a resume the newest intact checkpoint.
 
 Log-probs: a server reports the drawn token's ``log_softmax(logits / T)`` over the whole vocabulary,
 not renormalised over its top-k / top-p set; the learner scores that same quantity
@@ -32,6 +35,7 @@ from loguru import logger
 
 from t1async.config import ConfigError, SamplerConfig
 from t1async.sampling.sampler_client import SamplerError, post_json
+from t1async.sampling.server_check import check_servers
 from t1async.weights.group import free_port
 
 
@@ -39,9 +43,10 @@ class SGLangStartError(RuntimeError):
     """A server did not start or did not become healthy in time."""
 
 
-def sglang_command(cfg: SamplerConfig, port: int) -> list[str]:
-    """The ``sglang.launch_server`` command line of one sampler."""
-    return [sys.executable, "-m", "sglang.launch_server", "--model-path", cfg.model_path, "--host", cfg.host,
+def sglang_command(cfg: SamplerConfig, port: int, model_path: str = "") -> list[str]:
+    """The ``sglang.launch_server`` command line of one sampler (``--model-path``: ``model_path``, else
+    ``cfg.model_path``)."""
+    return [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path or cfg.model_path, "--host", cfg.host,
             "--port", str(port), "--tp-size", str(cfg.tp_size), "--enable-return-routed-experts",
             "--skip-tokenizer-init", "--weight-version", "-1", *cfg.extra_args]
 
@@ -92,18 +97,29 @@ def wait_healthy(urls: list[str], timeout_s: float, procs: list[subprocess.Popen
             time.sleep(1.0)
 
 
-def start_servers(cfg: SamplerConfig, run_dir: Path) -> tuple[list[subprocess.Popen], list[str]]:
-    """Start ``cfg.num_samplers`` servers (or attach to ``cfg.urls``) and wait for their health.
+def start_servers(cfg: SamplerConfig, run_dir: Path, learner_model: str = "") -> tuple[list[subprocess.Popen], list[str]]:
+    """Start ``cfg.num_samplers`` servers (or attach to ``cfg.urls``), wait for their health and, given
+    ``learner_model``, check each against it.
+
+    Args:
+        cfg: the sampler section.
+        run_dir: the run directory (logs go to ``run_dir/logs``).
+        learner_model: the Hugging Face folder the learner builds its model from (``model.path`` or the
+            resumed checkpoint): started servers get it as ``--model-path``, and every server must match it
+            (:func:`~t1async.sampling.server_check.check_servers`). Empty: ``cfg.model_path``, no check.
 
     Returns:
         (processes started, empty when attached; base URLs).
 
     Raises:
         SGLangStartError: see :func:`wait_healthy`; started servers are stopped first.
+        ConfigError: a server does not serve the learner's model (one line; started servers are stopped first).
     """
     if cfg.urls:
         urls = [u.rstrip("/") for u in cfg.urls]
         wait_healthy(urls, cfg.start_timeout_s)
+        if learner_model:
+            check_servers(urls, learner_model)
         logger.info("attached to {} SGLang servers: {}", len(urls), urls)
         return [], urls
     procs, urls, logs = [], [], []
@@ -115,11 +131,13 @@ def start_servers(cfg: SamplerConfig, run_dir: Path) -> tuple[list[subprocess.Po
                                                                                         (i + 1) * cfg.tp_size)))
             log = run_dir / "logs" / f"sglang{i}.log"
             with log.open("ab") as f:
-                procs.append(subprocess.Popen(sglang_command(cfg, port), stdout=f, stderr=subprocess.STDOUT, env=env,
-                                              start_new_session=True))
+                procs.append(subprocess.Popen(sglang_command(cfg, port, learner_model), stdout=f,
+                                              stderr=subprocess.STDOUT, env=env, start_new_session=True))
             urls.append(f"http://{cfg.host}:{port}")
             logs.append(log)
         wait_healthy(urls, cfg.start_timeout_s, procs, logs)
+        if learner_model:
+            check_servers(urls, learner_model)
     except BaseException:
         stop_servers(procs)
         raise

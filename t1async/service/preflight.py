@@ -34,6 +34,21 @@ from t1async.service.rundir import earlier_run, history_overrides, resolve_run_d
 from t1async.transport.keys import client_keys, server_keys
 
 
+def check_sglang_model_path(model_path: str, sampler_model_path: str) -> None:
+    """With ``model.path`` the SGLang servers start from it (t1async/service/launch.py ``sglang_model_dir``):
+    a ``sampler.model_path`` naming another folder would give learner and servers different models.
+
+    Raises:
+        ConfigError: one line with both paths; equal paths (after ``~`` and symlinks) or an empty
+            ``sampler.model_path`` pass.
+    """
+    if not model_path or not sampler_model_path:
+        return
+    if Path(model_path).expanduser().resolve() != Path(sampler_model_path).expanduser().resolve():
+        raise ConfigError(f"sampler.model_path={sampler_model_path} differs from model.path={model_path}: with model.path "
+                          "the SGLang servers start from model.path (the learner's model); drop sampler.model_path")
+
+
 def preflight(config_path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> tuple[Config, Path, list[str]]:
     """Load the config of a launch and check everything it names, before anything starts.
 
@@ -100,8 +115,10 @@ def check_inputs(cfg: Config) -> list[str]:
     tasks = discover_tasks(tasks_dir(cfg.env), cfg.env.tasks, sandbox=cfg.env.sandbox)
     check_sandbox_available(cfg.env.sandbox)
     check_port_free(cfg.transport)
-    if cfg.sampler.backend == "sglang" and not cfg.sampler.urls and not cfg.sampler.model_path:
-        raise ConfigError("sampler.backend=sglang needs sampler.urls (running servers) or sampler.model_path "
+    if cfg.sampler.backend == "sglang":
+        check_sglang_model_path(cfg.model.path, cfg.sampler.model_path)
+    if cfg.sampler.backend == "sglang" and not cfg.sampler.urls and not cfg.sampler.model_path and not cfg.model.path:
+        raise ConfigError("sampler.backend=sglang needs sampler.urls (running servers), model.path or sampler.model_path "
                           "(a Hugging Face model folder for the servers launch starts)")
     if cfg.sampler.backend == "sglang":
         check_logprob_env(cfg.generation.temperature)
