@@ -71,3 +71,26 @@ def test_tempered_nucleus_sampling_is_scored_under_the_same_processing():
     assert out["both"]["nucleus_boundary_tokens"] == 0 and out["both"]["loss_tokens"] > 0
     with pytest.raises(ConfigError, match="generation.temperature=0"):
         measure(load_config(CONFIG, [*TINY, "generation.temperature=0"]))
+
+
+def test_model_path_qwen3_5_moe_folder_tito_and_replay_agree(tmp_path):
+    """model.path on a tiny random qwen3_5_moe folder (real Qwen3.5 tokenizer and template): the embedded
+    sampler and the learner, both built by families.load_model at float32, agree on every sampled token."""
+    from tools import hf_tokenizers
+
+    try:
+        tok = hf_tokenizers.build_folders(["qwen3.5"])["qwen3.5"]
+    except hf_tokenizers.Unavailable as e:
+        pytest.skip(f"real tokenizer folders unavailable: {e}")
+    folder = tmp_path / "qwen35"
+    assert main(["model", "init", "--family", "qwen3_5_moe", "--tokenizer", str(tok), "--out", str(folder)]) == 0
+    cfg_file = tmp_path / "mismatch.yaml"
+    cfg_file.write_text("run: {seed: 0, torch_threads: 1}\nsampler: {dtype: float32}\n"
+                        "generation: {max_new_tokens: 16, temperature: 1.0}\nenv: {max_turns: 2, command_timeout_s: 5.0}\n"
+                        "mismatch: {episodes: 2, learner_dtype: float32}\n")
+    out = measure(load_config(str(cfg_file), [f"model.path={folder}", "env.tasks=[create-hello-file,count-error-lines]"]))
+    for mode in ("tito", "both"):
+        assert out[mode]["loss_tokens"] > 0 and out[mode]["drift_tokens"] == 0, mode
+        assert out[mode]["logprob_diff_mean"] < 1e-5, mode
+    assert out["both"]["routing_diff_frac"] == 0 and out["tito"]["routing_diff_frac"] == 0
+    assert out["none"]["drift_tokens"] > 0  # the folder's tokenizer re-encodes sampled text differently

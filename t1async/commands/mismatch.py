@@ -60,11 +60,13 @@ import torch.nn.functional as F
 
 from t1async.actors.rollout import tasks_dir
 from t1async.actors.sampler import EmbeddedSampler
-from t1async.config import Config, GenerationConfig, check_trainable
+from t1async.config import Config, ConfigError, GenerationConfig, check_trainable
 from t1async.envs.taskio.loading import discover_tasks
 from t1async.envs.terminal import TerminalEnv
 from t1async.learner.rl import load_balancing_loss, routing_differs
 from t1async.learner.torch_backend import load_policy
+from t1async.models.chat_template import ChatTemplateRenderer
+from t1async.models.families import load_renderer
 from t1async.models.logprobs import token_logprobs
 from t1async.models.model import Qwen3MoeForCausalLM
 from t1async.models.tokenizer import ChatTokenizer
@@ -110,11 +112,13 @@ def exact_view(traj: Trajectory) -> View:
                 np.ones(traj.num_tokens - 1, dtype=bool), groups, int(traj.drift_tokens))
 
 
-def token_bytes(tokenizer: ChatTokenizer) -> list[bytes]:
-    """The bytes of every id of a byte-level BPE (special tokens: their UTF-8 text).
+def token_bytes(tokenizer: ChatTokenizer | ChatTemplateRenderer) -> list[bytes]:
+    """The bytes of every id of a byte-level BPE (special and added tokens: their UTF-8 text), for the
+    shipped tokenizer or a model folder's (``model.path``; Qwen3, Qwen3.5 and GLM-4.6 are byte-level BPEs).
 
     Byte-level BPE writes each byte as one printable character (GPT-2's table: the printable
-    Latin-1 bytes stand for themselves, the others map to 256 + n in order); this inverts it.
+    Latin-1 bytes stand for themselves, the others map to 256 + n in order); this inverts it. A token
+    string outside that table (none in those vocabularies) is taken as its UTF-8 text.
     """
     printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
     char_to_byte = {chr(b): b for b in printable}
@@ -123,12 +127,32 @@ def token_bytes(tokenizer: ChatTokenizer) -> list[bytes]:
         if b not in printable:
             char_to_byte[chr(256 + n)] = b
             n += 1
-    special = tokenizer.special_ids
+    if isinstance(tokenizer, ChatTemplateRenderer):
+        backend, special = tokenizer.tokenizer.backend_tokenizer, set(tokenizer.tokenizer.added_tokens_decoder)
+    else:
+        backend, special = tokenizer._tok, tokenizer.special_ids
     out = []
     for i in range(tokenizer.vocab_size):
-        s = tokenizer._tok.id_to_token(i)
-        out.append(s.encode() if i in special else bytes(char_to_byte[c] for c in s))
+        s = backend.id_to_token(i) or ""
+        plain = i in special or any(c not in char_to_byte for c in s)
+        out.append(s.encode() if plain else bytes(char_to_byte[c] for c in s))
     return out
+
+
+def _stop_ids(tokenizer: ChatTokenizer | ChatTemplateRenderer) -> tuple[int, ...]:
+    """The ids that end a sampled turn: ``<|im_end|>`` / ``<|endoftext|>``, or the folder's end-of-turn ids."""
+    if isinstance(tokenizer, ChatTemplateRenderer):
+        return tuple(tokenizer.end_of_turn_ids)
+    return tokenizer.im_end_id, tokenizer.eos_id
+
+
+def _reencode(tokenizer: ChatTokenizer | ChatTemplateRenderer, body: list[int]) -> list[int]:
+    """A turn's text decoded and encoded again, as a text-in/text-out pipeline would: the folder's tokenizer
+    reads special-token strings as their ids (transformers' own encoding), the shipped one as it encodes."""
+    if isinstance(tokenizer, ChatTemplateRenderer):
+        text = tokenizer.decode(body)
+        return list(tokenizer.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+    return tokenizer.encode(tokenizer.decode(body))
 
 
 def _byte_groups(a: list[int], b: list[int], tb: list[bytes]) -> list[tuple[int, int, int, int]]:
@@ -152,16 +176,19 @@ def _byte_groups(a: list[int], b: list[int], tb: list[bytes]) -> list[tuple[int,
     return [(a0, a1, b0, b1) for (a0, b0), (a1, b1) in zip(cuts, cuts[1:])]
 
 
-def naive_view(traj: Trajectory, tokenizer: ChatTokenizer, tb: list[bytes] | None = None) -> View:
-    """The naive view: every turn's text decoded and re-encoded, context ids and stop ids kept.
+def naive_view(traj: Trajectory, tokenizer: ChatTokenizer | ChatTemplateRenderer, tb: list[bytes] | None = None
+               ) -> View:
+    """The naive view: every turn's text decoded and re-encoded (with ``model.path``, by the folder's
+    tokenizer), context ids and stop ids kept.
 
-    The stop id that ended a turn (``<|im_end|>`` or ``<|endoftext|>``) stays as sampled, so the
+    The stop id that ended a turn (``<|im_end|>`` or ``<|endoftext|>``, or the folder's end-of-turn
+    ids) stays as sampled, so the
     only difference from the stream is the re-tokenized text (see the module docstring for the
     byte alignment).
     """
     tb = tb if tb is not None else token_bytes(tokenizer)
     tok, lp, rec = traj.token_ids.astype(np.int64), traj.logprobs, traj.routed_experts.astype(np.int64)
-    stops = (tokenizer.im_end_id, tokenizer.eos_id)
+    stops = _stop_ids(tokenizer)
     ids: list[int] = []
     src: list[int] = []  # stream position whose recorded row each learner position replays
     aligned: list[bool] = []
@@ -175,7 +202,7 @@ def naive_view(traj: Trajectory, tokenizer: ChatTokenizer, tb: list[bytes] | Non
         turn = tok[s:e].tolist()
         stopped = turn[-1] in stops
         body = turn[:-1] if stopped else turn
-        re = tokenizer.encode(tokenizer.decode(body))
+        re = _reencode(tokenizer, body)
         drift += sum(1 for k in range(max(len(body), len(re)))
                      if k >= len(body) or k >= len(re) or body[k] != re[k])
         base = len(ids)
@@ -325,7 +352,7 @@ def rollouts(cfg: Config, policy: Qwen3MoeForCausalLM, episodes: int) -> list[Tr
     weights (cast to ``cfg.sampler.dtype``), over HTTP, in bubblewrap sandboxes."""
     tasks = discover_tasks(tasks_dir(cfg.env), cfg.env.tasks, sandbox=cfg.env.sandbox)
     sampler = EmbeddedSampler(cfg.model, cfg.sampler, seed=cfg.run.seed, torch_threads=cfg.run.torch_threads)
-    tokenizer = ChatTokenizer.load()
+    tokenizer = load_renderer(cfg.model)  # model.path's own tokenizer and template, or the shipped ChatML
     out = []
     try:
         sampler.load_weights(policy.state_dict(), 0)
@@ -350,6 +377,9 @@ def build_policy(cfg: Config) -> tuple[Qwen3MoeForCausalLM, dict]:
     torch.manual_seed(cfg.run.seed)
     policy = load_policy(cfg.model, mc.init_checkpoint or None)  # the checkpoint, model.path, or random
     stats: dict = {}
+    if mc.pretrain_steps > 0 and cfg.model.path:
+        raise ConfigError(f"mismatch.pretrain_steps={mc.pretrain_steps} renders its corpus with the shipped ChatML "
+                          f"tokenizer, not model.path={cfg.model.path}'s; set mismatch.pretrain_steps=0")
     if mc.pretrain_steps > 0:
         tokenizer = ChatTokenizer.load()
         corpus = pretraining_corpus(tokenizer, cfg.env.system_prompt, discover_tasks(tasks_dir(cfg.env), []))
@@ -361,7 +391,7 @@ def build_policy(cfg: Config) -> tuple[Qwen3MoeForCausalLM, dict]:
     return policy.eval(), stats
 
 
-def evaluate(trajs: list[Trajectory], learner: Qwen3MoeForCausalLM, tokenizer: ChatTokenizer,
+def evaluate(trajs: list[Trajectory], learner: Qwen3MoeForCausalLM, tokenizer: ChatTokenizer | ChatTemplateRenderer,
              gen: GenerationConfig | None = None) -> dict[str, dict]:
     """Score every trajectory the four ways under the sampling processing ``gen`` (None: the
     plain model); ``{mode: Tally.result()}``."""
@@ -392,7 +422,7 @@ def measure(cfg: Config) -> dict[str, dict]:
     trajs = rollouts(cfg, policy, cfg.mismatch.episodes)
     t2 = time.perf_counter()
     learner = policy.to(_DTYPES[cfg.mismatch.learner_dtype]).eval()
-    result = evaluate(trajs, learner, ChatTokenizer.load(), cfg.generation)
+    result = evaluate(trajs, learner, load_renderer(cfg.model), cfg.generation)
     t3 = time.perf_counter()
     d = {m: result[m]["logprob_diff_mean"] for m in MODES}
     summary = {

@@ -233,14 +233,35 @@ class ChatTemplateRenderer:
         """
         return self._encode_rendered(self._render(self._opening(system, user), tools, True), [user])
 
+    def render_chat(self, messages: Sequence[dict], tools: Sequence[dict] = ()) -> list[int]:
+        """A whole conversation (an OpenAI client's first request) as the template renders it, tools declared
+        through its ``tools`` variable, then the generation prompt; ids equal to transformers'
+        ``apply_chat_template(messages, tools=..., add_generation_prompt=True)`` (user and tool texts that
+        spell a special token stay plain text, :meth:`_encode_rendered`).
+
+        Raises:
+            TemplateError: the template cannot render them.
+        """
+        messages = [dict(m) for m in messages]
+        plain = [m["content"] for m in messages if m.get("role") in ("user", "tool") and isinstance(m.get("content"), str)]
+        return self._encode_rendered(self._render(messages, tools, True), plain)
+
     @staticmethod
     def _opening(system: str, user: str) -> list[dict]:
         return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
 
     def render_observation(self, history: Sequence[dict], observation_message: dict | str,
                            tools: Sequence[dict] = (), stream: Sequence[int] | None = None) -> list[int]:
-        """Ids to append after an assistant turn's exact sampled ids: the observation turn as the template
-        renders it, then the next generation prompt.
+        """:meth:`render_continuation` of one observation message (a string: a tool message with that content)."""
+        obs = {"role": "tool", "content": observation_message} if isinstance(observation_message, str) \
+            else dict(observation_message)
+        return self.render_continuation(history, [obs], tools, stream)
+
+    def render_continuation(self, history: Sequence[dict], new_messages: Sequence[dict],
+                            tools: Sequence[dict] = (), stream: Sequence[int] | None = None) -> list[int]:
+        """Ids to append after an assistant turn's exact sampled ids: the new messages (an observation, or the
+        tool results and user turns an OpenAI client sends) as the template renders them, then the next
+        generation prompt.
 
         Found at the text level, never by re-tokenizing the history: the template renders ``history +
         [observation]`` with the generation prompt, once as is and once with a marker appended to the last
@@ -256,8 +277,7 @@ class ChatTemplateRenderer:
         Args:
             history: the conversation so far as messages (``role``, ``content``), ending with the assistant
                 turn whose text is the decoded sampled ids.
-            observation_message: the new message (``{"role": "tool", "content": ...}``); a string is a tool
-                message with that content.
+            new_messages: the new messages (``{"role": "tool", "content": ...}``, user messages), at least one.
             tools: the tools the prompt declared (the template may render them in every turn).
             stream: the episode's ids so far (prompt, sampled and appended ids); when given, the turn is
                 counted in :attr:`template_mismatches` if the template's re-render of the whole conversation
@@ -275,12 +295,13 @@ class ChatTemplateRenderer:
         if not history or history[-1].get("role") != "assistant":
             raise TemplateError(f"render_observation needs a history that ends with the assistant turn, got roles "
                                 f"{[m.get('role') for m in history]}")
-        obs = {"role": "tool", "content": observation_message} if isinstance(observation_message, str) \
-            else dict(observation_message)
+        obs = [dict(m) for m in new_messages]
+        if not obs:
+            raise TemplateError("render_continuation needs at least one new message")
         content = history[-1].get("content") or ""
         if not isinstance(content, str) or _SENTINEL in content:
             raise TemplateError("the last assistant message's content must be the sampled text (a string)")
-        after = self._render(history + [obs], tools, True)
+        after = self._render(history + obs, tools, True)
         rest = self._after_marker(history, content, obs, tools, after)
         rewritten = rest is None
         if rewritten:  # the template rewrote the sampled text (trimmed it, split it at </think>): a neutral text
@@ -294,12 +315,12 @@ class ChatTemplateRenderer:
                                 "(generation_config.json eos_token_id) follows the assistant turn in the rendering")
         pos, s = min(found)
         new = rest[pos + len(s):]
-        text = obs.get("content")
-        ids = self._encode_rendered(new, [text] if isinstance(text, str) else [])
+        ids = self._encode_rendered(new, [m["content"] for m in obs
+                                          if m.get("role") in ("user", "tool") and isinstance(m.get("content"), str)])
         if stream is not None and rewritten:
             self.template_mismatches += 1
         elif stream is not None:
-            whole = self._encode_rendered(after, [m["content"] for m in history + [obs]
+            whole = self._encode_rendered(after, [m["content"] for m in history + obs
                                                   if m.get("role") in ("user", "tool") and isinstance(m.get("content"), str)])
             if whole != [*stream, *ids]:
                 self.template_mismatches += 1
@@ -329,12 +350,12 @@ class ChatTemplateRenderer:
         content = message.get("content")
         return self._encode_rendered(turn[:pos + len(eos)], [content] if isinstance(content, str) else [])
 
-    def _after_marker(self, history: list[dict], content: str, obs: dict, tools: Sequence[dict],
+    def _after_marker(self, history: list[dict], content: str, obs: list[dict], tools: Sequence[dict],
                       after: str | None) -> str | None:
         """The rendering that follows the last assistant message's text when that text is ``content``: the
         template renders it with a marker appended; None when the marker is lost, or when ``after`` (the
         rendering of the sampled text) does not end with the same text (the template rewrote the turn)."""
-        marked = self._render(history[:-1] + [{**history[-1], "content": content + _SENTINEL}, obs], tools, True)
+        marked = self._render(history[:-1] + [{**history[-1], "content": content + _SENTINEL}, *obs], tools, True)
         k = marked.find(_SENTINEL)
         if k < 0:
             return None

@@ -73,7 +73,8 @@ def segment_builder(records: list[CompletionRecord], tokenizer: ChatTokenizer) -
         ep.add_sampled(r.output_ids, r.logprobs, r.weight_version, r.routed_experts)
         ep.turn_status[-1] = (TURN_ABORTED if r.finish_reason == "abort" else
                               TURN_LENGTH_CUT if r.finish_reason == "length" else r.status)
-        ep.template_mismatches += template_renders_differently(tokenizer, r.output_ids, "tool_call")
+        if isinstance(tokenizer, ChatTokenizer):  # a model folder's template: the renderer counts them itself
+            ep.template_mismatches += template_renders_differently(tokenizer, r.output_ids, "tool_call")
     return ep
 
 

@@ -49,7 +49,9 @@ import numpy as np
 from loguru import logger
 
 from t1async import require_extra
+from t1async.models.chat_template import ChatTemplateRenderer, TemplateError
 from t1async.models.tokenizer import ChatTokenizer
+from t1async.rollout.tool_formats import ToolCallProblem, detect, tag_ids
 from t1async.sampling.sampler_client import Sampler, SamplerError
 from t1async.trajectory import TOOL_CALL_CODES
 
@@ -226,6 +228,53 @@ def completion_message(tok: ChatTokenizer, body: Sequence[int], tool_names: set[
             "tool_calls": calls}, status
 
 
+def template_message(msg: dict) -> dict:
+    """An OpenAI message as a chat template reads it: ``role`` (developer -> system), ``content`` text, an
+    assistant's ``tool_calls`` with parsed ``arguments`` (templates render them as objects).
+
+    Raises:
+        RequestError: a message the template cannot render (:func:`canonical`).
+    """
+    role, text, calls = canonical(msg)
+    out: dict = {"role": role, "content": text}
+    if calls:
+        out["tool_calls"] = [{"type": "function", "function": {"name": n, "arguments": a}} for n, a in calls]
+    return out
+
+
+def template_completion_message(renderer: ChatTemplateRenderer, body: Sequence[int], tools: Sequence[dict],
+                                call_prefix: str) -> tuple[dict, int]:
+    """:func:`completion_message` for a model folder's template: calls in the template's own tool-call
+    format (t1async/rollout/tool_formats.py :func:`detect`), told by their tag *ids*; each span is parsed and
+    checked against ``tools`` by the format. A turn with a span the format rejects (bad syntax, an unknown
+    tool, arguments off the schema), or unbalanced tags, is returned as text with that reason's code."""
+    text = renderer.decode(body).replace("\x00", "")
+    try:
+        fmt = detect(renderer.tokenizer.chat_template)
+        open_id, close_id = tag_ids(renderer, fmt)
+    except ValueError:  # a template without a known tool-call format: text only
+        return {"role": "assistant", "content": text.strip() or None}, 0
+    opens = [i for i, t in enumerate(body) if t == open_id]
+    closes = [i for i, t in enumerate(body) if t == close_id]
+    if not opens and not closes:
+        return {"role": "assistant", "content": text.strip() or None}, 0
+    if len(opens) != len(closes) or any(c < o for o, c in zip(opens, closes)) or any(
+            o < c for o, c in zip(opens[1:], closes[:-1])):
+        return {"role": "assistant", "content": text.strip() or None}, TOOL_CALL_CODES["unbalanced"]
+    calls, content, prev = [], [], 0
+    for k, (o, c) in enumerate(zip(opens, closes)):
+        content.append(renderer.decode(body[prev:o]))
+        prev = c + 1
+        call = fmt.parse_call(renderer.decode(body[o + 1:c]).replace("\x00", ""), list(tools))
+        if isinstance(call, ToolCallProblem):
+            return {"role": "assistant", "content": text.strip() or None}, TOOL_CALL_CODES[call.reason]
+        calls.append({"id": f"{call_prefix}_{k}", "type": "function",
+                      "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}})
+    content.append(renderer.decode(body[prev:]))
+    return {"role": "assistant", "content": "".join(content).replace("\x00", "").strip() or None,
+            "tool_calls": calls}, 0
+
+
 # ---------------------------------------------------------------- recording
 
 @dataclass
@@ -264,8 +313,12 @@ class ChatRecorder:
     history did not continue the previous completion (each starts a new segment).
     """
 
-    def __init__(self, tokenizer: ChatTokenizer):
+    def __init__(self, tokenizer: ChatTokenizer | ChatTemplateRenderer):
         self.tok = tokenizer
+        self.template = tokenizer if isinstance(tokenizer, ChatTemplateRenderer) else None
+        self.stop_ids = tokenizer.end_of_turn_ids if self.template else [tokenizer.im_end_id, tokenizer.eos_id]
+        self._hist: list[dict] = []  # template messages of the segment, assistant turns as their sampled text
+        self._pending: list[dict] = []  # the request's template messages, before add()
         self.records: list[CompletionRecord] = []
         self.history_breaks = 0
         self._last: tuple[list[tuple], tuple, list[dict]] | None = None  # (request messages, returned message, tools)
@@ -285,6 +338,16 @@ class ChatRecorder:
             n = len(prev)
             if canon[:n] == prev and len(canon) > n and canon[n] == returned and list(tools) == prev_tools:
                 stream = [*last.prompt_ids, *last.output_ids]
+                if self.template is not None:
+                    if not last.output_ids or last.output_ids[-1] not in self.stop_ids:
+                        stream += self.stop_ids[:1]  # drift repair, as the rollout loop does
+                    new = [template_message(m) for m in messages[n + 1:]]
+                    try:
+                        stream += self.template.render_continuation(self._hist, new, tools, stream=stream)
+                    except TemplateError as e:
+                        raise RequestError(str(e)) from None
+                    self._pending = self._hist + new
+                    return stream, last.segment, len(last.prompt_ids) + len(last.output_ids) - 1
                 if not last.output_ids or last.output_ids[-1] != self.tok.im_end_id:
                     stream += self.tok.end_of_turn_ids  # drift repair, as the rollout loop does
                 stream += [*self.tok.encode("\n"), *render_turns(self.tok, messages[n + 1:]),
@@ -295,12 +358,24 @@ class ChatRecorder:
                            "(edited, truncated, re-ordered or re-sent); new exact segment", self.history_breaks,
                            len(messages))
         segment = last.segment + 1 if last is not None else 0
+        if self.template is not None:
+            if not messages:
+                raise RequestError("messages is empty")
+            self._pending = [template_message(m) for m in messages]
+            try:
+                return self.template.render_chat(self._pending, tools), segment, 0
+            except TemplateError as e:
+                raise RequestError(str(e)) from None
         return render_messages(self.tok, messages, tools), segment, 0
 
     def add(self, record: CompletionRecord, messages: Sequence[dict], returned: dict, tools: Sequence[dict]) -> None:
         """Keep one completion and what the agent must send back to extend it (called right after
         :meth:`prompt` for the same request, whose canonical messages it reuses)."""
         self.records.append(record)
+        if self.template is not None:
+            out = record.output_ids
+            body = out[:-1] if out and out[-1] in self.stop_ids else out
+            self._hist = [*self._pending, {"role": "assistant", "content": self.template.decode(body)}]
         self._last = (self._canon if len(self._canon) == len(messages) else [canonical(m) for m in messages],
                       canonical(returned), list(tools))
 
@@ -401,8 +476,8 @@ class Session:
                 raise RequestError(f"the prompt ({len(ids)} tokens) plus max_tokens ({params['max_new_tokens']}) "
                                    f"exceeds the context of {self.limits.context_tokens} tokens",
                                    code="context_length_exceeded")
-            tok = self.recorder.tok
-            params["stop_token_ids"] = [tok.im_end_id, tok.eos_id]
+            tok, stops = self.recorder.tok, self.recorder.stop_ids
+            params["stop_token_ids"] = list(stops)
             try:
                 resp = self.sampler.generate(ids, params, routed_experts_start_len=start)
             except SamplerError as e:
@@ -412,9 +487,12 @@ class Session:
                 self.sampler_errors += 1
                 raise RequestError(f"the sampler answered no tokens ({resp.finish_reason})", status=502,
                                    code="sampler_error")
-            body = resp.output_ids[:-1] if resp.output_ids[-1] in (tok.im_end_id, tok.eos_id) else resp.output_ids
+            body = resp.output_ids[:-1] if resp.output_ids[-1] in stops else resp.output_ids
             turn = len(self.recorder.records)
-            message, status = completion_message(tok, body, {t["name"] for t in tools}, f"call_{turn}")
+            if self.recorder.template is not None:
+                message, status = template_completion_message(tok, body, tools, f"call_{turn}")
+            else:
+                message, status = completion_message(tok, body, {t["name"] for t in tools}, f"call_{turn}")
             self.recorder.add(CompletionRecord(segment, ids, list(resp.output_ids), list(resp.logprobs),
                                                resp.routed_experts, start, resp.weight_version, resp.finish_reason,
                                                status), messages, message, tools)
@@ -447,7 +525,8 @@ class OpenAIEndpoint:
     """The HTTP surface (FastAPI app served by uvicorn on a thread), one per rollout actor.
 
     Args:
-        tokenizer: the policy's tokenizer (its chat template renders the prompts).
+        tokenizer: the run's renderer (t1async/models/families.py ``load_renderer``): the shipped
+            ChatML tokenizer, or a model folder's ``ChatTemplateRenderer`` (its own template and tool format).
         host: interface to listen on; the port is a free one (:attr:`url`).
 
     Attributes:
@@ -455,7 +534,7 @@ class OpenAIEndpoint:
         rejected: requests answered with an error, by OpenAI error code.
     """
 
-    def __init__(self, tokenizer: ChatTokenizer, host: str = "127.0.0.1"):
+    def __init__(self, tokenizer: ChatTokenizer | ChatTemplateRenderer, host: str = "127.0.0.1"):
         uvicorn = require_extra("uvicorn", *ENDPOINT_EXTRA)
 
         self.tok = tokenizer

@@ -101,13 +101,11 @@ def check_inputs(cfg: Config) -> list[str]:
                 template_tool_format(load_renderer(cfg.model))
             except ValueError as e:
                 raise ConfigError(f"env.action_format=tool_call with model.path={cfg.model.path}: {e}") from None
-        if cfg.rollout.agent == "external":
-            raise ConfigError("rollout.agent=external renders the OpenAI endpoint with the built-in ChatML template; "
-                              "with model.path use rollout.agent=builtin")
     else:
         check_model_vocab(cfg.model.vocab_size, cfg.env.action_format)
-    if cfg.rollout.agent == "external":  # the endpoint renders and returns tool calls with the tool-call ids
+    if cfg.rollout.agent == "external" and not cfg.model.path:  # ChatML: tool calls with the tool-call ids
         check_model_vocab(cfg.model.vocab_size, "tool_call", "model.vocab_size (rollout.agent=external)")
+    if cfg.rollout.agent == "external":
         for module in ("fastapi", "uvicorn"):  # the endpoint's extra, before any process starts
             require_extra(module, "endpoint", "rollout.agent=external")
     if cfg.metrics.wandb:  # (its extra, before any process starts)
