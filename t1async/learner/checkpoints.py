@@ -121,6 +121,21 @@ def verify_checkpoint(folder: Path) -> str | None:
     return None
 
 
+def _newest_first(root: Path) -> list[Path]:
+    """The ``step_N`` folders under ``root`` (none when it is absent), largest N first."""
+    if not root.is_dir():
+        return []
+    found = sorted(((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()),
+                   reverse=True)
+    return [p for _, p in found]
+
+
+def newest_intact_checkpoint(root: Path) -> Path | None:
+    """The newest committed checkpoint under ``root`` that verifies (:func:`verify_checkpoint`), moving
+    nothing aside (a reader beside the learner, which renames the bad ones: :func:`resumable_checkpoint`)."""
+    return next((p for p in _newest_first(root) if verify_checkpoint(p) is None), None)
+
+
 def resumable_checkpoint(root: Path) -> tuple[Path | None, list[str]]:
     """The newest committed checkpoint under ``root`` that verifies (:func:`verify_checkpoint`), and
     one line for each newer one that did not: that one is renamed ``step_NNNNNN.corrupt``
@@ -130,12 +145,8 @@ def resumable_checkpoint(root: Path) -> tuple[Path | None, list[str]]:
         ``(path or None, lines)``; None when no checkpoint verifies (a resume then replays the
         whole receive log from step 0).
     """
-    if not root.is_dir():
-        return None, []
-    found = sorted(((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()),
-                   reverse=True)
     lines: list[str] = []
-    for _, path in found:
+    for path in _newest_first(root):
         why = verify_checkpoint(path)
         if why is None:
             return path, lines

@@ -93,11 +93,19 @@ def _qwen3_init(sizes: dict, renderer) -> dict:
     return d
 
 
-def _qwen35_build(cfg: ModelConfig) -> nn.Module:
-    try:
-        return Qwen3_5MoeForCausalLM(cfg)
-    except ValueError as e:
-        raise ModelFolderError(f"model.path={cfg.path}: {e}") from None
+def _built(cls: type[nn.Module]) -> Callable[[ModelConfig], nn.Module]:
+    """``cls(cfg)``, a config it cannot run (ValueError) refused as a :class:`ModelFolderError` naming the folder."""
+    def build(cfg: ModelConfig) -> nn.Module:
+        try:
+            return cls(cfg)
+        except ValueError as e:
+            raise ModelFolderError(f"model.path={cfg.path}: {e}") from None
+    return build
+
+
+def _tied_lm_head(cfg: ModelConfig, name: str) -> bool:
+    """A tied model's checkpoint may omit ``lm_head.weight`` (it is the embedding)."""
+    return cfg.tie_word_embeddings and name == "lm_head.weight"
 
 
 def _qwen35_init(sizes: dict, renderer) -> dict:
@@ -118,13 +126,6 @@ def _qwen35_init(sizes: dict, renderer) -> dict:
     out = qwen35_config_to_hf(c)
     out["eos_token_id"] = renderer.end_of_turn_ids[0]
     return out
-
-
-def _hf_build(cfg: ModelConfig) -> nn.Module:
-    try:
-        return HFMoeForCausalLM(cfg)
-    except ValueError as e:
-        raise ModelFolderError(f"model.path={cfg.path}: {e}") from None
 
 
 _EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
@@ -163,13 +164,11 @@ def _glm4_init(sizes: dict, renderer) -> dict:
 
 
 FAMILIES: dict[str, Family] = {
-    "glm4_moe": Family("glm4_moe", _hf_build, _per_expert_convert,
-                       lambda cfg, name: cfg.tie_word_embeddings and name == "lm_head.weight", ("torch",), _glm4_init),
-    "qwen3_5_moe": Family("qwen3_5_moe", _qwen35_build, qwen35_hf_convert,
-                          lambda cfg, name: cfg.tie_word_embeddings and name == "lm_head.weight", ("torch",),
-                          _qwen35_init),
-    "qwen3_moe": Family("qwen3_moe", _qwen3_build, _qwen3_convert,
-                        lambda cfg, name: cfg.tie_word_embeddings and name == "lm_head.weight", ("torch", "megatron"),
+    "glm4_moe": Family("glm4_moe", _built(HFMoeForCausalLM), _per_expert_convert, _tied_lm_head, ("torch",),
+                       _glm4_init),
+    "qwen3_5_moe": Family("qwen3_5_moe", _built(Qwen3_5MoeForCausalLM), qwen35_hf_convert, _tied_lm_head,
+                          ("torch",), _qwen35_init),
+    "qwen3_moe": Family("qwen3_moe", _qwen3_build, _qwen3_convert, _tied_lm_head, ("torch", "megatron"),
                         _qwen3_init),
 }
 """The families t1async implements, by ``model_type``."""

@@ -38,7 +38,7 @@ from t1async.actors.sampler import EmbeddedSampler
 from t1async.config import Config, ConfigError, RayConfig, RunConfig, to_yaml
 from t1async.envs.sandboxes.container import remove_orphan_containers
 from t1async.envs.sandboxes.limits import unmount_all_under
-from t1async.learner.checkpoints import verify_checkpoint
+from t1async.learner.checkpoints import newest_intact_checkpoint
 from t1async.rollout.task_order import read_task_order
 from t1async.sampling.sglang_server import start_servers, stop_servers
 from t1async.service.control import ControlServer
@@ -246,19 +246,15 @@ def start_samplers(cfg: Config, actor: Any, run_dir: Path | None = None) -> tupl
 def sglang_model_dir(cfg: Config, run_dir: Path) -> str:
     """The folder SGLang servers start from and are checked against: with ``model.path``, on
     ``learner.resume`` the newest checkpoint ``run_dir/checkpoints/step_N`` that verifies
-    (t1async/learner/checkpoints.py ``verify_checkpoint``; an HF folder; one that does not verify is
+    (t1async/learner/checkpoints.py ``newest_intact_checkpoint``; an HF folder; one that does not verify is
     skipped here and moved aside by the learner) and has config.json, else ``model.path``. Without
     ``model.path``: empty (``sampler.model_path`` as given, no check)."""
     if not cfg.model.path:
         return ""
-    root = run_dir / "checkpoints"
-    if cfg.learner.resume and root.is_dir():
-        steps = sorted((p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_") and p.name[5:].isdigit()),
-                       key=lambda p: int(p.name[5:]), reverse=True)
-        for step in steps:
-            if (step / "config.json").is_file() and verify_checkpoint(step) is None:
-                logger.info("SGLang servers start from the resumed checkpoint {}", step)
-                return str(step)
+    step = newest_intact_checkpoint(run_dir / "checkpoints") if cfg.learner.resume else None
+    if step is not None and (step / "config.json").is_file():
+        logger.info("SGLang servers start from the resumed checkpoint {}", step)
+        return str(step)
     return cfg.model.path
 
 
