@@ -20,7 +20,7 @@ from t1async.actors.rollout import RolloutActor
 from t1async.config import EnvConfig, GenerationConfig, ModelConfig, RolloutConfig, TransportConfig
 from t1async.models.tokenizer import ChatTokenizer
 from t1async.rollout.agent import HISTORY_BREAK, HistoryBreak, run_agent_episode, segment_builder
-from t1async.rollout.openai_endpoint import OpenAIEndpoint, SessionLimits, render_messages
+from t1async.rollout.openai_endpoint import OpenAIEndpoint, SessionLimits, template_message
 from t1async.sampling.sampler_client import HttpSampler
 from t1async.trajectory import TOOL_CALL_ERRORS, decode, encode
 from tests.test_rollout import serve_random_policy
@@ -47,6 +47,11 @@ class Recording:
         r = self.inner.generate(input_ids, sampling_params, routed_experts_start_len=routed_experts_start_len)
         self.calls.append((list(input_ids), sampling_params, r))
         return r
+
+
+def _rendered(messages):
+    """OpenAI messages as the renderer reads them (the endpoint's own conversion)."""
+    return [template_message(m) for m in messages]
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +90,7 @@ def test_real_client_and_sampler_records_exact_ids(endpoint, sampler_url):
     records = session.recorder.records
     assert len(records) == len(sampler.calls) == 3 and session.recorder.history_breaks == 0
     # the first prompt is the chat rendered from scratch; each record is exactly what the sampler was sent/answered
-    assert records[0].prompt_ids == render_messages(TOK, [SYSTEM, USER], [BASH["function"]])
+    assert records[0].prompt_ids == TOK.render_chat(_rendered([SYSTEM, USER]), [BASH["function"]])
     for rec, (sent, params, resp) in zip(records, sampler.calls):
         assert rec.prompt_ids == sent and rec.output_ids == resp.output_ids and rec.logprobs == resp.logprobs
         assert rec.weight_version == resp.weight_version == 0 and params["max_new_tokens"] == 8
@@ -125,7 +130,7 @@ def test_tool_calls_are_returned_and_their_results_extend_the_stream(endpoint):
     # the second prompt: first prompt + the sampled ids exactly + the tool result as Qwen3's <tool_response> turn
     assert second.prompt_ids == [*first.prompt_ids, *first.output_ids, *TOK.render_tool_response("ran echo hi")]
     # a canonical call re-renders identically from the transcript (template and recorder agree)
-    assert second.prompt_ids == render_messages(TOK, messages, [BASH["function"]])
+    assert second.prompt_ids == TOK.render_chat(_rendered(messages), [BASH["function"]])
     assert session.recorder.history_breaks == 0 and first.status == 0
 
 
@@ -205,8 +210,8 @@ def test_external_episode_splits_or_drops_on_a_history_break(endpoint, tmp_path,
     assert [t.token_ids[t.turn_offsets[0][0]:].tolist() for t in trajs] == [sampler_turn for sampler_turn in
                                                                            ([*TOK.encode("ls"), TOK.im_end_id],
                                                                             [*TOK.encode("pwd"), TOK.im_end_id])]
-    assert trajs[1].token_ids[:trajs[1].turn_offsets[0][0]].tolist() == render_messages(
-        TOK, [{"role": "user", "content": "something else"}])
+    assert trajs[1].token_ids[:trajs[1].turn_offsets[0][0]].tolist() == TOK.render_chat(
+        _rendered([{"role": "user", "content": "something else"}]))
 
 
 SOLVER = """
@@ -297,5 +302,5 @@ def test_two_calls_in_one_turn_and_their_grouped_results(endpoint):
                TOK.tool_response_end_id, TOK.im_end_id]
     nl, head = TOK.encode("\n"), [TOK.im_start_id, *TOK.encode("assistant\n")]
     assert second.prompt_ids == [*first.prompt_ids, *two, *nl, *results, *nl, *head]
-    assert second.prompt_ids == render_messages(TOK, messages, [BASH["function"]])
+    assert second.prompt_ids == TOK.render_chat(_rendered(messages), [BASH["function"]])
     assert session.recorder.history_breaks == 0

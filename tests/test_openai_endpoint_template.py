@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from t1async.models.chat_template import ChatTemplateRenderer
+from t1async.rollout.agent import segment_builder
 from t1async.rollout.openai_endpoint import OpenAIEndpoint, SessionLimits
 from tests.test_tito import FakeEnv, ScriptedSampler
 from tools import hf_tokenizers
@@ -76,6 +77,41 @@ def test_template_prompt_continuation_and_tool_calls(renderer):
         tail = r.decode(rec[1].prompt_ids[len(stream):])
         assert "ok" in tail and tail.rstrip().endswith("assistant")
         assert rec[1].routed_experts_start_len == len(stream) - 1
+        # template_mismatches: 1 exactly when transformers' re-render of the conversation is not the stream
+        whole = r.tokenizer.apply_chat_template([*hist, {"role": "tool", "content": "ok"}], tools=[BASH],
+                                                add_generation_prompt=True, tokenize=True)
+        whole = whole["input_ids"] if hasattr(whole, "keys") else list(whole)
+        assert rec[0].template_mismatches == 0 and rec[1].template_mismatches == int(list(whole) != rec[1].prompt_ids)
+        assert segment_builder(rec, r).template_mismatches == rec[1].template_mismatches
+    finally:
+        ep.shutdown()
+
+
+def test_template_mismatch_counted_in_the_trajectory():
+    """Qwen3's template drops an earlier turn's <think> block once a new user turn follows: the endpoint's
+    stream keeps the sampled ids (drift 0) and the record, then the trajectory, count the turn."""
+    try:
+        r = ChatTemplateRenderer.load(hf_tokenizers.build_folders(["qwen3"])["qwen3"])
+    except hf_tokenizers.Unavailable as e:
+        pytest.skip(f"real tokenizer folders unavailable: {e}")
+    turns = [[*r._encode_rendered("<think>\nplan\n</think>\n\nHello."), r.eos_ids[0]], [*r.encode("Bye."), r.eos_ids[0]]]
+    ep = OpenAIEndpoint(r)
+    try:
+        session = ep.open(ScriptedSampler([list(t) for t in turns]), FakeEnv().step, SessionLimits(dict(PARAMS), 8, 8192))
+        client = openai.OpenAI(base_url=f"{ep.url}/s/{session.token}/v1", api_key=session.token, max_retries=0)
+        first = client.chat.completions.create(model="t1async", messages=[USER])
+        sent = first.choices[0].message.model_dump(exclude_none=True, include={"role", "content"})
+        client.chat.completions.create(model="t1async", messages=[USER, sent, {"role": "user", "content": "again"}])
+        rec = session.recorder.records
+        assert session.recorder.history_breaks == 0
+        assert rec[1].prompt_ids[:len(rec[0].prompt_ids) + len(turns[0])] == [*rec[0].prompt_ids, *turns[0]]
+        whole = r.tokenizer.apply_chat_template(
+            [USER, {"role": "assistant", "content": r.decode(turns[0][:-1])}, {"role": "user", "content": "again"}],
+            add_generation_prompt=True, tokenize=True)
+        whole = whole["input_ids"] if hasattr(whole, "keys") else list(whole)
+        assert list(whole) != rec[1].prompt_ids  # the re-render dropped the think block
+        assert [x.template_mismatches for x in rec] == [0, 1]
+        assert segment_builder(rec, r).template_mismatches == 1
     finally:
         ep.shutdown()
 

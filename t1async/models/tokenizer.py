@@ -266,6 +266,74 @@ class ChatTokenizer:
                 *self.encode(f"\n{output}\n"), self.tool_response_end_id, self.im_end_id, *self._newline,
                 *self._assistant_header]
 
+    def render_chat(self, messages: Sequence[dict], tools: Sequence[dict] = ()) -> list[int]:
+        """A whole conversation (an OpenAI client's first request) rendered as Qwen3's template does,
+        then the assistant header: the message-level twin of :meth:`render_prompt`, the same interface
+        as :meth:`t1async.models.chat_template.ChatTemplateRenderer.render_chat`.
+
+        ``messages`` are template messages (``role`` system/user/assistant/tool, ``content`` text, an
+        assistant's ``tool_calls`` as ``[{"function": {"name", "arguments": dict}}]``;
+        t1async/rollout/openai_endpoint.py :func:`template_message`). With ``tools`` the system turn
+        declares them (:meth:`tools_system_text`; without a system message, the declaration alone).
+        Each turn is followed by ``\\n``; consecutive tool messages are one user turn of
+        ``<tool_response>`` blocks; an assistant turn is its stripped text, or its calls
+        (:meth:`render_tool_call`, the text before the first).
+
+        Raises:
+            ValueError: a role other than system/user/assistant/tool, or ``tools`` (or a tool call or
+                tool message) and the tokenizer has no tool tokens.
+        """
+        rest = list(messages)
+        head: list[int] = []
+        if tools:
+            self._require_tools()
+            has_system = bool(rest) and rest[0]["role"] == "system"
+            text = self.tools_system_text(rest.pop(0)["content"] if has_system else "", tools)
+            text = text if has_system else text.lstrip("\n")
+            head = [self.im_start_id, *self.encode_tagged(f"system\n{text}"), self.im_end_id, *self._newline]
+        return [*head, *self._render_turns(rest), *self._assistant_header]
+
+    def render_continuation(self, history: Sequence[dict], new_messages: Sequence[dict],
+                            tools: Sequence[dict] = (), stream: Sequence[int] | None = None) -> list[int]:
+        """Ids to append after an assistant turn's ``<|im_end|>``: ``\\n``, the new messages as
+        :meth:`render_chat` renders them, then the assistant header. The same interface as
+        :meth:`t1async.models.chat_template.ChatTemplateRenderer.render_continuation`; this layout is
+        append-only by construction (a re-render of the history is a prefix of the stream), so
+        ``history`` and ``stream`` are not needed and nothing is counted as a template mismatch.
+
+        Raises:
+            ValueError: as :meth:`render_chat`.
+        """
+        return [*self._newline, *self._render_turns(new_messages), *self._assistant_header]
+
+    def _render_turns(self, messages: Sequence[dict]) -> list[int]:
+        """Template messages rendered turn by turn (each followed by ``\\n``), no assistant header."""
+        out: list[int] = []
+        i = 0
+        while i < len(messages):
+            m = messages[i]
+            if m["role"] == "tool":
+                self._require_tools()
+                out += [self.im_start_id, *self.encode("user\n")]
+                first = True
+                while i < len(messages) and messages[i]["role"] == "tool":
+                    out += ([] if first else self._newline) + [
+                        self.tool_response_id, *self.encode(f"\n{messages[i]['content']}\n"), self.tool_response_end_id]
+                    first, i = False, i + 1
+                out += [self.im_end_id, *self._newline]
+                continue
+            if m["role"] == "assistant":
+                content = (m.get("content") or "").strip()
+                calls = [(c["function"]["name"], c["function"]["arguments"]) for c in m.get("tool_calls") or []]
+                body = self.encode(content) if not calls else []
+                for k, (name, args) in enumerate(calls):
+                    body += (self._newline if k else []) + self.render_tool_call(name, args, content if k == 0 else "")
+                out += [*self._assistant_header, *body, self.im_end_id, *self._newline]
+            else:
+                out += [*self.render_turn(m["role"], m.get("content") or ""), *self._newline]
+            i += 1
+        return out
+
     def encode_tagged(self, text: str) -> list[int]:
         """Ids of ``text`` with the four tool tags read as their special ids and everything else
         as plain text: what a chat template plus a tokenizer that parses those tags (Qwen3's, with

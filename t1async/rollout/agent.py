@@ -73,8 +73,10 @@ def segment_builder(records: list[CompletionRecord], tokenizer: ChatTokenizer) -
         ep.add_sampled(r.output_ids, r.logprobs, r.weight_version, r.routed_experts)
         ep.turn_status[-1] = (TURN_ABORTED if r.finish_reason == "abort" else
                               TURN_LENGTH_CUT if r.finish_reason == "length" else r.status)
-        if isinstance(tokenizer, ChatTokenizer):  # a model folder's template: the renderer counts them itself
+        if isinstance(tokenizer, ChatTokenizer):
             ep.template_mismatches += template_renders_differently(tokenizer, r.output_ids, "tool_call")
+        else:  # a model folder's template: counted by the recorder when it rendered the record's prompt
+            ep.template_mismatches += r.template_mismatches
     return ep
 
 

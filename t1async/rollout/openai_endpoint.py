@@ -16,13 +16,14 @@ out of the next one):
   "timed_out"}``: runs the command in the episode's sandbox shell.
 - ``POST /s/<session>/done``: the agent says the task is done (the verifier runs).
 
-Rendering (Qwen3's chat template, the shipped tokenizer's special ids; helpers of
-t1async/models/tokenizer.py): system (with the tools declared as :meth:`ChatTokenizer.tools_system_text`
-does), user, assistant (content then ``<tool_call>`` JSON calls), and tool results as one user
-turn of ``<tool_response>`` blocks per run of consecutive tool messages, each turn followed by
-``\\n``, then the assistant header. The model's ``<tool_call>`` output is returned as OpenAI
-``tool_calls`` (``arguments`` a JSON string); a call that is not valid JSON stays text in
-``content`` and its turn is marked with a tool-call error code (t1async/trajectory.py).
+Rendering: one renderer, the run's (``render_chat`` for a segment's first request,
+``render_continuation`` for the new messages after a completion): a model folder's
+:class:`~t1async.models.chat_template.ChatTemplateRenderer` (its own template, tools declared its
+way), or the shipped tokenizer's ChatML as Qwen3's template lays it out
+(:meth:`ChatTokenizer.render_chat`), the same code the rollout loop and SFT use. The model's
+tool calls, in the format its template declares (``<tool_call>`` JSON for the shipped tokenizer),
+are returned as OpenAI ``tool_calls`` (``arguments`` a JSON string); a call that cannot be parsed
+stays text in ``content`` and its turn is marked with a tool-call error code (t1async/trajectory.py).
 
 Recording (TITO; :class:`ChatRecorder`). The prompt of a request is NOT re-rendered from the
 agent's transcript when the transcript continues the previous completion: if the request's
@@ -49,7 +50,7 @@ import numpy as np
 from loguru import logger
 
 from t1async import require_extra
-from t1async.models.chat_template import ChatTemplateRenderer, TemplateError
+from t1async.models.chat_template import ChatTemplateRenderer
 from t1async.models.tokenizer import ChatTokenizer
 from t1async.rollout.tool_formats import ToolCallProblem, detect, tag_ids
 from t1async.sampling.sampler_client import Sampler, SamplerError
@@ -132,62 +133,6 @@ def tool_specs(tools: Any) -> list[dict]:
             raise RequestError(f"tool {str(t)[:80]!r} is not a function with a name")
         specs.append(fn)
     return specs
-
-
-def render_turns(tok: ChatTokenizer, messages: Sequence[dict]) -> list[int]:
-    """Non-system messages rendered as Qwen3's template does, each turn followed by ``\\n``
-    (assistant turns from their text and calls, consecutive tool messages as one user turn of
-    ``<tool_response>`` blocks), without the final assistant header."""
-    nl = tok.encode("\n")
-    out: list[int] = []
-    i = 0
-    while i < len(messages):
-        m = messages[i]
-        role = "system" if m["role"] == "developer" else m["role"]
-        if role == "tool":
-            out += [tok.im_start_id, *tok.encode("user\n")]
-            first = True
-            while i < len(messages) and messages[i]["role"] == "tool":
-                out += ([] if first else nl) + [tok.tool_response_id, *tok.encode(f"\n{_text(messages[i].get('content'))}\n"),
-                                                tok.tool_response_end_id]
-                first, i = False, i + 1
-            out += [tok.im_end_id, *nl]
-            continue
-        if role == "assistant":
-            content, calls = _text(m.get("content")).strip(), _calls(m)
-            body = tok.encode(content) if not calls else []
-            for k, (name, args) in enumerate(calls):
-                body += (nl if k else []) + tok.render_tool_call(name, args, content if k == 0 else "")
-            out += [tok.im_start_id, *tok.encode("assistant\n"), *body, tok.im_end_id, *nl]
-        elif role == "system":
-            out += [*tok.render_turn("system", _text(m.get("content"))), *nl]
-        else:
-            out += [*tok.render_turn("user", _text(m.get("content"))), *nl]
-        i += 1
-    return out
-
-
-def render_messages(tok: ChatTokenizer, messages: Sequence[dict], tools: Sequence[dict] = ()) -> list[int]:
-    """A whole chat rendered from scratch (the first request of a segment), ending with the
-    assistant header. With ``tools`` (function specs) the system turn declares them
-    (:meth:`ChatTokenizer.tools_system_text`; without a system message, the declaration alone).
-
-    Raises:
-        RequestError: no messages, or a message the template cannot render.
-        ValueError: ``tools`` given and the tokenizer has no tool tokens.
-    """
-    if not messages:
-        raise RequestError("messages is empty")
-    for m in messages:
-        canonical(m)
-    rest = list(messages)
-    head: list[int] = []
-    if tools:
-        system = _text(rest.pop(0).get("content")) if rest[0]["role"] in ("system", "developer") else None
-        text = tok.tools_system_text(system or "", tools)
-        text = text if system is not None else text.lstrip("\n")
-        head = [tok.im_start_id, *tok.encode_tagged(f"system\n{text}"), tok.im_end_id, *tok.encode("\n")]
-    return [*head, *render_turns(tok, rest), tok.im_start_id, *tok.encode("assistant\n")]
 
 
 def completion_message(tok: ChatTokenizer, body: Sequence[int], tool_names: set[str], call_prefix: str
@@ -292,6 +237,9 @@ class CompletionRecord:
         weight_version: version that sampled every id.
         finish_reason: ``stop``, ``length`` or ``abort``.
         status: the turn's code (0, or a tool-call error code).
+        template_mismatches: 1 when the model folder's template re-renders the conversation up to this
+            record's prompt other than the exact stream (its ``template_mismatches`` counter moved while
+            the prompt was rendered; t1async/models/chat_template.py), else 0.
     """
 
     segment: int
@@ -303,6 +251,7 @@ class CompletionRecord:
     weight_version: int
     finish_reason: str
     status: int = 0
+    template_mismatches: int = 0
 
 
 class ChatRecorder:
@@ -314,11 +263,12 @@ class ChatRecorder:
     """
 
     def __init__(self, tokenizer: ChatTokenizer | ChatTemplateRenderer):
-        self.tok = tokenizer
+        self.tok = tokenizer  # one renderer: render_chat / render_continuation / decode / end_of_turn_ids
         self.template = tokenizer if isinstance(tokenizer, ChatTemplateRenderer) else None
         self.stop_ids = tokenizer.end_of_turn_ids if self.template else [tokenizer.im_end_id, tokenizer.eos_id]
         self._hist: list[dict] = []  # template messages of the segment, assistant turns as their sampled text
         self._pending: list[dict] = []  # the request's template messages, before add()
+        self._mismatch = 0  # the request's prompt() moved the template's mismatch counter (before add())
         self.records: list[CompletionRecord] = []
         self.history_breaks = 0
         self._last: tuple[list[tuple], tuple, list[dict]] | None = None  # (request messages, returned message, tools)
@@ -338,44 +288,39 @@ class ChatRecorder:
             n = len(prev)
             if canon[:n] == prev and len(canon) > n and canon[n] == returned and list(tools) == prev_tools:
                 stream = [*last.prompt_ids, *last.output_ids]
-                if self.template is not None:
-                    if not last.output_ids or last.output_ids[-1] not in self.stop_ids:
-                        stream += self.stop_ids[:1]  # drift repair, as the rollout loop does
-                    new = [template_message(m) for m in messages[n + 1:]]
-                    try:
-                        stream += self.template.render_continuation(self._hist, new, tools, stream=stream)
-                    except TemplateError as e:
-                        raise RequestError(str(e)) from None
-                    self._pending = self._hist + new
-                    return stream, last.segment, len(last.prompt_ids) + len(last.output_ids) - 1
-                if not last.output_ids or last.output_ids[-1] != self.tok.im_end_id:
-                    stream += self.tok.end_of_turn_ids  # drift repair, as the rollout loop does
-                stream += [*self.tok.encode("\n"), *render_turns(self.tok, messages[n + 1:]),
-                           self.tok.im_start_id, *self.tok.encode("assistant\n")]
+                if not last.output_ids or last.output_ids[-1] not in self.tok.end_of_turn_ids:
+                    stream += self.tok.end_of_turn_ids[:1]  # drift repair, as the rollout loop does
+                new = [template_message(m) for m in messages[n + 1:]]
+                before = getattr(self.tok, "template_mismatches", 0)  # (the shipped ChatML is append-only)
+                try:
+                    stream += self.tok.render_continuation(self._hist, new, tools, stream=stream)
+                    self._mismatch = getattr(self.tok, "template_mismatches", 0) - before
+                except ValueError as e:  # (TemplateError included)
+                    raise RequestError(str(e)) from None
+                self._pending = self._hist + new
                 return stream, last.segment, len(last.prompt_ids) + len(last.output_ids) - 1
             self.history_breaks += 1
             logger.warning("history break {}: the request's {} messages do not continue the previous completion "
                            "(edited, truncated, re-ordered or re-sent); new exact segment", self.history_breaks,
                            len(messages))
         segment = last.segment + 1 if last is not None else 0
-        if self.template is not None:
-            if not messages:
-                raise RequestError("messages is empty")
-            self._pending = [template_message(m) for m in messages]
-            try:
-                return self.template.render_chat(self._pending, tools), segment, 0
-            except TemplateError as e:
-                raise RequestError(str(e)) from None
-        return render_messages(self.tok, messages, tools), segment, 0
+        self._mismatch = 0
+        if not messages:
+            raise RequestError("messages is empty")
+        self._pending = [template_message(m) for m in messages]
+        try:
+            return self.tok.render_chat(self._pending, tools), segment, 0
+        except ValueError as e:  # (TemplateError included)
+            raise RequestError(str(e)) from None
 
     def add(self, record: CompletionRecord, messages: Sequence[dict], returned: dict, tools: Sequence[dict]) -> None:
         """Keep one completion and what the agent must send back to extend it (called right after
         :meth:`prompt` for the same request, whose canonical messages it reuses)."""
+        record.template_mismatches = self._mismatch
         self.records.append(record)
-        if self.template is not None:
-            out = record.output_ids
-            body = out[:-1] if out and out[-1] in self.stop_ids else out
-            self._hist = [*self._pending, {"role": "assistant", "content": self.template.decode(body)}]
+        out = record.output_ids
+        body = out[:-1] if out and out[-1] in self.stop_ids else out
+        self._hist = [*self._pending, {"role": "assistant", "content": self.tok.decode(body)}]
         self._last = (self._canon if len(self._canon) == len(messages) else [canonical(m) for m in messages],
                       canonical(returned), list(tools))
 
