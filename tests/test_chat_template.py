@@ -4,6 +4,8 @@ Qwen3-Coder, Qwen3.5 and GLM-4.6). Skipped, with the reason, where the source ar
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from t1async.models.chat_template import ChatRenderer, ChatTemplateRenderer, TemplateError
@@ -184,3 +186,28 @@ def test_a_sampled_text_the_template_rewrites_still_gets_its_observation_and_cou
                                    stream=r.render_prompt(SYSTEM, USER, [TOOL]) + r.encode(text) + r.end_of_turn_ids[:1])
         assert ids == clean, text
         assert r.template_mismatches == before + rewrites, text
+
+
+def test_shipped_chatml_is_qwen3s_template(folders):
+    """The shipped tokenizer's message-level ChatML (what the endpoint and the rollout loop render for the
+    built-in model) is Qwen3's own template, text for text: a tool conversation with two calls in one turn,
+    grouped tool results and a later user turn, with and without tools declared; and a continuation is the
+    whole rendering's tail (append-only)."""
+    from t1async.rollout.openai_endpoint import template_message
+
+    r, tok = _renderer(folders, "qwen3"), ChatTokenizer.load()
+    calls = [{"type": "function", "function": {"name": "bash", "arguments": json.dumps({"cmd": c}, ensure_ascii=False)}}
+             for c in ("ls", "wc é")]
+    msgs = [template_message(m) for m in (
+        {"role": "system", "content": SYSTEM}, {"role": "user", "content": USER},
+        {"role": "assistant", "content": "I list them.", "tool_calls": calls},
+        {"role": "tool", "content": "a b"}, {"role": "tool", "content": "2"},
+        {"role": "assistant", "content": "Two files."}, {"role": "user", "content": "Again."})]
+    for tools in ([TOOL], []):
+        ref = r.tokenizer.apply_chat_template(msgs, tools=[{"type": "function", "function": t} for t in tools] or None,
+                                              add_generation_prompt=True, tokenize=False)
+        assert tok.decode(tok.render_chat(msgs, tools)) == ref
+    cut = 1 + len(tok.encode("assistant\n")) + len(tok.encode("\n"))  # the last turn's "\n" and the assistant header
+    head = tok.render_chat(msgs[:3], [TOOL])[:-cut]  # ends with the assistant turn's <|im_end|>
+    assert head[-1] == tok.im_end_id
+    assert [*head, *tok.render_continuation(msgs[:3], msgs[3:], [TOOL])] == tok.render_chat(msgs, [TOOL])
