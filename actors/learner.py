@@ -406,7 +406,9 @@ class Learner:
             self.counters["dropped_stale"] += 1
             if traj.min_version <= self._earlier_lives_version:
                 self.counters["dropped_stale_restart"] += 1
-            self._drop(traj, "stale", f"{staleness} > {self.cfg.max_staleness}")
+            self._drop(traj, "stale", f"{staleness} > {self.cfg.max_staleness}: oldest sampled token at timeline "
+                                      f"version {self.timeline_version - staleness} (weight versions {traj.min_version}.."
+                                      f"{int(traj.versions.max())}), learner at {self.timeline_version}")
             return False
         reason = drop_reason(traj, self.cfg.abnormal)
         if reason is not None:
