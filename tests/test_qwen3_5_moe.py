@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 import t1async.models.qwen3_5_moe as q35
 from t1async.config import ModelConfig
 from t1async.config.model_folder import resolve_model
+from t1async.models.hf_folder import ModelFolderError
 from t1async.models.model import PackedSegments
 from t1async.models.qwen3_5_moe import HybridCache, Qwen3_5MoeForCausalLM, config_from_hf, config_to_hf
 from t1async.sampling.engine import Engine, SamplingParams
@@ -250,6 +251,46 @@ def test_save_pretrained_loads_in_transformers_and_back_with_matching_logits(tin
         a, b, c = ours(ids).logits, hf(ids).logits, back(ids).logits
     assert (a.log_softmax(-1) - b.log_softmax(-1)).abs().max().item() <= 1e-5
     assert torch.equal(a, c)
+
+
+def test_a_checkpoint_with_one_tensor_per_expert_loads_as_the_fused_one(tiny, tmp_path):
+    """The routed experts stored per expert (``mlp.experts.{e}.{gate,up,down}_proj.weight``, the layout of
+    released Qwen MoE checkpoints), in two shards with an index: loaded into the fused parameters, bitwise
+    the same model; one expert's tensor missing is refused, naming the parameter it leaves incomplete."""
+    cfg, ours, _ = tiny
+    _folder(tmp_path, config_to_hf(config_from_hf(TINY)))
+    sd: dict[str, torch.Tensor] = {}
+    for k, v in ours.state_dict().items():
+        if k.endswith("mlp.experts.gate_up_proj"):
+            p, inter = k[:-len("gate_up_proj")], v.shape[1] // 2
+            for e in range(v.shape[0]):
+                sd[f"{p}{e}.gate_proj.weight"], sd[f"{p}{e}.up_proj.weight"] = v[e, :inter].clone(), v[e, inter:].clone()
+        elif k.endswith("mlp.experts.down_proj"):
+            for e in range(v.shape[0]):
+                sd[f"{k[:-len('down_proj')]}{e}.down_proj.weight"] = v[e].clone()
+        else:
+            sd[k] = v.contiguous()
+    assert not any(k.endswith(("gate_up_proj", "experts.down_proj")) for k in sd)
+    names = sorted(sd)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for f, ks in shards.items():
+        save_file({k: sd[k] for k in ks}, str(tmp_path / f))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: f for f, ks in shards.items() for k in ks}}))
+    back = Qwen3_5MoeForCausalLM.from_pretrained(tmp_path)
+    for (k, a), (k2, b) in zip(ours.state_dict().items(), back.state_dict().items()):
+        assert k == k2 and torch.equal(a, b), k
+    ids = _ids(1, 12, seed=9)
+    with torch.no_grad():
+        assert torch.equal(back(ids).logits, ours(ids).logits)
+    gone = "model.layers.1.mlp.experts.3.up_proj.weight"
+    f = next(f for f, ks in shards.items() if gone in ks)
+    save_file({k: sd[k] for k in shards[f] if k != gone}, str(tmp_path / f))
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    del index["weight_map"][gone]
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ModelFolderError, match="model.layers.1.mlp.experts.gate_up_proj"):
+        Qwen3_5MoeForCausalLM.from_pretrained(tmp_path)
 
 
 def test_a_model_built_from_sizes_saves_a_qwen3_5_config(tmp_path):

@@ -21,7 +21,6 @@ experts), and the learner backends that run it.
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +31,7 @@ from torch import nn
 from t1async.config import MODEL_TYPES, ModelConfig
 from t1async.config.model_folder import text_config
 from t1async.models.chat_template import ChatTemplateRenderer, TemplateError
-from t1async.models.hf_folder import Convert, ModelFolderError, check_memory, check_model_weights, load_weights
+from t1async.models.hf_folder import Convert, ModelFolderError, check_memory, check_model_weights, fuse_expert, load_weights
 from t1async.models.hf_generic import HFMoeForCausalLM
 from t1async.models.hf_generic import config_from_hf as hf_generic_config
 from t1async.models.hf_generic import config_to_hf as hf_generic_config_to_hf
@@ -128,23 +127,9 @@ def _qwen35_init(sizes: dict, renderer) -> dict:
     return out
 
 
-_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
-
-
 def _per_expert_convert(cfg: ModelConfig) -> Convert:
-    """transformers' checkpoint layout (one tensor per expert, what its ``save_pretrained`` and the Hub hold)
-    into the fused parameters of its v5 modules: ``gate_up_proj[e]`` rows [0, I) gate, [I, 2I) up;
-    ``down_proj[e]``. Fused tensors pass as they are."""
-    def convert(name: str, t: torch.Tensor):
-        m = _EXPERT.fullmatch(name)
-        if m is None:
-            return ((name, t),)
-        prefix, e, which = m.group(1), int(m.group(2)), m.group(3)
-        if which == "down_proj":
-            return ((f"{prefix}.down_proj", t, e),)
-        rows = slice(0, t.shape[0]) if which == "gate_proj" else slice(t.shape[0], 2 * t.shape[0])
-        return ((f"{prefix}.gate_up_proj", t, (e, rows)),)
-    return convert
+    """:func:`t1async.models.hf_folder.fuse_expert` (``cfg`` unused: every such checkpoint names them alike)."""
+    return fuse_expert
 
 
 def _glm4_init(sizes: dict, renderer) -> dict:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -192,6 +193,25 @@ parameter counts as present once its parts cover it)."""
 
 def _identity(name: str, t: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
     return ((name, t),)
+
+
+_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+
+
+def fuse_expert(name: str, t: torch.Tensor) -> Iterable[tuple]:
+    """A :data:`Convert` from transformers' checkpoint layout (one tensor per expert,
+    ``model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight``, what its ``save_pretrained`` and the
+    Hub hold) into the fused parameters of its v5 modules: ``gate_up_proj[e]`` rows [0, I) gate, [I, 2I)
+    up (``gate_proj`` is [I, H]); ``down_proj[e]`` ([H, I]). Any other tensor, fused ones included,
+    passes as it is."""
+    m = _EXPERT.fullmatch(name)
+    if m is None:
+        return ((name, t),)
+    prefix, e, which = m.group(1), int(m.group(2)), m.group(3)
+    if which == "down_proj":
+        return ((f"{prefix}.down_proj", t, e),)
+    rows = slice(0, t.shape[0]) if which == "gate_proj" else slice(t.shape[0], 2 * t.shape[0])
+    return ((f"{prefix}.gate_up_proj", t, (e, rows)),)
 
 
 def iter_tensors(folder: str | Path, specs: dict | None = None) -> Iterator[tuple[str, torch.Tensor]]:

@@ -47,7 +47,7 @@ from torch.utils.checkpoint import checkpoint
 
 from t1async.config import ModelConfig
 from t1async.config.model_folder import resolve_model, text_config
-from t1async.models.hf_folder import Convert, ModelFolderError, load_weights
+from t1async.models.hf_folder import Convert, ModelFolderError, fuse_expert, load_weights
 from t1async.models.model import KVCache, Linear, MoeCausalLM, PackedSegments, _apply_rope, padded_rows, save_hf
 
 __all__ = ["Qwen3_5MoeForCausalLM", "Qwen35TextConfig", "HybridCache", "config_from_hf", "config_to_hf", "CHUNK"]
@@ -148,12 +148,14 @@ HF_SKIPPED = ("mtp.", "model.visual.", "visual.")
 def hf_convert(cfg: ModelConfig) -> Convert:
     """The checkpoint-to-model name map of a Qwen3.5-MoE folder (:data:`t1async.models.hf_folder.Convert`): a
     conditional-generation checkpoint's text decoder (``model.language_model.*``) under the text model's names;
-    :data:`HF_SKIPPED` weights map to nothing (the config's warning names them). ``cfg`` is unused: every
-    Qwen3.5-MoE checkpoint names its tensors the same way."""
+    routed experts stored one tensor per expert fused into the model's 3D parameters
+    (:func:`t1async.models.hf_folder.fuse_expert`), fused ones as they are; :data:`HF_SKIPPED` weights map to
+    nothing (the config's warning names them). ``cfg`` is unused: every Qwen3.5-MoE checkpoint names its
+    tensors the same way."""
     def convert(name: str, t: torch.Tensor):
         if name.startswith(HF_SKIPPED):
             return ()
-        return ((name.replace("model.language_model.", "model.", 1), t),)
+        return fuse_expert(name.replace("model.language_model.", "model.", 1), t)
     return convert
 
 
