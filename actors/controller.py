@@ -192,8 +192,27 @@ class Controller:
         """The learner published ``version``, a timeline version (t1async/learner/timeline.py: the
         weight version in a run whose learner never restarted; a resumed learner reports its
         checkpoint's, which may be lower than the last one: admission then waits while it
-        re-trains the steps it lost); admit rollouts accordingly."""
+        re-trains the steps it lost); admit rollouts accordingly.
+
+        A version lower than the last one (a resume) also lowers to it the admission version of
+        every episode admitted and not yet consumed: the resumed learner may have sent the samplers
+        its checkpoint's weights, so an episode admitted at a later version may go on sampling at
+        ``version`` (its oldest token, by which the learner measures staleness, is then that old),
+        and ``learner_wait`` must hold the publishes that would make it too stale. Where the samplers
+        kept newer weights this only makes the learner wait for those episodes a version earlier.
+        (Measured: a soak whose learner was killed mid-publication dropped 2 such trajectories as
+        stale, 3 > 2, before this rule.)"""
         with self._cond:
+            if version < self.version:
+                lowered = 0
+                for table in (self._running, self._pending):
+                    for key, admitted in table.items():
+                        if admitted > version:
+                            table[key] = version
+                            lowered += 1
+                if lowered:
+                    logger.info("timeline version went back from {} to {} (a resumed learner): {} unconsumed "
+                                "episodes now count from it", self.version, version, lowered)
             self.version = version
             self._cond.notify_all()
 

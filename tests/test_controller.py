@@ -202,6 +202,26 @@ def test_learner_wait_admits_as_areal_and_allows_a_publish_only_within_every_unh
         assert o.acquire(0) and not o.holds_publish() and o.publish_allowed(5, [])
 
 
+def test_a_timeline_that_goes_back_lowers_the_admission_of_unconsumed_episodes():
+    """A resumed learner reports its checkpoint's (lower) timeline version; its samplers may then sample at
+    that version, so an episode admitted later and not yet consumed counts from it: learner_wait refuses
+    the publish that would leave it more than max_staleness behind (which it allowed before the resume)."""
+    c = Controller(RolloutConfig(num_actors=1, admission="learner_wait"), ["a"], rollouts_per_version=1,
+                   max_staleness=2, make_rollout=lambda aid, crash: None, seed=0)
+    c.set_version(3)
+    assert c.acquire(0) and c.acquire(1)  # admitted at 3
+    c.episode_finished(1, "done")  # on its way to the learner
+    assert c.publish_allowed(5, [])  # 5 - 3 <= 2
+    c.set_version(2)  # the learner resumed from a checkpoint at timeline version 2
+    assert c.oldest_version() == 2
+    assert not c.publish_allowed(5, [])  # 5 - 2 > 2: hold until they arrive
+    assert not c.publish_allowed(5, ["done"])  # the running one still holds it
+    c.episode_finished(0, "late")
+    assert c.publish_allowed(5, ["done", "late"]) and c.publish_allowed(4, [])
+    c.set_version(4)  # going forward changes no admission version
+    assert not c.publish_allowed(5, [])
+
+
 def test_learner_wait_keeps_slow_tasks_share_of_training_without_drops():
     """The workload of test_slow_tasks_keep_their_share_of_training under ``learner_wait``: the
     actors run ahead of the slow episodes, the learner waits for them instead of dropping them,
