@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from loguru import logger
 
@@ -400,11 +401,15 @@ class Learner:
         """Whether ``traj`` may be trained: within the staleness bound (:meth:`_staleness`) and not
         to be dropped for an abnormal end (:func:`t1async.learner.abnormal.drop_reason`);
         otherwise it is dropped and counted. A stale drop of a trajectory sampled (in part) by the
-        weights of an earlier learner life also counts in ``dropped_stale_restart``."""
+        weights of an earlier learner life, or by a publication that started a new timeline segment
+        (a resume's or a joining sampler's: t1async/learner/timeline.py), also counts in
+        ``dropped_stale_restart``."""
         staleness = self._staleness(traj)
         if staleness > self.cfg.max_staleness:
             self.counters["dropped_stale"] += 1
-            if traj.min_version <= self._earlier_lives_version:
+            sampled = traj.versions[traj.loss_mask.astype(bool)]
+            if traj.min_version <= self._earlier_lives_version or bool(
+                    np.isin(sampled, [v for v, _ in self.timeline.starts]).any()):
                 self.counters["dropped_stale_restart"] += 1
             self._drop(traj, "stale", f"{staleness} > {self.cfg.max_staleness}: oldest sampled token at timeline "
                                       f"version {self.timeline_version - staleness} (weight versions {traj.min_version}.."

@@ -20,8 +20,9 @@ and prints the ledger, counted from what the run left on disk:
 - ``staleness_max`` against the bound, and ``hang`` (no learner step for ``--hang-s`` seconds, or
   the service did not stop within 5 minutes).
 - ``dropped_stale_restart``: of the stale drops, those of trajectories sampled (in part) by the
-  weights of an earlier learner life (the learner's counter: an upper bound on the drops a
-  learner restart caused; t1async/learner/timeline.py says why it should be 0).
+  weights of an earlier learner life, or by a publication that started a timeline segment (a
+  resume's or a joining sampler's): the learner's counter, an upper bound on the drops a restart
+  caused; t1async/learner/timeline.py says why it should be 0).
 
 Progress goes to stderr as it runs (a line at each sample, every 30 s, and at each kill and scale);
 the launch's own output to ``RUN_DIR/soak-launch.out``; the ledger, as JSON, to stdout at the end.
