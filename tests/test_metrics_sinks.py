@@ -88,6 +88,46 @@ def test_steps_trained_again_after_a_resume_replace_the_lost_lifes_points(tmp_pa
     assert sorted(shown) == list(range(1, 12)) and raw == 13
 
 
+def test_a_resume_trim_while_the_tail_lags_never_reads_half_a_row(tmp_path):
+    """The launch tails metrics.jsonl while a resumed learner trims it to its checkpoint's step and
+    trains on: when the tail next reads, the file is already longer than where it stopped. (A 20-minute
+    soak at 91b4b10 ended so: the launch seeked into the middle of a rewritten row, JSONDecodeError.)"""
+    from t1async.fileio import DiskGuard
+    from t1async.learner.metrics import MetricsFile
+
+    path, t0 = tmp_path / "metrics.jsonl", time.time() - 1000
+    _write(path, _rows(range(1, 11), t0))
+    tail = MetricsTail(path, tensorboard=True)
+    assert [r["step"] for r in tail.poll()] == list(range(1, 11))
+    lagged = tail.pos
+    MetricsFile(path, DiskGuard(tmp_path, floor_mb=0)).trim(5)
+    again = [{**r, "note": "trained again " * 3, "time": t0 + 100 + r["step"]} for r in _rows(range(6, 21), t0)]
+    with open(path, "a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in again))
+    data = path.read_bytes()
+    assert len(data) > lagged and data[lagged - 1:lagged] != b"\n"  # the old offset is mid-row now
+    assert [r["step"] for r in tail.poll()] == list(range(1, 21))
+    assert tail.bad_lines == 0 and [r["step"] for r in tail.rows] == list(range(1, 21))
+    tail.close()
+    shown, raw = _shown(tmp_path / "tensorboard")
+    assert sorted(shown) == list(range(1, 21)) and raw == 10 + 15  # steps 1-5 are not written twice
+
+
+def test_a_line_that_is_not_a_metrics_row_is_skipped_and_counted(tmp_path):
+    path, t0 = tmp_path / "metrics.jsonl", time.time() - 1000
+    rows = _rows(range(1, 4), t0)
+    path.write_text(json.dumps(rows[0]) + "\n" + '"step": 2, "half a row"}\n' + "[1, 2]\n" + '{"no": "step"}\n'
+                    + "".join(json.dumps(r) + "\n" for r in rows[1:]))
+    tail = MetricsTail(path, tensorboard=False)
+    assert [r["step"] for r in tail.poll()] == [1, 2, 3] and tail.bad_lines == 3
+    from t1async.fileio import DiskGuard
+    from t1async.learner.metrics import MetricsFile
+
+    MetricsFile(path, DiskGuard(tmp_path, floor_mb=0)).trim(2)  # keeps what it cannot read, drops step 3
+    lines = path.read_text().splitlines()
+    assert len(lines) == 5 and json.loads(lines[-1])["step"] == 2
+
+
 def test_a_disk_that_refuses_tensorboard_events_never_blocks_and_loses_none(tmp_path, monkeypatch):
     import t1async.service.sinks as sinks
     from t1async.fileio import DiskGuard

@@ -9,6 +9,7 @@ try (logged, never dropped).
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -106,7 +107,28 @@ class MetricsFile:
         return True
 
     def trim(self, step: int) -> None:
-        """Drop the rows past ``step`` (a resume from the checkpoint of ``step``)."""
-        if self.path.exists():
-            rows = [r for r in self.path.read_text().splitlines() if r.strip() and json.loads(r)["step"] <= step]
-            self.path.write_text("".join(r + "\n" for r in rows))
+        """Drop the rows past ``step`` (a resume from the checkpoint of ``step``).
+
+        The kept rows go to a new file that replaces the old one (``os.replace``): a reader that
+        tails the file (the launch's :class:`t1async.service.service.MetricsTail`) sees a new
+        inode and starts over, never the middle of a rewritten row, and a learner killed during
+        the trim leaves the old file whole. A line that is not a JSON row (none is written so) is
+        kept where its step cannot be read, so nothing is dropped unseen.
+        """
+        if not self.path.exists():
+            return
+        kept = []
+        for line in self.path.read_text().splitlines():
+            if not line.strip():
+                continue
+            try:
+                row_step = json.loads(line)["step"]
+            except (ValueError, KeyError, TypeError):
+                logger.warning("metrics.jsonl: a line that is not a metrics row is kept as it is: {!r}", line[:80])
+                kept.append(line)
+                continue
+            if row_step <= step:
+                kept.append(line)
+        tmp = self.path.with_name(self.path.name + ".trim")
+        tmp.write_text("".join(r + "\n" for r in kept))
+        os.replace(tmp, self.path)

@@ -66,6 +66,8 @@ class MetricsTail:
     def __init__(self, path: Path, tensorboard: bool, metrics: MetricsConfig | None = None,
                  disk: DiskGuard | None = None, config: dict[str, Any] | None = None):
         self.path, self.pos, self.rows = path, 0, []
+        self.inode: int | None = None  # of the file read so far: a trim (MetricsFile.trim) replaces it
+        self.bad_lines = 0  # lines that were not a metrics row (skipped, logged)
         self.sinks: list[Any] = []
         if tensorboard:
             self.sinks.append(TensorBoardSink(path.parent / "tensorboard", disk))
@@ -73,18 +75,35 @@ class MetricsTail:
             self.sinks.append(WandbSink(path.parent / "wandb", metrics.wandb_project, metrics.wandb_mode, config))
 
     def poll(self) -> list[dict[str, Any]]:
-        """New complete rows (a resumed learner's truncation is followed: reading starts over)."""
-        if not self.path.exists():
+        """New complete rows. A resumed learner's trim (a new file, or a shorter one) is followed:
+        reading starts over (TensorBoard and wandb skip the points they already hold). A line that
+        is not a JSON object with a ``step`` is skipped, counted in :attr:`bad_lines` and logged:
+        the launch's display never ends the service."""
+        try:
+            f = open(self.path, "rb")
+        except FileNotFoundError:
             return []
-        size = self.path.stat().st_size
-        if size < self.pos:
-            self.pos, self.rows = 0, []
-        with open(self.path) as f:
+        with f:
+            st = os.fstat(f.fileno())
+            if st.st_ino != self.inode or st.st_size < self.pos:
+                self.inode, self.pos, self.rows = st.st_ino, 0, []
             f.seek(self.pos)
             chunk = f.read()
-        end = chunk.rfind("\n") + 1
-        self.pos += len(chunk[:end].encode())
-        new = [json.loads(x) for x in chunk[:end].splitlines() if x.strip()]
+        end = chunk.rfind(b"\n") + 1
+        self.pos += end
+        new = []
+        for line in chunk[:end].splitlines():
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                int(row["step"])
+            except (ValueError, KeyError, TypeError) as e:
+                self.bad_lines += 1
+                logger.warning("metrics.jsonl: skipped a line that is not a metrics row ({}; {} so far): {!r}",
+                               e, self.bad_lines, line[:80])
+                continue
+            new.append(row)
         self.rows = (self.rows + new)[-200:]
         for row in new:
             self._write(row)
