@@ -48,7 +48,12 @@ from t1async.fileio import DiskGuard
 from t1async.learner.abnormal import DROP_REASONS, drop_detail, drop_reason
 from t1async.learner.backend import LearnerBackend, make_backend
 from t1async.learner.batching import HeldTrajectories, collect_batch
-from t1async.learner.checkpoints import read_trainer_state, resumable_checkpoint, write_checkpoint
+from t1async.learner.checkpoints import (
+    read_trainer_state,
+    resumable_checkpoint,
+    untrusted_checkpoints,
+    write_checkpoint,
+)
 from t1async.learner.disk_pause import DiskPause
 from t1async.learner.metrics import MetricsFile, batch_metrics
 from t1async.learner.step_guard import StepGuard, refuse_in_step
@@ -106,6 +111,9 @@ class Learner:
         self.run_dir = Path(run_dir)
         # the newest checkpoint that verifies against its manifest; newer corrupt ones are moved aside
         resume_from, set_aside = resumable_checkpoint(self.run_dir / "checkpoints") if cfg.resume else (None, [])
+        if cfg.resume and resume_from is None and (why := untrusted_checkpoints(self.run_dir / "checkpoints")):
+            raise RuntimeError(f"cannot resume: {why}; starting again from the initial weights would throw the "
+                               "run's training away: put an intact step_N folder back there, or start a new run")
         # policy, critic, KL reference (the warm start, frozen, loaded from init_checkpoint so a
         # resumed run keeps it) and their optimisers: t1async/learner/backend.py
         self.backend: LearnerBackend = make_backend(cfg.backend, cfg, model_cfg, self.generation,

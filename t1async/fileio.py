@@ -73,6 +73,30 @@ def append_whole(path: str | os.PathLike[str], data: bytes) -> None:
         os.close(fd)
 
 
+def replace_file(path: str | os.PathLike[str], data: str | bytes, *, fsync: bool = False) -> None:
+    """Write ``data`` as the whole new content of ``path``: into a temporary file beside it, renamed
+    over it (``os.replace``), so a reader sees the old file or the new one, never half of either,
+    and a reader that tails the file sees a new inode. ``fsync``: flush it to the disk before
+    the rename. On a failure (a full disk: ENOSPC) the old file is as it was and the temporary
+    one is removed.
+
+    Raises:
+        OSError: the write or the rename failed.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def fsync_dir(path: Path) -> None:
     """fsync a directory, so that the renames and creations inside it survive a power loss."""
     fd = os.open(path, os.O_RDONLY)

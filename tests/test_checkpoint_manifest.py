@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import pytest
 import torch
 
 from t1async.actors.learner import Learner
@@ -18,6 +19,7 @@ from t1async.learner.checkpoints import (
     resumable_checkpoint,
     rotate_checkpoints,
     staging_dir,
+    untrusted_checkpoints,
     verify_checkpoint,
 )
 from tests.test_learner import MODEL
@@ -64,6 +66,26 @@ def test_a_resume_falls_back_past_corrupt_checkpoints_and_sets_them_aside(tmp_pa
     assert (tmp_path / "step_000003.corrupt").is_dir()  # kept for a look, never rotated away
 
 
+def test_a_run_whose_checkpoints_all_fail_is_not_resumed_from_the_initial_weights(tmp_path):
+    assert untrusted_checkpoints(tmp_path / "none") is None  # never checkpointed: the receive log is replayed
+    for step in (1, 2):
+        _checkpoint(tmp_path, step)
+    assert untrusted_checkpoints(tmp_path) is None
+    data = bytearray((tmp_path / "step_000002" / "model.safetensors").read_bytes())
+    data[3] ^= 1
+    (tmp_path / "step_000002" / "model.safetensors").write_bytes(bytes(data))  # same size, other bytes
+    (tmp_path / "step_000001" / "model.safetensors").write_bytes(b"")
+    assert untrusted_checkpoints(tmp_path, digests=False) is None  # sizes alone: step 2 looks whole
+    assert untrusted_checkpoints(tmp_path) == (
+        f"no checkpoint in {tmp_path} can be trusted (step_000002: model.safetensors's SHA-256 differs from its "
+        "manifest; step_000001: model.safetensors has 0 bytes, its manifest says 700)")
+    assert resumable_checkpoint(tmp_path)[0] is None  # moves both aside ...
+    assert untrusted_checkpoints(tmp_path) == (  # ... and a later resume still refuses
+        f"no checkpoint in {tmp_path} can be trusted (set aside as corrupt: step_000001.corrupt, step_000002.corrupt)")
+    _checkpoint(tmp_path, 3)
+    assert untrusted_checkpoints(tmp_path) is None
+
+
 def test_a_checkpoint_without_a_manifest_is_loaded_as_before(tmp_path):
     path = _checkpoint(tmp_path, 4)
     (path / MANIFEST).unlink()  # as written before manifests existed
@@ -100,5 +122,12 @@ def test_a_learner_resumes_from_the_newest_intact_checkpoint(tmp_path):
     finally:
         again.close()
     assert (tmp_path / "checkpoints" / "step_000002.corrupt").is_dir()
+    one = tmp_path / "checkpoints" / "step_000001" / "optimizers.pt"
+    data = bytearray(one.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    one.write_bytes(bytes(data))  # the last one left: same size, other bytes
+    with pytest.raises(RuntimeError, match="cannot resume: no checkpoint in .* can be trusted .*set aside as corrupt: "
+                                           "step_000001.corrupt, step_000002.corrupt"):
+        Learner(dataclasses.replace(cfg, resume=True), MODEL, TransportConfig(), WeightSyncConfig(), str(tmp_path), seed=0)
 
 

@@ -127,6 +127,37 @@ def test_fuzzed_messages_each_get_one_reply_and_status_still_answers(served, fra
     assert request(run_dir, {"cmd": "status"}, timeout_s=3)["step"] == 3
 
 
+def test_a_flood_of_garbage_is_answered_and_logged_with_a_count_not_a_line_each(served):
+    from loguru import logger
+
+    run_dir, server = served
+    lines: list[str] = []
+    sink = logger.add(lambda m: lines.append(str(m)), level="WARNING", format="{message}")
+    before = server.refused
+    sock = _socket(zmq.REQ, server.address)
+    try:
+        for i in range(250):
+            sock.send(b"garbage %d" % i)
+            assert json.loads(_reply(sock)[-1])["ok"] is False
+    finally:
+        sock.close()
+        logger.remove(sink)
+    assert server.refused - before == 250
+    refused = [x for x in lines if x.startswith("control request refused")]
+    assert 2 <= len(refused) <= 10 + 3, refused  # the first ten of the server's life, then every 100th
+    assert refused[-1].startswith(f"control request refused ({server.refused // 100 * 100} so far)")
+    assert request(run_dir, {"cmd": "status"}, timeout_s=3)["step"] == 3
+
+
+def test_status_shows_rejected_trajectories_by_reason():
+    from t1async.service.control import format_status
+
+    text = format_status({"run_dir": "/r", "state": "running", "step": 4, "version": 2, "rejected": 3,
+                          "rejected_by": {"token_ids": 2, "<frame>": 1}})
+    [line] = [x for x in text.splitlines() if x.startswith("rejected")]
+    assert line.split(None, 2)[2].strip() == '3 {"token_ids": 2, "<frame>": 1}'
+
+
 # ---- what scale says ------------------------------------------------------------------------
 def test_scale_of_an_unknown_key_says_it_is_not_a_config_key():
     from t1async.service.control import parse_changes

@@ -56,6 +56,27 @@ def test_append_whole_cuts_a_refused_write_back_off(tmp_path, monkeypatch):
     assert path.read_bytes() == b'{"step": 1}\n'  # no torn row for a reader (or a resume) to choke on
 
 
+def test_replace_file_refused_by_the_disk_leaves_the_old_file_whole_and_no_temporary(tmp_path, monkeypatch):
+    """summary.json on a full disk (a fault retrial left it 0 bytes), service.json, timeline.json, a
+    resume's metrics.jsonl: replaced whole or not at all."""
+    from t1async.fileio import replace_file
+
+    path = tmp_path / "summary.json"
+    replace_file(path, '{"steps": 1}')
+    inode = path.stat().st_ino
+
+    def full(src, dst):
+        raise ENOSPC
+
+    monkeypatch.setattr(os, "replace", full)
+    with pytest.raises(OSError):
+        replace_file(path, '{"steps": 2}' * 1000, fsync=True)
+    assert path.read_text() == '{"steps": 1}' and list(tmp_path.iterdir()) == [path]
+    monkeypatch.undo()
+    replace_file(path, b'{"steps": 3}')
+    assert path.read_bytes() == b'{"steps": 3}' and path.stat().st_ino != inode and list(tmp_path.iterdir()) == [path]
+
+
 def test_disk_guard_pauses_below_its_floor_and_after_a_fault_and_clears_by_itself(tmp_path, monkeypatch):
     free = {"b": 10 << 20}
     monkeypatch.setattr(fileio, "free_bytes", lambda p: free["b"])

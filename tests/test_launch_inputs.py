@@ -34,6 +34,25 @@ def test_resume_into_a_folder_that_holds_no_run_is_refused(capsys, tmp_path):
     assert list(tmp_path.iterdir()) == []  # nothing created, not even the lock
 
 
+def test_resume_of_a_run_whose_checkpoints_all_fail_verification_is_refused(capsys, tmp_path):
+    """Every checkpoint torn (a failing disk): a resume would start again from the initial weights and
+    replace the run's metrics; it is refused in one line, and nothing is moved or created."""
+    from tests.test_checkpoint_manifest import _checkpoint
+
+    run_dir = tmp_path / "run"
+    for step in (6, 12):
+        _checkpoint(run_dir / "checkpoints", step)
+        (run_dir / "checkpoints" / f"step_{step:06d}" / "model.safetensors").write_bytes(b"")
+    (run_dir / "metrics.jsonl").write_text('{"step": 12}\n')
+    before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert_main_one_line(capsys, ["launch", LOCAL, f"run.dir={run_dir}", "learner.resume=true"],
+                         f"learner.resume=true but no checkpoint in {run_dir / 'checkpoints'} can be trusted "
+                         "(step_000012: model.safetensors has 0 bytes, its manifest says 700; step_000006:",
+                         "put an intact step_N folder back there")
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before
+    assert not (run_dir / "service.lock").exists()
+
+
 def test_several_broken_tasks_are_reported_together_each_with_its_reason(tmp_path):
     from t1async.envs.taskio.task import TaskError
     from t1async.service.preflight import check_inputs

@@ -98,11 +98,12 @@ def write_manifest(folder: Path) -> Path:
     return path
 
 
-def verify_checkpoint(folder: Path) -> str | None:
+def verify_checkpoint(folder: Path, *, digests: bool = True) -> str | None:
     """Why checkpoint ``folder`` cannot be trusted (one line: the first file missing, of the
     wrong size, or whose SHA-256 differs from ``manifest.json``; a manifest that cannot be read),
     or None when it verifies. A checkpoint without a manifest (written before they existed)
-    verifies if it has ``trainer_state.json``."""
+    verifies if it has ``trainer_state.json``. ``digests=False`` checks names and sizes only
+    (a stat per file, no read: the launch's pre-flight)."""
     if not (folder / MANIFEST).exists():
         return None if (folder / "trainer_state.json").is_file() else "no trainer_state.json"
     try:
@@ -116,7 +117,7 @@ def verify_checkpoint(folder: Path) -> str | None:
             return f"{name} is missing"
         if f.stat().st_size != size:
             return f"{name} has {f.stat().st_size} bytes, its manifest says {size}"
-        if _sha256(f) != digest:
+        if digests and _sha256(f) != digest:
             return f"{name}'s SHA-256 differs from its manifest"
     return None
 
@@ -130,10 +131,28 @@ def _newest_first(root: Path) -> list[Path]:
     return [p for _, p in found]
 
 
-def newest_intact_checkpoint(root: Path) -> Path | None:
+def newest_intact_checkpoint(root: Path, *, digests: bool = True) -> Path | None:
     """The newest committed checkpoint under ``root`` that verifies (:func:`verify_checkpoint`), moving
     nothing aside (a reader beside the learner, which renames the bad ones: :func:`resumable_checkpoint`)."""
-    return next((p for p in _newest_first(root) if verify_checkpoint(p) is None), None)
+    return next((p for p in _newest_first(root) if verify_checkpoint(p, digests=digests) is None), None)
+
+
+def untrusted_checkpoints(root: Path, *, digests: bool = True) -> str | None:
+    """Why a resume from ``root`` must not start from the initial weights: checkpoints were written
+    there (committed ``step_N`` folders, or folders set aside as ``step_N.corrupt``) and none verifies.
+    None when one verifies, or when none was ever written (a run killed before its first checkpoint:
+    its receive log is trained again from step 0). One line naming the folders and what is wrong.
+    """
+    found = _newest_first(root)
+    if any(verify_checkpoint(p, digests=digests) is None for p in found):
+        return None
+    aside = sorted(p.name for p in root.glob("step_*.corrupt*")) if root.is_dir() else []
+    if not found and not aside:
+        return None
+    parts = [f"{p.name}: {verify_checkpoint(p, digests=digests)}" for p in found[:3]]
+    if aside:
+        parts.append(f"set aside as corrupt: {', '.join(aside[:4])}{' ...' if len(aside) > 4 else ''}")
+    return f"no checkpoint in {root} can be trusted ({'; '.join(parts)})"
 
 
 def resumable_checkpoint(root: Path) -> tuple[Path | None, list[str]]:

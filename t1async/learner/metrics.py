@@ -9,7 +9,6 @@ try (logged, never dropped).
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ import numpy as np
 from loguru import logger
 
 from t1async.config import AbnormalConfig
-from t1async.fileio import DiskGuard, append_whole
+from t1async.fileio import DiskGuard, append_whole, replace_file
 from t1async.learner.abnormal import finish_counts, masked_turns, tool_call_counts, turn_counts
 from t1async.trajectory import Trajectory
 
@@ -109,7 +108,7 @@ class MetricsFile:
     def trim(self, step: int) -> None:
         """Drop the rows past ``step`` (a resume from the checkpoint of ``step``).
 
-        The kept rows go to a new file that replaces the old one (``os.replace``): a reader that
+        The kept rows go to a new file that replaces the old one (t1async/fileio.py ``replace_file``): a reader that
         tails the file (the launch's :class:`t1async.service.service.MetricsTail`) sees a new
         inode and starts over, never the middle of a rewritten row, and a learner killed during
         the trim leaves the old file whole. A line that is not a JSON row (none is written so) is
@@ -129,6 +128,4 @@ class MetricsFile:
                 continue
             if row_step <= step:
                 kept.append(line)
-        tmp = self.path.with_name(self.path.name + ".trim")
-        tmp.write_text("".join(r + "\n" for r in kept))
-        os.replace(tmp, self.path)
+        replace_file(self.path, "".join(r + "\n" for r in kept))

@@ -54,11 +54,11 @@ from __future__ import annotations
 
 import bisect
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 
+from t1async.fileio import replace_file
 from t1async.trajectory import Trajectory
 
 TIMELINE_FILE = "timeline.json"
@@ -118,13 +118,7 @@ class VersionTimeline:
     def save(self, path: Path, *, fsync: bool) -> None:
         """Write the starts to ``path`` atomically (a temporary file renamed into place; fsynced
         first with ``fsync``)."""
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "w") as f:
-            f.write(json.dumps({"starts": self.starts}))
-            if fsync:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
+        replace_file(path, json.dumps({"starts": self.starts}), fsync=fsync)
 
     @classmethod
     def load(cls, path: Path) -> VersionTimeline:

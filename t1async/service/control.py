@@ -147,6 +147,10 @@ def parse_request(parts: list[bytes]) -> dict[str, Any]:
     return req
 
 
+LOG_FIRST, LOG_EVERY = 10, 100
+"""Refused control requests logged: each of the first ``LOG_FIRST``, then every ``LOG_EVERY``-th (with the count)."""
+
+
 class ControlServer:
     """Answers control requests from a daemon thread, one at a time, whatever a client sends.
 
@@ -167,6 +171,7 @@ class ControlServer:
     def __init__(self, host: str, handlers: dict[str, Callable[[dict[str, Any]], dict[str, Any]]]):
         self.handlers = handlers
         self.answered = 0  # messages answered (well-formed or not)
+        self.refused = 0  # of them, refused with an error reply (logged: the first LOG_FIRST, then every LOG_EVERY-th)
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -187,7 +192,9 @@ class ControlServer:
                 return {"ok": False, "error": f"unknown command {req['cmd']!r}; commands: {', '.join(self.handlers)}"}
             return fn(req)
         except Exception as e:  # a bad request must not end the service
-            logger.warning("control request failed: {}", e)
+            self.refused += 1
+            if self.refused <= LOG_FIRST or self.refused % LOG_EVERY == 0:  # a flood of garbage: not a line each
+                logger.warning("control request refused ({} so far): {}", self.refused, e)
             return {"ok": False, "error": str(e).splitlines()[0] if str(e) else type(e).__name__}
 
     def _loop(self) -> None:
@@ -270,6 +277,7 @@ def format_status(st: dict[str, Any]) -> str:
         ("staleness max / bound", f"{st.get('staleness_max')} / {st.get('max_staleness')}"),
         ("queue", st.get("queue_depth")),
         ("dropped", json.dumps({k: v for k, v in (st.get("dropped") or {}).items() if v}) or "{}"),
+        ("rejected (quarantined)", f"{st.get('rejected', 0)} {json.dumps(st.get('rejected_by') or {})}"),
         ("episode failures", json.dumps(st.get("episode_failures") or {})),
         ("restarts", json.dumps(st.get("restarts") or {})),
     ]

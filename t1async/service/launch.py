@@ -38,6 +38,7 @@ from t1async.actors.sampler import EmbeddedSampler
 from t1async.config import Config, ConfigError, RayConfig, RunConfig, to_yaml
 from t1async.envs.sandboxes.container import remove_orphan_containers
 from t1async.envs.sandboxes.limits import unmount_all_under
+from t1async.fileio import replace_file
 from t1async.learner.checkpoints import newest_intact_checkpoint
 from t1async.rollout.task_order import read_task_order
 from t1async.sampling.sglang_server import start_servers, stop_servers
@@ -132,7 +133,7 @@ def launch(config_path: str | None, overrides: list[str] | tuple[str, ...] = ())
         summary["wall_s"] = round(time.time() - t_start, 1)
         summary.update(_metrics_summary(run_dir / "metrics.jsonl"))
         try:
-            (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+            replace_file(run_dir / "summary.json", json.dumps(summary, indent=2, default=str))  # (never a torn file)
         except OSError as e:  # a full disk: the summary is still logged below
             logger.error("summary.json not written ({}); the summary follows in the log", e)
         ray.shutdown()

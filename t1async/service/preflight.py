@@ -26,6 +26,7 @@ from t1async.actors.rollout import tasks_dir
 from t1async.config import Config, ConfigError, check_trainable, load_config
 from t1async.envs.sandboxes.sandbox import check_sandbox_available
 from t1async.envs.taskio.loading import discover_tasks
+from t1async.learner.checkpoints import untrusted_checkpoints
 from t1async.models.families import check_model_folder, load_renderer
 from t1async.models.tokenizer import check_model_vocab
 from t1async.rollout.conversation import template_tool_format
@@ -73,10 +74,18 @@ def check_resumable(run_dir: Path) -> None:
     """Refuse ``learner.resume=true`` into a folder that holds no run (a mistyped path, a new
     ``{now}`` folder): resuming it would silently start from scratch. Nothing is created.
 
+    Also refuses a run whose checkpoints all fail verification by name and size
+    (:func:`~t1async.learner.checkpoints.untrusted_checkpoints`; the learner checks their digests).
+
     Raises:
-        ConfigError: ``run_dir`` does not exist or holds none of :data:`~t1async.service.rundir.EARLIER_RUN`.
+        ConfigError: ``run_dir`` does not exist or holds none of :data:`~t1async.service.rundir.EARLIER_RUN`,
+            or no checkpoint of it can be trusted.
     """
     if earlier_run(run_dir) is not None:
+        why = untrusted_checkpoints(Path(run_dir) / "checkpoints", digests=False)
+        if why:  # resuming would train again from the initial weights, throwing the run's training away
+            raise ConfigError(f"learner.resume=true but {why}: a resume would start again from the initial "
+                              "weights; put an intact step_N folder back there, or start a new run in another run.dir")
         return
     what = "does not exist" if not Path(run_dir).exists() else "holds no run (no metrics, checkpoints or receive log)"
     raise ConfigError(f"learner.resume=true but run.dir {run_dir} {what}; check the path (t1async status RUN_DIR "

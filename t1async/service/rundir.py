@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from t1async.config import ConfigError
+from t1async.fileio import replace_file
 
 LOCK_FILE = "service.lock"
 SERVICE_FILE = "service.json"
@@ -86,9 +87,7 @@ class RunDirLock:
     def write(self, **fields: Any) -> None:
         """Add ``fields`` (e.g. ``control=ADDRESS``) to ``service.json`` (replaced atomically)."""
         self.info.update(fields)
-        tmp = self.dir / f".{SERVICE_FILE}.tmp"
-        tmp.write_text(json.dumps(self.info))
-        os.replace(tmp, self.dir / SERVICE_FILE)
+        replace_file(self.dir / SERVICE_FILE, json.dumps(self.info))
 
     def release(self) -> None:
         """Remove ``service.json`` (if this process wrote it) and give up the lock (idempotent)."""

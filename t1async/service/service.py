@@ -174,8 +174,8 @@ class Service:
         try:
             ls = ray.get(self.roles["learner"].status.remote(), timeout=10)
             out.update({k: ls[k] for k in ("step", "version", "queue_depth", "dropped", "received", "rejected",
-                                           "duplicates", "trained", "max_steps", "ledger", "resumed",
-                                           "weight_group")})
+                                           "rejected_by", "quarantine_evicted", "duplicates", "trained",
+                                           "max_steps", "ledger", "resumed", "weight_group")})
             out["disk_paused_s"] = ls.get("disk_paused_s", 0.0)
             if ls.get("disk") and not self.stop_request:  # the learner's pause (its own writes, its view)
                 out["state"] = f"degraded: {ls['disk']}"

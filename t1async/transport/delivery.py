@@ -49,7 +49,7 @@ from typing import Any
 
 from loguru import logger
 
-from t1async.fileio import fsync_dir, pwrite_all
+from t1async.fileio import fsync_dir, pwrite_all, replace_file
 
 _REC = struct.Struct("<4sIHQI")
 _MAGIC, _TRAILER, _END = b"T1RL", b"T1OK", b"\x00\x00\x00\x00"
@@ -101,13 +101,7 @@ class ReceiveLog:
 
     def note_published(self, version: int) -> None:
         """Record (durably, before the broadcast) that ``version`` is being published."""
-        tmp = self.dir / "published_version.tmp"
-        with open(tmp, "w") as f:
-            f.write(str(version))
-            if self.fsync:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, self.dir / "published_version")
+        replace_file(self.dir / "published_version", str(version), fsync=self.fsync)
 
     def _scan(self, seg: int, path: Path) -> None:
         """Index segment ``seg``'s records up to its end mark; anything else there is a torn record."""
