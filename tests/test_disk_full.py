@@ -77,6 +77,26 @@ def test_replace_file_refused_by_the_disk_leaves_the_old_file_whole_and_no_tempo
     assert path.read_bytes() == b'{"steps": 3}' and path.stat().st_ino != inode and list(tmp_path.iterdir()) == [path]
 
 
+def test_the_console_says_once_when_the_disk_pauses_the_service_and_once_when_it_is_back():
+    from loguru import logger
+
+    from t1async.service.service import DiskNotice
+
+    lines: list[str] = []
+    sink = logger.add(lambda m: lines.append(str(m).strip()), level="INFO", format="{message}")
+    notice = DiskNotice()
+    try:
+        for why in (None, "disk full at /r (8 MB free)", "disk full at /r (3 MB free)", "disk full at /r (0 MB free)",
+                    None, None, "disk full at /r/checkpoints (60 MB free)", None):
+            notice.update(why)
+    finally:
+        logger.remove(sink)
+    assert [x.split(";")[0] for x in lines] == ["degraded: disk full at /r (8 MB free)", "disk space is back: intake "
+                                                "and training resume", "degraded: disk full at /r/checkpoints (60 MB free)",
+                                                "disk space is back: intake and training resume"]
+    assert notice.pauses == 2 and notice.degraded is None
+
+
 def test_disk_guard_pauses_below_its_floor_and_after_a_fault_and_clears_by_itself(tmp_path, monkeypatch):
     free = {"b": 10 << 20}
     monkeypatch.setattr(fileio, "free_bytes", lambda p: free["b"])
@@ -159,6 +179,7 @@ def test_below_the_free_space_floor_the_learner_stops_acking_and_resumes_by_itse
         st = learner.status()
         assert st["disk"] == f"disk full at {tmp_path} (0 MB free, below the floor of 1 MB)"
         assert st["step"] == 0 and tx.stats.acked == 0 and tx.unacknowledged() == 2  # kept in the actor's spool
+        assert 0.5 <= st["disk_paused_s"] <= 3.0  # counted while the pause is under way (it said 0.0)
         free["b"] = None  # space is back
         th.join(timeout=30)
         assert result["step"] == 2 and tx.stats.acked == 2 and result["disk_paused_s"] >= 1.0
@@ -311,6 +332,7 @@ def test_a_launch_on_a_full_disk_says_degraded_runs_no_step_resumes_when_freed_a
         filler.unlink()  # space is back
         _wait(lambda: (s := status()) and s.get("step", 0) > step and s["state"] == "running", 120,
               "a step after space came back")
+        _wait(lambda: "disk space is back" in (tmp_path / "launch.out").read_text(), 30, "the console's line")
         request(run_dir, {"cmd": "stop", "now": True})
         rc = p.wait(timeout=120)
         assert rc == 0, (tmp_path / "launch.out").read_text()[-4000:]
@@ -321,3 +343,5 @@ def test_a_launch_on_a_full_disk_says_degraded_runs_no_step_resumes_when_freed_a
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
     text = (tmp_path / "launch.out").read_text()
     assert "Traceback" not in text, text[-3000:]
+    said = [x for x in text.splitlines() if "degraded: disk full at" in x or "disk space is back" in x]
+    assert len(said) == 2 and f"degraded: disk full at {run_dir}" in said[0], said  # one line each way

@@ -10,6 +10,7 @@ are not counted against ``learner.batch_timeout_s``.
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -29,7 +30,13 @@ class DiskPause:
 
     def __init__(self, disk: DiskGuard, stop: threading.Event, on_space: Callable[[], object]):
         self.disk, self.stop, self.on_space = disk, stop, on_space
-        self.paused_s = 0.0  # seconds paused, in all
+        self._paused_s = 0.0  # seconds paused in the pauses that ended
+        self._since: float | None = None  # monotonic start of the pause under way
+
+    @property
+    def paused_s(self) -> float:
+        """Seconds paused, in all, the pause under way included (``t1async status`` ``disk_paused_s``)."""
+        return self._paused_s + (time.monotonic() - self._since if self._since is not None else 0.0)
 
     def wait(self) -> None:
         """While the disk is full or failing: pause until space is back or ``stop`` is set; then
@@ -38,8 +45,12 @@ class DiskPause:
         if why is None:
             return
         logger.error("{}: intake and training paused until space is back (t1async status: degraded)", why)
-        waited = self.disk.wait(self.stop)
-        self.paused_s += waited
+        self._since = time.monotonic()
+        try:
+            waited = self.disk.wait(self.stop)
+        finally:
+            self._since = None
+        self._paused_s += waited
         if not self.stop.is_set():
             logger.warning("disk space is back after {:.0f} s: intake and training resume", waited)
             self.on_space()

@@ -130,6 +130,25 @@ class MetricsTail:
             sink.close()
 
 
+class DiskNotice:
+    """Says on the launch's console when the run's disk pauses the service and when it is back: one
+    line each way (``t1async status`` shows the state meanwhile), not one per check."""
+
+    def __init__(self) -> None:
+        self.degraded: str | None = None  # why, while paused
+        self.pauses = 0
+
+    def update(self, why: str | None) -> None:
+        """``why``: ``disk full at PATH (N MB free...)`` while the disk pauses intake and training, else None."""
+        if why and not self.degraded:
+            self.pauses += 1
+            logger.warning("degraded: {}; intake and training are paused and resume by themselves when space "
+                           "is back (t1async status shows it)", why)
+        elif self.degraded and not why:
+            logger.warning("disk space is back: intake and training resume")
+        self.degraded = why
+
+
 class Service:
     """The launch process's side of a running service.
 
@@ -157,6 +176,7 @@ class Service:
         self._lock = threading.Lock()
         self._live = None
         self._life_started = time.time()  # (wall clock: compared with metrics rows)
+        self.disk_notice, self._disk_next = DiskNotice(), 0.0  # the disk's state on the console, checked every 5 s
 
     def handlers(self) -> dict[str, Callable[[dict[str, Any]], dict[str, Any]]]:
         return {"status": self.status, "stop": self.request_stop, "scale": self.scale}
@@ -308,6 +328,9 @@ class Service:
                     how = "signal" if received else "stopped" if self.stop_request else "done"
                     return result, how
                 self._show(self.tail.poll())
+                if time.monotonic() >= self._disk_next:
+                    self._disk_next = time.monotonic() + 5.0
+                    self.disk_notice.update(self.disk.check() or self._learner_disk(learner))
                 if (received or self.stop_request) and not asked:
                     what = (f"signal {signal.Signals(received[0]).name}" if received
                             else f"t1async stop{' --now' if self.stop_request == 'now' else ''}")
@@ -354,6 +377,15 @@ class Service:
             if self.samplers is not None:
                 self.samplers.learner_restarted()
             return self.roles["learner"]
+
+    @staticmethod
+    def _learner_disk(learner: Any) -> str | None:
+        """Why the learner has paused for the disk (its own writes' faults, its floor), or None (also
+        when it does not answer within 5 s: a dead learner is seen by the main loop)."""
+        try:
+            return ray.get(learner.status.remote(), timeout=5).get("disk")
+        except Exception:
+            return None
 
     def _died_line(self, err: Exception, when: str) -> str:
         return (f"the learner died {when} ({error_line(err)}; see {self.run_dir}/logs/learner.log); nothing sent "
