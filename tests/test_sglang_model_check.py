@@ -124,3 +124,31 @@ def test_a_sampler_model_path_other_than_model_path_is_refused(tmp_path):
     check_sglang_model_path("", "/models/x")
     with pytest.raises(ConfigError, match=r"sampler\.model_path=/models/x differs from model\.path=.*drop sampler\.model_path"):
         check_sglang_model_path(str(tmp_path), "/models/x")
+
+
+def test_servers_that_cannot_start_are_refused_before_anything_starts(tmp_path, monkeypatch):
+    """Without sglang installed (this machine), a launch that would start servers used to print a traceback
+    from the server's exit, rc 1, and leave a run dir; now one line before anything starts."""
+    from t1async.service.preflight import check_sglang_servers_can_start
+
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    with pytest.raises(ConfigError, match=r"^sampler\.backend=sglang starts servers with .* -m sglang\.launch_server, "
+                                          r"but that Python has no sglang package: .*sampler\.urls"):
+        check_sglang_servers_can_start(SamplerConfig(backend="sglang", model_path=str(tmp_path)))
+    check_sglang_servers_can_start(SamplerConfig(backend="sglang", urls=["http://127.0.0.1:9"]))  # attached: not started here
+    monkeypatch.setenv("PYTHONPATH", str(PKG))  # the servers' environment has one (here the fake)
+    with pytest.raises(ConfigError, match=rf"^sampler\.model_path={tmp_path} has no config\.json"):
+        check_sglang_servers_can_start(SamplerConfig(backend="sglang", model_path=str(tmp_path)))
+    check_sglang_servers_can_start(SamplerConfig(backend="sglang", model_path=str(_folder(tmp_path / "m"))))
+    check_sglang_servers_can_start(SamplerConfig(backend="sglang", model_path="Qwen/Qwen3-30B-A3B"))  # a hub id
+
+
+def test_a_launch_whose_servers_cannot_start_is_one_line_and_leaves_no_run_dir(capsys, tmp_path, monkeypatch):
+    from tests.test_cli import LOCAL, assert_main_one_line
+
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    run_dir = tmp_path / "run"
+    assert_main_one_line(capsys, ["launch", LOCAL, f"run.dir={run_dir}", "sampler.backend=sglang",
+                                  f"sampler.model_path={_folder(tmp_path / 'm')}"],
+                         "that Python has no sglang package")
+    assert not run_dir.exists()

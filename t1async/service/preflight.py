@@ -15,6 +15,8 @@ afterwards, under its lock (t1async/service/rundir.py, which also refuses to mix
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import urllib.parse
 from pathlib import Path
 from typing import Any
@@ -48,6 +50,30 @@ def check_sglang_model_path(model_path: str, sampler_model_path: str) -> None:
     if Path(model_path).expanduser().resolve() != Path(sampler_model_path).expanduser().resolve():
         raise ConfigError(f"sampler.model_path={sampler_model_path} differs from model.path={model_path}: with model.path "
                           "the SGLang servers start from model.path (the learner's model); drop sampler.model_path")
+
+
+def check_sglang_servers_can_start(sampler: Any) -> None:
+    """Servers that launch starts (no ``sampler.urls``) run ``python -m sglang.launch_server`` with this
+    Python and environment (t1async/sampling/sglang_server.py ``sglang_command``): refuse at once when that
+    Python has no ``sglang`` package (found with ``importlib.util.find_spec`` in a child process with the
+    servers' environment, ``PYTHONPATH`` included; nothing imported), or when ``sampler.model_path`` is a
+    local folder that is not a model folder (no ``config.json``; a path that does not exist may be a hub id,
+    which SGLang resolves itself).
+
+    Raises:
+        ConfigError: one line naming the Python or the folder and what to do.
+    """
+    if sampler.urls:
+        return
+    probe = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('sglang') else 3)"
+    if subprocess.run([sys.executable, "-c", probe], capture_output=True, timeout=60).returncode != 0:
+        raise ConfigError(f"sampler.backend=sglang starts servers with {sys.executable} -m sglang.launch_server, but "
+                          "that Python has no sglang package: install SGLang there (a GPU machine: pip install "
+                          "'sglang[all]'), or attach running servers with sampler.urls=[http://HOST:PORT]")
+    folder = Path(sampler.model_path).expanduser() if sampler.model_path else None
+    if folder is not None and folder.is_dir() and not (folder / "config.json").is_file():
+        raise ConfigError(f"sampler.model_path={sampler.model_path} has no config.json: give the Hugging Face model "
+                          "folder the servers load (or model.path, which the learner and the servers then share)")
 
 
 def preflight(config_path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> tuple[Config, Path, list[str]]:
@@ -127,6 +153,8 @@ def check_inputs(cfg: Config) -> list[str]:
     if cfg.sampler.backend == "sglang" and not cfg.sampler.urls and not cfg.sampler.model_path and not cfg.model.path:
         raise ConfigError("sampler.backend=sglang needs sampler.urls (running servers), model.path or sampler.model_path "
                           "(a Hugging Face model folder for the servers launch starts)")
+    if cfg.sampler.backend == "sglang":
+        check_sglang_servers_can_start(cfg.sampler)
     if cfg.sampler.backend == "sglang":
         check_logprob_env(cfg.generation.temperature)
     check_weight_sync_hosts(cfg)
