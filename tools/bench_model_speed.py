@@ -12,6 +12,8 @@ LM head does not hide the trunk), float32, 1 thread, interleaved repeats, median
   (t1async/sampling/engine.py, its KV / recurrent cache) vs ``transformers`` ``generate(do_sample=False)``.
 
 Prints one JSON object per family with tokens/s of each and the ratio ours / transformers (> 1: faster).
+``--profile``: also, per family, where one greedy decode spends its time (``torch.profiler``: the matmul calls,
+their count and mean microseconds, and the share of the decode they take) for our engine and for ``generate``.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ def _learner_step(model, ids, replay, hf: bool) -> None:
     model.zero_grad(set_to_none=True)
 
 
-def measure(family: str, folder: Path, seq: int, batch: int, prompt: int, new: int, repeats: int) -> dict:
+def measure(family: str, folder: Path, seq: int, batch: int, prompt: int, new: int, repeats: int,
+            profile: bool = False) -> dict:
     import transformers
 
     from t1async.config import ModelConfig
@@ -77,12 +80,32 @@ def measure(family: str, folder: Path, seq: int, batch: int, prompt: int, new: i
             ref.generate(p_ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
         times["sampler_hf"].append(time.perf_counter() - t)
     med = {k: statistics.median(v) for k, v in times.items()}
+    profiles = {}
+    if profile:
+        profiles["sampler_ours"] = _mm_profile(lambda: engine.generate(p_ids[0].tolist(), params))
+        profiles["sampler_transformers"] = _mm_profile(lambda: ref.generate(
+            p_ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0))
     learner = batch * seq / med["learner_ours"], batch * seq / med["learner_hf"]
     sampler = new / med["sampler_ours"], new / med["sampler_hf"]
     return {"family": family, "learner_tokens_per_s": {"ours": round(learner[0], 1), "transformers": round(learner[1], 1),
                                                        "ratio": round(learner[0] / learner[1], 2)},
             "sampler_tokens_per_s": {"ours": round(sampler[0], 1), "transformers": round(sampler[1], 1),
-                                     "ratio": round(sampler[0] / sampler[1], 2)}}
+                                     "ratio": round(sampler[0] / sampler[1], 2)}, **profiles}
+
+
+def _mm_profile(fn) -> dict:
+    """``fn()`` under ``torch.profiler`` (CPU, no grad): its matrix multiplies (``aten::mm``, ``aten::bmm``) as
+    calls, mean microseconds per call and their share of all operators' own time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    ops = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in ops)
+    mm = [e for e in ops if e.key in ("aten::mm", "aten::bmm")]
+    calls, us = sum(e.count for e in mm), sum(e.self_cpu_time_total for e in mm)
+    return {"matmul_calls": calls, "matmul_us_per_call": round(us / max(calls, 1), 1),
+            "matmul_share": round(us / total, 2) if total else 0.0}
 
 
 def write_folder(family: str, out: Path) -> Path:
@@ -110,6 +133,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--profile", action="store_true", help="also profile one decode of each (matmul calls and time)")
     args = ap.parse_args()
     sys.path.insert(0, str(REPO))
     torch.set_num_threads(1)
@@ -120,7 +144,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for f in families:
             out = write_folder(f, Path(tmp) / f)
-            rows.append(measure(f, out, args.seq, args.batch, args.prompt, args.new, args.repeats))
+            rows.append(measure(f, out, args.seq, args.batch, args.prompt, args.new, args.repeats, args.profile))
     print(json.dumps({"seq": args.seq, "batch": args.batch, "prompt": args.prompt, "new": args.new, "sizes": SIZES,
                       "rows": rows}, indent=2))
 
