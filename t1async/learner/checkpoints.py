@@ -131,10 +131,10 @@ def _newest_first(root: Path) -> list[Path]:
     return [p for _, p in found]
 
 
-def newest_intact_checkpoint(root: Path, *, digests: bool = True) -> Path | None:
+def newest_intact_checkpoint(root: Path) -> Path | None:
     """The newest committed checkpoint under ``root`` that verifies (:func:`verify_checkpoint`), moving
     nothing aside (a reader beside the learner, which renames the bad ones: :func:`resumable_checkpoint`)."""
-    return next((p for p in _newest_first(root) if verify_checkpoint(p, digests=digests) is None), None)
+    return next((p for p in _newest_first(root) if verify_checkpoint(p) is None), None)
 
 
 def untrusted_checkpoints(root: Path, *, digests: bool = True) -> str | None:
@@ -143,13 +143,16 @@ def untrusted_checkpoints(root: Path, *, digests: bool = True) -> str | None:
     None when one verifies, or when none was ever written (a run killed before its first checkpoint:
     its receive log is trained again from step 0). One line naming the folders and what is wrong.
     """
-    found = _newest_first(root)
-    if any(verify_checkpoint(p, digests=digests) is None for p in found):
-        return None
+    parts = []
+    for p in _newest_first(root):  # (stops at the first that verifies: each is read once)
+        why = verify_checkpoint(p, digests=digests)
+        if why is None:
+            return None
+        parts.append(f"{p.name}: {why}")
     aside = sorted(p.name for p in root.glob("step_*.corrupt*")) if root.is_dir() else []
-    if not found and not aside:
+    if not parts and not aside:
         return None
-    parts = [f"{p.name}: {verify_checkpoint(p, digests=digests)}" for p in found[:3]]
+    parts = parts[:3]
     if aside:
         parts.append(f"set aside as corrupt: {', '.join(aside[:4])}{' ...' if len(aside) > 4 else ''}")
     return f"no checkpoint in {root} can be trusted ({'; '.join(parts)})"

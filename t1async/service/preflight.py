@@ -155,7 +155,6 @@ def check_inputs(cfg: Config) -> list[str]:
                           "(a Hugging Face model folder for the servers launch starts)")
     if cfg.sampler.backend == "sglang":
         check_sglang_servers_can_start(cfg.sampler)
-    if cfg.sampler.backend == "sglang":
         check_logprob_env(cfg.generation.temperature)
     check_weight_sync_hosts(cfg)
     if cfg.sampler.backend == "sglang" and cfg.weight_sync.mode == "distributed" and cfg.weight_sync.backend != "nccl":
