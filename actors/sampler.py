@@ -37,6 +37,7 @@ import torch
 from loguru import logger
 
 from t1async.config import ModelConfig, SamplerConfig, WeightSyncConfig
+from t1async.models.batch_invariance import column_major_parameters, column_major_view
 from t1async.models.families import build_model
 from t1async.sampling.engine import Engine, SamplingParams
 from t1async.weights.group import join_group, leave_group
@@ -71,6 +72,10 @@ class EmbeddedSampler:
                              max_batch=cfg.max_batch)
         self.version = -1
         self.engine.weight_version = -1
+        # the engine keeps these column-major (Engine docstring: Layout); receive buffers are laid out alike so a
+        # swap keeps the layout without a copy inside the pause
+        self._column_major = set(column_major_parameters(model))
+        self._wire = torch.empty(0, dtype=torch.uint8)  # a flattened bucket as broadcast, before its re-layout
         self.engine.start()
         self.requests = 0
         self.generated_tokens = 0
@@ -352,6 +357,13 @@ class EmbeddedSampler:
             pool[i] = torch.empty(nbytes, dtype=torch.uint8)
         return pool[i]
 
+    def _receive_view(self, flat: torch.Tensor, name: str, shape) -> torch.Tensor:
+        """``flat`` (a 1-D receive buffer of ``prod(shape)`` elements) as a ``shape`` tensor in the layout the engine
+        keeps parameter ``name`` in (column-major for its matmul weights)."""
+        if name in self._column_major and len(shape) >= 2:
+            return column_major_view(flat, tuple(shape))
+        return flat.view(shape)
+
     def handle_destroy_group(self, body: dict) -> dict:
         """SGLang ``/destroy_weights_update_group``: leave the group (``success`` false, HTTP 400,
         when there is none)."""
@@ -391,11 +403,14 @@ class EmbeddedSampler:
         try:
             if body.get("load_format") == "flattened_bucket":
                 sizes = [torch.Size(shape).numel() * _DTYPES[dt].itemsize for dt, shape in zip(dtypes, shapes)]
+                if self._wire.numel() != sum(sizes):
+                    self._wire = torch.empty(sum(sizes), dtype=torch.uint8)
+                self._group.broadcast(self._wire, 0).wait()
                 flat = self._recv_buffer(sum(sizes))
-                self._group.broadcast(flat, 0).wait()
                 bufs, off = [], 0
-                for dt, shape, n in zip(dtypes, shapes, sizes):  # views into the bucket: no copy
-                    bufs.append(flat[off:off + n].view(_DTYPES[dt]).view(shape))
+                for name, dt, shape, n in zip(names, dtypes, shapes, sizes):  # into the engine's layout
+                    bufs.append(self._receive_view(flat[off:off + n].view(_DTYPES[dt]), name, shape))
+                    bufs[-1].copy_(self._wire[off:off + n].view(_DTYPES[dt]).view(shape))
                     off += n
             else:
                 bufs = [torch.empty(shape, dtype=_DTYPES[dt]) for dt, shape in zip(dtypes, shapes)]
@@ -499,8 +514,8 @@ class EmbeddedSampler:
         bufs, off = [], 0
         with torch.no_grad():
             for (name, t), dt, n in zip(named, dtypes, sizes):
-                buf = flat[off:off + n].view(dt).view(t.shape)
-                buf.copy_(t)  # out of the sender's memory (and onto this device, in the model's dtype)
+                buf = self._receive_view(flat[off:off + n].view(dt), name, tuple(t.shape))
+                buf.copy_(t)  # out of the sender's memory (and onto this device, in the model's dtype and layout)
                 bufs.append(buf)
                 off += aligned_bytes(n)
         self._staged.update((name, b) for (name, _), b in zip(named, bufs))

@@ -9,6 +9,7 @@ import torch
 
 from t1async.actors.sampler import EmbeddedSampler
 from t1async.config import ModelConfig, SamplerConfig
+from t1async.models.batch_invariance import column_major_parameters, is_column_major
 from t1async.models.logprobs import token_logprobs
 from t1async.models.model import Qwen3MoeForCausalLM
 from t1async.sampling.sampler_client import HttpSampler, SamplerError, post_json
@@ -61,6 +62,10 @@ def test_broadcast_reaches_every_sampler_and_answers_match_learner(samplers):
     sync.publish(policy.named_parameters(), 1)
     assert all(c.generate(prompt, PARAMS).weight_version == 1 for c in clients)
     assert all(torch.equal(policy.lm_head.weight, s.engine.model.lm_head.weight) for s in samplers)
+    for s in samplers:  # the swap kept the engine's layout: every matmul weight column-major, no copy in the pause
+        assert all(is_column_major(p) for p in column_major_parameters(s.engine.model).values())
+        assert s.engine.model.model.layers[0].mlp.experts[0].down_proj.weight.untyped_storage().data_ptr() in {
+            b.untyped_storage().data_ptr() for pool in s._recv_pools for b in pool}
     sync.close()
 
 

@@ -11,6 +11,7 @@ import torch
 from t1async.actors.learner import Learner
 from t1async.actors.sampler import EmbeddedSampler
 from t1async.config import ConfigError, LearnerConfig, ModelConfig, SamplerConfig, TransportConfig, WeightSyncConfig, load_config
+from t1async.models.batch_invariance import column_major_parameters, is_column_major
 from t1async.weights.distributed import DistributedWeightSync
 from t1async.weights.factory import make_weight_sync
 from t1async.weights.protocol import WeightSyncError
@@ -56,6 +57,8 @@ def test_learner_in_tensor_mode_publishes_its_packed_policy_to_an_embedded_sampl
             got = dict(sampler.engine.model.named_parameters())
             assert sampler.version == step
             assert all(torch.equal(got[n], p) for n, p in learner.policy.named_parameters())
+            # received straight into the engine's (column-major) layout
+            assert all(is_column_major(p) for p in column_major_parameters(sampler.engine.model).values())
     finally:
         learner.close()
         sampler.shutdown()

@@ -1,6 +1,6 @@
 """Tokens/s of our model families against transformers' own classes, side by side in one run.
 
-    python tools/bench_model_speed.py [--families ...] [--seq 256] [--batch 2] [--repeats 3]
+    python tools/bench_model_speed.py [--families ...] [--seq 256] [--batch 2] [--repeats 3] [--concurrent 8]
 
 Per family, on the same random weights (a folder of the family's config, no tokenizer, vocabulary 4,096 so the
 LM head does not hide the trunk), float32, 1 thread, interleaved repeats, medians:
@@ -9,7 +9,10 @@ LM head does not hide the trunk), float32, 1 thread, interleaved repeats, median
   ours with routing replay on (the learner's step, replaying the routing of a first forward) vs
   transformers' plain forward + backward (it has no replay);
 - ``sampler``: greedy decoding of ``--new`` tokens after a ``--prompt`` prompt: our embedded engine
-  (t1async/sampling/engine.py, its KV / recurrent cache) vs ``transformers`` ``generate(do_sample=False)``.
+  (t1async/sampling/engine.py, its KV / recurrent cache) vs ``transformers`` ``generate(do_sample=False)``;
+- ``sampler_concurrent``: the same for ``--concurrent`` prompts at once (default 8, as the rollout actors keep several
+  episodes in flight): our engine's continuous batching over the submitted requests vs ``generate`` on the batch
+  (prompts of one length, so it pads nothing).
 
 Prints one JSON object per family with tokens/s of each and the ratio ours / transformers (> 1: faster).
 ``--profile``: also, per family, where one greedy decode spends its time (``torch.profiler``: the matmul calls,
@@ -45,7 +48,7 @@ def _learner_step(model, ids, replay, hf: bool) -> None:
 
 
 def measure(family: str, folder: Path, seq: int, batch: int, prompt: int, new: int, repeats: int,
-            profile: bool = False) -> dict:
+            profile: bool = False, concurrent: int = 8) -> dict:
     import transformers
 
     from t1async.config import ModelConfig
@@ -64,7 +67,9 @@ def measure(family: str, folder: Path, seq: int, batch: int, prompt: int, new: i
     ref.eval()
     p_ids = torch.randint(0, 4000, (1, prompt), generator=g)
     params = SamplingParams(max_new_tokens=new, temperature=0.0)
-    times: dict[str, list[float]] = {"learner_ours": [], "learner_hf": [], "sampler_ours": [], "sampler_hf": []}
+    b_ids = torch.randint(0, 4000, (concurrent, prompt), generator=g)
+    times: dict[str, list[float]] = {"learner_ours": [], "learner_hf": [], "sampler_ours": [], "sampler_hf": [],
+                                     "batch_ours": [], "batch_hf": []}
     for _ in range(repeats):
         t = time.perf_counter()
         _learner_step(ours, ids, replay, hf=False)
@@ -79,7 +84,15 @@ def measure(family: str, folder: Path, seq: int, batch: int, prompt: int, new: i
         with torch.no_grad():
             ref.generate(p_ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
         times["sampler_hf"].append(time.perf_counter() - t)
-    med = {k: statistics.median(v) for k, v in times.items()}
+        if concurrent > 1:
+            t = time.perf_counter()
+            engine.run_until_done([engine.submit(row.tolist(), params) for row in b_ids])
+            times["batch_ours"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            with torch.no_grad():
+                ref.generate(b_ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+            times["batch_hf"].append(time.perf_counter() - t)
+    med = {k: statistics.median(v) for k, v in times.items() if v}
     profiles = {}
     if profile:
         profiles["sampler_ours"] = _mm_profile(lambda: engine.generate(p_ids[0].tolist(), params))
@@ -87,10 +100,15 @@ def measure(family: str, folder: Path, seq: int, batch: int, prompt: int, new: i
             p_ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0))
     learner = batch * seq / med["learner_ours"], batch * seq / med["learner_hf"]
     sampler = new / med["sampler_ours"], new / med["sampler_hf"]
+    batched = {}
+    if concurrent > 1:
+        ours_b, hf_b = concurrent * new / med["batch_ours"], concurrent * new / med["batch_hf"]
+        batched["sampler_concurrent_tokens_per_s"] = {"ours": round(ours_b, 1), "transformers": round(hf_b, 1),
+                                                      "ratio": round(ours_b / hf_b, 2)}
     return {"family": family, "learner_tokens_per_s": {"ours": round(learner[0], 1), "transformers": round(learner[1], 1),
                                                        "ratio": round(learner[0] / learner[1], 2)},
             "sampler_tokens_per_s": {"ours": round(sampler[0], 1), "transformers": round(sampler[1], 1),
-                                     "ratio": round(sampler[0] / sampler[1], 2)}, **profiles}
+                                     "ratio": round(sampler[0] / sampler[1], 2)}, **batched, **profiles}
 
 
 def _mm_profile(fn) -> dict:
@@ -133,6 +151,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--concurrent", type=int, default=8, help="sequences decoded at once in the concurrent sampler "
+                    "row (1: skip it)")
     ap.add_argument("--profile", action="store_true", help="also profile one decode of each (matmul calls and time)")
     args = ap.parse_args()
     sys.path.insert(0, str(REPO))
@@ -144,8 +164,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for f in families:
             out = write_folder(f, Path(tmp) / f)
-            rows.append(measure(f, out, args.seq, args.batch, args.prompt, args.new, args.repeats, args.profile))
-    print(json.dumps({"seq": args.seq, "batch": args.batch, "prompt": args.prompt, "new": args.new, "sizes": SIZES,
+            rows.append(measure(f, out, args.seq, args.batch, args.prompt, args.new, args.repeats, args.profile,
+                                args.concurrent))
+    print(json.dumps({"seq": args.seq, "batch": args.batch, "prompt": args.prompt, "new": args.new,
+                      "concurrent": args.concurrent, "sizes": SIZES,
                       "rows": rows}, indent=2))
 
 

@@ -25,16 +25,12 @@ sequence with its own :class:`KVCache`; every row-wise op (norms, projections, r
 LM head) runs over the N tokens at once, attention runs per sequence on exactly the shapes a lone
 forward of that sequence uses. No padding token exists, so none can route or be attended to.
 
-Batch invariance: every linear layer is a :class:`Linear` that feeds its matmul at least 16 rows
-and a multiple of 4 (zero rows appended). Measured with torch 2.13 CPU, float32, 1 and 2
-threads: the BLAS picks a different kernel for small row counts (1-3 rows on one Xeon; up to 5,
-and up to 10 when the inner dimension is 256 or more, on an AVX-512 Xeon) and splits remainder
-rows differently across threads, so a token's output depended on how many other rows shared its
-matmul; with 16 rows or more, in multiples of 4, it is bitwise the same whatever the batch on
-both (tests/test_batching.py). The experts' SiLU runs on the same padded rows: on the AVX-512
-machine the elements left over after its vectorised loop take a path whose exp differs in the
-last bit. Hence a sequence decoded in a packed batch gets bitwise the logits and routing of the
-same sequence decoded alone.
+Batch invariance: every linear layer is a :class:`~t1async.models.batch_invariance.Linear`, which
+feeds its matmul enough rows (zero rows appended) that a row's result never depends on the rows beside it;
+how many is probed per shape on the machine it runs on (t1async/models/batch_invariance.py). The experts'
+SiLU runs on the same padded rows (on an AVX-512 machine the elements left over after its vectorised loop
+take a path whose exp differs in the last bit). Hence a sequence decoded in a packed batch gets bitwise the
+logits and routing of the same sequence decoded alone (tests/test_batching.py).
 
 Newer transformers (v5) store a layer's experts fused as 3D tensors
 (``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]) and convert the
@@ -54,6 +50,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from t1async.config import ModelConfig
+from t1async.models.batch_invariance import Linear, padded_rows, rows_for
 from t1async.models.hf_folder import load_weights, read_config, save_folder
 
 __all__ = [
@@ -67,6 +64,7 @@ __all__ = [
     "model_config_from_hf",
     "model_config_to_hf",
     "save_hf",
+    "swiglu",
 ]
 
 
@@ -137,40 +135,6 @@ def _check_config(cfg: ModelConfig) -> None:
     if not 1 <= cfg.num_experts_per_tok <= cfg.num_experts:
         raise ValueError(f"num_experts_per_tok={cfg.num_experts_per_tok} must be in [1, num_experts="
                          f"{cfg.num_experts}]")
-
-
-# ----------------------------------------------------------------------------- batch-invariant linear
-
-ROW_MULTIPLE = 4
-"""Rows a :class:`Linear` matmul is padded to a multiple of (see the module docstring)."""
-ROW_MIN = 16
-"""Fewest rows a :class:`Linear` matmul runs on (see the module docstring)."""
-
-
-class Linear(nn.Linear):
-    """``nn.Linear`` whose result for one row never depends on the other rows of the batch.
-
-    The input's leading dims are flattened to M rows and zero rows are appended up to
-    ``max(ROW_MIN, M rounded up to a multiple of ROW_MULTIPLE)`` (the BLAS' kernel choice and
-    thread split then treat every row alike), then cut off again. Same parameters and
-    state_dict names as ``nn.Linear``; gradients flow as usual (the padding rows get none).
-    """
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows, m = padded_rows(x)
-        if rows.shape[0] == m:
-            return F.linear(x, self.weight, self.bias)
-        y = F.linear(rows, self.weight, self.bias)
-        return y[:m].reshape(*x.shape[:-1], y.shape[-1])
-
-
-def padded_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """``x [..., D]`` flattened to ``[P, D]`` rows with zero rows appended, P = ``max(ROW_MIN, M
-    rounded up to a multiple of ROW_MULTIPLE)``, and M, the rows that are real (the first M)."""
-    m = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    pad = max(ROW_MIN - m, -m % ROW_MULTIPLE)
-    rows = x.reshape(m, x.shape[-1])
-    return (F.pad(rows, (0, 0, 0, pad)) if pad else rows), m
 
 
 # ----------------------------------------------------------------------------- KV cache
@@ -369,9 +333,15 @@ class Qwen3MoeMLP(nn.Module):
         """x ``[N, hidden]`` -> ``[N, hidden]``. The SiLU runs on the row-padded batch (see
         :func:`padded_rows`): on an AVX-512 CPU its vectorised exp and the leftover elements' path
         differ in the last bit, so an unpadded SiLU made a row's result depend on the row count."""
-        rows, m = padded_rows(x)
-        y = self.down_proj(F.silu(self.gate_proj(rows)) * self.up_proj(rows))
-        return y[:m].reshape(x.shape)
+        return swiglu(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
+
+
+def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """``down(silu(gate(x)) * up(x))`` on rows x ``[N, hidden]`` with weights ``gate``, ``up`` ``[inter, hidden]`` and
+    ``down`` ``[hidden, inter]``, row-padded once as :class:`~t1async.models.batch_invariance.Linear` pads (one
+    function, no module calls: the per-expert loop runs it for every used expert)."""
+    rows, m = padded_rows(x, max(rows_for(x, gate, silu=True), rows_for(x, down)))
+    return F.linear(F.silu(F.linear(rows, gate)) * F.linear(rows, up), down)[:m].reshape(x.shape)
 
 
 class Qwen3MoeSparseMoeBlock(nn.Module):
@@ -421,7 +391,8 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         outs, start = [], 0
         for e, n in enumerate(counts):
             if n:
-                outs.append(self.experts[e](xs[start:start + n]))
+                ex = self.experts[e]
+                outs.append(swiglu(xs[start:start + n], ex.gate_proj.weight, ex.up_proj.weight, ex.down_proj.weight))
                 start += n
         ys = torch.cat(outs, 0) * weights.reshape(-1)[order, None]
         return x.new_zeros(x.shape).index_add(0, token_of, ys), ids, own

@@ -24,7 +24,7 @@ reduces to ordinary RoPE here. The vision tower and the MTP head are not built (
 their config keys and weights are ignored with a warning naming them.
 
 Batch invariance and packing follow t1async/models/model.py: every projection is its row-padded
-:class:`~t1async.models.model.Linear`, and a packed forward runs each sequence's token mixer on its own
+:class:`~t1async.models.batch_invariance.Linear`. and a packed forward runs each sequence's token mixer on its own
 (attention on its own keys; the gates, conv, delta rule and gated norm of a linear-attention layer on its
 own slice and state). The float32 transcendentals taken over all packed rows at once whose length is not
 a multiple of the vector width (the shared-expert gate's sigmoid over [N, 1], RoPE's cos/sin) are rounded
@@ -47,8 +47,9 @@ from torch.utils.checkpoint import checkpoint
 
 from t1async.config import ModelConfig
 from t1async.config.model_folder import resolve_model, text_config
+from t1async.models.batch_invariance import Linear, padded_rows, rows_for
 from t1async.models.hf_folder import Convert, ModelFolderError, fuse_expert, load_weights
-from t1async.models.model import KVCache, Linear, MoeCausalLM, PackedSegments, _apply_rope, padded_rows, save_hf
+from t1async.models.model import KVCache, MoeCausalLM, PackedSegments, _apply_rope, save_hf, swiglu
 
 __all__ = ["Qwen3_5MoeForCausalLM", "Qwen35TextConfig", "HybridCache", "config_from_hf", "config_to_hf", "CHUNK"]
 
@@ -420,12 +421,15 @@ class SwiGLU(nn.Module):
         self.down_proj = Linear(inter, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows, m = padded_rows(x)
-        return self.down_proj(F.silu(self.gate_proj(rows)) * self.up_proj(rows))[:m].reshape(x.shape)
+        return swiglu(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
 
 
 class FusedExperts(nn.Module):
-    """The routed experts as two 3D parameters (HF v5 layout): ``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]."""
+    """The routed experts as two 3D parameters (HF v5 layout): ``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I].
+
+    ``column_major`` names both for :func:`~t1async.models.batch_invariance.to_column_major` (the engine's layout)."""
+
+    column_major = ("gate_up_proj", "down_proj")
 
     def __init__(self, c: Qwen35TextConfig) -> None:
         super().__init__()
@@ -441,8 +445,8 @@ class FusedExperts(nn.Module):
     @staticmethod
     def expert(gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """One expert (its ``gate_up`` [2I, H] and ``down`` [H, I]) on rows x [n, H], row-padded as
-        :class:`~t1async.models.model.Linear`."""
-        rows, m = padded_rows(x)
+        :class:`~t1async.models.batch_invariance.Linear`."""
+        rows, m = padded_rows(x, max(rows_for(x, gate_up, silu=True), rows_for(x, down)))
         gate, up = F.linear(rows, gate_up).chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, down)[:m]
 

@@ -14,9 +14,13 @@ prefill chunk of a sequence still reading its prompt, the last sampled token of 
 Each sequence keeps its own KV cache, so a request finishing early frees its slot at once and
 one arriving mid-flight joins at the next step. Exactness per sequence: a sequence's prefill is
 chunked by its own prompt only (never by the load), attention runs per sequence on the shapes a
-lone run uses, every row-wise op is batch invariant (t1async/models/model.py), and each request draws
-from its own generator, so its ids, log-probs, routed experts and weight version are bitwise those
+lone run uses, every row-wise op is batch invariant (t1async/models/batch_invariance.py), and each request
+draws from its own generator, so its ids, log-probs, routed experts and weight version are bitwise those
 of the same request run alone (tests/test_batching.py). There is no padding token to route.
+
+Layout: the engine stores the model's matmul weights column-major (:func:`~t1async.models.batch_invariance.
+to_column_major`, at construction and after each weight swap), which makes decode's few-row matmuls about
+1.5x faster on CPU; values, names and shapes are unchanged.
 
 Log-probs: ``output_logprobs[i]`` is the log-prob of ``output_ids[i]`` under the distribution it
 was actually drawn from: ``logits / temperature``, then top-k (Fan et al. 2018), then nucleus /
@@ -75,6 +79,7 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
+from t1async.models.batch_invariance import to_column_major
 from t1async.models.logprobs import check_sampling, processed_logprobs
 from t1async.models.model import KVCache, PackedSegments, Qwen3MoeForCausalLM
 
@@ -221,7 +226,9 @@ class Engine:
     """Continuous-batching sampler over a :class:`Qwen3MoeForCausalLM` (see the module docstring).
 
     Args:
-        model: the policy. Replace its weights (``load_state_dict``, ``copy_``) only inside
+        model: the policy; the engine stores its matmul weights column-major, in place (see Layout above: a
+            forward of this model outside the engine may then differ from one before in the last bit; pass a
+            copy to keep yours as it is). Replace its weights (``load_state_dict``, ``copy_``) only inside
             :meth:`between_requests` while other threads submit; the engine notices any in-place
             write to a parameter (torch's per-tensor version counters) and flushes its prefix
             cache, so a cached prefix never carries the old weights' keys, values or routing.
@@ -252,6 +259,7 @@ class Engine:
             raise ValueError(f"prefix_cache ({prefix_cache}) and prefill_chunk ({prefill_chunk}) must be >= 0, "
                              f"max_batch ({max_batch}) >= 1")
         self.model = model
+        to_column_major(model)
         self.generator = torch.Generator().manual_seed(int(seed))
         self.prefix_cache = int(prefix_cache)
         self.prefill_chunk = int(prefill_chunk)
@@ -583,6 +591,9 @@ class Engine:
         self.pause()
         try:
             with self._model_lock:
-                yield
+                try:
+                    yield
+                finally:
+                    to_column_major(self.model)  # a parameter given new storage by the body
         finally:
             self.resume()
