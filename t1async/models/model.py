@@ -388,12 +388,11 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         token_of = order // self.top_k
         xs = x.index_select(0, token_of)
-        outs, start = [], 0
-        for e, n in enumerate(counts):
-            if n:
-                ex = self.experts[e]
-                outs.append(swiglu(xs[start:start + n], ex.gate_proj.weight, ex.up_proj.weight, ex.down_proj.weight))
-                start += n
+        outs = []
+        # split, not a slice per expert: a slice's backward zero-fills a gradient the size of xs for each expert
+        for ex, rows in zip(self.experts, xs.split(counts)):
+            if rows.shape[0]:
+                outs.append(swiglu(rows, ex.gate_proj.weight, ex.up_proj.weight, ex.down_proj.weight))
         ys = torch.cat(outs, 0) * weights.reshape(-1)[order, None]
         return x.new_zeros(x.shape).index_add(0, token_of, ys), ids, own
 

@@ -483,12 +483,10 @@ class SparseMoeBlock(nn.Module):
             counts = torch.bincount(flat, minlength=self.num_experts).tolist()
             token_of = order // self.top_k
             xs = x.index_select(0, token_of)
-            parts, start = [], 0
             gate_up, down = self.experts.weights()
-            for e, n in enumerate(counts):
-                if n:
-                    parts.append(self.experts.expert(gate_up[e], down[e], xs[start:start + n]))
-                    start += n
+            # split, not a slice per expert: a slice's backward zero-fills a gradient the size of xs for each expert
+            parts = [self.experts.expert(gate_up[e], down[e], rows)
+                     for e, rows in enumerate(xs.split(counts)) if rows.shape[0]]
             ys = torch.cat(parts, 0) * weights.reshape(-1)[order, None]
             out = out.index_add(0, token_of, ys)
         shared = _invariant_sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
