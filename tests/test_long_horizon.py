@@ -42,15 +42,16 @@ def _batch(T: int, seed: int = 1):
     return ids[:, :-1], ids[:, 1:], replay, torch.randn(1, T, generator=g)
 
 
-def _step(b: TorchBackend, inp, tgt, replay, adv):
+def _step(b: TorchBackend, inp, tgt, replay, adv, score=None):
     """Policy log-probs with routing, values, the learner's loss and its backward; returns
-    everything the comparison needs (gradients by parameter name)."""
+    everything the comparison needs (gradients by parameter name). ``score``: the positions scored
+    (and the loss mask), else all."""
     b.zero_grad()
-    out = b.policy_logprobs(inp, tgt, replay, grad=True, routing=True)
-    mask = torch.ones_like(adv)
+    out = b.policy_logprobs(inp, tgt, replay, grad=True, routing=True, score=score)
+    mask = torch.ones_like(adv) if score is None else score.float()
     pl = policy_loss(out.logp, out.logp.detach() - 0.05, out.logp.detach() - 0.1, adv, mask, clip_eps=0.2, is_cap=2.0)
     v = b.values(inp, grad=True)
-    ref = b.reference_logprobs(inp, tgt)
+    ref = b.reference_logprobs(inp, tgt, score=score)
     b.backward(pl.loss + (v ** 2).mean())
     grads = {f"policy.{n}": p.grad.clone() for n, p in b.policy.named_parameters() if p.grad is not None}
     grads |= {f"critic.{n}": p.grad.clone() for n, p in b.critic.named_parameters() if p.grad is not None}
@@ -80,6 +81,37 @@ def test_chunked_forward_equals_the_plain_one_in_logprobs_routing_values_and_gra
     for name in g1:
         torch.testing.assert_close(g2[name], g1[name], rtol=1e-4, atol=1e-6, msg=name)
     assert not chunked.policy.model.gradient_checkpointing and not chunked.critic.backbone.gradient_checkpointing
+
+
+@pytest.mark.parametrize("chunk", [0, 64], ids=["one_pass", "chunked"])
+def test_scoring_only_the_sampled_positions_gives_their_logprobs_and_the_same_gradients(chunk):
+    """The learner scores the sampled tokens only (t1async/learner/torch_backend.py scored_logprobs): at those
+    positions the log-probs and the outside flags are the full pass's, elsewhere 0 and False, and a loss over
+    them has the full pass's gradients."""
+    T = 150
+    inp, tgt, replay, adv = _batch(T)
+    gen = GenerationConfig(temperature=0.8, top_k=50, top_p=0.9)
+    score = torch.zeros(1, T, dtype=torch.bool)
+    score[0, 20:45] = score[0, 90:97] = score[0, 140:] = True  # three turns' sampled tokens
+    o1, v1, r1, g1 = _step(_backend(chunk, gen), inp, tgt, replay, adv, score=None)
+    o2, v2, r2, g2 = _step(_backend(chunk, gen), inp, tgt, replay, adv, score=score)
+    torch.testing.assert_close(o2.logp[score], o1.logp[score], rtol=0, atol=1e-6)
+    assert not o2.logp[~score].any() and not o2.outside[~score].any()
+    assert torch.equal(o2.outside[score], o1.outside[score])
+    torch.testing.assert_close(r2[score], r1[score], rtol=0, atol=1e-6)
+    assert not r2[~score].any()
+    assert torch.equal(o2.routed_experts, o1.routed_experts)  # the trunk still runs at every position
+    # the loss of the full pass over the same mask
+    b = _backend(chunk, gen)
+    b.zero_grad()
+    out = b.policy_logprobs(inp, tgt, replay, grad=True, routing=True)
+    pl = policy_loss(out.logp, out.logp.detach() - 0.05, out.logp.detach() - 0.1, adv, score.float(), clip_eps=0.2,
+                     is_cap=2.0)
+    b.backward(pl.loss + (b.values(inp, grad=True) ** 2).mean())
+    g3 = {f"policy.{n}": p.grad.clone() for n, p in b.policy.named_parameters() if p.grad is not None}
+    assert g3.keys() <= g2.keys() and len(g3) > 10
+    for name in g3:
+        torch.testing.assert_close(g2[name], g3[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_chunked_forward_holds_no_graph_without_gradients_and_short_sequences_are_not_chunked():

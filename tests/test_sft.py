@@ -149,3 +149,39 @@ def test_a_one_command_oracle_is_played_whole_and_not_counted_as_stopped_early(t
     demos = build_demonstrations(root, load_config(None, ["sft.early_stop_frac=0.5"]))
     assert len(demos.trajectories) == 2 and demos.stopped_early == []
     assert all(t.resolved and len(t.turn_offsets) == 2 for t in demos.trajectories)
+
+
+def test_the_sft_loss_is_the_cross_entropy_of_the_assistant_tokens_of_the_full_logits():
+    """sft_train runs the LM head at the loss-mask-1 positions only; its first logged loss and token accuracy
+    (measured before the first update) are those of the full [B, T, V] logits masked to the same tokens."""
+    from types import SimpleNamespace
+
+    import torch
+    import torch.nn.functional as F
+
+    from t1async.commands.sft import sft_train
+    from t1async.config import ModelConfig
+    from t1async.config.learner import SftConfig
+
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(ModelConfig(vocab_size=300, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                            num_key_value_heads=1, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                            moe_intermediate_size=32))
+    rng = np.random.default_rng(0)
+    demos = []
+    for n in (40, 55):
+        mask = np.zeros(n, np.float32)
+        mask[10:18] = mask[30:n] = 1
+        demos.append(SimpleNamespace(token_ids=rng.integers(0, 300, n), loss_mask=mask))
+    ids = torch.zeros(2, 55, dtype=torch.int64)
+    m = torch.zeros(2, 55)
+    for row, d in enumerate(demos):
+        ids[row, :len(d.token_ids)] = torch.from_numpy(d.token_ids)
+        m[row, :len(d.token_ids)] = torch.from_numpy(d.loss_mask)
+    with torch.no_grad():
+        logits = model(ids[:, :-1]).logits
+    keep = m[:, 1:] > 0
+    want = F.cross_entropy(logits[keep], ids[:, 1:][keep]).item()
+    want_acc = (logits[keep].argmax(-1) == ids[:, 1:][keep]).float().mean().item()
+    curve = sft_train(model, demos, SftConfig(steps=1, batch_size=2, log_every=1, warmup_steps=1))
+    assert curve[0]["loss"] == pytest.approx(want, abs=1e-4) and curve[0]["token_accuracy"] == round(want_acc, 4)

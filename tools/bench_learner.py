@@ -30,8 +30,12 @@ Models (``--model``): ``local`` (configs/local.yaml's default ModelConfig, 4.4 M
 ``mid`` (8 layers, hidden 1024, 16 experts top-2, expert width 768, 16 heads, 4 KV heads,
 vocabulary 32768: about 390 M parameters, the size DESIGN.md §3 measured).
 
-Usage: ``t1async bench learner [--model local|mid] [--batch 4] [--seq 256] [--steps 5]
-[--backends torch,megatron] [--device auto|cpu|cuda] [--dtype auto|float32|bfloat16]``.
+Usage: ``t1async bench learner [--model local|mid | --model-path DIR] [--batch 4] [--seq 256] [--steps 5]
+[--backends torch,megatron] [--device auto|cpu|cuda] [--dtype auto|float32|bfloat16] [--scored-frac F]``.
+
+``--scored-frac F`` < 1: the loss mask covers that fraction of each row (the sampled tokens of four turns) and the
+torch backend scores only those positions, as the learner does; the same backend with its LM head at every position
+is timed beside it (``scored_over_every_position``).
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ MODELS = {
                        moe_intermediate_size=768, max_position_embeddings=8192),
 }
 H200_BF16_DENSE_TFLOPS = 989.4
+EVERY_POSITION = "torch (LM head at every position)"
 
 
 def make_backend(name: str, cfg: LearnerConfig, model: ModelConfig, device: torch.device,
@@ -70,9 +75,11 @@ def make_backend(name: str, cfg: LearnerConfig, model: ModelConfig, device: torc
     return MegatronBackend(cfg, model, GenerationConfig(), device=device, dtype=dtype)
 
 
-def make_batch(model: ModelConfig, batch: int, seq: int, device: torch.device, seed: int = 1) -> dict:
+def make_batch(model: ModelConfig, batch: int, seq: int, device: torch.device, seed: int = 1,
+               scored_frac: float = 1.0) -> dict:
     """Token ids [B, T + 1], routed experts [B, T, L, K] (K distinct per row), behaviour
-    log-probs, advantages, returns and a loss mask of ones, on ``device``."""
+    log-probs, advantages, returns and a loss mask, on ``device``: ones, or with ``scored_frac`` < 1 that
+    fraction of each row as the sampled tokens of four turns (the rest: prompt and observations)."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, model.vocab_size, (batch, seq + 1), generator=g)
     scores = torch.rand(batch, seq, model.num_hidden_layers, model.num_experts, generator=g)
@@ -80,15 +87,23 @@ def make_batch(model: ModelConfig, batch: int, seq: int, device: torch.device, s
     b = {"inp": ids[:, :-1], "tgt": ids[:, 1:], "replay": experts, "mu": -torch.rand(batch, seq, generator=g) - 4.0,
          "adv": torch.randn(batch, seq, generator=g), "ret": torch.randn(batch, seq, generator=g),
          "mask": torch.ones(batch, seq)}
+    if scored_frac < 1.0:
+        b["mask"].zero_()
+        turn, span = seq // 4, max(1, round(seq * scored_frac / 4))
+        for t in range(4):  # each turn: its observation, then the sampled tokens at its end
+            b["mask"][:, (t + 1) * turn - span:(t + 1) * turn] = 1.0
     return {k: v.to(device) for k, v in b.items()}
 
 
-def rl_step(backend: LearnerBackend, b: dict, cfg: LearnerConfig, replay: bool = True) -> dict[str, float]:
-    """One learner micro-batch step through the backend interface (see the module docstring)."""
+def rl_step(backend: LearnerBackend, b: dict, cfg: LearnerConfig, replay: bool = True,
+            scored: bool = True) -> dict[str, float]:
+    """One learner micro-batch step through the backend interface (see the module docstring); ``scored``: the
+    policy's log-probs at the mask's positions only, as the learner asks for them (t1async/learner/update.py)."""
     n = float(b["mask"].sum())
     old_v = backend.values(b["inp"], grad=False)
     backend.zero_grad()
-    out = backend.policy_logprobs(b["inp"], b["tgt"], b["replay"] if replay else None, grad=True, routing=False)
+    out = backend.policy_logprobs(b["inp"], b["tgt"], b["replay"] if replay else None, grad=True, routing=False,
+                                  score=b["mask"] > 0 if scored else None)
     pl = policy_loss(out.logp, out.logp.detach(), b["mu"], b["adv"], b["mask"], clip_eps=cfg.clip_eps,
                      is_cap=cfg.is_cap, denom=n)
     vl = value_loss(backend.values(b["inp"], grad=True), old_v, b["ret"], b["mask"], clip=cfg.value_clip, denom=n)
@@ -113,15 +128,17 @@ def run(names: list[str], model: ModelConfig, args: argparse.Namespace, device: 
     """Build every backend, warm each up, then time ``args.steps`` steps of each, alternating."""
     cfg = LearnerConfig(lr=1e-5, critic_lr=1e-5)
     backends = {n: make_backend(n, cfg, model, device, dtype) for n in names}
-    b = make_batch(model, args.batch, args.seq, device)
+    if args.scored_frac < 1.0 and "torch" in backends:  # side by side: the LM head at every position
+        backends[EVERY_POSITION] = make_backend("torch", cfg, model, device, dtype)
+    b = make_batch(model, args.batch, args.seq, device, scored_frac=args.scored_frac)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    times: dict[str, list[float]] = {n: [] for n in names}
+    times: dict[str, list[float]] = {n: [] for n in backends}
     last: dict[str, dict] = {}
     for i in range(args.warmup + args.steps):
         for n, backend in backends.items():
             sync()
             t0 = time.perf_counter()
-            last[n] = rl_step(backend, b, cfg, replay=not args.no_replay)
+            last[n] = rl_step(backend, b, cfg, replay=not args.no_replay, scored=n != EVERY_POSITION)
             sync()
             if i >= args.warmup:
                 times[n].append(time.perf_counter() - t0)
@@ -154,14 +171,26 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--no-replay", action="store_true", help="route with the learner's own routers")
     p.add_argument("--peak-tflops", type=float, default=H200_BF16_DENSE_TFLOPS, help="bf16 dense peak for MFU")
     p.add_argument("--threads", type=at_least_one, default=2, help="torch intra-op threads (CPU)")
+    p.add_argument("--model-path", default=None, help="a Hugging Face model folder instead of --model")
+    p.add_argument("--scored-frac", type=float, default=1.0,
+                   help="fraction of positions that are sampled tokens (the loss mask); below 1 the torch backend is "
+                        "also timed with its LM head at every position, side by side")
     args = p.parse_args(argv)
+    if not 0.0 < args.scored_frac <= 1.0:
+        p.error(f"--scored-frac must be in (0, 1], got {args.scored_frac}")
     device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
                           else "cpu")
     dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
              "bfloat16": torch.bfloat16}[args.dtype]
     torch.set_num_threads(args.threads)
-    model = MODELS[args.model]
-    out = {"model": args.model, "batch": args.batch, "seq": args.seq, "steps": args.steps, "device": str(device),
+    if args.model_path:
+        from t1async.config.model_folder import resolve_model  # the folder's architecture (reads config.json)
+
+        model = resolve_model(ModelConfig(path=args.model_path))
+    else:
+        model = MODELS[args.model]
+    out = {"model": args.model_path or args.model, "scored_frac": args.scored_frac,
+           "batch": args.batch, "seq": args.seq, "steps": args.steps, "device": str(device),
            "dtype": str(dtype).removeprefix("torch."), "replay": not args.no_replay,
            "flops_per_token": flops_per_token(model, args.seq), "results": {}}
     if device.type == "cuda":
@@ -171,6 +200,8 @@ def main(argv: list[str] | None = None) -> dict:
     r = out["results"]
     if "torch" in r and "megatron" in r:
         out["megatron_over_torch"] = round(r["megatron"]["tokens_per_s"] / r["torch"]["tokens_per_s"], 3)
+    if "torch" in r and EVERY_POSITION in r:
+        out["scored_over_every_position"] = round(r["torch"]["tokens_per_s"] / r[EVERY_POSITION]["tokens_per_s"], 3)
     print(json.dumps(out))
     return out
 

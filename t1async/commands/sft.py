@@ -264,11 +264,13 @@ def sft_train(model: Qwen3MoeForCausalLM, demos: list[Trajectory], cfg: SftConfi
                 n = seqs[i][0].shape[0]
                 ids[row, :n], mask[row, :n] = seqs[i]
             gate_logits.clear()
-            logits = model(ids[:, :-1]).logits
-            tgt, m = ids[:, 1:], mask[:, 1:]
-            ce_tok = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), reduction="none")
-            n_tok = m.sum().clamp(min=1.0)
-            ce = (ce_tok * m.reshape(-1)).sum() / n_tok
+            tgt, keep = ids[:, 1:], mask[:, 1:] > 0
+            # the LM head only at the scored positions (the assistant turns): with a real vocabulary (151,936 ids)
+            # it is most of a small model's step, and the observation tokens it would score are masked anyway
+            hidden = model(ids[:, :-1], logits_to_keep=1).hidden[keep]  # [n, H]
+            logits, tgt = model.lm_head(hidden).float(), tgt[keep]  # [n, V], [n]
+            n_tok = torch.tensor(float(max(tgt.numel(), 1)))
+            ce = F.cross_entropy(logits, tgt, reduction="sum") / n_tok
             # padded positions are routed too; they only shift the balance statistics slightly
             aux = load_balancing_loss(gate_logits, E, K)
             frac = (step + 1) / max(cfg.warmup_steps, 1)
@@ -280,7 +282,7 @@ def sft_train(model: Qwen3MoeForCausalLM, demos: list[Trajectory], cfg: SftConfi
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
             opt.step()
             with torch.no_grad():
-                right = ((logits.argmax(-1) == tgt).float() * m).sum()
+                right = (logits.argmax(-1) == tgt).float().sum()
             acc_loss += float(ce.detach()) * float(n_tok)
             acc_right += float(right)
             acc_tokens += float(n_tok)

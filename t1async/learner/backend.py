@@ -73,14 +73,17 @@ class LearnerBackend(Protocol):
     device: torch.device
 
     def policy_logprobs(self, inp: torch.Tensor, tgt: torch.Tensor, replay: torch.Tensor | None, *, grad: bool,
-                        routing: bool) -> PolicyForward:
+                        routing: bool, score: torch.Tensor | None = None) -> PolicyForward:
         """inp, tgt: int64 [B, T] on ``device``; replay: integer [B, T, L, K] expert ids or None.
-        ``grad``: keep the graph for a backward; ``routing``: fill the routing fields."""
+        ``grad``: keep the graph for a backward; ``routing``: fill the routing fields. ``score``: bool [B, T], the
+        positions whose log-probs are read (the sampled tokens); a backend may leave the others 0 and skip their
+        LM head (the torch backend does; megatron scores every position)."""
         ...
 
-    def reference_logprobs(self, inp: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
-        """float32 [B, T] log-probs under the frozen reference (no gradient). Raises
-        RuntimeError when the backend keeps no reference (``learner.kl_coef`` = 0)."""
+    def reference_logprobs(self, inp: torch.Tensor, tgt: torch.Tensor, score: torch.Tensor | None = None
+                           ) -> torch.Tensor:
+        """float32 [B, T] log-probs under the frozen reference (no gradient); ``score`` as for
+        :meth:`policy_logprobs`. Raises RuntimeError when the backend keeps no reference (``learner.kl_coef`` = 0)."""
         ...
 
     def values(self, inp: torch.Tensor, *, grad: bool) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -93,6 +93,36 @@ def chunked_token_logprobs(head: Callable[[torch.Tensor], torch.Tensor], hidden:
     return torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1)
 
 
+def scored_logprobs(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, tgt: torch.Tensor,
+                    g: GenerationConfig, chunk: int, semantics: SamplingSemantics = EMBEDDED,
+                    score: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of the targets at the positions of ``score`` only, in chunks of ``chunk`` positions
+    (:func:`chunked_token_logprobs`; 0: in one pass).
+
+    The LM head and the log-softmax run on the scored rows alone (the sampled tokens; observation and prompt
+    tokens are never scored by a loss): with a real vocabulary (151,936 ids) the head is most of a small model's
+    step, and the ``[B, T, V]`` logits are never formed. Each row's log-prob is a function of its own row, so the
+    scored values equal those of a full pass but for the matmul's summation blocking.
+
+    Args:
+        hidden: float [B, T, H]; tgt: int64 [B, T]; score: bool [B, T] or None (every position).
+
+    Returns:
+        (float32 [B, T] log-probs, 0 where not scored; bool [B, T] outside flags, False where not scored).
+    """
+    def run(h: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if chunk:
+            return chunked_token_logprobs(head, h, t, g, chunk, semantics)
+        return token_logprobs(head(h).float(), t, g.temperature, g.top_k, g.top_p, semantics=semantics,
+                              return_outside=True)
+
+    if score is None:
+        return run(hidden, tgt)
+    lp, out = run(hidden[score][None], tgt[score][None])  # the scored rows: [1, n, H], [1, n]
+    zeros = torch.zeros(tgt.shape, dtype=lp.dtype, device=lp.device)
+    return zeros.masked_scatter(score, lp[0]), torch.zeros_like(score).masked_scatter(score, out[0])
+
+
 def load_policy(model_cfg: ModelConfig, init: str | Path | None) -> nn.Module:
     """The policy of ``model_cfg``'s family (t1async/models/families.py): from checkpoint folder ``init``,
     else from ``model.path``, else a fresh seeded one (the caller seeds torch). Weights are streamed.
@@ -174,39 +204,40 @@ class TorchBackend(AdamWPair):
         unless ``learner.max_tokens_per_chunk`` is set and the sequence is longer."""
         return chunk_size(self.cfg.max_tokens_per_chunk, inp.shape[1])
 
-    def policy_logprobs(self, inp, tgt, replay, *, grad, routing) -> PolicyForward:
+    def policy_logprobs(self, inp, tgt, replay, *, grad, routing, score=None) -> PolicyForward:
         """See :class:`~t1async.learner.backend.LearnerBackend`. A sequence longer than
         ``learner.max_tokens_per_chunk`` runs the trunk with per-layer activation checkpointing
         and the LM head plus log-probs in chunks of that many positions, each recomputed in the
         backward (:func:`chunked_token_logprobs`): memory linear in tokens at a small constant,
         never the full [T, V] logits; bitwise the same log-probs and routing, replayed or not
-        (gradients equal up to float summation order)."""
+        (gradients equal up to float summation order). With ``score`` the LM head runs only at its
+        positions (:func:`scored_logprobs`)."""
         g = self.generation
         chunk = self._chunk(inp)
         with torch.set_grad_enabled(grad):
-            if not chunk:
+            if not chunk and score is None:
                 out = self.policy(inp, routed_experts=replay, return_routing=routing)
                 # scored as the samplers report (temperature, top-k, top-p, self.semantics); a sampled
                 # id just outside this model's own nucleus is kept in it (counted by the learner)
                 logp, outside = token_logprobs(out.logits, tgt, g.temperature, g.top_k, g.top_p,
                                                semantics=self.semantics, return_outside=True)
             else:
-                with layer_checkpointing(self.policy.model):
+                with layer_checkpointing(self.policy.model) if chunk else nullcontext():
                     out = self.policy(inp, routed_experts=replay, return_routing=routing, logits_to_keep=1)
-                logp, outside = chunked_token_logprobs(self.policy.lm_head, out.hidden, tgt, g, chunk, self.semantics)
+                logp, outside = scored_logprobs(self.policy.lm_head, out.hidden, tgt, g, chunk, self.semantics, score)
         return PolicyForward(logp, outside, out.routed_experts, out.router_experts)
 
-    def reference_logprobs(self, inp, tgt) -> torch.Tensor:
+    def reference_logprobs(self, inp, tgt, score=None) -> torch.Tensor:
         if self.reference is None:
             raise RuntimeError("no reference policy: learner.kl_coef is 0")
         g = self.generation
         chunk = self._chunk(inp)
         with torch.no_grad():
-            if not chunk:
+            if not chunk and score is None:
                 return token_logprobs(self.reference(inp).logits, tgt, g.temperature, g.top_k, g.top_p,
                                       semantics=self.semantics)
             hidden = self.reference(inp, logits_to_keep=1).hidden
-            return chunked_token_logprobs(self.reference.lm_head, hidden, tgt, g, chunk, self.semantics)[0]
+            return scored_logprobs(self.reference.lm_head, hidden, tgt, g, chunk, self.semantics, score)[0]
 
     def values(self, inp, *, grad) -> torch.Tensor:
         if self.critic is None:

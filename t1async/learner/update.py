@@ -157,7 +157,9 @@ def train_step(batch: list[Trajectory], backend: LearnerBackend, cfg: LearnerCon
         for it in items:
             # scored under the sampler's processing (temperature, top-k, top-p); a sampled id
             # just outside this model's own nucleus is kept in it (counted below)
-            out = backend.policy_logprobs(it["inp"], it["tgt"], it["replay"], grad=train_policy, routing=epoch == 0)
+            # scored at the sampled tokens only (every loss and figure below reads them alone)
+            out = backend.policy_logprobs(it["inp"], it["tgt"], it["replay"], grad=train_policy, routing=epoch == 0,
+                                          score=it["vmask"] > 0)
             # padding's log-probs set to 0: no extreme value there can turn into inf * 0 = nan in a masked sum
             logp, outside = torch.where(it["valid"], out.logp, 0.0), out.outside
             if epoch == 0:
@@ -175,7 +177,8 @@ def train_step(batch: list[Trajectory], backend: LearnerBackend, cfg: LearnerCon
             kl_term: torch.Tensor | float = 0.0
             if cfg.kl_coef > 0 and train_policy:
                 if epoch == 0:
-                    it["ref"] = torch.where(it["valid"], backend.reference_logprobs(it["inp"], it["tgt"]), 0.0)
+                    it["ref"] = torch.where(it["valid"], backend.reference_logprobs(it["inp"], it["tgt"],
+                                                                                     score=it["vmask"] > 0), 0.0)
                 # gradient of KL(pi_theta || pi_ref) from the behaviour policy's tokens (importance-weighted)
                 kl = kl_penalty(logp, it["ref"], it["prox"], it["mu"], it["mask"], is_cap=cfg.is_cap, denom=n_tokens)
                 kl_term = cfg.kl_coef * kl.loss
@@ -224,9 +227,9 @@ def probe(traj: Trajectory, backend: LearnerBackend, cfg: LearnerConfig, *, num_
     with torch.no_grad():
         if cfg.critic:
             backend.values(it["inp"], grad=False)
-        backend.policy_logprobs(it["inp"], it["tgt"], it["replay"], grad=False, routing=True)
+        backend.policy_logprobs(it["inp"], it["tgt"], it["replay"], grad=False, routing=True, score=it["vmask"] > 0)
         if cfg.kl_coef > 0:
-            backend.reference_logprobs(it["inp"], it["tgt"])
+            backend.reference_logprobs(it["inp"], it["tgt"], score=it["vmask"] > 0)
 
 
 def micro_batch(trajs: list[Trajectory], dev: torch.device, cfg: LearnerConfig,

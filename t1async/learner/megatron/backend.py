@@ -482,9 +482,10 @@ class MegatronBackend(MegatronState, AdamWPair):
         dist.all_gather_into_tensor(out, rows, group=parallel_state.get_tensor_model_parallel_group())
         return out
 
-    def policy_logprobs(self, inp, tgt, replay, *, grad, routing) -> PolicyForward:
-        """See :class:`t1async.learner.backend.LearnerBackend`; with expert parallelism each rank forwards
-        its rows and rank 0 returns the gathered ``[B, T]`` outputs (module docstring).
+    def policy_logprobs(self, inp, tgt, replay, *, grad, routing, score=None) -> PolicyForward:
+        """See :class:`t1async.learner.backend.LearnerBackend` (``score`` is not used: every position is scored);
+        with expert parallelism each rank forwards its rows and rank 0 returns the gathered ``[B, T]`` outputs
+        (module docstring).
 
         Raises:
             ValueError: a replay row repeats an expert id (:func:`replay_rows`), before any rank runs.
@@ -548,7 +549,7 @@ class MegatronBackend(MegatronState, AdamWPair):
         top = self._tp_tokens(logits.topk(self.model_cfg.num_experts_per_tok, dim=-1).indices)
         return top.view(T, B, -1).transpose(0, 1)
 
-    def reference_logprobs(self, inp, tgt) -> torch.Tensor:
+    def reference_logprobs(self, inp, tgt, score=None) -> torch.Tensor:  # scores every position
         if self.reference is None:
             raise RuntimeError("no reference policy: learner.kl_coef is 0")
         return self._call_rows("forward_reference", (inp, tgt))
