@@ -14,7 +14,8 @@ LM head does not hide the trunk), float32, 1 thread, interleaved repeats, median
   episodes in flight): our engine's continuous batching over the submitted requests vs ``generate`` on the batch
   (prompts of one length, so it pads nothing).
 
-Prints one JSON object per family with tokens/s of each and the ratio ours / transformers (> 1: faster).
+Prints one JSON object per family with tokens/s of each and the ratio ours / transformers (> 1: faster), and
+``decode_rows_padded_to``: the row counts the engine's matmuls pad one decode row to on this machine (probed).
 ``--profile``: also, per family, where one greedy decode spends its time (``torch.profiler``: the matmul calls,
 their count and mean microseconds, and the share of the decode they take) for our engine and for ``generate``.
 """
@@ -98,6 +99,11 @@ def measure(family: str, folder: Path, seq: int, batch: int, prompt: int, new: i
         profiles["sampler_ours"] = _mm_profile(lambda: engine.generate(p_ids[0].tolist(), params))
         profiles["sampler_transformers"] = _mm_profile(lambda: ref.generate(
             p_ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0))
+    from t1async.models.batch_invariance import column_major_parameters, rows_for
+
+    # the rows one decode row is padded to, per matmul weight of the engine (t1async/models/batch_invariance.py)
+    pads = sorted({rows_for(torch.zeros(1, w.shape[-1]), w[0] if w.dim() == 3 else w)
+                   for w in column_major_parameters(engine.model).values()})
     learner = batch * seq / med["learner_ours"], batch * seq / med["learner_hf"]
     sampler = new / med["sampler_ours"], new / med["sampler_hf"]
     batched = {}
@@ -108,7 +114,8 @@ def measure(family: str, folder: Path, seq: int, batch: int, prompt: int, new: i
     return {"family": family, "learner_tokens_per_s": {"ours": round(learner[0], 1), "transformers": round(learner[1], 1),
                                                        "ratio": round(learner[0] / learner[1], 2)},
             "sampler_tokens_per_s": {"ours": round(sampler[0], 1), "transformers": round(sampler[1], 1),
-                                     "ratio": round(sampler[0] / sampler[1], 2)}, **batched, **profiles}
+                                     "ratio": round(sampler[0] / sampler[1], 2)},
+            "decode_rows_padded_to": pads, **batched, **profiles}
 
 
 def _mm_profile(fn) -> dict:
