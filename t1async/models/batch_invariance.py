@@ -137,8 +137,8 @@ def column_major_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
 def to_column_major(model: nn.Module) -> int:
     """Store each of :func:`column_major_parameters` as the transpose of a contiguous tensor (shape, values, names and
     identity unchanged; ``.data`` replaced), for decoding: a matmul of a few rows reads such a weight without the
-    transposing copy MKL makes of a row-major one, about 1.5x faster at 4 rows on this machine (``python
-    tools/bench_model_speed.py``). Returns how many were moved (those already column-major are left)."""
+    transposing copy MKL makes of a row-major one. Returns how many were moved (those already column-major are
+    left)."""
     moved = 0
     with torch.no_grad():
         for p in column_major_parameters(model).values():

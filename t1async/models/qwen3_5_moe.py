@@ -24,7 +24,7 @@ reduces to ordinary RoPE here. The vision tower and the MTP head are not built (
 their config keys and weights are ignored with a warning naming them.
 
 Batch invariance and packing follow t1async/models/model.py: every projection is its row-padded
-:class:`~t1async.models.batch_invariance.Linear`. and a packed forward runs each sequence's token mixer on its own
+:class:`~t1async.models.batch_invariance.Linear`, and a packed forward runs each sequence's token mixer on its own
 (attention on its own keys; the gates, conv, delta rule and gated norm of a linear-attention layer on its
 own slice and state). The float32 transcendentals taken over all packed rows at once whose length is not
 a multiple of the vector width (the shared-expert gate's sigmoid over [N, 1], RoPE's cos/sin) are rounded

@@ -19,8 +19,8 @@ draws from its own generator, so its ids, log-probs, routed experts and weight v
 of the same request run alone (tests/test_batching.py). There is no padding token to route.
 
 Layout: the engine stores the model's matmul weights column-major (:func:`~t1async.models.batch_invariance.
-to_column_major`, at construction and after each weight swap), which makes decode's few-row matmuls about
-1.5x faster on CPU; values, names and shapes are unchanged.
+to_column_major`, at construction and after each weight swap), so that decode's few-row matmuls read the
+weights without MKL's per-call transposing copy; values, names and shapes are unchanged.
 
 Log-probs: ``output_logprobs[i]`` is the log-prob of ``output_ids[i]`` under the distribution it
 was actually drawn from: ``logits / temperature``, then top-k (Fan et al. 2018), then nucleus /
