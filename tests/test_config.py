@@ -143,6 +143,13 @@ def test_each_section_refuses_a_bad_value_of_its_own_fields_itself():
 
     with pytest.raises(FieldError, match=r"^learner.batch_size=0 is invalid: use an integer >= 1$"):
         LearnerConfig(batch_size=0).check("learner")
+    from t1async.config import SamplerConfig
+
+    # refused at load, not by the sampler actor after Ray and the run directory have started
+    with pytest.raises(FieldError, match=r"^sampler.max_batch=0 is invalid: use an integer >= 1$"):
+        SamplerConfig(max_batch=0).check("sampler")
+    with pytest.raises(FieldError, match=r"^sampler.prefix_cache=-1 is invalid: use an integer >= 0$"):
+        SamplerConfig(prefix_cache=-1).check("sampler")
     with pytest.raises(FieldError, match=r"^transport.port=70000 is invalid: use a TCP port in \[0, 65535\]"):
         TransportConfig(port=70000).check("transport")
     with pytest.raises(FieldError, match=r"^learner.abnormal.context_full='mask_turn' is invalid: use 'train' or 'drop'"):

@@ -109,14 +109,14 @@ class SamplerConfig(Section):
     """Interface the embedded HTTP servers listen on."""
     dtype: SamplerDtype = field(default=SamplerDtype.float32, metadata=choice(SamplerDtype, "float32, bfloat16 or float16"))
     """Weights/activation dtype of the embedded engine: float32 or bfloat16."""
-    prefix_cache: int = 32
+    prefix_cache: int = field(default=32, metadata=rule(lambda v: v >= 0, "an integer >= 0"))
     """Sequences whose KV cache and routing rows the embedded engine keeps for reuse by the
     next turn of the same episode (LRU; 0 = off). Keeps each position's routing row the one
     that shaped later tokens (see t1async/sampling/engine.py). Keep it >= the episodes one sampler
     serves at once, or concurrent episodes evict each other's prefixes."""
-    prefill_chunk: int = 0
+    prefill_chunk: int = field(default=0, metadata=rule(lambda v: v >= 0, "an integer >= 0"))
     """Embedded engine: feed prompts in chunks of at most this many tokens (0 = one forward)."""
-    max_batch: int = 64
+    max_batch: int = field(default=64, metadata=rule(lambda v: v >= 1, "an integer >= 1"))
     """Embedded engine: most concurrent requests batched into one forward (continuous batching);
     more wait for a free slot."""
     request_timeout_s: float = 300.0
