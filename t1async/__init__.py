@@ -6,19 +6,9 @@ The data path is readable top-down from :func:`t1async.service.launch.launch`.
 from __future__ import annotations
 
 import importlib
-from pathlib import Path
 from types import ModuleType
 
 __version__ = "0.1.0"
-
-# actors/ and envs/ sit beside t1async/ in a checkout and install as t1async.actors and
-# t1async.envs (pyproject's package-dir). Where this file is imported straight from a checkout's
-# folder, not through an install's mapping (Ray puts the driver's working directory first on every
-# worker's sys.path, so a non-editable install launched from a clone runs the clone's t1async in its
-# workers), find them beside it.
-_checkout = Path(__file__).resolve().parent.parent
-if (_checkout / "actors" / "__init__.py").is_file() and not (Path(__file__).resolve().parent / "actors").exists():
-    __path__.append(str(_checkout))  # noqa: F821 (a package's __path__)
 
 
 class MissingExtra(ImportError):

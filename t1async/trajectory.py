@@ -67,7 +67,7 @@ ended, set by t1async/rollout/episode.py: ``end_signal``, ``max_turns``, ``timeo
 budget was spent), ``context_full`` (the next turn would not fit the model's context)),
 ``started_at``/``finished_at`` (float, seconds since the Unix epoch, started <= finished),
 ``verifier_error`` (str or nil: set when the reward is unknown, i.e. the verifier timed out,
-crashed or printed no test summary, see envs/verifier.py; the learner never trains on such a
+crashed or printed no test summary, see t1async/envs/verifier.py; the learner never trains on such a
 trajectory), ``tests`` (list of ``[name: str, passed: bool]``),
 ``drift_tokens`` and ``template_mismatches`` (ints >= 0: TITO counters, see t1async/rollout/episode.py).
 """
@@ -522,7 +522,7 @@ def routed_experts_from_sglang(b64: str | bytes, *, rows: int, layers: int, top_
     """Decode SGLang's ``meta_info["routed_experts"]`` into this format's routed-experts array.
 
     SGLang (0.5.7+, server flag ``--enable-return-routed-experts``) returns base64 of raw int32,
-    row-major, shape ``[prompt_len + output_len - 1 - start_len, layers, top_k]``; see DESIGN.md.
+    row-major, shape ``[prompt_len + output_len - 1 - start_len, layers, top_k]``; docs/sglang.md, "The pinned protocol".
     Expert id 0 is a real expert, never padding, and the row count must match exactly.
 
     Args:

@@ -31,7 +31,7 @@ def _prepare() -> str:
         return "podman is not installed (tools/setup.sh installs it with apt-get where it can)"
     from t1async.envs.images.engine import resolve_engine
     from t1async.envs.images.stand_ins import bootstrap
-    from t1async.envs.sandboxes.protocol import SandboxError
+    from t1async.envs.protocol import SandboxError
 
     try:
         bootstrap(resolve_engine(), list(NAMES))

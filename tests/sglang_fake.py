@@ -1,7 +1,7 @@
 """A fake SGLang server for CPU tests: the edge that cannot run here (SGLang needs a GPU), built from the
 committed fixture of the pinned release (tests/fixtures/sglang_schema.json).
 
-What is real: HTTP (a threaded stdlib server, like actors/sampler.py), the routes and methods the
+What is real: HTTP (a threaded stdlib server, like t1async/actors/sampler.py), the routes and methods the
 fixture lists, request validation against the release's dataclasses (missing required field: 422;
 stricter than SGLang, an unknown field is 422 too, so a typo never passes silently), the answer
 shapes (``meta_info`` with ``finish_reason`` dict, ``output_token_logprobs`` ``[logprob, id, null]``,

@@ -1,6 +1,6 @@
 """Dependency direction: a layer table, no import circles, function-level imports only to defer a library.
 
-The product's modules (``t1async/``, ``actors/`` as ``t1async.actors``) are read with ``ast``
+The product's modules (everything under ``t1async/``) are read with ``ast``
 (tools/import_graph.py: every import, at module level and inside functions) and each import must
 go to the same layer or one below it in :data:`LAYERS`. No allow-list: a module belongs to the
 layer of the longest prefix that names it, and an upward import fails whatever module makes it.
@@ -9,7 +9,7 @@ Only the service and command wings (and the CLI above them) may import the Ray r
 nothing below them may, so every library wing stays usable in one process (tests) and on a
 cluster alike.
 
-``envs/`` has its own wings in the table: the sandbox protocol at its bottom, then task I/O,
+``t1async/envs/`` has its own wings in the table: the sandbox protocol at its bottom, then task I/O,
 images, the sandbox backends and the episode's environment; its commands (eval, synth, decontam)
 sit with the other commands, which may import the Ray roles.
 """
@@ -30,7 +30,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("t1async.transport",),  # ZeroMQ, spool, receive log, ledger, the learner's inbox, keys
     ("t1async.weights", "t1async.sampling"),  # weight sync; the sampler engine, clients, SGLang server
     ("t1async.learner", "t1async.rollout"),  # the update step, estimators, losses, backends; the episode loop, admission
-    ("t1async.envs.sandboxes.protocol",),  # the sandbox protocol and its specs (what a task and a backend share)
+    ("t1async.envs.protocol",),  # the sandbox protocol and its specs (what a task and a backend share)
     ("t1async.envs.taskio",),  # task folders, Dockerfile and compose parsing, per-sandbox plans
     ("t1async.envs.images",),  # container engine, task images, stand-ins
     ("t1async.envs.sandboxes",),  # the sandbox backends and their registry

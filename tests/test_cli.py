@@ -117,7 +117,7 @@ def test_a_named_task_is_not_refused_for_a_broken_sibling(tmp_path):
     from t1async.config import load_config
     from t1async.service.preflight import check_inputs
 
-    good = sorted(p for p in (REPO / "envs" / "tasks").iterdir() if p.is_dir())[0]
+    good = sorted(p for p in (REPO / "t1async" / "envs" / "tasks").iterdir() if p.is_dir())[0]
     shutil.copytree(good, tmp_path / good.name)
     (tmp_path / "broken-task").mkdir()
     (tmp_path / "broken-task" / "instruction.md").write_text("do it")

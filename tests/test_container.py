@@ -29,7 +29,7 @@ from t1async.envs.images.engine import Engine, context_hash, resolve_engine
 from t1async.envs.images.stand_ins import normalise, qualified, stand_in_for
 from t1async.envs.images.task_images import ensure_task_image
 from t1async.envs.sandboxes.container import ContainerSandbox, remove_orphan_containers
-from t1async.envs.sandboxes.protocol import SandboxLimits, SandboxSpec
+from t1async.envs.protocol import SandboxLimits, SandboxSpec
 from t1async.envs.taskio.adapt import CONTAINER_PYTHON, VerifierNeeds, adapt_script, pytest_command
 from t1async.envs.taskio.dockerfile import expand_heredocs, from_images, rewrite_from
 from t1async.envs.taskio.loading import load_task
@@ -37,7 +37,7 @@ from t1async.envs.taskio.task import TaskError
 from t1async.envs.terminal import TerminalEnv, validate_task
 
 FIXTURES = Path(__file__).parent / "fixtures" / "container"
-SHIPPED = Path(__file__).resolve().parents[1] / "envs" / "tasks"
+SHIPPED = Path(__file__).resolve().parents[1] / "t1async" / "envs" / "tasks"
 
 
 # ------------------------------------------------------------------------------ no engine needed
@@ -355,7 +355,7 @@ _OWNER = """
 import os, sys, time
 from pathlib import Path
 from t1async.envs.sandboxes.container import ContainerSandbox, remove_orphan_containers
-from t1async.envs.sandboxes.protocol import SandboxSpec
+from t1async.envs.protocol import SandboxSpec
 box = ContainerSandbox(SandboxSpec(episode_dir=Path(sys.argv[1]), command_timeout_s=10.0, docker_image=sys.argv[2]))
 box.start()
 print(box.name, flush=True)

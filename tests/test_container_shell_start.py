@@ -15,7 +15,7 @@ import pytest
 
 from t1async.envs.images.engine import Engine
 from t1async.envs.sandboxes.container import SHELL_START_TRIES, ContainerSandbox
-from t1async.envs.sandboxes.protocol import SandboxError, SandboxSpec
+from t1async.envs.protocol import SandboxError, SandboxSpec
 
 FAKE_ENGINE = r"""#!/usr/bin/env bash
 # exec [-i] [--user U] [-w DIR] [-e K=V]... NAME ARGV...: runs ARGV here; the first FAILS sessions fail.

@@ -222,8 +222,8 @@ MUST_FIND = {"step", "version", "reward_mean", "policy_loss", "value_loss", "kl_
 
 
 def product_files() -> list[Path]:
-    files = [p for d in ("t1async", "actors", "envs") for p in sorted((ROOT / d).rglob("*.py"))]
-    return [p for p in files if "tasks" not in p.parts]  # envs/tasks: the tasks' own tests
+    files = sorted((ROOT / "t1async").rglob("*.py"))
+    return [p for p in files if "tasks" not in p.parts]  # t1async/envs/tasks: the tasks' own tests
 
 
 def _dict_keys(node: ast.AST) -> set[str]:
@@ -304,3 +304,11 @@ def test_every_documented_metric_is_written_somewhere():
     source = "\n".join(p.read_text() for p in product_files())
     gone = sorted(k for k in documented_metrics() if f'"{k}"' not in source and f"'{k}'" not in source)
     assert not gone, f"docs/run-directory.md documents metrics no product code names: {gone}"
+
+
+def test_no_product_file_or_tool_points_outside_the_repository():
+    """Docstrings and comments name docs/ pages, never a design guide or a folder outside the repo."""
+    files = [*product_files(), *sorted((ROOT / "tools").glob("*.py"))]
+    bad = [f"{p.relative_to(ROOT)}: {needle}" for p in files for needle in ("DESIGN.md", "../shared", "/work/shared")
+           if needle in p.read_text()]
+    assert not bad, f"pointers to files outside the repository: {bad}"

@@ -57,7 +57,7 @@ def test_several_broken_tasks_are_reported_together_each_with_its_reason(tmp_pat
     from t1async.envs.taskio.task import TaskError
     from t1async.service.preflight import check_inputs
 
-    good = sorted(p for p in (REPO / "envs" / "tasks").iterdir() if p.is_dir())[0]
+    good = sorted(p for p in (REPO / "t1async" / "envs" / "tasks").iterdir() if p.is_dir())[0]
     shutil.copytree(good, tmp_path / good.name)
     for name in ("broken-a", "broken-b"):
         (tmp_path / name).mkdir()

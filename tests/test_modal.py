@@ -12,7 +12,7 @@ from modal_fake import FakeApp, FakeModal, FakeSandbox
 
 from t1async.envs.sandboxes import modal_sandbox
 from t1async.envs.sandboxes.modal_sandbox import CONNECT_TIMEOUT_S, ModalSandbox, check_modal_available
-from t1async.envs.sandboxes.protocol import SandboxLimits, SandboxSpec, SandboxUnavailable
+from t1async.envs.protocol import SandboxLimits, SandboxSpec, SandboxUnavailable
 from t1async.envs.sandboxes.sandbox import SANDBOXES, make_sandbox
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -92,7 +92,7 @@ def test_image_limits_and_network_requested_from_modal(tmp_path):
 def test_compose_sidecars_are_refused_with_the_reason(tmp_path):
     """A Modal sandbox is one container: a task with compose services beside the agent's must
     fail clearly, not run without them."""
-    from t1async.envs.sandboxes.protocol import SandboxError, ServiceSpec
+    from t1async.envs.protocol import SandboxError, ServiceSpec
 
     spec = SandboxSpec(episode_dir=tmp_path, name="web", services=(ServiceSpec(name="api-server", image="x:1"),))
     with pytest.raises(SandboxError, match="api-server.*--sandbox container"):

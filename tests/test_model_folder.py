@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from t1async.cli import main
 from t1async.config import ConfigError, EnvConfig, GenerationConfig, ModelConfig, load_config
 from t1async.config.model_folder import resolve_model
-from t1async.envs.sandboxes.protocol import CommandResult
+from t1async.envs.protocol import CommandResult
 from t1async.models.chat_template import ChatTemplateRenderer
 from t1async.models.families import check_model_folder, load_model, load_renderer, save_model
 from t1async.models.hf_folder import ModelFolderError, check_memory

@@ -30,9 +30,9 @@ def test_requirements_install_next_to_any_torch_and_keep_optional_parts_in_extra
     setup = (ROOT / "tools" / "setup.sh").read_text()
     assert "torch==2.13.0" in setup and setup.index("torch==2.13.0") < setup.index("-e '.[")  # the CPU build first
     assert re.search(r"-e '\.\[[a-z,]*\]'", setup).group(0) == "-e '.[test,megatron,endpoint,plot]'"
-    assert "pyyaml" in deps and "packaging" in deps  # imported by the product (config, control, envs/taskio/adapt.py)
+    assert "pyyaml" in deps and "packaging" in deps  # imported by the product (config, control, t1async/envs/taskio/adapt.py)
     assert "pytest" in deps  # the local sandbox runs the tasks' tests with the host's interpreter
-    assert PROJECT["requires-python"] == ">=3.11"  # envs/taskio/task.py imports tomllib
+    assert PROJECT["requires-python"] == ">=3.11"  # t1async/envs/taskio/task.py imports tomllib
     extras = {k: names(v) for k, v in PROJECT["optional-dependencies"].items()}
     for extra, modules in {"endpoint": ["fastapi", "uvicorn"], "plot": ["matplotlib"]}.items():
         for m in modules:
@@ -65,12 +65,11 @@ def test_the_endpoint_without_fastapi_names_the_extra():
 def package_dirs() -> dict[str, Path]:
     """Every package of the source tree, by the name it installs under."""
     out = {}
-    for top, name in (("t1async", "t1async"), ("actors", "t1async.actors"), ("envs", "t1async.envs")):
-        for init in (ROOT / top).rglob("__init__.py"):
-            rel = init.parent.relative_to(ROOT / top)
-            if "tasks" in rel.parts or "__pycache__" in rel.parts:
-                continue
-            out[".".join([name, *rel.parts])] = init.parent
+    for init in (ROOT / "t1async").rglob("__init__.py"):
+        rel = init.parent.relative_to(ROOT / "t1async")
+        if "tasks" in rel.parts or "__pycache__" in rel.parts:
+            continue
+        out[".".join(["t1async", *rel.parts])] = init.parent
     return out
 
 
@@ -86,10 +85,10 @@ def test_the_wheel_holds_every_package_the_tasks_and_the_tokenizer(tmp_path):
     for name in package_dirs():
         assert name.replace(".", "/") + "/__init__.py" in files, f"package {name} is not in the wheel"
     assert "t1async/assets/tokenizer.json" in files
-    shipped = [p for p in (ROOT / "envs" / "tasks").rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+    shipped = [p for p in (ROOT / "t1async" / "envs" / "tasks").rglob("*") if p.is_file() and "__pycache__" not in p.parts]
     assert len(shipped) > 20
     missing = [p.relative_to(ROOT).as_posix() for p in shipped
-               if "t1async/envs/tasks/" + p.relative_to(ROOT / "envs" / "tasks").as_posix() not in files]
+               if "t1async/envs/tasks/" + p.relative_to(ROOT / "t1async" / "envs" / "tasks").as_posix() not in files]
     assert not missing, f"shipped task files not in the wheel: {missing[:10]}"
     assert not any(f.startswith(("actors/", "envs/", "tests/", "tools/")) for f in files)  # no stray top-level names
 
@@ -105,4 +104,4 @@ def test_the_wheel_holds_every_package_the_tasks_and_the_tokenizer(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     where, count = out.stdout.split()[:2]
     assert Path(where).is_relative_to(site)  # the wheel's copy, not the checkout's
-    assert int(count) == len([p for p in (ROOT / "envs" / "tasks").iterdir() if p.is_dir()])
+    assert int(count) == len([p for p in (ROOT / "t1async" / "envs" / "tasks").iterdir() if p.is_dir()])

@@ -19,7 +19,7 @@ import torch
 from t1async.actors.rollout import RolloutActor, tasks_dir
 from t1async.actors.sampler import EmbeddedSampler
 from t1async.config import EnvConfig, GenerationConfig, ModelConfig, SamplerConfig, TransportConfig
-from t1async.envs.sandboxes.protocol import CommandResult
+from t1async.envs.protocol import CommandResult
 from t1async.envs.taskio.loading import discover_tasks
 from t1async.envs.terminal import TerminalEnv
 from t1async.models.model import Qwen3MoeForCausalLM

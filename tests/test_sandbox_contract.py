@@ -23,7 +23,7 @@ from modal_fake import FakeModal
 from t1async.envs.sandboxes.container import ContainerSandbox
 from t1async.envs.sandboxes.local import LocalSandbox
 from t1async.envs.sandboxes.modal_sandbox import ModalSandbox, has_modal_credentials
-from t1async.envs.sandboxes.protocol import Sandbox, SandboxError, SandboxSpec
+from t1async.envs.protocol import Sandbox, SandboxError, SandboxSpec
 
 BACKENDS = ["local", pytest.param("container", marks=pytest.mark.container), "modal-fake", "modal"]
 

@@ -15,7 +15,7 @@ import pytest
 
 from t1async.envs.sandboxes.limits import cgroups_usable
 from t1async.envs.sandboxes.local import SANDBOX_UID, LocalSandbox
-from t1async.envs.sandboxes.protocol import SandboxLimits
+from t1async.envs.protocol import SandboxLimits
 from tests.test_sandbox import python_skeleton
 
 ROOT = os.geteuid() == 0

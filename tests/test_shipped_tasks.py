@@ -1,4 +1,4 @@
-"""Every shipped task under envs/tasks: the oracle resolves it (>= 1 test, all passed) and an agent
+"""Every shipped task under t1async/envs/tasks: the oracle resolves it (>= 1 test, all passed) and an agent
 that does nothing does not. One test per task folder; the folders are validated once, in parallel."""
 
 from __future__ import annotations

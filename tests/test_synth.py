@@ -1,4 +1,4 @@
-"""Synthesized task families (envs/commands/synth.py): oracle command splitting, learnability bounds of the
+"""Synthesized task families (t1async/envs/commands/synth.py): oracle command splitting, learnability bounds of the
 oracle lines, determinism, and per-command episodes in the real local sandbox (dense reward)."""
 
 import filecmp
@@ -13,7 +13,7 @@ from t1async.envs.taskio.loading import load_task
 from t1async.envs.terminal import TerminalEnv
 from t1async.models.tokenizer import ChatTokenizer
 
-SHIPPED = Path(__file__).resolve().parents[1] / "envs" / "tasks"
+SHIPPED = Path(__file__).resolve().parents[1] / "t1async" / "envs" / "tasks"
 NEW_FAMILIES = ("mkdir-write", "copy-count", "grep-count", "tar-folder")
 # words of an oracle line that are the command's own vocabulary, not the instance's parameters
 SHELL_WORDS = {"mkdir", "-p", "echo", ">", "<", "cp", "wc", "-l", "grep", "tar", "czf", "rm", "-r"}

@@ -56,7 +56,7 @@ def test_missing_required_file(tmp_path, missing):
     with pytest.raises(TaskError) as info:
         load_task(folder)
     message = str(info.value)
-    assert str(folder) in message and f"missing {missing}" in message and "see envs/tasks/*" in message
+    assert str(folder) in message and f"missing {missing}" in message and "see t1async/envs/tasks/*" in message
 
 
 def test_not_a_folder(tmp_path):

@@ -17,7 +17,7 @@ from t1async.actors.rollout import tasks_dir
 from t1async.actors.sampler import EmbeddedSampler
 from t1async.commands.mismatch import _byte_groups, exact_view, naive_view, token_bytes
 from t1async.config import EnvConfig, GenerationConfig, ModelConfig, SamplerConfig
-from t1async.envs.sandboxes.protocol import CommandResult
+from t1async.envs.protocol import CommandResult
 from t1async.envs.taskio.loading import discover_tasks
 from t1async.envs.terminal import TerminalEnv
 from t1async.models.model import Qwen3MoeForCausalLM

@@ -6,14 +6,14 @@ Rollout actors and a learner run as threads around a real :class:`~t1async.actor
 3 fast tasks and one slow one (``--slow-s`` per episode, standing in for a long verifier), batch 4,
 one weight version per step, staleness bound ``--bound``. Each episode is sampled at the version
 admission saw; the learner takes trajectories in arrival order and drops those beyond the bound,
-as actors/learner.py does. Three admission rules side by side, same workload:
+as t1async/actors/learner.py does. Three admission rules side by side, same workload:
 
 * ``learner_version``: AReaL's rule, ``started < (learner version + bound + 1) x R``;
 * ``oldest_episode``: the same with the admission version of the oldest episode not yet consumed
-  (actors/controller.py; ``rollout.admission`` picks the rule);
+  (t1async/actors/controller.py; ``rollout.admission`` picks the rule);
 * ``learner_wait``: AReaL's admission, and the learner trains oldest first and holds a publish
   that would make an episode it does not hold yet too stale (``Controller.publish_allowed``), as
-  actors/learner.py does under that rule.
+  t1async/actors/learner.py does under that rule.
 
 Per rule: the slow task's share of episodes started and of trajectories trained, the largest gap
 between the two shares over all tasks (in points), trajectories dropped as stale, and seconds.
@@ -69,7 +69,7 @@ def simulate(admission: str, *, durations: dict[str, float], steps: int, batch: 
             if len(held) >= batch:
                 if not hold:
                     break
-                held.sort(key=lambda x: x[2])  # oldest first, as actors/learner.py under learner_wait
+                held.sort(key=lambda x: x[2])  # oldest first, as t1async/actors/learner.py under learner_wait
                 if c.publish_allowed(version + 1, [tid for tid, _, _ in held]):
                     break
             try:

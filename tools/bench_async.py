@@ -3,7 +3,7 @@
 Run: ``t1async bench async [--seeds 0] [--steps 10] [--batch 8] [--actors 8] [--bounds 1,2,4]
 [--rules oldest_episode,learner_version,learner_wait] [--out DIR] [key=value ...]``. Prints ONE JSON object.
 
-Workload: ``--tasks`` instances of the ``slow-build`` synth family (envs/commands/synth.py: every
+Workload: ``--tasks`` instances of the ``slow-build`` synth family (t1async/envs/commands/synth.py: every
 verifier sleeps a lognormal time drawn per task, median 1.5 s, p99 about 30 s, Terminal-Bench
 scaled down about 30x), the same for every run. Each run is the real system, ``t1async launch
 configs/local.yaml`` as a subprocess, with the same model, seed, task set, rollout actors,
@@ -11,7 +11,7 @@ batch and number of trajectories trained (``--steps`` x ``--batch``), differing 
 
 * ``sync``: ``learner.max_staleness=0``, synchronous RL with the same roles (admission starts
   each version's batch on that version's weights and nothing more until the learner has trained
-  it and published; actors/controller.py);
+  it and published; t1async/actors/controller.py);
 * ``async-<rule>-<bound>``: bounds ``--bounds`` under each admission rule in ``--rules``
   (``rollout.admission``: ``oldest_episode`` never drops a slow episode, the actors wait for it;
   ``learner_version``, AReaL's rule, lets fast episodes run ahead and drops what gets too stale;

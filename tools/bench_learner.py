@@ -2,7 +2,7 @@
 
 Prints ONE JSON object. Each backend (``torch``, ``megatron``; t1async/learner/backend.py) is built from
 the same seeded init and runs the same RL step as the learner does per micro-batch
-(actors/learner.py ``_train_step``), through the backend interface only:
+(t1async/actors/learner.py ``_train_step``), through the backend interface only:
 
     old values (critic, no grad) -> policy log-probs with routing replay (grad) -> critic values
     (grad) -> decoupled-PPO policy loss + clipped value loss (t1async/learner/rl.py) -> backward ->
@@ -28,7 +28,7 @@ LM head for the policy; no embedding), L layers, T the sequence length and a = h
 
 Models (``--model``): ``local`` (configs/local.yaml's default ModelConfig, 4.4 M parameters) and
 ``mid`` (8 layers, hidden 1024, 16 experts top-2, expert width 768, 16 heads, 4 KV heads,
-vocabulary 32768: about 390 M parameters, the size DESIGN.md §3 measured).
+vocabulary 32768: about 390 M parameters, the size measured on an H200 in docs/results/2026-11-30-gpu-h200.md).
 
 Usage: ``t1async bench learner [--model local|mid | --model-path DIR] [--batch 4] [--seq 256] [--steps 5]
 [--backends torch,megatron] [--device auto|cpu|cuda] [--dtype auto|float32|bfloat16] [--scored-frac F]``.

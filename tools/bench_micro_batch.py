@@ -1,7 +1,7 @@
 """``t1async bench micro-batch``: the learner's whole update with one trajectory per forward against
 right-padded micro-batches (``learner.micro_batch_tokens``), side by side on one batch.
 
-Prints ONE JSON object. One learner (actors/learner.py, the ``torch`` backend, configs/local.yaml's
+Prints ONE JSON object. One learner (t1async/actors/learner.py, the ``torch`` backend, configs/local.yaml's
 default model unless ``--model``) per ``--micro-batch-tokens`` value is built from the same seeded
 init; each runs ``Learner._train_step`` (everything the learner does per batch: old values, GAE or
 group advantages, policy log-probs with routing replay, KL to the reference, losses, backward, clip,

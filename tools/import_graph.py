@@ -6,8 +6,7 @@
 
 Every ``import`` / ``from ... import`` counts, at module level and inside functions alike (a
 function-level import still makes a circle, it only hides it until the call). Nodes are the
-modules under ``t1async/``, ``actors/`` (``t1async.actors``) and ``envs/`` (``t1async.envs``,
-task folders excluded); ``from a.b import c`` is an edge to ``a.b.c`` when that is a module,
+modules under ``t1async/`` (task folders excluded); ``from a.b import c`` is an edge to ``a.b.c`` when that is a module,
 else to ``a.b``. Relative imports are resolved. A circle is a strongly connected component of
 two or more modules (or a module importing itself); each is printed with one shortest cycle.
 ``tests/test_architecture.py`` loads this file for its layer check.
@@ -23,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-ROOTS = {"t1async": REPO / "t1async", "t1async.actors": REPO / "actors", "t1async.envs": REPO / "envs"}
+ROOTS = {"t1async": REPO / "t1async"}
 SKIP_PARTS = {"tasks", "assets", "__pycache__"}
 
 
@@ -66,8 +65,6 @@ def module_files() -> dict[str, Path]:
             if parts[-1] == "__init__":
                 parts = parts[:-1]
             name = ".".join([prefix, *parts])
-            if prefix == "t1async" and parts and parts[0] in ("actors", "envs"):
-                continue
             out[name] = path
     return out
 

@@ -9,7 +9,7 @@ Sources (all present on a Debian machine with Python, no downloads), biased towa
 1. Shell scripts (weight 4): files under /usr/bin, /usr/sbin, /usr/lib, /usr/share, /etc
    whose first line is a ``#!`` for sh/bash/dash/zsh, ``*.sh``/``*.bash`` files, bash-completion
    scripts and shell rc files (bashrc, profile); plus the shipped
-   tasks' ``instruction.md``, ``solution/solve.sh`` and ``tests/test.sh`` under envs/tasks.
+   tasks' ``instruction.md``, ``solution/solve.sh`` and ``tests/test.sh`` under t1async/envs/tasks.
 2. English manual pages (weight 1): /usr/share/man/man1 and man8 (commands), then man5/man7,
    decompressed with ``gzip`` and stripped of roff/mdoc markup to approximate rendered text.
 3. Python standard-library sources (weight 1): ``sysconfig.get_paths()["stdlib"]`` without

@@ -1,6 +1,6 @@
 """Validate task folders (either Terminal-Bench layout): the oracle must resolve each task and a no-op agent must not.
 
-For every task folder under ``--tasks-dir`` (default: the shipped ``envs/tasks``), runs in the
+For every task folder under ``--tasks-dir`` (default: the shipped ``t1async/envs/tasks``), runs in the
 local sandbox a no-op agent (build the environment, verify) and the oracle (build, run
 ``solution/solve.sh``, verify), then prints one row per task::
 

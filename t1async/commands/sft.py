@@ -47,7 +47,7 @@ from loguru import logger
 from t1async.config import Config, SftConfig
 from t1async.envs.commands.evaluate import evaluate, summary
 from t1async.envs.commands.synth import oracle_commands
-from t1async.envs.sandboxes.protocol import SandboxError
+from t1async.envs.protocol import SandboxError
 from t1async.envs.taskio.loading import discover_tasks
 from t1async.envs.terminal import TerminalEnv
 from t1async.learner.rl import load_balancing_loss

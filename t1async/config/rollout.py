@@ -196,7 +196,7 @@ class EnvConfig(Section):
     """Terminal environment: where tasks come from and how the sandboxed shell behaves."""
 
     tasks_dir: str = ""
-    """Folder of task folders (Terminal-Bench 2 or 1 layout). Empty means the shipped envs/tasks."""
+    """Folder of task folders (Terminal-Bench 2 or 1 layout). Empty means the shipped t1async/envs/tasks."""
     tasks: list[str] = field(default_factory=list)
     """Names of tasks to use (empty: every task in ``tasks_dir``)."""
     sandbox: SandboxName = field(default=SandboxName.local, metadata=choice(
@@ -305,7 +305,7 @@ class RolloutConfig(Section):
     admission: Admission = field(default=Admission.learner_wait, metadata=choice(
         Admission, "'oldest_episode' (actors wait for slow episodes), 'learner_version' (AReaL's rule: drops what gets too"
         " stale) or 'learner_wait' (actors run ahead, the learner waits for slow episodes)"))
-    """Admission rule (actors/controller.py), each keeping every trajectory trained within
+    """Admission rule (t1async/actors/controller.py), each keeping every trajectory trained within
     ``learner.max_staleness`` versions of its sampling: ``learner_wait`` (default) lets a rollout
     start while ``started < (v + max_staleness + 1) x batch_size x publish_every`` with ``v`` the
     learner's version (AReaL's rule), and the learner trains oldest first and waits for a slow

@@ -17,7 +17,7 @@ learner starts at its checkpoint's timeline version (the publication it resumes 
 re-counts from there: its first publication (the same weights as the checkpoint's) keeps the
 checkpoint's timeline version, and each ``publish_every`` steps advance it by one, as in the life
 it replaces. The learner measures staleness, orders held trajectories and drives admission
-(:mod:`t1async.rollout.admission`, actors/controller.py) in timeline versions; weight versions
+(:mod:`t1async.rollout.admission`, t1async/actors/controller.py) in timeline versions; weight versions
 stay unique names of weights (sampler replies, intake checks, metrics ``version``).
 
 Why this keeps the staleness bound's meaning. The bound exists to bound the variance of the

@@ -1,6 +1,6 @@
 """Admission rules (``rollout.admission``): when may a rollout start, and when may the learner publish.
 
-Pure functions of the counts the controller keeps (``actors/controller.py`` holds the state and the
+Pure functions of the counts the controller keeps (``t1async/actors/controller.py`` holds the state and the
 lock; these hold the rules). Every rule keeps each trajectory trained within ``max_staleness``
 (eta) versions; the default, ``learner_wait``, is described last, after the two it combines.
 

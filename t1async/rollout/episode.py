@@ -1,6 +1,6 @@
 """One episode: run a multi-turn terminal episode against a sampler and build its trajectory.
 
-Data path of one episode (TITO: token in, token out; see DESIGN.md section 4):
+Data path of one episode (TITO: token in, token out; docs/architecture.md, "The data path"):
 
     task --reset--> sandbox with /app; prompt ids = chat template(system, instruction)
     loop over turns:
@@ -11,7 +11,7 @@ Data path of one episode (TITO: token in, token out; see DESIGN.md section 4):
         decoded text == end signal -> stop; else run it in the sandbox shell and append the
         observation, rendered on its own (loss mask 0)
     verifier -> per-test results, reward = tests passed
-    trim the stream after the last sampled token (the Ray role, actors/rollout.py, encodes it and
+    trim the stream after the last sampled token (the Ray role, t1async/actors/rollout.py, encodes it and
     hands it to the sender, which spools, sends and resends until the learner acknowledges; see
     t1async/transport/transport.py)
 

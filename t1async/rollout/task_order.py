@@ -1,6 +1,6 @@
 """The task order: which task each admitted episode runs, and how a resumed run continues it.
 
-The controller (``actors/controller.py``) admits episodes in a shuffled round robin: a pass is
+The controller (``t1async/actors/controller.py``) admits episodes in a shuffled round robin: a pass is
 every task once, in an order drawn with ``random.Random(run.seed)``, each task repeated
 ``rollout.group_size`` times in a row (a group); the next pass is a fresh shuffle from the same
 generator. :class:`TaskOrder` is that stream, and :meth:`TaskOrder.state` / :meth:`TaskOrder.restore`

@@ -1,6 +1,6 @@
 """Embedded sampling engine: continuous batching over per-sequence KV caches, SGLang-shaped output.
 
-Speaks the shape of SGLang's ``/generate`` (DESIGN.md section 3) so that the HTTP sampler in
+Speaks the shape of SGLang's ``/generate`` (docs/sglang.md, "The pinned protocol") so that the HTTP sampler in
 front of it is indistinguishable from an SGLang server: ``output_ids`` include a matched stop
 token, ``finish_reason`` is ``{"type": "stop", "matched": id}`` or ``{"type": "length",
 "length": n}``, and ``routed_experts`` has one row per token fed through the model,

@@ -14,7 +14,7 @@ past the embedding raised ``IndexError`` in the step, and every resume replayed 
   still turns a masked sum into NaN);
 - ``tests``/``passed``/``total``/``reward``: ``total`` is the number of per-test results,
   ``passed`` the number that passed, the reward lies in ``[0, total]`` and equals ``passed``
-  (``learner.reward: dense``, the reward is tests passed: envs/verifier.py), and ``resolved``
+  (``learner.reward: dense``, the reward is tests passed: t1async/envs/verifier.py), and ``resolved``
   holds exactly when every test passed, at least one ran and the verifier reported no error
   (``learner.reward: binary`` trains ``resolved`` as 1 or 0, so it must agree with the tests).
 

@@ -2,7 +2,7 @@
 the process set-up, the config, the layer spec, the heads, weight loading and replay rows.
 
 The Hugging Face <-> Megatron weight layouts are t1async/learner/megatron/convert.py. What it builds
-(facts in ../shared/DESIGN.md §3, read from megatron-core 0.16.1's sources):
+(facts in docs/gpu.md, read from megatron-core 0.16.1's sources):
 
 - the local layer spec (``get_gpt_layer_local_spec``, no Transformer Engine) with its core
   attention replaced by :class:`SdpaAttention` (torch's fused causal attention instead of the

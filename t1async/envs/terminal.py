@@ -1,6 +1,6 @@
 """TerminalEnv: one task plus one sandbox for one episode (reset, step, verify, close).
 
-The env talks to its sandbox only through the :class:`~t1async.envs.sandboxes.protocol.Sandbox` Protocol
+The env talks to its sandbox only through the :class:`~t1async.envs.protocol.Sandbox` Protocol
 (backend chosen by name in :data:`~t1async.envs.sandboxes.sandbox.SANDBOXES`), so the same episode runs on
 bubblewrap here or on Modal. Episode scratch space on the host: ``<root>/<task>-<random>/``
 (the local backend keeps ``app/``, ``tests/``, ``logs/`` there); :meth:`TerminalEnv.close`
@@ -54,7 +54,7 @@ from loguru import logger
 
 from t1async.config import ContainerConfig
 
-from .sandboxes.protocol import CommandResult, Sandbox, SandboxError, SandboxLimits, SandboxSpec, sandbox_environment
+from .protocol import CommandResult, Sandbox, SandboxError, SandboxLimits, SandboxSpec, sandbox_environment
 from .sandboxes.sandbox import SANDBOXES, check_sandbox_available, make_sandbox
 from .taskio.loading import load_task
 from .taskio.task import APP, Task, TaskError, TaskRefused, test_script_text
@@ -403,7 +403,7 @@ class TerminalEnv:
         run_script = f"bash /tests/{shlex.quote(script)} > /logs/verifier/{output_name} 2>&1"
         cd = f"cd {shlex.quote(self.workdir)}"
         # An agent-planted /app/pytest.py cannot replace pytest: the adapted test script imports
-        # pytest with the working folder off sys.path (envs/taskio/adapt.py PYTEST_RUNNER). The script's
+        # pytest with the working folder off sys.path (t1async/envs/taskio/adapt.py PYTEST_RUNNER). The script's
         # environment is otherwise the harness's (no PYTHONSAFEPATH: `python /app/tool.py` run by
         # a test must import its sibling modules, as under the harness).
         if task.run_tests_in_same_shell:

@@ -7,7 +7,7 @@ files use them: Harbor (TB2) sets ``CONTEXT_DIR`` (the task's ``environment/`` f
 each harness would give, :func:`interpolate` substitutes them with Compose's rules, and
 :func:`read_compose` returns what t1async needs of the file (:class:`ComposeFile`): the agent's
 service (its build, image and environment) and every other service as a sidecar
-(:class:`~t1async.envs.sandboxes.protocol.ServiceSpec`).
+(:class:`~t1async.envs.protocol.ServiceSpec`).
 
 Sources: the Compose specification, "Interpolation"
 (https://github.com/compose-spec/compose-spec/blob/main/spec.md#interpolation); Harbor's
@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from ..sandboxes.protocol import ServiceSpec
+from ..protocol import ServiceSpec
 from .dockerfile import ENV_KEY
 
 MAIN_SERVICES = ("main", "client")

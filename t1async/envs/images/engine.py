@@ -61,7 +61,7 @@ from loguru import logger
 
 from t1async.config import ContainerConfig
 
-from ..sandboxes.protocol import SandboxError, SandboxUnavailable
+from ..protocol import SandboxError, SandboxUnavailable
 from ..taskio.dockerfile import dockerfile_instructions
 
 ENGINE_CWD = tempfile.gettempdir()

@@ -55,7 +55,7 @@ from loguru import logger
 
 from .hostfs import _chown_tree, _etc_entries, _python_paths, _read_tail, check_local_available
 from .limits import LimitGroup
-from .protocol import (
+from ..protocol import (
     SANDBOX_BIN,
     CommandResult,
     SandboxError,

@@ -4,7 +4,7 @@ planned), :class:`DockerStep` (one parsed Dockerfile instruction) and the errors
 Loading a folder is :mod:`t1async.envs.taskio.loading` (the layouts are described there); parsing its
 Dockerfile is :mod:`t1async.envs.taskio.dockerfile`, its compose file :mod:`t1async.envs.taskio.compose`, and
 what each sandbox backend must adapt :mod:`t1async.envs.taskio.adapt`. The shipped tasks live in
-``envs/tasks/*``.
+``t1async/envs/tasks/*``.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..sandboxes.protocol import ServiceSpec
+from ..protocol import ServiceSpec
 
-LAYOUT_HINT = "see envs/tasks/* for the layout"
+LAYOUT_HINT = "see t1async/envs/tasks/* for the layout"
 DEFAULT_AGENT_TIMEOUT_S = 600.0
 DEFAULT_VERIFIER_TIMEOUT_S = 60.0
 DEFAULT_TB1_AGENT_TIMEOUT_S = 360.0

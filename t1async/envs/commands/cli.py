@@ -37,7 +37,7 @@ from t1async.config import load_config
 
 from ..images.engine import resolve_engine
 from ..images.stand_ins import DEFAULT_BOOTSTRAP_TAGS, bootstrap
-from ..sandboxes.protocol import SandboxError
+from ..protocol import SandboxError
 from ..taskio.dockerfile import from_images
 from ..taskio.loading import load_task, task_folders
 from ..taskio.task import TaskError

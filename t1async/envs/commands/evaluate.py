@@ -42,7 +42,7 @@ from t1async.rollout.episode import run_episode
 from t1async.sampling.sampler_client import HttpSampler
 
 from ..images.engine import resolve_engine
-from ..sandboxes.protocol import SandboxError, SandboxUnavailable
+from ..protocol import SandboxError, SandboxUnavailable
 from ..sandboxes.sandbox import SANDBOXES, check_sandbox_available
 from ..taskio.loading import load_task, task_folders
 from ..taskio.task import LAYOUT_HINT, Task, TaskError
@@ -255,11 +255,11 @@ def run_task(folder: Path, agent: str, root: Path, *, sandbox: str = "local", po
 def choose_sandbox(requested: str, tasks_dir: str | Path, config: Any = None) -> tuple[str, str]:
     """The backend ``t1async eval --sandbox auto`` uses, and a console line saying why ("" when
     the choice was explicit): ``local`` for task folders inside this source tree (the shipped
-    ``envs/tasks``, the test fixtures), ``container`` for folders outside it where an engine is
+    ``t1async/envs/tasks``, the test fixtures), ``container`` for folders outside it where an engine is
     usable, else ``local``."""
     if requested != "auto":
         return requested, ""
-    tree = Path(__file__).resolve().parents[2]  # the checkout (envs/commands/ -> envs/ -> the checkout)
+    tree = Path(__file__).resolve().parents[3]  # the checkout (t1async/envs/commands/ -> envs/ -> t1async/ -> the checkout)
     path = Path(tasks_dir).resolve()
     if path == tree or tree in path.parents:
         return "local", ""

@@ -2,7 +2,7 @@
 
 Each command is sent as one line,
 ``eval $'<command>' </dev/null; printf '\\n%s%s %d\\n' <sentinel halves> "$?"``. The command is
-quoted as an ANSI-C string (:func:`~t1async.envs.sandboxes.protocol.bash_quote`), so no command text (an
+quoted as an ANSI-C string (:func:`~t1async.envs.protocol.bash_quote`), so no command text (an
 unclosed quote, a heredoc) can desynchronise the shell; its stdin is ``/dev/null``, so it cannot
 eat the next command; the sentinel is random per sandbox and is printed from two halves, so a
 ``set -x``/``set -v`` echo of the line never contains it whole. Output is read with bounded memory
@@ -23,7 +23,7 @@ import subprocess
 import time
 from typing import Callable
 
-from .protocol import bash_quote
+from ..protocol import bash_quote
 
 TIMEOUT = "timeout"
 """Status of a write or read that reached its deadline."""

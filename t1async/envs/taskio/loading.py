@@ -28,7 +28,7 @@ instruction outside the supported subset, packages the host lacks, network at bu
 several containers) is recorded in :attr:`Task.local_refusal` (see :mod:`t1async.envs.taskio.adapt`), and
 the local backend refuses such a task with that reason instead of running it wrong. A folder that
 is invalid in itself (missing files, bad TOML/YAML, a Dockerfile that names missing files) raises
-:class:`TaskError`. The shipped tasks live in ``envs/tasks/*``.
+:class:`TaskError`. The shipped tasks live in ``t1async/envs/tasks/*``.
 """
 
 from __future__ import annotations

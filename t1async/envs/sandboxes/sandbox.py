@@ -1,6 +1,6 @@
 """Sandboxes: one persistent, isolated shell per episode; backends chosen by config.
 
-The contract every backend implements is :class:`~t1async.envs.sandboxes.protocol.Sandbox` (start, exec,
+The contract every backend implements is :class:`~t1async.envs.protocol.Sandbox` (start, exec,
 put, clear, read, close); the episode code never names a backend. Backends, by config key
 ``env.sandbox``:
 
@@ -22,7 +22,7 @@ from .container import ContainerSandbox
 from .hostfs import ETC_ENTRIES, check_local_available
 from .local import LocalSandbox
 from .modal_sandbox import ModalSandbox, check_modal_available
-from .protocol import (
+from ..protocol import (
     ROOTS,
     SANDBOX_BIN,
     CommandResult,

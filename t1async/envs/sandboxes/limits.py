@@ -36,7 +36,7 @@ from pathlib import Path
 
 from loguru import logger
 
-from .protocol import SandboxLimits
+from ..protocol import SandboxLimits
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 CONTROLLERS = ("pids", "memory", "cpu")

@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .protocol import SandboxUnavailable
+from ..protocol import SandboxUnavailable
 
 ETC_ENTRIES = (
     "passwd", "group", "hosts", "hostname", "host.conf", "nsswitch.conf", "gai.conf",

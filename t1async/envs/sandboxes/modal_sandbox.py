@@ -1,6 +1,6 @@
 """The ``modal`` sandbox backend: one Modal cloud sandbox per episode (optional ``modal`` package).
 
-Lifecycle (``modal`` 1.6 API, see DESIGN.md section 3):
+Lifecycle (``modal`` 1.6 API, read from its sources; docs/environments.md):
 
 * :meth:`ModalSandbox.start`: credentials from ``MODAL_TOKEN_ID``/``MODAL_TOKEN_SECRET`` or
   ``~/.modal.toml`` (``MODAL_CONFIG_PATH``), else :class:`SandboxUnavailable` at once. Then
@@ -40,7 +40,7 @@ from typing import Any, Callable, Sequence
 
 from loguru import logger
 
-from .protocol import CommandResult, SandboxError, SandboxSpec, SandboxUnavailable, split_root
+from ..protocol import CommandResult, SandboxError, SandboxSpec, SandboxUnavailable, split_root
 from .shell_io import KILL_SCRIPT, OutputBuffer, Sentinel, clear_command, read_command
 
 APP_NAME = "t1async-sandboxes"

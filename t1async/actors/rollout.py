@@ -232,7 +232,7 @@ def reclaim_dead_workdirs(root: Path) -> int:
 
 
 def tasks_dir(env_cfg: EnvConfig) -> Path:
-    """The configured task folder, or the shipped ``envs/tasks``."""
+    """The configured task folder, or the shipped ``t1async/envs/tasks``."""
     if env_cfg.tasks_dir:
         return Path(env_cfg.tasks_dir)
     return Path(t1async.envs.__file__).parent / "tasks"

@@ -43,7 +43,7 @@ from pathlib import Path
 
 from loguru import logger
 
-from ..sandboxes.protocol import SandboxError, SandboxUnavailable
+from ..protocol import SandboxError, SandboxUnavailable
 from .engine import CACHE_DIR, DEBIAN_MIRROR, BuildError, Engine, _build, _build_lock
 
 BASE_REPO = "localhost/t1async-base"
