@@ -73,8 +73,8 @@ def _plain_shell_round_trips(n: int) -> list[float]:
 def _container_figures(image: str, commands: int, episodes: int) -> dict:
     """The container backend's start, close and per-command figures (see the module docstring)."""
     from t1async.envs.images.engine import resolve_engine
-    from t1async.envs.sandboxes.container import ContainerSandbox
     from t1async.envs.protocol import SandboxError, SandboxSpec
+    from t1async.envs.sandboxes.container import ContainerSandbox
 
     try:
         engine = resolve_engine()

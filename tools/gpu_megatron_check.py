@@ -3,7 +3,7 @@
 Needs only torch (CUDA), numpy, safetensors and megatron-core 0.16.1: no tokenizer, Ray, ZeroMQ
 or OmegaConf. Three parts, each recorded even if another fails, written as one JSON object:
 
-1. ``parity_fp32``: the small test model (tests/test_megatron.py's) in float32 on the GPU, torch vs
+1. ``parity_fp32``: the small test model (tests/unit/learner/test_megatron.py's) in float32 on the GPU, torch vs
    megatron backend from the same weights: log-prob and value max|diff| with and without replay,
    and whether Megatron's RECORD equals the torch model's routed experts.
 2. ``learner_step_bf16``: the ``mid`` model (about 390 M parameters) in bfloat16 with routing

@@ -9,7 +9,7 @@ function-level import still makes a circle, it only hides it until the call). No
 modules under ``t1async/`` (task folders excluded); ``from a.b import c`` is an edge to ``a.b.c`` when that is a module,
 else to ``a.b``. Relative imports are resolved. A circle is a strongly connected component of
 two or more modules (or a module importing itself); each is printed with one shortest cycle.
-``tests/test_architecture.py`` loads this file for its layer check.
+``tests/house/test_architecture.py`` loads this file for its layer check.
 """
 
 from __future__ import annotations

@@ -330,7 +330,7 @@ class LearnerConfig(Section):
         lambda v: v >= 0, "an integer >= 0 (0: one trajectory per micro-batch)"))
     """Trajectories trained in one padded forward and backward, up to this many positions
     (sequences x the longest, :func:`t1async.learner.rl.micro_batches`; longest first). Results equal
-    one forward per trajectory up to float summation order (tests/test_learner.py); fewer,
+    one forward per trajectory up to float summation order (tests/unit/learner/test_learner.py); fewer,
     larger matmuls are faster (``t1async bench micro-batch``). 0 = one trajectory per micro-batch."""
     max_tokens_per_chunk: int = field(default=4096, metadata=rule(lambda v: v >= 0, "an integer >= 0 (0: never chunk)"))
     """A micro-batch whose sequences are longer than this many positions (a long episode, alone in
@@ -340,7 +340,7 @@ class LearnerConfig(Section):
     both backends; the ``megatron`` one recomputes each layer with the experts its forward used
     (replayed, or the router's own, checked: t1async/learner/megatron/model.py ``LayerRecompute``).
     Log-probs, values and routing are those of one plain forward, gradients equal up to float
-    summation order (tests/test_long_horizon.py, tests/test_megatron.py). Each step's metrics count
+    summation order (tests/unit/learner/test_long_horizon.py, tests/unit/learner/test_megatron.py). Each step's metrics count
     the micro-batches trained so (``chunked_micro_batches``). Memory and time on the episode of
     ``t1async bench long-horizon``: README "Long episodes". Shorter micro-batches take the plain
     forward, unchanged. 0 = never chunk."""

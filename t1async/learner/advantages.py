@@ -10,7 +10,7 @@ no such function: GAE everywhere (whitened with re-centring).
 Adding an estimator: write one function with the signature of :data:`EpisodeEstimator` (pure:
 it reads the batch's tasks and rewards and the recent rewards per task, it changes nothing),
 register it in :data:`ADVANTAGES` and add its name to the ``AdvantageName`` choice of ``learner.advantage``
-(t1async/config/learner.py, with the field's rule text; ``tests/test_rl.py`` checks that the two agree).
+(t1async/config/learner.py, with the field's rule text; ``tests/unit/learner/test_rl.py`` checks that the two agree).
 """
 
 from __future__ import annotations

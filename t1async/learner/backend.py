@@ -17,7 +17,7 @@ critic, optional frozen reference), their optimisers and their layouts, and answ
 
 Backends (``learner.backend``): ``torch`` (t1async/learner/torch_backend.py, the plain-PyTorch model of
 t1async/models/model.py; the CPU default) and ``megatron`` (t1async/learner/megatron/backend.py, megatron-core's
-GPTModel; ``pip install 't1async[megatron]'``). tests/test_megatron.py holds both to one
+GPTModel; ``pip install 't1async[megatron]'``). tests/unit/learner/test_megatron.py holds both to one
 another on the same weights and batch.
 """
 
@@ -158,7 +158,7 @@ class MasterWeightAdamW:
     Why: a bfloat16 weight has 8 significant bits, so an update smaller than about 1/256 of the
     weight rounds away. At RL learning rates (1e-6, Adam's step about lr per element) almost every
     update vanished: measured with the torch backend in bfloat16, 5 steps at lr 1e-6 changed 1.7 %
-    of the policy's elements against 86 % in float32 (tests/test_learner.py).
+    of the policy's elements against 86 % in float32 (tests/unit/learner/test_learner.py).
 
     Args:
         params: the model's parameters (any dtypes). lr, weight_decay: AdamW's.

@@ -10,7 +10,7 @@ and its clip / importance-weight statistics, which metrics.jsonl reports). The u
 
 Adding a loss (CISPO, GSPO, DAPO's clip-higher): one function with this signature, registered
 here and named in the ``PolicyLossName`` choice of ``learner.policy_loss`` (t1async/config/learner.py), with its test against
-a reference computation in tests/test_rl.py.
+a reference computation in tests/unit/learner/test_rl.py.
 """
 
 from __future__ import annotations

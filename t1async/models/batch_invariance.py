@@ -7,7 +7,7 @@ between M = 1-3 and larger M with one thread, and at every M = 1-11 that is not 
 threads; at M a multiple of 4 and at least 4 it was bitwise the same whatever the batch. An AVX-512 Xeon
 measured earlier needed up to 12 rows. Zero rows appended up to a row count where the result is the same
 for every M (and cut off again) give a token bitwise the logits and routing of the same token decoded
-alone (tests/test_batching.py).
+alone (tests/unit/models/test_batching.py).
 
 How many rows are enough depends on the machine, the shape, the dtype and the thread count, so it is not a
 constant: :func:`min_rows` finds it once per (in, out, dtype, device, threads) by a probe. A probe runs the

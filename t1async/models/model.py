@@ -30,7 +30,7 @@ feeds its matmul enough rows (zero rows appended) that a row's result never depe
 how many is probed per shape on the machine it runs on (t1async/models/batch_invariance.py). The experts'
 SiLU runs on the same padded rows (on an AVX-512 machine the elements left over after its vectorised loop
 take a path whose exp differs in the last bit). Hence a sequence decoded in a packed batch gets bitwise the
-logits and routing of the same sequence decoded alone (tests/test_batching.py).
+logits and routing of the same sequence decoded alone (tests/unit/models/test_batching.py).
 
 Newer transformers (v5) store a layer's experts fused as 3D tensors
 (``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I]) and convert the

@@ -29,7 +29,7 @@ Batch invariance and packing follow t1async/models/model.py: every projection is
 own slice and state). The float32 transcendentals taken over all packed rows at once whose length is not
 a multiple of the vector width (the shared-expert gate's sigmoid over [N, 1], RoPE's cos/sin) are rounded
 from float64 (:func:`_invariant_sigmoid`), so a sequence's logits and routed experts are bitwise the same
-whatever it is packed with (tests/test_qwen3_5_moe.py).
+whatever it is packed with (tests/unit/models/test_qwen3_5_moe.py).
 """
 
 from __future__ import annotations

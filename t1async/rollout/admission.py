@@ -38,7 +38,7 @@ during a slow episode instead of waiting with it (``t1async bench async`` compar
 rules' throughput and drops).
 
 A new rule is one :class:`AdmissionRule` in :data:`ADMISSION_RULES` (and its name in the
-``Admission`` choice of ``rollout.admission``, t1async/config/rollout.py; ``tests/test_controller.py``
+``Admission`` choice of ``rollout.admission``, t1async/config/rollout.py; ``tests/unit/rollout/test_controller.py``
 checks that the two agree).
 """
 

@@ -16,7 +16,7 @@ Data path of one episode (TITO: token in, token out; docs/architecture.md, "The 
     t1async/transport/transport.py)
 
 Nothing already in the stream is ever re-tokenized. Turn boundaries, case by case (tested in
-tests/test_tito.py):
+tests/unit/rollout/test_tito.py):
 
 - ended with ``<|im_end|>`` (sampled, loss mask 1): nothing to repair;
 - ended on ``<|endoftext|>`` (also a stop id): the eos stays in the stream as sampled (mask 1),

@@ -16,7 +16,7 @@ one arriving mid-flight joins at the next step. Exactness per sequence: a sequen
 chunked by its own prompt only (never by the load), attention runs per sequence on the shapes a
 lone run uses, every row-wise op is batch invariant (t1async/models/batch_invariance.py), and each request
 draws from its own generator, so its ids, log-probs, routed experts and weight version are bitwise those
-of the same request run alone (tests/test_batching.py). There is no padding token to route.
+of the same request run alone (tests/unit/models/test_batching.py). There is no padding token to route.
 
 Layout: the engine stores the model's matmul weights column-major (:func:`~t1async.models.batch_invariance.
 to_column_major`, at construction and after each weight swap), so that decode's few-row matmuls read the

@@ -141,7 +141,7 @@ def update_body(bucket: Bucket, *, last: bool, version: int, group_name: str = G
 def sglang_bodies_example() -> dict[str, dict[str, Any]]:
     """One body per route as :class:`DistributedWeightSync` and :class:`TensorWeightSync` send it to
     an SGLang server (checked
-    against the pinned release's dataclasses by tests/test_sglang_conformance.py)."""
+    against the pinned release's dataclasses by tests/contracts/test_sglang_conformance.py)."""
     b = plan_buckets([("w", torch.zeros(2))], 1 << 20)[0]
     return {
         "/init_weights_update_group": init_body("127.0.0.1", 1, 1, 2, "gloo", None),

@@ -39,7 +39,7 @@ def join_group(backend: str, master_address: str, master_port: int, rank: int, w
     backend on those same store keys, but without registering a process group by name in torch's
     process-wide table, so several members (an embedded sampler and the learner in one test
     process, or a re-join after a learner restart) can live in one process.
-    tests/test_sglang_backends.py checks that it meets members built with the helper itself.
+    tests/contracts/test_sglang_backends.py checks that it meets members built with the helper itself.
 
     Returns:
         A :class:`WeightGroup` (``broadcast(tensor, root)``, ``close()``).

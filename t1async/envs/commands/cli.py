@@ -1,7 +1,7 @@
 """Environment subcommands of the ``t1async`` CLI: ``eval``, ``synth``, ``decontam``.
 
 Registered by :func:`register` (one entry in :data:`t1async.cli.SUBCOMMANDS`); the core package
-reaches the environment layer only through this registrar (see tests/test_architecture.py).
+reaches the environment layer only through this registrar (see tests/house/test_architecture.py).
 
     t1async eval --tasks DIR --agent oracle|noop|policy:CHECKPOINT [--concurrency N] [--out FILE.json]
                  [--sandbox auto|local|container|modal] [--config YAML] [--logs DIR]

@@ -56,8 +56,8 @@ from t1async.config import ContainerConfig
 
 from ..images.engine import ENGINE_CWD, BuildError, Engine, ca_mounts, resolve_engine
 from ..images.task_images import ensure_task_image, ensure_verifier_image
-from .limits import LimitGroup
 from ..protocol import CommandResult, SandboxError, SandboxSpec, ServiceSpec, split_root
+from .limits import LimitGroup
 from .shell_io import (
     EOF,
     KILL_SCRIPT,

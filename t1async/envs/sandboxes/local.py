@@ -53,8 +53,6 @@ from typing import Sequence
 
 from loguru import logger
 
-from .hostfs import _chown_tree, _etc_entries, _python_paths, _read_tail, check_local_available
-from .limits import LimitGroup
 from ..protocol import (
     SANDBOX_BIN,
     CommandResult,
@@ -64,6 +62,8 @@ from ..protocol import (
     sandbox_environment,
     split_root,
 )
+from .hostfs import _chown_tree, _etc_entries, _python_paths, _read_tail, check_local_available
+from .limits import LimitGroup
 from .shell_io import EOF as _EOF
 from .shell_io import TIMEOUT as _TIMEOUT
 from .shell_io import OutputBuffer, Sentinel, close_pipes, kill_repeatedly, process_status, read_to_marker, write_all

@@ -18,10 +18,6 @@ This module re-exports the contract's types so callers import from one place.
 from __future__ import annotations
 
 from ..images.engine import check_container_available
-from .container import ContainerSandbox
-from .hostfs import ETC_ENTRIES, check_local_available
-from .local import LocalSandbox
-from .modal_sandbox import ModalSandbox, check_modal_available
 from ..protocol import (
     ROOTS,
     SANDBOX_BIN,
@@ -34,6 +30,10 @@ from ..protocol import (
     bash_quote,
     sandbox_environment,
 )
+from .container import ContainerSandbox
+from .hostfs import ETC_ENTRIES, check_local_available
+from .local import LocalSandbox
+from .modal_sandbox import ModalSandbox, check_modal_available
 
 __all__ = [
     "ETC_ENTRIES", "ROOTS", "SANDBOX_BIN", "SANDBOXES", "CommandResult", "ContainerSandbox", "LocalSandbox", "ModalSandbox",

@@ -61,7 +61,7 @@ Data parallelism within the expert-parallel group (N below is P, the expert-para
   routers, the critic's head) are summed over the stage's tensor- and data-parallel ranks
   (t1async/learner/megatron/grads.py). The clip norm is the true global norm over every distinct
   slice; every rank clips with it and steps AdamW on its own parameters (verified against the
-  torch backend to 1e-5 in tests/test_megatron.py, with B = 1, 2 and 5, TP x EP x PP = 1x2x1,
+  torch backend to 1e-5 in tests/unit/learner/test_megatron.py, with B = 1, 2 and 5, TP x EP x PP = 1x2x1,
   2x1x1, 1x1x2, 2x2x1 and 1x2x2).
 
 Checkpoints and the weight broadcast gather every rank's experts, slices and stages to rank 0 in HF layout

@@ -1,1 +1,1 @@
-"""Stand-in ``sglang`` package for tests/test_sglang_launch.py (put on PYTHONPATH there only)."""
+"""Stand-in ``sglang`` package for tests/contracts/test_sglang_launch.py (put on PYTHONPATH there only)."""

@@ -1,10 +1,10 @@
-"""``python -m sglang.launch_server`` stand-in: the fake server of tests/sglang_fake.py."""
+"""``python -m sglang.launch_server`` stand-in: the fake server of tests/support/sglang_fake.py."""
 
 import sys
 from pathlib import Path
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from sglang_fake import main
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the checkout: tests.support
+    from tests.support.sglang_fake import main
 
     main()

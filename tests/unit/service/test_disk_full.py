@@ -1,0 +1,347 @@
+"""A full or failing disk is a fault the service survives: every writer handles ENOSPC without
+blocking, the learner pauses intake and training (no ACK: the actors keep their spools) and
+resumes by itself once space is back, rollout actors back off instead of spinning; and against a
+real launch on a small tmpfs, ``t1async status`` says ``degraded`` and stop still works."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import t1async.actors.learner as learner_mod
+import t1async.fileio as fileio
+import t1async.learner.checkpoints as checkpoints_mod
+import t1async.learner.metrics as metrics_mod
+import t1async.transport.delivery as delivery
+from t1async.actors.learner import Learner
+from t1async.actors.rollout import RolloutActor
+from t1async.config import LearnerConfig, TransportConfig, WeightSyncConfig
+from t1async.fileio import DiskGuard, append_whole
+from t1async.transport.transport import SenderStats, ZmqSender
+from tests.support.learner_fakes import MODEL, FakeController, send_trajectory, synthetic
+
+ENOSPC = OSError(errno.ENOSPC, "No space left on device")
+
+
+def wait_for(cond, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def test_append_whole_cuts_a_refused_write_back_off(tmp_path, monkeypatch):
+    path = tmp_path / "metrics.jsonl"
+    append_whole(path, b'{"step": 1}\n')
+    real = os.pwritev
+
+    def short_then_full(fd, bufs, offset):  # the disk takes 5 bytes, then is full
+        if offset == len(b'{"step": 1}\n'):
+            return real(fd, [bytes(bufs[0])[:5]], offset)
+        raise ENOSPC
+
+    monkeypatch.setattr(os, "pwritev", short_then_full)
+    with pytest.raises(OSError):
+        append_whole(path, b'{"step": 2}\n')
+    assert path.read_bytes() == b'{"step": 1}\n'  # no torn row for a reader (or a resume) to choke on
+
+
+def test_replace_file_refused_by_the_disk_leaves_the_old_file_whole_and_no_temporary(tmp_path, monkeypatch):
+    """summary.json on a full disk (a fault retrial left it 0 bytes), service.json, timeline.json, a
+    resume's metrics.jsonl: replaced whole or not at all."""
+    from t1async.fileio import replace_file
+
+    path = tmp_path / "summary.json"
+    replace_file(path, '{"steps": 1}')
+    inode = path.stat().st_ino
+
+    def full(src, dst):
+        raise ENOSPC
+
+    monkeypatch.setattr(os, "replace", full)
+    with pytest.raises(OSError):
+        replace_file(path, '{"steps": 2}' * 1000, fsync=True)
+    assert path.read_text() == '{"steps": 1}' and list(tmp_path.iterdir()) == [path]
+    monkeypatch.undo()
+    replace_file(path, b'{"steps": 3}')
+    assert path.read_bytes() == b'{"steps": 3}' and path.stat().st_ino != inode and list(tmp_path.iterdir()) == [path]
+
+
+def test_the_console_says_once_when_the_disk_pauses_the_service_and_once_when_it_is_back():
+    from loguru import logger
+
+    from t1async.service.service import DiskNotice
+
+    lines: list[str] = []
+    sink = logger.add(lambda m: lines.append(str(m).strip()), level="INFO", format="{message}")
+    notice = DiskNotice()
+    try:
+        for why in (None, "disk full at /r (8 MB free)", "disk full at /r (3 MB free)", "disk full at /r (0 MB free)",
+                    None, None, "disk full at /r/checkpoints (60 MB free)", None):
+            notice.update(why)
+    finally:
+        logger.remove(sink)
+    assert [x.split(";")[0] for x in lines] == ["degraded: disk full at /r (8 MB free)", "disk space is back: intake "
+                                                "and training resume", "degraded: disk full at /r/checkpoints (60 MB free)",
+                                                "disk space is back: intake and training resume"]
+    assert notice.pauses == 2 and notice.degraded is None
+
+
+def test_disk_guard_pauses_below_its_floor_and_after_a_fault_and_clears_by_itself(tmp_path, monkeypatch):
+    free = {"b": 10 << 20}
+    monkeypatch.setattr(fileio, "free_bytes", lambda p: free["b"])
+    guard = DiskGuard(tmp_path, floor_mb=64, retry_s=0.2)
+    assert guard.floor_bytes() == 64 << 20  # (64 MiB is under 5 % of this filesystem)
+    assert guard.check() == f"disk full at {tmp_path} (10 MB free, below the floor of 64 MB)"
+    free["b"] = 100 << 20
+    assert guard.check() is None
+    assert guard.fault(ENOSPC, tmp_path / "metrics.jsonl") and not guard.fault(ValueError("a bug"), tmp_path)
+    assert guard.check() == f"disk full at {tmp_path / 'metrics.jsonl'} (100 MB free)"
+    time.sleep(0.25)
+    assert guard.check() is None  # retried: space is there
+    assert guard.fault(RuntimeError("safetensors: No space left on device (os error 28)"), tmp_path)
+    stop = threading.Event()
+    stop.set()
+    assert guard.wait(stop) < 0.1  # stop ends a wait at once
+
+
+def _learner(tmp_path, **kw) -> Learner:
+    cfg = LearnerConfig(batch_size=1, batch_timeout_s=60, publish_every=100, **kw)
+    return Learner(cfg, MODEL, TransportConfig(), WeightSyncConfig(), str(tmp_path), seed=0)
+
+
+def test_writes_refused_by_a_full_disk_pause_the_learner_and_are_written_once_space_is_back(tmp_path, monkeypatch):
+    """metrics.jsonl, transcripts and the checkpoint of step 1 are refused (ENOSPC): the learner
+    neither crashes nor trains on, says why, and writes them once space is back (main: OSError
+    out of run)."""
+    full = threading.Event()
+    full.set()
+
+    def refused(real):
+        def write(*a, **k):
+            if full.is_set():
+                raise ENOSPC
+            return real(*a, **k)
+        return write
+
+    for mod, name in ((metrics_mod, "append_whole"), (learner_mod, "write_transcripts"), (checkpoints_mod, "commit")):
+        monkeypatch.setattr(mod, name, refused(getattr(mod, name)))
+    learner = _learner(tmp_path, max_steps=2, checkpoint_every=1)
+    learner.disk.retry_s = 60.0
+    tx = ZmqSender(learner.endpoint())
+    result: dict = {}
+    th = threading.Thread(target=lambda: result.update(learner.run(FakeController())))
+    try:
+        for seed in (1, 2):
+            send_trajectory(tx, synthetic(version=0, seed=seed))
+        th.start()
+        why = wait_for(lambda: learner.status()["disk"], 30, "the learner to pause")
+        assert why.startswith(f"disk full at {tmp_path}")
+        time.sleep(1.0)
+        assert learner.step == 1 and not (tmp_path / "metrics.jsonl").exists()
+        assert not list((tmp_path / "checkpoints").glob(".step_*"))  # the refused checkpoint's staging is gone
+        full.clear()  # space is back
+        learner.disk.retry_s = 0.0
+        th.join(timeout=30)
+        assert not th.is_alive() and result["step"] == 2 and result["disk"] is None
+        rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == [1, 2]
+        assert (tmp_path / "checkpoints" / "step_000002" / "trainer_state.json").exists()
+        assert list((tmp_path / "episodes").glob("step_*.md"))
+    finally:
+        tx.close(flush_timeout_s=0)
+        learner.close()
+
+
+def test_below_the_free_space_floor_the_learner_stops_acking_and_resumes_by_itself(tmp_path, monkeypatch):
+    free = {"b": 0}
+    real = fileio.free_bytes
+    monkeypatch.setattr(fileio, "free_bytes", lambda p: real(p) if free["b"] is None else free["b"])
+    learner = _learner(tmp_path, max_steps=2, disk_floor_mb=1)
+    tx = ZmqSender(learner.endpoint())
+    result: dict = {}
+    th = threading.Thread(target=lambda: result.update(learner.run(FakeController())))
+    try:
+        for seed in (1, 2):
+            send_trajectory(tx, synthetic(version=0, seed=seed))
+        th.start()
+        time.sleep(1.5)
+        st = learner.status()
+        assert st["disk"] == f"disk full at {tmp_path} (0 MB free, below the floor of 1 MB)"
+        assert st["step"] == 0 and tx.stats.acked == 0 and tx.unacknowledged() == 2  # kept in the actor's spool
+        assert 0.5 <= st["disk_paused_s"] <= 3.0  # counted while the pause is under way (it said 0.0)
+        free["b"] = None  # space is back
+        th.join(timeout=30)
+        assert result["step"] == 2 and tx.stats.acked == 2 and result["disk_paused_s"] >= 1.0
+    finally:
+        tx.close(flush_timeout_s=0)
+        learner.close()
+
+
+def test_receive_log_and_quarantine_refused_by_the_disk_leave_the_inbox_serving(tmp_path, monkeypatch):
+    """A receive-log append refused (ENOSPC) is not ACKed (the actor resends it) and pauses the
+    inbox; a rejected message whose quarantine copy is refused is still REJected (main: the
+    quarantine's OSError killed the receive thread: no reply, ever, to anyone)."""
+    full = threading.Event()
+    full.set()
+    real_pwrite, real_write_bytes = delivery.pwrite_all, Path.write_bytes
+
+    def pwrite(*a, **k):
+        if full.is_set():
+            raise ENOSPC
+        return real_pwrite(*a, **k)
+
+    def write_bytes(self, data):
+        if "quarantine" in str(self):
+            raise ENOSPC
+        return real_write_bytes(self, data)
+
+    monkeypatch.setattr(delivery, "pwrite_all", pwrite)
+    monkeypatch.setattr(Path, "write_bytes", write_bytes)
+    learner = _learner(tmp_path, max_steps=1)
+    learner.disk.retry_s = 0.3
+    tx = ZmqSender(learner.endpoint(), ack_timeout_s=0.5)
+    try:
+        tx.send("garbage", b"\x93not a trajectory")
+        wait_for(lambda: tx.stats.rejected == 1, 10, "the REJ of a message whose quarantine copy was refused")
+        traj = synthetic(version=0, seed=1)
+        send_trajectory(tx, traj)
+        wait_for(lambda: learner.disk.faults >= 1, 10, "the refused append")
+        assert tx.stats.acked == 0 and traj.trajectory_id not in learner.inbox.log
+        full.clear()
+        wait_for(lambda: tx.stats.acked == 1, 10, "the resent trajectory's ACK once space is back")
+        assert traj.trajectory_id in learner.inbox.log and learner.counters["rejected"] == 1
+    finally:
+        tx.close(flush_timeout_s=0)
+        learner.close()
+
+
+class _Controller:
+    def __init__(self, n: int):
+        self.left, self.failures = n, []
+
+    def acquire(self, actor_id):
+        self.left -= 1
+        return "task" if self.left >= 0 else None
+
+    def episode_failed(self, actor_id, reason):
+        self.failures.append(reason)
+
+
+class _Sender:
+    def __init__(self, refusals: int = 0):
+        self.stats, self.refusals, self.sent = SenderStats(), refusals, []
+
+    def send(self, key, frame):
+        if self.refusals:
+            self.refusals -= 1
+            raise ENOSPC
+        self.sent.append(key)
+
+    def close(self):
+        pass
+
+
+def _actor(tmp_path) -> RolloutActor:
+    actor = RolloutActor.__new__(RolloutActor)  # (the loop only: no sandbox, no sampler)
+    actor.actor_id, actor.sender, actor.endpoint, actor.crash_after = 0, _Sender(), None, 0
+    actor.episodes = actor.failed = actor._rejections_reported = 0
+    actor._disk_backoff_s, actor._audit = 0.0, None
+    actor.workdir = tmp_path / "work"
+    actor.workdir.mkdir()
+    actor.sampler = type("S", (), {"rerouted": 0})()
+    return actor
+
+
+def test_rollout_actor_backs_off_on_episodes_that_fail_on_the_disk_and_keeps_a_finished_trajectory(
+        tmp_path, monkeypatch):
+    import t1async.actors.rollout as rollout_mod
+
+    sleeps: list[float] = []
+    monkeypatch.setattr(rollout_mod.time, "sleep", sleeps.append)
+    actor = _actor(tmp_path)
+
+    def run_one(name):
+        raise OSError(errno.ENOSPC, "No space left on device", str(actor.workdir / "app"))
+
+    actor.run_one = run_one
+    ctl = _Controller(5)
+    assert actor.run(ctl)["failed"] == 5
+    assert sleeps == [1.0, 2.0, 4.0, 8.0, 16.0] and len(ctl.failures) == 5  # (main: no pause: 235 in 3 minutes)
+
+    sleeps.clear()
+    actor = _actor(tmp_path / "again") if (tmp_path / "again").mkdir() is None else None
+    actor.sender = _Sender(refusals=2)  # its spool refuses the finished trajectory twice
+    traj = synthetic(version=0, seed=1)
+    actor._send(traj)
+    assert actor.sender.sent == [traj.trajectory_id] and sleeps == [1.0, 2.0]
+
+
+def _can_mount_tmpfs(where: Path) -> bool:
+    where.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(where)], capture_output=True)
+    return r.returncode == 0
+
+
+@pytest.mark.slow
+def test_a_launch_on_a_full_disk_says_degraded_runs_no_step_resumes_when_freed_and_stops(tmp_path):
+    """The real service on a 64 MiB tmpfs: fill it, and ``t1async status`` says ``degraded: disk
+    full at ...``, no step runs, rollout actors keep their trajectories; free it, and steps resume
+    by themselves; ``t1async stop`` ends it with exit status 0 (main: the launch hangs)."""
+    from t1async.service.control import ControlError, request
+    from tests.support.service import CLI, SMALL
+
+    mnt = tmp_path / "disk"
+    if not _can_mount_tmpfs(mnt):
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    run_dir, filler = mnt / "run", mnt / "filler"
+    out = open(tmp_path / "launch.out", "w")
+    p = subprocess.Popen(CLI + [f"run.dir={run_dir}", *SMALL, "learner.disk_floor_mb=8", "run.tensorboard=true",
+                                "learner.checkpoint_every=0"],
+                         stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def status():
+        try:
+            return request(run_dir, {"cmd": "status"})
+        except ControlError:
+            return None
+
+    t0 = time.monotonic()
+    try:
+        wait_for(lambda: (s := status()) and s.get("step", 0) >= 1, 240, "the first step")
+        print(f"first step after {time.monotonic() - t0:.0f} s")
+        free = os.statvfs(mnt).f_bavail * os.statvfs(mnt).f_frsize
+        with open(filler, "wb") as f:  # the disk fills: up to 2 MB short of full (below the 8 MB floor)
+            f.write(b"\0" * max(0, free - (2 << 20)))
+        st = wait_for(lambda: (s := status()) and s["state"].startswith("degraded") and s, 30, "degraded")
+        assert st["state"].startswith(f"degraded: disk full at {run_dir}") and "MB free" in st["state"]
+        time.sleep(2)  # (a step already under way when the disk filled may finish)
+        step = status()["step"]
+        time.sleep(3)
+        assert status()["step"] == step and status()["state"].startswith("degraded")  # no step runs
+        filler.unlink()  # space is back
+        wait_for(lambda: (s := status()) and s.get("step", 0) > step and s["state"] == "running", 120,
+              "a step after space came back")
+        wait_for(lambda: "disk space is back" in (tmp_path / "launch.out").read_text(), 30, "the console's line")
+        request(run_dir, {"cmd": "stop", "now": True})
+        rc = p.wait(timeout=120)
+        assert rc == 0, (tmp_path / "launch.out").read_text()[-4000:]
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, 9)
+            p.wait()
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+    text = (tmp_path / "launch.out").read_text()
+    assert "Traceback" not in text, text[-3000:]
+    said = [x for x in text.splitlines() if "degraded: disk full at" in x or "disk space is back" in x]
+    assert len(said) == 2 and f"degraded: disk full at {run_dir}" in said[0], said  # one line each way

@@ -1,0 +1,144 @@
+"""Bad launch input is refused at once, in one line, before Ray starts and before a run directory
+is created: a missing ``learner.init_checkpoint``, ``learner.resume=true`` into a folder that holds
+no run; a task folder with several broken tasks names every one."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from t1async.config import load_config
+from tests.support.cli import LOCAL, REPO, assert_main_one_line
+
+
+def test_a_missing_init_checkpoint_is_one_line_and_creates_no_run_dir(capsys, tmp_path):
+    run_dir = tmp_path / "run"
+    assert_main_one_line(capsys, ["launch", LOCAL, f"run.dir={run_dir}", f"learner.init_checkpoint={tmp_path}/nope"],
+                         f"learner.init_checkpoint={tmp_path}/nope: no such folder", "t1async sft --out")
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "config.json").write_text("{}")
+    assert_main_one_line(capsys, ["launch", LOCAL, f"run.dir={run_dir}", f"learner.init_checkpoint={tmp_path}/half"],
+                         "has no model.safetensors: it is not a checkpoint folder")
+    assert not run_dir.exists()
+
+
+def test_resume_into_a_folder_that_holds_no_run_is_refused(capsys, tmp_path):
+    typo = tmp_path / "runs" / "my-rnu"
+    assert_main_one_line(capsys, ["launch", LOCAL, f"run.dir={typo}", "learner.resume=true"],
+                         f"learner.resume=true but run.dir {typo} does not exist", "drop learner.resume=true")
+    assert not typo.exists()
+    assert_main_one_line(capsys, ["launch", LOCAL, f"run.dir={tmp_path}", "learner.resume=true"],
+                         "holds no run (no metrics, checkpoints or receive log)")
+    assert list(tmp_path.iterdir()) == []  # nothing created, not even the lock
+
+
+def test_resume_of_a_run_whose_checkpoints_all_fail_verification_is_refused(capsys, tmp_path):
+    """Every checkpoint torn (a failing disk): a resume would start again from the initial weights and
+    replace the run's metrics; it is refused in one line, and nothing is moved or created."""
+    from tests.support.checkpoints import write_checkpoint
+
+    run_dir = tmp_path / "run"
+    for step in (6, 12):
+        write_checkpoint(run_dir / "checkpoints", step)
+        (run_dir / "checkpoints" / f"step_{step:06d}" / "model.safetensors").write_bytes(b"")
+    (run_dir / "metrics.jsonl").write_text('{"step": 12}\n')
+    before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert_main_one_line(capsys, ["launch", LOCAL, f"run.dir={run_dir}", "learner.resume=true"],
+                         f"learner.resume=true but no checkpoint in {run_dir / 'checkpoints'} can be trusted "
+                         "(step_000012: model.safetensors has 0 bytes, its manifest says 700; step_000006:",
+                         "put an intact step_N folder back there")
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before
+    assert not (run_dir / "service.lock").exists()
+
+
+def test_several_broken_tasks_are_reported_together_each_with_its_reason(tmp_path):
+    from t1async.envs.taskio.task import TaskError
+    from t1async.service.preflight import check_inputs
+
+    good = sorted(p for p in (REPO / "t1async" / "envs" / "tasks").iterdir() if p.is_dir())[0]
+    shutil.copytree(good, tmp_path / good.name)
+    for name in ("broken-a", "broken-b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "instruction.md").write_text("do it")
+    shutil.copytree(good, tmp_path / "broken-c")
+    (tmp_path / "broken-c" / "task.toml").write_text("[task\n")  # not TOML
+    cfg = load_config(LOCAL, [f"env.tasks_dir={tmp_path}"])
+    with pytest.raises(TaskError) as err:
+        check_inputs(cfg)
+    lines = str(err.value).splitlines()
+    assert lines[0].startswith(f"3 task folders under {tmp_path} are invalid")
+    assert [Path(line.split()[1].rstrip(":")).name for line in lines[1:]] == ["broken-a", "broken-b", "broken-c"], lines
+
+
+def test_a_local_ray_session_folder_is_removed_and_its_logs_kept_in_the_run_dir(tmp_path):
+    from t1async.service.launch import keep_ray_logs
+    from t1async.service.reaper import _local_ray_session
+
+    run_dir, session = tmp_path / "run", tmp_path / "ray" / "session_2026-12-03_01-02-03_000000_1"
+    (run_dir / "logs").mkdir(parents=True)
+    (session / "logs").mkdir(parents=True)
+    (session / "logs" / "raylet.out").write_text("raylet")
+    (session / "sockets").mkdir()
+    keep_ray_logs(str(session), run_dir)
+    assert not session.exists() and (run_dir / "logs" / "ray" / "raylet.out").read_text() == "raylet"
+    # after a kill -9 of the launch, its reaper finds the session in service.json (only a local Ray's)
+    (run_dir / "service.json").write_text(f'{{"ray_session": "{session}", "ray_local": true}}')
+    assert _local_ray_session(run_dir) == session
+    (run_dir / "service.json").write_text(f'{{"ray_session": "{session}", "ray_local": false}}')
+    assert _local_ray_session(run_dir) is None
+
+
+def test_launch_makes_one_preflight_call_that_checks_the_input_and_creates_nothing(tmp_path, monkeypatch):
+    from t1async.config import ConfigError
+    from t1async.service import launch as launch_module
+    from t1async.service.preflight import preflight
+
+    run_dir = tmp_path / "run"
+    cfg, resolved, names = preflight(LOCAL, [f"run.dir={run_dir}"])
+    assert resolved == run_dir.resolve() and cfg.run.dir == str(run_dir) and names
+    assert not run_dir.exists()  # the run directory is claimed after the pre-flight, under its lock
+    calls = []
+
+    def refuse(path, overrides):
+        calls.append((path, list(overrides)))
+        raise ConfigError("refused by the pre-flight")
+
+    monkeypatch.setattr(launch_module, "preflight", refuse)
+    with pytest.raises(ConfigError, match="refused by the pre-flight"):
+        launch_module.launch(LOCAL, [f"run.dir={run_dir}"])
+    assert calls == [(LOCAL, [f"run.dir={run_dir}"])] and not run_dir.exists()
+
+
+def test_a_ray_node_that_times_out_at_start_up_is_started_again_and_other_errors_are_not(monkeypatch):
+    """Ray's own start-up wait expires on a loaded machine ("The current node timed out during
+    startup"): the launch tries again (up to RAY_START_ATTEMPTS in all); any other error is raised at once."""
+    from t1async.service import launch as launch_module
+
+    calls = []
+
+    def flaky(**kwargs):
+        calls.append(kwargs)
+        if len(calls) < 3:
+            raise Exception("The current node timed out during startup. This could happen because ...")
+        return "ctx"
+
+    monkeypatch.setattr(launch_module.ray, "init", flaky)
+    monkeypatch.setattr(launch_module.ray, "shutdown", lambda: None)
+    cfg = load_config(None)
+    assert launch_module.init_ray(cfg) == "ctx" and len(calls) == 3
+    calls.clear()
+    with pytest.raises(Exception, match="timed out during startup"):
+        launch_module.init_ray(cfg, attempts=2)
+    assert len(calls) == 2
+
+    def broken(**kwargs):
+        calls.append(kwargs)
+        raise RuntimeError("address in use")
+
+    calls.clear()
+    monkeypatch.setattr(launch_module.ray, "init", broken)
+    with pytest.raises(RuntimeError, match="address in use"):
+        launch_module.init_ray(cfg)
+    assert len(calls) == 1
