@@ -30,7 +30,7 @@ from typing import Any, Callable
 from loguru import logger
 
 from t1async.config import RolloutConfig
-from t1async.rollout.admission import ADMISSION_RULES, may_start, publish_allowed
+from t1async.rollout.admission import ADMISSION_RULES, may_start, publish_allowed, resumed_admissions
 from t1async.rollout.task_order import TaskOrder
 
 
@@ -50,18 +50,22 @@ class Controller:
             the checkpoint a resumed learner restored; None: from its head).
         sampler_urls: samplers rollout actors are routed to (those holding weights; kept live by the
             launch's sampler pool through :meth:`set_samplers`).
+        resumed: on a resumed run, the resumed learner's ``timeline_version``, ``trained`` and
+            ``to_replay`` (its status): admission starts at that version and counts what the
+            learner trained and will replay as started
+            (:func:`t1async.rollout.admission.resumed_admissions`); None: a new run.
     """
 
     def __init__(self, cfg: RolloutConfig, task_names: list[str], *, rollouts_per_version: int, max_staleness: int,
                  make_rollout: Callable[[int, int], Any], seed: int = 0, sampler_urls: list[str] | None = None,
-                 task_order: dict[str, Any] | None = None):
+                 task_order: dict[str, Any] | None = None, resumed: dict[str, Any] | None = None):
         if not task_names:
             raise ValueError("the controller needs at least one task")
         self.cfg = cfg
         self.rollouts_per_version, self.max_staleness = rollouts_per_version, max_staleness
         self.make_rollout = make_rollout
-        self.version = 0
-        self.started = 0
+        self.version = int(resumed["timeline_version"]) if resumed else 0
+        self.started = resumed_admissions(resumed["trained"], resumed["to_replay"]) if resumed else 0
         self.failed_episodes = 0
         self.failures: dict[str, int] = {}  # failed episodes by short reason key (see episode_failed)
         self.discarded = 0

@@ -84,6 +84,26 @@ def may_start(started: int, base_version: int, max_staleness: int, rollouts_per_
     return started < (base_version + max_staleness + 1) * rollouts_per_version
 
 
+def resumed_admissions(trained: int, to_replay: int) -> int:
+    """The ``started`` count a controller that starts on a resumed run begins with: every
+    trajectory the run's learner has trained (its checkpoint's ``trained`` counter) plus those its
+    receive log holds and it will train again (``to_replay``).
+
+    Why: :func:`may_start` bounds ``started`` by ``(version + max_staleness + 1) x
+    rollouts_per_version``, which holds only when ``started`` counts every rollout of the run since
+    version 0. A controller started by a resumed launch (a new process) counted from 0 while the
+    learner resumed at timeline version v: it admitted ``(v + max_staleness + 1) x
+    rollouts_per_version`` episodes at once, all at version v, while the learner re-trained its
+    backlog; they were then trained too stale or dropped (measured: 98 of 288 trajectories dropped
+    as ``dropped_stale_restart`` in one resumed run). Counting what the learner trained and will
+    train restores the bound: the new controller admits ``max_staleness + 1`` versions' worth past
+    the learner's position. Under-counting only widens the window; trajectories still in the
+    actors' spools are left out on purpose (some are in the receive log too), since an over-count
+    would shrink every later window and with ``max_staleness`` 0 could leave the learner waiting
+    for a batch admission never allows."""
+    return max(0, int(trained)) + max(0, int(to_replay))
+
+
 def publish_allowed(next_version: int, not_held: Iterable[int], max_staleness: int) -> bool:
     """Whether the learner may publish ``next_version`` under a rule that :attr:`AdmissionRule.holds_publish`:
     False while an episode the learner does not hold yet (running, or finished and on its way;

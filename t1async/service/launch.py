@@ -96,9 +96,10 @@ def launch(config_path: str | None, overrides: list[str] | tuple[str, ...] = ())
             summary["error"], summary["ended"] = str(e), "learner_failed_to_start"
             return summary
         lock.write(trajectories=endpoint)  # the learner's trajectory socket, for a person or a tool to find
-        resumed_from = announce_resume(cfg, roles["learner"], run_dir)
+        resumed = announce_resume(cfg, roles["learner"], run_dir)  # admission continues from it (not from 0)
         roles["controller"] = start_controller(cfg, actor, task_names, urls, endpoint,  # starts the rollout actors
-                                               task_order=saved_task_order(resumed_from))
+                                               task_order=saved_task_order(resumed and resumed["checkpoint"]),
+                                               resumed=resumed)
         pool = sampler_pool(cfg, actor, roles, urls)  # live scaling and restarts of embedded samplers
         service = Service(cfg, run_dir, roles,
                           lambda: restart_learner(service.cfg, actor, run_dir, pool.member_urls() if pool else urls,
@@ -197,12 +198,19 @@ def init_ray(cfg: Config, attempts: int = RAY_START_ATTEMPTS) -> Any:
     raise AssertionError("unreachable")
 
 
-def announce_resume(cfg: Config, learner: Any, run_dir: Path) -> str | None:
-    """Say on the console what a resume restored, or warn that there was nothing to resume;
-    returns the checkpoint the learner resumed from (None: none, or not a resume)."""
+def announce_resume(cfg: Config, learner: Any, run_dir: Path) -> dict[str, Any] | None:
+    """Say on the console what a resume restored, or warn that there was nothing to resume.
+
+    Returns:
+        None (not a resume, or nothing to resume), or the learner's ``resumed`` status
+        (``checkpoint``: the folder it resumed from or None, ``step``, ``timeline_version``,
+        ``to_replay``...) with ``trained``, the trajectories it trained before: where the
+        controller's admission continues from (:func:`t1async.rollout.admission.resumed_admissions`).
+    """
     if not cfg.learner.resume:
         return None
-    r = ray.get(learner.status.remote())["resumed"]
+    st = ray.get(learner.status.remote())
+    r = st["resumed"]
     for line in r.get("set_aside", []):  # newer checkpoints that failed verification
         logger.warning("{}", line)
     if r["checkpoint"] is None and r["to_replay"] == 0:
@@ -212,7 +220,7 @@ def announce_resume(cfg: Config, learner: Any, run_dir: Path) -> str | None:
     logger.info("resumed from {}: step {}, version {}, {} trajectory ids consumed, {} receive-log records to replay",
                 Path(r["checkpoint"]).name if r["checkpoint"] else "no checkpoint (receive log only)", r["step"],
                 r["version"], r["consumed"], r["to_replay"])
-    return r["checkpoint"]
+    return {**r, "trained": st.get("trained", 0)}
 
 
 def saved_task_order(checkpoint: str | None) -> dict[str, Any] | None:
@@ -315,9 +323,10 @@ def restart_learner(cfg: Config, actor: Any, run_dir: Path, urls: list[str], end
 
 
 def start_controller(cfg: Config, actor: Any, task_names: list[str], urls: list[str], endpoint: str,
-                     task_order: dict[str, Any] | None = None) -> Any:
+                     task_order: dict[str, Any] | None = None, resumed: dict[str, Any] | None = None) -> Any:
     """The controller, running its supervision loop, which starts and replaces the rollout actors;
-    its task order continues ``task_order`` (a resumed checkpoint's, :func:`saved_task_order`)."""
+    its task order continues ``task_order`` (a resumed checkpoint's, :func:`saved_task_order`) and
+    its admission the resumed learner's position (``resumed``: :func:`announce_resume`'s)."""
     rollout_cls = actor(RolloutActor, "rollout")
     work_root = str(Path(cfg.run.dir) / "workspaces")
 
@@ -331,7 +340,7 @@ def start_controller(cfg: Config, actor: Any, task_names: list[str], urls: list[
     controller = actor(Controller, "controller").remote(
         cfg.rollout, task_names, rollouts_per_version=cfg.learner.batch_size * cfg.learner.publish_every,
         max_staleness=cfg.learner.max_staleness, make_rollout=make_rollout, seed=cfg.run.seed, sampler_urls=urls,
-        task_order=task_order)
+        task_order=task_order, resumed=resumed)
     controller.run.remote()
     return controller
 

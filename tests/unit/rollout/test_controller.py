@@ -255,3 +255,23 @@ def test_every_admission_rule_is_a_config_value():
         assert load_config(None, [f"rollout.admission={name}"]).rollout.admission == name
     with pytest.raises(ConfigError):
         load_config(None, ["rollout.admission=nope"])
+
+
+def test_a_controller_of_a_resumed_run_admits_only_the_bound_past_the_learners_position():
+    """Issue 42 item 4: a resumed launch's new controller counted admissions from 0 while the learner
+    resumed at timeline version 17, so (17 + 2 + 1) x R episodes were admitted at once at the old
+    version, and most were dropped as stale once the learner re-trained its backlog."""
+    from t1async.rollout.admission import resumed_admissions
+
+    r, eta = 8, 2
+    resumed = {"timeline_version": 17, "trained": 17 * r + 4, "to_replay": 5}  # mid-version, a receive-log backlog
+    c = Controller(RolloutConfig(num_actors=1), ["a", "b", "c"], rollouts_per_version=r, max_staleness=eta,
+                   make_rollout=lambda aid, crash: None, seed=0, resumed=resumed)
+    admitted = 0
+    while c.acquire(admitted):
+        assert c.status()["version"] == 17 and c._running[admitted] == 17  # admitted at the resumed version
+        admitted += 1
+    assert admitted == (17 + eta + 1) * r - resumed_admissions(17 * r + 4, 5) == 15  # not (17 + 2 + 1) x 8 = 160
+    c.set_version(18)  # the learner trained the backlog and one more version: R more
+    assert sum(bool(c.acquire(100 + i)) for i in range(2 * r)) == r
+    assert resumed_admissions(-1, 3) == 3  # (an absent counter never widens the window past a new run's)
