@@ -203,7 +203,7 @@ class Service:
             out["learner_error"] = str(e).splitlines()[0] if str(e) else type(e).__name__
         try:
             cs = ray.get(self.roles["controller"].status.remote(), timeout=10)
-            out["actors"] = cs.pop("actors_detail")
+            out["actors"] = cs["actors_detail"]  # (also left in "controller", where the controller reports it)
             out["episode_failures"] = cs.get("episode_failures")
             out["controller"] = cs
         except Exception as e:
@@ -243,7 +243,10 @@ class Service:
         Raises:
             ValueError: a key that cannot change live, or a value the config would refuse.
         """
-        changes: dict[str, Any] = dict(req.get("changes") or {})
+        changes = req.get("changes")
+        if not isinstance(changes, dict) or not changes or not all(isinstance(k, str) for k in changes):
+            raise ValueError(f'scale: "changes" must be a non-empty JSON object of key: value, e.g. '
+                             f'{{"rollout.num_actors": 4}}; got {json.dumps(changes, default=str)[:80]}')
         for key in changes:
             refusal = live_change_refusal(key)
             if refusal:

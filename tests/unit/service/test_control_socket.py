@@ -224,3 +224,42 @@ def test_the_live_line_fits_an_80_column_terminal():
     assert "restarts" not in line  # the least important go first, the order of the rest is kept
     assert fit_line(fields, 40) == "step 12345  v6172  reward 3.25"
     assert fit_line(fields, 5) == "step "
+
+
+@pytest.mark.parametrize("changes", [["rollout.num_actors", 4], "rollout.num_actors=4", 4, None, {}])
+def test_scale_with_changes_that_are_not_an_object_is_one_line(tmp_path, changes):
+    """Issue 42 item 9: ``{"cmd": "scale", "changes": [...]}`` answered Python's own error
+    (``dictionary update sequence element #0 ...``)."""
+    from t1async.config import load_config
+    from t1async.service.service import Service
+
+    cfg = load_config(None, ["run.tensorboard=false"])
+    service = Service(cfg, tmp_path, {}, restart_learner=lambda: None, check_tasks=lambda names: None)
+    server = ControlServer("127.0.0.1", service.handlers())
+    try:
+        reply = server.answer([json.dumps({"cmd": "scale", "changes": changes}).encode()])
+    finally:
+        server.close()
+    assert reply["ok"] is False and "\n" not in reply["error"]
+    assert reply["error"].startswith('scale: "changes" must be a non-empty JSON object of key: value'), reply
+    assert service.cfg is cfg
+
+
+def test_status_json_keeps_the_controllers_actors_detail(tmp_path, monkeypatch):
+    """Issue 42 item 9: ``status --json`` showed no ``controller.actors_detail`` while running
+    (the service moved it to ``actors``)."""
+    from types import SimpleNamespace
+
+    from t1async.config import load_config
+    from t1async.service import service as service_mod
+
+    detail = [{"id": 0, "state": "running", "version": 3, "episodes": 2, "started_at": 1.0, "first_episode_at": 2.0}]
+    controller = SimpleNamespace(status=SimpleNamespace(remote=lambda: {"actors_detail": detail, "actors": 1,
+                                                                         "episode_failures": {}}))
+    learner = SimpleNamespace(status=SimpleNamespace(remote=lambda: {}))
+    monkeypatch.setattr(service_mod.ray, "get", lambda ref, timeout=None: ref)  # (no Ray: the handles answer at once)
+    cfg = load_config(None, ["run.tensorboard=false"])
+    service = service_mod.Service(cfg, tmp_path, {"learner": learner, "controller": controller, "samplers": []},
+                                  restart_learner=lambda: None, check_tasks=lambda names: None)
+    st = json.loads(json.dumps(service.status(), default=str))
+    assert st["controller"]["actors_detail"] == detail and st["actors"] == detail
