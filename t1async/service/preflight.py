@@ -27,7 +27,8 @@ from t1async import require_extra
 from t1async.actors.rollout import tasks_dir
 from t1async.config import Config, ConfigError, check_trainable, load_config
 from t1async.envs.sandboxes.sandbox import check_sandbox_available
-from t1async.envs.taskio.loading import discover_tasks
+from t1async.envs.taskio.loading import discover_tasks, task_folders
+from t1async.envs.taskio.task import Task, TaskError
 from t1async.learner.checkpoints import untrusted_checkpoints
 from t1async.models.families import check_model_folder, load_renderer
 from t1async.models.tokenizer import check_model_vocab
@@ -145,7 +146,7 @@ def check_inputs(cfg: Config) -> list[str]:
             require_extra(module, "endpoint", "rollout.agent=external")
     if cfg.metrics.wandb:  # (its extra, before any process starts)
         require_extra("wandb", "wandb", "metrics.wandb=true")
-    tasks = discover_tasks(tasks_dir(cfg.env), cfg.env.tasks, sandbox=cfg.env.sandbox)
+    tasks = usable_tasks(cfg)
     check_sandbox_available(cfg.env.sandbox)
     check_port_free(cfg.transport)
     if cfg.sampler.backend == "sglang":
@@ -168,6 +169,43 @@ def check_inputs(cfg: Config) -> list[str]:
         server_keys(cfg.transport.keys_dir)
         client_keys(cfg.transport.keys_dir)
     return [t.name for t in tasks]
+
+
+def usable_tasks(cfg: Config) -> list[Task]:
+    """The tasks episodes are drawn from: those named in ``env.tasks``, or, when none are named,
+    every valid task under the tasks folder. A broken task folder (invalid, or one the chosen
+    sandbox refuses) is skipped with one warning line each and a count, as one bad message is
+    skipped; the launch is refused only when no task is usable (then every broken folder is
+    named, one line each). A named task that is broken or missing is still refused: the
+    operator asked for it by name.
+
+    Raises:
+        TaskError: no usable task, a named task missing or broken, two tasks sharing a name, no
+            tasks folder.
+    """
+    root = tasks_dir(cfg.env)
+    if cfg.env.tasks:
+        return discover_tasks(root, cfg.env.tasks, sandbox=cfg.env.sandbox)
+    try:
+        return discover_tasks(root, sandbox=cfg.env.sandbox)
+    except TaskError as e:
+        broken = e
+    logger.disable("t1async.envs.taskio.loading")  # (its own line per skipped folder: said below, once)
+    try:
+        tasks = discover_tasks(root, sandbox=cfg.env.sandbox, skip_invalid=True)
+    except TaskError as e:
+        if str(e).startswith("no valid task"):
+            raise broken from None  # every folder broken: name each
+        raise
+    finally:
+        logger.enable("t1async.envs.taskio.loading")
+    lines = str(broken).splitlines()
+    for line in lines[1:] or lines:  # (several: a count line, then one line each)
+        logger.warning("skipping a broken task folder: {}", line.strip())
+    skipped = len(task_folders(root)) - len(tasks)
+    logger.warning("{} of {} task folders under {} are broken and skipped; episodes are drawn from the other {}: "
+                   "fix them, or name the good ones in env.tasks", skipped, skipped + len(tasks), root, len(tasks))
+    return tasks
 
 
 def check_init_checkpoint(path: str) -> None:

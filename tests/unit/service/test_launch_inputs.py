@@ -1,6 +1,6 @@
 """Bad launch input is refused at once, in one line, before Ray starts and before a run directory
 is created: a missing ``learner.init_checkpoint``, ``learner.resume=true`` into a folder that holds
-no run; a task folder with several broken tasks names every one."""
+no run; broken task folders are skipped with a count, and a folder with none usable names every one."""
 
 from __future__ import annotations
 
@@ -53,7 +53,9 @@ def test_resume_of_a_run_whose_checkpoints_all_fail_verification_is_refused(caps
     assert not (run_dir / "service.lock").exists()
 
 
-def test_several_broken_tasks_are_reported_together_each_with_its_reason(tmp_path):
+def test_broken_tasks_are_skipped_with_a_count_and_refused_only_when_none_is_usable(tmp_path, capfd):
+    """Issue 42 item 9: one broken task folder stopped the whole launch. Broken ones are skipped,
+    each named, with a count; with no usable task left every broken one is named, one line each."""
     from t1async.envs.taskio.task import TaskError
     from t1async.service.preflight import check_inputs
 
@@ -65,6 +67,12 @@ def test_several_broken_tasks_are_reported_together_each_with_its_reason(tmp_pat
     shutil.copytree(good, tmp_path / "broken-c")
     (tmp_path / "broken-c" / "task.toml").write_text("[task\n")  # not TOML
     cfg = load_config(LOCAL, [f"env.tasks_dir={tmp_path}"])
+    assert check_inputs(cfg) == [good.name]
+    err = capfd.readouterr().err
+    assert f"3 of 4 task folders under {tmp_path} are broken and skipped" in err
+    assert all(f"{name}" in err for name in ("broken-a", "broken-b", "broken-c"))
+
+    shutil.rmtree(tmp_path / good.name)  # nothing usable left: refused, every broken folder named
     with pytest.raises(TaskError) as err:
         check_inputs(cfg)
     lines = str(err.value).splitlines()
