@@ -34,6 +34,10 @@ from t1async.rollout.admission import ADMISSION_RULES, may_start, publish_allowe
 from t1async.rollout.task_order import TaskOrder
 
 
+START_PER_TICK = 4
+"""Rollout actors the supervision loop starts per tick (about a second) at most."""
+
+
 class Controller:
     """The controller actor (a plain class; ``ray.remote`` with ``max_concurrency`` > actors is applied in launch).
 
@@ -315,11 +319,28 @@ class Controller:
         return self.status()
 
     def _reconcile(self, me: Any) -> None:
+        """Retire actors past the target (one that ran an episode finishes it and stops at its
+        next :meth:`acquire`; one never admitted an episode, pending in Ray's queue or waiting for
+        its first admission, is killed at once: a scale-down cancels what a scale-up left pending)
+        and start missing ones, at most :data:`START_PER_TICK` per call (a large scale-up is spread
+        over ticks, so a scale-down or a stop meanwhile acts on few actors)."""
+        import ray  # (ray: deferred, as in run)
+
         with self._cond:
             live = sorted(a for a in self._actors if a not in self._retired)
             for aid in live[self.target:]:
                 self._retired.add(aid)  # finishes its current episode, then acquire() says stop
-            missing = self.target - min(len(live), self.target)
+            idle = [aid for aid in self._retired  # never admitted: pending in Ray's queue, or starting
+                    if aid in self._actors and aid not in self._running and aid not in self._first_episode]
+            missing = min(self.target - min(len(live), self.target), START_PER_TICK)
+        for aid in idle:  # it holds no episode and sent nothing of its own
+            handle, _ = self._actors.pop(aid)
+            self._retired.discard(aid)
+            for per_actor in (self._episodes, self._started_at, self._first_episode):
+                per_actor.pop(aid, None)
+            ray.kill(handle, no_restart=True)
+        if idle:
+            logger.info("scale-down: {} rollout actors without a running episode stopped at once", len(idle))
         for _ in range(missing):
             aid = self._next_id
             self._next_id += 1

@@ -144,6 +144,23 @@ class RayConfig(Section):
     has the resource (its nodes were lost), the role is started on any node, with a warning; a
     restart (a rollout actor, a sampler, the learner) looks again, so it goes back to marked nodes
     while one is alive. Empty: Ray places every role."""
+    memory_mb: Optional[int] = field(default=None, metadata=rule(lambda v: v is None or v >= 1,
+                                                                 "an integer >= 1 (MB) or null"))
+    """Memory (MB) the bound on rollout actors and samplers counts on (t1async/service/capacity.py);
+    None: what Ray's cluster offers (its ``memory`` resource, about 70 % of the nodes' memory free
+    when Ray started)."""
+    role_memory_mb: Dict[str, int] = field(
+        default_factory=lambda: {"learner": 1500, "controller": 150, "sampler": 700, "rollout": 250},
+        metadata=rule(lambda v: set(v) == set(PLACEMENT_ROLES) and all(int(x) >= 1 for x in v.values()),
+                      f"a mapping of every role ({', '.join(PLACEMENT_ROLES)}) to MB >= 1"))
+    """Memory (MB) one actor of each role takes, for the bound on rollout actors and samplers: a
+    launch clamps ``rollout.num_actors`` and ``sampler.num_samplers`` (a resume's live changes
+    included) to what the cluster can hold, ``t1async scale`` refuses past it unless ``--force``
+    (t1async/service/capacity.py). Defaults: the proportional set size measured on
+    ``configs/local.yaml`` by ``t1async bench role-memory``, rounded up; set them from that bench
+    for a larger model."""
+    rollouts_per_cpu: int = field(default=8, metadata=rule(lambda v: v >= 1, "an integer >= 1"))
+    """Rollout actors per Ray CPU at most (a rollout actor mostly waits for its sampler and sandbox)."""
 
 
 @dataclass

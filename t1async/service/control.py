@@ -9,7 +9,8 @@ no ``ray.init`` (5 s, and the right cluster address) and works from any machine 
 directory and reaches the host, as the trajectory socket does; ZeroMQ is already a dependency.
 
 Protocol: one JSON request, one JSON reply. Requests: ``{"cmd": "status"}``,
-``{"cmd": "stop", "now": bool}``, ``{"cmd": "scale", "changes": {"rollout.num_actors": 4}}``.
+``{"cmd": "stop", "now": bool}``, ``{"cmd": "scale", "changes": {"rollout.num_actors": 4}, "force": bool}``
+(``force``: past what the cluster can hold, t1async/service/capacity.py).
 Replies: ``{"ok": true, ...}`` or ``{"ok": false, "error": "one line"}``. Any message gets a reply,
 a malformed one (several frames, not JSON, too large) an error, and the socket keeps serving
 (:class:`ControlServer`).
@@ -309,6 +310,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("scale", help=f"change live settings: {', '.join(LIVE_KEYS)}")
     p.add_argument("run_dir")
     p.add_argument("changes", nargs="*", help="key=value, e.g. rollout.num_actors=4")
+    p.add_argument("--force", action="store_true", help="scale rollout actors or samplers past what the Ray "
+                                                        "cluster can hold (ray.role_memory_mb, ray.rollouts_per_cpu)")
     p.set_defaults(func=run_scale)
 
 
@@ -330,7 +333,7 @@ def run_stop(args: argparse.Namespace) -> int:
 
 
 def run_scale(args: argparse.Namespace) -> int:
-    reply = request(args.run_dir, {"cmd": "scale", "changes": parse_changes(args.changes)})
+    reply = request(args.run_dir, {"cmd": "scale", "changes": parse_changes(args.changes), "force": bool(args.force)})
     for key, value in reply.get("applied", {}).items():
         print(f"t1async: {key}={json.dumps(value)}")
     return 0

@@ -2,7 +2,8 @@
 
     pre-flight (t1async/service/preflight.py: config + the run's live-change history on a resume,
            a resume's run directory, init checkpoint, tokenizer, tasks, sandbox, port, keys) -> run directory
-           (locked, never mixed with an earlier run) -> reaper -> Ray
+           (locked, never mixed with an earlier run) -> reaper -> Ray -> counts within the cluster's
+           capacity (t1async/service/capacity.py)
            -> samplers (HTTP, SGLang protocol) -> learner (ZeroMQ ROUTER, weight group, version 0)
            -> controller (admission, supervision, sampler routing) -> rollout actors (episodes -> ZeroMQ
               DEALER, ACKed) -> sampler pool (live sampler count, sampler restarts)
@@ -42,6 +43,7 @@ from t1async.fileio import replace_file
 from t1async.learner.checkpoints import newest_intact_checkpoint
 from t1async.rollout.task_order import read_task_order
 from t1async.sampling.sglang_server import start_servers, stop_servers
+from t1async.service.capacity import Capacity, clamp_counts, cluster_capacity
 from t1async.service.control import ControlServer
 from t1async.service.preflight import check_tasks, preflight
 from t1async.service.reaper import Reaper, kill_sandboxes_under
@@ -82,6 +84,7 @@ def launch(config_path: str | None, overrides: list[str] | tuple[str, ...] = ())
     ray_session = ctx.address_info.get("session_dir")
     ray_local = cfg.ray.address in (None, "", "local")  # a Ray this launch starts (and stops)
     lock.write(ray_session=ray_session, ray_local=ray_local)  # (the reaper removes a local one too)
+    capacity = fit_to_cluster(cfg)  # rollout actors and samplers within what the cluster holds (a resume's too)
     actor = _actor_factory(run_dir, cfg.run, cfg.ray)
     summary: dict[str, Any] = {"run_dir": str(run_dir), "max_steps": cfg.learner.max_steps}
     roles: dict[str, Any] = {}
@@ -104,7 +107,7 @@ def launch(config_path: str | None, overrides: list[str] | tuple[str, ...] = ())
         service = Service(cfg, run_dir, roles,
                           lambda: restart_learner(service.cfg, actor, run_dir, pool.member_urls() if pool else urls,
                                                   endpoint),
-                          lambda names: check_tasks(service.cfg, names), samplers=pool)
+                          lambda names: check_tasks(service.cfg, names), samplers=pool, capacity=capacity)
         control = ControlServer(cfg.transport.host, service.handlers())
         lock.write(control=control.address)
         logger.info("control: t1async status|stop|scale {}", run_dir)
@@ -196,6 +199,22 @@ def init_ray(cfg: Config, attempts: int = RAY_START_ATTEMPTS) -> Any:
             logger.warning("Ray's node timed out during start-up (try {} of {}); starting it again", attempt, attempts)
             ray.shutdown()
     raise AssertionError("unreachable")
+
+
+def fit_to_cluster(cfg: Config) -> Capacity:
+    """The Ray cluster's capacity (t1async/service/capacity.py); lowers ``rollout.num_actors`` and
+    (embedded) ``sampler.num_samplers`` in ``cfg`` to what it can hold, saying so in one line each.
+    A resume gets here with its live changes applied, so a count scaled past the bound (with
+    ``--force``) or recorded before the bound existed does not flood the node again."""
+    cap = cluster_capacity(cfg.ray, ray.cluster_resources())
+    embedded = cfg.sampler.backend == "embedded"
+    actors, samplers, notes = clamp_counts(cap, cfg.rollout.num_actors, cfg.sampler.num_samplers if embedded else 0)
+    for note in notes:
+        logger.warning("{}", note)
+    cfg.rollout.num_actors = actors
+    if embedded:
+        cfg.sampler.num_samplers = samplers
+    return cap
 
 
 def announce_resume(cfg: Config, learner: Any, run_dir: Path) -> dict[str, Any] | None:

@@ -7,7 +7,8 @@ live status line and the TensorBoard events.
                                                            or, past run.learner_restarts, one line
     metrics.jsonl --(tail)--> TensorBoard events (RUN_DIR/tensorboard), wandb (metrics.wandb; sinks.py)
                               + status line (a TTY) or log lines
-    control socket (t1async/service/control.py) --> status | stop | scale (live-safe keys only)
+    control socket (t1async/service/control.py) --> status | stop | scale (live-safe keys only; rollout
+                                                    actors and samplers within the cluster's capacity)
     SIGINT, SIGTERM, SIGHUP --> stop after the learner's current step (final checkpoint)
 
 Waits on: the learner's ``run``. Stopped by: the learner finishing ``max_steps``, ``t1async
@@ -37,6 +38,7 @@ from rich.text import Text
 from t1async.actors import error_line
 from t1async.config import Config, ConfigError, MetricsConfig, from_node
 from t1async.fileio import DiskGuard
+from t1async.service.capacity import Capacity, scale_refusal
 from t1async.service.control import LIVE_KEYS, live_change_refusal
 from t1async.service.rundir import append_history
 from t1async.service.sampler_pool import Backoff, SamplerPool
@@ -160,11 +162,14 @@ class Service:
         check_tasks: ``(names) -> None``; raises a one-line error when a task set cannot be used.
         samplers: the embedded samplers' pool (live scaling, restarts; t1async/service/sampler_pool.py),
             None for SGLang servers.
+        capacity: what the Ray cluster can hold (t1async/service/capacity.py): ``scale`` refuses
+            more rollout actors or samplers unless forced; None: no bound.
     """
 
     def __init__(self, cfg: Config, run_dir: Path, roles: dict[str, Any], restart_learner: Callable[[], Any],
-                 check_tasks: Callable[[list[str]], None], samplers: SamplerPool | None = None):
-        self.cfg, self.run_dir, self.roles = cfg, run_dir, roles
+                 check_tasks: Callable[[list[str]], None], samplers: SamplerPool | None = None,
+                 capacity: Capacity | None = None):
+        self.cfg, self.run_dir, self.roles, self.capacity = cfg, run_dir, roles, capacity
         self.restart_learner, self.check_tasks, self.samplers = restart_learner, check_tasks, samplers
         self.restarts = {"learner": 0}
         self._learner_backoff = Backoff(cfg.run.learner_restarts)
@@ -262,6 +267,13 @@ class Service:
             given = f"={json.dumps(changes[key])}" if key in changes else ""
             raise ValueError(f"scale: bad value of {key}{given}: {str(e).splitlines()[0]}" if key
                              else f"scale: {str(e).splitlines()[0]}") from None
+        if self.capacity is not None:  # (a scale past it flooded a node: 765 actors in 40 s)
+            refusal = scale_refusal(self.capacity, new.rollout.num_actors,
+                                    new.sampler.num_samplers if self.samplers is not None else 0, changes)
+            if refusal and not req.get("force"):
+                raise ValueError(refusal)
+            if refusal:
+                logger.warning("{} (forced: --force)", refusal.split("; add --force")[0])
         if "env.tasks" in changes:
             self.check_tasks(list(new.env.tasks))
         if "sampler.num_samplers" in changes and self.samplers is None:
@@ -286,7 +298,7 @@ class Service:
             self.samplers.scale(new.sampler.num_samplers)
         self.cfg = new
         applied = {k: _get(new, k) for k in changes}
-        append_history(self.run_dir, applied, "t1async scale")
+        append_history(self.run_dir, applied, "t1async scale --force" if req.get("force") else "t1async scale")
         logger.info("live change applied and recorded in config_history.jsonl: {}", applied)
         return {"ok": True, "applied": applied}
 

@@ -16,7 +16,7 @@ import pytest
 
 from t1async.service.control import ControlError, request
 from t1async.service.reaper import descendants
-from tests.support.service import CLI, SMALL, read_status, wait_for
+from tests.support.service import CLI, SMALL, read_status, wait_for, wait_progress
 
 pytestmark = pytest.mark.slow
 
@@ -67,7 +67,7 @@ def test_service_lifecycle(tmp_path, capsys):
                          start_new_session=True)
     b = None
     try:
-        st = wait_for(lambda: (s := read_status(run_dir))["step"] >= 1 and s, 300, "the first step")
+        st = wait_progress(lambda: (s := read_status(run_dir))["step"] >= 1 and s, run_dir, "the first step")
         assert st["max_steps"] == 0 and len(st["actors"]) == 2 and st["samplers"][0]["state"] == "serving"
         assert f"in use by t1async launch pid {a.pid}" in _main_error(capsys, ["launch", *CLI[4:], f"run.dir={run_dir}"])
 
@@ -82,8 +82,8 @@ def test_service_lifecycle(tmp_path, capsys):
         # scale up live: a new actor runs an episode; a key that cannot change live is refused with why
         assert request(run_dir, {"cmd": "scale", "changes": {"rollout.num_actors": 3}})["applied"] == {
             "rollout.num_actors": 3}
-        new = wait_for(lambda: [x for x in read_status(run_dir)["actors"] if x["id"] == 2 and x["first_episode_at"]], 120,
-                    "the new actor's first episode")
+        new = wait_progress(lambda: [x for x in read_status(run_dir)["actors"] if x["id"] == 2 and x["first_episode_at"]],
+                            run_dir, "the new actor's first episode")
         print(f"scale -> first episode of the new actor: {new[0]['first_episode_at'] - new[0]['started_at']:.1f} s")
         with pytest.raises(ControlError, match="cannot change live"):
             request(run_dir, {"cmd": "scale", "changes": {"env.max_turns": 3}})
@@ -91,7 +91,7 @@ def test_service_lifecycle(tmp_path, capsys):
             request(run_dir, {"cmd": "scale", "changes": {"rollout.num_actors": -1}})
 
         # kill -9 of the launch: its reaper kills what it started and detaches the sandboxes' mounts
-        wait_for(lambda: list((run_dir / "checkpoints").glob("step_*")), 120, "a checkpoint to resume from")
+        wait_progress(lambda: list((run_dir / "checkpoints").glob("step_*")), run_dir, "a checkpoint to resume from")
         tree = descendants(a.pid)
         os.kill(a.pid, signal.SIGKILL)
         a.wait()
@@ -106,8 +106,8 @@ def test_service_lifecycle(tmp_path, capsys):
         out_b = open(tmp_path / "b.out", "w")
         b = subprocess.Popen(CLI + [f"run.dir={run_dir}", "learner.resume=true", *SMALL], stdout=out_b,
                              stderr=subprocess.STDOUT, start_new_session=True)
-        st = wait_for(lambda: (s := read_status(run_dir))["resumed"] and len(s.get("actors", ())) == 3 and s, 300,
-                   "the resumed service with its 3 actors")
+        st = wait_progress(lambda: (s := read_status(run_dir))["resumed"] and len(s.get("actors", ())) == 3 and s, run_dir,
+                           "the resumed service with its 3 actors")
         assert st["resumed"]["step"] >= 1
         # ...and the task order where its checkpoint left it, not from the head again
         continued = re.findall(r"task order continued after episode (\d+)", (run_dir / "logs" / "controller.log").read_text())
@@ -119,8 +119,8 @@ def test_service_lifecycle(tmp_path, capsys):
         learner = [p for p in descendants(b.pid) if Path(f"/proc/{p}/cmdline").read_bytes().startswith(b"ray::Learner")]
         assert len(learner) == 1
         os.kill(learner[0], signal.SIGKILL)
-        st = wait_for(lambda: (s := read_status(run_dir))["restarts"]["learner"] == 1 and s.get("step", -1) > first and s, 300,
-                   "a step of the restarted learner")
+        st = wait_progress(lambda: (s := read_status(run_dir))["restarts"]["learner"] == 1 and s.get("step", -1) > first
+                           and s, run_dir, "a step of the restarted learner")
 
         request(run_dir, {"cmd": "stop"})
         assert b.wait(timeout=180) == 0

@@ -36,7 +36,7 @@ def test_requirements_install_next_to_any_torch_and_keep_optional_parts_in_extra
     assert "pytest" in deps  # the local sandbox runs the tasks' tests with the host's interpreter
     assert PROJECT["requires-python"] == ">=3.11"  # t1async/envs/taskio/task.py imports tomllib
     extras = {k: names(v) for k, v in PROJECT["optional-dependencies"].items()}
-    for extra, modules in {"endpoint": ["fastapi", "uvicorn"], "plot": ["matplotlib"]}.items():
+    for extra, modules in {"endpoint": ["fastapi", "uvicorn"], "plot": ["matplotlib"], "wandb": ["wandb"]}.items():
         for m in modules:
             assert m not in deps and m in extras[extra] and m in extras["test"]
     assert "ruff" in extras["test"]
