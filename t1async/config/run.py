@@ -150,15 +150,15 @@ class RayConfig(Section):
     None: what Ray's cluster offers (its ``memory`` resource, about 70 % of the nodes' memory free
     when Ray started)."""
     role_memory_mb: Dict[str, int] = field(
-        default_factory=lambda: {"learner": 1500, "controller": 150, "sampler": 700, "rollout": 250},
+        default_factory=lambda: {"learner": 900, "controller": 300, "sampler": 400, "rollout": 300},
         metadata=rule(lambda v: set(v) == set(PLACEMENT_ROLES) and all(int(x) >= 1 for x in v.values()),
                       f"a mapping of every role ({', '.join(PLACEMENT_ROLES)}) to MB >= 1"))
     """Memory (MB) one actor of each role takes, for the bound on rollout actors and samplers: a
     launch clamps ``rollout.num_actors`` and ``sampler.num_samplers`` (a resume's live changes
     included) to what the cluster can hold, ``t1async scale`` refuses past it unless ``--force``
-    (t1async/service/capacity.py). Defaults: the proportional set size measured on
-    ``configs/local.yaml`` by ``t1async bench role-memory``, rounded up; set them from that bench
-    for a larger model."""
+    (t1async/service/capacity.py). Defaults: the resident set size one process of each role
+    reached on ``configs/local.yaml`` (``t1async bench role-memory``, docs/results), rounded up (a
+    rollout actor's includes its sandbox's processes); run that bench for another model."""
     rollouts_per_cpu: int = field(default=8, metadata=rule(lambda v: v >= 1, "an integer >= 1"))
     """Rollout actors per Ray CPU at most (a rollout actor mostly waits for its sampler and sandbox)."""
 
