@@ -40,4 +40,15 @@ def error_line(e: BaseException, limit: int = 300) -> str:
     return (lines or [type(e).__name__])[0][:limit]
 
 
-__all__ = ["call", "error_line"]
+MEMORY_KILL_WORDS = ("low on memory", "memory pressure", "out of memory", "oom", "memory monitor")
+
+
+def killed_for_memory(error: BaseException | str) -> bool:
+    """Whether a role's death error says Ray's memory monitor killed it (its text names the node
+    running low on memory, OOM, or the memory monitor: Ray's raylet writes "... killed due to the
+    node running low on memory" and "(OOM)")."""
+    text = str(error).lower()
+    return any(word in text for word in MEMORY_KILL_WORDS)
+
+
+__all__ = ["call", "error_line", "killed_for_memory"]

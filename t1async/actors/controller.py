@@ -29,10 +29,10 @@ from typing import Any, Callable
 
 from loguru import logger
 
+from t1async.actors import killed_for_memory
 from t1async.config import RolloutConfig
 from t1async.rollout.admission import ADMISSION_RULES, may_start, publish_allowed, resumed_admissions
 from t1async.rollout.task_order import TaskOrder
-
 
 START_PER_TICK = 4
 """Rollout actors the supervision loop starts per tick (about a second) at most."""
@@ -74,6 +74,7 @@ class Controller:
         self.failures: dict[str, int] = {}  # failed episodes by short reason key (see episode_failed)
         self.discarded = 0
         self.crashes = 0
+        self.memory_kills = 0  # rollout actors Ray's memory monitor killed (replaced; not crashes)
         self.target = cfg.num_actors
         self._order = TaskOrder(task_names, cfg.group_size, seed)
         if task_order is not None:
@@ -279,7 +280,8 @@ class Controller:
                 "actors": len(self._actors), "target": self.target, "started": self.started, "version": self.version,
                 "oldest_version": oldest, "running": running, "pending": pending,
                 "failed_episodes": self.failed_episodes, "episode_failures": dict(self.failures),
-                "discarded": self.discarded, "crashes": self.crashes}
+                "discarded": self.discarded, "crashes": self.crashes,
+                "memory_kills": self.memory_kills}
 
     # ---- supervision loop ---------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -306,7 +308,9 @@ class Controller:
                 except Exception as e:
                     if self._stopping:
                         continue
-                    self.crashes += 1
+                    memory = killed_for_memory(e)  # Ray's memory monitor: not the actor's fault (the launch backs off)
+                    self.memory_kills += memory
+                    self.crashes += not memory
                     with self._cond:  # its running episode is lost: return the slot, stop waiting for it
                         if self._running.pop(aid, None) is not None:
                             self.started -= 1

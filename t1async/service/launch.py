@@ -100,14 +100,16 @@ def launch(config_path: str | None, overrides: list[str] | tuple[str, ...] = ())
             return summary
         lock.write(trajectories=endpoint)  # the learner's trajectory socket, for a person or a tool to find
         resumed = announce_resume(cfg, roles["learner"], run_dir)  # admission continues from it (not from 0)
-        roles["controller"] = start_controller(cfg, actor, task_names, urls, endpoint,  # starts the rollout actors
-                                               task_order=saved_task_order(resumed and resumed["checkpoint"]),
-                                               resumed=resumed)
+        roles["controller"], roles["controller_run"] = start_controller(  # starts the rollout actors
+            cfg, actor, task_names, urls, endpoint, task_order=saved_task_order(resumed and resumed["checkpoint"]),
+            resumed=resumed)
         pool = sampler_pool(cfg, actor, roles, urls)  # live scaling and restarts of embedded samplers
         service = Service(cfg, run_dir, roles,
                           lambda: restart_learner(service.cfg, actor, run_dir, pool.member_urls() if pool else urls,
                                                   endpoint),
-                          lambda names: check_tasks(service.cfg, names), samplers=pool, capacity=capacity)
+                          lambda names: check_tasks(service.cfg, names), samplers=pool, capacity=capacity,
+                          restart_controller=lambda learner: restart_controller(
+                              service.cfg, actor, task_names, pool.serving_urls() if pool else urls, endpoint, learner))
         control = ControlServer(cfg.transport.host, service.handlers())
         lock.write(control=control.address)
         logger.info("control: t1async status|stop|scale {}", run_dir)
@@ -341,11 +343,24 @@ def restart_learner(cfg: Config, actor: Any, run_dir: Path, urls: list[str], end
     return learner
 
 
+def restart_controller(cfg: Config, actor: Any, task_names: list[str], urls: list[str], endpoint: str,
+                       learner: Any) -> tuple[Any, Any]:
+    """A new controller after one died (Ray's memory monitor, kill -9), with new rollout actors:
+    its task order and admission continue from ``learner``, a learner just restarted from its
+    checkpoint (its ``resumed`` status, as a resumed launch's controller does); the tasks are the
+    live ``env.tasks`` if set, else ``task_names``. Returns :func:`start_controller`'s pair."""
+    st = ray.get(learner.status.remote(), timeout=60)
+    resumed = {**st["resumed"], "trained": st.get("trained", 0)} if st.get("resumed") else None
+    return start_controller(cfg, actor, list(cfg.env.tasks) or task_names, urls, endpoint,
+                            task_order=saved_task_order(resumed and resumed["checkpoint"]), resumed=resumed)
+
+
 def start_controller(cfg: Config, actor: Any, task_names: list[str], urls: list[str], endpoint: str,
                      task_order: dict[str, Any] | None = None, resumed: dict[str, Any] | None = None) -> Any:
     """The controller, running its supervision loop, which starts and replaces the rollout actors;
     its task order continues ``task_order`` (a resumed checkpoint's, :func:`saved_task_order`) and
-    its admission the resumed learner's position (``resumed``: :func:`announce_resume`'s)."""
+    its admission the resumed learner's position (``resumed``: :func:`announce_resume`'s).
+    Returns the controller and its supervision loop's ObjectRef (ready when it stops or dies)."""
     rollout_cls = actor(RolloutActor, "rollout")
     work_root = str(Path(cfg.run.dir) / "workspaces")
 
@@ -360,8 +375,7 @@ def start_controller(cfg: Config, actor: Any, task_names: list[str], urls: list[
         cfg.rollout, task_names, rollouts_per_version=cfg.learner.batch_size * cfg.learner.publish_every,
         max_staleness=cfg.learner.max_staleness, make_rollout=make_rollout, seed=cfg.run.seed, sampler_urls=urls,
         task_order=task_order, resumed=resumed)
-    controller.run.remote()
-    return controller
+    return controller, controller.run.remote()
 
 
 def shutdown(roles: dict[str, Any], grace_s: float = 5.0) -> dict[str, Any]:

@@ -23,8 +23,9 @@ import os
 import time
 from pathlib import Path
 
+from t1async.actors import killed_for_memory
+
 DEFAULT_THRESHOLD = 0.95  # Ray's RAY_memory_usage_threshold default
-MEMORY_KILL_WORDS = ("low on memory", "memory pressure", "out of memory", "oom", "memory monitor")
 
 
 def ray_memory_threshold(env: dict[str, str] | None = None) -> float:
@@ -46,13 +47,6 @@ def node_memory_used(meminfo: Path = Path("/proc/meminfo")) -> float | None:
         return 1.0 - fields["MemAvailable"] / fields["MemTotal"]
     except (OSError, KeyError, ValueError, IndexError, ZeroDivisionError):
         return None
-
-
-def killed_for_memory(error: BaseException | str) -> bool:
-    """Whether a role's death error says Ray's memory monitor killed it (its text names the
-    node running low on memory, OOM, or the memory monitor)."""
-    text = str(error).lower()
-    return any(word in text for word in MEMORY_KILL_WORDS)
 
 
 class MemoryBackoff:
@@ -110,7 +104,7 @@ class MemoryBackoff:
             return None, None
         back = used is None or used < self.threshold - 2 * self.margin
         if not back:
-            self._last_event = max(self._last_event, now - self.calm_s / 2)  # (in between: not calm yet)
+            self._last_event = now  # (between the two marks: not calm)
         elif self.reduced_to is not None and now - self._last_event >= self.calm_s:
             self.reduced_to, self.reason = None, None
             return target, f"memory is back: rollout actors back to {target}"
@@ -120,3 +114,6 @@ class MemoryBackoff:
         """``{"short": bool, "reason", "rollout_actors_reduced_to", "memory_kills", "threshold"}`` for status."""
         return {"short": self.reduced_to is not None, "reason": self.reason, "rollout_actors_reduced_to": self.reduced_to,
                 "memory_kills": self.memory_kills, "threshold": self.threshold}
+
+
+__all__ = ["MemoryBackoff", "killed_for_memory", "node_memory_used", "ray_memory_threshold"]

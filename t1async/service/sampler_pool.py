@@ -128,6 +128,11 @@ class SamplerPool:
             # samplers are replaced (it carries on when every sampler failed an update)
             self._pushed = {"members": None, "serving": list(urls)}
 
+    def controller_restarted(self, controller: Any) -> None:
+        """A new controller replaced a dead one: route its rollout actors (tell it the serving list)."""
+        self.controller = controller
+        self._pushed["serving"] = None
+
     def learner_restarted(self) -> None:
         """A new learner joined the members it was started with; tell it the membership again."""
         self._pushed["members"] = None

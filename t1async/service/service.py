@@ -40,6 +40,7 @@ from t1async.config import Config, ConfigError, MetricsConfig, from_node
 from t1async.fileio import DiskGuard
 from t1async.service.capacity import Capacity, scale_refusal
 from t1async.service.control import LIVE_KEYS, live_change_refusal
+from t1async.service.memory import MemoryBackoff, killed_for_memory, node_memory_used, ray_memory_threshold
 from t1async.service.rundir import append_history
 from t1async.service.sampler_pool import Backoff, SamplerPool
 from t1async.service.sinks import TensorBoardSink, WandbSink
@@ -164,14 +165,21 @@ class Service:
             None for SGLang servers.
         capacity: what the Ray cluster can hold (t1async/service/capacity.py): ``scale`` refuses
             more rollout actors or samplers unless forced; None: no bound.
+        restart_controller: ``(learner handle) -> (controller handle, its run ObjectRef)``: a new
+            controller (and rollout actors) whose admission continues from that resumed learner's
+            position; ``roles["controller_run"]`` is the first controller's run ObjectRef, watched
+            for its death. None: a dead controller is not restarted.
     """
 
     def __init__(self, cfg: Config, run_dir: Path, roles: dict[str, Any], restart_learner: Callable[[], Any],
                  check_tasks: Callable[[list[str]], None], samplers: SamplerPool | None = None,
-                 capacity: Capacity | None = None):
+                 capacity: Capacity | None = None, restart_controller: Callable[[Any], tuple[Any, Any]] | None = None):
         self.cfg, self.run_dir, self.roles, self.capacity = cfg, run_dir, roles, capacity
+        self.restart_controller = restart_controller
+        self.memory = MemoryBackoff(ray_memory_threshold())  # Ray's memory monitor: back off before it kills again
+        self._rollout_memory_kills = 0  # the controller's count seen so far
         self.restart_learner, self.check_tasks, self.samplers = restart_learner, check_tasks, samplers
-        self.restarts = {"learner": 0}
+        self.restarts = {"learner": 0, "controller": 0}
         self._learner_backoff = Backoff(cfg.run.learner_restarts)
         self.stop_request: str | None = None  # "drain" | "now" (t1async stop) | "signal"
         self.started = time.time()
@@ -224,6 +232,10 @@ class Service:
                                             **ray.get(s.stats.remote(), timeout=10)})
                 except Exception:
                     out["samplers"].append({"name": f"sampler{i}", "state": "unreachable"})
+        out["memory"] = self.memory.status()
+        if self.memory.reduced_to is not None and out["state"] == "running":
+            out["state"] = (f"degraded: memory short ({self.memory.reason}): rollout actors reduced to "
+                            f"{self.memory.reduced_to} of {self.cfg.rollout.num_actors}")
         out.update(trends(self.tail.rows))
         return out
 
@@ -292,8 +304,9 @@ class Service:
             if ctrl.get("tasks", 0) is None:
                 raise ValueError("env.tasks=[] (every task) cannot be set live; name the tasks")
             ray.get(self.roles["controller"].set_live.remote(ctrl), timeout=30)
-        if "rollout.num_actors" in changes:
-            ray.get(self.roles["controller"].scale.remote(new.rollout.num_actors), timeout=30)
+        if "rollout.num_actors" in changes:  # (while memory is short, at most what the back-off allows)
+            ray.get(self.roles["controller"].scale.remote(min(new.rollout.num_actors, self.memory.reduced_to or
+                                                              new.rollout.num_actors)), timeout=30)
         if "sampler.num_samplers" in changes and self.samplers is not None:
             self.samplers.scale(new.sampler.num_samplers)
         self.cfg = new
@@ -322,30 +335,44 @@ class Service:
         # Set explicitly: a launch started in the background by a script inherits SIGINT ignored
         # (POSIX shells do that to `&` jobs), and Python then leaves it ignored; `kill -INT` must still stop it.
         previous = {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS}
-        learner, controller = self.roles["learner"], self.roles["controller"]
-        run_ref = learner.run.remote(controller)
+        learner = self.roles["learner"]
+        run_ref = learner.run.remote(self.roles["controller"])
         asked = False
         self._start_status_line()
         if self.samplers is not None:
             self.samplers.start()
         try:
             while True:
-                ready, _ = ray.wait([run_ref], timeout=1.0)
-                if ready:
+                watched = [run_ref] + [r for r in [self.roles.get("controller_run")] if r is not None]
+                ready, _ = ray.wait(watched, num_returns=len(watched), timeout=1.0)  # (both, when both died)
+                controller_died = self._controller_died(ready, wait_s=0)
+                if run_ref in ready and controller_died is None:
                     try:
                         result = ray.get(run_ref)
                     except ray.exceptions.RayActorError as e:
                         if asked:
                             raise LearnerDied(self._died_line(e, "while stopping")) from None
+                        self._memory_kill("learner", e)
                         learner = self._restart(e)
-                        run_ref = learner.run.remote(controller)
+                        run_ref = learner.run.remote(self.roles["controller"])
                         continue
-                    how = "signal" if received else "stopped" if self.stop_request else "done"
-                    return result, how
+                    except ray.exceptions.RayError:  # its run raised: the controller it calls died?
+                        controller_died = self._controller_died(None, wait_s=10)
+                        if controller_died is None or asked:
+                            raise
+                    else:
+                        how = "signal" if received else "stopped" if self.stop_request else "done"
+                        return result, how
+                if controller_died is not None:
+                    if asked:  # stopping anyway: the learner's run ends with the controller's calls
+                        continue
+                    learner, run_ref = self._replace_controller(learner, run_ref, controller_died)
+                    continue
                 self._show(self.tail.poll())
                 if time.monotonic() >= self._disk_next:
                     self._disk_next = time.monotonic() + 5.0
                     self.disk_notice.update(self.disk.check() or self._learner_disk(learner))
+                    self._check_memory()
                 if (received or self.stop_request) and not asked:
                     what = (f"signal {signal.Signals(received[0]).name}" if received
                             else f"t1async stop{' --now' if self.stop_request == 'now' else ''}")
@@ -392,6 +419,88 @@ class Service:
             if self.samplers is not None:
                 self.samplers.learner_restarted()
             return self.roles["learner"]
+
+    def _controller_died(self, ready: list[Any] | None, wait_s: float) -> Exception | None:
+        """The error the controller died of, or None while it lives (or returned: it stopped
+        itself). ``ready``: refs ``ray.wait`` found ready (None: wait up to ``wait_s`` here)."""
+        ref = self.roles.get("controller_run")
+        if ref is None:
+            return None
+        if ready is None:
+            ready, _ = ray.wait([ref], timeout=wait_s)
+        if ref not in ready:
+            return None
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayActorError as e:
+            return e
+        except Exception:  # (its run raised: it lives on, unsupervised; seen as before)
+            pass
+        self.roles["controller_run"] = None
+        return None
+
+    def _replace_controller(self, learner: Any, run_ref: Any, err: Exception) -> tuple[Any, Any]:
+        """The controller died (its rollout actors with it, Ray's fate-sharing): let the learner
+        end its run with a final checkpoint (up to 120 s), kill it, restart it from that
+        checkpoint and the receive log (:meth:`_restart`, with its back-off), then start a new
+        controller whose admission continues from the restarted learner's position; the new
+        rollout actors resend what the dead ones spooled. Returns the new learner and its run."""
+        self._memory_kill("controller", err)
+        self.restarts["controller"] += 1
+        logger.error("the controller died ({}); its rollout actors died with it: restarting the learner from its "
+                     "checkpoint and the controller after it (restart {})", error_line(err), self.restarts["controller"])
+        self.roles["controller_run"] = None
+        try:
+            ray.get(learner.stop.remote(), timeout=30)
+            ray.wait([run_ref], timeout=120)  # (its run ends at the next call to the dead controller: a checkpoint)
+        except Exception as e:  # a dead learner is restarted below all the same
+            logger.warning("the learner did not stop by itself ({}); killing it", error_line(e))
+        try:
+            ray.kill(learner, no_restart=True)
+            ray.wait([run_ref], timeout=30)
+        except Exception:
+            pass
+        learner = self._restart(err)
+        if self.restart_controller is None:
+            raise LearnerDied(f"the controller died ({error_line(err)}) and this service cannot restart it; resume "
+                              f"with t1async launch CONFIG run.dir={self.run_dir} learner.resume=true")
+        self.roles["controller"], self.roles["controller_run"] = self.restart_controller(learner)
+        if self.samplers is not None:
+            self.samplers.controller_restarted(self.roles["controller"])
+        if self.memory.reduced_to is not None:
+            self._scale_actors(self.memory.reduced_to)
+        return learner, learner.run.remote(self.roles["controller"])
+
+    def _memory_kill(self, role: str, err: Exception) -> None:
+        if killed_for_memory(err):
+            self.memory.role_killed(role)
+            logger.warning("Ray's memory monitor killed the {} (node memory short); it is restarted and the service "
+                           "backs off (fewer rollout actors) while memory stays short", role)
+
+    def _check_memory(self) -> None:
+        """Every 5 s: rollout actors Ray's memory monitor killed (the controller's count), the
+        node's memory in use, and the back-off's answer: the rollout actors' target to apply and
+        one console line when it changes (t1async/service/memory.py)."""
+        try:
+            kills = int(ray.get(self.roles["controller"].status.remote(), timeout=5).get("memory_kills", 0))
+        except Exception:
+            kills = self._rollout_memory_kills
+        if kills > self._rollout_memory_kills:
+            self.memory.role_killed("rollout actor")
+            logger.warning("Ray's memory monitor killed {} rollout actor(s) (node memory short); they are replaced "
+                           "and the service backs off while memory stays short", kills - self._rollout_memory_kills)
+        self._rollout_memory_kills = kills
+        target, line = self.memory.update(node_memory_used(), self.cfg.rollout.num_actors)
+        if line:
+            logger.warning("{}", line)
+        if target is not None:
+            self._scale_actors(target)
+
+    def _scale_actors(self, n: int) -> None:
+        try:
+            ray.get(self.roles["controller"].scale.remote(n), timeout=10)
+        except Exception as e:  # a dead controller is seen by the main loop
+            logger.warning("could not scale the rollout actors to {}: {}", n, error_line(e))
 
     @staticmethod
     def _learner_disk(learner: Any) -> str | None:
