@@ -1,0 +1,129 @@
+"""The service under its operators and its node (issue 42 items 1, 2, 4, 9), against real launches:
+scaling bounded by what the Ray cluster holds (a tiny cluster given by ``ray.memory_mb``, so nothing
+floods this shared machine), a scale-down that cancels actors at once, a resume that applies the
+bound to its history and continues admission from the learner's position; Ray's memory monitor
+killing roles (its threshold lowered for this launch's Ray only, a small allocation beside it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from t1async.service.control import ControlError, request
+from t1async.service.memory import node_memory_used
+from tests.test_service_e2e import CLI, SMALL, _status, _wait_progress
+
+pytestmark = pytest.mark.slow
+MEM = {"learner": 900, "controller": 300, "sampler": 400, "rollout": 300}  # the defaults of ray.role_memory_mb
+TINY = [f"ray.memory_mb={MEM['learner'] + MEM['controller'] + MEM['sampler'] + 3 * MEM['rollout'] + 100}"]
+"""A cluster that holds 3 rollout actors beside one sampler (and 2 samplers beside 2 actors)."""
+
+
+def _launch(tmp_path, name: str, args: list[str], env: dict | None = None) -> subprocess.Popen:
+    out = open(tmp_path / f"{name}.out", "w")
+    return subprocess.Popen(CLI + args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, **(env or {})})
+
+
+def _kill(*procs):
+    for p in procs:
+        if p is not None and p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def test_scaling_is_bounded_by_the_cluster_cancels_on_scale_down_and_a_resume_applies_the_bound(tmp_path):
+    run_dir = tmp_path / "run"
+    args = [f"run.dir={run_dir}", *SMALL, *TINY]
+    a = _launch(tmp_path, "a", args)
+    b = None
+    try:
+        st = _wait_progress(lambda: (s := _status(run_dir))["step"] >= 1 and s, run_dir, "the first step")
+        assert st["controller"]["actors_detail"] == st["actors"] and len(st["actors"]) == 2  # (item 9)
+        with pytest.raises(ControlError, match=r"^scale: rollout.num_actors=10000 is more than this Ray cluster can "
+                                               r"hold: at most 3 \(2 CPUs, 2,600 MB;"):
+            request(run_dir, {"cmd": "scale", "changes": {"rollout.num_actors": 10000}})
+        with pytest.raises(ControlError, match=r"^scale: sampler.num_samplers=4 is more than this Ray cluster"):
+            request(run_dir, {"cmd": "scale", "changes": {"sampler.num_samplers": 4}})
+        with pytest.raises(ControlError, match=r'^scale: "changes" must be a non-empty JSON object'):  # (item 9)
+            request(run_dir, {"cmd": "scale", "changes": ["rollout.num_actors", 4]})
+        assert len(_status(run_dir)["actors"]) == 2  # nothing of those applied
+        assert not (run_dir / "config_history.jsonl").exists()
+
+        assert request(run_dir, {"cmd": "scale", "changes": {"rollout.num_actors": 4}, "force": True})["applied"] == {
+            "rollout.num_actors": 4}
+        _wait_progress(lambda: len(_status(run_dir)["actors"]) == 4, run_dir, "4 actors (forced past the bound)")
+        t0 = time.monotonic()
+        request(run_dir, {"cmd": "scale", "changes": {"rollout.num_actors": 1}})
+        _wait_progress(lambda: len(_status(run_dir)["actors"]) == 1, run_dir, "the scale-down to 1 actor")
+        print(f"scale-down 4 -> 1 took {time.monotonic() - t0:.1f} s")
+        request(run_dir, {"cmd": "scale", "changes": {"rollout.num_actors": 4}, "force": True})  # kept in the history
+        _wait_progress(lambda: list((run_dir / "checkpoints").glob("step_*")), run_dir, "a checkpoint")
+        request(run_dir, {"cmd": "stop", "now": True})
+        assert a.wait(timeout=300) == 0
+
+        # the resume applies the history (4 actors, forced) within the bound: 3, said in one line
+        b = _launch(tmp_path, "b", [*args, "learner.resume=true"])
+        st = _wait_progress(lambda: (s := _status(run_dir))["resumed"] and s.get("actors") and s, run_dir,
+                            "the resumed service")
+        assert st["controller"]["target"] == 3
+        # (item 4) its controller continues admission from the learner's position, not from 0
+        assert st["controller"]["version"] >= st["resumed"]["timeline_version"]
+        assert st["controller"]["started"] >= st["resumed"]["step"] * 2  # learner.batch_size=2 per step trained
+        request(run_dir, {"cmd": "stop", "now": True})
+        assert b.wait(timeout=300) == 0
+    finally:
+        _kill(a, b)
+    out = (tmp_path / "b.out").read_text()
+    assert "rollout.num_actors=4 lowered to 3, what this Ray cluster can hold" in out, out[-3000:]
+    history = [json.loads(x) for x in (run_dir / "config_history.jsonl").read_text().splitlines()]
+    assert [h["source"] for h in history] == ["t1async scale --force", "t1async scale", "t1async scale --force"]
+
+
+def test_rays_memory_monitor_killing_roles_is_survived_with_a_back_off(tmp_path):
+    """Ray's threshold is set just above what this machine uses now plus the launch (about 3 GB),
+    then a helper process allocates 128 MB at a time until Ray kills a role (at most 6 GB, given
+    back at once): the service restarts what was killed, says so, backs off, and trains on."""
+    total_mb = int(Path("/proc/meminfo").read_text().split()[1]) / 1024
+    threshold = min(0.95, node_memory_used() + 3500 / total_mb)
+    run_dir = tmp_path / "run"
+    a = _launch(tmp_path, "a", [f"run.dir={run_dir}", *SMALL, "run.learner_restarts=4"],
+                env={"RAY_memory_usage_threshold": f"{threshold:.3f}", "RAY_memory_monitor_refresh_ms": "250"})
+    hog = None
+    try:
+        _wait_progress(lambda: (s := _status(run_dir))["step"] >= 1 and s, run_dir, "the first step")
+        hog = subprocess.Popen(
+            ["python3", "-c", "import sys, time\nchunks = []\nfor _ in range(48):\n"
+             "    chunks.append(bytearray(128 << 20))\n    print(len(chunks), flush=True)\n    time.sleep(0.5)\n"
+             "time.sleep(600)\n"], stdout=subprocess.PIPE, text=True)
+
+        def killed():
+            s = _status(run_dir)
+            r, m = s["restarts"], s["memory"]
+            return (m["memory_kills"] or r.get("controller") or r.get("learner") or r.get("samplers")) and s
+
+        st = _wait_progress(killed, run_dir, "Ray's memory monitor to kill a role", stall_s=120)
+        hog.kill()
+        hog.wait()
+        before = st.get("step") or 0
+        print("after the kill:", json.dumps({k: st.get(k) for k in ("state", "memory", "restarts", "step")}))
+        st = _wait_progress(lambda: (s := _status(run_dir)).get("step", -1) >= before + 2 and s, run_dir,
+                            "two more steps after the kill")
+        request(run_dir, {"cmd": "stop"})
+        assert a.wait(timeout=300) == 0
+    finally:
+        if hog is not None and hog.poll() is None:
+            hog.kill()
+        _kill(a)
+    out = (tmp_path / "a.out").read_text()
+    assert "Ray's memory monitor killed" in out or "the learner died" in out or "sampler" in out, out[-3000:]
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))  # one timeline: nothing trained twice
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["ended"] == "stopped", summary
