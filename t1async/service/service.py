@@ -46,6 +46,9 @@ from t1async.service.sampler_pool import Backoff, SamplerPool
 from t1async.service.sinks import TensorBoardSink, WandbSink
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+ROLE_DIED = (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError)
+"""What a call of a dead role raises: Ray's memory monitor's kill is an ``OutOfMemoryError``, not
+an actor error (seen: it killed learner, controller, sampler and a rollout actor at once)."""
 TB_SKIP = ("step", "version", "time", "phase", "train_policy")
 
 
@@ -178,6 +181,7 @@ class Service:
         self.restart_controller = restart_controller
         self.memory = MemoryBackoff(ray_memory_threshold())  # Ray's memory monitor: back off before it kills again
         self._rollout_memory_kills = 0  # the controller's count seen so far
+        self._actors_unapplied: int | None = None  # a back-off target the controller has not taken yet
         self.restart_learner, self.check_tasks, self.samplers = restart_learner, check_tasks, samplers
         self.restarts = {"learner": 0, "controller": 0}
         self._learner_backoff = Backoff(cfg.run.learner_restarts)
@@ -349,7 +353,7 @@ class Service:
                 if run_ref in ready and controller_died is None:
                     try:
                         result = ray.get(run_ref)
-                    except ray.exceptions.RayActorError as e:
+                    except ROLE_DIED as e:
                         if asked:
                             raise LearnerDied(self._died_line(e, "while stopping")) from None
                         self._memory_kill("learner", e)
@@ -432,7 +436,7 @@ class Service:
             return None
         try:
             ray.get(ref)
-        except ray.exceptions.RayActorError as e:
+        except ROLE_DIED as e:
             return e
         except Exception:  # (its run raised: it lives on, unsupervised; seen as before)
             pass
@@ -493,14 +497,18 @@ class Service:
         target, line = self.memory.update(node_memory_used(), self.cfg.rollout.num_actors)
         if line:
             logger.warning("{}", line)
-        if target is not None:
-            self._scale_actors(target)
+        if target is not None or self._actors_unapplied is not None:
+            self._scale_actors(target if target is not None else self._actors_unapplied)
 
     def _scale_actors(self, n: int) -> None:
+        """Tell the controller the rollout actors' target; one it did not take (busy, restarting)
+        is tried again at the next memory check."""
         try:
             ray.get(self.roles["controller"].scale.remote(n), timeout=10)
+            self._actors_unapplied = None
         except Exception as e:  # a dead controller is seen by the main loop
-            logger.warning("could not scale the rollout actors to {}: {}", n, error_line(e))
+            self._actors_unapplied = n
+            logger.warning("could not scale the rollout actors to {} yet ({}); trying again", n, error_line(e))
 
     @staticmethod
     def _learner_disk(learner: Any) -> str | None:
@@ -529,6 +537,10 @@ class Service:
             self._live.stop()
             self._live = None
 
+    def _actors_line(self) -> str:
+        n = self.cfg.rollout.num_actors
+        return f"{self.memory.reduced_to}/{n} (memory short)" if self.memory.reduced_to is not None else str(n)
+
     def _samplers_line(self) -> str:
         if self.samplers is None:
             return str(self.cfg.sampler.num_samplers)
@@ -539,7 +551,7 @@ class Service:
             return
         t = trends(self.tail.rows)
         last = self.tail.rows[-1] if self.tail.rows else {}
-        fields = [f"step {last.get('step', 0)}", f"v{last.get('version', 0)}", f"actors {self.cfg.rollout.num_actors}",
+        fields = [f"step {last.get('step', 0)}", f"v{last.get('version', 0)}", f"actors {self._actors_line()}",
                   f"samplers {self._samplers_line()}", f"traj/s {_fmt(t['trajectories_per_s'])}",
                   f"reward {_fmt(t['reward_recent'])}", f"resolved {_fmt(t['resolved_recent'])}",
                   f"staleness {last.get('staleness_max', '-')}", f"queue {last.get('queue_depth', '-')}",

@@ -198,7 +198,7 @@ def test_scale_refuses_a_value_its_section_rule_refuses_in_the_config_s_one_line
 
 
 def test_restart_counts_hold_the_samplers_too(tmp_path):
-    """What summary.json's ``restarts`` is made of (t1async/service/launch.py): the learner's and
+    """What summary.json's ``restarts`` is made of (t1async/service/launch.py): the learner's, the controller's and
     the embedded samplers' restarts."""
     from types import SimpleNamespace
 
@@ -209,7 +209,7 @@ def test_restart_counts_hold_the_samplers_too(tmp_path):
     service = Service(cfg, tmp_path, {}, restart_learner=lambda: None, check_tasks=lambda names: None,
                       samplers=SimpleNamespace(restarts=3))  # (the pool's counter)
     service.restarts["learner"] = 1
-    assert service.restart_counts() == {"learner": 1, "samplers": 3}
+    assert service.restart_counts() == {"learner": 1, "controller": 0, "samplers": 3}
 
 
 def test_the_live_line_fits_an_80_column_terminal():
