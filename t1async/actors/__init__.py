@@ -40,13 +40,17 @@ def error_line(e: BaseException, limit: int = 300) -> str:
     return (lines or [type(e).__name__])[0][:limit]
 
 
-MEMORY_KILL_WORDS = ("low on memory", "memory pressure", "out of memory", "oom", "memory monitor")
+MEMORY_KILL_WORDS = ("running low on memory",)
+"""What Ray's memory monitor writes into the error of a role it killed ("4 worker(s) were killed due
+to the node running low on memory ..."). Not "OOM" alone: Ray's text for any unexpected death (a
+kill -9) lists the kernel's OOM killer among its possible causes."""
 
 
 def killed_for_memory(error: BaseException | str) -> bool:
-    """Whether a role's death error says Ray's memory monitor killed it (its text names the node
-    running low on memory, OOM, or the memory monitor: Ray's raylet writes "... killed due to the
-    node running low on memory" and "(OOM)")."""
+    """Whether a role's death error says Ray's memory monitor killed it (an ``OutOfMemoryError``,
+    or its text: :data:`MEMORY_KILL_WORDS`)."""
+    if type(error).__name__ == "OutOfMemoryError":
+        return True
     text = str(error).lower()
     return any(word in text for word in MEMORY_KILL_WORDS)
 
