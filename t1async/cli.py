@@ -28,6 +28,10 @@ from typing import Any, Callable
 
 from t1async import MissingExtra
 from t1async.config import ConfigError, load_config
+from t1async.envs.sandboxes.sandbox import SandboxUnavailable
+from t1async.envs.taskio.task import TaskError
+from t1async.service.control import ControlError
+from t1async.transport.keys import KeysError
 
 SUBCOMMANDS = [
     ("t1async.cli:register_launch", ("launch",)),
@@ -112,8 +116,6 @@ def run_sft(args: argparse.Namespace) -> int:
             demonstrations cannot be built (its ValueError).
     """
     cfg = load_config(args.config, args.overrides)
-    from t1async.envs.taskio.task import TaskError
-
     if not Path(args.tasks).is_dir():
         raise TaskError(f"--tasks {args.tasks} is not a folder; pass a folder of task folders (t1async synth --out ...)")
     out = Path(args.out)
@@ -216,14 +218,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
-    """Exception types that mean bad input (reported by the CLI in one line, without a traceback).
-    Imported here, not at the top: each pulls its wing (the sandboxes import numpy), which a
-    light command (status, stop, scale) does not need."""
-    from t1async.envs.sandboxes.sandbox import SandboxUnavailable
-    from t1async.envs.taskio.task import TaskError
-    from t1async.service.control import ControlError
-    from t1async.transport.keys import KeysError
-
+    """Exception types that mean bad input (reported by the CLI in one line, without a traceback)."""
     return ConfigError, TaskError, SandboxUnavailable, KeysError, ControlError, MissingExtra
 
 
