@@ -66,7 +66,7 @@ from t1async.sampling.sampler_client import SamplerError, post_json, weight_vers
 from t1async.trajectory import Trajectory
 from t1async.transport.delivery import ByteQueue, ConsumedLedger, ReceiveLog
 from t1async.transport.inbox import Inbox
-from t1async.transport.intake import RunFacts
+from t1async.transport.intake import RunFacts, context_limit
 from t1async.transport.quarantine import Quarantine
 from t1async.transport.transport import ZmqReceiver
 from t1async.weights.factory import make_weight_sync
@@ -91,6 +91,8 @@ class Learner:
             top-k/top-p set, ``sglang`` the full tempered softmax).
         seed: seed of the model init (the same init for every ``learner.backend``).
         torch_threads: intra-op threads of this process.
+        max_context_tokens: ``env.max_context_tokens``: intake refuses a longer trajectory, and one
+            past ``model.max_position_embeddings`` (t1async/transport/intake.py ``context_limit``).
 
     Raises:
         ValueError: ``generation.temperature`` is 0 (greedy samples have no density to train on),
@@ -99,7 +101,8 @@ class Learner:
 
     def __init__(self, cfg: LearnerConfig, model_cfg: ModelConfig, transport: TransportConfig,
                  weight_sync: WeightSyncConfig, run_dir: str, *, generation: GenerationConfig | None = None,
-                 seed: int = 0, torch_threads: int = 1, sampler_backend: str = "embedded"):
+                 seed: int = 0, torch_threads: int = 1, sampler_backend: str = "embedded",
+                 max_context_tokens: int = 0):
         self.generation = generation if generation is not None else GenerationConfig()
         semantics = sampling_semantics(sampler_backend)
         if not self.generation.temperature > 0:
@@ -168,7 +171,8 @@ class Learner:
                            dump_trajectories=cfg.dump_trajectories, group_messages=transport.log_group_messages,
                            facts=RunFacts(vocab_size=model_cfg.vocab_size, num_experts=model_cfg.num_experts,
                                           num_layers=model_cfg.routed_layers, top_k=model_cfg.num_experts_per_tok,
-                                          reward=cfg.reward),
+                                          reward=cfg.reward, max_tokens=context_limit(
+                                              model_cfg.max_position_embeddings, max_context_tokens)),
                            quarantine=self.quarantine, rejected_by=self.rejected_by,
                            disk=self.disk)
         self.inbox.start(backlog)

@@ -290,7 +290,8 @@ def start_learner(cfg: Config, actor: Any, run_dir: Path, urls: list[str]) -> tu
     """
     learner = actor(Learner, "learner").remote(cfg.learner, cfg.model, cfg.transport, cfg.weight_sync, str(run_dir),
                                                generation=cfg.generation, seed=cfg.run.seed,
-                                               torch_threads=cfg.run.torch_threads, sampler_backend=cfg.sampler.backend)
+                                               torch_threads=cfg.run.torch_threads, sampler_backend=cfg.sampler.backend,
+                                               max_context_tokens=cfg.env.max_context_tokens)
     try:
         endpoint = ray.get(learner.endpoint.remote())
         ray.get(learner.connect_samplers.remote(urls))

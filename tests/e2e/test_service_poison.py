@@ -1,5 +1,7 @@
 """Poison against a real ``t1async launch`` (Ray, ZeroMQ, bubblewrap, gloo all real): a trajectory
-with a token id past the vocabulary and one with reward -1e30, pushed to the learner's socket
+with a token id past the vocabulary, one with reward -1e30 and one twice the model's context (16,384
+tokens against ``max_position_embeddings`` 8,192: it used to be ACKed and stall the learner for
+minutes, and the resume replayed it), pushed to the learner's socket
 beside the rollout actors' own, are REJected with their reason, counted by reason in
 metrics.jsonl and summary.json, quarantined as a capped prefix with metadata, and never trained;
 the run ends normally (it used to exit with IndexError, and every resume died on it again)."""
@@ -30,14 +32,14 @@ def _poison(kind: str) -> Trajectory:
     """A well-formed trajectory for configs/local.yaml's model with one fault the frame cannot show."""
     m = load_config(CONFIG).model
     rng = np.random.default_rng(0)
-    T = 600
+    T = 2 * m.max_position_embeddings if kind == "long" else 600
     mask = np.zeros(T, np.uint8)
     mask[100:T] = 1
     ids = rng.integers(0, m.vocab_size, T).astype(np.uint32)
     reward, passed = 1.0, 1
     if kind == "token":
         ids[150] = m.vocab_size
-    else:
+    elif kind == "reward":
         reward = -1e30
     routed = (rng.integers(0, m.num_experts, (T - 1, m.num_hidden_layers, 1)) + np.arange(m.num_experts_per_tok))
     return Trajectory(task="poison", actor_id=99, token_ids=ids, loss_mask=mask,
@@ -62,13 +64,13 @@ def test_launch_rejects_counts_and_quarantines_poison_and_trains_on(tmp_path):
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(f"tcp://127.0.0.1:{port}")  # queued by ZeroMQ until the learner binds
-    frames = {t.trajectory_id: encode(t) for t in (_poison("token"), _poison("reward"))}
+    frames = {t.trajectory_id: encode(t) for t in (_poison("token"), _poison("reward"), _poison("long"))}
     try:
         for key, frame in frames.items():
             sock.send_multipart([PROTOCOL, key.encode(), frame])
         replies = {}
         deadline = time.monotonic() + 240
-        while len(replies) < 2 and time.monotonic() < deadline and proc.poll() is None:
+        while len(replies) < 3 and time.monotonic() < deadline and proc.poll() is None:
             if sock.poll(500):
                 kind, key, reason = sock.recv_multipart()
                 replies[key.decode()] = (kind, reason.decode())
@@ -80,11 +82,13 @@ def test_launch_rejects_counts_and_quarantines_poison_and_trains_on(tmp_path):
     log = (tmp_path / "launch.out").read_text()
     assert replies["poison-token"][0] == REJECT and "outside the vocabulary" in replies["poison-token"][1]
     assert replies["poison-reward"][0] == REJECT and "-1e+30" in replies["poison-reward"][1]
+    assert replies["poison-long"][0] == REJECT and "16384 tokens, more than the 8192" in replies["poison-long"][1]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["ended"] == "done" and summary["steps"] == 1
-    assert summary["learner"]["rejected_by"] == {"token_ids": 1, "reward": 1} and summary["learner"]["rejected"] == 2
+    assert summary["learner"]["rejected_by"] == {"token_ids": 1, "reward": 1, "length": 1}
+    assert summary["learner"]["rejected"] == 3
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert rows[-1]["rejected_by"] == {"token_ids": 1, "reward": 1} and rows[-1]["reward_mean"] >= 0
+    assert rows[-1]["rejected_by"] == {"token_ids": 1, "reward": 1, "length": 1} and rows[-1]["reward_mean"] >= 0
     metas = {m["key"]: m for m in (json.loads(p.read_text()) for p in (run_dir / "quarantine").glob("*.json"))}
     assert set(metas) == set(frames) and all(metas[k]["size"] == len(frames[k]) > PREFIX for k in frames)
     assert all(p.stat().st_size == PREFIX for p in (run_dir / "quarantine").glob("*.prefix"))
