@@ -51,6 +51,7 @@ from t1async.learner.batching import HeldTrajectories, collect_batch
 from t1async.learner.checkpoints import (
     read_trainer_state,
     resumable_checkpoint,
+    resume_from_nothing,
     untrusted_checkpoints,
     write_checkpoint,
 )
@@ -117,6 +118,10 @@ class Learner:
         if cfg.resume and resume_from is None and (why := untrusted_checkpoints(self.run_dir / "checkpoints")):
             raise RuntimeError(f"cannot resume: {why}; starting again from the initial weights would throw the "
                                "run's training away: put an intact step_N folder back there, or start a new run")
+        if cfg.resume and resume_from is None and (gone := resume_from_nothing(self.run_dir)):
+            if not cfg.resume_from_scratch:
+                raise RuntimeError(f"cannot resume: {gone}; add learner.resume_from_scratch=true to start over")
+            logger.warning("resuming from the initial weights on purpose (learner.resume_from_scratch): {}", gone)
         # policy, critic, KL reference (the warm start, frozen, loaded from init_checkpoint so a
         # resumed run keeps it) and their optimisers: t1async/learner/backend.py
         self.backend: LearnerBackend = make_backend(cfg.backend, cfg, model_cfg, self.generation,
@@ -622,7 +627,8 @@ class Learner:
                            "weights_published": self._weights_published, **self.counters, "dropped": self.dropped,
                            "rejected_by": self.rejected_by, "group_rewards": self._task_rewards},
             task_order=(lambda: call(controller.task_order_state)) if keeps_order else None, disk=self.disk,
-            fsync=self.inbox.log.fsync, keep_last=self.cfg.keep_checkpoints, keep_every=self.cfg.keep_every)
+            fsync=self.inbox.log.fsync, keep_last=self.cfg.keep_checkpoints, keep_every=self.cfg.keep_every,
+            note_in=self.inbox.log.dir)
         self.inbox.log.drop_consumed(self._consumed)
         self._saved_step = self.step
         logger.info("checkpoint written to {}", path)

@@ -28,7 +28,7 @@ from t1async.actors.rollout import tasks_dir
 from t1async.config import Config, ConfigError, check_trainable, load_config
 from t1async.envs.sandboxes.sandbox import check_sandbox_available
 from t1async.envs.taskio.loading import discover_tasks
-from t1async.learner.checkpoints import untrusted_checkpoints
+from t1async.learner.checkpoints import resume_from_nothing, untrusted_checkpoints
 from t1async.models.families import check_model_folder, load_renderer
 from t1async.models.tokenizer import check_model_vocab
 from t1async.rollout.conversation import template_tool_format
@@ -91,17 +91,19 @@ def preflight(config_path: str | None, overrides: list[str] | tuple[str, ...] = 
     cfg = load_config(config_path, overrides)
     run_dir = resolve_run_dir(cfg.run.dir)
     if cfg.learner.resume:  # live changes made to the run before (t1async scale) are kept
-        check_resumable(run_dir)  # (a mistyped run.dir must not start from scratch)
+        check_resumable(run_dir, from_scratch=cfg.learner.resume_from_scratch)  # (nor a mistyped run.dir)
         cfg = load_config(config_path, [*history_overrides(run_dir), *overrides])
     return cfg, run_dir, check_inputs(cfg)
 
 
-def check_resumable(run_dir: Path) -> None:
+def check_resumable(run_dir: Path, *, from_scratch: bool = False) -> None:
     """Refuse ``learner.resume=true`` into a folder that holds no run (a mistyped path, a new
     ``{now}`` folder): resuming it would silently start from scratch. Nothing is created.
 
     Also refuses a run whose checkpoints all fail verification by name and size
-    (:func:`~t1async.learner.checkpoints.untrusted_checkpoints`; the learner checks their digests).
+    (:func:`~t1async.learner.checkpoints.untrusted_checkpoints`; the learner checks their digests),
+    and, unless ``from_scratch`` (``learner.resume_from_scratch``), one whose checkpoints are all
+    gone although it wrote some (:func:`~t1async.learner.checkpoints.resume_from_nothing`).
 
     Raises:
         ConfigError: ``run_dir`` does not exist or holds none of :data:`~t1async.service.rundir.EARLIER_RUN`,
@@ -112,6 +114,11 @@ def check_resumable(run_dir: Path) -> None:
         if why:  # resuming would train again from the initial weights, throwing the run's training away
             raise ConfigError(f"learner.resume=true but {why}: a resume would start again from the initial "
                               "weights; put an intact step_N folder back there, or start a new run in another run.dir")
+        gone = resume_from_nothing(Path(run_dir))
+        if gone and not from_scratch:
+            raise ConfigError(f"learner.resume=true but {gone}: a resume would start again from the initial weights "
+                              "and cut metrics.jsonl back; put the step_N folder back, or add "
+                              "learner.resume_from_scratch=true to start over on purpose")
         return
     what = "does not exist" if not Path(run_dir).exists() else "holds no run (no metrics, checkpoints or receive log)"
     raise ConfigError(f"learner.resume=true but run.dir {run_dir} {what}; check the path (t1async status RUN_DIR "

@@ -53,6 +53,27 @@ def test_resume_of_a_run_whose_checkpoints_all_fail_verification_is_refused(caps
     assert not (run_dir / "service.lock").exists()
 
 
+def test_resume_of_a_run_whose_checkpoints_are_all_gone_is_refused_unless_asked_for(capsys, tmp_path):
+    """Issue 42: every checkpoint deleted, a resume started again from random weights and cut
+    metrics.jsonl back. Refused in one line (the run noted a checkpoint beside its receive log);
+    ``learner.resume_from_scratch=true`` lets it through the same check."""
+    from t1async.learner.checkpoints import note_checkpointed
+    from t1async.service.preflight import check_resumable
+
+    run_dir = tmp_path / "run"
+    for sub in ("checkpoints", "receive_log"):
+        (run_dir / sub).mkdir(parents=True)
+    note_checkpointed(run_dir / "receive_log", 12, fsync=False)  # as the learner's 12th step's checkpoint did
+    (run_dir / "metrics.jsonl").write_text("".join(f'{{"step": {s}}}\n' for s in range(1, 35)))
+    assert_main_one_line(capsys, ["launch", LOCAL, f"run.dir={run_dir}", "learner.resume=true"],
+                         "learner.resume=true but the run wrote checkpoint step_000012 before", "reaches step 34",
+                         "learner.resume_from_scratch=true")
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 34 and not (run_dir / "service.lock").exists()
+    check_resumable(run_dir, from_scratch=True)  # told to: no refusal
+    (run_dir / "receive_log" / "checkpointed").unlink()  # killed before its first checkpoint: the log replays
+    check_resumable(run_dir)
+
+
 def test_several_broken_tasks_are_reported_together_each_with_its_reason(tmp_path):
     from t1async.envs.taskio.task import TaskError
     from t1async.service.preflight import check_inputs
