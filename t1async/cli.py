@@ -30,7 +30,7 @@ from t1async import MissingExtra
 from t1async.config import ConfigError, load_config
 from t1async.envs.sandboxes.sandbox import SandboxUnavailable
 from t1async.envs.taskio.task import TaskError
-from t1async.service.control import ControlError
+from t1async.service.control import ControlError, final_checkpoint_error
 from t1async.transport.keys import KeysError
 
 SUBCOMMANDS = [
@@ -59,15 +59,21 @@ def register_launch(sub: argparse._SubParsersAction) -> None:
 
 def run_launch(args: argparse.Namespace) -> int:
     """Run ``launch``; 0 when every learner step ran or ``t1async stop`` stopped it, 130 after a
-    signal (Ctrl-C, SIGTERM, SIGHUP), 1 if the learner stopped early (starved) or died for good."""
+    signal (Ctrl-C, SIGTERM, SIGHUP), 1 if the learner stopped early (starved) or died for good, or
+    its final checkpoint did not fit (one line says so)."""
     from t1async.service.launch import launch  # (torch, ray: deferred until the command is known good)
 
     summary = launch(args.config, args.overrides)
     if summary.get("error"):
         print(f"t1async: error: {summary['error']}", file=sys.stderr)
         return 1
+    unsaved = final_checkpoint_error(summary)  # (a full disk: the console and the exit status say so)
+    if unsaved:
+        print(f"t1async: error: {summary.get('ended', 'ended')}, but {unsaved}", file=sys.stderr)
     if summary.get("ended") == "signal":
         return 130
+    if unsaved:
+        return 1
     if summary.get("ended") == "stopped":
         return 0
     if not summary["max_steps"] or summary.get("steps", 0) < summary["max_steps"]:

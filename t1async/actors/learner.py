@@ -49,6 +49,7 @@ from t1async.learner.abnormal import DROP_REASONS, drop_detail, drop_reason
 from t1async.learner.backend import LearnerBackend, make_backend
 from t1async.learner.batching import HeldTrajectories, collect_batch
 from t1async.learner.checkpoints import (
+    checkpoint_bytes,
     read_trainer_state,
     resumable_checkpoint,
     resume_from_nothing,
@@ -153,6 +154,7 @@ class Learner:
                                      max_bytes=transport.quarantine_max_bytes, max_files=transport.quarantine_max_files,
                                      fsync=transport.log_fsync == "always")
         self.disk = DiskGuard(self.run_dir, cfg.disk_floor_mb)  # a full disk pauses intake and training
+        self.disk.reserve(checkpoint_bytes(resume_from) if resume_from else 0)  # (room for the next checkpoint)
         self._metrics = MetricsFile(self.run_dir / "metrics.jsonl", self.disk)  # (keeps rows a full disk refused)
         if cfg.resume:
             self._resume(resume_from, log)
@@ -167,6 +169,7 @@ class Learner:
         self._discard_lock = threading.Lock()
         self._pause = DiskPause(self.disk, self._stop, on_space=self._metrics.flush)  # a full disk pauses the loop
         self._checkpoint_due = False  # a checkpoint a full disk refused, written once space is back
+        self.checkpoint_failed: str | None = None  # why the last checkpoint was not written (None: it was)
         receiver = ZmqReceiver.from_config(transport)
         self._sync: WeightSync = make_weight_sync(weight_sync)  # weight_sync.mode: distributed or tensor
         # receive durability (socket -> receive log -> ACK -> queue): t1async/transport/inbox.py
@@ -257,13 +260,15 @@ class Learner:
         """Step, weight and timeline version, queue depth, counters, dropped trajectories by reason,
         refused ones by reason (``rejected_by``), what a resume restored, and the consumed-id ledger's
         size (ids in all, streams, holes), and ``disk``: None, or why intake and training are
-        paused (``disk full at PATH (N MB free)``), with ``disk_paused_s``."""
+        paused (``disk full at PATH (N MB free)``), with ``disk_paused_s``; ``checkpoint_failed``: why
+        the last checkpoint was not written (None: it was; after :meth:`run`, the final one)."""
         return {"step": self.step, "version": self.version, "timeline_version": self.timeline_version,
                 "queue_depth": self.inbox.queue.qsize() + len(self._held),
                 "queue_bytes": self.inbox.queue.nbytes, **self.counters, "dropped": dict(self.dropped),
                 "rejected_by": dict(self.rejected_by),
                 "resumed": self.resumed, "max_steps": self.cfg.max_steps,
                 "disk": self.disk.check(), "disk_paused_s": round(self._pause.paused_s, 1),
+                "checkpoint_failed": self.checkpoint_failed,
                 "weight_group": self._sync.snapshot(),
                 "ledger": {"consumed": len(self._consumed), "streams": len(self._consumed.marks),
                            "holes": self._consumed.holes(), "others": len(self._consumed.others)}}
@@ -602,10 +607,11 @@ class Learner:
             if not self.disk.fault(e, self.run_dir / "checkpoints"):
                 raise
             self._checkpoint_due = True
-            logger.error("checkpoint of step {} not written ({}): {}", self.step, str(e).splitlines()[0][:200],
-                         self.disk.check() or "disk fault")
+            self.checkpoint_failed = (f"checkpoint of step {self.step} not written ({str(e).splitlines()[0][:200]}): "
+                                      f"{self.disk.check() or 'disk fault'}")
+            logger.error("{}", self.checkpoint_failed)
             return False
-        self._checkpoint_due = False
+        self._checkpoint_due, self.checkpoint_failed = False, None
         return True
 
     def save_checkpoint(self) -> Path:

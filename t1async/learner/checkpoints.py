@@ -209,7 +209,8 @@ def write_checkpoint(root: Path, step: int, *, backend: LearnerBackend, consumed
                      trainer_state: dict[str, Any], task_order: Callable[[], Any] | None, disk: DiskGuard,
                      fsync: bool, keep_last: int, keep_every: int, note_in: Path | None = None) -> Path:
     """Write ``root/step_NNNNNN/`` atomically and rotate the older ones (:func:`rotate_checkpoints`);
-    then note its step in ``note_in/checkpointed`` (the receive log's folder; None: not noted), read
+    ``disk`` then keeps room for the next one (:meth:`~t1async.fileio.DiskGuard.reserve` of its
+    measured size); then note its step in ``note_in/checkpointed`` (the receive log's folder; None: not noted), read
     by :func:`resume_from_nothing`.
 
     The folder holds the backend's weights and optimisers (``backend.save``), ``consumed.json``
@@ -244,9 +245,15 @@ def write_checkpoint(root: Path, step: int, *, backend: LearnerBackend, consumed
             raise OSError(errno.ENOSPC, f"checkpoint not written: {str(e).splitlines()[0][:200]}") from e
         raise
     rotate_checkpoints(root, keep_last, keep_every)
+    disk.reserve(checkpoint_bytes(path))  # the free-space floor keeps room for the next one
     if note_in is not None:
         note_checkpointed(note_in, step, fsync=fsync)
     return path
+
+
+def checkpoint_bytes(folder: Path) -> int:
+    """Bytes of every file under ``folder`` (a checkpoint's size on disk, before block rounding)."""
+    return sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file())
 
 
 def note_checkpointed(log_dir: Path, step: int, *, fsync: bool = True) -> None:

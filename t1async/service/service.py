@@ -326,6 +326,9 @@ class Service:
                         run_ref = learner.run.remote(controller)
                         continue
                     how = "signal" if received else "stopped" if self.stop_request else "done"
+                    if result.get("checkpoint_failed"):  # (launch's caller says so in its exit status too)
+                        logger.error("the learner stopped, but its final checkpoint did not fit: {}",
+                                     result["checkpoint_failed"])
                     return result, how
                 self._show(self.tail.poll())
                 if time.monotonic() >= self._disk_next:

@@ -287,6 +287,63 @@ def test_rollout_actor_backs_off_on_episodes_that_fail_on_the_disk_and_keeps_a_f
     assert actor.sender.sent == [traj.trajectory_id] and sleeps == [1.0, 2.0]
 
 
+def test_the_floor_keeps_room_for_the_next_checkpoint_by_its_measured_size(tmp_path, monkeypatch):
+    """Issue 42: free space between the floor (15 MB) and one checkpoint (95 MB) made the service
+    resume, fail its checkpoint and pause again every ~15 s. Once a checkpoint is written its size
+    raises the floor: such free space pauses the learner steadily, naming the reason."""
+    free = {"b": None}
+    real = fileio.free_bytes
+    monkeypatch.setattr(fileio, "free_bytes", lambda p: real(p) if free["b"] is None else free["b"])
+    learner = _learner(tmp_path, max_steps=1, disk_floor_mb=0.25, checkpoint_every=1)
+    tx = ZmqSender(learner.endpoint())
+    try:
+        assert learner.disk.floor_bytes() == 1 << 18  # nothing measured yet: the configured floor
+        _send(tx, synthetic(version=0, seed=1))
+        result = learner.run(FakeController())
+        size = checkpoints_mod.checkpoint_bytes(tmp_path / "checkpoints" / "step_000001")
+        assert result["step"] == 1 and result["checkpoint_failed"] is None and size > 1 << 19
+        assert learner.disk.floor_bytes() == int(size * fileio.RESERVE_MARGIN)
+        free["b"] = size // 2  # above the configured floor, below one checkpoint
+        assert learner.disk.check() == (f"disk full at {tmp_path} ({size // 2 / (1 << 20):.0f} MB free, below the floor "
+                                        f"of {int(size * 1.1) / (1 << 20):.0f} MB (room for the next checkpoint))")
+    finally:
+        tx.close(flush_timeout_s=0)
+        learner.close()
+    again = _learner(tmp_path, max_steps=1, disk_floor_mb=0.25, resume=True)  # a resume measures its checkpoint
+    try:
+        assert again.disk.floor_bytes() == int(size * fileio.RESERVE_MARGIN)
+    finally:
+        again.close()
+
+
+def test_a_final_checkpoint_that_does_not_fit_is_reported_in_the_status_and_the_exit_status(tmp_path, monkeypatch):
+    """Issue 42: ``stop`` said "done" and exit status 0 although its final checkpoint failed."""
+    import t1async.cli as cli
+    from t1async.service.control import final_checkpoint_error
+
+    def full(*a, **k):
+        raise ENOSPC
+
+    monkeypatch.setattr(checkpoints_mod, "commit", full)
+    learner = _learner(tmp_path, max_steps=1, checkpoint_every=0)
+    tx = ZmqSender(learner.endpoint())
+    try:
+        _send(tx, synthetic(version=0, seed=1))
+        result = learner.run(FakeController())
+    finally:
+        tx.close(flush_timeout_s=0)
+        learner.close()
+    assert result["step"] == 1 and result["checkpoint_failed"].startswith("checkpoint of step 1 not written (")
+    summary = {"run_dir": str(tmp_path), "ended": "stopped", "max_steps": 0, "steps": 1, "learner": result}
+    assert final_checkpoint_error(summary).startswith("the final checkpoint did not fit: checkpoint of step 1 not")
+    assert final_checkpoint_error({**summary, "learner": {**result, "checkpoint_failed": None}}) is None
+    import t1async.service.launch as launch_mod
+
+    for ended, rc in (("stopped", 1), ("done", 1), ("signal", 130)):
+        monkeypatch.setattr(launch_mod, "launch", lambda *a, e=ended: {**summary, "ended": e, "max_steps": 1})
+        assert cli.main(["launch", "configs/local.yaml"]) == rc
+
+
 def _can_mount_tmpfs(where: Path) -> bool:
     where.mkdir(parents=True, exist_ok=True)
     r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(where)], capture_output=True)
