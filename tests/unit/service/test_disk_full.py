@@ -298,7 +298,7 @@ def test_the_floor_keeps_room_for_the_next_checkpoint_by_its_measured_size(tmp_p
     tx = ZmqSender(learner.endpoint())
     try:
         assert learner.disk.floor_bytes() == 1 << 18  # nothing measured yet: the configured floor
-        _send(tx, synthetic(version=0, seed=1))
+        send_trajectory(tx, synthetic(version=0, seed=1))
         result = learner.run(FakeController())
         size = checkpoints_mod.checkpoint_bytes(tmp_path / "checkpoints" / "step_000001")
         assert result["step"] == 1 and result["checkpoint_failed"] is None and size > 1 << 19
@@ -328,7 +328,7 @@ def test_a_final_checkpoint_that_does_not_fit_is_reported_in_the_status_and_the_
     learner = _learner(tmp_path, max_steps=1, checkpoint_every=0)
     tx = ZmqSender(learner.endpoint())
     try:
-        _send(tx, synthetic(version=0, seed=1))
+        send_trajectory(tx, synthetic(version=0, seed=1))
         result = learner.run(FakeController())
     finally:
         tx.close(flush_timeout_s=0)

@@ -236,7 +236,7 @@ def test_resume_over_a_poisoned_receive_log_skips_the_bad_record_and_trains_the_
         for f in ckpt.iterdir():
             f.unlink()
         ckpt.rmdir()
-    again = _learner(tmp_path, resume=True)
+    again = _learner(tmp_path, resume=True, resume_from_scratch=True)  # (the checkpoints are gone on purpose)
     try:
         st = again.run(FakeController())
         assert st["step"] == 1 and st["rejected"] == 0 and st["trained"] == 2 and st["replayed"] >= 2

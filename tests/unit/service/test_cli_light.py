@@ -20,7 +20,7 @@ import pytest
 from t1async.service.control import ControlServer
 from t1async.service.rundir import RunDirLock
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 PROBE = """
 import json, sys, time
 t0 = time.perf_counter()
@@ -78,7 +78,10 @@ def test_stop_imports_neither_torch_nor_ray(served):
     run_dir, calls, lock = served
 
     def release_soon():  # the launch gives up the directory once stopped; stop waits for that
-        time.sleep(1.0)
+        deadline = time.monotonic() + 60
+        while not any(c["cmd"] == "stop" for c in calls) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
         lock.release()
 
     import threading
