@@ -269,6 +269,7 @@ class Learner:
                 "resumed": self.resumed, "max_steps": self.cfg.max_steps,
                 "disk": self.disk.check(), "disk_paused_s": round(self._pause.paused_s, 1),
                 "checkpoint_failed": self.checkpoint_failed,
+                "refused_handshakes": dict(self.inbox.receiver.refused_handshakes),
                 "weight_group": self._sync.snapshot(),
                 "ledger": {"consumed": len(self._consumed), "streams": len(self._consumed.marks),
                            "holes": self._consumed.holes(), "others": len(self._consumed.others)}}

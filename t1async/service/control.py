@@ -279,6 +279,7 @@ def format_status(st: dict[str, Any]) -> str:
         ("queue", st.get("queue_depth")),
         ("dropped", json.dumps({k: v for k, v in (st.get("dropped") or {}).items() if v}) or "{}"),
         ("rejected (quarantined)", f"{st.get('rejected', 0)} {json.dumps(st.get('rejected_by') or {})}"),
+        ("refused connections", json.dumps({k: v for k, v in (st.get("refused_handshakes") or {}).items() if v})),
         ("episode failures", json.dumps(st.get("episode_failures") or {})),
         ("restarts", json.dumps(st.get("restarts") or {})),
     ]

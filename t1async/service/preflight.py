@@ -14,6 +14,7 @@ afterwards, under its lock (t1async/service/rundir.py, which also refuses to mix
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 import subprocess
 import sys
@@ -171,10 +172,46 @@ def check_inputs(cfg: Config) -> list[str]:
         logger.warning("learner.advantage=group with rollout.group_size={}: a task's episodes rarely meet in "
                        "the learner's window, so most trajectories fall back to GAE (group_baselined_frac in "
                        "metrics.jsonl); set rollout.group_size=4 or so", cfg.rollout.group_size)
-    if cfg.transport.curve:
-        server_keys(cfg.transport.keys_dir)
-        client_keys(cfg.transport.keys_dir)
+    check_transport_auth(cfg)
     return [t.name for t in tasks]
+
+
+def check_transport_auth(cfg: Config) -> None:
+    """The learner's trajectory socket must authenticate its senders wherever another machine can
+    reach it: ``transport.curve=false`` is refused unless it binds a loopback address or uses
+    ``scheme: ipc`` (a forged frame on an open port was ACKed and trained: issue 42), and a Ray
+    cluster of several machines (``ray.address``) needs ``transport.keys_dir`` (a folder every
+    machine reads; ``RUN_DIR/keys``, made at launch, serves one host). Given keys are read now.
+
+    Raises:
+        ConfigError: one line naming the key and what to set.
+        KeysError: ``transport.keys_dir`` lacks a key file (:func:`~t1async.transport.keys.server_keys`).
+    """
+    t = cfg.transport
+    if not t.curve:
+        if t.scheme == "tcp" and not is_loopback(t.host):
+            raise ConfigError(f"transport.curve=false with transport.host={t.host}: anyone who reaches that port could "
+                              "train the policy; keep transport.curve=true (keys are made at launch, or give "
+                              "transport.keys_dir from t1async keys DIR), or bind transport.host=127.0.0.1")
+        return
+    if not t.keys_dir:
+        if cfg.ray.address not in (None, "", "local"):
+            raise ConfigError(f"transport.keys_dir is needed with ray.address={cfg.ray.address}: the keys made at "
+                              "launch serve one machine; run t1async keys DIR on a folder every machine reads and "
+                              "set transport.keys_dir=DIR")
+        return
+    server_keys(t.keys_dir)
+    client_keys(t.keys_dir)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or name) is this machine's loopback: only its own processes reach it."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def check_init_checkpoint(path: str) -> None:

@@ -9,6 +9,10 @@ live status line and the TensorBoard events.
                               + status line (a TTY) or log lines
     control socket (t1async/service/control.py) --> status | stop | scale (live-safe keys only)
     SIGINT, SIGTERM, SIGHUP --> stop after the learner's current step (final checkpoint)
+    t1async stop --now, a second signal --> the same, but a learner still in its step after
+                                            NOW_GRACE_S is ended there (ray.kill): its receive log
+                                            and consumed-id ledger make that safe (a resume trains
+                                            what it had ACKed and not checkpointed)
 
 Waits on: the learner's ``run``. Stopped by: the learner finishing ``max_steps``, ``t1async
 stop``, a signal, or a learner that keeps dying. Nothing in this loop waits on the disk: a full
@@ -43,6 +47,9 @@ from t1async.service.sampler_pool import Backoff, SamplerPool
 from t1async.service.sinks import TensorBoardSink, WandbSink
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+NOW_GRACE_S = 2.0
+"""``t1async stop --now`` (or a second signal): seconds the learner gets to finish on its own (it
+writes its final checkpoint when it is between steps) before it is ended mid-step."""
 TB_SKIP = ("step", "version", "time", "phase", "train_policy")
 
 
@@ -196,6 +203,7 @@ class Service:
             out.update({k: ls[k] for k in ("step", "version", "queue_depth", "dropped", "received", "rejected",
                                            "rejected_by", "quarantine_evicted", "duplicates", "trained",
                                            "max_steps", "ledger", "resumed", "weight_group")})
+            out["refused_handshakes"] = ls.get("refused_handshakes", {})
             out["disk_paused_s"] = ls.get("disk_paused_s", 0.0)
             if ls.get("disk") and not self.stop_request:  # the learner's pause (its own writes, its view)
                 out["state"] = f"degraded: {ls['disk']}"
@@ -309,7 +317,7 @@ class Service:
         previous = {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS}
         learner, controller = self.roles["learner"], self.roles["controller"]
         run_ref = learner.run.remote(controller)
-        asked = False
+        asked, asked_at = False, 0.0
         self._start_status_line()
         if self.samplers is not None:
             self.samplers.start()
@@ -338,11 +346,13 @@ class Service:
                     what = (f"signal {signal.Signals(received[0]).name}" if received
                             else f"t1async stop{' --now' if self.stop_request == 'now' else ''}")
                     logger.warning("{}: stopping the learner after its current step (final checkpoint follows)", what)
-                    asked = True
+                    asked, asked_at = True, time.monotonic()
                     try:
-                        ray.get(learner.stop.remote(), timeout=30)
-                    except Exception as e:  # a dead learner is seen by the wait above
-                        logger.warning("could not ask the learner to stop: {}", e)
+                        ray.get(learner.stop.remote(), timeout=min(30.0, NOW_GRACE_S if self._now(received) else 30.0))
+                    except Exception as e:  # a dead learner is seen by the wait above (or a step holds it)
+                        logger.warning("could not ask the learner to stop: {}", error_line(e))
+                if asked and self._now(received) and time.monotonic() - asked_at >= NOW_GRACE_S:
+                    return self._end_learner_now(learner, received), "signal" if received else "stopped"
         finally:
             if self.samplers is not None:
                 self.samplers.close()
@@ -352,7 +362,28 @@ class Service:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
-    def _restart(self, err: Exception) -> Any:
+    def _now(self, received: list[int]) -> bool:
+        """Whether the stop asked for may not wait for the learner's step: ``t1async stop --now`` or a
+        second signal."""
+        return self.stop_request == "now" or len(received) >= 2
+
+    def _end_learner_now(self, learner: Any, received: list[int]) -> dict[str, Any]:
+        """End a learner still in its step (``ray.kill``), and say so; returns the summary's ``learner``
+        part: the last step in ``metrics.jsonl`` and ``ended_mid_step``. Nothing is lost: every
+        trajectory it ACKed is in its receive log (RUN_DIR/receive_log) or consumed by its last
+        checkpoint, and a resume trains those again from that checkpoint; the actors resend the rest."""
+        why = "a second signal" if len(received) >= 2 else "t1async stop --now"
+        self.tail.poll()
+        step = self.tail.rows[-1].get("step", 0) if self.tail.rows else 0
+        logger.warning("{}: the learner did not stop within {:.0f} s; ending it in its step (nothing is lost: its "
+                       "receive log keeps every trajectory it acknowledged; resume with t1async launch CONFIG "
+                       "run.dir={} learner.resume=true)", why, NOW_GRACE_S, self.run_dir)
+        try:
+            ray.kill(learner, no_restart=True)
+        except Exception as e:  # already gone
+            logger.warning("could not end the learner: {}", error_line(e))
+        return {"step": step, "ended_mid_step": True}
+
         """A new learner, resumed from the last checkpoint and the receive log, after the back-off
         of :class:`~t1async.service.sampler_pool.Backoff` (5 x 2^k s up to 60 s, k = deaths in a row of
         learners that trained no step: a learner that keeps dying is never restarted in a tight

@@ -117,7 +117,7 @@ def test_disk_guard_pauses_below_its_floor_and_after_a_fault_and_clears_by_itsel
 
 def _learner(tmp_path, **kw) -> Learner:
     cfg = LearnerConfig(batch_size=1, batch_timeout_s=60, publish_every=100, **kw)
-    return Learner(cfg, MODEL, TransportConfig(), WeightSyncConfig(), str(tmp_path), seed=0)
+    return Learner(cfg, MODEL, TransportConfig(curve=False), WeightSyncConfig(), str(tmp_path), seed=0)
 
 
 def test_writes_refused_by_a_full_disk_pause_the_learner_and_are_written_once_space_is_back(tmp_path, monkeypatch):

@@ -74,6 +74,28 @@ def test_resume_of_a_run_whose_checkpoints_are_all_gone_is_refused_unless_asked_
     check_resumable(run_dir)
 
 
+def test_an_unauthenticated_learner_port_reachable_from_other_machines_is_refused(capsys, tmp_path):
+    """Issue 42: a forged frame on the open port was ACKed and trained. CurveZMQ is on by default;
+    turning it off is refused unless the learner binds loopback, and a cluster needs shared keys."""
+    from t1async.service.preflight import check_transport_auth
+
+    run_dir = tmp_path / "run"
+    assert_main_one_line(capsys, ["launch", LOCAL, f"run.dir={run_dir}", "transport.curve=false", "transport.host=0.0.0.0"],
+                         "transport.curve=false with transport.host=0.0.0.0: anyone who reaches that port could "
+                         "train the policy")
+    assert_main_one_line(capsys, ["launch", LOCAL, f"run.dir={run_dir}", "ray.address=10.0.0.5:6379"],
+                         "transport.keys_dir is needed with ray.address=10.0.0.5:6379")
+    assert not run_dir.exists()
+    cfg = load_config(LOCAL)
+    assert cfg.transport.curve and not cfg.transport.keys_dir  # the default: keys made at launch
+    check_transport_auth(cfg)
+    cfg.transport.curve = False  # loopback (the default host) or ipc: only this machine's processes reach it
+    check_transport_auth(cfg)
+    cfg.transport.host = "0.0.0.0"
+    cfg.transport.scheme = "ipc"
+    check_transport_auth(cfg)
+
+
 def test_several_broken_tasks_are_reported_together_each_with_its_reason(tmp_path):
     from t1async.envs.taskio.task import TaskError
     from t1async.service.preflight import check_inputs

@@ -127,7 +127,7 @@ def test_quarantine_bounds_are_config_keys():
 def _learner(tmp_path, max_context_tokens: int = 0, model=MODEL, **kw) -> Learner:
     cfg = LearnerConfig(**{"max_steps": 1, "batch_size": 2, "batch_timeout_s": 60, "publish_every": 100,
                            "episodes_per_step": 0, **kw})
-    return Learner(cfg, model, TransportConfig(log_fsync="never", quarantine_prefix_bytes=512), WeightSyncConfig(),
+    return Learner(cfg, model, TransportConfig(curve=False, log_fsync="never", quarantine_prefix_bytes=512), WeightSyncConfig(),
                    str(tmp_path), seed=0, max_context_tokens=max_context_tokens)
 
 
@@ -192,7 +192,7 @@ def test_bad_token_and_huge_negative_reward_are_rejected_at_receipt_never_queued
 def test_a_large_garbage_message_is_quarantined_as_a_capped_prefix_not_whole(tmp_path):
     """A 3 MB message that is no trajectory used to be stored whole in quarantine/ (a 300 MB one
     became a 300 MB file); with the default bounds only its first 64 KiB and its metadata stay."""
-    learner = Learner(LearnerConfig(max_steps=0, episodes_per_step=0), MODEL, TransportConfig(log_fsync="never"),
+    learner = Learner(LearnerConfig(max_steps=0, episodes_per_step=0), MODEL, TransportConfig(curve=False, log_fsync="never"),
                       WeightSyncConfig(), str(tmp_path), seed=0)
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -202,7 +202,7 @@ def test_a_large_garbage_message_is_quarantined_as_a_capped_prefix_not_whole(tmp
         sock.send_multipart([PROTOCOL, b"junk-1", junk])
         assert sock.poll(20_000) and sock.recv_multipart()[:2] == [REJECT, b"junk-1"]
         kept = sum(p.stat().st_size for p in (tmp_path / "quarantine").iterdir())
-        assert kept < TransportConfig().quarantine_prefix_bytes + 4096
+        assert kept < TransportConfig(curve=False).quarantine_prefix_bytes + 4096
         meta = json.loads(next((tmp_path / "quarantine").glob("*.json")).read_text())
         assert meta["size"] == len(junk) and meta["sha256"] == hashlib.sha256(junk).hexdigest()
     finally:
