@@ -384,6 +384,7 @@ class Service:
             logger.warning("could not end the learner: {}", error_line(e))
         return {"step": step, "ended_mid_step": True}
 
+    def _restart(self, err: Exception) -> Any:
         """A new learner, resumed from the last checkpoint and the receive log, after the back-off
         of :class:`~t1async.service.sampler_pool.Backoff` (5 x 2^k s up to 60 s, k = deaths in a row of
         learners that trained no step: a learner that keeps dying is never restarted in a tight
