@@ -58,7 +58,7 @@ def test_stop_now_ends_a_learner_stuck_in_a_long_step_and_loses_nothing(tmp_path
     sock = None
     try:
         wait_for(lambda: (run_dir / "service.json").exists() and "control" in json.loads(
-            (run_dir / "service.json").read_text()), 240, "the service to start")
+            (run_dir / "service.json").read_text()), 600, "the service to start")
         endpoint = json.loads((run_dir / "service.json").read_text())["trajectories"]
         keys = client_keys(run_dir / "keys")
         sock = zmq.Context.instance().socket(zmq.DEALER)

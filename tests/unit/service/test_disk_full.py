@@ -402,3 +402,46 @@ def test_a_launch_on_a_full_disk_says_degraded_runs_no_step_resumes_when_freed_a
     assert "Traceback" not in text, text[-3000:]
     said = [x for x in text.splitlines() if "degraded: disk full at" in x or "disk space is back" in x]
     assert len(said) == 2 and f"degraded: disk full at {run_dir}" in said[0], said  # one line each way
+
+
+@pytest.mark.slow
+def test_a_stop_whose_final_checkpoint_does_not_fit_says_so_with_exit_status_1(tmp_path):
+    """The real service on a 400 MiB tmpfs with ``learner.checkpoint_every=0`` (the final checkpoint
+    only): the disk fills to 30 MB free, above the 8 MB floor and below one checkpoint (about 95 MB);
+    training goes on; ``t1async stop`` then says the final checkpoint did not fit, on the launch's
+    console and its own, both with exit status 1 (issue 42: "(final checkpoint follows)", "done", rc 0)."""
+    from tests.support.service import CLI, SMALL, read_status
+
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    run_dir, filler = mnt / "run", mnt / "filler"
+    out = open(tmp_path / "launch.out", "w")
+    p = subprocess.Popen(CLI + [f"run.dir={run_dir}", *SMALL, "learner.disk_floor_mb=8", "learner.checkpoint_every=0"],
+                         stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def status():
+        try:
+            return read_status(run_dir)
+        except Exception:
+            return None
+
+    try:
+        wait_for(lambda: (s := status()) and s.get("step", 0) >= 1, 600, "the first step")
+        free = os.statvfs(mnt).f_bavail * os.statvfs(mnt).f_frsize
+        with open(filler, "wb") as f:  # 30 MB left: above the floor, below one checkpoint
+            f.write(b"\0" * max(0, free - (30 << 20)))
+        time.sleep(3)
+        assert status()["state"] == "running"  # above the floor: training goes on
+        stop = subprocess.run([*CLI[:3], "stop", str(run_dir)], capture_output=True, text=True, timeout=600)
+        rc = p.wait(timeout=120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, 9)
+            p.wait()
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+    text = (tmp_path / "launch.out").read_text()
+    assert stop.returncode == 1 and "t1async: error: stopped, but the final checkpoint did not fit" in stop.stderr, stop
+    assert rc == 1 and "t1async: error: stopped, but the final checkpoint did not fit" in text, text[-3000:]
+    assert "Traceback" not in text
