@@ -345,7 +345,9 @@ class Service:
                 if (received or self.stop_request) and not asked:
                     what = (f"signal {signal.Signals(received[0]).name}" if received
                             else f"t1async stop{' --now' if self.stop_request == 'now' else ''}")
-                    logger.warning("{}: stopping the learner after its current step (final checkpoint follows)", what)
+                    logger.warning("{}: stopping the learner {}", what,
+                                   f"now (ended in its step after {NOW_GRACE_S:.0f} s)" if self._now(received)
+                                   else "after its current step (final checkpoint follows)")
                     asked, asked_at = True, time.monotonic()
                     try:
                         ray.get(learner.stop.remote(), timeout=min(30.0, NOW_GRACE_S if self._now(received) else 30.0))
@@ -382,6 +384,7 @@ class Service:
             ray.kill(learner, no_restart=True)
         except Exception as e:  # already gone
             logger.warning("could not end the learner: {}", error_line(e))
+        self.roles["learner"] = None  # (launch's shutdown has no learner left to close)
         return {"step": step, "ended_mid_step": True}
 
     def _restart(self, err: Exception) -> Any:
