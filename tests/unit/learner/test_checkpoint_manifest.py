@@ -122,7 +122,8 @@ def test_a_learner_resumes_from_the_newest_intact_checkpoint(tmp_path):
     one.write_bytes(bytes(data))  # the last one left: same size, other bytes
     with pytest.raises(RuntimeError, match="cannot resume: no checkpoint in .* can be trusted .*set aside as corrupt: "
                                            "step_000001.corrupt, step_000002.corrupt"):
-        Learner(dataclasses.replace(cfg, resume=True), MODEL, TransportConfig(curve=False), WeightSyncConfig(), str(tmp_path), seed=0)
+        Learner(dataclasses.replace(cfg, resume=True), MODEL,
+                TransportConfig(curve=False), WeightSyncConfig(), str(tmp_path), seed=0)
 
 
 
@@ -147,7 +148,8 @@ def test_a_resume_whose_checkpoints_are_all_gone_is_refused_unless_asked_for(tmp
                    f"step 3, but {tmp_path / 'checkpoints'} holds no checkpoint now")
     with pytest.raises(RuntimeError, match=r"cannot resume: the run wrote checkpoint step_000003 .* add "
                                            r"learner.resume_from_scratch=true"):
-        Learner(dataclasses.replace(cfg, resume=True), MODEL, TransportConfig(curve=False), WeightSyncConfig(), str(tmp_path), seed=0)
+        Learner(dataclasses.replace(cfg, resume=True), MODEL,
+                TransportConfig(curve=False), WeightSyncConfig(), str(tmp_path), seed=0)
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3  # not cut back
     again = Learner(dataclasses.replace(cfg, resume=True, resume_from_scratch=True), MODEL, TransportConfig(curve=False),
                     WeightSyncConfig(), str(tmp_path), seed=0)

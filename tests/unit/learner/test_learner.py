@@ -695,7 +695,8 @@ def test_negative_advantage_weight_zero_trains_only_on_episodes_above_their_base
     def moved_by(weight: float, first: float, second: float) -> float:
         cfg = LearnerConfig(max_steps=4, batch_size=1, lr=1e-3, routing_replay=False, batch_timeout_s=30,
                             advantage="group", normalize_advantages=False, negative_advantage_weight=weight)
-        learner = Learner(cfg, MODEL, TransportConfig(curve=False), WeightSyncConfig(), str(tmp_path / f"run-{weight}-{first}"), seed=0)
+        learner = Learner(cfg, MODEL,
+                          TransportConfig(curve=False), WeightSyncConfig(), str(tmp_path / f"run-{weight}-{first}"), seed=0)
         try:
             # the peer, as if trained one step before (a real earlier step would leave Adam momentum
             # that moves the weights even on a zero gradient)
@@ -778,7 +779,8 @@ def test_a_resumed_learner_keeps_the_group_advantage_window(tmp_path):
     finally:
         learner.close()
     assert window == {"synthetic": [(1, 2.0)]}
-    again = Learner(dataclasses.replace(cfg, resume=True), MODEL, TransportConfig(curve=False), WeightSyncConfig(), str(tmp_path), seed=0)
+    again = Learner(dataclasses.replace(cfg, resume=True), MODEL,
+                    TransportConfig(curve=False), WeightSyncConfig(), str(tmp_path), seed=0)
     try:
         assert again._task_rewards == window
         assert again._train_step([synthetic(0, 2, reward=0.0)])["group_baselined_frac"] == 1.0
