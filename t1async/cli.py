@@ -5,8 +5,11 @@
     t1async plot RUN_DIR                    a PNG of its metrics (see t1async.commands.plot)
 
 Each subcommand is registered by a ``register(subparsers)`` function listed in
-:data:`SUBCOMMANDS` (``"module:function"``, imported lazily so ``t1async --help`` stays fast);
-``register`` adds its parser and sets ``func`` (``args -> exit status``).
+:data:`SUBCOMMANDS` (``"module:function"`` and the command names it adds); ``register`` adds its
+parser and sets ``func`` (``args -> exit status``). Only the module of the command given is
+imported (every one for ``t1async --help`` or an unknown command), so ``status``, ``stop`` and
+``scale`` import neither torch nor Ray: under a second on an idle machine, where importing torch
+alone takes 10-40 s on a busy node (tests/test_cli.py).
 
 Bad input (a missing config file, an unknown key, an invalid task folder, a missing sandbox tool)
 prints one line ``t1async: error: ...`` and exits with status 2; no traceback.
@@ -27,21 +30,23 @@ from t1async import MissingExtra
 from t1async.config import ConfigError, load_config
 from t1async.envs.sandboxes.sandbox import SandboxUnavailable
 from t1async.envs.taskio.task import TaskError
-from t1async.service.control import ControlError
+from t1async.service.control import ControlError, final_checkpoint_error
 from t1async.transport.keys import KeysError
 
 SUBCOMMANDS = [
-    "t1async.cli:register_launch",
-    "t1async.service.control:register",  # status, stop, scale
-    "t1async.commands.plot:register",
-    "t1async.commands.soak:register",
-    "t1async.cli:register_bench",
-    "t1async.cli:register_mismatch",
-    "t1async.transport.keys:register_keys",
-    "t1async.cli:register_sft",
-    "t1async.commands.model:register",  # model init, model check
-    "t1async.envs.commands.cli:register",  # eval, synth, decontam
+    ("t1async.cli:register_launch", ("launch",)),
+    ("t1async.service.control:register", ("status", "stop", "scale")),
+    ("t1async.commands.plot:register", ("plot",)),
+    ("t1async.commands.soak:register", ("soak",)),
+    ("t1async.cli:register_bench", ("bench",)),
+    ("t1async.cli:register_mismatch", ("mismatch",)),
+    ("t1async.transport.keys:register_keys", ("keys",)),
+    ("t1async.cli:register_sft", ("sft",)),
+    ("t1async.commands.model:register", ("model",)),  # model init, model check
+    ("t1async.envs.commands.cli:register", ("eval", "images", "synth", "decontam")),
 ]
+"""``("module:register_function", command names it adds)``: the module is imported only when one of
+its commands is run (or for ``--help``)."""
 
 
 def register_launch(sub: argparse._SubParsersAction) -> None:
@@ -54,15 +59,21 @@ def register_launch(sub: argparse._SubParsersAction) -> None:
 
 def run_launch(args: argparse.Namespace) -> int:
     """Run ``launch``; 0 when every learner step ran or ``t1async stop`` stopped it, 130 after a
-    signal (Ctrl-C, SIGTERM, SIGHUP), 1 if the learner stopped early (starved) or died for good."""
+    signal (Ctrl-C, SIGTERM, SIGHUP), 1 if the learner stopped early (starved) or died for good, or
+    its final checkpoint did not fit (one line says so)."""
     from t1async.service.launch import launch  # (torch, ray: deferred until the command is known good)
 
     summary = launch(args.config, args.overrides)
     if summary.get("error"):
         print(f"t1async: error: {summary['error']}", file=sys.stderr)
         return 1
+    unsaved = final_checkpoint_error(summary)  # (a full disk: the console and the exit status say so)
+    if unsaved:
+        print(f"t1async: error: {summary.get('ended', 'ended')}, but {unsaved}", file=sys.stderr)
     if summary.get("ended") == "signal":
         return 130
+    if unsaved:
+        return 1
     if summary.get("ended") == "stopped":
         return 0
     if not summary["max_steps"] or summary.get("steps", 0) < summary["max_steps"]:
@@ -198,7 +209,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     """
     parser = OneLineErrors(prog="t1async", description="Asynchronous RL for MoE terminal agents.")
     sub = parser.add_subparsers(dest="command", required=True)
-    for spec in SUBCOMMANDS:
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if not a.startswith("-")), None)
+    wanted = [spec for spec, names in SUBCOMMANDS if command in names] or [spec for spec, _ in SUBCOMMANDS]
+    for spec in wanted:  # only the command's own module (torch and Ray stay unimported for status/stop/scale)
         module, func = spec.split(":")
         getattr(importlib.import_module(module), func)(sub)
     args, extra = parser.parse_known_args(argv)

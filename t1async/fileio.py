@@ -29,6 +29,8 @@ _DISK_MESSAGES = ("No space left on device", "Disk quota exceeded", "Input/outpu
 FLOOR_FRACTION = 0.05
 """The free-space floor of :class:`DiskGuard` is at most this fraction of the filesystem's size
 (a 64 MiB filesystem is not paused for good by a 1 GiB floor)."""
+RESERVE_MARGIN = 1.1
+""":meth:`DiskGuard.reserve` keeps this many times the last checkpoint's size free for the next one."""
 
 
 def pwrite_all(fd: int, parts: Sequence[Any], offset: int) -> int:
@@ -175,6 +177,11 @@ class DiskGuard:
     ``retry_s`` seconds later (the write that failed is then tried again; a new failure is a new
     fault). Thread-safe.
 
+    The floor also covers the next checkpoint once one has been measured (:meth:`reserve`): a
+    learner whose free space lies between ``floor_mb`` and one checkpoint would otherwise resume,
+    fail its checkpoint, pause and resume again every few seconds (issue 42: 15 MB floor, 95 MB
+    checkpoints, the service flapped every ~15 s and every checkpoint failed).
+
     Args:
         path: the folder watched (the run directory).
         floor_mb: pause below this many MiB free, or below :data:`FLOOR_FRACTION` of the
@@ -187,15 +194,23 @@ class DiskGuard:
         self._lock = threading.Lock()
         self._fault: tuple[float, str, str] | None = None  # (monotonic time, where, what)
         self.faults = 0
+        self.reserved = 0  # bytes the next checkpoint needs (reserve()); 0: not measured yet
+
+    def reserve(self, nbytes: int) -> None:
+        """Keep room for a write of about ``nbytes`` (the last checkpoint's measured size): the floor
+        becomes at least :data:`RESERVE_MARGIN` times it (the next one holds a longer consumed-id
+        ledger), whatever ``floor_mb`` says; 0: no reserve."""
+        self.reserved = int(max(0, nbytes) * RESERVE_MARGIN)
 
     def floor_bytes(self) -> int:
-        """The floor in bytes (see the class docstring)."""
+        """The floor in bytes (see the class docstring): the larger of the configured floor and
+        :attr:`reserved`."""
         if self.floor_mb <= 0:
-            return 0
+            return 0  # (no floor at all: only faults pause)
         p = self.path.absolute()
         while not p.exists() and p != p.parent:
             p = p.parent
-        return int(min(self.floor_mb * (1 << 20), FLOOR_FRACTION * shutil.disk_usage(p).total))
+        return max(self.reserved, int(min(self.floor_mb * (1 << 20), FLOOR_FRACTION * shutil.disk_usage(p).total)))
 
     def fault(self, exc: BaseException, where: str | os.PathLike[str]) -> bool:
         """Record a failed write at ``where`` if ``exc`` is a disk fault (:func:`is_disk_error`,
@@ -218,9 +233,11 @@ class DiskGuard:
                 self._fault = fault = None
         if fault is not None:
             return f"disk {fault[2]} at {fault[1]} ({free / (1 << 20):.0f} MB free)"
-        if free < self.floor_bytes():
+        floor = self.floor_bytes()
+        if free < floor:
+            why = " (room for the next checkpoint)" if floor == self.reserved else ""
             return (f"disk full at {self.path} ({free / (1 << 20):.0f} MB free, below the floor of "
-                    f"{self.floor_bytes() / (1 << 20):.0f} MB)")
+                    f"{floor / (1 << 20):.0f} MB{why})")
         return None
 
     def wait(self, stop: threading.Event, poll_s: float = 1.0) -> float:

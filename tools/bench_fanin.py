@@ -87,7 +87,7 @@ def learner_main(spec: dict[str, Any]) -> None:
     from t1async.actors.learner import Learner
     from t1async.config import LearnerConfig, ModelConfig, TransportConfig, WeightSyncConfig
 
-    transport = TransportConfig(log_fsync=spec["log_fsync"], rcvhwm=spec["rcvhwm"], log_group_messages=spec["group"])
+    transport = TransportConfig(curve=False, log_fsync=spec["log_fsync"], rcvhwm=spec["rcvhwm"], log_group_messages=spec["group"])
     layers, top_k, experts = spec["shape"]
     # the routed-expert shape the frames carry; a tiny width keeps a 48-layer, 128-expert model small
     model = ModelConfig() if spec["shape"] == LOCAL_SHAPE else ModelConfig(

@@ -260,7 +260,7 @@ def learner_step(traj: Trajectory, chunk: int, threads: int, max_context: int, w
 def _learner(model_cfg: ModelConfig, run_dir: str, threads: int, backend: str = "torch") -> Learner:
     """The bench's learner: seed 0, batch of one, ``learner.backend = backend``, default learner
     settings otherwise."""
-    return Learner(LearnerConfig(batch_size=1, episodes_per_step=0, backend=backend), model_cfg, TransportConfig(),
+    return Learner(LearnerConfig(batch_size=1, episodes_per_step=0, backend=backend), model_cfg, TransportConfig(curve=False),
                    WeightSyncConfig(),
                    run_dir, generation=GenerationConfig(), seed=0, torch_threads=threads)
 

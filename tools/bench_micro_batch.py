@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
             for v in values:
                 cfg = LearnerConfig(batch_size=args.batch, lr=1e-5, critic_lr=1e-5, kl_coef=0.1,
                                     advantage=args.advantage, critic=args.advantage == "gae", micro_batch_tokens=v)
-                learners[v] = Learner(cfg, model, TransportConfig(), WeightSyncConfig(), f"{tmp}/{v}",
+                learners[v] = Learner(cfg, model, TransportConfig(curve=False), WeightSyncConfig(), f"{tmp}/{v}",
                                       generation=GenerationConfig(), seed=0)
             times: dict[int, list[float]] = {v: [] for v in values}
             last: dict[int, dict] = {}

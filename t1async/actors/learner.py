@@ -49,8 +49,10 @@ from t1async.learner.abnormal import DROP_REASONS, drop_detail, drop_reason
 from t1async.learner.backend import LearnerBackend, make_backend
 from t1async.learner.batching import HeldTrajectories, collect_batch
 from t1async.learner.checkpoints import (
+    checkpoint_bytes,
     read_trainer_state,
     resumable_checkpoint,
+    resume_from_nothing,
     untrusted_checkpoints,
     write_checkpoint,
 )
@@ -66,7 +68,7 @@ from t1async.sampling.sampler_client import SamplerError, post_json, weight_vers
 from t1async.trajectory import Trajectory
 from t1async.transport.delivery import ByteQueue, ConsumedLedger, ReceiveLog
 from t1async.transport.inbox import Inbox
-from t1async.transport.intake import RunFacts
+from t1async.transport.intake import RunFacts, context_limit
 from t1async.transport.quarantine import Quarantine
 from t1async.transport.transport import ZmqReceiver
 from t1async.weights.factory import make_weight_sync
@@ -91,6 +93,8 @@ class Learner:
             top-k/top-p set, ``sglang`` the full tempered softmax).
         seed: seed of the model init (the same init for every ``learner.backend``).
         torch_threads: intra-op threads of this process.
+        max_context_tokens: ``env.max_context_tokens``: intake refuses a longer trajectory, and one
+            past ``model.max_position_embeddings`` (t1async/transport/intake.py ``context_limit``).
 
     Raises:
         ValueError: ``generation.temperature`` is 0 (greedy samples have no density to train on),
@@ -99,7 +103,8 @@ class Learner:
 
     def __init__(self, cfg: LearnerConfig, model_cfg: ModelConfig, transport: TransportConfig,
                  weight_sync: WeightSyncConfig, run_dir: str, *, generation: GenerationConfig | None = None,
-                 seed: int = 0, torch_threads: int = 1, sampler_backend: str = "embedded"):
+                 seed: int = 0, torch_threads: int = 1, sampler_backend: str = "embedded",
+                 max_context_tokens: int = 0):
         self.generation = generation if generation is not None else GenerationConfig()
         semantics = sampling_semantics(sampler_backend)
         if not self.generation.temperature > 0:
@@ -114,6 +119,10 @@ class Learner:
         if cfg.resume and resume_from is None and (why := untrusted_checkpoints(self.run_dir / "checkpoints")):
             raise RuntimeError(f"cannot resume: {why}; starting again from the initial weights would throw the "
                                "run's training away: put an intact step_N folder back there, or start a new run")
+        if cfg.resume and resume_from is None and (gone := resume_from_nothing(self.run_dir)):
+            if not cfg.resume_from_scratch:
+                raise RuntimeError(f"cannot resume: {gone}; add learner.resume_from_scratch=true to start over")
+            logger.warning("resuming from the initial weights on purpose (learner.resume_from_scratch): {}", gone)
         # policy, critic, KL reference (the warm start, frozen, loaded from init_checkpoint so a
         # resumed run keeps it) and their optimisers: t1async/learner/backend.py
         self.backend: LearnerBackend = make_backend(cfg.backend, cfg, model_cfg, self.generation,
@@ -145,6 +154,7 @@ class Learner:
                                      max_bytes=transport.quarantine_max_bytes, max_files=transport.quarantine_max_files,
                                      fsync=transport.log_fsync == "always")
         self.disk = DiskGuard(self.run_dir, cfg.disk_floor_mb)  # a full disk pauses intake and training
+        self.disk.reserve(checkpoint_bytes(resume_from) if resume_from else 0)  # (room for the next checkpoint)
         self._metrics = MetricsFile(self.run_dir / "metrics.jsonl", self.disk)  # (keeps rows a full disk refused)
         if cfg.resume:
             self._resume(resume_from, log)
@@ -159,6 +169,7 @@ class Learner:
         self._discard_lock = threading.Lock()
         self._pause = DiskPause(self.disk, self._stop, on_space=self._metrics.flush)  # a full disk pauses the loop
         self._checkpoint_due = False  # a checkpoint a full disk refused, written once space is back
+        self.checkpoint_failed: str | None = None  # why the last checkpoint was not written (None: it was)
         receiver = ZmqReceiver.from_config(transport)
         self._sync: WeightSync = make_weight_sync(weight_sync)  # weight_sync.mode: distributed or tensor
         # receive durability (socket -> receive log -> ACK -> queue): t1async/transport/inbox.py
@@ -168,7 +179,8 @@ class Learner:
                            dump_trajectories=cfg.dump_trajectories, group_messages=transport.log_group_messages,
                            facts=RunFacts(vocab_size=model_cfg.vocab_size, num_experts=model_cfg.num_experts,
                                           num_layers=model_cfg.routed_layers, top_k=model_cfg.num_experts_per_tok,
-                                          reward=cfg.reward),
+                                          reward=cfg.reward, max_tokens=context_limit(
+                                              model_cfg.max_position_embeddings, max_context_tokens)),
                            quarantine=self.quarantine, rejected_by=self.rejected_by,
                            disk=self.disk)
         self.inbox.start(backlog)
@@ -248,13 +260,16 @@ class Learner:
         """Step, weight and timeline version, queue depth, counters, dropped trajectories by reason,
         refused ones by reason (``rejected_by``), what a resume restored, and the consumed-id ledger's
         size (ids in all, streams, holes), and ``disk``: None, or why intake and training are
-        paused (``disk full at PATH (N MB free)``), with ``disk_paused_s``."""
+        paused (``disk full at PATH (N MB free)``), with ``disk_paused_s``; ``checkpoint_failed``: why
+        the last checkpoint was not written (None: it was; after :meth:`run`, the final one)."""
         return {"step": self.step, "version": self.version, "timeline_version": self.timeline_version,
                 "queue_depth": self.inbox.queue.qsize() + len(self._held),
                 "queue_bytes": self.inbox.queue.nbytes, **self.counters, "dropped": dict(self.dropped),
                 "rejected_by": dict(self.rejected_by),
                 "resumed": self.resumed, "max_steps": self.cfg.max_steps,
                 "disk": self.disk.check(), "disk_paused_s": round(self._pause.paused_s, 1),
+                "checkpoint_failed": self.checkpoint_failed,
+                "refused_handshakes": dict(self.inbox.receiver.refused_handshakes),
                 "weight_group": self._sync.snapshot(),
                 "ledger": {"consumed": len(self._consumed), "streams": len(self._consumed.marks),
                            "holes": self._consumed.holes(), "others": len(self._consumed.others)}}
@@ -593,10 +608,11 @@ class Learner:
             if not self.disk.fault(e, self.run_dir / "checkpoints"):
                 raise
             self._checkpoint_due = True
-            logger.error("checkpoint of step {} not written ({}): {}", self.step, str(e).splitlines()[0][:200],
-                         self.disk.check() or "disk fault")
+            self.checkpoint_failed = (f"checkpoint of step {self.step} not written ({str(e).splitlines()[0][:200]}): "
+                                      f"{self.disk.check() or 'disk fault'}")
+            logger.error("{}", self.checkpoint_failed)
             return False
-        self._checkpoint_due = False
+        self._checkpoint_due, self.checkpoint_failed = False, None
         return True
 
     def save_checkpoint(self) -> Path:
@@ -618,7 +634,8 @@ class Learner:
                            "weights_published": self._weights_published, **self.counters, "dropped": self.dropped,
                            "rejected_by": self.rejected_by, "group_rewards": self._task_rewards},
             task_order=(lambda: call(controller.task_order_state)) if keeps_order else None, disk=self.disk,
-            fsync=self.inbox.log.fsync, keep_last=self.cfg.keep_checkpoints, keep_every=self.cfg.keep_every)
+            fsync=self.inbox.log.fsync, keep_last=self.cfg.keep_checkpoints, keep_every=self.cfg.keep_every,
+            note_in=self.inbox.log.dir)
         self.inbox.log.drop_consumed(self._consumed)
         self._saved_step = self.step
         logger.info("checkpoint written to {}", path)

@@ -359,6 +359,11 @@ class LearnerConfig(Section):
     order saved with it), then train on every trajectory in
     the receive log that checkpoint had not consumed. No checkpoint: start at step 0 and replay
     the whole log. Off: a receive log left in ``run.dir`` is discarded."""
+    resume_from_scratch: bool = False
+    """Allow a resume whose checkpoints are all gone although the run wrote some
+    (``receive_log/checkpointed``) to start again from the initial weights (``metrics.jsonl`` is cut
+    back to step 0; what the receive log still holds is trained again). Off: such a resume is
+    refused in one line, as it would throw the run's trained steps away."""
 
 
 @dataclass

@@ -297,11 +297,17 @@ class TransportConfig(Section):
     the oldest are evicted and counted (``quarantine_evicted``). 0: keep none (still counted)."""
     quarantine_max_files: int = field(default=1000, metadata=rule(lambda v: v >= 0, "an integer >= 0 (0: keep none)"))
     """Most refused messages RUN_DIR/quarantine keeps; beyond it the oldest are evicted and counted."""
-    curve: bool = False
-    """Authenticate and encrypt with CurveZMQ; keys come from ``keys_dir``."""
+    curve: bool = True
+    """Authenticate and encrypt trajectories and ACKs with CurveZMQ (on by default): the learner
+    accepts only senders holding a key in ``keys_dir/authorized``, so no other process that reaches
+    its port can train the policy. Keys come from ``keys_dir``; with ``keys_dir`` empty, launch
+    makes them in ``RUN_DIR/keys`` (one host: the learner and the actors read the same folder;
+    kept for a resume). Off (``false``) only where the learner binds a loopback address or
+    ``scheme: ipc``: across hosts it is refused."""
     keys_dir: str = ""
     """Folder written by ``t1async keys DIR``: learner.key(_secret), rollout.key(_secret) and
-    authorized/ (public keys of the actors the learner accepts)."""
+    authorized/ (public keys of the actors the learner accepts). Empty: ``RUN_DIR/keys``, made at
+    launch; required for a Ray cluster of several machines (``ray.address``), a folder each one reads."""
 
 
 @dataclass

@@ -9,6 +9,11 @@ manifest and moves each newer one that does not aside, as ``step_NNNNNN.corrupt`
 look, never loaded, never rotated away). A checkpoint written before manifests existed has none:
 it is loaded unverified, as before. :func:`write_checkpoint` writes one (the learner's
 ``save_checkpoint``); :func:`read_trainer_state` reads its trainer state back on resume.
+
+Each checkpoint written is also noted beside the receive log (``RUN_DIR/receive_log/checkpointed``:
+its step), outside ``checkpoints/``, so that a resume whose checkpoints are all gone knows the run
+had written some: :func:`resume_from_nothing` then refuses to start again from the initial weights
+(issue 42: such a resume used to say one INFO line, cut metrics.jsonl back and lose every step).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from typing import Any, Callable
 
 from loguru import logger
 
-from t1async.fileio import DiskGuard, fsync_dir
+from t1async.fileio import DiskGuard, fsync_dir, replace_file
 from t1async.learner.backend import LearnerBackend
 from t1async.learner.timeline import VersionTimeline
 from t1async.rollout.task_order import write_task_order
@@ -36,6 +41,8 @@ MANIFEST = "manifest.json"
 """``{"format": 1, "files": {relative path: {"bytes": int, "sha256": hex str}}}`` of a checkpoint."""
 
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
+CHECKPOINTED = "checkpointed"
+"""File in the receive log's folder: the step of the newest checkpoint this run wrote (text)."""
 
 
 def staging_dir(root: Path, step: int) -> Path:
@@ -200,8 +207,11 @@ def rotate_checkpoints(root: Path, keep_last: int, keep_every: int = 0) -> list[
 
 def write_checkpoint(root: Path, step: int, *, backend: LearnerBackend, consumed: ConsumedLedger,
                      trainer_state: dict[str, Any], task_order: Callable[[], Any] | None, disk: DiskGuard,
-                     fsync: bool, keep_last: int, keep_every: int) -> Path:
-    """Write ``root/step_NNNNNN/`` atomically and rotate the older ones (:func:`rotate_checkpoints`).
+                     fsync: bool, keep_last: int, keep_every: int, note_in: Path | None = None) -> Path:
+    """Write ``root/step_NNNNNN/`` atomically and rotate the older ones (:func:`rotate_checkpoints`);
+    ``disk`` then keeps room for the next one (:meth:`~t1async.fileio.DiskGuard.reserve` of its
+    measured size); then note its step in ``note_in/checkpointed`` (the receive log's folder; None: not noted), read
+    by :func:`resume_from_nothing`.
 
     The folder holds the backend's weights and optimisers (``backend.save``), ``consumed.json``
     (every trajectory id this model state trained on or dropped), ``trainer_state.json``
@@ -235,7 +245,66 @@ def write_checkpoint(root: Path, step: int, *, backend: LearnerBackend, consumed
             raise OSError(errno.ENOSPC, f"checkpoint not written: {str(e).splitlines()[0][:200]}") from e
         raise
     rotate_checkpoints(root, keep_last, keep_every)
+    disk.reserve(checkpoint_bytes(path))  # the free-space floor keeps room for the next one
+    if note_in is not None:
+        note_checkpointed(note_in, step, fsync=fsync)
     return path
+
+
+def checkpoint_bytes(folder: Path) -> int:
+    """Bytes of every file under ``folder`` (a checkpoint's size on disk, before block rounding)."""
+    return sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file())
+
+
+def note_checkpointed(log_dir: Path, step: int, *, fsync: bool = True) -> None:
+    """Record in ``log_dir/checkpointed`` that a checkpoint of ``step`` was written (replaced atomically).
+
+    Raises:
+        OSError: the disk refused the write.
+    """
+    replace_file(Path(log_dir) / CHECKPOINTED, str(step), fsync=fsync)
+
+
+def checkpointed_step(log_dir: Path) -> int | None:
+    """The step of the newest checkpoint this run noted (:func:`note_checkpointed`); None: none noted
+    (no checkpoint written yet, or a run from before the note existed) or unreadable."""
+    try:
+        return int((Path(log_dir) / CHECKPOINTED).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def resume_from_nothing(run_dir: Path) -> str | None:
+    """Why resuming ``run_dir`` from no checkpoint would throw trained steps away, or None.
+
+    It would when ``RUN_DIR/checkpoints`` holds no committed checkpoint (none at all: corrupt ones
+    are :func:`untrusted_checkpoints`' case) although the run wrote one before
+    (``receive_log/checkpointed``): the receive log drops what a checkpoint holds, so the steps
+    up to it can no more be trained again. A run killed before its first checkpoint is resumed
+    from its receive log, which still holds every trajectory it received (None here).
+
+    Returns:
+        One line: the checkpoint noted, the step ``metrics.jsonl`` reaches, where none was found.
+    """
+    run_dir = Path(run_dir)
+    noted = checkpointed_step(run_dir / "receive_log")
+    if noted is None or latest_checkpoint(run_dir / "checkpoints") is not None:
+        return None
+    if any(run_dir.glob("checkpoints/step_*.corrupt*")):
+        return None  # (untrusted_checkpoints names them)
+    reached = _metrics_step(run_dir / "metrics.jsonl")
+    return (f"the run wrote checkpoint step_{noted:06d} before (receive_log/{CHECKPOINTED})"
+            + (f" and metrics.jsonl reaches step {reached}" if reached else "")
+            + f", but {run_dir / 'checkpoints'} holds no checkpoint now")
+
+
+def _metrics_step(path: Path) -> int:
+    """The step of the last row of ``metrics.jsonl`` (0: none, or unreadable)."""
+    try:
+        lines = [x for x in path.read_text().splitlines() if x.strip()]
+        return int(json.loads(lines[-1]).get("step", 0)) if lines else 0
+    except (OSError, ValueError, AttributeError):
+        return 0
 
 
 @dataclass

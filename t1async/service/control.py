@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import threading
 import time
 from pathlib import Path
@@ -279,6 +280,7 @@ def format_status(st: dict[str, Any]) -> str:
         ("queue", st.get("queue_depth")),
         ("dropped", json.dumps({k: v for k, v in (st.get("dropped") or {}).items() if v}) or "{}"),
         ("rejected (quarantined)", f"{st.get('rejected', 0)} {json.dumps(st.get('rejected_by') or {})}"),
+        ("refused connections", json.dumps({k: v for k, v in (st.get("refused_handshakes") or {}).items() if v})),
         ("episode failures", json.dumps(st.get("episode_failures") or {})),
         ("restarts", json.dumps(st.get("restarts") or {})),
     ]
@@ -322,13 +324,37 @@ def run_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def final_checkpoint_error(summary: dict[str, Any]) -> str | None:
+    """One line when a run's summary (``summary.json``) says its final checkpoint was not written
+    (the learner's ``checkpoint_failed``: a full disk), else None."""
+    why = (summary.get("learner") or {}).get("checkpoint_failed") if isinstance(summary, dict) else None
+    if not why:
+        return None
+    return (f"the final checkpoint did not fit: {why}; nothing is lost: a resume starts from the last checkpoint "
+            f"written and the receive log (free space, then t1async launch CONFIG run.dir={summary.get('run_dir')} "
+            "learner.resume=true)")
+
+
 def run_stop(args: argparse.Namespace) -> int:
+    """Ask the service to stop and wait (up to 600 s) until it has: 0, or 1 when its final
+    checkpoint was not written (:func:`final_checkpoint_error`, one line) or it is still stopping."""
     request(args.run_dir, {"cmd": "stop", "now": bool(args.now)})
     print(f"t1async: stopping the run in {args.run_dir}" + (" now" if args.now else " after its current step"))
     deadline = time.monotonic() + 600
     while is_held(Path(args.run_dir)) and time.monotonic() < deadline:
         time.sleep(0.5)
-    print("t1async: stopped" if not is_held(Path(args.run_dir)) else "t1async: still stopping after 600 s")
+    if is_held(Path(args.run_dir)):
+        print("t1async: still stopping after 600 s")
+        return 1
+    try:
+        summary = json.loads((Path(args.run_dir) / "summary.json").read_text())
+    except (OSError, ValueError):
+        summary = {}
+    error = final_checkpoint_error(summary)
+    if error:
+        print(f"t1async: error: stopped, but {error}", file=sys.stderr)
+        return 1
+    print("t1async: stopped")
     return 0
 
 

@@ -50,6 +50,7 @@ from t1async.service.reaper import Reaper, kill_sandboxes_under
 from t1async.service.rundir import RunDirLock, check_reuse
 from t1async.service.sampler_pool import SamplerPool
 from t1async.service.service import LearnerDied, Service
+from t1async.transport.keys import run_keys_dir
 
 ACTOR_MAX_CONCURRENCY = 64  # threads of the controller/learner/sampler actors (acquire() waits block one each)
 PLACEMENT_SHARE = 0.001  # of its node's custom resource each placed actor asks for: a mark, not a capacity
@@ -75,6 +76,8 @@ def launch(config_path: str | None, overrides: list[str] | tuple[str, ...] = ())
     if cfg.env.sandbox == "container":  # an earlier launch killed before its reaper could remove them
         remove_orphan_containers(run_dir / "workspaces", cfg.env.container)
     cfg.transport.spool_dir = cfg.transport.spool_dir or str(run_dir / "spool")  # resent by a resumed run
+    if cfg.transport.curve and not cfg.transport.keys_dir:  # authenticated by default: keys for this host
+        cfg.transport.keys_dir = str(run_keys_dir(run_dir))
     logger.info("run directory: {}", run_dir)
     logger.info("{} tasks, {} rollout actors, {} sampler(s), {} learner steps", len(task_names), cfg.rollout.num_actors,
                 cfg.sampler.num_samplers, cfg.learner.max_steps or "unlimited (until t1async stop)")
@@ -319,7 +322,8 @@ def start_learner(cfg: Config, actor: Any, run_dir: Path, urls: list[str]) -> tu
     """
     learner = actor(Learner, "learner").remote(cfg.learner, cfg.model, cfg.transport, cfg.weight_sync, str(run_dir),
                                                generation=cfg.generation, seed=cfg.run.seed,
-                                               torch_threads=cfg.run.torch_threads, sampler_backend=cfg.sampler.backend)
+                                               torch_threads=cfg.run.torch_threads, sampler_backend=cfg.sampler.backend,
+                                               max_context_tokens=cfg.env.max_context_tokens)
     try:
         endpoint = ray.get(learner.endpoint.remote())
         ray.get(learner.connect_samplers.remote(urls))

@@ -14,6 +14,7 @@ afterwards, under its lock (t1async/service/rundir.py, which also refuses to mix
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 import subprocess
 import sys
@@ -29,7 +30,7 @@ from t1async.config import Config, ConfigError, check_trainable, load_config
 from t1async.envs.sandboxes.sandbox import check_sandbox_available
 from t1async.envs.taskio.loading import discover_tasks, task_folders
 from t1async.envs.taskio.task import Task, TaskError
-from t1async.learner.checkpoints import untrusted_checkpoints
+from t1async.learner.checkpoints import resume_from_nothing, untrusted_checkpoints
 from t1async.models.families import check_model_folder, load_renderer
 from t1async.models.tokenizer import check_model_vocab
 from t1async.rollout.conversation import template_tool_format
@@ -92,17 +93,19 @@ def preflight(config_path: str | None, overrides: list[str] | tuple[str, ...] = 
     cfg = load_config(config_path, overrides)
     run_dir = resolve_run_dir(cfg.run.dir)
     if cfg.learner.resume:  # live changes made to the run before (t1async scale) are kept
-        check_resumable(run_dir)  # (a mistyped run.dir must not start from scratch)
+        check_resumable(run_dir, from_scratch=cfg.learner.resume_from_scratch)  # (nor a mistyped run.dir)
         cfg = load_config(config_path, [*history_overrides(run_dir), *overrides])
     return cfg, run_dir, check_inputs(cfg)
 
 
-def check_resumable(run_dir: Path) -> None:
+def check_resumable(run_dir: Path, *, from_scratch: bool = False) -> None:
     """Refuse ``learner.resume=true`` into a folder that holds no run (a mistyped path, a new
     ``{now}`` folder): resuming it would silently start from scratch. Nothing is created.
 
     Also refuses a run whose checkpoints all fail verification by name and size
-    (:func:`~t1async.learner.checkpoints.untrusted_checkpoints`; the learner checks their digests).
+    (:func:`~t1async.learner.checkpoints.untrusted_checkpoints`; the learner checks their digests),
+    and, unless ``from_scratch`` (``learner.resume_from_scratch``), one whose checkpoints are all
+    gone although it wrote some (:func:`~t1async.learner.checkpoints.resume_from_nothing`).
 
     Raises:
         ConfigError: ``run_dir`` does not exist or holds none of :data:`~t1async.service.rundir.EARLIER_RUN`,
@@ -113,6 +116,11 @@ def check_resumable(run_dir: Path) -> None:
         if why:  # resuming would train again from the initial weights, throwing the run's training away
             raise ConfigError(f"learner.resume=true but {why}: a resume would start again from the initial "
                               "weights; put an intact step_N folder back there, or start a new run in another run.dir")
+        gone = resume_from_nothing(Path(run_dir))
+        if gone and not from_scratch:
+            raise ConfigError(f"learner.resume=true but {gone}: a resume would start again from the initial weights "
+                              "and cut metrics.jsonl back; put the step_N folder back, or add "
+                              "learner.resume_from_scratch=true to start over on purpose")
         return
     what = "does not exist" if not Path(run_dir).exists() else "holds no run (no metrics, checkpoints or receive log)"
     raise ConfigError(f"learner.resume=true but run.dir {run_dir} {what}; check the path (t1async status RUN_DIR "
@@ -165,9 +173,7 @@ def check_inputs(cfg: Config) -> list[str]:
         logger.warning("learner.advantage=group with rollout.group_size={}: a task's episodes rarely meet in "
                        "the learner's window, so most trajectories fall back to GAE (group_baselined_frac in "
                        "metrics.jsonl); set rollout.group_size=4 or so", cfg.rollout.group_size)
-    if cfg.transport.curve:
-        server_keys(cfg.transport.keys_dir)
-        client_keys(cfg.transport.keys_dir)
+    check_transport_auth(cfg)
     return [t.name for t in tasks]
 
 
@@ -206,6 +212,44 @@ def usable_tasks(cfg: Config) -> list[Task]:
     logger.warning("{} of {} task folders under {} are broken and skipped; episodes are drawn from the other {}: "
                    "fix them, or name the good ones in env.tasks", skipped, skipped + len(tasks), root, len(tasks))
     return tasks
+
+
+def check_transport_auth(cfg: Config) -> None:
+    """The learner's trajectory socket must authenticate its senders wherever another machine can
+    reach it: ``transport.curve=false`` is refused unless it binds a loopback address or uses
+    ``scheme: ipc`` (a forged frame on an open port was ACKed and trained: issue 42), and a Ray
+    cluster of several machines (``ray.address``) needs ``transport.keys_dir`` (a folder every
+    machine reads; ``RUN_DIR/keys``, made at launch, serves one host). Given keys are read now.
+
+    Raises:
+        ConfigError: one line naming the key and what to set.
+        KeysError: ``transport.keys_dir`` lacks a key file (:func:`~t1async.transport.keys.server_keys`).
+    """
+    t = cfg.transport
+    if not t.curve:
+        if t.scheme == "tcp" and not is_loopback(t.host):
+            raise ConfigError(f"transport.curve=false with transport.host={t.host}: anyone who reaches that port could "
+                              "train the policy; keep transport.curve=true (keys are made at launch, or give "
+                              "transport.keys_dir from t1async keys DIR), or bind transport.host=127.0.0.1")
+        return
+    if not t.keys_dir:
+        if cfg.ray.address not in (None, "", "local"):
+            raise ConfigError(f"transport.keys_dir is needed with ray.address={cfg.ray.address}: the keys made at "
+                              "launch serve one machine; run t1async keys DIR on a folder every machine reads and "
+                              "set transport.keys_dir=DIR")
+        return
+    server_keys(t.keys_dir)
+    client_keys(t.keys_dir)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or name) is this machine's loopback: only its own processes reach it."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def check_init_checkpoint(path: str) -> None:

@@ -10,6 +10,10 @@ live status line and the TensorBoard events.
     control socket (t1async/service/control.py) --> status | stop | scale (live-safe keys only; rollout
                                                     actors and samplers within the cluster's capacity)
     SIGINT, SIGTERM, SIGHUP --> stop after the learner's current step (final checkpoint)
+    t1async stop --now, a second signal --> the same, but a learner still in its step after
+                                            NOW_GRACE_S is ended there (ray.kill): its receive log
+                                            and consumed-id ledger make that safe (a resume trains
+                                            what it had ACKed and not checkpointed)
 
 Waits on: the learner's ``run``. Stopped by: the learner finishing ``max_steps``, ``t1async
 stop``, a signal, or a learner that keeps dying. Nothing in this loop waits on the disk: a full
@@ -49,6 +53,9 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 ROLE_DIED = (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError)
 """What a call of a dead role raises: Ray's memory monitor's kill is an ``OutOfMemoryError``, not
 an actor error (seen: it killed learner, controller, sampler and a rollout actor at once)."""
+NOW_GRACE_S = 2.0
+"""``t1async stop --now`` (or a second signal): seconds the learner gets to finish on its own (it
+writes its final checkpoint when it is between steps) before it is ended mid-step."""
 TB_SKIP = ("step", "version", "time", "phase", "train_policy")
 
 
@@ -213,6 +220,7 @@ class Service:
             out.update({k: ls[k] for k in ("step", "version", "queue_depth", "dropped", "received", "rejected",
                                            "rejected_by", "quarantine_evicted", "duplicates", "trained",
                                            "max_steps", "ledger", "resumed", "weight_group")})
+            out["refused_handshakes"] = ls.get("refused_handshakes", {})
             out["disk_paused_s"] = ls.get("disk_paused_s", 0.0)
             if ls.get("disk") and not self.stop_request:  # the learner's pause (its own writes, its view)
                 out["state"] = f"degraded: {ls['disk']}"
@@ -341,7 +349,7 @@ class Service:
         previous = {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS}
         learner = self.roles["learner"]
         run_ref = learner.run.remote(self.roles["controller"])
-        asked = False
+        asked, asked_at = False, 0.0
         self._start_status_line()
         if self.samplers is not None:
             self.samplers.start()
@@ -366,6 +374,9 @@ class Service:
                             raise
                     else:
                         how = "signal" if received else "stopped" if self.stop_request else "done"
+                        if result.get("checkpoint_failed"):  # (launch's caller says so in its exit status too)
+                            logger.error("the learner stopped, but its final checkpoint did not fit: {}",
+                                         result["checkpoint_failed"])
                         return result, how
                 if controller_died is not None:
                     if asked:  # stopping anyway: the learner's run ends with the controller's calls
@@ -380,12 +391,16 @@ class Service:
                 if (received or self.stop_request) and not asked:
                     what = (f"signal {signal.Signals(received[0]).name}" if received
                             else f"t1async stop{' --now' if self.stop_request == 'now' else ''}")
-                    logger.warning("{}: stopping the learner after its current step (final checkpoint follows)", what)
-                    asked = True
+                    logger.warning("{}: stopping the learner {}", what,
+                                   f"now (ended in its step after {NOW_GRACE_S:.0f} s)" if self._now(received)
+                                   else "after its current step (final checkpoint follows)")
+                    asked, asked_at = True, time.monotonic()
                     try:
-                        ray.get(learner.stop.remote(), timeout=30)
-                    except Exception as e:  # a dead learner is seen by the wait above
-                        logger.warning("could not ask the learner to stop: {}", e)
+                        ray.get(learner.stop.remote(), timeout=min(30.0, NOW_GRACE_S if self._now(received) else 30.0))
+                    except Exception as e:  # a dead learner is seen by the wait above (or a step holds it)
+                        logger.warning("could not ask the learner to stop: {}", error_line(e))
+                if asked and self._now(received) and time.monotonic() - asked_at >= NOW_GRACE_S:
+                    return self._end_learner_now(learner, received), "signal" if received else "stopped"
         finally:
             if self.samplers is not None:
                 self.samplers.close()
@@ -394,6 +409,29 @@ class Service:
             self.tail.close()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+    def _now(self, received: list[int]) -> bool:
+        """Whether the stop asked for may not wait for the learner's step: ``t1async stop --now`` or a
+        second signal."""
+        return self.stop_request == "now" or len(received) >= 2
+
+    def _end_learner_now(self, learner: Any, received: list[int]) -> dict[str, Any]:
+        """End a learner still in its step (``ray.kill``), and say so; returns the summary's ``learner``
+        part: the last step in ``metrics.jsonl`` and ``ended_mid_step``. Nothing is lost: every
+        trajectory it ACKed is in its receive log (RUN_DIR/receive_log) or consumed by its last
+        checkpoint, and a resume trains those again from that checkpoint; the actors resend the rest."""
+        why = "a second signal" if len(received) >= 2 else "t1async stop --now"
+        self.tail.poll()
+        step = self.tail.rows[-1].get("step", 0) if self.tail.rows else 0
+        logger.warning("{}: the learner did not stop within {:.0f} s; ending it in its step (nothing is lost: its "
+                       "receive log keeps every trajectory it acknowledged; resume with t1async launch CONFIG "
+                       "run.dir={} learner.resume=true)", why, NOW_GRACE_S, self.run_dir)
+        try:
+            ray.kill(learner, no_restart=True)
+        except Exception as e:  # already gone
+            logger.warning("could not end the learner: {}", error_line(e))
+        self.roles["learner"] = None  # (launch's shutdown has no learner left to close)
+        return {"step": step, "ended_mid_step": True}
 
     def _restart(self, err: Exception) -> Any:
         """A new learner, resumed from the last checkpoint and the receive log, after the back-off

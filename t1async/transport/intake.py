@@ -6,6 +6,11 @@ checked here, at receipt and again when the receive log is replayed on resume, s
 trajectory a step cannot train ever reaches one (one such trajectory used to end the run: an id
 past the embedding raised ``IndexError`` in the step, and every resume replayed it again):
 
+- ``length``: at most ``max_tokens`` positions: the model's context (``model.max_position_embeddings``)
+  and the run's own bound on an episode (``env.max_context_tokens``), whichever is smaller
+  (:func:`context_limit`). A longer stream is valid-looking but no step should hold it: one of
+  16,384 tokens against a context of 8,192 stalled the learner 8.5 minutes, and the resume
+  replayed it (issue 42);
 - ``token_ids``: every id < ``model.vocab_size`` (the rows of the embedding and the LM head);
 - ``routed_experts``: every id < ``model.num_experts`` and the ``top_k`` ids of a row distinct
   (a router's top-k never repeats an expert; Megatron's replay refuses a repeated one);
@@ -45,6 +50,7 @@ class RunFacts:
         num_layers: ``model.num_hidden_layers`` (MoE layers of the routed-experts rows).
         top_k: ``model.num_experts_per_tok`` (experts per row, distinct).
         reward: ``learner.reward``, ``dense`` or ``binary``.
+        max_tokens: most token positions a trajectory may have (:func:`context_limit`); 0: not checked.
     """
 
     vocab_size: int
@@ -52,6 +58,7 @@ class RunFacts:
     num_layers: int
     top_k: int
     reward: str = "dense"
+    max_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.reward not in REWARD_KINDS:
@@ -59,6 +66,20 @@ class RunFacts:
         for name in ("vocab_size", "num_experts", "num_layers", "top_k"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RunFacts.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_tokens < 0:
+            raise ValueError(f"RunFacts.max_tokens must be >= 0 (0: unchecked), got {self.max_tokens}")
+
+
+def context_limit(max_position_embeddings: int, max_context_tokens: int = 0) -> int:
+    """Most token positions the learner trains: ``model.max_position_embeddings``, or the run's
+    ``env.max_context_tokens`` where that is set (> 0) and smaller (the rollout ends an episode
+    before its stream would pass it: t1async/rollout/episode.py).
+
+    Args:
+        max_position_embeddings: the model's context, tokens (>= 1).
+        max_context_tokens: ``env.max_context_tokens``; 0: the model's context.
+    """
+    return min(max_position_embeddings, max_context_tokens) if max_context_tokens > 0 else max_position_embeddings
 
 
 def check_trajectory(traj: Trajectory, facts: RunFacts, *, max_version: int | None = None) -> None:
@@ -73,6 +94,9 @@ def check_trajectory(traj: Trajectory, facts: RunFacts, *, max_version: int | No
     Raises:
         TrajectoryError: naming the first field that breaks a rule of the module docstring.
     """
+    if facts.max_tokens and traj.token_ids.size > facts.max_tokens:
+        raise TrajectoryError("length", f"{traj.token_ids.size} tokens, more than the {facts.max_tokens} the run "
+                                        "trains (model.max_position_embeddings, or env.max_context_tokens if smaller)")
     _check_tokens(traj, facts.vocab_size)
     if not np.isfinite(traj.logprobs).all():
         bad = int(np.flatnonzero(~np.isfinite(traj.logprobs))[0])

@@ -100,6 +100,21 @@ def write_keys(directory: str | Path, clients: list[str] | tuple[str, ...] = (DE
     return written
 
 
+def run_keys_dir(run_dir: str | Path) -> Path:
+    """The CurveZMQ keys of a run on one host: ``RUN_DIR/keys`` (owner-only, mode 0700), the learner's
+    pair and the rollout actors' pair made on first use (:func:`write_keys`) and kept for a resume
+    (the actors' spools are resent with the same keys). What launch uses when ``transport.curve`` is
+    on and ``transport.keys_dir`` is empty.
+
+    Raises:
+        KeysError: the folder cannot be written.
+    """
+    d = Path(run_dir) / "keys"
+    write_keys(d)
+    d.chmod(0o700)
+    return d
+
+
 def _load(path: Path, secret: bool) -> tuple[bytes, bytes | None]:
     if not path.is_file():
         raise KeysError(f"key file {path} is missing; create the keys with `t1async keys {path.parent}` "

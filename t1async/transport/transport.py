@@ -422,6 +422,11 @@ class ZmqReceiver:
 
     Attributes:
         endpoint: the address actually bound (with the chosen port), for senders to connect to.
+        refused_handshakes: with ``curve``, connections refused before any message: ``auth`` (a key the
+            ZAP handler does not accept), ``protocol`` and ``other`` (no CurveZMQ handshake at all: a
+            plain or forged sender; libzmq reports it as ``other``, no detail); counted from the
+            socket's monitor as :meth:`recv` runs (the learner's status shows them as
+            ``refused_handshakes``), the first ones and then every 100th logged.
 
     Not thread-safe: one thread calls :meth:`recv` and :meth:`ack`.
     """
@@ -434,7 +439,12 @@ class ZmqReceiver:
         self._sock.setsockopt(zmq.RCVHWM, rcvhwm)
         self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self.refused_handshakes = {"auth": 0, "protocol": 0, "other": 0}
+        self._monitor = None
         if curve is not None:
+            self._monitor = self._sock.get_monitor_socket(
+                zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
             self._auth = ThreadAuthenticator(self._ctx)
             self._auth.start()
             self._auth.configure_curve(domain="*", location=str(curve.authorized_dir))
@@ -449,6 +459,8 @@ class ZmqReceiver:
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
+        if self._monitor is not None:
+            self._poller.register(self._monitor, zmq.POLLIN)
 
     @classmethod
     def from_config(cls, cfg: Any) -> "ZmqReceiver":
@@ -461,8 +473,15 @@ class ZmqReceiver:
 
         A malformed envelope comes back as a :class:`Delivery` with ``error`` set.
         """
-        if not self._poller.poll(int(timeout_s * 1000)):
-            return None
+        deadline = time.monotonic() + timeout_s
+        while True:
+            events = dict(self._poller.poll(max(0, int((deadline - time.monotonic()) * 1000))))
+            if self._monitor is not None and self._monitor in events:
+                self._count_refused()
+            if self._sock in events:
+                break
+            if time.monotonic() >= deadline:
+                return None
         parts = self._sock.recv_multipart(copy=False)
         peer = parts[0].bytes
         raw_key = parts[2].bytes[:MAX_KEY_BYTES] if len(parts) > 2 else b""
@@ -482,6 +501,19 @@ class ZmqReceiver:
             return Delivery("", frame, peer, f"key {key[:40]!r} is not 1-{MAX_KEY_BYTES} printable bytes", raw_key)
         return Delivery(key, frame, peer)
 
+    def _count_refused(self) -> None:
+        """Count the handshakes the monitor reports as failed (:attr:`refused_handshakes`)."""
+        while self._monitor is not None and self._monitor.poll(0):
+            ev = recv_monitor_message(self._monitor)
+            kind = {zmq.EVENT_HANDSHAKE_FAILED_AUTH: "auth",
+                    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol"}.get(ev["event"], "other")
+            self.refused_handshakes[kind] += 1
+            n = sum(self.refused_handshakes.values())
+            if n <= 10 or n % 100 == 0:
+                logger.warning("trajectory socket: refused a connection that did not authenticate ({}; {} so far): "
+                               "only processes holding the run's CurveZMQ keys (transport.keys_dir) may send",
+                               kind, n)
+
     def ack(self, delivery: Delivery, ok: bool, reason: str = "") -> None:
         """Answer ACK (stored; the sender forgets it) or REJ (invalid; the sender forgets it too).
 
@@ -497,6 +529,9 @@ class ZmqReceiver:
 
     def close(self) -> None:
         """Close the socket and the authenticator (queued messages are discarded)."""
+        if self._monitor is not None:
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
         self._sock.close(linger=0)
         if self._auth is not None:
             self._auth.stop()

@@ -26,3 +26,19 @@ def make_traj(T: int = 12, layers: int = 3, top_k: int = 2, num_experts: int = 8
         num_experts=num_experts, reward=2.0, passed=2, total=3, resolved=False, finish_reason="max_turns",
         tests=[("a", True), ("b[x y]", True), ("c", False)], started_at=1.0, finished_at=2.0,
     )
+
+
+def model_trajectory(model, T: int, trajectory_id: str, *, seed: int = 0) -> Trajectory:
+    """A trajectory a run of ``model`` (a ``ModelConfig``) takes: ``T`` tokens of its vocabulary, one
+    assistant turn from position 100, distinct routed experts per row, one of two tests passed."""
+    rng = np.random.default_rng(seed)
+    mask = np.zeros(T, np.uint8)
+    mask[100:T] = 1
+    routed = (rng.integers(0, model.num_experts, (T - 1, model.num_hidden_layers, 1))
+              + np.arange(model.num_experts_per_tok)) % model.num_experts
+    return Trajectory(task="forged", actor_id=99, token_ids=rng.integers(0, model.vocab_size, T).astype(np.uint32),
+                      loss_mask=mask, logprobs=np.where(mask == 1, -1.0, 0.0).astype(np.float32),
+                      versions=np.where(mask == 1, 0, -1).astype(np.int32), turn_offsets=np.array([[100, T]], np.int32),
+                      routed_experts=routed.astype(experts_dtype(model.num_experts)), num_experts=model.num_experts,
+                      reward=1.0, passed=1, total=2, resolved=False, finish_reason="max_turns",
+                      tests=[("a", True), ("b", False)], trajectory_id=trajectory_id, started_at=1.0, finished_at=2.0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from t1async.learner.checkpoints import (
     MANIFEST,
     latest_checkpoint,
     resumable_checkpoint,
+    resume_from_nothing,
     rotate_checkpoints,
     untrusted_checkpoints,
     verify_checkpoint,
@@ -88,7 +90,7 @@ def test_a_learner_resumes_from_the_newest_intact_checkpoint(tmp_path):
     """Two real checkpoints; the newer one's weights are torn (as by a crash or a bad disk): the
     resumed learner restores step 1 with its weights and says which checkpoint it set aside."""
     cfg = LearnerConfig(max_steps=4, batch_size=1, routing_replay=False, batch_timeout_s=30, episodes_per_step=0)
-    learner = Learner(cfg, MODEL, TransportConfig(), WeightSyncConfig(), str(tmp_path), seed=0)
+    learner = Learner(cfg, MODEL, TransportConfig(curve=False), WeightSyncConfig(), str(tmp_path), seed=0)
     try:
         learner.step = 1
         learner.save_checkpoint()
@@ -102,7 +104,7 @@ def test_a_learner_resumes_from_the_newest_intact_checkpoint(tmp_path):
         learner.close()
     bad = tmp_path / "checkpoints" / "step_000002" / "model.safetensors"
     bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 2])
-    again = Learner(dataclasses.replace(cfg, resume=True), MODEL, TransportConfig(), WeightSyncConfig(), str(tmp_path),
+    again = Learner(dataclasses.replace(cfg, resume=True), MODEL, TransportConfig(curve=False), WeightSyncConfig(), str(tmp_path),
                     seed=0)
     try:
         assert again.step == 1 and again.resumed["checkpoint"].endswith("step_000001")
@@ -120,6 +122,38 @@ def test_a_learner_resumes_from_the_newest_intact_checkpoint(tmp_path):
     one.write_bytes(bytes(data))  # the last one left: same size, other bytes
     with pytest.raises(RuntimeError, match="cannot resume: no checkpoint in .* can be trusted .*set aside as corrupt: "
                                            "step_000001.corrupt, step_000002.corrupt"):
-        Learner(dataclasses.replace(cfg, resume=True), MODEL, TransportConfig(), WeightSyncConfig(), str(tmp_path), seed=0)
+        Learner(dataclasses.replace(cfg, resume=True), MODEL,
+                TransportConfig(curve=False), WeightSyncConfig(), str(tmp_path), seed=0)
 
 
+
+
+def test_a_resume_whose_checkpoints_are_all_gone_is_refused_unless_asked_for(tmp_path):
+    """Issue 42: with every checkpoint deleted, a resume started again from random weights with one
+    INFO line and cut metrics.jsonl back. The learner notes each checkpoint beside the receive log,
+    so it knows the run had some: refused in one line, unless ``learner.resume_from_scratch``."""
+    cfg = LearnerConfig(max_steps=4, batch_size=1, routing_replay=False, batch_timeout_s=30, episodes_per_step=0)
+    learner = Learner(cfg, MODEL, TransportConfig(curve=False), WeightSyncConfig(), str(tmp_path), seed=0)
+    try:
+        assert resume_from_nothing(tmp_path) is None  # nothing written yet: a resume replays the receive log
+        learner.step = 3
+        learner.save_checkpoint()
+    finally:
+        learner.close()
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3)))
+    assert resume_from_nothing(tmp_path) is None  # the checkpoint is there
+    shutil.rmtree(tmp_path / "checkpoints")
+    why = resume_from_nothing(tmp_path)
+    assert why == (f"the run wrote checkpoint step_000003 before (receive_log/checkpointed) and metrics.jsonl reaches "
+                   f"step 3, but {tmp_path / 'checkpoints'} holds no checkpoint now")
+    with pytest.raises(RuntimeError, match=r"cannot resume: the run wrote checkpoint step_000003 .* add "
+                                           r"learner.resume_from_scratch=true"):
+        Learner(dataclasses.replace(cfg, resume=True), MODEL,
+                TransportConfig(curve=False), WeightSyncConfig(), str(tmp_path), seed=0)
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3  # not cut back
+    again = Learner(dataclasses.replace(cfg, resume=True, resume_from_scratch=True), MODEL, TransportConfig(curve=False),
+                    WeightSyncConfig(), str(tmp_path), seed=0)
+    try:
+        assert again.step == 0 and again.resumed["checkpoint"] is None
+    finally:
+        again.close()

@@ -37,7 +37,7 @@ from tests.support.learner_fakes import MODEL, FakeController, send_trajectory, 
 def test_learner_trains_publishes_drops_stale_and_quarantines(tmp_path):
     sampler = EmbeddedSampler(MODEL, SamplerConfig(), seed=0)
     cfg = LearnerConfig(max_steps=2, batch_size=2, publish_every=1, max_staleness=0, batch_timeout_s=60, lr=1e-3)
-    learner = Learner(cfg, MODEL, TransportConfig(), WeightSyncConfig(timeout_s=30), str(tmp_path), seed=0)
+    learner = Learner(cfg, MODEL, TransportConfig(curve=False), WeightSyncConfig(timeout_s=30), str(tmp_path), seed=0)
     try:
         assert learner.connect_samplers([sampler.url()]) == 0 and sampler.version == 0
         before = {n: p.detach().clone() for n, p in learner.policy.named_parameters()}
@@ -89,7 +89,7 @@ def test_learner_trains_publishes_drops_stale_and_quarantines(tmp_path):
 
 def test_critic_warmup_freezes_policy(tmp_path):
     cfg = LearnerConfig(max_steps=1, batch_size=1, critic_warmup_steps=1, lr_warmup_steps=4, batch_timeout_s=30)
-    learner = Learner(cfg, MODEL, TransportConfig(), WeightSyncConfig(), str(tmp_path), seed=0)
+    learner = Learner(cfg, MODEL, TransportConfig(curve=False), WeightSyncConfig(), str(tmp_path), seed=0)
     try:
         before = {n: p.detach().clone() for n, p in learner.policy.named_parameters()}
         critic_before = learner.critic.head.weight.detach().clone()
@@ -128,7 +128,7 @@ def test_learner_scores_sampled_tokens_under_the_sampling_distribution(tmp_path)
     output equal the engine's behaviour log-probs, so on-policy importance weights are 1."""
     gen = GenerationConfig(temperature=0.5, top_p=0.9, top_k=50)
     cfg = LearnerConfig(max_steps=1, batch_size=1, lr=1e-6, batch_timeout_s=30)
-    learner = Learner(cfg, MODEL, TransportConfig(), WeightSyncConfig(), str(tmp_path), generation=gen, seed=0)
+    learner = Learner(cfg, MODEL, TransportConfig(curve=False), WeightSyncConfig(), str(tmp_path), generation=gen, seed=0)
     try:
         engine = Engine(copy.deepcopy(learner.policy).eval(), seed=3)
         prompt = [int(i) for i in np.random.default_rng(0).integers(4, 256, 9)]
@@ -163,7 +163,7 @@ def test_learner_scores_sampled_tokens_under_the_sampling_distribution(tmp_path)
 
 def test_learner_refuses_greedy_generation(tmp_path):
     with pytest.raises(ValueError, match="generation.temperature=0.*temperature > 0"):
-        Learner(LearnerConfig(), MODEL, TransportConfig(), WeightSyncConfig(), str(tmp_path),
+        Learner(LearnerConfig(), MODEL, TransportConfig(curve=False), WeightSyncConfig(), str(tmp_path),
                 generation=GenerationConfig(temperature=0.0))
 
 
@@ -178,7 +178,7 @@ def abnormal(traj: Trajectory, status=None, **fields) -> Trajectory:
 
 def test_verifier_error_and_aborted_trajectories_are_never_trained_slots_returned_and_counted(tmp_path):
     cfg = LearnerConfig(max_steps=1, batch_size=2, publish_every=100, batch_timeout_s=60)  # default learner.abnormal
-    learner = Learner(cfg, MODEL, TransportConfig(), WeightSyncConfig(), str(tmp_path), seed=0)
+    learner = Learner(cfg, MODEL, TransportConfig(curve=False), WeightSyncConfig(), str(tmp_path), seed=0)
     verifier = abnormal(synthetic(0, 1, reward=0.0), verifier_error="the verifier timed out after 60 s")
     aborted = abnormal(synthetic(0, 2), [0, TURN_ABORTED])
     cut = abnormal(synthetic(0, 3), [TURN_CUT_NOT_RUN, TURN_COMMAND_TIMEOUT])
@@ -223,7 +223,7 @@ def test_mask_turn_removes_exactly_that_turn_from_the_policy_loss_and_the_critic
     losses = {}
     for action in ("mask_turn", "train"):
         cfg = LearnerConfig(batch_size=1, lr=0.0, critic_lr=0.0, abnormal=AbnormalConfig(aborted=action))
-        learner = Learner(cfg, MODEL, TransportConfig(), WeightSyncConfig(), str(tmp_path / action), seed=0)
+        learner = Learner(cfg, MODEL, TransportConfig(curve=False), WeightSyncConfig(), str(tmp_path / action), seed=0)
         try:  # lr 0: both steps see the same weights
             losses[action] = [learner._train_step([t]) for t in (traj, other)]
         finally:
@@ -236,7 +236,7 @@ def test_mask_turn_removes_exactly_that_turn_from_the_policy_loss_and_the_critic
 
 def test_a_trajectory_whose_every_turn_is_masked_is_dropped_and_its_slot_returned(tmp_path):
     cfg = LearnerConfig(batch_size=1, batch_timeout_s=10, abnormal=AbnormalConfig(aborted="mask_turn"))
-    learner = Learner(cfg, MODEL, TransportConfig(), WeightSyncConfig(), str(tmp_path), seed=0)
+    learner = Learner(cfg, MODEL, TransportConfig(curve=False), WeightSyncConfig(), str(tmp_path), seed=0)
     try:
         empty = abnormal(synthetic(0, 1), [TURN_ABORTED, TURN_ABORTED])
         half = abnormal(synthetic(0, 2), [TURN_ABORTED, 0])
@@ -258,7 +258,7 @@ def test_kl_penalty_pulls_the_policy_back_to_the_reference(tmp_path):
     Qwen3MoeForCausalLM(MODEL).save_pretrained(ckpt)
     cfg = LearnerConfig(max_steps=1, batch_size=2, kl_coef=1.0, lr=1e-3, lam=1.0, init_checkpoint=str(ckpt),
                         batch_timeout_s=30)  # lam 1, equal rewards, zero critic: every advantage is 0
-    learner = Learner(cfg, MODEL, TransportConfig(), WeightSyncConfig(), str(tmp_path / "run"), seed=0)
+    learner = Learner(cfg, MODEL, TransportConfig(curve=False), WeightSyncConfig(), str(tmp_path / "run"), seed=0)
     try:
         with torch.no_grad():
             for p in learner.policy.parameters():
@@ -296,7 +296,7 @@ def test_the_kl_penalty_s_gradient_through_a_learner_step_is_exactly_that_of_kl_
     cfg = LearnerConfig(max_steps=1, batch_size=MODEL.vocab_size, kl_coef=1.0, is_cap=1e9, init_checkpoint=str(ckpt),
                         advantage="group", critic=False, routing_replay=False, group_window_steps=0,
                         batch_timeout_s=30)
-    learner = Learner(cfg, MODEL, TransportConfig(), WeightSyncConfig(), str(tmp_path / "run"), seed=0)
+    learner = Learner(cfg, MODEL, TransportConfig(curve=False), WeightSyncConfig(), str(tmp_path / "run"), seed=0)
     try:
         with torch.no_grad():
             for p in learner.policy.parameters():
@@ -347,7 +347,7 @@ def test_a_restart_sends_the_last_published_version_again_unless_later_weights_w
     one version staler); when a later publication was lost with the process, it takes a new number."""
     sampler = EmbeddedSampler(MODEL, SamplerConfig(), seed=0)
     cfg = LearnerConfig(max_steps=2, batch_size=1, publish_every=1, checkpoint_every=1, batch_timeout_s=60)
-    learner = Learner(cfg, MODEL, TransportConfig(), WeightSyncConfig(timeout_s=30), str(tmp_path), seed=0)
+    learner = Learner(cfg, MODEL, TransportConfig(curve=False), WeightSyncConfig(timeout_s=30), str(tmp_path), seed=0)
     try:
         learner.connect_samplers([sampler.url()])
         tx = ZmqSender(learner.endpoint())
@@ -360,7 +360,7 @@ def test_a_restart_sends_the_last_published_version_again_unless_later_weights_w
     resumed_cfg = dataclasses.replace(cfg, resume=True)
     for published, expected in ((2, 2), (3, 4)):
         (tmp_path / "receive_log" / "published_version").write_text(str(published))
-        again = Learner(resumed_cfg, MODEL, TransportConfig(), WeightSyncConfig(timeout_s=30), str(tmp_path), seed=0)
+        again = Learner(resumed_cfg, MODEL, TransportConfig(curve=False), WeightSyncConfig(timeout_s=30), str(tmp_path), seed=0)
         try:
             assert again.connect_samplers([sampler.url()]) == expected and sampler.version == expected
         finally:
@@ -373,7 +373,7 @@ def test_after_its_last_step_the_learner_stores_and_acks_what_arrives_and_a_resu
     unanswered: the sender's close returns without waiting out its flush timeout, nothing stays in
     its spool, and a resumed learner replays them from the log."""
     cfg = LearnerConfig(max_steps=1, batch_size=1, checkpoint_every=1, batch_timeout_s=60, publish_every=100)
-    learner = Learner(cfg, MODEL, TransportConfig(), WeightSyncConfig(), str(tmp_path), seed=0)
+    learner = Learner(cfg, MODEL, TransportConfig(curve=False), WeightSyncConfig(), str(tmp_path), seed=0)
     spool = tmp_path / "spool"
     try:
         tx = ZmqSender(learner.endpoint(), spool_dir=str(spool))
@@ -389,7 +389,7 @@ def test_after_its_last_step_the_learner_stores_and_acks_what_arrives_and_a_resu
         assert not [p for p in spool.rglob("*") if p.is_file() and p.stat().st_size > 0]
     finally:
         learner.close()
-    again = Learner(dataclasses.replace(cfg, resume=True, max_steps=2), MODEL, TransportConfig(), WeightSyncConfig(),
+    again = Learner(dataclasses.replace(cfg, resume=True, max_steps=2), MODEL, TransportConfig(curve=False), WeightSyncConfig(),
                     str(tmp_path), seed=0)
     try:
         assert again.run(FakeController())["step"] == 2
@@ -435,7 +435,7 @@ def test_padded_micro_batches_train_like_one_trajectory_per_forward(tmp_path, ad
     for mbt in (0, 4096):
         cfg = LearnerConfig(batch_size=5, lr=1e-3, kl_coef=0.1, advantage=advantage, critic=advantage == "gae",
                             micro_batch_tokens=mbt)
-        learner = Learner(cfg, MODEL, TransportConfig(), WeightSyncConfig(), str(tmp_path / str(mbt)),
+        learner = Learner(cfg, MODEL, TransportConfig(curve=False), WeightSyncConfig(), str(tmp_path / str(mbt)),
                           generation=gen, seed=0)
         try:
             before = {k: v.detach().clone() for k, v in learner.backend.hf_weights()}
@@ -469,7 +469,7 @@ def test_each_step_counts_the_micro_batches_it_trained_in_chunks(tmp_path):
     got = {}
     for chunk, mbt in ((20, 0), (20, 4096), (4096, 4096)):
         cfg = LearnerConfig(batch_size=5, max_tokens_per_chunk=chunk, micro_batch_tokens=mbt)
-        learner = Learner(cfg, MODEL, TransportConfig(), WeightSyncConfig(), str(tmp_path / f"{chunk}-{mbt}"), seed=0)
+        learner = Learner(cfg, MODEL, TransportConfig(curve=False), WeightSyncConfig(), str(tmp_path / f"{chunk}-{mbt}"), seed=0)
         try:
             got[chunk, mbt] = learner._train_step(varied_batch())["chunked_micro_batches"]
         finally:
@@ -569,7 +569,7 @@ def test_policy_steps_raise_the_rewarded_trajectory_and_lower_the_unrewarded_one
     none (reward 0). After a few steps the rewarded one's sampled tokens are more likely under the
     policy and the unrewarded one's less likely. A sign error anywhere on that path fails it."""
     cfg = LearnerConfig(max_steps=4, batch_size=2, lr=1e-3, lam=1.0, routing_replay=False, batch_timeout_s=30)
-    learner = Learner(cfg, MODEL, TransportConfig(), WeightSyncConfig(), str(tmp_path / "run"), seed=0)
+    learner = Learner(cfg, MODEL, TransportConfig(curve=False), WeightSyncConfig(), str(tmp_path / "run"), seed=0)
     try:
         good, bad = synthetic(0, 1, reward=2.0), synthetic(0, 2, reward=0.0)
 
@@ -603,7 +603,7 @@ def test_group_advantage_leaves_a_task_every_episode_resolves_untouched_and_move
     def make(advantage):
         cfg = LearnerConfig(max_steps=4, batch_size=2, lr=1e-3, lam=1.0, routing_replay=False, batch_timeout_s=30,
                             advantage=advantage, normalize_advantages=False)
-        return Learner(cfg, MODEL, TransportConfig(), WeightSyncConfig(), str(tmp_path / f"run-{advantage}"), seed=0)
+        return Learner(cfg, MODEL, TransportConfig(curve=False), WeightSyncConfig(), str(tmp_path / f"run-{advantage}"), seed=0)
 
     def params(learner):
         return torch.cat([p.detach().flatten().clone() for p in learner.policy.parameters()])
@@ -645,7 +645,7 @@ def test_whitening_leaves_a_group_that_scored_alike_at_exactly_zero_advantage_an
     cfg = LearnerConfig(max_steps=4, batch_size=4, lr=1e-3, routing_replay=False, batch_timeout_s=30,
                         advantage=advantage, critic=False, micro_batch_tokens=0, group_window_steps=0)
     assert cfg.normalize_advantages
-    learner = Learner(cfg, MODEL, TransportConfig(), WeightSyncConfig(), str(tmp_path / "run"), seed=0)
+    learner = Learner(cfg, MODEL, TransportConfig(curve=False), WeightSyncConfig(), str(tmp_path / "run"), seed=0)
     from t1async.learner import update
 
     real = update.POLICY_LOSSES["ppo"]
@@ -695,7 +695,8 @@ def test_negative_advantage_weight_zero_trains_only_on_episodes_above_their_base
     def moved_by(weight: float, first: float, second: float) -> float:
         cfg = LearnerConfig(max_steps=4, batch_size=1, lr=1e-3, routing_replay=False, batch_timeout_s=30,
                             advantage="group", normalize_advantages=False, negative_advantage_weight=weight)
-        learner = Learner(cfg, MODEL, TransportConfig(), WeightSyncConfig(), str(tmp_path / f"run-{weight}-{first}"), seed=0)
+        learner = Learner(cfg, MODEL,
+                          TransportConfig(curve=False), WeightSyncConfig(), str(tmp_path / f"run-{weight}-{first}"), seed=0)
         try:
             # the peer, as if trained one step before (a real earlier step would leave Adam momentum
             # that moves the weights even on a zero gradient)
@@ -720,7 +721,7 @@ def test_critic_off_builds_no_critic_and_baselines_a_lone_episode_on_the_batch(t
     that checkpoint with the critic on starts its critic afresh."""
     cfg = LearnerConfig(max_steps=4, batch_size=2, lr=1e-3, routing_replay=False, batch_timeout_s=30,
                         advantage="group", normalize_advantages=False, critic=False)
-    learner = Learner(cfg, MODEL, TransportConfig(), WeightSyncConfig(), str(tmp_path / "run"), seed=0)
+    learner = Learner(cfg, MODEL, TransportConfig(curve=False), WeightSyncConfig(), str(tmp_path / "run"), seed=0)
 
     def params(module):
         return torch.cat([p.detach().flatten().clone() for p in module.parameters()])
@@ -745,7 +746,7 @@ def test_critic_off_builds_no_critic_and_baselines_a_lone_episode_on_the_batch(t
     finally:
         learner.close()
     on = dataclasses.replace(cfg, critic=True, advantage="gae", resume=True)
-    learner = Learner(on, MODEL, TransportConfig(), WeightSyncConfig(), str(tmp_path / "run"), seed=0)
+    learner = Learner(on, MODEL, TransportConfig(curve=False), WeightSyncConfig(), str(tmp_path / "run"), seed=0)
     try:
         assert learner.step == 2 and learner.critic is not None
         assert torch.equal(params(learner.policy), params(Qwen3MoeForCausalLM.from_pretrained(saved)))
@@ -769,7 +770,7 @@ def test_a_resumed_learner_keeps_the_group_advantage_window(tmp_path):
     restart still finds its peers: the resumed learner baselines the rest of the group on them
     instead of falling back."""
     cfg = LearnerConfig(max_steps=4, batch_size=1, routing_replay=False, batch_timeout_s=30, advantage="group")
-    learner = Learner(cfg, MODEL, TransportConfig(), WeightSyncConfig(), str(tmp_path), seed=0)
+    learner = Learner(cfg, MODEL, TransportConfig(curve=False), WeightSyncConfig(), str(tmp_path), seed=0)
     try:
         learner._train_step([synthetic(0, 1, reward=2.0)])
         learner.step += 1
@@ -778,7 +779,8 @@ def test_a_resumed_learner_keeps_the_group_advantage_window(tmp_path):
     finally:
         learner.close()
     assert window == {"synthetic": [(1, 2.0)]}
-    again = Learner(dataclasses.replace(cfg, resume=True), MODEL, TransportConfig(), WeightSyncConfig(), str(tmp_path), seed=0)
+    again = Learner(dataclasses.replace(cfg, resume=True), MODEL,
+                    TransportConfig(curve=False), WeightSyncConfig(), str(tmp_path), seed=0)
     try:
         assert again._task_rewards == window
         assert again._train_step([synthetic(0, 2, reward=0.0)])["group_baselined_frac"] == 1.0
@@ -800,7 +802,7 @@ def test_learner_wait_holds_the_publish_for_a_slow_episode_instead_of_dropping_i
                      make_rollout=None, seed=0)
     cfg = LearnerConfig(max_steps=3, batch_size=1, publish_every=1, max_staleness=1,
                         batch_timeout_s=60, lr=1e-3)
-    learner = Learner(cfg, MODEL, TransportConfig(), WeightSyncConfig(timeout_s=30), str(tmp_path), seed=0)
+    learner = Learner(cfg, MODEL, TransportConfig(curve=False), WeightSyncConfig(timeout_s=30), str(tmp_path), seed=0)
     sampler = EmbeddedSampler(MODEL, SamplerConfig(), seed=0)
     slow, f1, f2 = synthetic(0, 1), synthetic(0, 2), synthetic(1, 3)
     try:
@@ -938,7 +940,7 @@ def test_grpo_advantage_leaves_an_all_alike_group_untouched_and_moves_a_mixed_on
     advantage 0 (the policy does not move), rewards 2 and 0 move it; both groups are covered."""
     cfg = LearnerConfig(max_steps=4, batch_size=2, lr=1e-3, lam=1.0, routing_replay=False, batch_timeout_s=30,
                         advantage="grpo", normalize_advantages=False, group_window_steps=0)
-    learner = Learner(cfg, MODEL, TransportConfig(), WeightSyncConfig(), str(tmp_path / "run"), seed=0)
+    learner = Learner(cfg, MODEL, TransportConfig(curve=False), WeightSyncConfig(), str(tmp_path / "run"), seed=0)
 
     def params():
         return torch.cat([p.detach().flatten().clone() for p in learner.policy.parameters()])

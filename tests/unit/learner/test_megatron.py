@@ -264,7 +264,7 @@ def _learner(tmp_path, backend, replay, **kw):
     from t1async.actors.learner import Learner
 
     cfg = LearnerConfig(batch_size=2, lr=1e-3, backend=backend, routing_replay=replay, **kw)
-    return Learner(cfg, MODEL, TransportConfig(), WeightSyncConfig(), str(tmp_path / f"{backend}-{replay}"), seed=0)
+    return Learner(cfg, MODEL, TransportConfig(curve=False), WeightSyncConfig(), str(tmp_path / f"{backend}-{replay}"), seed=0)
 
 
 def _batch():
@@ -395,7 +395,7 @@ def test_tied_embeddings_megatron_matches_the_torch_model_and_round_trips_a_tied
     out = {}
     for backend in ("torch", "megatron"):
         cfg = LearnerConfig(batch_size=2, lr=1e-3, backend=backend, init_checkpoint=str(tmp_path / "init"))
-        learner = Learner(cfg, TIED, TransportConfig(), WeightSyncConfig(), str(tmp_path / backend), seed=0)
+        learner = Learner(cfg, TIED, TransportConfig(curve=False), WeightSyncConfig(), str(tmp_path / backend), seed=0)
         try:
             metrics = learner._train_step(_batch())
             learner.step = 1

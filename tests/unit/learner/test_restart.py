@@ -41,7 +41,7 @@ def _lost_life(run_dir, sampler_urls: list[str]) -> list:
     """A learner that checkpointed at step 2 (version 2), then published versions 3-5 and died;
     its receive log holds what it received after the checkpoint, sampled at versions 2-5 (each
     within the bound of the version it was received at). Returns those trajectories."""
-    learner = Learner(CFG, MODEL, TransportConfig(), WeightSyncConfig(timeout_s=30), str(run_dir), seed=0)
+    learner = Learner(CFG, MODEL, TransportConfig(curve=False), WeightSyncConfig(timeout_s=30), str(run_dir), seed=0)
     try:
         assert learner.connect_samplers(sampler_urls) == 0
         for step in (1, 2):
@@ -70,7 +70,7 @@ def test_a_resumed_learner_trains_its_backlog_without_stale_drops(tmp_path):
     2 versions stale (bound 1) and dropped; measured in timeline versions it trains as it would
     have without the kill, and admission is told the checkpoint's timeline version first."""
     backlog = _lost_life(tmp_path, [])
-    again = Learner(dataclasses.replace(CFG, resume=True), MODEL, TransportConfig(), WeightSyncConfig(),
+    again = Learner(dataclasses.replace(CFG, resume=True), MODEL, TransportConfig(curve=False), WeightSyncConfig(),
                     str(tmp_path), seed=0)
     ctl = FakeController()
     try:
@@ -96,7 +96,7 @@ def test_the_samplers_keep_the_lost_lifes_weights_until_the_learner_re_trains_pa
     try:
         backlog = _lost_life(tmp_path, [sampler.url()])
         assert sampler.version == 5
-        again = Learner(dataclasses.replace(CFG, resume=True, max_steps=7), MODEL, TransportConfig(),
+        again = Learner(dataclasses.replace(CFG, resume=True, max_steps=7), MODEL, TransportConfig(curve=False),
                         WeightSyncConfig(timeout_s=30), str(tmp_path), seed=0)
         ctl = FakeController()
         try:

@@ -174,7 +174,7 @@ def _traj(policy, T=60, seed=0, replay_noise=False):
 @pytest.mark.parametrize("replay", [True, False])
 def test_learner_step_logs_routing_kl_drift_metrics(tmp_path, replay):
     cfg = LearnerConfig(max_steps=1, batch_size=2, batch_timeout_s=30, routing_replay=replay)
-    learner = Learner(cfg, CFG, TransportConfig(), WeightSyncConfig(), str(tmp_path), seed=0)
+    learner = Learner(cfg, CFG, TransportConfig(curve=False), WeightSyncConfig(), str(tmp_path), seed=0)
     try:
         batch = [_traj(learner.policy, seed=1), _traj(learner.policy, seed=2, replay_noise=True)]
         m = learner._train_step(batch)

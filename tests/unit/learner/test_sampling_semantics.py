@@ -132,7 +132,7 @@ def test_learner_importance_weight_is_one_on_sglang_tokens_with_identical_weight
     way (renormalised; what main did for every backend) the same tokens get weights of 1/Z_kept > 1."""
     gen = GenerationConfig(temperature=1.0, top_p=top_p, top_k=top_k)
     cfg = LearnerConfig(max_steps=1, batch_size=1, lr=1e-6, batch_timeout_s=30)
-    learner = Learner(cfg, MODEL, TransportConfig(), WeightSyncConfig(), str(tmp_path), generation=gen, seed=0,
+    learner = Learner(cfg, MODEL, TransportConfig(curve=False), WeightSyncConfig(), str(tmp_path), generation=gen, seed=0,
                       sampler_backend="sglang")
     try:
         prompt = [int(i) for i in np.random.default_rng(0).integers(4, 256, 8)]

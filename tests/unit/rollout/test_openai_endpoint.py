@@ -234,7 +234,7 @@ def test_rollout_actor_runs_an_external_agent_in_a_real_sandbox(sampler_url, tmp
     command = f"python {repo / 'tools' / 'example_agent.py'}" if agent == "example" else f"python -c '{SOLVER}'"
     cfg = RolloutConfig(agent="external", agent_command=command, agent_cwd=str(repo))
     actor = RolloutActor(0, EnvConfig(max_turns=2, tasks=["create-hello-file"]), GenerationConfig(max_new_tokens=8),
-                         MODEL, TransportConfig(), [sampler_url], "tcp://127.0.0.1:9", rollout_cfg=cfg,
+                         MODEL, TransportConfig(curve=False), [sampler_url], "tcp://127.0.0.1:9", rollout_cfg=cfg,
                          work_root=str(tmp_path))
     try:
         [traj] = actor.run_one("create-hello-file")

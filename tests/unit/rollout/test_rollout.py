@@ -133,7 +133,7 @@ def test_rollout_actor_streams_over_zeromq(sampler_url, tmp_path):
     th = threading.Thread(target=learner_side)
     th.start()
     actor = RolloutActor(0, EnvConfig(max_turns=2, tasks=["create-hello-file"]), GenerationConfig(max_new_tokens=8),
-                         MODEL, TransportConfig(), [sampler_url], rx.endpoint)
+                         MODEL, TransportConfig(curve=False), [sampler_url], rx.endpoint)
     admission = Admission()
     assert actor.run(admission) == {"episodes": 3, "failed": 0, "rerouted": 0}
     assert actor.sender.unacknowledged() == 0  # run() flushed: every trajectory was acknowledged or rejected

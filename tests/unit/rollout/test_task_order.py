@@ -109,7 +109,7 @@ def test_each_checkpoint_holds_the_controllers_task_order_of_that_step(tmp_path)
                      make_rollout=lambda aid, crash: None, seed=0)
     drawn = [ctl.acquire(0) for _ in range(5)]
     cfg = LearnerConfig(max_steps=1, batch_size=1, publish_every=1000, checkpoint_every=1, batch_timeout_s=60)
-    learner = Learner(cfg, MODEL, TransportConfig(), WeightSyncConfig(), str(tmp_path), seed=0)
+    learner = Learner(cfg, MODEL, TransportConfig(curve=False), WeightSyncConfig(), str(tmp_path), seed=0)
     try:
         tx = ZmqSender(learner.endpoint())
         tx.send("traj-00001", encode(synthetic(1)))
@@ -141,7 +141,7 @@ LIFE = textwrap.dedent("""
     sys.stdin.readline()  # (imported while the first life runs; go)
     cfg = LearnerConfig(max_steps=0, batch_size=2, publish_every=1000, checkpoint_every=2,
                         resume=life > 1, batch_timeout_s=120, lr=1e-3)
-    learner = Learner(cfg, model, TransportConfig(port=port, log_fsync="never"), WeightSyncConfig(), run_dir)
+    learner = Learner(cfg, model, TransportConfig(curve=False, port=port, log_fsync="never"), WeightSyncConfig(), run_dir)
     resumed = learner.status()["resumed"]
     # as t1async launch does: the controller continues the order saved in the checkpoint resumed from
     ctl = Controller(RolloutConfig(num_actors=1, group_size=2), tasks, rollouts_per_version=2, max_staleness=29,

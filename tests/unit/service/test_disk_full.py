@@ -117,7 +117,7 @@ def test_disk_guard_pauses_below_its_floor_and_after_a_fault_and_clears_by_itsel
 
 def _learner(tmp_path, **kw) -> Learner:
     cfg = LearnerConfig(batch_size=1, batch_timeout_s=60, publish_every=100, **kw)
-    return Learner(cfg, MODEL, TransportConfig(), WeightSyncConfig(), str(tmp_path), seed=0)
+    return Learner(cfg, MODEL, TransportConfig(curve=False), WeightSyncConfig(), str(tmp_path), seed=0)
 
 
 def test_writes_refused_by_a_full_disk_pause_the_learner_and_are_written_once_space_is_back(tmp_path, monkeypatch):
@@ -287,6 +287,63 @@ def test_rollout_actor_backs_off_on_episodes_that_fail_on_the_disk_and_keeps_a_f
     assert actor.sender.sent == [traj.trajectory_id] and sleeps == [1.0, 2.0]
 
 
+def test_the_floor_keeps_room_for_the_next_checkpoint_by_its_measured_size(tmp_path, monkeypatch):
+    """Issue 42: free space between the floor (15 MB) and one checkpoint (95 MB) made the service
+    resume, fail its checkpoint and pause again every ~15 s. Once a checkpoint is written its size
+    raises the floor: such free space pauses the learner steadily, naming the reason."""
+    free = {"b": None}
+    real = fileio.free_bytes
+    monkeypatch.setattr(fileio, "free_bytes", lambda p: real(p) if free["b"] is None else free["b"])
+    learner = _learner(tmp_path, max_steps=1, disk_floor_mb=0.25, checkpoint_every=1)
+    tx = ZmqSender(learner.endpoint())
+    try:
+        assert learner.disk.floor_bytes() == 1 << 18  # nothing measured yet: the configured floor
+        send_trajectory(tx, synthetic(version=0, seed=1))
+        result = learner.run(FakeController())
+        size = checkpoints_mod.checkpoint_bytes(tmp_path / "checkpoints" / "step_000001")
+        assert result["step"] == 1 and result["checkpoint_failed"] is None and size > 1 << 19
+        assert learner.disk.floor_bytes() == int(size * fileio.RESERVE_MARGIN)
+        free["b"] = size // 2  # above the configured floor, below one checkpoint
+        assert learner.disk.check() == (f"disk full at {tmp_path} ({size // 2 / (1 << 20):.0f} MB free, below the floor "
+                                        f"of {int(size * 1.1) / (1 << 20):.0f} MB (room for the next checkpoint))")
+    finally:
+        tx.close(flush_timeout_s=0)
+        learner.close()
+    again = _learner(tmp_path, max_steps=1, disk_floor_mb=0.25, resume=True)  # a resume measures its checkpoint
+    try:
+        assert again.disk.floor_bytes() == int(size * fileio.RESERVE_MARGIN)
+    finally:
+        again.close()
+
+
+def test_a_final_checkpoint_that_does_not_fit_is_reported_in_the_status_and_the_exit_status(tmp_path, monkeypatch):
+    """Issue 42: ``stop`` said "done" and exit status 0 although its final checkpoint failed."""
+    import t1async.cli as cli
+    from t1async.service.control import final_checkpoint_error
+
+    def full(*a, **k):
+        raise ENOSPC
+
+    monkeypatch.setattr(checkpoints_mod, "commit", full)
+    learner = _learner(tmp_path, max_steps=1, checkpoint_every=0)
+    tx = ZmqSender(learner.endpoint())
+    try:
+        send_trajectory(tx, synthetic(version=0, seed=1))
+        result = learner.run(FakeController())
+    finally:
+        tx.close(flush_timeout_s=0)
+        learner.close()
+    assert result["step"] == 1 and result["checkpoint_failed"].startswith("checkpoint of step 1 not written (")
+    summary = {"run_dir": str(tmp_path), "ended": "stopped", "max_steps": 0, "steps": 1, "learner": result}
+    assert final_checkpoint_error(summary).startswith("the final checkpoint did not fit: checkpoint of step 1 not")
+    assert final_checkpoint_error({**summary, "learner": {**result, "checkpoint_failed": None}}) is None
+    import t1async.service.launch as launch_mod
+
+    for ended, rc in (("stopped", 1), ("done", 1), ("signal", 130)):
+        monkeypatch.setattr(launch_mod, "launch", lambda *a, e=ended: {**summary, "ended": e, "max_steps": 1})
+        assert cli.main(["launch", "configs/local.yaml"]) == rc
+
+
 def _can_mount_tmpfs(where: Path) -> bool:
     where.mkdir(parents=True, exist_ok=True)
     r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(where)], capture_output=True)
@@ -345,3 +402,46 @@ def test_a_launch_on_a_full_disk_says_degraded_runs_no_step_resumes_when_freed_a
     assert "Traceback" not in text, text[-3000:]
     said = [x for x in text.splitlines() if "degraded: disk full at" in x or "disk space is back" in x]
     assert len(said) == 2 and f"degraded: disk full at {run_dir}" in said[0], said  # one line each way
+
+
+@pytest.mark.slow
+def test_a_stop_whose_final_checkpoint_does_not_fit_says_so_with_exit_status_1(tmp_path):
+    """The real service on a 400 MiB tmpfs with ``learner.checkpoint_every=0`` (the final checkpoint
+    only): the disk fills to 30 MB free, above the 8 MB floor and below one checkpoint (about 95 MB);
+    training goes on; ``t1async stop`` then says the final checkpoint did not fit, on the launch's
+    console and its own, both with exit status 1 (issue 42: "(final checkpoint follows)", "done", rc 0)."""
+    from tests.support.service import CLI, SMALL, read_status
+
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    run_dir, filler = mnt / "run", mnt / "filler"
+    out = open(tmp_path / "launch.out", "w")
+    p = subprocess.Popen(CLI + [f"run.dir={run_dir}", *SMALL, "learner.disk_floor_mb=8", "learner.checkpoint_every=0"],
+                         stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def status():
+        try:
+            return read_status(run_dir)
+        except Exception:
+            return None
+
+    try:
+        wait_for(lambda: (s := status()) and s.get("step", 0) >= 1, 600, "the first step")
+        free = os.statvfs(mnt).f_bavail * os.statvfs(mnt).f_frsize
+        with open(filler, "wb") as f:  # 30 MB left: above the floor, below one checkpoint
+            f.write(b"\0" * max(0, free - (30 << 20)))
+        time.sleep(3)
+        assert status()["state"] == "running"  # above the floor: training goes on
+        stop = subprocess.run([*CLI[:3], "stop", str(run_dir)], capture_output=True, text=True, timeout=600)
+        rc = p.wait(timeout=120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, 9)
+            p.wait()
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+    text = (tmp_path / "launch.out").read_text()
+    assert stop.returncode == 1 and "t1async: error: stopped, but the final checkpoint did not fit" in stop.stderr, stop
+    assert rc == 1 and "t1async: error: stopped, but the final checkpoint did not fit" in text, text[-3000:]
+    assert "Traceback" not in text

@@ -53,6 +53,49 @@ def test_resume_of_a_run_whose_checkpoints_all_fail_verification_is_refused(caps
     assert not (run_dir / "service.lock").exists()
 
 
+def test_resume_of_a_run_whose_checkpoints_are_all_gone_is_refused_unless_asked_for(capsys, tmp_path):
+    """Issue 42: every checkpoint deleted, a resume started again from random weights and cut
+    metrics.jsonl back. Refused in one line (the run noted a checkpoint beside its receive log);
+    ``learner.resume_from_scratch=true`` lets it through the same check."""
+    from t1async.learner.checkpoints import note_checkpointed
+    from t1async.service.preflight import check_resumable
+
+    run_dir = tmp_path / "run"
+    for sub in ("checkpoints", "receive_log"):
+        (run_dir / sub).mkdir(parents=True)
+    note_checkpointed(run_dir / "receive_log", 12, fsync=False)  # as the learner's 12th step's checkpoint did
+    (run_dir / "metrics.jsonl").write_text("".join(f'{{"step": {s}}}\n' for s in range(1, 35)))
+    assert_main_one_line(capsys, ["launch", LOCAL, f"run.dir={run_dir}", "learner.resume=true"],
+                         "learner.resume=true but the run wrote checkpoint step_000012 before", "reaches step 34",
+                         "learner.resume_from_scratch=true")
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 34 and not (run_dir / "service.lock").exists()
+    check_resumable(run_dir, from_scratch=True)  # told to: no refusal
+    (run_dir / "receive_log" / "checkpointed").unlink()  # killed before its first checkpoint: the log replays
+    check_resumable(run_dir)
+
+
+def test_an_unauthenticated_learner_port_reachable_from_other_machines_is_refused(capsys, tmp_path):
+    """Issue 42: a forged frame on the open port was ACKed and trained. CurveZMQ is on by default;
+    turning it off is refused unless the learner binds loopback, and a cluster needs shared keys."""
+    from t1async.service.preflight import check_transport_auth
+
+    run_dir = tmp_path / "run"
+    assert_main_one_line(capsys, ["launch", LOCAL, f"run.dir={run_dir}", "transport.curve=false", "transport.host=0.0.0.0"],
+                         "transport.curve=false with transport.host=0.0.0.0: anyone who reaches that port could "
+                         "train the policy")
+    assert_main_one_line(capsys, ["launch", LOCAL, f"run.dir={run_dir}", "ray.address=10.0.0.5:6379"],
+                         "transport.keys_dir is needed with ray.address=10.0.0.5:6379")
+    assert not run_dir.exists()
+    cfg = load_config(LOCAL)
+    assert cfg.transport.curve and not cfg.transport.keys_dir  # the default: keys made at launch
+    check_transport_auth(cfg)
+    cfg.transport.curve = False  # loopback (the default host) or ipc: only this machine's processes reach it
+    check_transport_auth(cfg)
+    cfg.transport.host = "0.0.0.0"
+    cfg.transport.scheme = "ipc"
+    check_transport_auth(cfg)
+
+
 def test_broken_tasks_are_skipped_with_a_count_and_refused_only_when_none_is_usable(tmp_path, capfd):
     """Issue 42 item 9: one broken task folder stopped the whole launch. Broken ones are skipped,
     each named, with a count; with no usable task left every broken one is named, one line each."""

@@ -82,7 +82,7 @@ def fuzz_corpus(n_invalid: int, seed: int = 0) -> tuple[list[bytes], collections
 def test_fuzz_decoder_and_live_learner_socket(tmp_path):
     invalid, fields, valid = fuzz_corpus(10_000)
     assert len(invalid) == 10_000 and len(fields) >= 10  # many different fields were hit
-    learner = Learner(LearnerConfig(max_steps=1, batch_size=1), MODEL, TransportConfig(log_fsync="never"),
+    learner = Learner(LearnerConfig(max_steps=1, batch_size=1), MODEL, TransportConfig(curve=False, log_fsync="never"),
                       WeightSyncConfig(), str(tmp_path), seed=0)
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -108,7 +108,7 @@ def test_fuzz_decoder_and_live_learner_socket(tmp_path):
         st = learner.status()
         assert st["received"] == 0 and st["queue_depth"] == 0 and len(learner.inbox.log) == 0 and learner.step == 0
         kept = list((tmp_path / "quarantine").glob("*.json"))  # bounded: the newest, prefix and metadata
-        assert len(kept) == TransportConfig().quarantine_max_files and learner.counters["quarantine_evicted"] == (
+        assert len(kept) == TransportConfig(curve=False).quarantine_max_files and learner.counters["quarantine_evicted"] == (
             len(invalid) + n_env - len(kept))
         assert sum(st["rejected_by"].values()) == st["rejected"] and len(st["rejected_by"]) >= 10
         good = synthetic(99)
@@ -147,7 +147,7 @@ LEARNER_PROC = textwrap.dedent("""
     model = ModelConfig(**json.loads(sys.argv[4]))
     cfg = LearnerConfig(max_steps=6, batch_size=3, publish_every=1000, checkpoint_every=2, resume=resume,
                         batch_timeout_s=120, lr=1e-3)
-    learner = Learner(cfg, model, TransportConfig(port=port, log_fsync="never"), WeightSyncConfig(), run_dir)
+    learner = Learner(cfg, model, TransportConfig(curve=False, port=port, log_fsync="never"), WeightSyncConfig(), run_dir)
     print("ready", flush=True)
     print(json.dumps(learner.run()), flush=True)
     learner.close()

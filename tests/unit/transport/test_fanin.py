@@ -111,7 +111,7 @@ def test_learner_acks_a_burst_after_one_flush_never_before(tmp_path, monkeypatch
     from t1async.trajectory import EncodedTrajectory
 
     learner = Learner(LearnerConfig(max_steps=0, episodes_per_step=0), ModelConfig(),
-                      TransportConfig(log_fsync="always", recv_queue_messages=64), WeightSyncConfig(),
+                      TransportConfig(curve=False, log_fsync="always", recv_queue_messages=64), WeightSyncConfig(),
                       str(tmp_path / "run"))
     log = learner.inbox.log
     durable_at: dict[str, float] = {}

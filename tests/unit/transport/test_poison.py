@@ -20,7 +20,7 @@ from t1async.actors.learner import Learner
 from t1async.config import ConfigError, LearnerConfig, TransportConfig, WeightSyncConfig, load_config
 from t1async.trajectory import Trajectory, TrajectoryError, encode
 from t1async.transport.delivery import ReceiveLog
-from t1async.transport.intake import RunFacts, check_trajectory
+from t1async.transport.intake import RunFacts, check_trajectory, context_limit
 from t1async.transport.quarantine import Quarantine
 from t1async.transport.transport import ACK, PROTOCOL, REJECT
 from tests.support.learner_fakes import MODEL, FakeController, synthetic
@@ -85,6 +85,18 @@ def test_intake_check_knows_the_run_not_only_the_frame():
         RunFacts(vocab_size=8, num_experts=2, num_layers=1, top_k=1, reward="shaped")
 
 
+def test_intake_refuses_a_trajectory_longer_than_the_model_or_the_run_holds():
+    """Issue 42: 16,384 tokens against a context of 8,192 were ACKed and stalled the learner."""
+    t = synthetic(version=0, seed=1, T=40)
+    check_trajectory(t, dataclasses.replace(FACTS, max_tokens=40))  # exactly the context: trained
+    with pytest.raises(TrajectoryError, match="40 tokens, more than the 39") as e:
+        check_trajectory(t, dataclasses.replace(FACTS, max_tokens=39))
+    assert e.value.field == "length"
+    assert context_limit(8192) == 8192 and context_limit(8192, 4096) == 4096 and context_limit(8192, 16384) == 8192
+    with pytest.raises(ValueError, match="max_tokens"):
+        dataclasses.replace(FACTS, max_tokens=-1)
+
+
 def test_quarantine_keeps_a_capped_prefix_with_metadata_and_evicts_the_oldest(tmp_path):
     q = Quarantine(tmp_path / "q", prefix_bytes=1000, max_bytes=3000, max_files=10, fsync=False)
     big = np.random.default_rng(0).bytes(3 << 20)  # a 3 MB garbage message
@@ -112,11 +124,40 @@ def test_quarantine_bounds_are_config_keys():
         load_config(None, ["transport.quarantine_max_files=-1"])
 
 
-def _learner(tmp_path, **kw) -> Learner:
+def _learner(tmp_path, max_context_tokens: int = 0, model=MODEL, **kw) -> Learner:
     cfg = LearnerConfig(**{"max_steps": 1, "batch_size": 2, "batch_timeout_s": 60, "publish_every": 100,
                            "episodes_per_step": 0, **kw})
-    return Learner(cfg, MODEL, TransportConfig(log_fsync="never", quarantine_prefix_bytes=512), WeightSyncConfig(),
-                   str(tmp_path), seed=0)
+    return Learner(cfg, model, TransportConfig(curve=False, log_fsync="never", quarantine_prefix_bytes=512), WeightSyncConfig(),
+                   str(tmp_path), seed=0, max_context_tokens=max_context_tokens)
+
+
+@pytest.mark.parametrize("context,run_max", [(48, 0), (8192, 48)])
+def test_a_trajectory_past_the_context_is_rejected_at_receipt_counted_and_never_stored(tmp_path, context, run_max):
+    """The model's context (``model.max_position_embeddings``) and the run's ``env.max_context_tokens``
+    both bound what intake takes: longer is REJ ``length``, counted, quarantined, not in the receive log."""
+    learner = _learner(tmp_path, max_context_tokens=run_max,
+                       model=dataclasses.replace(MODEL, max_position_embeddings=context))
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(learner.endpoint())
+    try:
+        long, fits = synthetic(version=0, seed=1, T=96), synthetic(version=0, seed=2, T=48)
+        long.trajectory_id, fits.trajectory_id = "long-1", "fits-1"
+        for t in (long, fits):
+            sock.send_multipart([PROTOCOL, t.trajectory_id.encode(), encode(t)])
+        replies = {}
+        while len(replies) < 2 and sock.poll(20_000):
+            kind, key, reason = sock.recv_multipart()
+            replies[key.decode()] = (kind, reason.decode())
+        assert replies["fits-1"] == (ACK, "")
+        assert replies["long-1"][0] == REJECT and "96 tokens, more than the 48" in replies["long-1"][1]
+        assert learner.inbox.queue.get(5.0).trajectory_id == "fits-1" and learner.inbox.queue.qsize() == 0
+        st = learner.status()
+        assert st["rejected_by"] == {"length": 1} and st["rejected"] == 1 and st["received"] == 1
+        assert "long-1" not in learner.inbox.log and "fits-1" in learner.inbox.log
+    finally:
+        sock.close()
+        learner.close()
 
 
 def test_bad_token_and_huge_negative_reward_are_rejected_at_receipt_never_queued(tmp_path):
@@ -151,7 +192,7 @@ def test_bad_token_and_huge_negative_reward_are_rejected_at_receipt_never_queued
 def test_a_large_garbage_message_is_quarantined_as_a_capped_prefix_not_whole(tmp_path):
     """A 3 MB message that is no trajectory used to be stored whole in quarantine/ (a 300 MB one
     became a 300 MB file); with the default bounds only its first 64 KiB and its metadata stay."""
-    learner = Learner(LearnerConfig(max_steps=0, episodes_per_step=0), MODEL, TransportConfig(log_fsync="never"),
+    learner = Learner(LearnerConfig(max_steps=0, episodes_per_step=0), MODEL, TransportConfig(curve=False, log_fsync="never"),
                       WeightSyncConfig(), str(tmp_path), seed=0)
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -161,7 +202,7 @@ def test_a_large_garbage_message_is_quarantined_as_a_capped_prefix_not_whole(tmp
         sock.send_multipart([PROTOCOL, b"junk-1", junk])
         assert sock.poll(20_000) and sock.recv_multipart()[:2] == [REJECT, b"junk-1"]
         kept = sum(p.stat().st_size for p in (tmp_path / "quarantine").iterdir())
-        assert kept < TransportConfig().quarantine_prefix_bytes + 4096
+        assert kept < TransportConfig(curve=False).quarantine_prefix_bytes + 4096
         meta = json.loads(next((tmp_path / "quarantine").glob("*.json")).read_text())
         assert meta["size"] == len(junk) and meta["sha256"] == hashlib.sha256(junk).hexdigest()
     finally:
@@ -195,7 +236,7 @@ def test_resume_over_a_poisoned_receive_log_skips_the_bad_record_and_trains_the_
         for f in ckpt.iterdir():
             f.unlink()
         ckpt.rmdir()
-    again = _learner(tmp_path, resume=True)
+    again = _learner(tmp_path, resume=True, resume_from_scratch=True)  # (the checkpoints are gone on purpose)
     try:
         st = again.run(FakeController())
         assert st["step"] == 1 and st["rejected"] == 0 and st["trained"] == 2 and st["replayed"] >= 2

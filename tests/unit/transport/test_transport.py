@@ -221,7 +221,35 @@ def test_multinode_example_config_turns_curve_on():
 
     cfg = load_config(REPO / "configs" / "multinode.yaml")
     assert cfg.transport.curve and cfg.transport.scheme == "tcp" and cfg.transport.keys_dir
-    assert load_config(REPO / "configs" / "local.yaml").transport.curve is False
+    local = load_config(REPO / "configs" / "local.yaml").transport
+    assert local.curve is True and local.keys_dir == ""  # authenticated by default: keys made at launch
+
+
+def test_a_receiver_counts_the_connections_it_refuses(tmp_path):
+    """A plain sender and one with a key the learner does not accept are refused before any message,
+    and counted by the receiver (the learner's status shows them: ``refused_handshakes``)."""
+    import zmq.auth
+
+    from t1async.transport.keys import ClientKeys, run_keys_dir
+
+    keys = run_keys_dir(tmp_path)
+    assert oct(keys.stat().st_mode & 0o777) == "0o700" and (keys / "learner.key_secret").stat().st_mode & 0o077 == 0
+    rx = ZmqReceiver("tcp://127.0.0.1:*", curve=server_keys(keys))
+    plain = ZmqSender(rx.endpoint, spool_dir=str(tmp_path / "s1"))
+    pub, sec = zmq.auth.create_certificates(str(tmp_path), "intruder")
+    intruder = ZmqSender(rx.endpoint, spool_dir=str(tmp_path / "s2"), curve=ClientKeys(
+        *zmq.auth.load_certificate(sec), server_public=client_keys(keys).server_public))
+    try:
+        plain.send("forged-1", b"x" * 100)
+        intruder.send("forged-2", b"x" * 100)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not (rx.refused_handshakes["auth"] and rx.refused_handshakes["other"]):
+            assert rx.recv(0.2) is None  # nothing of theirs arrives
+        assert rx.refused_handshakes["auth"] >= 1 and rx.refused_handshakes["other"] >= 1, rx.refused_handshakes
+    finally:
+        plain.close(flush_timeout_s=0)
+        intruder.close(flush_timeout_s=0)
+        rx.close()
 
 
 def test_ipc_endpoint_carries_trajectories(tmp_path):

@@ -181,7 +181,7 @@ def test_the_learner_loads_joiners_while_idle_and_publishes_anew_only_when_none_
 
     a, b, c = (EmbeddedSampler(MODEL, SamplerConfig(), seed=i) for i in range(3))
     cfg = LearnerConfig(max_steps=0, batch_size=1, publish_every=2, max_staleness=2, batch_timeout_s=60)
-    learner = Learner(cfg, MODEL, TransportConfig(), WeightSyncConfig(timeout_s=30), str(tmp_path), seed=0)
+    learner = Learner(cfg, MODEL, TransportConfig(curve=False), WeightSyncConfig(timeout_s=30), str(tmp_path), seed=0)
     tx = None
     try:
         learner.connect_samplers([a.url()])

@@ -41,7 +41,7 @@ def test_learner_in_tensor_mode_publishes_its_packed_policy_to_an_embedded_sampl
     """The learner's own wiring (make_weight_sync from WeightSyncConfig): version 0 at connect, then a
     change made in place to the (packed, now shared-memory) policy reaches the sampler bit for bit."""
     sampler = EmbeddedSampler(MODEL, SamplerConfig(), seed=0)
-    learner = Learner(LearnerConfig(max_steps=0, episodes_per_step=0), MODEL, TransportConfig(),
+    learner = Learner(LearnerConfig(max_steps=0, episodes_per_step=0), MODEL, TransportConfig(curve=False),
                       WeightSyncConfig(mode="tensor", timeout_s=30, bucket_mb=0.02), str(tmp_path), seed=0)
     try:
         assert isinstance(learner._sync, TensorWeightSync)
