@@ -5,6 +5,11 @@ live status line and the TensorBoard events.
                                                      died: restart it from its last checkpoint and
                                                            the receive log (back-off 5, 10, 20 s...)
                                                            or, past run.learner_restarts, one line
+    controller.run() --(same poll)--> died (its rollout actors with it): the learner ends its run
+                                      (checkpoint) and restarts, then a new controller continues
+                                      admission from it (launch.restart_controller)
+    every 5 s: node memory and memory kills --> MemoryBackoff (t1async/service/memory.py): fewer
+                                                rollout actors while memory is short, one line each way
     metrics.jsonl --(tail)--> TensorBoard events (RUN_DIR/tensorboard), wandb (metrics.wandb; sinks.py)
                               + status line (a TTY) or log lines
     control socket (t1async/service/control.py) --> status | stop | scale (live-safe keys only; rollout
@@ -15,7 +20,7 @@ live status line and the TensorBoard events.
                                             and consumed-id ledger make that safe (a resume trains
                                             what it had ACKed and not checkpointed)
 
-Waits on: the learner's ``run``. Stopped by: the learner finishing ``max_steps``, ``t1async
+Waits on: the learner's ``run`` and the controller's. Stopped by: the learner finishing ``max_steps``, ``t1async
 stop``, a signal, or a learner that keeps dying. Nothing in this loop waits on the disk: a full
 run directory makes ``status`` say ``degraded: disk full at PATH (N MB free)`` (the learner's
 pause, or this process's own writes refused), and stop and signals work as ever.

@@ -17,7 +17,7 @@ import pytest
 
 from t1async.service.control import ControlError, request
 from t1async.service.memory import node_memory_used
-from tests.test_service_e2e import CLI, SMALL, _status, _wait_progress
+from tests.support.service import CLI, SMALL, read_status, wait_progress
 
 pytestmark = pytest.mark.slow
 MEM = {"learner": 900, "controller": 300, "sampler": 400, "rollout": 300}  # the defaults of ray.role_memory_mb
@@ -44,7 +44,7 @@ def test_scaling_is_bounded_by_the_cluster_cancels_on_scale_down_and_a_resume_ap
     a = _launch(tmp_path, "a", args)
     b = None
     try:
-        st = _wait_progress(lambda: (s := _status(run_dir))["step"] >= 1 and s, run_dir, "the first step")
+        st = wait_progress(lambda: (s := read_status(run_dir))["step"] >= 1 and s, run_dir, "the first step")
         assert st["controller"]["actors_detail"] == st["actors"] and len(st["actors"]) == 2  # (item 9)
         with pytest.raises(ControlError, match=r"^scale: rollout.num_actors=10000 is more than this Ray cluster can "
                                                r"hold: at most 3 \(2 CPUs, 2,600 MB;"):
@@ -53,24 +53,24 @@ def test_scaling_is_bounded_by_the_cluster_cancels_on_scale_down_and_a_resume_ap
             request(run_dir, {"cmd": "scale", "changes": {"sampler.num_samplers": 4}})
         with pytest.raises(ControlError, match=r'^scale: "changes" must be a non-empty JSON object'):  # (item 9)
             request(run_dir, {"cmd": "scale", "changes": ["rollout.num_actors", 4]})
-        assert len(_status(run_dir)["actors"]) == 2  # nothing of those applied
+        assert len(read_status(run_dir)["actors"]) == 2  # nothing of those applied
         assert not (run_dir / "config_history.jsonl").exists()
 
         assert request(run_dir, {"cmd": "scale", "changes": {"rollout.num_actors": 4}, "force": True})["applied"] == {
             "rollout.num_actors": 4}
-        _wait_progress(lambda: len(_status(run_dir)["actors"]) == 4, run_dir, "4 actors (forced past the bound)")
+        wait_progress(lambda: len(read_status(run_dir)["actors"]) == 4, run_dir, "4 actors (forced past the bound)")
         t0 = time.monotonic()
         request(run_dir, {"cmd": "scale", "changes": {"rollout.num_actors": 1}})
-        _wait_progress(lambda: len(_status(run_dir)["actors"]) == 1, run_dir, "the scale-down to 1 actor")
+        wait_progress(lambda: len(read_status(run_dir)["actors"]) == 1, run_dir, "the scale-down to 1 actor")
         print(f"scale-down 4 -> 1 took {time.monotonic() - t0:.1f} s")
         request(run_dir, {"cmd": "scale", "changes": {"rollout.num_actors": 4}, "force": True})  # kept in the history
-        _wait_progress(lambda: list((run_dir / "checkpoints").glob("step_*")), run_dir, "a checkpoint")
+        wait_progress(lambda: list((run_dir / "checkpoints").glob("step_*")), run_dir, "a checkpoint")
         request(run_dir, {"cmd": "stop", "now": True})
         assert a.wait(timeout=300) == 0
 
         # the resume applies the history (4 actors, forced) within the bound: 3, said in one line
         b = _launch(tmp_path, "b", [*args, "learner.resume=true"])
-        st = _wait_progress(lambda: (s := _status(run_dir))["resumed"] and s.get("actors") and s, run_dir,
+        st = wait_progress(lambda: (s := read_status(run_dir))["resumed"] and s.get("actors") and s, run_dir,
                             "the resumed service")
         assert st["controller"]["target"] == 3
         # (item 4) its controller continues admission from the learner's position, not from 0
@@ -97,23 +97,23 @@ def test_rays_memory_monitor_killing_roles_is_survived_with_a_back_off(tmp_path)
                 env={"RAY_memory_usage_threshold": f"{threshold:.3f}", "RAY_memory_monitor_refresh_ms": "250"})
     hog = None
     try:
-        _wait_progress(lambda: (s := _status(run_dir))["step"] >= 1 and s, run_dir, "the first step")
+        wait_progress(lambda: (s := read_status(run_dir))["step"] >= 1 and s, run_dir, "the first step")
         hog = subprocess.Popen(
             ["python3", "-c", "import sys, time\nchunks = []\nfor _ in range(48):\n"
              "    chunks.append(bytearray(128 << 20))\n    print(len(chunks), flush=True)\n    time.sleep(0.5)\n"
              "time.sleep(600)\n"], stdout=subprocess.PIPE, text=True)
 
         def killed():
-            s = _status(run_dir)
+            s = read_status(run_dir)
             r, m = s["restarts"], s["memory"]
             return (m["memory_kills"] or r.get("controller") or r.get("learner") or r.get("samplers")) and s
 
-        st = _wait_progress(killed, run_dir, "Ray's memory monitor to kill a role", stall_s=120)
+        st = wait_progress(killed, run_dir, "Ray's memory monitor to kill a role", stall_s=120)
         hog.kill()
         hog.wait()
         before = st.get("step") or 0
         print("after the kill:", json.dumps({k: st.get(k) for k in ("state", "memory", "restarts", "step")}))
-        st = _wait_progress(lambda: (s := _status(run_dir)).get("step", -1) >= before + 2 and s, run_dir,
+        st = wait_progress(lambda: (s := read_status(run_dir)).get("step", -1) >= before + 2 and s, run_dir,
                             "two more steps after the kill")
         request(run_dir, {"cmd": "stop"})
         assert a.wait(timeout=300) == 0
