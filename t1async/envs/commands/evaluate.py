@@ -64,7 +64,8 @@ class EvalRow:
         network: ``"on"`` or ``"off"``: whether the task's sandbox had network ("" if it never
             got that far).
         agent_processes: ``"kept"`` or ``"killed"``: what happened to the processes the agent left
-            running before the tests ("" if the tests did not run).
+            running before the tests; None (JSON null) when the tests did not run (a failed build,
+            a refusal), so no setting is claimed to have applied.
         note: a likely cause of a failure worth seeing (network off while a command failed for
             lack of it; the agent's processes killed while the tests found no server), else None.
     """
@@ -76,7 +77,7 @@ class EvalRow:
     seconds: float = 0.0
     error: str | None = None
     network: str = ""
-    agent_processes: str = ""
+    agent_processes: str | None = None
     note: str | None = None
 
 
