@@ -3,10 +3,16 @@ tests/fixtures/corpus/ (issue 41 items 2-5): what the harness would score, the e
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
+import pytest
+
+from t1async.envs.taskio.adapt import survivable_commands
 from t1async.envs.taskio.loading import load_task
 from t1async.envs.terminal import TerminalEnv
+
+from container_support import base_image
 
 CORPUS = Path(__file__).parent / "fixtures" / "corpus"
 
@@ -26,3 +32,44 @@ def test_a_verifier_timeout_is_the_agents_failure_trained_as_reward_0(tmp_path):
         env.run_solution()
         done = env.verify()
     assert done.resolved and not done.timed_out and done.reward == 1.0
+
+
+def test_an_apt_line_the_script_survives_is_collected_as_optional(tmp_path):
+    """Item 3: without ``set -e`` the test script runs past a failing ``apt-get install`` (a pin
+    the archive lacks), so its packages are installed with the failure tolerated; under
+    ``set -e`` an unguarded line stops the script, and stays a hard requirement."""
+    task = load_task(CORPUS / "apt-pin")
+    assert task.verifier_needs.optional_debs == [("jq=1.6-2.1",)] and task.verifier_needs.debs == []
+    strict = tmp_path / "apt-pin"
+    shutil.copytree(CORPUS / "apt-pin", strict)
+    script = (strict / "tests" / "test.sh").read_text()
+    (strict / "tests" / "test.sh").write_text(script.replace("apt-get update\n", "set -euo pipefail\napt-get update\n"))
+    needs = load_task(strict).verifier_needs
+    assert needs.debs == ["jq=1.6-2.1"] and needs.optional_debs == []
+
+
+@pytest.mark.parametrize("script, expected", [
+    ("a\nb\n", [True, True]),
+    # set -e; a; b ||; true; c &&; d; if e; then f; fi
+    ("set -e\na\nb || true\nc && d\nif e; then f; fi\n", [True, False, True, False, True, False, True, False, False]),
+    ("set -eu\nset +e\na\n", [True, False, True]),
+    ("set -o errexit\na\n", [True, False]),
+])
+def test_which_commands_a_script_survives_follows_bash_errexit(script, expected):
+    assert survivable_commands(script) == expected
+
+
+@pytest.mark.container
+def test_a_failing_pinned_apt_line_does_not_fail_the_verifier_layer(tmp_path):
+    """Item 3 end to end: the verifier layer builds, the tests use the image's jq, the oracle
+    resolves and the no-op agent does not (it was "the verifier layer could not be built")."""
+    base_image()
+    task = load_task(CORPUS / "apt-pin")
+    with TerminalEnv(task, root=tmp_path, sandbox="container", network="harness", log_dir=tmp_path / "logs") as env:
+        env.reset()
+        noop = env.verify()
+        env.reset()
+        env.run_solution()
+        oracle = env.verify()
+    assert (noop.resolved, noop.error, oracle.resolved) == (False, None, True), oracle.output[-2000:]
+    assert "jq=1.6-2.1` failed; it runs past that line" in (tmp_path / "logs" / "build.log").read_text()

@@ -242,6 +242,7 @@ class TerminalEnv:
         if builds and needs is not None:
             spec.verifier_debs = tuple(needs.debs)
             spec.verifier_requirements = tuple(needs.requirements)
+            spec.verifier_optional_debs = tuple(needs.optional_debs)
         self.sandbox = make_sandbox(self.sandbox_name, spec)
         try:
             self.sandbox.start()

@@ -223,7 +223,8 @@ class ContainerSandbox:
         if spec.verifier_requirements is not None and self.cfg.verifier_tools:
             try:
                 self.image = ensure_verifier_image(self.engine, self.image, debs=list(spec.verifier_debs),
-                                                   requirements=list(spec.verifier_requirements), log=log)
+                                                   requirements=list(spec.verifier_requirements), log=log,
+                                                   optional_debs=[list(g) for g in spec.verifier_optional_debs])
             except BuildError as exc:
                 # The task's own install lines became `true` in its adapted test script: without the
                 # layer its tests would run without what they install, and a 0/N would read as the
