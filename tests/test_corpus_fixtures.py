@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 from t1async.envs.taskio.adapt import survivable_commands
+from t1async.envs.commands.evaluate import run_task
 from t1async.envs.taskio.loading import load_task
+from t1async.envs.taskio.task import TaskRefused
 from t1async.envs.terminal import TerminalEnv
 
 from container_support import base_image
@@ -73,3 +75,23 @@ def test_a_failing_pinned_apt_line_does_not_fail_the_verifier_layer(tmp_path):
         oracle = env.verify()
     assert (noop.resolved, noop.error, oracle.resolved) == (False, None, True), oracle.output[-2000:]
     assert "jq=1.6-2.1` failed; it runs past that line" in (tmp_path / "logs" / "build.log").read_text()
+
+
+def test_a_multi_step_harbor_task_is_refused_in_one_line_naming_what_is_unsupported(tmp_path):
+    """Item 4: ``schema_version = "1.1"`` with ``[[steps]]`` and ``steps/<name>/instruction.md``
+    was refused as "missing instruction.md; add it", which is wrong advice. It is refused in one
+    line naming the format and what t1async does not do; eval reports it and goes on."""
+    with pytest.raises(TaskRefused) as refused:
+        load_task(CORPUS / "multi-step")
+    line = str(refused.value)
+    assert "\n" not in line and "missing instruction.md" not in line
+    assert "multi-step Harbor task (schema_version 1.1, 2 [[steps]] (create, append)) is not supported" in line
+    assert "one instruction and one verifier per episode" in line
+    row = run_task(CORPUS / "multi-step", "oracle", tmp_path)
+    assert row.error == line and not row.resolved
+    # a steps/ folder alone (task.toml without [[steps]]) is the same format
+    only_folder = tmp_path / "only-folder"
+    shutil.copytree(CORPUS / "multi-step", only_folder)
+    (only_folder / "task.toml").write_text('[task]\nname = "x"\n')
+    with pytest.raises(TaskRefused, match="a steps/ folder"):
+        load_task(only_folder)

@@ -83,13 +83,16 @@ def load_task(path: str | Path, *, network: bool | None = None) -> Task:
         raise _error(folder, "not a folder", "pass the path of a task folder")
     if not (folder / "task.toml").is_file() and (folder / "task.yaml").is_file():
         return load_tb1_task(folder, network=network)
-    for required in ("task.toml", "instruction.md", "tests/test.sh"):
-        if not (folder / required).is_file():
-            raise _error(folder, f"missing {required}", "add it")
+    if not (folder / "task.toml").is_file():
+        raise _error(folder, "missing task.toml", "add it")
     try:
         config = tomllib.loads((folder / "task.toml").read_text())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise _error(folder, f"task.toml is not valid TOML ({exc})", "fix its syntax") from None
+    _refuse_multi_step(folder, config)
+    for required in ("instruction.md", "tests/test.sh"):
+        if not (folder / required).is_file():
+            raise _error(folder, f"missing {required}", "add it")
     sections = {}
     for section in ("task", "metadata", "verifier", "agent", "environment"):
         sections[section] = config.get(section, {})
@@ -126,6 +129,32 @@ def load_task(path: str | Path, *, network: bool | None = None) -> Task:
     dockerfile = folder / "environment" / "Dockerfile"
     return _finish(task, dockerfile if dockerfile.is_file() else None, folder / "environment" / "docker-compose.yaml",
                    network)
+
+
+def _refuse_multi_step(folder: Path, config: dict) -> None:
+    """Refuse a multi-step Harbor task (``[[steps]]`` in task.toml, instructions in
+    ``steps/<name>/instruction.md``) in one line saying what is unsupported.
+
+    Harbor runs such a task's steps in order in one environment: the agent gets each step's
+    instruction in turn, each step's verifier (the task's tests/ with the step's own tests/ over
+    it) runs after it, a step under its ``min_reward`` ends the trial, and the trial's reward is
+    the mean (``multi_step_reward_strategy = "mean"``, the default) or the last step's
+    (``"final"``). t1async's episode has one instruction and one verifier run, so it cannot
+    reproduce that; the task is refused rather than run as something else.
+
+    Raises:
+        TaskRefused: the task declares ``[[steps]]`` or has a ``steps/`` folder.
+    """
+    steps = config.get("steps")
+    if steps is None and not (folder / "steps").is_dir():
+        return
+    names = [str(step.get("name", "?")) for step in steps if isinstance(step, dict)] if isinstance(steps, list) else []
+    listed = f"{len(names)} [[steps]] ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''})" if names else "a steps/ folder"
+    raise TaskRefused(
+        f"task {folder}: multi-step Harbor task (schema_version {config.get('schema_version', config.get('version', '?'))!s}, "
+        f"{listed}) is not supported: t1async runs one instruction and one verifier per episode, not each step's "
+        "instruction, verifier and min_reward in turn with a mean/final reward; leave it out of env.tasks or split "
+        "its steps into single-step tasks")
 
 
 def load_tb1_task(folder: Path, *, network: bool | None = None) -> Task:
