@@ -11,7 +11,7 @@ import pytest
 from t1async.envs.taskio.adapt import survivable_commands
 from t1async.envs.commands.evaluate import run_task
 from t1async.envs.taskio.loading import load_task
-from t1async.envs.taskio.task import TaskRefused
+from t1async.envs.taskio.task import TaskError, TaskRefused
 from t1async.envs.terminal import TerminalEnv
 
 from container_support import base_image
@@ -95,3 +95,44 @@ def test_a_multi_step_harbor_task_is_refused_in_one_line_naming_what_is_unsuppor
     (only_folder / "task.toml").write_text('[task]\nname = "x"\n')
     with pytest.raises(TaskRefused, match="a steps/ folder"):
         load_task(only_folder)
+
+
+def test_a_separate_verifier_environment_is_read_as_harbor_resolves_it(tmp_path):
+    """Item 2, loading: the mode, the image definition (tests/Dockerfile) and the artifacts
+    (plus Harbor's /logs/artifacts); the local sandbox, which builds no image, refuses in one line."""
+    task = load_task(CORPUS / "separate-verifier")
+    assert (task.verifier_mode, task.artifacts) == ("separate", ("/logs/artifacts", "/app/answer.txt"))
+    assert task.verifier_dockerfile == CORPUS / "separate-verifier" / "tests" / "Dockerfile"
+    assert task.verifier_needs is None  # the verifier's image holds what its tests need
+    assert "\n" not in task.local_refusal and 'environment_mode = "separate"' in task.local_refusal
+    assert "use env.sandbox=container" in task.local_refusal
+    row = run_task(CORPUS / "separate-verifier", "oracle", tmp_path)
+    assert "refused by the local sandbox" in row.error and not row.resolved
+    broken = tmp_path / "broken"
+    shutil.copytree(CORPUS / "separate-verifier", broken)
+    (broken / "tests" / "Dockerfile").unlink()
+    with pytest.raises(TaskError, match="neither tests/Dockerfile nor"):
+        load_task(broken)
+    (broken / "task.toml").write_text('artifacts = ["app/x"]\n[verifier]\nenvironment_mode = "shared"\n')
+    with pytest.raises(TaskError, match="'app/x' is not an absolute path"):
+        load_task(broken)
+
+
+@pytest.mark.container
+def test_a_separate_verifier_runs_in_its_own_image_with_only_the_artifacts(tmp_path):
+    """Item 2 end to end: the expected answer exists only in the verifier's image, the answer
+    only in the agent's container; Harbor resolves the oracle's episode (it scored 0 with no
+    error when the tests ran in the agent's container) and not the no-op agent's."""
+    base_image()
+    task = load_task(CORPUS / "separate-verifier")
+    with TerminalEnv(task, root=tmp_path, sandbox="container", network="harness") as env:
+        env.reset()
+        noop = env.verify()
+        env.reset()
+        env.step("echo 'a file that is no artifact' > /app/other.txt")
+        env.run_solution()
+        oracle = env.verify()
+        seen = env.step("cat /opt/expected 2>&1; echo; ls /tests 2>&1").output
+    assert (noop.resolved, noop.error, noop.task_reward) == (False, None, 0.0), noop.output
+    assert (oracle.resolved, oracle.error, oracle.task_reward) == (True, None, 1.0), oracle.output
+    assert "No such file" in seen  # the agent's container never had the verifier's files

@@ -34,7 +34,9 @@ Lifecycle:
 
 What the agent sees is what the task's author built: any path writable, the image's tools and
 users. ``/app``, ``/tests`` and ``/logs`` are created at start; the tests are copied in only at
-verification (see :mod:`t1async.envs.terminal`), and the verifier runs in the same container.
+verification (see :mod:`t1async.envs.terminal`), and the verifier runs in the same container (a
+Harbor task with a separate verifier environment gets a second sandbox of its verifier's image
+instead, see :meth:`~t1async.envs.terminal.TerminalEnv.verify`).
 """
 
 from __future__ import annotations

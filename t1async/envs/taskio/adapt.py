@@ -552,6 +552,11 @@ def plan_local(task: Task, *, network: bool | None = None) -> None:
     eval --network on``, lifts the refusal of commands that need it)."""
     internet = task.allow_internet if network is None else network
     notes: list[str] = []
+    if task.verifier_mode == "separate":
+        task.local_refusal = task.local_refusal or (
+            "[verifier] environment_mode = \"separate\": Harbor runs the tests in an image of their own (tests/Dockerfile "
+            "or [verifier.environment] docker_image) and hands it only the declared artifacts; the local sandbox builds "
+            "no image, so it cannot: use env.sandbox=container")
     try:
         steps: list[DockerStep] = []
         for step in task.steps:
@@ -583,9 +588,11 @@ def plan_local(task: Task, *, network: bool | None = None) -> None:
 
 def plan_container(task: Task) -> None:
     """Fill :attr:`Task.container_test_script` and :attr:`Task.verifier_needs` (container flavour,
-    see the module docstring; never refuses)."""
+    see the module docstring; never refuses). A separate verifier environment's test script
+    runs as written in its own image (Harbor's semantics: that image holds what the tests need),
+    so nothing is planned for it."""
     original = test_script_text(task)
-    if original is None:
+    if original is None or task.verifier_mode == "separate":
         return
     needs = VerifierNeeds(present=_tests_files(task))
     adapted, task.container_helpers = adapt_tests(task, original, collect=needs)

@@ -109,6 +109,7 @@ def load_task(path: str | Path, *, network: bool | None = None) -> Task:
     if not isinstance(allow_internet, bool):
         raise _error(folder, f"task.toml [environment] allow_internet = {allow_internet!r} is not a boolean", "use true or false")
     resources = {key: _optional_number(environment, key, folder) for key in ("cpus", "memory_mb", "storage_mb")}
+    verifier_mode, verifier_image, artifacts = _verifier_environment(folder, config)
     task = Task(
         name=name.strip(),
         path=folder,
@@ -125,10 +126,60 @@ def load_task(path: str | Path, *, network: bool | None = None) -> Task:
         cpus=resources["cpus"],
         memory_mb=None if resources["memory_mb"] is None else int(resources["memory_mb"]),
         storage_mb=None if resources["storage_mb"] is None else int(resources["storage_mb"]),
+        verifier_mode=verifier_mode,
+        verifier_image=verifier_image,
+        artifacts=artifacts,
     )
     dockerfile = folder / "environment" / "Dockerfile"
     return _finish(task, dockerfile if dockerfile.is_file() else None, folder / "environment" / "docker-compose.yaml",
                    network)
+
+
+HARBOR_ARTIFACTS_DIR = "/logs/artifacts"
+"""Harbor's artifact folder, always handed to a separate verifier."""
+
+
+def _verifier_environment(folder: Path, config: dict) -> tuple[str, str, tuple[str, ...]]:
+    """``(verifier_mode, verifier_image, artifacts)`` of a Harbor task.toml, as Harbor resolves
+    them: ``[verifier] environment_mode`` ``"shared"`` (default) or ``"separate"``; a
+    ``[verifier.environment]`` table implies ``"separate"``; a separate verifier is built from
+    ``tests/Dockerfile`` (context tests/) or runs ``[verifier.environment] docker_image``. The
+    top-level ``artifacts`` are strings or tables with an absolute ``source`` (Harbor's
+    ``destination`` only places the file on the host); ``/logs/artifacts`` is always added.
+
+    Raises:
+        TaskError: an unknown mode, ``"shared"`` with a ``[verifier.environment]``, a separate
+            verifier with neither tests/Dockerfile nor an image, an artifact that is not an
+            absolute path or names a sidecar service.
+    """
+    verifier = config.get("verifier") if isinstance(config.get("verifier"), dict) else {}
+    environment = verifier.get("environment")
+    if environment is not None and not isinstance(environment, dict):
+        raise _error(folder, "task.toml [verifier.environment] must be a table", "fix task.toml")
+    mode = verifier.get("environment_mode", "separate" if environment is not None else "shared")
+    if mode not in ("shared", "separate"):
+        raise _error(folder, f"task.toml [verifier] environment_mode = {mode!r} is not \"shared\" or \"separate\"",
+                     "fix task.toml")
+    if mode == "shared" and environment is not None:
+        raise _error(folder, "task.toml [verifier] environment_mode = \"shared\" with a [verifier.environment] table",
+                     "drop one of them (Harbor refuses this too)")
+    image = str((environment or {}).get("docker_image") or "")
+    if mode == "separate" and not image and not (folder / "tests" / "Dockerfile").is_file():
+        raise _error(folder, "[verifier] environment_mode = \"separate\" but there is neither tests/Dockerfile nor "
+                     "[verifier.environment] docker_image to build the verifier from", "add one")
+    raw = config.get("artifacts", [])
+    if not isinstance(raw, list):
+        raise _error(folder, "task.toml artifacts must be a list", "fix task.toml")
+    paths: list[str] = []
+    for entry in raw:
+        source = entry.get("source") if isinstance(entry, dict) else entry
+        if isinstance(entry, dict) and entry.get("service") not in (None, "main"):
+            raise _error(folder, f"task.toml artifact {source!r} is collected from the service {entry.get('service')!r}, "
+                         "which t1async does not hand to a verifier", "collect it from the main container")
+        if not isinstance(source, str) or not source.startswith("/") or ".." in source.split("/"):
+            raise _error(folder, f"task.toml artifact {source!r} is not an absolute path", "fix task.toml")
+        paths.append(source.rstrip("/") or "/")
+    return mode, image, tuple(dict.fromkeys([HARBOR_ARTIFACTS_DIR, *paths]))
 
 
 def _refuse_multi_step(folder: Path, config: dict) -> None:
