@@ -7,14 +7,13 @@ import shutil
 from pathlib import Path
 
 import pytest
+from container_support import base_image
 
-from t1async.envs.taskio.adapt import survivable_commands
 from t1async.envs.commands.evaluate import run_task
+from t1async.envs.taskio.adapt import survivable_commands
 from t1async.envs.taskio.loading import load_task
 from t1async.envs.taskio.task import TaskError, TaskRefused
 from t1async.envs.terminal import TerminalEnv
-
-from container_support import base_image
 
 CORPUS = Path(__file__).parent / "fixtures" / "corpus"
 
