@@ -33,6 +33,9 @@ def test_a_verifier_timeout_is_the_agents_failure_trained_as_reward_0(tmp_path):
         env.run_solution()
         done = env.verify()
     assert done.resolved and not done.timed_out and done.reward == 1.0
+    row = run_task(CORPUS / "verifier-hangs", "noop", tmp_path)
+    assert (row.passed, row.total, row.error) == (0, 1, None)
+    assert row.note == "the verifier timed out after 8 s: scored as a failure (reward 0), as the harnesses score it"
 
 
 def test_an_apt_line_the_script_survives_is_collected_as_optional(tmp_path):
