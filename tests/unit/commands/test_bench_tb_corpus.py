@@ -4,9 +4,10 @@ docs/terminal-bench.md is made of them)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
-from tests.support import REPO
+from tests.support import FIXTURES, REPO
 
 _SPEC = importlib.util.spec_from_file_location("bench_tb_corpus", REPO / "tools" / "bench_tb_corpus.py")
 corpus = importlib.util.module_from_spec(_SPEC)
@@ -40,7 +41,7 @@ def test_a_task_without_a_real_oracle_is_the_tasks_own_class(tmp_path):
     assert corpus.classify(_row(real), logs, {"real": ["t1async", "read: X"]}) == ("t1async", "read: X")
 
 
-CORPUS = Path(__file__).parent / "fixtures" / "corpus"
+CORPUS = FIXTURES / "corpus"
 
 
 def test_a_base_image_not_bootstrapped_is_this_machines_setup_not_t1async(tmp_path):
@@ -64,8 +65,6 @@ def test_a_failed_builds_row_claims_no_agent_processes_setting(tmp_path, capsys)
     folder.mkdir()
     (folder / "build-fails").symlink_to(CORPUS / "build-fails")
     assert corpus.main(["--tasks", str(folder), "--sandbox", "local", "--logs", str(tmp_path / "logs")]) == 0
-    import json
-
     out = json.loads(capsys.readouterr().out)
     (row,) = out["rows"]
     assert "Dockerfile:3" in row["error"] and row["class"] == "t1async"

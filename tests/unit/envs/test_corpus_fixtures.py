@@ -4,18 +4,18 @@ tests/fixtures/corpus/ (issue 41 items 2-5): what the harness would score, the e
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import pytest
-from container_support import base_image
 
 from t1async.envs.commands.evaluate import run_task
 from t1async.envs.taskio.adapt import survivable_commands
 from t1async.envs.taskio.loading import load_task
 from t1async.envs.taskio.task import TaskError, TaskRefused
 from t1async.envs.terminal import TerminalEnv
+from tests.support import FIXTURES
+from tests.support.container_support import base_image
 
-CORPUS = Path(__file__).parent / "fixtures" / "corpus"
+CORPUS = FIXTURES / "corpus"
 
 
 def test_a_verifier_timeout_is_the_agents_failure_trained_as_reward_0(tmp_path):
