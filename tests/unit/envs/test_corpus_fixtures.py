@@ -75,8 +75,10 @@ def test_a_failing_pinned_apt_line_does_not_fail_the_verifier_layer(tmp_path):
         env.reset()
         env.run_solution()
         oracle = env.verify()
+        layers = env.sandbox.engine.run("history", "--no-trunc", "--format", "{{.CreatedBy}}", env.sandbox.image)
     assert (noop.resolved, noop.error, oracle.resolved) == (False, None, True), oracle.output[-2000:]
-    assert "jq=1.6-2.1` failed; it runs past that line" in (tmp_path / "logs" / "build.log").read_text()
+    # the pinned line was installed on its own, its failure tolerated (the layer may come from the cache)
+    assert "--no-install-recommends jq=1.6-2.1 >/dev/null 2>&1 || echo" in layers.stdout.decode()
 
 
 def test_a_multi_step_harbor_task_is_refused_in_one_line_naming_what_is_unsupported(tmp_path):
