@@ -12,6 +12,9 @@ did not resolve by the evidence in its row and logs (the error, ``verifier.txt``
   offline stand-in, a file its public copy lacks (a ``COPY`` source missing);
 * ``task``: the task's own oracle is not a solution (TB1's ``no-verified-solution`` tag, or a
   solution script with no command in it), so no harness can resolve it by its oracle;
+* ``setup``: this machine was not prepared for the task: a base image that has an offline
+  stand-in was not bootstrapped ("not in local storage: run `t1async images bootstrap`"): run
+  ``t1async images bootstrap --tasks DIR`` once and run the bench again;
 * ``t1async``: anything else, until a reason is given. ``--reasons FILE`` (YAML: ``task: [class,
   reason]``) records a reason found by reading the logs, and overrides the automatic class;
   a task listed there that resolves is reported as such (the annotation is then stale).
@@ -48,6 +51,10 @@ UNREACHABLE = (
     (re.compile(r"github\.com/[^\s]+ .*(?:fatal|Could not)|git clone https?://github"), "a clone from GitHub"),
 )
 """Evidence that a task needs what this machine cannot reach, and how to say so."""
+
+
+NOT_BOOTSTRAPPED = re.compile(r"base image '([^']+)' is not in local storage: run `t1async images bootstrap`")
+"""The error of a ``FROM`` image that has a stand-in which was not built (class ``setup``)."""
 
 
 def _evidence(logs: Path, row: dict) -> str:
@@ -88,6 +95,10 @@ def classify(row: dict, logs: Path, reasons: dict) -> tuple[str, str]:
     if unsolved:
         return "task", unsolved
     evidence = _evidence(logs, row)
+    missing = NOT_BOOTSTRAPPED.search(evidence)
+    if missing:
+        return "setup", (f"base image {missing.group(1)} not bootstrapped on this machine: run `t1async images "
+                         f"bootstrap --tasks {row.get('folder') or 'DIR'}`")
     for pattern, what in UNREACHABLE:
         match = pattern.search(evidence)
         if match:
@@ -136,17 +147,19 @@ def main(argv: list[str] | None = None) -> int:
             row = {"task": name, "folder": str(folder), "layout": layouts.get(name, ""),
                    "oracle": f"{oracle.passed}/{oracle.total}", "resolved": oracle.resolved,
                    "passed": oracle.passed, "total": oracle.total, "error": oracle.error,
-                   "oracle_s": round(oracle.seconds, 1), "network": oracle.network,
+                   "oracle_s": round(oracle.seconds, 1), "network": oracle.network or None,
+                   "agent_processes": oracle.agent_processes,
                    "noop": f"{noop.passed}/{noop.total}" if noop else "", "noop_resolved": bool(noop and noop.resolved),
                    "noop_s": round(noop.seconds, 1) if noop else None}
             row["class"], row["reason"] = classify(row, logs_root / folder.name / "oracle", reasons)
             rows.append(row)
-    reachable = [r for r in rows if r["class"] not in ("unreachable", "task")]
+    reachable = [r for r in rows if r["class"] not in ("unreachable", "task", "setup")]
     summary = {"tasks": len(rows), "tb1": sum(r["layout"] == "tb1" for r in rows),
                "tb2": sum(r["layout"] == "tb2" for r in rows), "oracle_resolved": sum(r["resolved"] for r in rows),
                "reachable": len(reachable), "reachable_resolved": sum(r["resolved"] for r in reachable),
                "unreachable": sum(r["class"] == "unreachable" for r in rows),
-               "no_oracle": sum(r["class"] == "task" for r in rows), "t1async": sum(r["class"] == "t1async" for r in rows),
+               "no_oracle": sum(r["class"] == "task" for r in rows), "setup": sum(r["class"] == "setup" for r in rows),
+               "t1async": sum(r["class"] == "t1async" for r in rows),
                "noop_resolved": sum(r["noop_resolved"] for r in rows), "logs": str(logs_root)}
     if args.report:
         lines = ["| task | layout | oracle | noop | oracle s | noop s | class | reason |", "|---|---|---|---|---|---|---|---|"]

@@ -150,6 +150,9 @@ class SandboxSpec:
         verifier_debs, verifier_requirements: what the task's test script would install at test
             time (Debian packages, Python requirements), for backends that can pre-install it in
             a verifier layer (``container``); ``verifier_requirements`` None: no layer.
+        verifier_optional_debs: ``apt-get install`` lines of the test script whose failure the
+            script survives (no ``set -e`` in effect, or the line guarded by ``||``/``&&``/``if``):
+            each group is installed with its failure tolerated, as the script would run past it.
         services: the task's extra compose services (:class:`ServiceSpec`), started beside the
             agent's container by the ``container`` backend (the ``local`` backend refuses such
             tasks).
@@ -171,6 +174,7 @@ class SandboxSpec:
     writable: tuple[str, ...] = ()
     verifier_debs: tuple[str, ...] = ()
     verifier_requirements: tuple[str, ...] | None = None
+    verifier_optional_debs: tuple[tuple[str, ...], ...] = ()
     services: tuple[ServiceSpec, ...] = ()
 
 

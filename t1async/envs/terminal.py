@@ -36,7 +36,9 @@ environment (the shell's starting one, so the agent's exported variables do not 
 tasks with ``run_tests_in_same_shell`` run in the agent's shell as it is) with output to a fresh,
 unpredictable file in /logs/verifier that the host then reads (bounded), with
 ``reward.txt``/``reward.json``. A verifier timeout kills every process the tests (or the agent)
-started.
+started. A Harbor task with ``[verifier] environment_mode = "separate"`` is verified in a second
+sandbox of its verifier's own image, with only its declared artifacts copied over
+(:meth:`TerminalEnv._verify_separate`).
 """
 
 from __future__ import annotations
@@ -65,6 +67,9 @@ SETUP_STEP_TIMEOUT_S = 300.0
 
 MAX_VERIFIER_READ_BYTES = 8 * 1024 * 1024
 """The verifier output file is read up to its last 8 MiB (the summary is at the end)."""
+
+MAX_ARTIFACT_BYTES = 256 * 1024 * 1024
+"""Bound on the artifacts handed to a separate verifier (one tar archive), bytes."""
 
 DEFAULT_LIMITS = SandboxLimits()
 """Limits of a task that states no ``[environment]`` resources."""
@@ -242,6 +247,7 @@ class TerminalEnv:
         if builds and needs is not None:
             spec.verifier_debs = tuple(needs.debs)
             spec.verifier_requirements = tuple(needs.requirements)
+            spec.verifier_optional_debs = tuple(needs.optional_debs)
         self.sandbox = make_sandbox(self.sandbox_name, spec)
         try:
             self.sandbox.start()
@@ -367,6 +373,8 @@ class TerminalEnv:
         if self.sandbox is None or self.episode_dir is None:
             raise SandboxError("no episode: call reset() before verify()")
         task = self.task
+        if task.verifier_mode == "separate":
+            return self._verify_separate()
         assert task.test_script is not None
         script = task.test_script.name
         self.sandbox.clear("/tests")
@@ -436,6 +444,83 @@ class TerminalEnv:
         )
         logger.debug("verified {}: {}/{} passed, error={}", task.name, result.passed, result.total, result.error)
         return result
+
+    def _collect_artifacts(self) -> bytes:
+        """A tar archive (paths relative to ``/``) of the task's :attr:`Task.artifacts` that exist
+        in the agent's sandbox, made there and read back (at most :data:`MAX_ARTIFACT_BYTES`).
+
+        Raises:
+            SandboxError: the archive could not be made or is larger than the bound.
+        """
+        assert self.sandbox is not None
+        staged = "/logs/.t1async-artifacts.tar"
+        paths = " ".join(shlex.quote(p) for p in self.task.artifacts)
+        made = self._exec(f"( cd / && set -- && for p in {paths}; do [ -e \"$p\" ] && set -- \"$@\" \".${{p}}\"; done; "
+                          f"tar -cf {staged} -T /dev/null \"$@\" && wc -c < {staged} )", 300.0,
+                          what="verifier: collect artifacts")
+        size = made.output.strip().splitlines()[-1] if made.output.strip() else ""
+        if made.exit_code != 0 or not size.isdigit():
+            raise SandboxError(f"the artifacts {list(self.task.artifacts)} could not be collected for the separate "
+                               f"verifier: {made.output.strip()[-300:]!r}")
+        if int(size) > MAX_ARTIFACT_BYTES:
+            raise SandboxError(f"the artifacts {list(self.task.artifacts)} are {int(size)} bytes, more than the "
+                               f"{MAX_ARTIFACT_BYTES} bytes t1async hands to a separate verifier")
+        return self.sandbox.read(staged, MAX_ARTIFACT_BYTES)
+
+    def _verify_separate(self) -> VerifierResult:
+        """Harbor's ``[verifier] environment_mode = "separate"``: the agent's declared artifacts
+        (and ``/logs/artifacts``) are copied, at the same absolute paths, into a fresh sandbox of
+        the verifier's own image (``tests/Dockerfile`` built with tests/ as its context, or
+        ``[verifier.environment] docker_image``), whose ``/tests/test.sh`` (the image's own: tests
+        are not uploaded) runs there as root's image environment gives it; the reward files are
+        read from that sandbox, which is then removed. Nothing else of the agent's container
+        (processes, other files) reaches the tests.
+
+        Raises:
+            SandboxError: the artifacts could not be handed over or the verifier sandbox failed
+                (an infrastructure failure: no trajectory).
+            BuildError: the verifier's image could not be built.
+        """
+        assert self.sandbox is not None and self.episode_dir is not None
+        task = self.task
+        self.stopped_agent_processes = 0 if self.keep_agent_processes else self.sandbox.end_agent()
+        handoff = self.episode_dir / "verifier-artifacts.tar"
+        handoff.write_bytes(self._collect_artifacts())
+        spec = SandboxSpec(
+            episode_dir=self.episode_dir / "verifier", allow_network=self.allow_network,
+            command_timeout_s=self.command_timeout_s, max_output_bytes=self.max_output_bytes, limits=self.limits,
+            dockerfile=task.verifier_dockerfile, context_dir=task.tests_dir, docker_image=task.verifier_image,
+            name=f"{task.name}-verifier", container=self.container, log_dir=self.log_dir)
+        spec.episode_dir.mkdir(parents=True, exist_ok=True)
+        verifier = make_sandbox(self.sandbox_name, spec)
+        try:
+            verifier.start()
+            verifier.put([handoff], "/logs/")
+            unpacked = verifier.exec(f"tar -xpf /logs/{handoff.name} -C / && rm -f /logs/{handoff.name}", timeout_s=300)
+            if unpacked.exit_code != 0:
+                raise SandboxError(f"the artifacts could not be unpacked in the verifier's container: "
+                                   f"{unpacked.output.strip()[-300:]!r}")
+            verifier.clear("/logs/verifier")
+            workdir = verifier.exec("pwd", timeout_s=30).output.strip() or "/"
+            output_name = f"test_output.{secrets.token_hex(6)}.txt"
+            command = (f"cd {shlex.quote(workdir)} && xargs -0 -a /proc/1/environ sh -c 'exec env -i \"$@\" "
+                       f"TEST_DIR=/tests bash /tests/test.sh' sh > /logs/verifier/{output_name} 2>&1")
+            started = time.monotonic()
+            run = verifier.exec(command, timeout_s=self.verifier_timeout_s)
+            seconds = time.monotonic() - started
+            output = verifier.read(f"/logs/verifier/{output_name}", MAX_VERIFIER_READ_BYTES).decode("utf-8", "replace")
+            if run.output.strip():
+                output += ("\n" if output and not output.endswith("\n") else "") + run.output
+            rewards = {name: (verifier.read(f"/logs/verifier/{name}", 64 * 1024) or None)
+                       for name in ("reward.txt", "reward.json")}
+        finally:
+            verifier.close()
+        return verifier_result(
+            output, seconds=seconds, exit_code=None if run.timed_out else run.exit_code,
+            timed_out_after_s=self.verifier_timeout_s if run.timed_out else None,
+            reward_txt=rewards["reward.txt"].decode("utf-8", "replace") if rewards["reward.txt"] else None,
+            reward_json=rewards["reward.json"].decode("utf-8", "replace") if rewards["reward.json"] else None,
+            script="tests/test.sh (in the separate verifier's image)", instruction=task.instruction)
 
     def close(self) -> None:
         """Kill the sandbox and remove the episode folder. Idempotent."""

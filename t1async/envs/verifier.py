@@ -9,7 +9,16 @@ A task's ``tests/test.sh`` runs pytest with ``-rA``, which ends with a section l
     ERROR tests/test_outputs.py - ModuleNotFoundError: ...      (a collection error)
 
 PASSED, SKIPPED and XFAIL count as passed; FAILED, ERROR and XPASS as failed. ``SKIPPED [N]``
-stands for N tests. A missing summary is a parse error; zero parsed tests never resolve. A run
+stands for N tests. A missing summary is a parse error; zero parsed tests never resolve.
+
+**A verifier timeout is a failure, scored as the harnesses score it**: Harbor stops a test
+script that outlives ``[verifier] timeout_sec`` and the trial gets no reward (0), Terminal-Bench 1
+marks it unresolved (failure mode ``test_timeout``). So a run killed at its timeout is
+:attr:`VerifierResult.timed_out`, not resolved, with reward 0 and one failed pseudo-test
+(:data:`TIMEOUT_TEST`) whatever it printed before, and *no* ``error``: the learner trains it as
+the reward it is (an agent that never starts the server its tests poll is penalised, instead of
+learning to make verifiers hang). ``error`` is kept for results that are not the agent's doing
+(no summary, the verifier environment's own missing module, a reward file that is not a number). A run
 that collected nothing because the verifier environment lacks a module the tests import is an
 error too (:func:`collection_failure`: the episode is dropped as a verifier error, not trained
 as reward 0); the agent's own missing or broken module stays a failed test.
@@ -37,6 +46,9 @@ OUTCOMES = ("PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL", "XPASS")
 
 PASSING = frozenset({"PASSED", "SKIPPED", "XFAIL"})
 """Outcomes that count as a passed test."""
+
+TIMEOUT_TEST = "verifier_timeout"
+"""Name of the failed pseudo-test a timed-out verifier run records (its only test)."""
 
 MAX_OUTPUT_CHARS = 64 * 1024
 """Bound on :attr:`VerifierResult.output` (head and tail kept)."""
@@ -79,12 +91,16 @@ class VerifierResult:
         passed: number of passed tests.
         total: number of parsed tests.
         resolved: ``total > 0 and passed == total`` and no ``error``.
-        reward: dense reward = ``passed`` (absolute count of passed tests), as a float.
-        error: why the result is not trustworthy (parse error, timeout), else None.
+        reward: dense reward = ``passed`` (absolute count of passed tests), as a float; 0 for a
+            timed-out run.
+        error: why the result is not trustworthy (parse error, collection failure of the verifier
+            environment, a bad reward file), else None. A timeout is not one (see ``timed_out``).
         output: raw verifier output, truncated to about 64 KiB (head and tail).
         seconds: wall time of the verifier run, seconds.
         exit_code: exit status of ``tests/test.sh`` (None when unknown, e.g. a timeout).
         task_reward: the task's own reward from reward.txt / reward.json, else None.
+        timed_out: the run was killed at the verifier timeout: a failure (reward 0, the one
+            test :data:`TIMEOUT_TEST` failed), as the harnesses score it.
     """
 
     tests: list[TestResult]
@@ -97,6 +113,7 @@ class VerifierResult:
     seconds: float
     exit_code: int | None = None
     task_reward: float | None = None
+    timed_out: bool = False
 
 
 class VerifierParseError(ValueError):
@@ -275,8 +292,9 @@ def verifier_result(
         output: everything ``tests/test.sh`` printed.
         seconds: wall time of the run, seconds.
         exit_code: the script's exit status, if known.
-        timed_out_after_s: set when the run was killed at this timeout (seconds): ``error`` says
-            so and the result is not resolved, whatever was parsed.
+        timed_out_after_s: set when the run was killed at this timeout (seconds): a failure as
+            the harnesses score it (``timed_out``, reward 0, the one failed test
+            :data:`TIMEOUT_TEST`, no ``error``), whatever was printed before.
         reward_txt, reward_json: contents of /logs/verifier/reward.txt / reward.json, if written.
         script: the task's test script as its layout names it (``tests/test.sh``, TB2;
             ``run-tests.sh``, TB1), for the error of a missing pytest summary.
@@ -302,8 +320,8 @@ def verifier_result(
         error = reward_error
     if error is None and task_reward is not None and task_reward < 1.0 and tests and all(t.passed for t in tests):
         error = f"the task's own reward is {task_reward:g} although all {len(tests)} tests passed"
-    if timed_out_after_s is not None:
-        error = f"the verifier timed out after {timed_out_after_s:g} s" + (f"; {error}" if error else "")
+    if timed_out_after_s is not None:  # Harbor: no reward (0); TB1: unresolved (test_timeout)
+        tests, error = [TestResult(TIMEOUT_TEST, "FAILED")], None
     passed = sum(t.passed for t in tests)
     total = len(tests)
     return VerifierResult(
@@ -317,4 +335,5 @@ def verifier_result(
         seconds=seconds,
         exit_code=exit_code,
         task_reward=task_reward,
+        timed_out=timed_out_after_s is not None,
     )

@@ -15,6 +15,13 @@ The rollout actor records each abnormal end on the trajectory (t1async/rollout/e
     episode_timeout  finish_reason "timeout"                         train, drop
     verifier_error   verifier_error set                              always drop
 
+A verifier that timed out is not a ``verifier_error``: the harnesses score it a failure, so the
+episode arrives with its reward (0, the failed test ``verifier_timeout``) and is trained like
+any other (t1async/envs/verifier.py). ``verifier_error`` is left for what is not the agent's
+doing (no test summary, the verifier environment's missing module, a bad reward file);
+infrastructure failures (a sandbox that died, an image that could not be built) never become a
+trajectory at all.
+
 ``mask_turn`` removes a turn's sampled tokens from the policy loss only
 (:func:`policy_mask`); advantages are still computed by GAE over every sampled token, and the
 critic still trains on all of them (see ``Learner._train_step``). Pure numpy, no backend.

@@ -64,7 +64,8 @@ class EvalRow:
         network: ``"on"`` or ``"off"``: whether the task's sandbox had network ("" if it never
             got that far).
         agent_processes: ``"kept"`` or ``"killed"``: what happened to the processes the agent left
-            running before the tests ("" if the tests did not run).
+            running before the tests; None (JSON null) when the tests did not run (a failed build,
+            a refusal), so no setting is claimed to have applied.
         note: a likely cause of a failure worth seeing (network off while a command failed for
             lack of it; the agent's processes killed while the tests found no server), else None.
     """
@@ -76,7 +77,7 @@ class EvalRow:
     seconds: float = 0.0
     error: str | None = None
     network: str = ""
-    agent_processes: str = ""
+    agent_processes: str | None = None
     note: str | None = None
 
 
@@ -98,7 +99,8 @@ def failure_note(row: EvalRow, outputs: list[tuple[str, str]], *, network: str, 
     """A note for ``row`` when a failure looks caused by the eval's settings, else None.
 
     Args:
-        outputs: (what, text) of the oracle's and the verifier's output.
+        outputs: (what, text) of the oracle's and the verifier's output, and ``("timeout", line)``
+            when the verifier timed out (noted: the row shows 0 passed and no error).
         network: how the network was set, e.g. ``"off (task.toml allow_internet = false)"``;
             "" when it was on.
         stopped: processes of the agent killed before the tests (0 when kept).
@@ -106,6 +108,8 @@ def failure_note(row: EvalRow, outputs: list[tuple[str, str]], *, network: str, 
     if row.resolved:
         return None
     notes = []
+    notes += [f"{text}: scored as a failure (reward 0), as the harnesses score it" for what, text in outputs
+              if what == "timeout"]
     for what, text in outputs:
         match = NETWORK_FAILURE.search(text) if network else None
         if match:
@@ -228,6 +232,8 @@ def run_task(folder: Path, agent: str, root: Path, *, sandbox: str = "local", po
                 outputs.append(("tests", verdict.output))
                 row.agent_processes = "kept" if env.keep_agent_processes else "killed"
                 row.passed, row.total, row.resolved, row.error = verdict.passed, verdict.total, verdict.resolved, verdict.error
+                if verdict.timed_out:  # scored as the harnesses score it: a failure (verifier.py)
+                    outputs.append(("timeout", f"the verifier timed out after {env.verifier_timeout_s:g} s"))
                 if task_logs is not None:
                     (task_logs / "verifier.txt").write_text(verdict.output)
                     if verdict.task_reward is not None:

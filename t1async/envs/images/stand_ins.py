@@ -49,17 +49,26 @@ from .engine import CACHE_DIR, DEBIAN_MIRROR, BuildError, Engine, _build, _build
 BASE_REPO = "localhost/t1async-base"
 """Repository of the stand-in images (``<BASE_REPO>/<chain name>:<ROOTFS_VERSION>``)."""
 
-ROOTFS_VERSION = 4
+ROOTFS_VERSION = 5
 """Bumped whenever a stand-in changes (2: pip ``RECORD`` files for Debian's Python packages; 4:
 per-image Debian release, CPython built into ``/usr/local``, ``WORKDIR /app`` for the
-Terminal-Bench 1 bases, man folders kept, updates and security archives, no apt cache), so that
+Terminal-Bench 1 bases, man folders kept, updates and security archives, no apt cache; 5: no
+``python-is-python3`` (no ``/usr/bin/python``), the ``ubuntu`` user of the Ubuntu names), so that
 ``t1async images bootstrap`` builds and re-tags anew (older stand-ins are recognised and replaced; pulled images are left alone)."""
 
 BASE_PACKAGES = ("ca-certificates", "procps", "netbase")
 """Packages every stand-in root filesystem gets on top of ``minbase``."""
 
-DEBIAN_PYTHON_PACKAGES = ("python3", "python3-pip", "python3-venv", "python-is-python3")
-"""Added to root filesystems whose stand-in takes Debian's own Python (:attr:`StandIn.python` empty)."""
+DEBIAN_PYTHON_PACKAGES = ("python3", "python3-pip", "python3-venv")
+"""Added to root filesystems whose stand-in takes Debian's own Python (:attr:`StandIn.python` empty).
+Not ``python-is-python3``: no official image has ``/usr/bin/python`` (the python images have
+``/usr/local/bin/python``, Debian and Ubuntu none), and Dockerfiles create it themselves
+(``RUN ln -s /usr/bin/python3 /usr/bin/python``, which fails with "File exists" where it is)."""
+
+UBUNTU_USERS = (("ubuntu", 1000),)
+"""Users the official ``ubuntu:24.04`` image has beyond Debian's system users: ``ubuntu``, uid and
+gid 1000, home ``/home/ubuntu``, shell bash (so a Dockerfile's ``useradd -u 1000`` fails there
+and a plain ``useradd`` gets 1001, as on the official image)."""
 
 BOOTSTRAP_PACKAGES = BASE_PACKAGES + DEBIAN_PYTHON_PACKAGES
 """Every package of a Debian-Python root filesystem beyond ``minbase`` (kept for callers)."""
@@ -131,6 +140,8 @@ class StandIn:
             built from Debian's ``python3.13`` source into ``/usr/local``, as python.org images have.
         packages: Debian packages the official image adds on top (installed in the config layer).
         workdir: the official image's ``WorkingDir`` ("" when it sets none).
+        users: ``(name, uid)`` of the users the official image adds (group of the same name and
+            id, home in ``/home``, shell bash), created in the config layer.
         differences: what differs from the official image, for the report.
     """
 
@@ -140,6 +151,7 @@ class StandIn:
     packages: tuple[str, ...] = ()
     workdir: str = ""
     differences: str = ""
+    users: tuple[tuple[str, int], ...] = ()
 
 
 _DEB = "Debian {} minbase plus python3, pip, venv, ca-certificates, procps, netbase; no documentation (as -slim)"
@@ -170,9 +182,10 @@ STAND_INS: tuple[StandIn, ...] = (
     StandIn(r"debian:(?:bookworm|12)(?:[.\d]*)(?:-slim)?", "bookworm", differences=_DEB.format("bookworm")),
     StandIn(r"debian:(?:trixie|13|stable|latest)(?:[.\d]*)(?:-slim)?|debian", "trixie",
             differences=_DEB.format("trixie")),
-    StandIn(r"ubuntu:(?:24\.04|noble|latest)|ubuntu", "trixie",
+    StandIn(r"ubuntu:(?:24\.04|noble|latest)|ubuntu", "trixie", users=UBUNTU_USERS,
             differences="Debian trixie stands in for Ubuntu 24.04 (glibc 2.41 vs 2.39, Python 3.13 vs 3.12, OpenSSL "
-                        "3.5 vs 3.0, Debian archive instead of Ubuntu's; apt-get works the same)"),
+                        "3.5 vs 3.0, Debian archive instead of Ubuntu's; apt-get works the same; python3 and pip "
+                        "preinstalled, which the official image lacks)"),
     StandIn(r"ubuntu:(?:22\.04|jammy|20\.04|focal)", "bookworm",
             differences="Debian bookworm stands in for Ubuntu 22.04/20.04 (Debian archive instead of Ubuntu's)"),
     StandIn(r"ghcr\.io/laude-institute/t-bench/python-3-13:.*", "bookworm", python="3.13",
@@ -186,7 +199,7 @@ STAND_INS: tuple[StandIn, ...] = (
     # (Unicode chess glyphs, drawn at build time) is legible only with one that has them, so the
     # official image must have such a font (its oracle resolves with DejaVu, and only then).
     StandIn(r"ghcr\.io/laude-institute/t-bench/ubuntu-24-04:.*", "trixie",
-            packages=("tmux", "asciinema", "python3-setuptools", "fonts-dejavu-core"), workdir="/app",
+            packages=("tmux", "asciinema", "python3-setuptools", "fonts-dejavu-core"), workdir="/app", users=UBUNTU_USERS,
             differences="Debian trixie stands in for Ubuntu 24.04 (see ubuntu:24.04)" + _TB1
             + "; python3-setuptools preinstalled (trixie's asciinema leaves a partial setuptools folder); "
               "fonts-dejavu-core (inferred: chess-best-move's board must be legible)"),
@@ -271,8 +284,9 @@ def chain(rule: StandIn) -> list[tuple[str, str]]:
     if rule.python:
         name = f"{rule.suite}-python{rule.python}"
         steps.append(("python", f"{BASE_REPO}/{name}:{ROOTFS_VERSION}"))
-    if rule.packages or rule.workdir:
-        name += "-" + "-".join((*rule.packages, *(["workdir" + rule.workdir.replace("/", "-")] if rule.workdir else [])))
+    if rule.packages or rule.workdir or rule.users:
+        name += "-" + "-".join((*rule.packages, *(f"user-{user}" for user, _ in rule.users),
+                                *(["workdir" + rule.workdir.replace("/", "-")] if rule.workdir else [])))
         steps.append(("config", f"{BASE_REPO}/{name}:{ROOTFS_VERSION}"))
     return steps
 
@@ -330,11 +344,14 @@ python3 -c 'import bz2, ctypes, curses, dbm.gnu, decimal, lzma, readline, sqlite
 
 def config_layer_dockerfile(parent: str, rule: StandIn) -> str:
     """Dockerfile text of the config layer: ``FROM parent``, ``rule.packages`` installed with apt
-    (recommends included, as ``apt-get install -y`` does), ``WORKDIR rule.workdir`` (created)."""
+    (recommends included, as ``apt-get install -y`` does), ``rule.users`` created, ``WORKDIR
+    rule.workdir`` (created)."""
     lines = [f"FROM {parent}"]
     if rule.packages:
         lines.append("RUN apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "
                      f"{' '.join(rule.packages)} > /dev/null && rm -rf /var/lib/apt/lists/*")
+    for user, uid in rule.users:
+        lines.append(f"RUN groupadd -g {uid} {user} && useradd -m -u {uid} -g {uid} -s /bin/bash {user}")
     if rule.workdir:
         lines += [f"RUN mkdir -p {shlex.quote(rule.workdir)}", f"WORKDIR {rule.workdir}"]
     lines.append('CMD ["bash"]')

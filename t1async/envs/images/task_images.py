@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import shlex
 from pathlib import Path
 
 from ..taskio.dockerfile import expand_heredocs, from_images, rewrite_from
@@ -46,13 +47,16 @@ def ensure_task_image(engine: Engine, *, name: str, dockerfile: Path | None, con
 
 
 def ensure_verifier_image(engine: Engine, base: str, *, debs: list[str], requirements: list[str],
-                          log: Path | None = None) -> str:
+                          log: Path | None = None, optional_debs: list[list[str]] | None = None) -> str:
     """``base`` plus the verifier layer (see the module docstring); returns its reference.
 
     Args:
         base: the task image.
-        debs: Debian packages the test script installs with apt.
+        debs: Debian packages the test script installs with apt (a failure fails the build).
         requirements: Python requirements it installs (``pytest`` is added when absent).
+        optional_debs: ``apt-get install`` lines the test script survives the failure of, one
+            list each: each is installed on its own and a failure is tolerated (the build log
+            says so), as the script would run past it.
 
     Raises:
         BuildError: the layer could not be built (no network at build time, a package that does
@@ -66,6 +70,14 @@ def ensure_verifier_image(engine: Engine, base: str, *, debs: list[str], require
     apt = ("if command -v apt-get >/dev/null; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive "
            "apt-get install -y -qq --no-install-recommends {} >/dev/null; fi")
     needs = list(debs)
+    tolerated = [
+        "{ apt-get install -y -qq --no-install-recommends " + " ".join(shlex.quote(p) for p in group)
+        + " >/dev/null 2>&1 || echo " + shlex.quote(f"t1async: the test script's `apt-get install {' '.join(group)}` "
+                                                      "failed; it runs past that line, so does the verifier layer")
+        + "; }" for group in (optional_debs or []) if group]
+    if tolerated:
+        lines.append("RUN if command -v apt-get >/dev/null; then apt-get update -qq && export "
+                     "DEBIAN_FRONTEND=noninteractive && " + " && ".join(tolerated) + "; fi")
     # Each part in braces: `A && B || C` would run C when A failed and hide A's failure.
     lines.append("RUN " + " && ".join("{ " + part + "; }" for part in filter(None, [
         apt.format(" ".join(sorted(set(needs)))) if needs else "",

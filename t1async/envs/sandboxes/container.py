@@ -34,7 +34,9 @@ Lifecycle:
 
 What the agent sees is what the task's author built: any path writable, the image's tools and
 users. ``/app``, ``/tests`` and ``/logs`` are created at start; the tests are copied in only at
-verification (see :mod:`t1async.envs.terminal`), and the verifier runs in the same container.
+verification (see :mod:`t1async.envs.terminal`), and the verifier runs in the same container (a
+Harbor task with a separate verifier environment gets a second sandbox of its verifier's image
+instead, see :meth:`~t1async.envs.terminal.TerminalEnv.verify`).
 """
 
 from __future__ import annotations
@@ -223,7 +225,8 @@ class ContainerSandbox:
         if spec.verifier_requirements is not None and self.cfg.verifier_tools:
             try:
                 self.image = ensure_verifier_image(self.engine, self.image, debs=list(spec.verifier_debs),
-                                                   requirements=list(spec.verifier_requirements), log=log)
+                                                   requirements=list(spec.verifier_requirements), log=log,
+                                                   optional_debs=[list(g) for g in spec.verifier_optional_debs])
             except BuildError as exc:
                 # The task's own install lines became `true` in its adapted test script: without the
                 # layer its tests would run without what they install, and a 0/N would read as the

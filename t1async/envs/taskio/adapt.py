@@ -34,7 +34,9 @@ test script runs, each is adapted like the test script itself (:func:`adapt_test
 **The container flavour** (:func:`plan_container`): the task's image is built for real, so only
 the test script is adapted, and nothing is refused: package installs in it (apt-get, pip,
 ``uv pip install``, ``uv add``, ``uvx --with``) are collected into :class:`VerifierNeeds` and
-become ``true`` (they are installed at build time in the verifier layer, see
+become ``true`` (an ``apt-get install`` line the script survives the failure of, see
+:func:`survivable_commands`, into :attr:`VerifierNeeds.optional_debs`, installed with its failure
+tolerated) (they are installed at build time in the verifier layer, see
 :mod:`t1async.envs.images.engine`); uv bootstraps become ``true``; the runner becomes
 ``${T1ASYNC_VERIFIER_PYTHON:-python3} -m pytest -rA ...`` (the verifier layer's Python when it
 was built). Stored in :attr:`Task.container_test_script` and :attr:`Task.verifier_needs`.
@@ -101,7 +103,12 @@ class VerifierNeeds:
     """What a test script would install at test time (container flavour; see the module docstring).
 
     Attributes:
-        debs: Debian packages (apt-get install).
+        debs: Debian packages (apt-get install) of lines whose failure would stop the script
+            (``set -e`` in effect, the line unguarded).
+        optional_debs: the packages of each ``apt-get install`` line whose failure the script
+            survives (no ``set -e``, or guarded by ``||``, ``&&`` or a condition), one tuple a
+            line: a pin the archive no longer has (``jq=1.6-2.1``) fails that line only, and the
+            tests then use what the image has, as under the harness.
         requirements: Python requirements (pip, uv pip install, uv add, uvx --with), report-only
             plugins left out.
         present: paths, relative to tests/, of the files the task's tests/ folder holds (a TB1
@@ -109,6 +116,7 @@ class VerifierNeeds:
     """
 
     debs: list[str] = field(default_factory=list)
+    optional_debs: list[tuple[str, ...]] = field(default_factory=list)
     requirements: list[str] = field(default_factory=list)
     present: frozenset[str] = frozenset()
 
@@ -177,7 +185,7 @@ def _pip_requirements(words: list[str]) -> list[str]:
 
 
 def classify(command: str, *, test_script: bool, allow_internet: bool, collect: VerifierNeeds | None = None,
-             present: frozenset[str] | None = None) -> str | None:
+             present: frozenset[str] | None = None, survivable: bool = False) -> str | None:
     """The replacement of one command (None: run it as written): for the local sandbox, or for a
     container's test script when ``collect`` is given (installs are recorded there instead of
     checked against the host; nothing is refused).
@@ -185,6 +193,8 @@ def classify(command: str, *, test_script: bool, allow_internet: bool, collect: 
     Args:
         present: files of the task's tests/ folder (a missing TB1 helper is replaced); None:
             unknown, helpers are left alone.
+        survivable: (container) the script runs past this command when it fails (see
+            :func:`survivable_commands`): its apt packages go to :attr:`VerifierNeeds.optional_debs`.
 
     Raises:
         Refusal: (local only) the command needs what the host lacks (packages, another package
@@ -203,7 +213,7 @@ def classify(command: str, *, test_script: bool, allow_internet: bool, collect: 
             python = CONTAINER_PYTHON if collect is not None else "python3"
             return f'{pytest_command(python)} -rA "$TEST_DIR/test_outputs.py"'
     if collect is not None:
-        return _classify_container(command, words, head, text, collect)
+        return _classify_container(command, words, head, text, collect, survivable)
     if head in ("apt-get", "apt", "aptitude"):
         sub = next((w for w in words[1:] if not w.startswith("-")), "")
         if sub in ("update", "clean", "autoclean", "autoremove", "upgrade", "dist-upgrade"):
@@ -310,12 +320,17 @@ def _missing_helper(words: list[str], present: frozenset[str]) -> str | None:
     return name if name in TB1_HELPERS and name not in present else None
 
 
-def _classify_container(command: str, words: list[str], head: str, text: str, collect: VerifierNeeds) -> str | None:
+def _classify_container(command: str, words: list[str], head: str, text: str, collect: VerifierNeeds,
+                        survivable: bool = False) -> str | None:
     """:func:`classify` for a container's test script (see the module docstring)."""
     if head in ("apt-get", "apt", "aptitude"):
         sub = next((w for w in words[1:] if not w.startswith("-")), "")
         if sub == "install":
-            collect.debs += [p for p in words[words.index("install") + 1:] if not p.startswith("-")]
+            packages = [p for p in words[words.index("install") + 1:] if not p.startswith("-")]
+            if survivable:
+                collect.optional_debs.append(tuple(packages))
+            else:
+                collect.debs += packages
             return "true"
         return "true" if sub in ("update", "clean", "autoclean", "autoremove") else None
     if head == "rm" and "/var/lib/apt/lists" in text:
@@ -469,6 +484,40 @@ def _commands(text: str) -> Iterator[tuple[str, int, int, int]]:
         yield joined, start, (keywords.end() - start) if keywords else 0, end
 
 
+def _errexit_change(words: list[str]) -> bool | None:
+    """What ``set ...`` (``words``) does to errexit: True (``-e``, ``-euo pipefail``, ``-o
+    errexit``), False (``+e``, ``+o errexit``), None (no change, or not ``set``)."""
+    if not words or words[0] != "set":
+        return None
+    change = None
+    for i, word in enumerate(words[1:], start=1):
+        if re.fullmatch(r"[-+][a-zA-Z]+", word) and "e" in word:
+            change = word[0] == "-"
+        elif word in ("-o", "+o") and i + 1 < len(words) and words[i + 1] == "errexit":
+            change = word == "-o"
+    return change
+
+
+def survivable_commands(text: str) -> list[bool]:
+    """For each command of shell script ``text`` (in :func:`_commands` order), whether the script
+    runs past it when it fails, as bash does when a harness runs ``bash /tests/test.sh`` (the
+    shebang's options are not read): always, unless errexit is on (``set -e``, ``set -o errexit``
+    before it, at the top level) and the command is neither guarded by a condition (``if``,
+    ``while``, ``!``) nor followed by ``&&`` or ``||`` (bash ignores errexit there; ``a || b``
+    with ``b`` failing stops it). Source: bash(1), ``set -e``."""
+    errexit = False
+    found: list[bool] = []
+    for joined, start, lead, end in _commands(text):
+        after = joined[end:].lstrip(" \t")
+        condition = {"if", "elif", "while", "until", "!"} & set(joined[start:start + lead].split())
+        guarded = bool(condition) or after.startswith(("&&", "||"))
+        found.append(not errexit or guarded)
+        change = _errexit_change(_words(joined[start + lead:end]))
+        if change is not None:
+            errexit = change
+    return found
+
+
 def adapt_script(text: str, *, test_script: bool, allow_internet: bool, collect: VerifierNeeds | None = None,
                  present: frozenset[str] | None = None) -> str:
     """``text`` with each command replaced per :func:`classify` (unchanged text if nothing applies).
@@ -479,10 +528,12 @@ def adapt_script(text: str, *, test_script: bool, allow_internet: bool, collect:
     out: list[str] = []
     last = 0
     joined = text
-    for joined, start, lead, end in _commands(text):
+    survives = survivable_commands(text) if collect is not None else []
+    for index, (joined, start, lead, end) in enumerate(_commands(text)):
         command = joined[start:end]
         replacement = classify(command[lead:], test_script=test_script, allow_internet=allow_internet,
-                               collect=collect, present=present)
+                               collect=collect, present=present,
+                               survivable=survives[index] if index < len(survives) else False)
         if replacement is None:
             continue
         out.append(joined[last:start + lead])
@@ -501,6 +552,11 @@ def plan_local(task: Task, *, network: bool | None = None) -> None:
     eval --network on``, lifts the refusal of commands that need it)."""
     internet = task.allow_internet if network is None else network
     notes: list[str] = []
+    if task.verifier_mode == "separate":
+        task.local_refusal = task.local_refusal or (
+            "[verifier] environment_mode = \"separate\": Harbor runs the tests in an image of their own (tests/Dockerfile "
+            "or [verifier.environment] docker_image) and hands it only the declared artifacts; the local sandbox builds "
+            "no image, so it cannot: use env.sandbox=container")
     try:
         steps: list[DockerStep] = []
         for step in task.steps:
@@ -532,9 +588,11 @@ def plan_local(task: Task, *, network: bool | None = None) -> None:
 
 def plan_container(task: Task) -> None:
     """Fill :attr:`Task.container_test_script` and :attr:`Task.verifier_needs` (container flavour,
-    see the module docstring; never refuses)."""
+    see the module docstring; never refuses). A separate verifier environment's test script
+    runs as written in its own image (Harbor's semantics: that image holds what the tests need),
+    so nothing is planned for it."""
     original = test_script_text(task)
-    if original is None:
+    if original is None or task.verifier_mode == "separate":
         return
     needs = VerifierNeeds(present=_tests_files(task))
     adapted, task.container_helpers = adapt_tests(task, original, collect=needs)

@@ -83,13 +83,16 @@ def load_task(path: str | Path, *, network: bool | None = None) -> Task:
         raise _error(folder, "not a folder", "pass the path of a task folder")
     if not (folder / "task.toml").is_file() and (folder / "task.yaml").is_file():
         return load_tb1_task(folder, network=network)
-    for required in ("task.toml", "instruction.md", "tests/test.sh"):
-        if not (folder / required).is_file():
-            raise _error(folder, f"missing {required}", "add it")
+    if not (folder / "task.toml").is_file():
+        raise _error(folder, "missing task.toml", "add it")
     try:
         config = tomllib.loads((folder / "task.toml").read_text())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise _error(folder, f"task.toml is not valid TOML ({exc})", "fix its syntax") from None
+    _refuse_multi_step(folder, config)
+    for required in ("instruction.md", "tests/test.sh"):
+        if not (folder / required).is_file():
+            raise _error(folder, f"missing {required}", "add it")
     sections = {}
     for section in ("task", "metadata", "verifier", "agent", "environment"):
         sections[section] = config.get(section, {})
@@ -106,6 +109,7 @@ def load_task(path: str | Path, *, network: bool | None = None) -> Task:
     if not isinstance(allow_internet, bool):
         raise _error(folder, f"task.toml [environment] allow_internet = {allow_internet!r} is not a boolean", "use true or false")
     resources = {key: _optional_number(environment, key, folder) for key in ("cpus", "memory_mb", "storage_mb")}
+    verifier_mode, verifier_image, artifacts = _verifier_environment(folder, config)
     task = Task(
         name=name.strip(),
         path=folder,
@@ -122,10 +126,86 @@ def load_task(path: str | Path, *, network: bool | None = None) -> Task:
         cpus=resources["cpus"],
         memory_mb=None if resources["memory_mb"] is None else int(resources["memory_mb"]),
         storage_mb=None if resources["storage_mb"] is None else int(resources["storage_mb"]),
+        verifier_mode=verifier_mode,
+        verifier_image=verifier_image,
+        artifacts=artifacts,
     )
     dockerfile = folder / "environment" / "Dockerfile"
     return _finish(task, dockerfile if dockerfile.is_file() else None, folder / "environment" / "docker-compose.yaml",
                    network)
+
+
+HARBOR_ARTIFACTS_DIR = "/logs/artifacts"
+"""Harbor's artifact folder, always handed to a separate verifier."""
+
+
+def _verifier_environment(folder: Path, config: dict) -> tuple[str, str, tuple[str, ...]]:
+    """``(verifier_mode, verifier_image, artifacts)`` of a Harbor task.toml, as Harbor resolves
+    them: ``[verifier] environment_mode`` ``"shared"`` (default) or ``"separate"``; a
+    ``[verifier.environment]`` table implies ``"separate"``; a separate verifier is built from
+    ``tests/Dockerfile`` (context tests/) or runs ``[verifier.environment] docker_image``. The
+    top-level ``artifacts`` are strings or tables with an absolute ``source`` (Harbor's
+    ``destination`` only places the file on the host); ``/logs/artifacts`` is always added.
+
+    Raises:
+        TaskError: an unknown mode, ``"shared"`` with a ``[verifier.environment]``, a separate
+            verifier with neither tests/Dockerfile nor an image, an artifact that is not an
+            absolute path or names a sidecar service.
+    """
+    verifier = config.get("verifier") if isinstance(config.get("verifier"), dict) else {}
+    environment = verifier.get("environment")
+    if environment is not None and not isinstance(environment, dict):
+        raise _error(folder, "task.toml [verifier.environment] must be a table", "fix task.toml")
+    mode = verifier.get("environment_mode", "separate" if environment is not None else "shared")
+    if mode not in ("shared", "separate"):
+        raise _error(folder, f"task.toml [verifier] environment_mode = {mode!r} is not \"shared\" or \"separate\"",
+                     "fix task.toml")
+    if mode == "shared" and environment is not None:
+        raise _error(folder, "task.toml [verifier] environment_mode = \"shared\" with a [verifier.environment] table",
+                     "drop one of them (Harbor refuses this too)")
+    image = str((environment or {}).get("docker_image") or "")
+    if mode == "separate" and not image and not (folder / "tests" / "Dockerfile").is_file():
+        raise _error(folder, "[verifier] environment_mode = \"separate\" but there is neither tests/Dockerfile nor "
+                     "[verifier.environment] docker_image to build the verifier from", "add one")
+    raw = config.get("artifacts", [])
+    if not isinstance(raw, list):
+        raise _error(folder, "task.toml artifacts must be a list", "fix task.toml")
+    paths: list[str] = []
+    for entry in raw:
+        source = entry.get("source") if isinstance(entry, dict) else entry
+        if isinstance(entry, dict) and entry.get("service") not in (None, "main"):
+            raise _error(folder, f"task.toml artifact {source!r} is collected from the service {entry.get('service')!r}, "
+                         "which t1async does not hand to a verifier", "collect it from the main container")
+        if not isinstance(source, str) or not source.startswith("/") or ".." in source.split("/"):
+            raise _error(folder, f"task.toml artifact {source!r} is not an absolute path", "fix task.toml")
+        paths.append(source.rstrip("/") or "/")
+    return mode, image, tuple(dict.fromkeys([HARBOR_ARTIFACTS_DIR, *paths]))
+
+
+def _refuse_multi_step(folder: Path, config: dict) -> None:
+    """Refuse a multi-step Harbor task (``[[steps]]`` in task.toml, instructions in
+    ``steps/<name>/instruction.md``) in one line saying what is unsupported.
+
+    Harbor runs such a task's steps in order in one environment: the agent gets each step's
+    instruction in turn, each step's verifier (the task's tests/ with the step's own tests/ over
+    it) runs after it, a step under its ``min_reward`` ends the trial, and the trial's reward is
+    the mean (``multi_step_reward_strategy = "mean"``, the default) or the last step's
+    (``"final"``). t1async's episode has one instruction and one verifier run, so it cannot
+    reproduce that; the task is refused rather than run as something else.
+
+    Raises:
+        TaskRefused: the task declares ``[[steps]]`` or has a ``steps/`` folder.
+    """
+    steps = config.get("steps")
+    if steps is None and not (folder / "steps").is_dir():
+        return
+    names = [str(step.get("name", "?")) for step in steps if isinstance(step, dict)] if isinstance(steps, list) else []
+    listed = f"{len(names)} [[steps]] ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''})" if names else "a steps/ folder"
+    raise TaskRefused(
+        f"task {folder}: multi-step Harbor task (schema_version {config.get('schema_version', config.get('version', '?'))!s}, "
+        f"{listed}) is not supported: t1async runs one instruction and one verifier per episode, not each step's "
+        "instruction, verifier and min_reward in turn with a mean/final reward; leave it out of env.tasks or split "
+        "its steps into single-step tasks")
 
 
 def load_tb1_task(folder: Path, *, network: bool | None = None) -> Task:

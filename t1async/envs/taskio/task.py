@@ -103,6 +103,14 @@ class Task:
             as the oracle (empty otherwise).
         writable: top-level folders the task writes outside the system ones (e.g. ``/db``), given
             a private tmpfs by the local backend (see :func:`t1async.envs.taskio.adapt.writable_folders`).
+        verifier_mode: Harbor's ``[verifier] environment_mode``: ``"shared"`` (the tests run in
+            the agent's container, the default) or ``"separate"`` (they run in an image of their
+            own, built from ``tests/Dockerfile`` with tests/ as its context, or
+            ``[verifier.environment] docker_image``; only :attr:`artifacts` are handed over).
+        verifier_image: ``[verifier.environment] docker_image`` ("" when tests/Dockerfile builds it).
+        artifacts: absolute paths in the agent's container copied into the separate verifier's
+            container at the same paths before its tests run (task.toml's top-level
+            ``artifacts``, strings or ``{source = ...}`` tables), plus Harbor's ``/logs/artifacts``.
     """
 
     name: str
@@ -135,6 +143,9 @@ class Task:
     verifier_needs: Any = None
     solution_commands: list[tuple[str, float]] = field(default_factory=list)
     writable: tuple[str, ...] = ()
+    verifier_mode: str = "shared"
+    verifier_image: str = ""
+    artifacts: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.context_dir is None:
@@ -155,6 +166,12 @@ class Task:
     def tests_dir(self) -> Path:
         """The verifier files, copied to /tests at verification: ``<task>/tests``."""
         return self.path / "tests"
+
+    @property
+    def verifier_dockerfile(self) -> Path | None:
+        """``tests/Dockerfile`` of a separate verifier environment, or None."""
+        path = self.tests_dir / "Dockerfile"
+        return path if self.verifier_mode == "separate" and path.is_file() else None
 
     @property
     def solution_path(self) -> Path | None:

@@ -4,9 +4,10 @@ docs/terminal-bench.md is made of them)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
-from tests.support import REPO
+from tests.support import FIXTURES, REPO
 
 _SPEC = importlib.util.spec_from_file_location("bench_tb_corpus", REPO / "tools" / "bench_tb_corpus.py")
 corpus = importlib.util.module_from_spec(_SPEC)
@@ -38,3 +39,35 @@ def test_a_task_without_a_real_oracle_is_the_tasks_own_class(tmp_path):
     assert corpus.classify(_row(real), logs, {}) == ("t1async", "0/1 tests")
     assert corpus.classify(_row(real, "pip: Could not resolve host: example.com"), logs, {})[0] == "unreachable"
     assert corpus.classify(_row(real), logs, {"real": ["t1async", "read: X"]}) == ("t1async", "read: X")
+
+
+CORPUS = FIXTURES / "corpus"
+
+
+def test_a_base_image_not_bootstrapped_is_this_machines_setup_not_t1async(tmp_path):
+    """Issue 41 item 6: the error of a FROM image that has a stand-in nobody bootstrapped names
+    the machine's preparation (class ``setup``, with the command that fixes it), not t1async."""
+    real = _tb1(tmp_path, "real", ["coding"], "#!/bin/bash\necho fix > /app/x\n")
+    error = ("base image 'python:3.13-slim' is not in local storage: run `t1async images bootstrap` (builds a "
+             "Debian trixie stand-in offline) or `podman pull python:3.13-slim`")
+    kind, reason = corpus.classify(_row(real, error), tmp_path / "logs", {})
+    assert kind == "setup"
+    assert "python:3.13-slim" in reason and "t1async images bootstrap --tasks" in reason
+    # an image with no stand-in at all stays unreachable
+    none = "base image 'node:20' is not in local storage and t1async has no stand-in for it: `podman pull node:20`"
+    assert corpus.classify(_row(real, none), tmp_path / "logs", {})[0] == "unreachable"
+
+
+def test_a_failed_builds_row_claims_no_agent_processes_setting(tmp_path, capsys):
+    """Issue 41 item 6: a task whose build failed never ran its tests, so its row says null, not ""
+    (which read as a setting)."""
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "build-fails").symlink_to(CORPUS / "build-fails")
+    assert corpus.main(["--tasks", str(folder), "--sandbox", "local", "--logs", str(tmp_path / "logs")]) == 0
+    out = json.loads(capsys.readouterr().out)
+    (row,) = out["rows"]
+    assert "Dockerfile:3" in row["error"] and row["class"] == "t1async"
+    assert row["agent_processes"] is None and row["network"] == "off"
+    assert json.loads((tmp_path / "logs" / "corpus" / "oracle" / "build-fails" / "row.json").read_text())[
+        "agent_processes"] is None

@@ -113,6 +113,31 @@ def test_layers_say_what_the_official_images_do():
     assert py.splitlines()[0] == "FROM P"
 
 
+def test_no_stand_in_ships_a_file_the_official_images_lack_on_path(monkeypatch, tmp_path):
+    """Issue 41 item 1: no official image has /usr/bin/python (python-is-python3), and every
+    terminal-bench-env Dockerfile runs ``ln -s /usr/bin/python3 /usr/bin/python``, which then
+    fails with "File exists". The root filesystem's package list (read from the mmdebstrap call
+    itself) leaves the package out; Ubuntu names get the official image's ``ubuntu`` user."""
+    argv = []
+
+    class Done:
+        returncode, stdout, stderr = 1, b"", b"E: stop here"
+
+    monkeypatch.setattr(stand_ins.shutil, "which", lambda name: "/usr/bin/" + name)
+    monkeypatch.setattr(stand_ins.subprocess, "run", lambda a, **kw: argv.append(a) or Done())
+    monkeypatch.setattr(stand_ins, "CACHE_DIR", tmp_path)
+    for ref in ("ubuntu:24.04", "python:3.13-slim", "debian:bookworm", "ghcr.io/laude-institute/t-bench/ubuntu-24-04:x"):
+        with pytest.raises(BuildError):
+            stand_ins.build_rootfs(None, stand_in_for(ref))
+    includes = [next(a for a in call if a.startswith("--include=")) for call in argv]
+    assert all("python3-pip" in inc and "python-is-python3" not in inc for inc in includes), includes
+    for ref in ("ubuntu:24.04", "ghcr.io/laude-institute/t-bench/ubuntu-24-04:20250624"):
+        layer = stand_ins.config_layer_dockerfile("P", stand_in_for(ref))
+        assert "RUN groupadd -g 1000 ubuntu && useradd -m -u 1000 -g 1000 -s /bin/bash ubuntu" in layer
+    assert not stand_in_for("debian:bookworm").users and not stand_in_for("python:3.13-slim").users
+    assert chain(stand_in_for("ubuntu:24.04"))[0] == chain(stand_in_for("python:3.13-slim"))[0]  # one root filesystem
+
+
 # --------------------------------------------------------------------------------- build failures (10)
 
 
@@ -267,3 +292,28 @@ def test_python_313_bookworm_stand_in_is_python_org_style():
     assert "/usr/local/bin/python3.13" in out and "Python 3.13." in out and "OpenSSL 3.0." in out, out
     assert out.strip().endswith("bookworm"), out
     assert os.path.basename(out.splitlines()[0]) == "python3.13"
+
+
+CHECKS = {
+    # name: a shell test of what the official image has, run inside a build of the stand-in
+    "python:3.13-slim": '[ "$(command -v python)" = /usr/local/bin/python ] && [ "$(id -un)" = root ] '
+                        '&& ! getent passwd 1000 && [ "$(pwd)" = / ]',
+    "ubuntu:24.04": '[ "$(id -u ubuntu):$(id -g ubuntu)" = 1000:1000 ] && [ -d /home/ubuntu ] '
+                    '&& [ "$(getent passwd ubuntu | cut -d: -f7)" = /bin/bash ] && [ "$(pwd)" = / ]',
+    "ghcr.io/laude-institute/t-bench/ubuntu-24-04:20250624": '[ "$(id -u ubuntu)" = 1000 ] && [ "$(pwd)" = /app ] '
+                                                            '&& command -v tmux',
+}
+
+
+@pytest.mark.container
+@pytest.mark.parametrize("ref", sorted(CHECKS))
+def test_dockerfiles_written_for_the_official_images_build_on_the_stand_ins(tmp_path, ref):
+    """Issue 41 item 1, from inside: the line every terminal-bench-env Dockerfile has
+    (``ln -s /usr/bin/python3 /usr/bin/python``, "File exists" where python-is-python3 is) builds,
+    and the users, PATH and WORKDIR are the official image's."""
+    engine = _podman_or_skip()
+    stand_ins.bootstrap(engine, [ref], describe_images=False)
+    (tmp_path / "Dockerfile").write_text(f"FROM {ref}\nRUN ! test -e /usr/bin/python && {CHECKS[ref]}\n"
+                                         "RUN ln -s /usr/bin/python3 /usr/bin/python && python --version\n")
+    tag = ensure_task_image(engine, name="official-contents", dockerfile=tmp_path / "Dockerfile", context_dir=tmp_path)
+    engine.run("rmi", tag, check=False)

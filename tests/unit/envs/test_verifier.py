@@ -104,11 +104,15 @@ def test_ansi_colours_and_several_sections():
     assert [(t.name, t.outcome) for t in parse_pytest_summary(text)] == [("a.py::one", "PASSED"), ("b.py::two", "FAILED")]
 
 
-def test_timeout_is_an_error_even_with_all_passed():
+def test_timeout_is_a_failure_scored_as_the_harnesses_score_it_whatever_was_printed():
+    """Issue 41 item 5: Harbor gives a timed-out verifier no reward (0), TB1 marks it unresolved;
+    it is the agent's failure (trained), not an error (dropped)."""
     text = "==== short test summary info ====\nPASSED a.py::one\n"
-    result = verifier_result(text, seconds=60.0, timed_out_after_s=60)
-    assert result.error == "the verifier timed out after 60 s" and not result.resolved
-    assert result.passed == 1 and result.reward == 1.0
+    result = verifier_result(text, seconds=60.0, timed_out_after_s=60, reward_txt="1")
+    assert result.timed_out and result.error is None and not result.resolved
+    assert (result.passed, result.total, result.reward) == (0, 1, 0.0)
+    assert [(t.name, t.passed) for t in result.tests] == [("verifier_timeout", False)]
+    assert not verifier_result(text, seconds=1.0).timed_out
 
 
 def test_unknown_outcome_rejected():
