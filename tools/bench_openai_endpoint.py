@@ -2,7 +2,7 @@
 
 Run: ``t1async bench openai-endpoint [--turns 300] [--rounds 3]``. Prints ONE JSON object.
 
-The real surface (t1async/rollout/openai_endpoint.py: FastAPI + uvicorn, the recorder, the shipped
+The real surface (t1async/rollout/endpoint/: FastAPI + uvicorn, the recorder, the shipped
 tokenizer and template) called over one keep-alive HTTP connection with the JSON an OpenAI client
 sends (not the ``openai`` client itself: its own request building costs about as much again and
 is the agent's, not the endpoint's), with an instant scripted sampler behind it (a tool call per turn,
@@ -27,7 +27,7 @@ import urllib.parse
 import numpy as np
 
 from t1async.models.tokenizer import ChatTokenizer
-from t1async.rollout.openai_endpoint import OpenAIEndpoint, SessionLimits
+from t1async.rollout.endpoint import OpenAIEndpoint, SessionLimits
 from t1async.sampling.sampler_client import SamplerResponse
 
 LAYERS, TOP_K = 4, 2

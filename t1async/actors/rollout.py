@@ -85,7 +85,7 @@ class RolloutActor:
         self.endpoint = None
         if self.rollout_cfg.agent == "external":
             # (fastapi: imported only by the external-agent endpoint, not by the builtin loop)
-            from t1async.rollout.openai_endpoint import OpenAIEndpoint
+            from t1async.rollout.endpoint import OpenAIEndpoint
 
             self.endpoint = OpenAIEndpoint(self.tokenizer)
         self._audit = None

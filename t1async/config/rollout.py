@@ -319,7 +319,7 @@ class RolloutConfig(Section):
         Agent, "'builtin' (the rollout loop) or 'external' (rollout.agent_command through the OpenAI-compatible endpoint)"))
     """Who drives an episode: ``builtin`` (the rollout loop of t1async/rollout/episode.py) or ``external``
     (the program ``agent_command``, talking to an OpenAI-compatible endpoint that records every
-    completion token-exactly; t1async/rollout/openai_endpoint.py, t1async/rollout/agent.py). Needs
+    completion token-exactly; t1async/rollout/endpoint/, t1async/rollout/agent.py). Needs
     ``model.vocab_size`` >= 4100 (tool calls use the tool-call special ids)."""
     agent_command: str = ""
     """``rollout.agent: external``: the agent program, split like a shell line (a first word

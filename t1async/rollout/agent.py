@@ -3,7 +3,7 @@ through the OpenAI-compatible endpoint; the trajectory is built from the endpoin
 
 Data path of one episode::
 
-    task --reset--> sandbox; session on the actor's endpoint (t1async/rollout/openai_endpoint.py)
+    task --reset--> sandbox; session on the actor's endpoint (t1async/rollout/endpoint/)
     agent program started with OPENAI_BASE_URL=<endpoint>/s/<session>/v1, T1ASYNC_SANDBOX_URL,
         T1ASYNC_INSTRUCTION, T1ASYNC_MAX_TURNS (its own prompts, its own loop)
         /v1/chat/completions -> prompt ids (previous completion extended, or a new segment after
@@ -41,7 +41,7 @@ from t1async.models.tokenizer import ChatTokenizer
 from t1async.rollout.conversation import template_renders_differently
 from t1async.rollout.env import Env, TaskInfo
 from t1async.rollout.episode import EpisodeBuilder, EpisodeError, context_limit
-from t1async.rollout.openai_endpoint import CompletionRecord, OpenAIEndpoint, SessionLimits
+from t1async.rollout.endpoint import CompletionRecord, OpenAIEndpoint, SessionLimits
 from t1async.sampling.sampler_client import Sampler
 from t1async.trajectory import TURN_ABORTED, TURN_LENGTH_CUT, Trajectory
 
@@ -71,7 +71,7 @@ def segment_builder(records: list[CompletionRecord], tokenizer: ChatTokenizer) -
                              f"the segment has {ep.routing_rows} rows")
         ep.add_context(r.prompt_ids[n:])
         ep.add_sampled(r.output_ids, r.logprobs, r.weight_version, r.routed_experts)
-        ep.turn_status[-1] = (TURN_ABORTED if r.finish_reason == "abort" else
+        ep.turn_status[-1] = (TURN_ABORTED if r.finish_reason == "abort" or r.client_disconnected else
                               TURN_LENGTH_CUT if r.finish_reason == "length" else r.status)
         if isinstance(tokenizer, ChatTokenizer):
             ep.template_mismatches += template_renders_differently(tokenizer, r.output_ids, "tool_call")
