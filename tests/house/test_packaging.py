@@ -60,7 +60,7 @@ def test_the_endpoint_without_fastapi_names_the_extra():
                      "from t1async import MissingExtra\n"
                      "try:\n    import t1async.rollout.endpoint\nexcept MissingExtra as e:\n    print(e)")
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == ("the OpenAI-compatible endpoint (rollout.agent=external) needs fastapi, which is "
+    assert out.stdout.strip() == ("the agent endpoint (rollout.agent other than builtin) needs fastapi, which is "
                                   "not installed: pip install 't1async[endpoint]'")
 
 
