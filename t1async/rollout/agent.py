@@ -81,9 +81,12 @@ def segment_builder(records: list[CompletionRecord], tokenizer: ChatTokenizer) -
 
 
 def agent_environment(base_url: str, session_url: str, instruction: str, max_turns: int, token: str) -> dict[str, str]:
-    """The agent program's environment: the actor's own plus the episode's endpoint and task."""
+    """The agent program's environment: the actor's own plus the episode's endpoint (OpenAI SDKs read
+    ``OPENAI_BASE_URL``/``OPENAI_API_KEY``, Anthropic's ``ANTHROPIC_BASE_URL``/``ANTHROPIC_API_KEY``; the key
+    is the session token) and task."""
     env = dict(os.environ)
-    env.update(OPENAI_BASE_URL=f"{session_url}/v1", OPENAI_API_KEY=token, T1ASYNC_SANDBOX_URL=f"{session_url}/sandbox",
+    env.update(OPENAI_BASE_URL=f"{session_url}/v1", OPENAI_API_KEY=token, ANTHROPIC_BASE_URL=session_url,
+               ANTHROPIC_API_KEY=token, T1ASYNC_SANDBOX_URL=f"{session_url}/sandbox",
                T1ASYNC_DONE_URL=f"{session_url}/done", T1ASYNC_INSTRUCTION=instruction,
                T1ASYNC_MAX_TURNS=str(max_turns), T1ASYNC_ENDPOINT=base_url)
     return env

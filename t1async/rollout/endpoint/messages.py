@@ -116,7 +116,7 @@ def _tools(tools: Any) -> list[dict]:
             kind = t.get("type") if isinstance(t, dict) else type(t).__name__
             raise RequestError(f"tools[{k}] is a {kind} tool; the t1async endpoint serves custom tools (the harness "
                                "runs them)", param=f"tools[{k}]")
-        specs.append({"name": t["name"], "description": t.get("description") or "",
+        specs.append({"name": t["name"], **({"description": t["description"]} if t.get("description") else {}),
                       "parameters": t.get("input_schema") or {"type": "object", "properties": {}}})
     return specs
 

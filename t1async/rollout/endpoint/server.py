@@ -45,6 +45,7 @@ FastAPI, Request = _fastapi.FastAPI, _fastapi.Request
 _responses = require_extra("fastapi.responses", *ENDPOINT_EXTRA)
 JSONResponse, StreamingResponse = _responses.JSONResponse, _responses.StreamingResponse
 run_in_threadpool = require_extra("starlette.concurrency", *ENDPOINT_EXTRA).run_in_threadpool
+to_thread = require_extra("anyio.to_thread", *ENDPOINT_EXTRA)
 
 DIALECTS: dict[str, ModuleType] = {"chat/completions": chat, "responses": responses, "messages": messages}
 """Route under ``/v1/`` -> dialect module (``NAME``, ``parse``, ``answer``, ``Stream``, ``error_body``)."""
@@ -187,7 +188,8 @@ class AgentEndpoint:
             for event in stream.opening():
                 yield event
             try:
-                turn = await run_in_threadpool(s.generate, prepared, dialect, ticket)
+                # abandoned when the client leaves: the sampler's thread records the turn, the ticket marks it
+                turn = await to_thread.run_sync(s.generate, prepared, dialect, ticket, abandon_on_cancel=True)
             except RequestError as e:
                 self._count(e)
                 for event in stream.error(e):
