@@ -8,12 +8,11 @@ oracle commands as tool calls in the model's own format; the tiny models on CPU 
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
-import sys
 import threading
 import time
-import http.client
 from pathlib import Path
 
 import anthropic
@@ -37,9 +36,13 @@ TASK = "make-project-skeleton"
 PARAMS = {"max_new_tokens": 64, "temperature": 1.0, "top_p": 1.0, "top_k": -1}
 
 
-@pytest.mark.parametrize("dialect,stream", [("chat", False), ("chat", True), ("responses", False),
-                                            ("responses", True), ("messages", False), ("messages", True)])
-def test_sdk_episode_on_a_shipped_task_is_resolved_and_exact(tmp_path, dialect, stream):
+SLOW = pytest.mark.slow  # (~10 s each here: the fast suite keeps one episode per dialect)
+
+
+@pytest.mark.parametrize("dialect,stream", [("chat", False), pytest.param("chat", True, marks=SLOW),
+                                            pytest.param("responses", False, marks=SLOW), ("responses", True),
+                                            pytest.param("messages", False, marks=SLOW), ("messages", True)])
+def test_sdk_episode_on_a_shipped_task_is_resolved_and_exact(tmp_path, monkeypatch, dialect, stream):
     """One episode per dialect: the SDK agent runs the oracle's tool calls through the sandbox route, the
     verifier resolves the task, the one trajectory has drift 0 against the sampled ids, and the calls the
     SDK saw are the policy's, with ids that the results it sent back answered."""
@@ -51,12 +54,10 @@ def test_sdk_episode_on_a_shipped_task_is_resolved_and_exact(tmp_path, dialect, 
                          TransportConfig(), ["http://127.0.0.1:9"], "tcp://127.0.0.1:9", rollout_cfg=cfg,
                          work_root=str(tmp_path / "work"))
     policy = actor.sampler = OraclePolicy(TOK, commands)
-    import os
-    os.environ["SDK_AGENT_LOG"] = str(log)
+    monkeypatch.setenv("SDK_AGENT_LOG", str(log))
     try:
         [traj] = actor.run_one(TASK)
     finally:
-        os.environ.pop("SDK_AGENT_LOG")
         actor.endpoint.shutdown()
         actor.sender.close()
     traj = decode(encode(traj), num_experts=E, num_layers=2, top_k=2)

@@ -13,11 +13,18 @@ through it the way it would talk to its usual API. One module per concern:
 - server.py: the FastAPI app and its routes.
 """
 
-from t1async.rollout.endpoint.recorder import (ChatRecorder, CompletionRecord, RequestError, canonical,
-                                               completion_message, template_completion_message, template_message,
-                                               tool_specs)
-from t1async.rollout.endpoint.session import NeutralRequest, Session, SessionLimits, Turn
+from t1async.rollout.endpoint.recorder import (
+                                               ChatRecorder,
+                                               CompletionRecord,
+                                               RequestError,
+                                               canonical,
+                                               completion_message,
+                                               template_completion_message,
+                                               template_message,
+                                               tool_specs,
+)
 from t1async.rollout.endpoint.server import DIALECTS, ENDPOINT_EXTRA, AgentEndpoint, OpenAIEndpoint
+from t1async.rollout.endpoint.session import NeutralRequest, Session, SessionLimits, Turn
 
 __all__ = ["AgentEndpoint", "ChatRecorder", "CompletionRecord", "DIALECTS", "ENDPOINT_EXTRA", "NeutralRequest",
            "OpenAIEndpoint", "RequestError", "Session", "SessionLimits", "Turn", "canonical", "completion_message",

@@ -26,8 +26,16 @@ import json
 from typing import Any
 
 from t1async.rollout.endpoint.recorder import RequestError
-from t1async.rollout.endpoint.session import (NeutralRequest, SessionLimits, Turn, check_settings, model_name,
-                                              refuse_set, sse, text_pieces)
+from t1async.rollout.endpoint.session import (
+    NeutralRequest,
+    SessionLimits,
+    Turn,
+    check_settings,
+    model_name,
+    refuse_set,
+    sse,
+    text_pieces,
+)
 
 NAME = "messages"
 REFUSED = {

@@ -28,8 +28,17 @@ import time
 from typing import Any
 
 from t1async.rollout.endpoint.recorder import RequestError
-from t1async.rollout.endpoint.session import (NeutralRequest, SessionLimits, Turn, check_settings, max_tokens_field,
-                                              model_name, refuse_set, sse, text_pieces)
+from t1async.rollout.endpoint.session import (
+    NeutralRequest,
+    SessionLimits,
+    Turn,
+    check_settings,
+    max_tokens_field,
+    model_name,
+    refuse_set,
+    sse,
+    text_pieces,
+)
 
 NAME = "responses"
 REFUSED = {

@@ -15,8 +15,13 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from t1async.rollout.endpoint.recorder import (ChatRecorder, CompletionRecord, RequestError, completion_message,
-                                               template_completion_message)
+from t1async.rollout.endpoint.recorder import (
+    ChatRecorder,
+    CompletionRecord,
+    RequestError,
+    completion_message,
+    template_completion_message,
+)
 from t1async.sampling.sampler_client import Sampler, SamplerError
 
 
