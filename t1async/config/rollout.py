@@ -74,7 +74,7 @@ class Agent(Choice):
     builtin = "builtin"
     """The rollout loop"""
     external = "external"
-    """``rollout.agent_command`` through the OpenAI-compatible endpoint"""
+    """``rollout.agent_command`` through the agent endpoint (Chat Completions, Responses, Messages)"""
 
 
 class HistoryBreakAction(Choice):
@@ -318,8 +318,9 @@ class RolloutConfig(Section):
     agent: Agent = field(default=Agent.builtin, metadata=choice(
         Agent, "'builtin' (the rollout loop) or 'external' (rollout.agent_command through the OpenAI-compatible endpoint)"))
     """Who drives an episode: ``builtin`` (the rollout loop of t1async/rollout/episode.py) or ``external``
-    (the program ``agent_command``, talking to an OpenAI-compatible endpoint that records every
-    completion token-exactly; t1async/rollout/endpoint/, t1async/rollout/agent.py). Needs
+    (the program ``agent_command``, talking OpenAI Chat Completions, OpenAI Responses or Anthropic
+    Messages, streamed or not, to the agent endpoint that records every completion token-exactly;
+    t1async/rollout/endpoint/, t1async/rollout/agent.py). Needs
     ``model.vocab_size`` >= 4100 (tool calls use the tool-call special ids)."""
     agent_command: str = ""
     """``rollout.agent: external``: the agent program, split like a shell line (a first word

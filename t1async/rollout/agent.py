@@ -4,11 +4,12 @@ through the OpenAI-compatible endpoint; the trajectory is built from the endpoin
 Data path of one episode::
 
     task --reset--> sandbox; session on the actor's endpoint (t1async/rollout/endpoint/)
-    agent program started with OPENAI_BASE_URL=<endpoint>/s/<session>/v1, T1ASYNC_SANDBOX_URL,
-        T1ASYNC_INSTRUCTION, T1ASYNC_MAX_TURNS (its own prompts, its own loop)
-        /v1/chat/completions -> prompt ids (previous completion extended, or a new segment after
+    agent program started with OPENAI_BASE_URL=<endpoint>/s/<session>/v1, ANTHROPIC_BASE_URL,
+        T1ASYNC_SANDBOX_URL, T1ASYNC_INSTRUCTION, T1ASYNC_MAX_TURNS (its own prompts, its own loop)
+        /v1/chat/completions, /v1/responses or /v1/messages (streamed or not; t1async/rollout/endpoint/)
+            -> prompt ids (previous completion extended, or a new segment after
             a history break) -> sampler /generate -> record (prompt ids, sampled ids, log-probs,
-            routed experts, weight version) -> OpenAI message (tool_calls from <tool_call>)
+            routed experts, weight version) -> the dialect's answer (tool calls from <tool_call>)
         /sandbox/exec -> the sandbox shell
     ends when the agent exits, calls /done, spends env.max_turns completions, fills the context,
         or the episode's time budget runs out (its process group is killed)
