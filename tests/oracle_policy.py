@@ -26,15 +26,17 @@ def oracle_commands(task_dir: Path) -> list[str]:
 
 
 class OraclePolicy:
-    """Emits ``commands`` as tool calls, one per turn, then ``final`` as text.
+    """Emits ``commands`` as calls of ``tool`` (its ``argument``: bash's ``command``, Codex's
+    ``exec_command`` ``cmd``), one per turn, then ``final`` as text.
 
     Attributes:
         calls: every request's prompt ids, in order.
         outputs: every answer's sampled ids, in order.
     """
 
-    def __init__(self, tok: ChatTokenizer, commands: list[str], final: str = "The task is done."):
-        self.tok, self.commands, self.final = tok, list(commands), final
+    def __init__(self, tok: ChatTokenizer, commands: list[str], final: str = "The task is done.", tool: str = "bash",
+                 argument: str = "command"):
+        self.tok, self.commands, self.final, self.tool, self.argument = tok, list(commands), final, tool, argument
         self.calls: list[list[int]] = []
         self.outputs: list[list[int]] = []
 
@@ -43,7 +45,7 @@ class OraclePolicy:
 
     def generate(self, input_ids, sampling_params, *, routed_experts_start_len=0):
         if self.commands:
-            out = [*self.tok.render_tool_call("bash", {"command": self.commands.pop(0)}), self.tok.im_end_id]
+            out = [*self.tok.render_tool_call(self.tool, {self.argument: self.commands.pop(0)}), self.tok.im_end_id]
         else:
             out = [*self.tok.encode(self.final), self.tok.im_end_id]
         self.calls.append(list(input_ids))

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
+import shutil
 import socket
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -23,6 +26,7 @@ import pytest
 from t1async.actors.rollout import RolloutActor
 from t1async.config import EnvConfig, GenerationConfig, ModelConfig, RolloutConfig, TransportConfig
 from t1async.models.tokenizer import ChatTokenizer
+from t1async.rollout.agent import segment_builder
 from t1async.rollout.endpoint import AgentEndpoint, SessionLimits
 from t1async.trajectory import TURN_ABORTED, decode, encode
 from tests.oracle_policy import E, OraclePolicy, oracle_commands
@@ -222,7 +226,6 @@ def test_a_client_that_leaves_mid_stream_leaves_the_turn_recorded_and_marked(end
         time.sleep(0.05)
     [rec] = s.recorder.records
     assert rec.client_disconnected and s.disconnects == 1 and rec.output_ids == _call()
-    from t1async.rollout.agent import segment_builder
     traj = segment_builder(s.recorder.segments()[0], TOK).finish(
         task="t", actor_id=0, num_experts=E, reward=0.0, passed=0, total=1, resolved=False, finish_reason="x")
     assert traj.turn_status.tolist() == [TURN_ABORTED] and traj.drift_tokens == 0
@@ -238,7 +241,7 @@ def test_a_client_that_leaves_mid_stream_leaves_the_turn_recorded_and_marked(end
      "input[0].content[0]"),
     ("responses", {"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
     ("responses", {"input": "x", "temperature": 0.3}, "temperature"),
-    ("responses", {"input": "x", "tools": [{"type": "web_search"}]}, "tools[0]"),
+    ("responses", {"input": "x", "tools": [{"type": "function"}]}, "tools[0].name"),
     ("messages", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 9, "stop_sequences": ["a"]},
      "stop_sequences"),
     ("messages", {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}], "max_tokens": 9},
@@ -266,3 +269,35 @@ def test_sdks_raise_their_own_errors(endpoint):
     with pytest.raises(openai.BadRequestError, match="previous_response_id"):
         openai.OpenAI(base_url=f"{endpoint.url}/s/{s.token}/v1", api_key="k", max_retries=0).responses.create(
             model="m", input="x", previous_response_id="resp_x")
+
+
+# ---------------------------------------------------------------- real harnesses on the endpoint
+
+CODEX_INSTALL = "npm install -g @openai/codex@0.169.0"
+
+
+@pytest.mark.slow
+def test_codex_exec_runs_its_own_tool_call_and_continues_the_exact_stream(endpoint, tmp_path):
+    """`codex exec` (the real CLI, Responses API only, streamed) against a session: the policy calls
+    Codex's own `exec_command` tool, Codex runs it in its own process (the file appears), sends the
+    result back as a function_call_output, and its next request extends the sampled ids exactly (no
+    history break; the hosted tools it declares are left out and counted)."""
+    if shutil.which("codex") is None:
+        pytest.skip(f"codex is not installed: {CODEX_INSTALL}")
+    policy = OraclePolicy(TOK, ["echo hello > hello.txt"], tool="exec_command", argument="cmd")
+    s = endpoint.open(policy, lambda c: None, SessionLimits(dict(PARAMS), 8, 1 << 20))
+    provider = f'{{name="t1async",base_url="{endpoint.url}/s/{s.token}/v1",wire_api="responses",env_key="OPENAI_API_KEY"}}'
+    (tmp_path / "home").mkdir()
+    out = subprocess.run(["codex", "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox",
+                          "-c", "model_provider=t1async", "-c", f"model_providers.t1async={provider}", "-m", "t1async",
+                          "Write hello to hello.txt"], cwd=tmp_path, capture_output=True, text=True, timeout=180,
+                         env={**os.environ, "OPENAI_API_KEY": s.token, "CODEX_HOME": str(tmp_path / "home")})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert (tmp_path / "hello.txt").read_text() == "hello\n" and "The task is done." in out.stdout
+    first, second = s.recorder.records
+    assert s.recorder.history_breaks == 0 and s.dialects == {"responses": 2}
+    assert second.prompt_ids[:len(first.prompt_ids) + len(first.output_ids)] == first.prompt_ids + first.output_ids
+    assert s.hosted_tools_left_out.get("web_search") == 2
+    traj = segment_builder(s.recorder.segments()[0], TOK).finish(
+        task="t", actor_id=0, num_experts=E, reward=0.0, passed=0, total=1, resolved=False, finish_reason="agent_exit")
+    assert traj.drift_tokens == 0 and traj.token_ids.tolist() == policy.calls[-1] + policy.outputs[-1]

@@ -3,7 +3,8 @@
 Request: ``instructions`` (a system message), ``input`` (a string, or items: messages of role
 user / system / developer / assistant with ``input_text`` / ``output_text`` parts, ``function_call``
 items, ``function_call_output`` items; ``reasoning`` items are not rendered), ``tools`` (flat
-``{"type": "function", "name", "description", "parameters"}``), ``max_output_tokens``, ``stream``;
+``{"type": "function", "name", "description", "parameters"}``; hosted tools are left out of the prompt
+and counted, :func:`_tools`), ``max_output_tokens``, ``stream``;
 ``temperature`` / ``top_p`` equal to the run's or omitted. The endpoint keeps no responses:
 ``previous_response_id`` is refused (send the whole input, ``store: false`` as Codex does).
 
@@ -113,16 +114,23 @@ def _messages(body: dict) -> list[dict]:
     return out
 
 
-def _tools(tools: Any) -> list[dict]:
-    specs = []
+def _tools(tools: Any) -> tuple[list[dict], list[str]]:
+    """(function specs, the hosted tools left out). A hosted tool (``web_search``, ``file_search``, a
+    ``namespace`` of sub-agent tools, ...) is the server's to run, and this server runs none: it is not
+    declared to the model (so it cannot be called) and is named in the second list, which the session
+    counts and logs (Codex CLI declares ``web_search`` and a ``namespace`` with every request)."""
+    specs, left_out = [], []
     for k, t in enumerate(tools or []):
-        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("name"), str):
-            kind = t.get("type") if isinstance(t, dict) else type(t).__name__
-            raise RequestError(f"tools[{k}] is a {kind} tool; the t1async endpoint serves function tools (the harness "
-                               "runs them)", param=f"tools[{k}]")
+        if not isinstance(t, dict):
+            raise RequestError(f"tools[{k}] is not a tool object", param=f"tools[{k}]")
+        if t.get("type") != "function":
+            left_out.append(str(t.get("name") or t.get("type")))
+            continue
+        if not isinstance(t.get("name"), str):
+            raise RequestError(f"tools[{k}].name is missing: a function tool needs a name", param=f"tools[{k}].name")
         specs.append({"name": t["name"], **({"description": t["description"]} if t.get("description") else {}),
                       "parameters": t.get("parameters") or {"type": "object", "properties": {}}})
-    return specs
+    return specs, left_out
 
 
 def parse(body: dict, limits: SessionLimits) -> NeutralRequest:
@@ -143,9 +151,11 @@ def parse(body: dict, limits: SessionLimits) -> NeutralRequest:
                            "use text", param="text.format")
     check_settings(limits, {"temperature": (body.get("temperature"), "temperature"),
                             "top_p": (body.get("top_p"), "top_p")})
-    return NeutralRequest(_messages(body), _tools(body.get("tools")), max_tokens_field(body, "max_output_tokens"),
+    tools, left_out = _tools(body.get("tools"))
+    return NeutralRequest(_messages(body), tools, max_tokens_field(body, "max_output_tokens"),
                           bool(body.get("stream")), model_name(body),
-                          {"instructions": body.get("instructions"), "tools": body.get("tools") or []})
+                          {"instructions": body.get("instructions"), "tools": body.get("tools") or [],
+                           "hosted_tools_left_out": left_out})
 
 
 def _items(turn: Turn, rid: str) -> list[dict]:

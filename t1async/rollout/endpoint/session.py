@@ -15,6 +15,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from loguru import logger
+
 from t1async.rollout.endpoint.recorder import (
     ChatRecorder,
     CompletionRecord,
@@ -160,6 +162,8 @@ class Session:
         sampler_errors: completions answered 502 because the sampler failed.
         disconnects: streamed answers the client closed before their last event.
         dialects: completions served per dialect (``chat``, ``responses``, ``messages``).
+        hosted_tools_left_out: hosted tools a request declared that were not shown to the model (this
+            server runs none), by name, counted per request.
     """
 
     token: str
@@ -172,6 +176,7 @@ class Session:
     sampler_errors: int = 0
     disconnects: int = 0
     dialects: dict[str, int] = field(default_factory=dict)
+    hosted_tools_left_out: dict[str, int] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
     _prepared: Prepared | None = None
 
@@ -189,6 +194,11 @@ class Session:
                 template cannot render, the context full (400 ``context_length_exceeded``, ends it).
         """
         with self.lock:
+            for name in req.options.get("hosted_tools_left_out", ()):
+                if name not in self.hosted_tools_left_out:
+                    logger.warning("hosted tool {!r} is not served (the harness's own tools are): left out of the "
+                                   "prompt, counted per request", name)
+                self.hosted_tools_left_out[name] = self.hosted_tools_left_out.get(name, 0) + 1
             return self._prepare(req)
 
     def _prepare(self, req: NeutralRequest) -> Prepared:
