@@ -301,3 +301,31 @@ def test_codex_exec_runs_its_own_tool_call_and_continues_the_exact_stream(endpoi
     traj = segment_builder(s.recorder.segments()[0], TOK).finish(
         task="t", actor_id=0, num_experts=E, reward=0.0, passed=0, total=1, resolved=False, finish_reason="agent_exit")
     assert traj.drift_tokens == 0 and traj.token_ids.tolist() == policy.calls[-1] + policy.outputs[-1]
+
+
+CLAUDE_INSTALL = "npm install -g @anthropic-ai/claude-code@2.1"
+
+
+@pytest.mark.slow
+def test_claude_code_runs_its_own_tool_call_and_continues_the_exact_stream(endpoint, tmp_path):
+    """`claude -p` (the real CLI, streamed Anthropic Messages) against a session: the policy calls Claude
+    Code's own `Bash` tool, Claude Code runs it (the file appears), sends the tool_result back, and its
+    next request extends the sampled ids exactly (no history break)."""
+    if shutil.which("claude") is None:
+        pytest.skip(f"claude is not installed: {CLAUDE_INSTALL}")
+    policy = OraclePolicy(TOK, ["echo hello > hello.txt"], tool="Bash", argument="command")
+    s = endpoint.open(policy, lambda c: None, SessionLimits(dict(PARAMS), 8, 1 << 20))
+    (tmp_path / "home").mkdir()
+    env = {**os.environ, "ANTHROPIC_BASE_URL": f"{endpoint.url}/s/{s.token}", "ANTHROPIC_API_KEY": s.token,
+           "HOME": str(tmp_path / "home"), "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+           "DISABLE_AUTOUPDATER": "1", "IS_SANDBOX": "1"}  # (IS_SANDBOX: it refuses to skip permissions as root)
+    out = subprocess.run(["claude", "-p", "--model", "t1async", "--dangerously-skip-permissions",
+                          "Write hello to hello.txt"], cwd=tmp_path, capture_output=True, text=True, timeout=180, env=env)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert (tmp_path / "hello.txt").read_text() == "hello\n" and "The task is done." in out.stdout
+    first, second = s.recorder.records
+    assert s.recorder.history_breaks == 0 and s.dialects == {"messages": 2}
+    assert second.prompt_ids[:len(first.prompt_ids) + len(first.output_ids)] == first.prompt_ids + first.output_ids
+    traj = segment_builder(s.recorder.segments()[0], TOK).finish(
+        task="t", actor_id=0, num_experts=E, reward=0.0, passed=0, total=1, resolved=False, finish_reason="agent_exit")
+    assert traj.drift_tokens == 0 and traj.token_ids.tolist() == policy.calls[-1] + policy.outputs[-1]

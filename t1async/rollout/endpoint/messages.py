@@ -1,6 +1,7 @@
 """Anthropic Messages (``POST /v1/messages``), streamed and not: the API Claude Code speaks.
 
-Request: ``system`` (a string or text blocks), ``messages`` (user / assistant; content a string or
+Request: ``system`` (a string or text blocks), ``messages`` (user / assistant, and system messages
+as Claude Code 2.1 sends them; content a string or
 blocks: ``text``, an assistant's ``tool_use`` ``{id, name, input}``, a user's ``tool_result``
 ``{tool_use_id, content}``; ``thinking`` blocks are not rendered), ``tools``
 (``{"name", "description", "input_schema"}``), ``max_tokens`` (required, as the API requires it),
@@ -84,8 +85,11 @@ def _messages(body: dict) -> list[dict]:
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         role = m.get("role") if isinstance(m, dict) else None
-        if role not in ("user", "assistant"):
-            raise RequestError(f"{where}.role={role!r} is not user or assistant", param=f"{where}.role")
+        if role not in ("user", "assistant", "system"):
+            raise RequestError(f"{where}.role={role!r} is not user, assistant or system", param=f"{where}.role")
+        if role == "system":  # (Claude Code 2.1 sends system reminders as messages of their own)
+            out.append({"role": "system", "content": _result_text(m.get("content"), where)})
+            continue
         text: list[str] = []
         calls: list[dict] = []
         for j, b in enumerate(_blocks(m.get("content"), where)):
