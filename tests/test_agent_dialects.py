@@ -329,3 +329,32 @@ def test_claude_code_runs_its_own_tool_call_and_continues_the_exact_stream(endpo
     traj = segment_builder(s.recorder.segments()[0], TOK).finish(
         task="t", actor_id=0, num_experts=E, reward=0.0, passed=0, total=1, resolved=False, finish_reason="agent_exit")
     assert traj.drift_tokens == 0 and traj.token_ids.tolist() == policy.calls[-1] + policy.outputs[-1]
+
+
+def test_a_compacted_history_is_a_break_and_both_segments_are_trained_exactly(endpoint):
+    """A harness that compacts its context (Claude Code and Codex both do) asks the model for a summary,
+    then goes on from a history made of that summary: the summary is sampled ids of the first segment
+    (trained), and the new history starts a second exact segment whose prompt holds the summary."""
+    summary = "Summary: made the file; next, check it."
+    sampler = ScriptedSampler([_call(), [*TOK.encode(summary), TOK.im_end_id], _call(command="cat f")])
+    s = _session(endpoint, sampler)
+    c = anthropic.Anthropic(base_url=f"{endpoint.url}/s/{s.token}", api_key="k", max_retries=0)
+    h = [{"role": "user", "content": "make f"}]
+    r = c.messages.create(model="m", messages=h, tools=[BASH_ANTHROPIC], max_tokens=64)
+    h += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in r.content]},
+          {"role": "user", "content": [{"type": "tool_result", "tool_use_id": r.content[0].id, "content": "ok"},
+                                       {"type": "text", "text": "Summarize the conversation so far."}]}]
+    with c.messages.stream(model="m", messages=h, tools=[BASH_ANTHROPIC], max_tokens=64) as st:
+        got = st.get_final_message().content[0].text
+    assert got == summary and s.recorder.history_breaks == 0  # the summary request continued the stream
+    c.messages.create(model="m", messages=[{"role": "user", "content": got}], tools=[BASH_ANTHROPIC], max_tokens=64)
+    assert s.recorder.history_breaks == 1
+    first, second = s.recorder.segments()
+    trajs = [segment_builder(seg, TOK).finish(task="t", actor_id=0, num_experts=E, reward=0.0, passed=0, total=1,
+                                              resolved=False, finish_reason="x") for seg in (first, second)]
+    assert all(t.drift_tokens == 0 for t in trajs)
+    s0, e0 = trajs[0].turn_offsets[-1].tolist()  # the summary turn is a sampled (trained) turn of segment 0
+    assert trajs[0].token_ids[s0:e0].tolist() == [*TOK.encode(summary), TOK.im_end_id]
+    p1 = int(trajs[1].turn_offsets[0][0])  # segment 1's prompt renders the summary as the user's message
+    assert summary in TOK.decode(trajs[1].token_ids[:p1].tolist())
+    assert trajs[1].token_ids[p1:].tolist() == _call(command="cat f")
