@@ -358,3 +358,33 @@ def test_a_compacted_history_is_a_break_and_both_segments_are_trained_exactly(en
     p1 = int(trajs[1].turn_offsets[0][0])  # segment 1's prompt renders the summary as the user's message
     assert summary in TOK.decode(trajs[1].token_ids[:p1].tolist())
     assert trajs[1].token_ids[p1:].tolist() == _call(command="cat f")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["codex", "claude-code"])
+def test_a_named_harness_resolves_a_shipped_task_inside_the_sandbox(tmp_path, name):
+    """rollout.agent=codex / claude-code: the real CLI runs inside the episode's bubblewrap sandbox
+    (env.network=on: the loopback of the host), calls its own shell tool with the task's oracle
+    commands (the scripted policy), its commands change the task's files, and the verifier resolves it;
+    the trajectory is exact."""
+    from t1async.rollout.harnesses import HARNESSES
+
+    h = HARNESSES[name]
+    if shutil.which(h.binary) is None:
+        pytest.skip(f"{h.binary} is not installed: {h.install}")
+    commands = oracle_commands(REPO / "t1async" / "envs" / "tasks" / TASK)
+    cfg = RolloutConfig(agent=name)
+    model = ModelConfig(**{**MODEL.__dict__, "max_position_embeddings": 65536})  # (their prompts: ~10k tokens)
+    actor = RolloutActor(0, EnvConfig(max_turns=8, tasks=[TASK], network="on"), GenerationConfig(max_new_tokens=64),
+                         model, TransportConfig(), ["http://127.0.0.1:9"], "tcp://127.0.0.1:9", rollout_cfg=cfg,
+                         work_root=str(tmp_path / "work"))
+    policy = actor.sampler = OraclePolicy(TOK, commands, tool=h.tool[0], argument=h.tool[1])
+    try:
+        [traj] = actor.run_one(TASK)
+    finally:
+        actor.endpoint.shutdown()
+        actor.sender.close()
+    traj = decode(encode(traj), num_experts=E, num_layers=2, top_k=2)
+    assert traj.resolved and traj.passed == traj.total >= 1 and traj.finish_reason == "agent_exit"
+    assert traj.drift_tokens == 0 and len(traj.turn_offsets) == len(commands) + 1
+    assert traj.token_ids.tolist() == policy.calls[-1] + policy.outputs[-1]

@@ -83,9 +83,13 @@ class RolloutActor:
         self.workdir, self._workdir_lock = claim_workdir(work_root, actor_id)
         self.rollout_cfg = rollout_cfg or RolloutConfig()
         self.endpoint = None
-        if self.rollout_cfg.agent == "external":
+        if self.rollout_cfg.agent != "builtin":  # external or a named harness (checked installed here)
             # (fastapi: imported only by the external-agent endpoint, not by the builtin loop)
             from t1async.rollout.endpoint import OpenAIEndpoint
+            from t1async.rollout.harnesses import HARNESSES, harness
+
+            if self.rollout_cfg.agent in HARNESSES:
+                harness(str(self.rollout_cfg.agent))  # one line naming the install command when missing
 
             self.endpoint = OpenAIEndpoint(self.tokenizer)
         self._audit = None

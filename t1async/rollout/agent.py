@@ -32,6 +32,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -42,6 +43,7 @@ from t1async.models.tokenizer import ChatTokenizer
 from t1async.rollout.conversation import template_renders_differently
 from t1async.rollout.endpoint import CompletionRecord, OpenAIEndpoint, SessionLimits
 from t1async.rollout.env import Env, TaskInfo
+from t1async.rollout.harnesses import HARNESSES, Harness, harness
 from t1async.rollout.episode import EpisodeBuilder, EpisodeError, context_limit
 from t1async.sampling.sampler_client import Sampler
 from t1async.trajectory import TURN_ABORTED, TURN_LENGTH_CUT, Trajectory
@@ -117,31 +119,27 @@ def run_agent_episode(task: TaskInfo, env: Env, sampler: Sampler, tokenizer: Cha
     session = endpoint.open(sampler, env.step, SessionLimits(params, env_cfg.max_turns,
                                                              context_limit(env_cfg, model_cfg)))
     session_url = f"{endpoint.url}/s/{session.token}"
-    argv = shlex.split(rollout_cfg.agent_command)
-    if argv and argv[0] == "python":  # the actor's own interpreter (the venv's), whatever PATH says
-        argv[0] = sys.executable
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"agent-{actor_id}.log"
-    try:
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(argv, cwd=rollout_cfg.agent_cwd or None, stdin=subprocess.DEVNULL, stdout=log,
-                                    stderr=subprocess.STDOUT, start_new_session=True,
-                                    env=agent_environment(endpoint.url, session_url, instruction, env_cfg.max_turns,
-                                                          session.token))
-            finish = _wait(proc, session, started + budget)
-    finally:
-        session.end("agent_exit")  # a straggler's later request gets 409, then 404
-        endpoint.close_session(session)
+    if str(rollout_cfg.agent) in HARNESSES:
+        try:
+            returncode, finish = _run_harness(harness(str(rollout_cfg.agent)), env, session, session_url,
+                                              instruction, log_path, started + budget)
+        finally:
+            endpoint.close_session(session)
+    else:
+        returncode, finish = _run_program(rollout_cfg, endpoint, session, session_url, instruction, env_cfg,
+                                          log_path, started + budget)
     with session.lock:  # a request still in flight finishes its record first
         segments = session.recorder.segments()
     tail = log_path.read_bytes()[-2000:].decode(errors="replace")
     logger.info("agent episode of {}: {} completions in {} exact segments ({} history breaks), {} sampler errors, "
                 "ended {}, agent exit status {}", task.name, sum(map(len, segments)), len(segments),
-                session.recorder.history_breaks, session.sampler_errors, finish, proc.returncode)
-    if proc.returncode not in (0, None, -signal.SIGKILL):
-        logger.warning("agent of {} exited with status {}; output tail:\n{}", task.name, proc.returncode, tail)
+                session.recorder.history_breaks, session.sampler_errors, finish, returncode)
+    if returncode not in (0, None, -signal.SIGKILL):
+        logger.warning("agent of {} exited with status {}; output tail:\n{}", task.name, returncode, tail)
     if not segments:
-        raise EpisodeError(f"the agent of {task.name} asked for no completion (exit status {proc.returncode}, "
+        raise EpisodeError(f"the agent of {task.name} asked for no completion (exit status {returncode}, "
                            f"{finish}); its output ends: {tail[-300:]!r}")
     if session.recorder.history_breaks and rollout_cfg.history_break == "drop":
         raise HistoryBreak(f"the agent of {task.name} broke its history {session.recorder.history_breaks} times "
@@ -160,6 +158,49 @@ def run_agent_episode(task: TaskInfo, env: Env, sampler: Sampler, tokenizer: Cha
             tests=[(t.name, t.passed) for t in verdict.tests], verifier_error=verdict.error,
             started_at=started, finished_at=time.time()))
     return out
+
+
+def _run_program(rollout_cfg: RolloutConfig, endpoint: OpenAIEndpoint, session, session_url: str, instruction: str,
+                 env_cfg: EnvConfig, log_path: Path, deadline: float) -> tuple[int | None, str]:
+    """``rollout.agent_command`` as a process of the actor's host: (exit status, finish reason)."""
+    argv = shlex.split(rollout_cfg.agent_command)
+    if argv and argv[0] == "python":  # the actor's own interpreter (the venv's), whatever PATH says
+        argv[0] = sys.executable
+    try:
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(argv, cwd=rollout_cfg.agent_cwd or None, stdin=subprocess.DEVNULL, stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True,
+                                    env=agent_environment(endpoint.url, session_url, instruction, env_cfg.max_turns,
+                                                          session.token))
+            finish = _wait(proc, session, deadline)
+    finally:
+        session.end("agent_exit")  # a straggler's later request gets 409, then 404
+        endpoint.close_session(session)
+    return proc.returncode, finish
+
+
+def _run_harness(h: Harness, env: Env, session, session_url: str, instruction: str, log_path: Path,
+                 deadline: float) -> tuple[int | None, str]:
+    """A named harness as one command inside the episode's sandbox (:meth:`Env.run_agent`, killed with
+    its processes at the deadline): (exit status, finish reason: ``agent_exit``, ``timeout``, or how the
+    session ended). The session is closed only after the harness command returned."""
+    result: dict = {}
+
+    def run() -> None:
+        try:
+            result["r"] = env.run_agent(h.command(session_url, session.token, instruction),
+                                        max(1.0, deadline - time.time()))
+        except Exception as e:  # the sandbox failed: the episode ends, its reason kept
+            result["error"] = e
+
+    thread = threading.Thread(target=run, name=f"harness-{h.name}", daemon=True)
+    thread.start()
+    thread.join()
+    r = result.get("r")
+    log_path.write_text(getattr(r, "output", "") or repr(result.get("error")))
+    finish = "timeout" if r is not None and r.timed_out else session.ended or "agent_exit"
+    session.end(finish)
+    return (None if r is None else int(r.exit_code)), finish
 
 
 def _wait(proc: subprocess.Popen, session, deadline: float) -> str:
