@@ -388,3 +388,19 @@ def test_a_named_harness_resolves_a_shipped_task_inside_the_sandbox(tmp_path, na
     assert traj.resolved and traj.passed == traj.total >= 1 and traj.finish_reason == "agent_exit"
     assert traj.drift_tokens == 0 and len(traj.turn_offsets) == len(commands) + 1
     assert traj.token_ids.tolist() == policy.calls[-1] + policy.outputs[-1]
+
+
+def test_an_unknown_or_missing_harness_is_one_line(monkeypatch):
+    from t1async.config import ConfigError, load_config
+    from t1async.rollout import harnesses
+
+    with pytest.raises(ConfigError, match="'codex' or 'claude-code'"):
+        load_config(None, ["rollout.agent=aider"])
+    assert load_config(None, ["rollout.agent=claude-code"]).rollout.agent == "claude-code"
+    with pytest.raises(ValueError, match="the harnesses are codex, claude-code"):
+        harnesses.harness("aider")
+    monkeypatch.setattr(harnesses.shutil, "which", lambda name: None)
+    with pytest.raises(ValueError, match=r"codex is not installed; install it with: npm install -g @openai/codex@0\.169\.0"):
+        harnesses.harness("codex")
+    line = harnesses.HARNESSES["claude-code"].command("http://127.0.0.1:1/s/tok", "tok", "it's done")
+    assert "ANTHROPIC_BASE_URL=http://127.0.0.1:1/s/tok" in line and "'it'\"'\"'s done'" in line

@@ -43,8 +43,8 @@ from t1async.models.tokenizer import ChatTokenizer
 from t1async.rollout.conversation import template_renders_differently
 from t1async.rollout.endpoint import CompletionRecord, OpenAIEndpoint, SessionLimits
 from t1async.rollout.env import Env, TaskInfo
-from t1async.rollout.harnesses import HARNESSES, Harness, harness
 from t1async.rollout.episode import EpisodeBuilder, EpisodeError, context_limit
+from t1async.rollout.harnesses import HARNESSES, Harness, harness
 from t1async.sampling.sampler_client import Sampler
 from t1async.trajectory import TURN_ABORTED, TURN_LENGTH_CUT, Trajectory
 
