@@ -2,7 +2,7 @@
 driven by the official ``openai`` and ``anthropic`` SDKs: no one here wrote the callers.
 
 Real: the SDKs, the endpoint, the recorder, the shipped tokenizer, the rollout actor, the bubblewrap
-sandbox, the shipped task and its verifier. Faked: the policy (tests/oracle_policy.py: the task's
+sandbox, the shipped task and its verifier. Faked: the policy (tests/support/oracle_policy.py: the task's
 oracle commands as tool calls in the model's own format; the tiny models on CPU emit noise).
 """
 
@@ -29,10 +29,11 @@ from t1async.models.tokenizer import ChatTokenizer
 from t1async.rollout.agent import segment_builder
 from t1async.rollout.endpoint import AgentEndpoint, SessionLimits
 from t1async.trajectory import TURN_ABORTED, decode, encode
-from tests.oracle_policy import E, OraclePolicy, oracle_commands
-from tests.test_tito import ScriptedSampler
+from tests.support.episode_fakes import E as SCRIPTED_E
+from tests.support.episode_fakes import ScriptedSampler
+from tests.support.oracle_policy import E, OraclePolicy, oracle_commands
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 TOK = ChatTokenizer.load()
 MODEL = ModelConfig(vocab_size=4100, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                     head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
@@ -52,7 +53,7 @@ def test_sdk_episode_on_a_shipped_task_is_resolved_and_exact(tmp_path, monkeypat
     SDK saw are the policy's, with ids that the results it sent back answered."""
     commands = oracle_commands(REPO / "t1async" / "envs" / "tasks" / TASK)
     log = tmp_path / "agent.jsonl"
-    argv = f"python {REPO / 'tests' / 'agents' / 'sdk_agent.py'} {dialect}" + (" --stream" if stream else "")
+    argv = f"python {REPO / 'tests' / 'support' / 'sdk_agent.py'} {dialect}" + (" --stream" if stream else "")
     cfg = RolloutConfig(agent="external", agent_command=argv, agent_cwd=str(REPO))
     actor = RolloutActor(0, EnvConfig(max_turns=8, tasks=[TASK]), GenerationConfig(max_new_tokens=64), MODEL,
                          TransportConfig(), ["http://127.0.0.1:9"], "tcp://127.0.0.1:9", rollout_cfg=cfg,
@@ -227,7 +228,7 @@ def test_a_client_that_leaves_mid_stream_leaves_the_turn_recorded_and_marked(end
     [rec] = s.recorder.records
     assert rec.client_disconnected and s.disconnects == 1 and rec.output_ids == _call()
     traj = segment_builder(s.recorder.segments()[0], TOK).finish(
-        task="t", actor_id=0, num_experts=E, reward=0.0, passed=0, total=1, resolved=False, finish_reason="x")
+        task="t", actor_id=0, num_experts=SCRIPTED_E, reward=0.0, passed=0, total=1, resolved=False, finish_reason="x")
     assert traj.turn_status.tolist() == [TURN_ABORTED] and traj.drift_tokens == 0
 
 
@@ -350,7 +351,7 @@ def test_a_compacted_history_is_a_break_and_both_segments_are_trained_exactly(en
     c.messages.create(model="m", messages=[{"role": "user", "content": got}], tools=[BASH_ANTHROPIC], max_tokens=64)
     assert s.recorder.history_breaks == 1
     first, second = s.recorder.segments()
-    trajs = [segment_builder(seg, TOK).finish(task="t", actor_id=0, num_experts=E, reward=0.0, passed=0, total=1,
+    trajs = [segment_builder(seg, TOK).finish(task="t", actor_id=0, num_experts=SCRIPTED_E, reward=0.0, passed=0, total=1,
                                               resolved=False, finish_reason="x") for seg in (first, second)]
     assert all(t.drift_tokens == 0 for t in trajs)
     s0, e0 = trajs[0].turn_offsets[-1].tolist()  # the summary turn is a sampled (trained) turn of segment 0
