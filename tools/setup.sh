@@ -40,4 +40,16 @@ fi
 # torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
 .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0
 .venv/bin/pip install -q --disable-pip-version-check -e '.[test,megatron,endpoint,plot]'
+# optional: the agent harnesses the slow tests drive (Codex CLI speaks Responses, Claude Code Messages);
+# without npm or a registry they are left out and those tests skip, naming the install command
+if command -v npm >/dev/null 2>&1; then
+  NPM_SUDO=""; [ "$(id -u)" = 0 ] || NPM_SUDO="sudo"
+  for pkg in "codex:@openai/codex@0.169.0" "claude:@anthropic-ai/claude-code@2.1"; do
+    command -v "${pkg%%:*}" >/dev/null 2>&1 && continue
+    echo "setup: installing ${pkg#*:} (optional)"
+    $NPM_SUDO npm install -g -q "${pkg#*:}" >/dev/null 2>&1 || echo "setup: could not install ${pkg#*:}: its tests skip"
+  done
+else
+  echo "setup: npm not found: the codex and claude harness tests skip"
+fi
 echo "setup: done (.venv/bin/t1async)"

@@ -34,6 +34,7 @@ from t1async.envs.terminal import TerminalEnv
 from t1async.fileio import claim_folder, dead_owner_folders, free_bytes, is_disk_error
 from t1async.models.families import load_renderer
 from t1async.rollout.episode import run_episode
+from t1async.rollout.harnesses import HARNESSES, harness
 from t1async.sampling.sampler_client import HttpSampler, RoutedSampler
 from t1async.trajectory import EncodedTrajectory, Trajectory
 from t1async.transport.transport import TrajectorySender, ZmqSender
@@ -83,9 +84,12 @@ class RolloutActor:
         self.workdir, self._workdir_lock = claim_workdir(work_root, actor_id)
         self.rollout_cfg = rollout_cfg or RolloutConfig()
         self.endpoint = None
-        if self.rollout_cfg.agent == "external":
+        if self.rollout_cfg.agent != "builtin":  # external or a named harness (checked installed here)
             # (fastapi: imported only by the external-agent endpoint, not by the builtin loop)
-            from t1async.rollout.openai_endpoint import OpenAIEndpoint
+            from t1async.rollout.endpoint import OpenAIEndpoint
+
+            if self.rollout_cfg.agent in HARNESSES:
+                harness(str(self.rollout_cfg.agent))  # one line naming the install command when missing
 
             self.endpoint = OpenAIEndpoint(self.tokenizer)
         self._audit = None

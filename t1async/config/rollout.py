@@ -74,7 +74,11 @@ class Agent(Choice):
     builtin = "builtin"
     """The rollout loop"""
     external = "external"
-    """``rollout.agent_command`` through the OpenAI-compatible endpoint"""
+    """``rollout.agent_command`` through the agent endpoint (Chat Completions, Responses, Messages)"""
+    codex = "codex"
+    """Codex CLI (``codex exec``, OpenAI Responses) inside the episode's sandbox"""
+    locals()["claude-code"] = "claude-code"  # (a member's name is its value; this one has a hyphen)
+    """Claude Code (``claude -p``, Anthropic Messages) inside the episode's sandbox"""
 
 
 class HistoryBreakAction(Choice):
@@ -316,10 +320,14 @@ class RolloutConfig(Section):
     a slow episode that became too stale (fastest; slow tasks are trained less often than they
     are started). With ``learner.max_staleness=0`` every rule is synchronous RL."""
     agent: Agent = field(default=Agent.builtin, metadata=choice(
-        Agent, "'builtin' (the rollout loop) or 'external' (rollout.agent_command through the OpenAI-compatible endpoint)"))
+        Agent, "'builtin' (the rollout loop), 'external' (rollout.agent_command through the agent endpoint), "
+               "'codex' or 'claude-code' (those CLIs inside the sandbox)"))
     """Who drives an episode: ``builtin`` (the rollout loop of t1async/rollout/episode.py) or ``external``
-    (the program ``agent_command``, talking to an OpenAI-compatible endpoint that records every
-    completion token-exactly; t1async/rollout/openai_endpoint.py, t1async/rollout/agent.py). Needs
+    (the program ``agent_command``, talking OpenAI Chat Completions, OpenAI Responses or Anthropic
+    Messages, streamed or not, to the agent endpoint that records every completion token-exactly;
+    t1async/rollout/endpoint/, t1async/rollout/agent.py), or a named harness run inside the episode's
+    sandbox against that endpoint: ``codex`` (``codex exec``) or ``claude-code`` (``claude -p``);
+    t1async/rollout/harnesses.py. Needs
     ``model.vocab_size`` >= 4100 (tool calls use the tool-call special ids)."""
     agent_command: str = ""
     """``rollout.agent: external``: the agent program, split like a shell line (a first word

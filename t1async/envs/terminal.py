@@ -316,6 +316,13 @@ class TerminalEnv:
             raise SandboxError("no episode: call reset() before step()")
         return self._exec(command, what="agent")
 
+    def run_agent(self, command: str, timeout_s: float) -> CommandResult:
+        """Run an agent harness (``rollout.agent`` codex, claude-code) as one command in the episode's shell,
+        killed with every process it started after ``timeout_s`` seconds (see :meth:`Sandbox.exec`)."""
+        if self.sandbox is None:
+            raise SandboxError("no episode: call reset() before run_agent()")
+        return self._exec(command, timeout_s, what="agent harness")
+
     def run_solution(self) -> CommandResult:
         """Run the task's oracle solution (see the module docstring).
 

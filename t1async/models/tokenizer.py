@@ -273,7 +273,7 @@ class ChatTokenizer:
 
         ``messages`` are template messages (``role`` system/user/assistant/tool, ``content`` text, an
         assistant's ``tool_calls`` as ``[{"function": {"name", "arguments": dict}}]``;
-        t1async/rollout/openai_endpoint.py :func:`template_message`). With ``tools`` the system turn
+        t1async/rollout/endpoint/ :func:`template_message`). With ``tools`` the system turn
         declares them (:meth:`tools_system_text`; without a system message, the declaration alone).
         Each turn is followed by ``\\n``; consecutive tool messages are one user turn of
         ``<tool_response>`` blocks; an assistant turn is its stripped text, or its calls

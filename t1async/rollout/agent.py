@@ -3,12 +3,13 @@ through the OpenAI-compatible endpoint; the trajectory is built from the endpoin
 
 Data path of one episode::
 
-    task --reset--> sandbox; session on the actor's endpoint (t1async/rollout/openai_endpoint.py)
-    agent program started with OPENAI_BASE_URL=<endpoint>/s/<session>/v1, T1ASYNC_SANDBOX_URL,
-        T1ASYNC_INSTRUCTION, T1ASYNC_MAX_TURNS (its own prompts, its own loop)
-        /v1/chat/completions -> prompt ids (previous completion extended, or a new segment after
+    task --reset--> sandbox; session on the actor's endpoint (t1async/rollout/endpoint/)
+    agent program started with OPENAI_BASE_URL=<endpoint>/s/<session>/v1, ANTHROPIC_BASE_URL,
+        T1ASYNC_SANDBOX_URL, T1ASYNC_INSTRUCTION, T1ASYNC_MAX_TURNS (its own prompts, its own loop)
+        /v1/chat/completions, /v1/responses or /v1/messages (streamed or not; t1async/rollout/endpoint/)
+            -> prompt ids (previous completion extended, or a new segment after
             a history break) -> sampler /generate -> record (prompt ids, sampled ids, log-probs,
-            routed experts, weight version) -> OpenAI message (tool_calls from <tool_call>)
+            routed experts, weight version) -> the dialect's answer (tool calls from <tool_call>)
         /sandbox/exec -> the sandbox shell
     ends when the agent exits, calls /done, spends env.max_turns completions, fills the context,
         or the episode's time budget runs out (its process group is killed)
@@ -31,6 +32,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -39,9 +41,10 @@ from loguru import logger
 from t1async.config import EnvConfig, GenerationConfig, ModelConfig, RolloutConfig
 from t1async.models.tokenizer import ChatTokenizer
 from t1async.rollout.conversation import template_renders_differently
+from t1async.rollout.endpoint import CompletionRecord, OpenAIEndpoint, SessionLimits
 from t1async.rollout.env import Env, TaskInfo
 from t1async.rollout.episode import EpisodeBuilder, EpisodeError, context_limit
-from t1async.rollout.openai_endpoint import CompletionRecord, OpenAIEndpoint, SessionLimits
+from t1async.rollout.harnesses import HARNESSES, Harness, harness
 from t1async.sampling.sampler_client import Sampler
 from t1async.trajectory import TURN_ABORTED, TURN_LENGTH_CUT, Trajectory
 
@@ -71,7 +74,7 @@ def segment_builder(records: list[CompletionRecord], tokenizer: ChatTokenizer) -
                              f"the segment has {ep.routing_rows} rows")
         ep.add_context(r.prompt_ids[n:])
         ep.add_sampled(r.output_ids, r.logprobs, r.weight_version, r.routed_experts)
-        ep.turn_status[-1] = (TURN_ABORTED if r.finish_reason == "abort" else
+        ep.turn_status[-1] = (TURN_ABORTED if r.finish_reason == "abort" or r.client_disconnected else
                               TURN_LENGTH_CUT if r.finish_reason == "length" else r.status)
         if isinstance(tokenizer, ChatTokenizer):
             ep.template_mismatches += template_renders_differently(tokenizer, r.output_ids, "tool_call")
@@ -81,9 +84,12 @@ def segment_builder(records: list[CompletionRecord], tokenizer: ChatTokenizer) -
 
 
 def agent_environment(base_url: str, session_url: str, instruction: str, max_turns: int, token: str) -> dict[str, str]:
-    """The agent program's environment: the actor's own plus the episode's endpoint and task."""
+    """The agent program's environment: the actor's own plus the episode's endpoint (OpenAI SDKs read
+    ``OPENAI_BASE_URL``/``OPENAI_API_KEY``, Anthropic's ``ANTHROPIC_BASE_URL``/``ANTHROPIC_API_KEY``; the key
+    is the session token) and task."""
     env = dict(os.environ)
-    env.update(OPENAI_BASE_URL=f"{session_url}/v1", OPENAI_API_KEY=token, T1ASYNC_SANDBOX_URL=f"{session_url}/sandbox",
+    env.update(OPENAI_BASE_URL=f"{session_url}/v1", OPENAI_API_KEY=token, ANTHROPIC_BASE_URL=session_url,
+               ANTHROPIC_API_KEY=token, T1ASYNC_SANDBOX_URL=f"{session_url}/sandbox",
                T1ASYNC_DONE_URL=f"{session_url}/done", T1ASYNC_INSTRUCTION=instruction,
                T1ASYNC_MAX_TURNS=str(max_turns), T1ASYNC_ENDPOINT=base_url)
     return env
@@ -113,31 +119,27 @@ def run_agent_episode(task: TaskInfo, env: Env, sampler: Sampler, tokenizer: Cha
     session = endpoint.open(sampler, env.step, SessionLimits(params, env_cfg.max_turns,
                                                              context_limit(env_cfg, model_cfg)))
     session_url = f"{endpoint.url}/s/{session.token}"
-    argv = shlex.split(rollout_cfg.agent_command)
-    if argv and argv[0] == "python":  # the actor's own interpreter (the venv's), whatever PATH says
-        argv[0] = sys.executable
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"agent-{actor_id}.log"
-    try:
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(argv, cwd=rollout_cfg.agent_cwd or None, stdin=subprocess.DEVNULL, stdout=log,
-                                    stderr=subprocess.STDOUT, start_new_session=True,
-                                    env=agent_environment(endpoint.url, session_url, instruction, env_cfg.max_turns,
-                                                          session.token))
-            finish = _wait(proc, session, started + budget)
-    finally:
-        session.end("agent_exit")  # a straggler's later request gets 409, then 404
-        endpoint.close_session(session)
+    if str(rollout_cfg.agent) in HARNESSES:
+        try:
+            returncode, finish = _run_harness(harness(str(rollout_cfg.agent)), env, session, session_url,
+                                              instruction, log_path, started + budget)
+        finally:
+            endpoint.close_session(session)
+    else:
+        returncode, finish = _run_program(rollout_cfg, endpoint, session, session_url, instruction, env_cfg,
+                                          log_path, started + budget)
     with session.lock:  # a request still in flight finishes its record first
         segments = session.recorder.segments()
     tail = log_path.read_bytes()[-2000:].decode(errors="replace")
     logger.info("agent episode of {}: {} completions in {} exact segments ({} history breaks), {} sampler errors, "
                 "ended {}, agent exit status {}", task.name, sum(map(len, segments)), len(segments),
-                session.recorder.history_breaks, session.sampler_errors, finish, proc.returncode)
-    if proc.returncode not in (0, None, -signal.SIGKILL):
-        logger.warning("agent of {} exited with status {}; output tail:\n{}", task.name, proc.returncode, tail)
+                session.recorder.history_breaks, session.sampler_errors, finish, returncode)
+    if returncode not in (0, None, -signal.SIGKILL):
+        logger.warning("agent of {} exited with status {}; output tail:\n{}", task.name, returncode, tail)
     if not segments:
-        raise EpisodeError(f"the agent of {task.name} asked for no completion (exit status {proc.returncode}, "
+        raise EpisodeError(f"the agent of {task.name} asked for no completion (exit status {returncode}, "
                            f"{finish}); its output ends: {tail[-300:]!r}")
     if session.recorder.history_breaks and rollout_cfg.history_break == "drop":
         raise HistoryBreak(f"the agent of {task.name} broke its history {session.recorder.history_breaks} times "
@@ -156,6 +158,49 @@ def run_agent_episode(task: TaskInfo, env: Env, sampler: Sampler, tokenizer: Cha
             tests=[(t.name, t.passed) for t in verdict.tests], verifier_error=verdict.error,
             started_at=started, finished_at=time.time()))
     return out
+
+
+def _run_program(rollout_cfg: RolloutConfig, endpoint: OpenAIEndpoint, session, session_url: str, instruction: str,
+                 env_cfg: EnvConfig, log_path: Path, deadline: float) -> tuple[int | None, str]:
+    """``rollout.agent_command`` as a process of the actor's host: (exit status, finish reason)."""
+    argv = shlex.split(rollout_cfg.agent_command)
+    if argv and argv[0] == "python":  # the actor's own interpreter (the venv's), whatever PATH says
+        argv[0] = sys.executable
+    try:
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(argv, cwd=rollout_cfg.agent_cwd or None, stdin=subprocess.DEVNULL, stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True,
+                                    env=agent_environment(endpoint.url, session_url, instruction, env_cfg.max_turns,
+                                                          session.token))
+            finish = _wait(proc, session, deadline)
+    finally:
+        session.end("agent_exit")  # a straggler's later request gets 409, then 404
+        endpoint.close_session(session)
+    return proc.returncode, finish
+
+
+def _run_harness(h: Harness, env: Env, session, session_url: str, instruction: str, log_path: Path,
+                 deadline: float) -> tuple[int | None, str]:
+    """A named harness as one command inside the episode's sandbox (:meth:`Env.run_agent`, killed with
+    its processes at the deadline): (exit status, finish reason: ``agent_exit``, ``timeout``, or how the
+    session ended). The session is closed only after the harness command returned."""
+    result: dict = {}
+
+    def run() -> None:
+        try:
+            result["r"] = env.run_agent(h.command(session_url, session.token, instruction),
+                                        max(1.0, deadline - time.time()))
+        except Exception as e:  # the sandbox failed: the episode ends, its reason kept
+            result["error"] = e
+
+    thread = threading.Thread(target=run, name=f"harness-{h.name}", daemon=True)
+    thread.start()
+    thread.join()
+    r = result.get("r")
+    log_path.write_text(getattr(r, "output", "") or repr(result.get("error")))
+    finish = "timeout" if r is not None and r.timed_out else session.ended or "agent_exit"
+    session.end(finish)
+    return (None if r is None else int(r.exit_code)), finish
 
 
 def _wait(proc: subprocess.Popen, session, deadline: float) -> str:

@@ -57,6 +57,10 @@ class Env(Protocol):
     def verify(self) -> Verdict:
         """Run the task's verifier on the sandbox's final state."""
 
+    def run_agent(self, command: str, timeout_s: float) -> StepResult:
+        """Run a named harness (t1async/rollout/harnesses.py) as one command in the sandbox's shell, with
+        the episode's time budget: its own commands then reach the task's files."""
+
     def close(self) -> None:
         """Remove the sandbox."""
 

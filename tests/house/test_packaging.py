@@ -58,9 +58,9 @@ def test_plot_without_matplotlib_is_one_line_naming_the_extra(tmp_path):
 def test_the_endpoint_without_fastapi_names_the_extra():
     out = run_python("import sys; sys.modules['fastapi'] = None\n"
                      "from t1async import MissingExtra\n"
-                     "try:\n    import t1async.rollout.openai_endpoint\nexcept MissingExtra as e:\n    print(e)")
+                     "try:\n    import t1async.rollout.endpoint\nexcept MissingExtra as e:\n    print(e)")
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == ("the OpenAI-compatible endpoint (rollout.agent=external) needs fastapi, which is "
+    assert out.stdout.strip() == ("the agent endpoint (rollout.agent other than builtin) needs fastapi, which is "
                                   "not installed: pip install 't1async[endpoint]'")
 
 

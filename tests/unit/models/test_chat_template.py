@@ -182,7 +182,7 @@ def test_shipped_chatml_is_qwen3s_template(folders):
     built-in model) is Qwen3's own template, text for text: a tool conversation with two calls in one turn,
     grouped tool results and a later user turn, with and without tools declared; and a continuation is the
     whole rendering's tail (append-only)."""
-    from t1async.rollout.openai_endpoint import template_message
+    from t1async.rollout.endpoint import template_message
 
     r, tok = renderer(folders, "qwen3"), ChatTokenizer.load()
     calls = [{"type": "function", "function": {"name": "bash", "arguments": json.dumps({"cmd": c}, ensure_ascii=False)}}

@@ -19,7 +19,7 @@ from t1async.actors.rollout import RolloutActor
 from t1async.config import EnvConfig, GenerationConfig, ModelConfig, RolloutConfig, TransportConfig
 from t1async.models.tokenizer import ChatTokenizer
 from t1async.rollout.agent import HISTORY_BREAK, HistoryBreak, run_agent_episode, segment_builder
-from t1async.rollout.openai_endpoint import OpenAIEndpoint, SessionLimits, template_message
+from t1async.rollout.endpoint import OpenAIEndpoint, SessionLimits, template_message
 from t1async.sampling.sampler_client import HttpSampler
 from t1async.trajectory import TOOL_CALL_ERRORS, decode, encode
 from tests.support import REPO
@@ -171,8 +171,9 @@ def test_history_that_is_not_a_prefix_is_detected_counted_and_split(endpoint):
 def test_refusals_are_clear_and_counted(endpoint):
     session = _session(endpoint, ScriptedSampler([]), max_turns=0)
     client = _client(endpoint, session)
-    with pytest.raises(openai.BadRequestError, match="stream=true is not supported"):
-        client.chat.completions.create(model="t1async", messages=[USER], stream=True)
+    with pytest.raises(openai.BadRequestError, match="n=2: one choice per request") as e:
+        client.chat.completions.create(model="t1async", messages=[USER], n=2)
+    assert e.value.param == "n"
     with pytest.raises(openai.BadRequestError, match="generation.temperature=1.0"):
         client.chat.completions.create(model="t1async", messages=[USER], temperature=0.2)
     with pytest.raises(openai.ConflictError, match="turns are spent"):

@@ -15,7 +15,7 @@ import pytest
 
 from t1async.models.chat_template import ChatTemplateRenderer
 from t1async.rollout.agent import segment_builder
-from t1async.rollout.openai_endpoint import OpenAIEndpoint, SessionLimits
+from t1async.rollout.endpoint import OpenAIEndpoint, SessionLimits
 from tests.support.episode_fakes import FakeEnv, ScriptedSampler
 from tools import hf_tokenizers
 
