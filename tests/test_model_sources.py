@@ -282,3 +282,21 @@ def test_a_resume_from_a_bfloat16_checkpoint_continues_the_float32_weights_exact
     want = dict(run.policy.named_parameters())
     for name, p in resumed.policy.named_parameters():
         assert p.dtype == torch.float32 and torch.equal(p, want[name]), name
+
+
+# ----------------------------------------------------------------------------- 11: refusals docs/models.md lists
+
+@pytest.mark.parametrize("change,fault", [
+    ({"mlp_only_layers": [0]}, "dense layers"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                          "original_max_position_embeddings": 64}}, "RoPE scaling"),
+], ids=["dense-layer", "rope-scaling"])
+def test_a_qwen3_moe_folder_with_a_dense_layer_or_rope_scaling_is_refused_in_one_line(tmp_path, change, fault):
+    """What t1async's Qwen3-MoE does not run, in a folder transformers wrote, is refused before a weight is read
+    (the launch's pre-flight check), one line naming the folder and the fault."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3MoeConfig(**QWEN3, **change))
+    src = _save(model, tmp_path / "q")
+    with pytest.raises(ModelFolderError, match=fault) as e:
+        check_model_folder(_cfg(src), tokenizer=False)
+    assert str(src) in str(e.value) and "\n" not in str(e.value)
