@@ -25,7 +25,7 @@ the peaked one of a trained model, ``entropy_mean``): a tiny random model folder
 - ``prefix_cache_hits``: requests that resumed a cached sequence (a hybrid model's recurrent state resumes
   only at its full length).
 
-Prints one JSON object, a row per family.
+Prints one JSON list, a row per family and weight scale (each row also to stderr as soon as it is measured).
 """
 
 from __future__ import annotations
@@ -124,6 +124,7 @@ def main() -> None:
             for std in args.init_std:
                 out = init_folder(f, folders[TOKENIZER[f]], Path(tmp) / f"{f}-{std}", {**SIZES, "initializer_range": std})
                 rows.append(row(f, out, args.tokens, args.turns, std))
+                print(json.dumps(rows[-1]), file=sys.stderr, flush=True)  # each row as it is measured
     print(json.dumps(rows, indent=2))
 
 
