@@ -636,7 +636,8 @@ def save_hf(path: str | Path, cfg: ModelConfig, state_dict: dict[str, torch.Tens
             max_shard_bytes: int = 5 * 2**30, source: str | Path | None = None) -> list[str]:
     """Write a Hugging Face Qwen3-MoE folder: ``config.json`` and ``state_dict`` (HF names, per-expert layout,
     ``lm_head.weight`` omitted when tied) as safetensors shards of at most ``max_shard_bytes`` with their
-    index (one ``model.safetensors`` when it fits), created if needed; every learner backend's checkpoint.
+    index (one ``model.safetensors`` when it fits), created if needed: the Megatron backend's checkpoints and a model
+    without a source folder (the torch learner writes a source's own layout: t1async/models/families.py ``save_model``).
 
     The config is the source model's own config.json (``cfg.hf_config``, from ``model.path``) with its dtype
     set to the weights' (``torch_dtype``, and transformers v5's ``dtype``), else :func:`model_config_to_hf`.
