@@ -11,9 +11,12 @@ fields every stage reads (vocabulary, layers, experts, top-k, context), keeps th
   contradict the folder, so either is dropped by the user, never silently by us.
 
 Field names: each family's config.json names (transformers 5.x ``Qwen3MoeConfig``,
-``Qwen3_5MoeTextConfig``, ``Glm4MoeConfig``); :data:`_ALIASES` maps a family's own names onto the
-ModelConfig names (``n_routed_experts`` -> ``num_experts``). A conditional-generation config (Qwen3.5's
-``Qwen3_5MoeForConditionalGeneration``) keeps the text decoder's keys under ``text_config``: those are used.
+``Qwen3_5MoeTextConfig``, ``Glm4MoeConfig``). A field may be written under more than one name, by one
+transformers version or another (its config class's ``attribute_map``): :data:`FIELD_NAMES` lists, per family,
+every name each ModelConfig field is found under, and :func:`decoder_config` reads whichever the file has
+(Qwen3-MoE's expert count is ``num_experts`` up to transformers 5.24, ``num_local_experts`` from 5.25).
+A conditional-generation config (Qwen3.5's ``Qwen3_5MoeForConditionalGeneration``) keeps the text decoder's
+keys under ``text_config``: those are used.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from typing import Any
 
 from t1async.config.errors import ConfigError
 
-__all__ = ["MODEL_TYPES", "SIZE_KEYS", "model_type_of", "resolve_model", "refuse_size_keys", "text_config"]
+__all__ = ["MODEL_TYPES", "SIZE_KEYS", "FIELD_NAMES", "decoder_config", "model_type_of", "resolve_model",
+           "refuse_size_keys", "text_config"]
 
 MODEL_TYPES = {
     "qwen3_moe": "Qwen3-MoE (t1async/models/model.py; torch and megatron learners)",
@@ -34,10 +38,15 @@ MODEL_TYPES = {
 }
 """``model_type`` values t1async runs, with what runs them."""
 
-_ALIASES = {
-    "glm4_moe": {"num_experts": "n_routed_experts"},
+FIELD_NAMES = {
+    "qwen3_moe": {"num_experts": ("num_experts", "num_local_experts")},
+    "glm4_moe": {"num_experts": ("n_routed_experts", "num_local_experts")},
 }
-"""Per family: ModelConfig field -> that family's config.json key, where they differ."""
+"""Per family: ModelConfig field -> every config.json key a transformers version writes it under (where any
+differs from the field's own name), the one transformers' config class stores first. From the classes'
+``attribute_map`` (transformers 5.25: ``Qwen3MoeConfig`` {num_experts: num_local_experts}, ``Glm4MoeConfig``
+{num_local_experts: n_routed_experts}; ``Qwen3_5MoeTextConfig`` has none); tests/test_model_folder.py checks this
+table against the installed transformers."""
 
 SIZE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
              "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "rms_norm_eps",
@@ -55,6 +64,26 @@ def text_config(d: dict) -> dict:
             out["tie_word_embeddings"] = d["tie_word_embeddings"]
         return out
     return d
+
+
+def decoder_config(d: dict) -> dict:
+    """:func:`text_config` of ``d`` with every ModelConfig field of :data:`FIELD_NAMES` also under its own name
+    (``num_experts`` from ``num_local_experts`` or ``n_routed_experts``, whichever the file has); ``d`` is not
+    changed.
+
+    Raises:
+        ConfigError: two names of one field hold different values (one line naming both).
+    """
+    t = dict(text_config(d))
+    for field_name, names in FIELD_NAMES.get(model_type_of(d), {}).items():
+        found = {n: t[n] for n in names if t.get(n) is not None}
+        if len(set(map(str, found.values()))) > 1:
+            listed = ", ".join(f"{n}={v!r}" for n, v in found.items())
+            raise ConfigError(f"config.json says {listed}: transformers reads them as one field ({field_name}); "
+                              "keep the one that matches the weights and delete the other")
+        if found:
+            t[field_name] = next(iter(found.values()))
+    return t
 
 
 def model_type_of(d: dict) -> str:
@@ -109,18 +138,19 @@ def resolve_model(model: Any) -> Any:
         raise ConfigError(f"{path} is not JSON ({e}); restore it from the model's source") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} holds a JSON {type(raw).__name__}, not an object")
-    d = text_config(raw)
     mt = model_type_of(raw)
     if mt not in MODEL_TYPES:
         listed = "; ".join(f"{k}: {v}" for k, v in MODEL_TYPES.items())
         raise ConfigError(f"model.path={model.path}: config.json has model_type {mt!r}, which t1async does not run; "
                           f"supported: {listed}")
-    alias = _ALIASES.get(mt, {})
+    try:
+        d = decoder_config(raw)
+    except ConfigError as e:
+        raise ConfigError(f"model.path={model.path}: {e}") from None
     kwargs: dict[str, Any] = {}
     for name in SIZE_KEYS:
-        key = alias.get(name, name)
-        if d.get(key) is not None:
-            kwargs[name] = d[key]
+        if d.get(name) is not None:
+            kwargs[name] = d[name]
     if "head_dim" not in kwargs and "hidden_size" in kwargs and d.get("num_attention_heads"):
         kwargs["head_dim"] = int(kwargs["hidden_size"]) // int(d["num_attention_heads"])
     rope = d.get("rope_parameters") or d.get("rope_scaling") or {}

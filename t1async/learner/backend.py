@@ -352,14 +352,18 @@ class AdamWPair:
         """Nothing to release (one process)."""
 
     # critic and optimiser files (the policy's are the subclass's: HF config.json + safetensors)
-    def _save_state(self, folder: Path, critic_hf: dict[str, torch.Tensor] | None) -> None:
-        """critic.safetensors (unless there is no critic) and optimizers.pt."""
+    def _save_state(self, folder: Path, critic_hf: dict[str, torch.Tensor] | None,
+                    policy_masters: dict[str, torch.Tensor] | None = None) -> None:
+        """critic.safetensors (unless there is no critic) and optimizers.pt; ``policy_masters`` (the policy's
+        own weights by parameter name, when the checkpoint's model folder holds them rounded to a narrower dtype)
+        goes into optimizers.pt as ``policy_masters``."""
         if critic_hf is not None:
             save_file({k: v.detach().contiguous().cpu() for k, v in critic_hf.items()},
                       str(folder / "critic.safetensors"))
+        extra = {"policy_masters": policy_masters} if policy_masters is not None else {}
         torch.save({"policy": self.policy_opt.state_dict(),
                     "critic": self.critic_opt.state_dict() if self.critic_opt is not None else None,
-                    "backend": self.name, **self.parallel_sizes()},
+                    "backend": self.name, **self.parallel_sizes(), **extra},
                    folder / "optimizers.pt")
 
     def parallel_sizes(self) -> dict[str, int]:
@@ -368,11 +372,11 @@ class AdamWPair:
         it was saved under."""
         return {k: int(getattr(self, k, v)) for k, v in ONE_PROCESS.items()}
 
-    def _load_optimizers(self, folder: Path) -> bool:
-        """Load optimizers.pt if it was written by this backend with these parallel sizes (older
-        files, without a ``backend`` key, are the torch backend's; without a size key, one
-        process's); returns False (fresh optimisers) otherwise."""
-        opt = torch.load(folder / "optimizers.pt", weights_only=True)
+    def _load_optimizers(self, folder: Path, opt: dict | None = None) -> bool:
+        """Load optimizers.pt (or ``opt``, its contents already read) if it was written by this backend with
+        these parallel sizes (older files, without a ``backend`` key, are the torch backend's; without a size
+        key, one process's); returns False (fresh optimisers) otherwise."""
+        opt = opt if opt is not None else torch.load(folder / "optimizers.pt", weights_only=True)
         if opt.get("backend", "torch") != self.name or any(opt.get(k, ONE_PROCESS[k]) != v
                                                            for k, v in self.parallel_sizes().items()):
             return False

@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 from t1async.config import GenerationConfig, LearnerConfig, ModelConfig
 from t1async.config.model_folder import resolve_model
 from t1async.learner.backend import AdamWPair, PolicyForward, chunk_size
-from t1async.models.families import build_model, family, load_model, save_model
+from t1async.models.families import build_model, checkpoint_rounds, family, load_model, save_model
 from t1async.models.logprobs import EMBEDDED, SamplingSemantics, token_logprobs
 from t1async.models.model import Qwen3MoeForCausalLM, Qwen3MoeModel
 from t1async.weights.buckets import pack_parameters
@@ -252,11 +252,34 @@ class TorchBackend(AdamWPair):
         return self.policy.named_parameters()
 
     def save(self, folder: Path) -> None:
+        """The policy as a model folder in ``model.path``'s layout and dtype (t1async/models/families.py
+        :func:`save_model`), the critic and optimizers.pt. Where that dtype is narrower than the policy's (a
+        bfloat16 folder, a float32 learner), optimizers.pt also keeps the policy's own weights
+        (``policy_masters``, float32 master weights as mixed-precision training keeps them) for
+        :meth:`load_state`: a resume continues from the exact weights, not from their rounding."""
         save_model(folder, self.model_cfg, self.policy, max_shard_bytes=self.cfg.checkpoint_shard_mb * 10**6)
-        self._save_state(folder, self.critic.state_dict() if self.critic is not None else None)
+        masters = ({n: p.detach() for n, p in self.policy.named_parameters()}
+                   if checkpoint_rounds(self.model_cfg, self.policy) else None)
+        self._save_state(folder, self.critic.state_dict() if self.critic is not None else None, masters)
 
     def load_state(self, folder: Path) -> bool:
+        """Restore the critic, the optimisers and, where the checkpoint kept them (``policy_masters``, see
+        :meth:`save`), the policy's exact weights over the rounded ones its model folder holds.
+
+        Raises:
+            ValueError: ``policy_masters`` of other names or shapes than this policy's parameters.
+        """
         saved = self._critic_file(folder)
         if saved is not None and self.critic is not None:
             self.critic.load_state_dict(saved)
-        return self._load_optimizers(folder)
+        opt = torch.load(folder / "optimizers.pt", weights_only=True)
+        masters = opt.get("policy_masters")
+        if masters is not None:
+            params = dict(self.policy.named_parameters())
+            if {k: tuple(v.shape) for k, v in masters.items()} != {k: tuple(p.shape) for k, p in params.items()}:
+                raise ValueError(f"{folder}/optimizers.pt: its policy_masters do not match this policy's parameters; "
+                                 "the checkpoint comes from another model")
+            with torch.no_grad():
+                for name, p in params.items():
+                    p.copy_(masters[name])
+        return self._load_optimizers(folder, opt)

@@ -21,17 +21,33 @@ experts), and the learner backends that run it.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from loguru import logger
 from torch import nn
 
 from t1async.config import MODEL_TYPES, ModelConfig
-from t1async.config.model_folder import text_config
+from t1async.config.model_folder import decoder_config, text_config
 from t1async.models.chat_template import ChatTemplateRenderer, TemplateError
-from t1async.models.hf_folder import Convert, ModelFolderError, check_memory, check_model_weights, fuse_expert, load_weights
+from t1async.models.hf_folder import (
+    WEIGHTS,
+    WEIGHTS_INDEX,
+    Convert,
+    ModelFolderError,
+    check_memory,
+    check_model_weights,
+    fuse_expert,
+    left_out,
+    load_weights,
+    read_config,
+    save_folder,
+    source_layout,
+    weight_specs,
+)
 from t1async.models.hf_generic import HFMoeForCausalLM
 from t1async.models.hf_generic import config_from_hf as hf_generic_config
 from t1async.models.hf_generic import config_to_hf as hf_generic_config_to_hf
@@ -42,8 +58,8 @@ from t1async.models.qwen3_5_moe import config_to_hf as qwen35_config_to_hf
 from t1async.models.qwen3_5_moe import hf_convert as qwen35_hf_convert
 from t1async.models.tokenizer import ChatTokenizer
 
-__all__ = ["Family", "FAMILIES", "family", "build_model", "load_model", "save_model", "check_model_folder",
-           "load_renderer"]
+__all__ = ["Family", "FAMILIES", "family", "build_model", "load_model", "save_model", "checkpoint_rounds",
+           "warn_left_out", "check_model_folder", "load_renderer"]
 
 
 @dataclass(frozen=True)
@@ -127,9 +143,27 @@ def _qwen35_init(sizes: dict, renderer) -> dict:
     return out
 
 
-def _per_expert_convert(cfg: ModelConfig) -> Convert:
-    """:func:`t1async.models.hf_folder.fuse_expert` (``cfg`` unused: every such checkpoint names them alike)."""
-    return fuse_expert
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def _glm4_convert(cfg: ModelConfig) -> Convert:
+    """GLM-4.5/4.6 checkpoint tensors onto transformers' modules: per-expert tensors fused
+    (:func:`t1async.models.hf_folder.fuse_expert`); the multi-token-prediction layers that released checkpoints
+    carry after the decoder (indices ``num_hidden_layers`` .. ``+ num_nextn_predict_layers - 1``, e.g.
+    ``model.layers.46.*`` of GLM-4.5-Air's 46) map to nothing: transformers does not build them (its
+    ``_keys_to_ignore_on_load_unexpected``), training leaves them as they are, and a checkpoint carries them through
+    unchanged (:func:`t1async.models.hf_folder.source_layout`), as SGLang and vLLM serve them for speculative
+    decoding. Any other layer index past the decoder stays unexpected (refused)."""
+    t = decoder_config(cfg.hf_config) if cfg.hf_config else {}
+    first = cfg.num_hidden_layers
+    mtp = int(t.get("num_nextn_predict_layers", t.get("num_mtp_layers", 1)) or 0)
+
+    def convert(name: str, tensor: torch.Tensor):
+        m = _LAYER.match(name)
+        if m is not None and first <= int(m.group(1)) < first + mtp:
+            return ()
+        return fuse_expert(name, tensor)
+    return convert
 
 
 def _glm4_init(sizes: dict, renderer) -> dict:
@@ -149,7 +183,7 @@ def _glm4_init(sizes: dict, renderer) -> dict:
 
 
 FAMILIES: dict[str, Family] = {
-    "glm4_moe": Family("glm4_moe", _built(HFMoeForCausalLM), _per_expert_convert, _tied_lm_head, ("torch",),
+    "glm4_moe": Family("glm4_moe", _built(HFMoeForCausalLM), _glm4_convert, _tied_lm_head, ("torch",),
                        _glm4_init),
     "qwen3_5_moe": Family("qwen3_5_moe", _built(Qwen3_5MoeForCausalLM), qwen35_hf_convert, _tied_lm_head,
                           ("torch",), _qwen35_init),
@@ -188,6 +222,8 @@ def build_model(cfg: ModelConfig) -> nn.Module:
 
 def load_model(cfg: ModelConfig, folder: str | Path | None = None) -> nn.Module:
     """The model of ``cfg``'s architecture with the weights of ``folder`` (default ``cfg.path``), streamed.
+    Checkpoint tensors of parts the family does not build (an MTP layer, a vision tower) are not loaded, and one
+    warning per process names them (:func:`warn_left_out`).
 
     Raises:
         ModelFolderError: as :func:`t1async.models.hf_folder.load_weights` (weights named), or no folder.
@@ -198,19 +234,71 @@ def load_model(cfg: ModelConfig, folder: str | Path | None = None) -> nn.Module:
     fam = family(cfg)
     model = fam.build(cfg)
     load_weights(model, folder, convert=fam.convert(cfg), skip=lambda name: fam.skip(cfg, name))
+    warn_left_out(folder, weight_specs(folder), fam.convert(cfg))
     return model
+
+
+_warned_left_out: set[tuple] = set()
+"""(folder, groups) already warned about by :func:`warn_left_out`."""
+
+
+def warn_left_out(folder: str | Path, specs: dict, convert: Convert) -> dict[str, int]:
+    """Log once per folder and process which checkpoint tensors the model does not load
+    (:func:`t1async.models.hf_folder.left_out`: group -> count); returns them."""
+    groups = left_out(specs, convert)
+    key = (str(folder), tuple(groups.items()))
+    if groups and key not in _warned_left_out:
+        _warned_left_out.add(key)
+        listed = ", ".join(f"{g} ({n} tensor{'s' if n > 1 else ''})" for g, n in groups.items())
+        logger.warning("model folder {}: not loaded (parts this family does not build for RL on text): {}; "
+                       "checkpoints carry them through unchanged", folder, listed)
+    return groups
+
+
+def _weights_source(cfg: ModelConfig, out: str | Path | None = None) -> Path | None:
+    """``cfg.path`` when it holds weights (and is not ``out``): the folder whose layout checkpoints keep."""
+    if not cfg.path:
+        return None
+    src = Path(cfg.path)
+    if out is not None and src.resolve() == Path(out).resolve():
+        return None
+    return src if (src / WEIGHTS).is_file() or (src / WEIGHTS_INDEX).is_file() else None
 
 
 def save_model(out: str | Path, cfg: ModelConfig, weights: nn.Module | dict[str, torch.Tensor], *,
                max_shard_bytes: int = 5 * 2**30) -> list[str]:
-    """Write a model (or its state dict, HF names) as a model folder of ``cfg``'s family: shards and index,
-    the source config (``cfg.hf_config``) and tokenizer files (``cfg.path``), as
-    :func:`t1async.models.model.save_hf`. A model with a ``checkpoint_state_dict`` (the transformers-backed
-    families) is written in transformers' checkpoint layout (one tensor per expert, as the Hub and SGLang read)."""
-    family(cfg)
+    """Write a model (or its ``state_dict``) as a model folder of ``cfg``'s family.
+
+    A model loaded from a folder (``cfg.path`` holds weights) is written in that folder's layout: its config.json
+    unchanged, its tensor names and prefixes (a multimodal checkpoint's ``model.language_model.``), its expert
+    layout (per expert or fused), each tensor in its dtype (a bfloat16 folder gives a bfloat16 checkpoint: see
+    :func:`checkpoint_rounds`), and the tensors the model does not build (vision tower, MTP layers) carried through
+    from it unchanged (:func:`t1async.models.hf_folder.source_layout`); its tokenizer files are copied. So the class
+    its config.json names, SGLang and vLLM load the checkpoint as they loaded the source.
+
+    A model without a source folder (built from sizes, ``t1async model init``) is written by
+    :func:`t1async.models.model.save_hf` in its own dtype: the transformers-backed families in transformers'
+    checkpoint layout (``checkpoint_state_dict``: one tensor per expert)."""
+    fam = family(cfg)
+    source = _weights_source(cfg, out)
+    if source is not None:
+        state = weights.state_dict() if isinstance(weights, nn.Module) else weights
+        return save_folder(out, source_layout(source, state, fam.convert(cfg)), read_config(source),
+                           max_shard_bytes=max_shard_bytes, source=source)
     if isinstance(weights, nn.Module):
         weights = weights.checkpoint_state_dict() if hasattr(weights, "checkpoint_state_dict") else weights.state_dict()
     return save_hf(out, cfg, weights, max_shard_bytes=max_shard_bytes)
+
+
+def checkpoint_rounds(cfg: ModelConfig, model: nn.Module) -> bool:
+    """Whether :func:`save_model` writes some of ``model``'s parameters in a narrower dtype than the model holds them
+    in (a float32 learner of a bfloat16 folder): the caller then keeps its own weights too (the torch learner: in
+    its optimiser state), so that a resume restores them exactly."""
+    source = _weights_source(cfg)
+    if source is None:
+        return False
+    sizes = [d.itemsize for _, d, _ in weight_specs(source).values() if d.is_floating_point]
+    return bool(sizes) and any(p.dtype.itemsize > min(sizes) for p in model.parameters() if p.is_floating_point())
 
 
 def _parameters(model: nn.Module) -> int:
@@ -240,6 +328,7 @@ def check_model_folder(cfg: ModelConfig, *, backend: str | None = None, tokenize
     n = _parameters(meta)
     check_memory(cfg.path, n, available=available)
     specs = check_model_weights(meta, cfg.path, fam.convert(cfg), lambda name: fam.skip(cfg, name))
+    warn_left_out(cfg.path, specs, fam.convert(cfg))
     facts = {"parameters": n, "weight_bytes": sum(torch.empty(s, dtype=d, device="meta").nbytes
                                                  for s, d, _ in specs.values())}
     if tokenizer:

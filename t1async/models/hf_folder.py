@@ -16,8 +16,10 @@ extra and mis-shaped weights, truncated shards) runs before any tensor is read, 
 :class:`ModelFolderError`: one line naming the folder, what is wrong and what to do.
 
 Saving writes the same layout (shards of at most ``max_shard_bytes``, the index, the config) and copies
-the source folder's tokenizer files, so ``transformers.AutoModelForCausalLM.from_pretrained`` and
-``sglang.launch_server --model-path`` read a checkpoint as they read the model it came from.
+the source folder's tokenizer files; :func:`source_layout` gives the weights back under the source's own
+names, prefixes, expert layout and dtypes, with the tensors the model does not build (an MTP layer, a vision
+tower) carried through unchanged, so the class the source's config.json names, ``sglang.launch_server
+--model-path`` and vLLM read a checkpoint as they read the model it came from.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from t1async.config import ConfigError
 
 __all__ = ["ModelFolderError", "CONFIG", "WEIGHTS", "WEIGHTS_INDEX", "TOKENIZER_FILES", "read_config",
            "weight_specs", "check_weights", "check_model_weights", "load_weights", "save_folder", "available_memory_bytes",
-           "check_memory", "copy_tokenizer_files"]
+           "check_memory", "copy_tokenizer_files", "left_out", "source_layout"]
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -303,6 +305,88 @@ def load_weights(model: torch.nn.Module, folder: str | Path, convert: Convert = 
                 (target[part[2]] if len(part) == 3 else target).copy_(part[1])
             del tensor
     return read
+
+
+def left_out(specs: dict, convert: Convert) -> dict[str, int]:
+    """The checkpoint tensors ``convert`` maps to nothing (parts of the checkpoint the model does not build: an
+    MTP layer, a vision tower), grouped by name up to their layer index (``model.layers.46.*``), else by their first
+    name (``mtp.*``, ``model.visual.*``): group -> tensor count, in the checkpoint's order. From the names alone
+    (meta tensors)."""
+    groups: dict[str, int] = {}
+    for name, (shape, dtype, _) in specs.items():
+        if not list(convert(name, torch.empty(shape, dtype=dtype, device="meta"))):
+            parts = name.split(".")
+            layer = next((i for i in range(1, len(parts)) if parts[i - 1] == "layers" and parts[i].isdigit()), None)
+            cut = layer + 1 if layer is not None else 2 if parts[0] == "model" else 1
+            key = ".".join(parts[:cut]) + ".*"
+            groups[key] = groups.get(key, 0) + 1
+    return groups
+
+
+def source_layout(source: str | Path, state: dict[str, torch.Tensor], convert: Convert,
+                  specs: dict | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's weights under the names, shapes, expert layout and dtypes of the folder they were loaded from,
+    one tensor at a time, in the source's order: what a checkpoint writes so that whatever read the source (the
+    class its config.json names, SGLang, vLLM) reads the checkpoint alike.
+
+    ``convert`` (the family's :data:`Convert`, checkpoint tensor -> model parameters) is inverted element by
+    element: each source tensor is converted as a tensor of its own element indices, so every part it yields says
+    which source elements fill which parameter (slice); the source tensor is gathered back from the parameters.
+    A part that is the whole tensor renamed (the usual case) is taken as it is, no index built. Source tensors
+    ``convert`` maps to nothing (:func:`left_out`: an MTP layer, a vision tower) are copied from the source
+    unchanged. Each tensor is cast to its source dtype (a bfloat16 folder's checkpoint is bfloat16).
+
+    Args:
+        source: the model folder the weights came from (read for its headers and the tensors carried through).
+        state: the model's ``state_dict`` (its own names; tied parameters under each name).
+        convert: the family's conversion, which must only move elements (rename, slice, split, fuse).
+        specs: the source's :func:`weight_specs` (read when None).
+
+    Raises:
+        ValueError: a part names a parameter ``state`` lacks, or ``convert`` does more than move elements (a
+            source element placed twice or not at all).
+        ModelFolderError: as :func:`weight_specs`.
+    """
+    source = Path(source)
+    specs = specs if specs is not None else weight_specs(source)
+    by_shard: dict[str, list[str]] = {}
+    for name, (_, _, shard) in specs.items():
+        by_shard.setdefault(shard, []).append(name)
+
+    def param(part: tuple, name: str) -> torch.Tensor:
+        if part[0] not in state:
+            raise ValueError(f"checkpoint tensor {name} maps onto {part[0]}, which the model does not have")
+        t = state[part[0]].detach()
+        return t[part[2]] if len(part) == 3 else t
+
+    for shard, names in by_shard.items():
+        with safe_open(str(source / shard), framework="pt") as f:
+            for name in names:
+                shape, dtype, _ = specs[name]
+                meta = torch.empty(shape, dtype=dtype, device="meta")
+                parts = list(convert(name, meta))
+                if not parts:
+                    yield name, f.get_tensor(name)  # not built here: carried through unchanged
+                    continue
+                if len(parts) == 1 and parts[0][1] is meta:  # the whole tensor, renamed (or a whole slice)
+                    t = param(parts[0], name)
+                    if tuple(t.shape) != tuple(shape):
+                        raise ValueError(f"{parts[0][0]} has shape {list(t.shape)}, checkpoint tensor {name} "
+                                         f"{list(shape)}")
+                    yield name, t.to(dtype)
+                    continue
+                n = meta.numel()
+                index = torch.arange(n, dtype=torch.int64).view(shape)
+                out = torch.empty(n, dtype=dtype)
+                placed = torch.zeros(n, dtype=torch.int32)
+                for part in convert(name, index):
+                    where = part[1].reshape(-1)
+                    out[where] = param(part, name).reshape(-1).to(dtype)
+                    placed.index_add_(0, where, torch.ones_like(where, dtype=torch.int32))
+                if not bool((placed == 1).all()):
+                    raise ValueError(f"the conversion of checkpoint tensor {name} does more than move its elements; "
+                                     "its checkpoint layout cannot be written back")
+                yield name, out.view(shape)
 
 
 def save_folder(out: str | Path, tensors: Iterable[tuple[str, torch.Tensor]], config: dict, *,

@@ -50,6 +50,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from t1async.config import ModelConfig
+from t1async.config.model_folder import decoder_config
 from t1async.models.batch_invariance import Linear, padded_rows, rows_for
 from t1async.models.hf_folder import load_weights, read_config, save_folder
 
@@ -98,7 +99,9 @@ def model_config_to_hf(cfg: ModelConfig) -> dict:
 def model_config_from_hf(d: dict) -> ModelConfig:
     """Read the :class:`ModelConfig` fields out of a HF Qwen3-MoE config.json dict.
 
-    Unknown keys are ignored; a missing field takes the ModelConfig default. ``rope_theta`` is
+    Unknown keys are ignored; a missing field takes the ModelConfig default; a field written under another
+    name by some transformers version is read under it too (t1async/config/model_folder.py
+    :data:`~t1async.config.model_folder.FIELD_NAMES`: ``num_local_experts``). ``rope_theta`` is
     also read from transformers v5's ``rope_parameters``; ``head_dim`` defaults to
     hidden_size / num_attention_heads as in HF.
 
@@ -110,6 +113,7 @@ def model_config_from_hf(d: dict) -> ModelConfig:
     mt = d.get("model_type", "qwen3_moe")
     if mt != "qwen3_moe":
         raise ValueError(f"config.json has model_type {mt!r}; only 'qwen3_moe' is supported")
+    d = decoder_config({**d, "model_type": mt})  # the expert count under the name its transformers wrote
     if d.get("mlp_only_layers") or d.get("decoder_sparse_step", 1) != 1:
         raise ValueError("config.json has dense layers (mlp_only_layers / decoder_sparse_step != 1); "
                          "only all-MoE Qwen3-MoE models are supported")
@@ -632,7 +636,8 @@ def save_hf(path: str | Path, cfg: ModelConfig, state_dict: dict[str, torch.Tens
             max_shard_bytes: int = 5 * 2**30, source: str | Path | None = None) -> list[str]:
     """Write a Hugging Face Qwen3-MoE folder: ``config.json`` and ``state_dict`` (HF names, per-expert layout,
     ``lm_head.weight`` omitted when tied) as safetensors shards of at most ``max_shard_bytes`` with their
-    index (one ``model.safetensors`` when it fits), created if needed; every learner backend's checkpoint.
+    index (one ``model.safetensors`` when it fits), created if needed: the Megatron backend's checkpoints and a model
+    without a source folder (the torch learner writes a source's own layout: t1async/models/families.py ``save_model``).
 
     The config is the source model's own config.json (``cfg.hf_config``, from ``model.path``) with its dtype
     set to the weights' (``torch_dtype``, and transformers v5's ``dtype``), else :func:`model_config_to_hf`.

@@ -46,7 +46,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from t1async.config import ModelConfig
-from t1async.config.model_folder import resolve_model, text_config
+from t1async.config.model_folder import decoder_config, resolve_model
 from t1async.models.batch_invariance import Linear, padded_rows, rows_for
 from t1async.models.hf_folder import Convert, ModelFolderError, fuse_expert, load_weights
 from t1async.models.model import KVCache, MoeCausalLM, PackedSegments, _apply_rope, save_hf, swiglu
@@ -107,7 +107,7 @@ def config_from_hf(d: dict) -> Qwen35TextConfig:
         ValueError: what this implementation does not run, named: another activation, attention biases, a RoPE
             scaling type, ``layer_types`` of another length or with other values, heads that do not divide.
     """
-    t = text_config(d)
+    t = decoder_config(d)
     # a conditional-generation config.json keeps vision_config outside and the mtp_* keys inside text_config
     ignored = tuple(sorted({k for k in (*d, *t) if k.startswith(_IGNORED)}))
     if ignored and ignored not in _warned:

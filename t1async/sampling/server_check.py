@@ -40,7 +40,7 @@ from typing import Any
 from loguru import logger
 
 from t1async.config import ConfigError
-from t1async.config.model_folder import model_type_of, text_config
+from t1async.config.model_folder import decoder_config, model_type_of
 from t1async.sampling.sampler_client import SamplerError, post_json
 
 __all__ = ["folder_facts", "probe_names", "check_server", "check_servers"]
@@ -89,7 +89,7 @@ def folder_facts(folder: str | Path) -> dict[str, Any] | None:
     raw = _read_json(folder / "config.json")
     if raw is None:
         return None
-    d = text_config(raw)
+    d = decoder_config(raw)  # num_experts under whichever name its transformers version wrote
     gen = _read_json(folder / "generation_config.json") or {}
     eos = gen.get("eos_token_id", d.get("eos_token_id"))
     eos_ids = sorted(int(e) for e in (eos if isinstance(eos, list) else [eos])) if eos is not None else None
