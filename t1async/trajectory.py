@@ -69,7 +69,8 @@ budget was spent), ``context_full`` (the next turn would not fit the model's con
 ``verifier_error`` (str or nil: set when the reward is unknown, i.e. the verifier crashed,
 printed no test summary or could not collect its tests for a module its environment lacks, see
 t1async/envs/verifier.py; the learner never trains on such a trajectory. A verifier timeout is not
-one: it arrives as reward 0 with the failed test ``verifier_timeout``, as the harnesses score it), ``tests`` (list of ``[name: str, passed: bool]``),
+one: it arrives as reward 0 with the failed test ``verifier_timeout``, as the harnesses score it),
+``tests`` (list of ``[name: str, passed: bool]``),
 ``drift_tokens`` and ``template_mismatches`` (ints >= 0: TITO counters, see t1async/rollout/episode.py).
 """
 
