@@ -36,7 +36,7 @@ from loguru import logger
 from t1async.config import ConfigError, SamplerConfig
 from t1async.sampling.sampler_client import SamplerError, post_json
 from t1async.sampling.server_check import check_servers
-from t1async.weights.group import free_port
+from t1async.transport.ports import free_port
 
 
 class SGLangStartError(RuntimeError):

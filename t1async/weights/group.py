@@ -9,7 +9,6 @@ default one a Megatron learner uses. Backends: gloo (CPU) and nccl (GPUs, one ra
 from __future__ import annotations
 
 import datetime
-import socket
 
 import torch
 import torch.distributed as dist
@@ -18,13 +17,6 @@ from loguru import logger
 from t1async.weights.protocol import WeightSyncError
 
 GROUP_NAME = "t1async-weights"
-
-
-def free_port(host: str) -> int:
-    """A TCP port free on ``host`` now (the rendezvous needs the port before rank 0 binds it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def join_group(backend: str, master_address: str, master_port: int, rank: int, world_size: int,
