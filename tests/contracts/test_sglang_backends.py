@@ -256,7 +256,7 @@ def test_failed_update_takes_the_sampler_out_of_service_and_reloads_the_others()
             sync.publish(extra, 1)
         assert list(sync.failed) == [bad.url()]
         assert weight_version(good.url) == "1" and weight_version(bad.url()) == "0"  # embedded: atomic, old weights
-        assert bad._paused and not good._paused
+        assert bad.http._paused and not good._paused
         sync.publish(model.named_parameters(), 2)  # a new group without the failed sampler
         assert weight_version(good.url) == "2" and weight_version(bad.url()) == "0"
     finally:
@@ -348,7 +348,7 @@ def test_tensor_payload_with_a_bad_tensor_is_refused_naming_it_and_nothing_is_sw
         with pytest.raises(WeightSyncError, match="out of service") as e:
             sync.publish(named, 1)
         assert bad_name in str(e.value) and list(sync.failed) == [emb.url()] and bad_name in sync.failed[emb.url()]
-        assert weight_version(emb.url()) == "0" and emb._paused and not emb._staged
+        assert weight_version(emb.url()) == "0" and emb.http._paused and not emb.receiver._staged
         for n, p in emb.engine.model.named_parameters():
             assert torch.equal(p, before[n]), n  # atomic: not one bucket of version 1 swapped in
         assert weight_version(fake.url) == "1" and not fake._paused

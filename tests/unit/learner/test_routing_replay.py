@@ -197,7 +197,7 @@ def test_missing_routing_field_is_an_error_not_a_fallback():
     s = EmbeddedSampler(dataclasses.replace(CFG, num_hidden_layers=2), SamplerConfig(), seed=0)
     try:
         s.load_weights(Qwen3MoeForCausalLM(dataclasses.replace(CFG, num_hidden_layers=2)).state_dict(), 0)
-        real = s.handle_generate
+        real = s.http.handle_generate
 
         def without_routing(body):  # an SGLang server started without --enable-return-routed-experts
             out = real(body)
@@ -206,10 +206,10 @@ def test_missing_routing_field_is_an_error_not_a_fallback():
 
         client = HttpSampler(s.url(), num_layers=2, top_k=4)
         assert client.generate([5, 6], {"max_new_tokens": 2}).routed_experts.shape == (3, 2, 4)
-        s.handle_generate = without_routing
+        s.http.handle_generate = without_routing
         with pytest.raises(SamplerError, match="enable-return-routed-experts"):
             client.generate([5, 6], {"max_new_tokens": 2})
-        s.handle_generate = lambda body: {**real(body), "meta_info": {**real(body)["meta_info"],
+        s.http.handle_generate = lambda body: {**real(body), "meta_info": {**real(body)["meta_info"],
                                                                       "routed_experts": base64.b64encode(b"\0" * 8).decode()}}
         with pytest.raises(SamplerError, match="routed_experts"):
             client.generate([5, 6], {"max_new_tokens": 2})

@@ -30,13 +30,13 @@ def client(url: str) -> HttpSampler:
 
 def count_pauses(sampler: EmbeddedSampler) -> list[int]:
     calls = [0]
-    inner = sampler.handle_pause
+    inner = sampler.http.handle_pause
 
     def pause(body):
         calls[0] += 1
         return inner(body)
 
-    sampler.handle_pause = pause  # the HTTP handler looks the route up on the instance
+    sampler.http.handle_pause = pause  # the HTTP handler looks the route up on the instance
     return calls
 
 
@@ -66,7 +66,7 @@ def test_a_joiner_gets_the_current_version_before_serving_without_pausing_the_ot
         assert sync.joiners() == [b.url()]
         pauses = count_pauses(a)
         sync.load(policy.named_parameters(), 0, sync.joiners())
-        assert pauses[0] == 0 and not a._paused  # the sampler in service was neither paused nor regrouped
+        assert pauses[0] == 0 and not a.http._paused  # the sampler in service was neither paused nor regrouped
         assert b.version == 0 and sync.joiners() == [] and sync.held == {a.url(): 0, b.url(): 0}
         assert client(b.url()).generate([5, 6, 7], PARAMS).weight_version == 0
         assert b.stats()["not_ready"] == 1 and b.stats()["first_request"]["weight_version"] == 0
@@ -108,7 +108,7 @@ def test_departed_and_dead_members_never_hold_a_publish(samplers, policy):
         b.shutdown()  # died with no membership change: its pause fails, a is reloaded in a new group
         with pytest.raises(WeightSyncError, match="out of service"):
             sync.publish(policy.named_parameters(), 3)
-        assert sorted(sync.failed) == sorted([b.url(), c.url()]) and a.version == 3 and not a._paused
+        assert sorted(sync.failed) == sorted([b.url(), c.url()]) and a.version == 3 and not a.http._paused
         sync.set_members([a.url()])  # the pool replaced them: failures of departed samplers are forgotten
         sync.publish(policy.named_parameters(), 4)
         assert sync.failed == {} and a.version == 4

@@ -65,7 +65,7 @@ def test_broadcast_reaches_every_sampler_and_answers_match_learner(samplers):
     for s in samplers:  # the swap kept the engine's layout: every matmul weight column-major, no copy in the pause
         assert all(is_column_major(p) for p in column_major_parameters(s.engine.model).values())
         assert s.engine.model.model.layers[0].mlp.experts[0].down_proj.weight.untyped_storage().data_ptr() in {
-            b.untyped_storage().data_ptr() for pool in s._recv_pools for b in pool}
+            b.untyped_storage().data_ptr() for pool in s.receiver._recv_pools for b in pool}
     sync.close()
 
 

@@ -99,7 +99,7 @@ def test_tensor_mode_on_cpu_refuses_before_pausing_when_shared_memory_is_too_sma
         with pytest.raises(WeightSyncError) as e:
             sync.publish(model.named_parameters(), 0)
         assert "\n" not in str(e.value) and "/dev/shm" in str(e.value) and "MiB" in str(e.value)
-        assert not sampler._paused and weight_version(sampler.url()) == "-1" and not sync.failed
+        assert not sampler.http._paused and weight_version(sampler.url()) == "-1" and not sync.failed
         monkeypatch.undo()
         sync.publish(model.named_parameters(), 0)
         assert weight_version(sampler.url()) == "0"
