@@ -227,10 +227,10 @@ def learner_child(frame_path: str, chunk: int, threads: int, max_context: int, b
         learner = _learner(model_cfg, run_dir, threads, backend)
         try:
             learner.cfg.max_tokens_per_chunk = chunk
-            learner._train_step([head(traj, min(2, len(traj.turn_offsets)))])
+            learner.loop._train_step([head(traj, min(2, len(traj.turn_offsets)))])
             with PeakRss() as mem:
                 t0 = time.perf_counter()
-                m = learner._train_step([traj])
+                m = learner.loop._train_step([traj])
                 dt = time.perf_counter() - t0
         finally:
             learner.close()

@@ -3,7 +3,7 @@ right-padded micro-batches (``learner.micro_batch_tokens``), side by side on one
 
 Prints ONE JSON object. One learner (t1async/actors/learner.py, the ``torch`` backend, configs/local.yaml's
 default model unless ``--model``) per ``--micro-batch-tokens`` value is built from the same seeded
-init; each runs ``Learner._train_step`` (everything the learner does per batch: old values, GAE or
+init; each runs ``TrainingLoop._train_step`` (everything the learner does per batch: old values, GAE or
 group advantages, policy log-probs with routing replay, KL to the reference, losses, backward, clip,
 AdamW) on the same ``--batch`` trajectories of random tokens whose lengths are drawn uniformly from
 [``--min-tokens``, ``--max-tokens``] (two assistant turns each, K distinct routed experts per row,
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> dict:
             for i in range(args.warmup + args.steps):
                 for v, learner in learners.items():
                     t0 = time.perf_counter()
-                    last[v] = learner._train_step(batch)
+                    last[v] = learner.loop._train_step(batch)
                     if i >= args.warmup:
                         times[v].append(time.perf_counter() - t0)
         finally:

@@ -19,6 +19,21 @@ def call(method: Any, *args: Any) -> Any:
     return method(*args)
 
 
+class Plain:
+    """A plain object or a Ray actor handle whose methods are called alike, as plain methods
+    (:func:`call`), so that library code (t1async/learner/loop.py) never sees Ray.
+
+    ``hasattr(Plain(x), name)`` is ``hasattr(x, name)``.
+    """
+
+    def __init__(self, target: Any):
+        self._target = target
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._target, name)
+        return lambda *args: call(method, *args)
+
+
 def error_line(e: BaseException, limit: int = 300) -> str:
     """One line (at most ``limit`` characters) naming what went wrong in ``e``.
 
@@ -55,4 +70,4 @@ def killed_for_memory(error: BaseException | str) -> bool:
     return any(word in text for word in MEMORY_KILL_WORDS)
 
 
-__all__ = ["call", "error_line", "killed_for_memory"]
+__all__ = ["Plain", "call", "error_line", "killed_for_memory"]

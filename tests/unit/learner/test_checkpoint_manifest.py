@@ -92,13 +92,13 @@ def test_a_learner_resumes_from_the_newest_intact_checkpoint(tmp_path):
     cfg = LearnerConfig(max_steps=4, batch_size=1, routing_replay=False, batch_timeout_s=30, episodes_per_step=0)
     learner = Learner(cfg, MODEL, TransportConfig(curve=False), WeightSyncConfig(), str(tmp_path), seed=0)
     try:
-        learner.step = 1
+        learner.loop.step = 1
         learner.save_checkpoint()
         step1 = {n: p.detach().clone() for n, p in learner.policy.named_parameters()}
         with torch.no_grad():
             for p in learner.policy.parameters():
                 p.add_(1.0)
-        learner.step = 2
+        learner.loop.step = 2
         learner.save_checkpoint()
     finally:
         learner.close()

@@ -93,13 +93,13 @@ def test_critic_warmup_freezes_policy(tmp_path):
     try:
         before = {n: p.detach().clone() for n, p in learner.policy.named_parameters()}
         critic_before = learner.critic.head.weight.detach().clone()
-        metrics = learner._train_step([synthetic(0, 1, reward=2.0)])
+        metrics = learner.loop._train_step([synthetic(0, 1, reward=2.0)])
         assert metrics["train_policy"] is False and metrics["phase"] == "critic_warmup"
         assert metrics["value_loss"] > 0 and metrics["explained_variance"] is not None
         assert all(torch.equal(before[n], p) for n, p in learner.policy.named_parameters())
         assert not torch.equal(critic_before, learner.critic.head.weight)
-        learner.step = 1  # warm-up over: the next step updates the policy
-        metrics = learner._train_step([synthetic(0, 2, reward=1.0), synthetic(0, 3, reward=2.0)])
+        learner.loop.step = 1  # warm-up over: the next step updates the policy
+        metrics = learner.loop._train_step([synthetic(0, 2, reward=1.0), synthetic(0, 3, reward=2.0)])
         assert metrics["phase"] == "rl"
         assert learner.policy_opt.param_groups[0]["lr"] == pytest.approx(cfg.lr / 4)  # first of 4 warm-up updates
         assert not all(torch.equal(before[n], p) for n, p in learner.policy.named_parameters())
@@ -153,7 +153,7 @@ def test_learner_scores_sampled_tokens_under_the_sampling_distribution(tmp_path)
         plain = torch.log_softmax(logits[0, P - 1:].float(), -1).gather(1, ids[0, P:, None])[:, 0]
         assert float((plain - lp).abs().mean()) > 0.1  # the processing matters at this temperature
         # and the learner's whole update sees importance weights exp(prox - mu) of ~1
-        m = learner._train_step([traj])
+        m = learner.loop._train_step([traj])
         assert m["logprob_diff_mean"] < 1e-4
         assert abs(m["is_weight_mean"] - 1) < 1e-3 and abs(m["is_weight_max"] - 1) < 1e-3
         assert m["nucleus_boundary_tokens"] == 0 and m["kl_k3"] < 1e-6
@@ -225,7 +225,7 @@ def test_mask_turn_removes_exactly_that_turn_from_the_policy_loss_and_the_critic
         cfg = LearnerConfig(batch_size=1, lr=0.0, critic_lr=0.0, abnormal=AbnormalConfig(aborted=action))
         learner = Learner(cfg, MODEL, TransportConfig(curve=False), WeightSyncConfig(), str(tmp_path / action), seed=0)
         try:  # lr 0: both steps see the same weights
-            losses[action] = [learner._train_step([t]) for t in (traj, other)]
+            losses[action] = [learner.loop._train_step([t]) for t in (traj, other)]
         finally:
             learner.close()
     masked, trained = losses["mask_turn"], losses["train"]
@@ -240,11 +240,11 @@ def test_a_trajectory_whose_every_turn_is_masked_is_dropped_and_its_slot_returne
     try:
         empty = abnormal(synthetic(0, 1), [TURN_ABORTED, TURN_ABORTED])
         half = abnormal(synthetic(0, 2), [TURN_ABORTED, 0])
-        learner._controller = ctl = FakeController()
+        learner.loop._controller = ctl = FakeController()
         for t in (empty, half):
             learner.inbox.enqueue(t, 1)
-        assert [t.trajectory_id for t in learner._collect_batch()] == [half.trajectory_id]
-        assert learner.dropped["all_turns_masked"] == 1 and learner._consumed[empty.trajectory_id] == -1
+        assert [t.trajectory_id for t in learner.loop._collect_batch()] == [half.trajectory_id]
+        assert learner.dropped["all_turns_masked"] == 1 and learner.loop._consumed[empty.trajectory_id] == -1
         assert [d.split(":")[0] for d in ctl.discarded] == ["all_turns_masked"]
     finally:
         learner.close()
@@ -276,7 +276,7 @@ def test_kl_penalty_pulls_the_policy_back_to_the_reference(tmp_path):
             return total
 
         before = kl_to_reference()
-        m = learner._train_step(batch)
+        m = learner.loop._train_step(batch)
         assert m["kl_ref"] > 0
         assert kl_to_reference() < before
         assert all(not p.requires_grad for p in learner.reference.parameters())
@@ -330,7 +330,7 @@ def test_the_kl_penalty_s_gradient_through_a_learner_step_is_exactly_that_of_kl_
         kl = (lp.exp() * (lp - ref)).sum()
         want = torch.autograd.grad(kl, [p for _, p in named], allow_unused=True)
         learner.policy.zero_grad(set_to_none=True)
-        m = learner._train_step(batch)
+        m = learner.loop._train_step(batch)
         assert m["group_baselined_frac"] == 1.0
         flat_got = torch.cat([got.get(n, torch.zeros_like(p)).flatten() for n, p in named])
         flat_want = torch.cat([(w if w is not None else torch.zeros_like(p)).flatten() for (n, p), w in zip(named, want)])
@@ -443,7 +443,7 @@ def test_padded_micro_batches_train_like_one_trajectory_per_forward(tmp_path, ad
             real = learner.backend.policy_logprobs
             learner.backend.policy_logprobs = (lambda inp, *a, _f=forwards, _real=real, **kw:
                                                _f.append(inp.shape) or _real(inp, *a, **kw))
-            metrics = [learner._train_step(varied_batch()) for _ in range(2)]
+            metrics = [learner.loop._train_step(varied_batch()) for _ in range(2)]
             out[mbt] = metrics, {k: v.detach().clone() for k, v in learner.backend.hf_weights()}, forwards
         finally:
             learner.close()
@@ -471,7 +471,7 @@ def test_each_step_counts_the_micro_batches_it_trained_in_chunks(tmp_path):
         cfg = LearnerConfig(batch_size=5, max_tokens_per_chunk=chunk, micro_batch_tokens=mbt)
         learner = Learner(cfg, MODEL, TransportConfig(curve=False), WeightSyncConfig(), str(tmp_path / f"{chunk}-{mbt}"), seed=0)
         try:
-            got[chunk, mbt] = learner._train_step(varied_batch())["chunked_micro_batches"]
+            got[chunk, mbt] = learner.loop._train_step(varied_batch())["chunked_micro_batches"]
         finally:
             learner.close()
     assert got == {(20, 0): 3, (20, 4096): 1, (4096, 4096): 0}
@@ -587,7 +587,7 @@ def test_policy_steps_raise_the_rewarded_trajectory_and_lower_the_unrewarded_one
             t.logprobs = np.concatenate([[0.0], np.where(t.loss_mask[1:] == 1, lp.numpy(), 0.0)]).astype(np.float32)
         before = (mean_logprob(good), mean_logprob(bad))
         for _ in range(4):
-            learner._train_step([good, bad])
+            learner.loop._train_step([good, bad])
         after = (mean_logprob(good), mean_logprob(bad))
         assert after[0] > before[0] + 0.05, (before, after)
         assert after[1] < before[1] - 0.05, (before, after)
@@ -613,20 +613,20 @@ def test_group_advantage_leaves_a_task_every_episode_resolves_untouched_and_move
         same = [synthetic(0, 1, reward=2.0), synthetic(0, 2, reward=2.0)]
         for learner in (group, gae_):
             before = params(learner)
-            m = learner._train_step(same)
-            learner.step += 1
+            m = learner.loop._train_step(same)
+            learner.loop.step += 1
             moved = float((params(learner) - before).abs().max())
             assert (moved == 0.0) == (learner is group), (learner.cfg.advantage, moved)
         assert "group_baselined_frac" not in m  # the gae learner's metrics
         mixed = synthetic(0, 3, reward=2.0)
         mixed.task = "other"
         before = params(group)
-        m = group._train_step([mixed])  # alone: no peer, falls back to GAE
+        m = group.loop._train_step([mixed])  # alone: no peer, falls back to GAE
         assert m["group_baselined_frac"] == 0.0
-        group.step += 1
+        group.loop.step += 1
         peer = synthetic(0, 4, reward=0.0)
         peer.task = "other"
-        m = group._train_step([peer, synthetic(0, 5, reward=2.0)])  # its peer came one step before
+        m = group.loop._train_step([peer, synthetic(0, 5, reward=2.0)])  # its peer came one step before
         assert m["group_baselined_frac"] == 1.0  # peer: "other" one step back; the synthetic: "synthetic" 2 steps back
         assert float((params(group) - before).abs().max()) > 0
     finally:
@@ -666,7 +666,7 @@ def test_whitening_leaves_a_group_that_scored_alike_at_exactly_zero_advantage_an
         won.task = lost.task = "mixed"
         for t in same:
             t.task = "same"
-        m = learner._train_step([won, lost, *same])
+        m = learner.loop._train_step([won, lost, *same])
         assert m["group_baselined_frac"] == 1.0
         by_len = {}
         for positions, adv, mask, norm in seen:
@@ -700,9 +700,9 @@ def test_negative_advantage_weight_zero_trains_only_on_episodes_above_their_base
         try:
             # the peer, as if trained one step before (a real earlier step would leave Adam momentum
             # that moves the weights even on a zero gradient)
-            learner._task_rewards = {synthetic(0, 1).task: [(learner.step, first)]}
+            learner.loop._task_rewards = {synthetic(0, 1).task: [(learner.step, first)]}
             before = params(learner)
-            m = learner._train_step([synthetic(0, 2, reward=second)])
+            m = learner.loop._train_step([synthetic(0, 2, reward=second)])
             assert m["group_baselined_frac"] == 1.0
             return float((params(learner) - before).abs().max())
         finally:
@@ -731,15 +731,15 @@ def test_critic_off_builds_no_critic_and_baselines_a_lone_episode_on_the_batch(t
         policy0 = params(learner.policy)
         lone = [synthetic(0, 1, reward=2.0), synthetic(0, 2, reward=2.0)]
         lone[0].task, lone[1].task = "a", "b"
-        m = learner._train_step(lone)
+        m = learner.loop._train_step(lone)
         assert m["group_baselined_frac"] == 0.0
         assert float((params(learner.policy) - policy0).abs().max()) == 0.0
         assert "value_loss" not in m and "explained_variance" not in m
-        learner.step += 1
+        learner.loop.step += 1
         mixed = [synthetic(0, 3, reward=2.0), synthetic(0, 4, reward=0.0)]
-        learner._train_step(mixed)
+        learner.loop._train_step(mixed)
         assert float((params(learner.policy) - policy0).abs().max()) > 0
-        learner.step += 1
+        learner.loop.step += 1
         learner.save_checkpoint()
         saved = sorted((tmp_path / "run" / "checkpoints").iterdir())[-1]
         assert (saved / "model.safetensors").exists() and not (saved / "critic.safetensors").exists()
@@ -772,9 +772,9 @@ def test_a_resumed_learner_keeps_the_group_advantage_window(tmp_path):
     cfg = LearnerConfig(max_steps=4, batch_size=1, routing_replay=False, batch_timeout_s=30, advantage="group")
     learner = Learner(cfg, MODEL, TransportConfig(curve=False), WeightSyncConfig(), str(tmp_path), seed=0)
     try:
-        learner._train_step([synthetic(0, 1, reward=2.0)])
-        learner.step += 1
-        window = copy.deepcopy(learner._task_rewards)
+        learner.loop._train_step([synthetic(0, 1, reward=2.0)])
+        learner.loop.step += 1
+        window = copy.deepcopy(learner.loop._task_rewards)
         learner.save_checkpoint()
     finally:
         learner.close()
@@ -782,8 +782,8 @@ def test_a_resumed_learner_keeps_the_group_advantage_window(tmp_path):
     again = Learner(dataclasses.replace(cfg, resume=True), MODEL,
                     TransportConfig(curve=False), WeightSyncConfig(), str(tmp_path), seed=0)
     try:
-        assert again._task_rewards == window
-        assert again._train_step([synthetic(0, 2, reward=0.0)])["group_baselined_frac"] == 1.0
+        assert again.loop._task_rewards == window
+        assert again.loop._train_step([synthetic(0, 2, reward=0.0)])["group_baselined_frac"] == 1.0
     finally:
         again.close()
 
@@ -838,11 +838,11 @@ def test_learner_wait_holds_the_publish_for_a_slow_episode_instead_of_dropping_i
         tx.close()
         rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
         if rule == "learner_wait":
-            assert learner._consumed[slow.trajectory_id] == 2 and learner._consumed[f2.trajectory_id] == 3
+            assert learner.loop._consumed[slow.trajectory_id] == 2 and learner.loop._consumed[f2.trajectory_id] == 3
             assert rows[-1]["dropped_stale"] == 0 and [r["staleness_max"] for r in rows] == [0, 1, 1]
             assert rows[1]["hold_s"] >= 1.5 and rows[0]["hold_s"] == 0
         else:
-            assert learner.dropped["stale"] == 1 and learner._consumed[slow.trajectory_id] == -1
+            assert learner.dropped["stale"] == 1 and learner.loop._consumed[slow.trajectory_id] == -1
             deadline = time.monotonic() + 10
             while ctl.discarded < 1 and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -947,10 +947,10 @@ def test_grpo_advantage_leaves_an_all_alike_group_untouched_and_moves_a_mixed_on
 
     try:
         before = params()
-        m = learner._train_step([synthetic(0, 1, reward=2.0), synthetic(0, 2, reward=2.0)])
+        m = learner.loop._train_step([synthetic(0, 1, reward=2.0), synthetic(0, 2, reward=2.0)])
         assert float((params() - before).abs().max()) == 0.0 and m["group_baselined_frac"] == 1.0
-        learner.step += 1
-        m = learner._train_step([synthetic(0, 3, reward=2.0), synthetic(0, 4, reward=0.0)])
+        learner.loop.step += 1
+        m = learner.loop._train_step([synthetic(0, 3, reward=2.0), synthetic(0, 4, reward=0.0)])
         assert float((params() - before).abs().max()) > 0 and m["group_baselined_frac"] == 1.0
     finally:
         learner.close()

@@ -284,7 +284,7 @@ def test_one_learner_step_matches_the_torch_backend(tmp_path, replay):
         try:
             before = dict(learner.backend.hf_weights())
             before = {k: v.detach().clone() for k, v in before.items()}
-            out[backend] = learner._train_step(_batch()), {k: v.detach().clone() for k, v in learner.backend.hf_weights()}
+            out[backend] = learner.loop._train_step(_batch()), {k: v.detach().clone() for k, v in learner.backend.hf_weights()}
         finally:
             learner.close()
     (mt, wt), (mm, wm) = out["torch"], out["megatron"]
@@ -304,7 +304,7 @@ def test_padded_micro_batches_train_like_one_trajectory_per_forward(tmp_path):
     for mbt in (0, 4096):
         learner = _learner(tmp_path / str(mbt), "megatron", True, kl_coef=0.1, micro_batch_tokens=mbt)
         try:
-            out[mbt] = learner._train_step(_varied_batch()), {k: v.detach().clone() for k, v in learner.backend.hf_weights()}
+            out[mbt] = learner.loop._train_step(_varied_batch()), {k: v.detach().clone() for k, v in learner.backend.hf_weights()}
         finally:
             learner.close()
     (m1, w1), (mb, wb) = out[0], out[4096]
@@ -318,8 +318,8 @@ def _trained_checkpoint(tmp_path, **kw):
     weights, its critic's HF weights)."""
     learner = _learner(tmp_path, "megatron", True, **kw)
     try:
-        learner._train_step(_batch())
-        learner.step = 1
+        learner.loop._train_step(_batch())
+        learner.loop.step = 1
         ckpt = learner.save_checkpoint()
         hf = {k: v.clone() for k, v in learner.backend.hf_weights()}
         critic = learner.backend.critic_hf_state()
@@ -397,8 +397,8 @@ def test_tied_embeddings_megatron_matches_the_torch_model_and_round_trips_a_tied
         cfg = LearnerConfig(batch_size=2, lr=1e-3, backend=backend, init_checkpoint=str(tmp_path / "init"))
         learner = Learner(cfg, TIED, TransportConfig(curve=False), WeightSyncConfig(), str(tmp_path / backend), seed=0)
         try:
-            metrics = learner._train_step(_batch())
-            learner.step = 1
+            metrics = learner.loop._train_step(_batch())
+            learner.loop.step = 1
             ckpt = learner.save_checkpoint()
             out[backend] = metrics, {k: v.detach().clone() for k, v in learner.backend.hf_weights()}, ckpt
         finally:
@@ -563,7 +563,7 @@ def test_two_rank_learner_step_matches_the_torch_backend(tmp_path, local_ray, tp
             replay = torch.from_numpy(t.routed_experts.astype(np.int64))[None]
             fwd = b.policy_logprobs(ids[:, :-1], ids[:, 1:], replay, grad=False, routing=True)
             free = b.policy_logprobs(ids[:, :-1], ids[:, 1:], None, grad=False, routing=True)
-            metrics = learner._train_step(_batch())
+            metrics = learner.loop._train_step(_batch())
             if backend == "torch":  # its expert gradients' norm before clipping (the step clipped: norm > 1)
                 clipped = sum(float(p.grad.pow(2).sum()) for k, p in b.policy.named_parameters() if ".experts." in k)
                 metrics["expert_grad_norm"] = clipped ** 0.5 * (metrics["grad_norm"] + 1e-6) / learner.cfg.max_grad_norm
@@ -617,7 +617,7 @@ def test_multi_rank_data_parallel_split_of_varied_lengths_matches_the_torch_back
                            micro_batch_tokens=mbt)
         try:
             before = {k: v.detach().clone() for k, v in learner.backend.hf_weights()}
-            metrics = learner._train_step(_varied_batch())
+            metrics = learner.loop._train_step(_varied_batch())
             counts = learner.backend.forward_counts() if backend == "megatron" else None
             out[backend] = metrics, {k: v.detach().clone() for k, v in learner.backend.hf_weights()}, counts
         finally:
@@ -928,7 +928,7 @@ def test_distributed_optimizer_shards_the_replicated_weights_and_steps_them_bit_
         learner = _learner(tmp_path, "megatron", True, megatron=mc, micro_batch_tokens=4096)
         try:
             for _ in range(2):
-                learner._train_step(_varied_batch())
+                learner.loop._train_step(_varied_batch())
             b = learner.backend
             replicated = sum(p.numel() for k, p in b.policy.named_parameters() if ".local_experts." not in k)
             out[sharded] = {k: v.clone() for k, v in b.hf_weights()}, _moments(b.policy_opt), replicated

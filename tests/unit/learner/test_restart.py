@@ -45,16 +45,16 @@ def _lost_life(run_dir, sampler_urls: list[str]) -> list:
     try:
         assert learner.connect_samplers(sampler_urls) == 0
         for step in (1, 2):
-            learner.step = step
-            learner._publish(advance=True)
+            learner.loop.step = step
+            learner.publisher.publish(learner.step, advance=True)
         learner.save_checkpoint()
         backlog = []
         for step in (3, 4, 5):
             t = synthetic(version=learner.version, seed=step)
             learner.inbox.log.append(t.trajectory_id, encode(t))
             backlog.append(t)
-            learner.step = step
-            learner._publish(advance=True)  # (steps 3-5 trained and published, then lost)
+            learner.loop.step = step
+            learner.publisher.publish(learner.step, advance=True)  # (steps 3-5 trained and published, then lost)
         t = synthetic(version=5, seed=6)  # received, not trained yet
         learner.inbox.log.append(t.trajectory_id, encode(t))
         backlog.append(t)

@@ -177,7 +177,7 @@ def test_learner_step_logs_routing_kl_drift_metrics(tmp_path, replay):
     learner = Learner(cfg, CFG, TransportConfig(curve=False), WeightSyncConfig(), str(tmp_path), seed=0)
     try:
         batch = [_traj(learner.policy, seed=1), _traj(learner.policy, seed=2, replay_noise=True)]
-        m = learner._train_step(batch)
+        m = learner.loop._train_step(batch)
     finally:
         learner.close()
     n_noisy = len(range(0, 59, 4))

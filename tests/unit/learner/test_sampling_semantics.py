@@ -153,7 +153,7 @@ def test_learner_importance_weight_is_one_on_sglang_tokens_with_identical_weight
             logits = learner.policy(ids[:, :-1], routed_experts=routing[None]).logits
         renorm = token_logprobs(logits, ids[:, 1:], gen.temperature, top_k, top_p)[0, P - 1:].double().numpy()
         assert math.exp(float(np.mean(renorm - np.asarray(mu)))) > 1.01  # the embedded way: not of SGLang's mu
-        m = learner._train_step([traj])
+        m = learner.loop._train_step([traj])
         assert abs(m["is_weight_mean"] - 1) < 1e-4 and abs(m["is_weight_max"] - 1) < 1e-4
         assert m["logprob_diff_mean"] < 1e-5 and m["kl_k3"] < 1e-8
     finally:

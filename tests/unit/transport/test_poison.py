@@ -259,7 +259,7 @@ def test_a_trajectory_that_makes_a_step_fail_is_quarantined_and_the_step_retried
         th.join(timeout=60)
         assert not th.is_alive()
         assert result["step"] == 1 and result["trained"] == 1 and result["rejected_by"] == {"step_failed": 1}
-        assert "token-9" in learner._consumed and learner._consumed.recent["token-9"] == -1
+        assert "token-9" in learner.loop._consumed and learner.loop._consumed.recent["token-9"] == -1
         assert [d.split(":")[0] for d in ctl.discarded] == ["quarantined"]  # its admission slot returned
         meta = json.loads(next((tmp_path / "quarantine").glob("*.json")).read_text())
         assert meta["source"] == "step" and "IndexError" in meta["error"] and meta["key"] == "token-9"

@@ -44,13 +44,13 @@ def test_learner_in_tensor_mode_publishes_its_packed_policy_to_an_embedded_sampl
     learner = Learner(LearnerConfig(max_steps=0, episodes_per_step=0), MODEL, TransportConfig(curve=False),
                       WeightSyncConfig(mode="tensor", timeout_s=30, bucket_mb=0.02), str(tmp_path), seed=0)
     try:
-        assert isinstance(learner._sync, TensorWeightSync)
+        assert isinstance(learner.publisher.sync, TensorWeightSync)
         assert learner.connect_samplers([sampler.url()]) == 0 and sampler.version == 0
         for step in (1, 2):
             with torch.no_grad():
                 for p in learner.policy.parameters():
                     p.add_(0.01 * step)  # as an optimizer step writes them
-            learner._sync.publish(learner.backend.hf_weights(), step)
+            learner.publisher.sync.publish(learner.backend.hf_weights(), step)
             got = dict(sampler.engine.model.named_parameters())
             assert sampler.version == step
             assert all(torch.equal(got[n], p) for n, p in learner.policy.named_parameters())
