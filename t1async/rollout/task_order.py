@@ -30,6 +30,8 @@ import random
 from pathlib import Path
 from typing import Any
 
+from loguru import logger
+
 TASK_ORDER_FILE = "task_order.json"
 FORMAT = 1
 
@@ -132,6 +134,23 @@ class TaskOrder:
             del self._left[len(self._left) - taken:]
             self.taken = taken
         return None
+
+    @classmethod
+    def continued(cls, tasks: list[str], group_size: int, seed: int, state: dict[str, Any] | None) -> "TaskOrder":
+        """A new order continued from ``state`` (:meth:`restore`; None: from its head), logged;
+        a state that cannot be continued is logged and the order starts over from its head (a
+        resume is not refused over its task order)."""
+        order = cls(tasks, group_size, seed)
+        if state is None:
+            return order
+        try:
+            note = order.restore(state)
+        except ValueError as e:
+            logger.error("the saved task order cannot be continued ({}): it starts over from its head", e)
+            return cls(tasks, group_size, seed)
+        logger.log("WARNING" if note else "INFO", "task order continued after episode {} (pass {}){}",
+                   order.drawn, order.passes, f": {note}" if note else "")
+        return order
 
     def _deal(self) -> None:
         self._pass_rng = self._rng.getstate()

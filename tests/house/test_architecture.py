@@ -132,3 +132,14 @@ def test_library_wings_do_not_import_ray_roles_or_envs(module):
     assert not [e.target for e in graph.edges if e.source == module
                 and e.target.startswith(("t1async.actors", "t1async.envs"))]
     assert "ray" not in {e.target for e in graph.external if e.source == module}
+
+
+ROLE_MAX_LINES = 250
+"""A Ray role wires library objects to Ray; one longer than this has grown an algorithm (issue 45)."""
+
+
+def test_every_ray_role_stays_thin():
+    roles = sorted((REPO / "t1async" / "actors").glob("*.py"))
+    assert len(roles) >= 5  # __init__, controller, learner, rollout, sampler: the folder was found
+    long = {p.name: n for p in roles if (n := len(p.read_text().splitlines())) > ROLE_MAX_LINES}
+    assert long == {}, f"Ray roles over {ROLE_MAX_LINES} lines (move what is not wiring into its wing): {long}"

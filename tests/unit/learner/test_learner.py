@@ -814,9 +814,9 @@ def test_learner_wait_holds_the_publish_for_a_slow_episode_instead_of_dropping_i
         th = threading.Thread(target=learner.run, args=(ctl,))
         th.start()
         deadline = time.monotonic() + 60
-        while ctl.version < 1 and time.monotonic() < deadline:
+        while ctl.ledger.version < 1 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert learner.version == 1 and ctl.version == 1
+        assert learner.version == 1 and ctl.ledger.version == 1
         assert ctl.acquire(1) == "t"  # F2 at version 1: admission follows the learner under both rules
         ctl.episode_finished(1, f2.trajectory_id)
         send_trajectory(tx, f2)
@@ -844,9 +844,9 @@ def test_learner_wait_holds_the_publish_for_a_slow_episode_instead_of_dropping_i
         else:
             assert learner.dropped["stale"] == 1 and learner.loop._consumed[slow.trajectory_id] == -1
             deadline = time.monotonic() + 10
-            while ctl.discarded < 1 and time.monotonic() < deadline:
+            while ctl.ledger.discarded < 1 and time.monotonic() < deadline:
                 time.sleep(0.05)
-            assert ctl.discarded == 1  # its slot returned
+            assert ctl.ledger.discarded == 1  # its slot returned
     finally:
         learner.close()
         sampler.shutdown()

@@ -29,7 +29,7 @@ def test_failed_episode_returns_its_slot():
     assert c.acquire(0)
     assert c.acquire(0) == ""
     c.episode_failed(0, "sandbox died")
-    assert c.acquire(0) and c.failed_episodes == 1
+    assert c.acquire(0) and c.ledger.failed_episodes == 1
 
 
 def test_failed_episodes_are_counted_by_reason_key():
@@ -48,7 +48,7 @@ def test_discarded_trajectory_returns_its_slot():
     assert c.acquire(0)
     assert c.acquire(0) == ""
     c.trajectory_discarded("stale")
-    assert c.acquire(0) and c.discarded == 1
+    assert c.acquire(0) and c.ledger.discarded == 1
 
 
 def test_tasks_are_drawn_round_robin_over_shuffles():
@@ -121,7 +121,7 @@ def test_bound_zero_is_synchronous_rl():
                 return
             if name == "":
                 continue
-            version = c.version
+            version = c.ledger.version
             started_at.append(version)
             time.sleep(rng.choice((0.001, 0.005, 0.03)))  # a long tail within each batch
             tid = uuid.uuid4().hex
@@ -168,9 +168,9 @@ def test_extra_segments_of_an_episode_take_and_return_their_own_slots():
                    max_staleness=0, make_rollout=lambda aid, crash: None, seed=0)
     assert c.acquire(0)
     c.episode_finished(0, "last", ["seg0", "seg1"])
-    assert c.started == 3 and c.acquire(0) == ""  # (0 + 0 + 1) x 2 = 2 slots, 3 taken
+    assert c.ledger.started == 3 and c.acquire(0) == ""  # (0 + 0 + 1) x 2 = 2 slots, 3 taken
     c.trajectory_discarded("stale", "seg0")
-    assert c.started == 2 and c.acquire(0) == ""
+    assert c.ledger.started == 2 and c.acquire(0) == ""
     c.set_version(1)
     assert c.oldest_version() == 0  # seg1 and last are still pending at version 0
     c.trajectories_consumed(["seg1", "last"])

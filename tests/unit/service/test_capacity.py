@@ -68,7 +68,8 @@ def test_scale_down_kills_actors_never_admitted_at_once_and_starts_few_per_tick(
     episode are killed at once, one with an episode running finishes it; starts are spread over ticks."""
     import ray
 
-    from t1async.actors.controller import START_PER_TICK, Controller
+    from t1async.actors.controller import Controller
+    from t1async.rollout.fleet import START_PER_TICK
 
     killed = []
     monkeypatch.setattr(ray, "kill", lambda handle, no_restart=True: killed.append(handle.aid))
