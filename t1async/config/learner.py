@@ -91,7 +91,7 @@ class AbnormalConfig(Section):
     episode in ``finish_reason``. Values: ``train`` (as if nothing happened: the outcome is a
     consequence of the policy's own choice and the reward is real), ``mask_turn`` (per-turn kinds
     only: the sampled tokens of each such turn leave the policy loss; the critic still trains on
-    them, see t1async/actors/learner.py), ``drop`` (the whole trajectory is never trained on: its
+    them, see t1async/learner/update.py), ``drop`` (the whole trajectory is never trained on: its
     admission slot is returned, its id marked consumed, and it is counted by kind in
     metrics.jsonl ``dropped``). A trajectory whose every loss token is masked is dropped
     (``dropped["all_turns_masked"]``).

@@ -309,7 +309,7 @@ class RolloutConfig(Section):
     admission: Admission = field(default=Admission.learner_wait, metadata=choice(
         Admission, "'oldest_episode' (actors wait for slow episodes), 'learner_version' (AReaL's rule: drops what gets too"
         " stale) or 'learner_wait' (actors run ahead, the learner waits for slow episodes)"))
-    """Admission rule (t1async/actors/controller.py), each keeping every trajectory trained within
+    """Admission rule (t1async/rollout/admission.py), each keeping every trajectory trained within
     ``learner.max_staleness`` versions of its sampling: ``learner_wait`` (default) lets a rollout
     start while ``started < (v + max_staleness + 1) x batch_size x publish_every`` with ``v`` the
     learner's version (AReaL's rule), and the learner trains oldest first and waits for a slow

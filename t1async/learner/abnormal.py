@@ -24,7 +24,7 @@ trajectory at all.
 
 ``mask_turn`` removes a turn's sampled tokens from the policy loss only
 (:func:`policy_mask`); advantages are still computed by GAE over every sampled token, and the
-critic still trains on all of them (see ``Learner._train_step``). Pure numpy, no backend.
+critic still trains on all of them (see ``TrainingLoop._train_step``, t1async/learner/loop.py). Pure numpy, no backend.
 """
 
 from __future__ import annotations

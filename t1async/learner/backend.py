@@ -1,6 +1,6 @@
 """The learner backend interface: what a training engine does for the learner, and nothing else.
 
-The learner (t1async/actors/learner.py) owns the data path, batch preparation (tensors, GAE,
+The learner (t1async/learner/loop.py) owns the data path, batch preparation (tensors, GAE,
 advantages), the RL losses (t1async/learner/rl.py) and metrics. A backend owns the models (policy,
 critic, optional frozen reference), their optimisers and their layouts, and answers five things:
 

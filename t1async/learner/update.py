@@ -8,7 +8,7 @@
     reference, :func:`t1async.learner.rl.kl_penalty`; clipped value loss) --> one optimiser
     step per epoch --> the step's metrics.
 
-The Ray role (t1async/actors/learner.py) collects the batch, calls :func:`train_step`, then publishes
+The training loop (t1async/learner/loop.py) collects the batch, calls :func:`train_step`, then publishes
 and checkpoints; nothing here touches a socket, a file or Ray.
 """
 

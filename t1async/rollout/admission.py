@@ -1,7 +1,7 @@
 """Admission rules (``rollout.admission``): when may a rollout start, and when may the learner publish.
 
-Pure functions of the counts the controller keeps (``t1async/actors/controller.py`` holds the state and the
-lock; these hold the rules). Every rule keeps each trajectory trained within ``max_staleness``
+Pure functions of the counts the controller keeps (t1async/rollout/admission_ledger.py holds them, the
+controller role the lock; these hold the rules). Every rule keeps each trajectory trained within ``max_staleness``
 (eta) versions; the default, ``learner_wait``, is described last, after the two it combines.
 
 ``oldest_episode`` is AReaL's formula measured from the oldest unfinished episode: a rollout may start only while

@@ -13,7 +13,7 @@ and self-healing, plus the restart back-off every supervised role shares (:class
 Invariants: rollout actors are routed only to ``serving`` samplers (they hold weights: a new
 sampler answers /generate 503 until then, and is never routed before); the weight group's members
 are the ``joining`` and ``serving`` ones (a draining or dead sampler has left it, so no publish
-waits for it). How a joiner gets weights is the learner's side (t1async/actors/learner.py ``set_samplers``).
+waits for it). How a joiner gets weights is the learner's side (t1async/learner/publisher.py ``Publisher.set_members``).
 
 Every change of a slot happens in the supervision thread (other threads read, or set ``target``).
 Waits on: Ray (actor start, death, drain) and the samplers' ``GET /health``. Stopped by :meth:`close`.

@@ -56,7 +56,7 @@ bucket ``POST /update_weights_from_tensor``. What it relies on, read from the pi
   ``LocalSerializedTensor`` lists): a bucket per call, one entry per TP rank. t1async imports no
   SGLang, hence its own pickler with the same output.
 
-The embedded sampler implements the route (t1async/actors/sampler.py), atomically: it loads the pickle with
+The embedded sampler implements the route (t1async/weights/receiver.py), atomically: it loads the pickle with
 an exact allow-list of torch's rebuild functions (:func:`deserialize_named_tensors`; SGLang's
 prefix list would admit any ``torch.`` callable), checks names, shapes and dtypes (400 naming the
 tensor), copies into its receive buffers during the request and swaps all buckets in at the last.

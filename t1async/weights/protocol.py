@@ -28,7 +28,7 @@ class WeightSyncError(RuntimeError):
 
 
 class WeightSync(Protocol):
-    """The learner's side of weight publication: every member the learner (t1async/actors/learner.py) uses.
+    """The learner's side of weight publication: every member the learner's publisher (t1async/learner/publisher.py) uses.
 
     Membership: :meth:`connect` forms the group with the first samplers; :meth:`set_members`
     (thread-safe) names those to publish to from now on; :meth:`members` are those in service;

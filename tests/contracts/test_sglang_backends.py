@@ -1,4 +1,5 @@
-"""One behaviour suite, two backends: the embedded sampler (t1async/actors/sampler.py) and the fake SGLang server
+"""One behaviour suite, two backends: the embedded sampler (t1async/actors/sampler.py: t1async/sampling/embedded_http.py,
+t1async/weights/receiver.py) and the fake SGLang server
 (tests/support/sglang_fake.py, built from the pinned release's fixture), both through the real client
 (t1async/sampling/sampler_client.py) and the real weight sync (t1async/weights/), in both of its modes:
 ``distributed`` over a real gloo group, ``tensor`` through named shared memory (the fake's TP workers

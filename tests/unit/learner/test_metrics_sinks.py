@@ -70,7 +70,7 @@ def test_steps_trained_again_after_a_resume_replace_the_lost_lifes_points(tmp_pa
     first = _rows(range(1, 11), t0)
     _life(path, first)
     # killed at step 10 with its last checkpoint at step 8: the resumed learner drops rows 9-10
-    # (t1async/actors/learner.py _resume) and trains steps 9, 10, 11 again, later and with other values
+    # (t1async/learner/loop.py ``TrainingLoop.resume``) and trains steps 9, 10, 11 again, later and with other values
     again = [{**r, "reward_mean": 7.0 + r["step"], "time": t0 + 100 + r["step"]} for r in _rows(range(9, 12), t0)]
     tail = MetricsTail(path, tensorboard=True)
     _write(path, first[:8])
