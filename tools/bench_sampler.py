@@ -94,8 +94,8 @@ def run_mode(url: str, cfg: Any, conc: int, seconds: float, seed: int) -> tuple[
 def forward_ms(cfg: Any, reps: int = 30) -> dict[str, float]:
     """Median ms of one packed decode forward (every sequence 1 new token, 128 cached) at
     batch 1, 4, 16, in this process with the sampler's dtype and threads."""
-    from t1async.weights.receiver import DTYPES as _DTYPES
     from t1async.models.model import KVCache, PackedSegments, Qwen3MoeForCausalLM
+    from t1async.weights.receiver import DTYPES as _DTYPES
 
     torch.set_num_threads(cfg.run.torch_threads)
     torch.manual_seed(0)

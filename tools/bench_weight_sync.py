@@ -44,9 +44,9 @@ import torch
 
 from t1async.cli import OneLineErrors, at_least_one, positive_float
 from t1async.config import ModelConfig, SamplerConfig
+from t1async.transport.ports import free_port
 from t1async.weights.buckets import pack_parameters, plan_buckets
 from t1async.weights.distributed import DistributedWeightSync
-from t1async.transport.ports import free_port
 from t1async.weights.group import join_group
 from t1async.weights.tensor import TensorWeightSync
 

@@ -236,7 +236,8 @@ class TrainingLoop:
                                              dropped=self.dropped, rejected_by=self.rejected_by,
                                              queue_depth=self.inbox.queue.qsize()))
                 if publish_s:  # samplers paused by this publish, and the group re-formed before it (seconds)
-                    metrics["publish_pause_s"], metrics["publish_form_s"] = self.publisher.sync.last_pause_s, self.publisher.sync.last_form_s
+                    sync = self.publisher.sync
+                    metrics["publish_pause_s"], metrics["publish_form_s"] = sync.last_pause_s, sync.last_form_s
                 metrics["step_s"] = time.perf_counter() - t0  # train + publish (seconds)
                 metrics["batch_wait_s"], metrics["publish_s"] = wait_s, publish_s  # idle: waiting for the batch
                 metrics["hold_s"] = self._held.hold_s  # of batch_wait_s: held for a slow episode (learner_wait)

@@ -49,8 +49,8 @@ import torch
 from loguru import logger
 
 from t1async.sampling.sampler_client import SamplerError, post_json
-from t1async.weights.buckets import Bucket, init_body, plan_buckets, update_body
 from t1async.transport.ports import free_port
+from t1async.weights.buckets import Bucket, init_body, plan_buckets, update_body
 from t1async.weights.group import GROUP_NAME, join_group, leave_group
 from t1async.weights.members import SamplerSet, collect_answers
 from t1async.weights.protocol import WeightSyncError
