@@ -43,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +57,8 @@ from t1async.models.hf_folder import load_weights, read_config, save_folder
 
 __all__ = [
     "KVCache",
+    "MoeDecoderLayer",
+    "MoeDecoderTrunk",
     "Linear",
     "MoeCausalLM",
     "PackedSegments",
@@ -401,7 +404,25 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         return x.new_zeros(x.shape).index_add(0, token_of, ys), ids, own
 
 
-class Qwen3MoeDecoderLayer(nn.Module):
+class MoeDecoderLayer(nn.Module):
+    """One pre-norm MoE decoder layer, every family's: the token mixer, then the MoE block, each in a
+    residual branch. A family's layer sets ``input_layernorm``, ``post_attention_layernorm``, ``mlp``
+    (``(x [N, H], replay [N, K] or None, own_topk) -> (y [N, H], expert ids used [N, K], own top-k
+    [N, K] or None)``) and implements :meth:`mix`."""
+
+    def mix(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: Any) -> torch.Tensor:
+        """The token mixer (attention, or a linear-attention recurrence) on the normed input h [B, T, H]."""
+        raise NotImplementedError
+
+    def forward(self, x, cos, sin, kv_cache, replay, own_topk=False):
+        """(x [B, T, H], expert ids used [B, T, K], the router's own top-k [B, T, K] or None)."""
+        x = x + self.mix(self.input_layernorm(x), cos, sin, kv_cache)
+        B, T, H = x.shape
+        y, ids, own = self.mlp(self.post_attention_layernorm(x).reshape(B * T, H), replay, own_topk)
+        return x + y.view(B, T, H), ids.view(B, T, -1), None if own is None else own.view(B, T, -1)
+
+
+class Qwen3MoeDecoderLayer(MoeDecoderLayer):
     """Pre-norm decoder layer: attention then MoE MLP, each in a residual branch."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
@@ -411,14 +432,45 @@ class Qwen3MoeDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, kv_cache, replay, own_topk=False):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache)
-        B, T, H = x.shape
-        y, ids, own = self.mlp(self.post_attention_layernorm(x).reshape(B * T, H), replay, own_topk)
-        return x + y.view(B, T, H), ids.view(B, T, -1), None if own is None else own.view(B, T, -1)
+    def mix(self, h, cos, sin, kv_cache):
+        return self.self_attn(h, cos, sin, kv_cache)
 
 
-class Qwen3MoeModel(nn.Module):
+class MoeDecoderTrunk(nn.Module):
+    """The decoder loop every family shares (forward, prefill and decode alike): embed, then each
+    :class:`MoeDecoderLayer` with its slice of the replayed experts (gradient checkpointing when
+    asked), advance the cache(s), final norm. A family's trunk sets ``embed_tokens``, ``layers``,
+    ``norm`` and ``gradient_checkpointing`` and implements :meth:`rope`.
+    """
+
+    def rope(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) of the rotary embedding at ``position_ids`` [B, T], in ``dtype``."""
+        raise NotImplementedError
+
+    def forward(self, input_ids, position_ids, routed_experts, kv_cache, own_topk=False):
+        """Returns (final-norm hidden [B, T, H], expert ids used [B, T, L, K] int64, the routers'
+        own top-k [B, T, L, K] int64 or None unless ``own_topk``)."""
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rope(position_ids, x.dtype)
+        B, T = input_ids.shape
+        routing, owns = [], []
+        for i, layer in enumerate(self.layers):
+            replay = None if routed_experts is None else routed_experts[:, :, i].reshape(B * T, -1)
+            if self.gradient_checkpointing and kv_cache is None and torch.is_grad_enabled():
+                x, ids, own = checkpoint(layer, x, cos, sin, None, replay, own_topk, use_reentrant=False)
+            else:
+                x, ids, own = layer(x, cos, sin, kv_cache, replay, own_topk)
+            routing.append(ids)
+            owns.append(own)
+        if isinstance(kv_cache, PackedSegments):
+            for cache, n in zip(kv_cache.caches, kv_cache.lengths):
+                cache.seq_len += n
+        elif kv_cache is not None:
+            kv_cache.seq_len += T
+        return self.norm(x), torch.stack(routing, dim=2), torch.stack(owns, dim=2) if own_topk else None
+
+
+class Qwen3MoeModel(MoeDecoderTrunk):
     """Decoder trunk (HF ``model.``): ``embed_tokens``, ``layers``, final ``norm``.
 
     Attributes:
@@ -437,27 +489,8 @@ class Qwen3MoeModel(nn.Module):
         self.layers = nn.ModuleList(Qwen3MoeDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, input_ids, position_ids, routed_experts, kv_cache, own_topk=False):
-        """Returns (final-norm hidden [B, T, H], expert ids used [B, T, L, K] int64, the routers'
-        own top-k [B, T, L, K] int64 or None unless ``own_topk``)."""
-        x = self.embed_tokens(input_ids)
-        cos, sin = _rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
-        B, T = input_ids.shape
-        routing, owns = [], []
-        for i, layer in enumerate(self.layers):
-            replay = None if routed_experts is None else routed_experts[:, :, i].reshape(B * T, -1)
-            if self.gradient_checkpointing and kv_cache is None and torch.is_grad_enabled():
-                x, ids, own = checkpoint(layer, x, cos, sin, None, replay, own_topk, use_reentrant=False)
-            else:
-                x, ids, own = layer(x, cos, sin, kv_cache, replay, own_topk)
-            routing.append(ids)
-            owns.append(own)
-        if isinstance(kv_cache, PackedSegments):
-            for cache, n in zip(kv_cache.caches, kv_cache.lengths):
-                cache.seq_len += n
-        elif kv_cache is not None:
-            kv_cache.seq_len += T
-        return self.norm(x), torch.stack(routing, dim=2), torch.stack(owns, dim=2) if own_topk else None
+    def rope(self, position_ids, dtype):
+        return _rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta, dtype)
 
 
 class MoeCausalLM(nn.Module):

@@ -43,13 +43,21 @@ import torch
 import torch.nn.functional as F
 from loguru import logger
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from t1async.config import ModelConfig
 from t1async.config.model_folder import decoder_config, resolve_model
 from t1async.models.batch_invariance import Linear, padded_rows, rows_for
 from t1async.models.hf_folder import Convert, ModelFolderError, fuse_expert, load_weights
-from t1async.models.model import KVCache, MoeCausalLM, PackedSegments, _apply_rope, save_hf, swiglu
+from t1async.models.model import (
+    KVCache,
+    MoeCausalLM,
+    MoeDecoderLayer,
+    MoeDecoderTrunk,
+    PackedSegments,
+    _apply_rope,
+    save_hf,
+    swiglu,
+)
 
 __all__ = ["Qwen3_5MoeForCausalLM", "Qwen35TextConfig", "HybridCache", "config_from_hf", "config_to_hf", "CHUNK"]
 
@@ -493,7 +501,7 @@ class SparseMoeBlock(nn.Module):
         return out + shared, ids, own
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(MoeDecoderLayer):
     """Pre-norm layer: the token mixer of its ``layer_types`` entry, then the MoE block."""
 
     def __init__(self, c: Qwen35TextConfig, layer_idx: int, slot: int) -> None:
@@ -507,17 +515,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = ZeroCenteredRMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def forward(self, x, cos, sin, cache, replay, own_topk=False):
-        h = self.input_layernorm(x)
-        x = x + (self.linear_attn(h, cache) if self.kind == "linear_attention" else self.self_attn(h, cos, sin, cache))
-        B, T, H = x.shape
-        y, ids, own = self.mlp(self.post_attention_layernorm(x).reshape(B * T, H), replay, own_topk)
-        return x + y.view(B, T, H), ids.view(B, T, -1), None if own is None else own.view(B, T, -1)
+    def mix(self, h, cos, sin, cache):
+        return self.linear_attn(h, cache) if self.kind == "linear_attention" else self.self_attn(h, cos, sin, cache)
 
 
-class Qwen3_5MoeTextModel(nn.Module):
-    """The trunk (HF ``model.``): ``embed_tokens``, ``layers``, final ``norm``; ``gradient_checkpointing`` as
-    :class:`t1async.models.model.Qwen3MoeModel`."""
+class Qwen3_5MoeTextModel(MoeDecoderTrunk):
+    """The trunk (HF ``model.``): ``embed_tokens``, ``layers``, final ``norm``; the shared decoder loop
+    and ``gradient_checkpointing`` of :class:`t1async.models.model.MoeDecoderTrunk`."""
 
     def __init__(self, c: Qwen35TextConfig) -> None:
         super().__init__()
@@ -530,33 +534,13 @@ class Qwen3_5MoeTextModel(nn.Module):
         rot = int(c.head_dim * c.partial_rotary_factor) // 2 * 2
         self.rotary_dim = rot
 
-    def _rope(self, position_ids: torch.Tensor, dtype: torch.dtype):
+    def rope(self, position_ids: torch.Tensor, dtype: torch.dtype):
         r = self.rotary_dim
         inv = 1.0 / (self.c.rope_theta ** (torch.arange(0, r, 2, dtype=torch.float32, device=position_ids.device) / r))
         freqs = position_ids[..., None].float() * inv  # [B, T, r/2]
         emb = torch.cat([freqs, freqs], -1)[:, None].double()  # [B, 1, T, r], rotate-half layout
         return emb.cos().to(dtype), emb.sin().to(dtype)  # float64: see _invariant_sigmoid
 
-    def forward(self, input_ids, position_ids, routed_experts, kv_cache, own_topk=False):
-        """Returns (final-norm hidden [B, T, H], expert ids used [B, T, L, K] int64, own top-k or None)."""
-        x = self.embed_tokens(input_ids)
-        cos, sin = self._rope(position_ids, x.dtype)
-        B, T = input_ids.shape
-        routing, owns = [], []
-        for i, layer in enumerate(self.layers):
-            replay = None if routed_experts is None else routed_experts[:, :, i].reshape(B * T, -1)
-            if self.gradient_checkpointing and kv_cache is None and torch.is_grad_enabled():
-                x, ids, own = checkpoint(layer, x, cos, sin, None, replay, own_topk, use_reentrant=False)
-            else:
-                x, ids, own = layer(x, cos, sin, kv_cache, replay, own_topk)
-            routing.append(ids)
-            owns.append(own)
-        if isinstance(kv_cache, PackedSegments):
-            for cache, n in zip(kv_cache.caches, kv_cache.lengths):
-                cache.seq_len += n
-        elif kv_cache is not None:
-            kv_cache.seq_len += T
-        return self.norm(x), torch.stack(routing, 2), torch.stack(owns, 2) if own_topk else None
 
 
 class Qwen3_5MoeForCausalLM(MoeCausalLM):
