@@ -136,7 +136,7 @@ def test_a_resume_whose_checkpoints_are_all_gone_is_refused_unless_asked_for(tmp
     learner = Learner(cfg, MODEL, TransportConfig(curve=False), WeightSyncConfig(), str(tmp_path), seed=0)
     try:
         assert resume_from_nothing(tmp_path) is None  # nothing written yet: a resume replays the receive log
-        learner.step = 3
+        learner.loop.step = 3
         learner.save_checkpoint()
     finally:
         learner.close()

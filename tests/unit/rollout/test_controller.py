@@ -269,7 +269,7 @@ def test_a_controller_of_a_resumed_run_admits_only_the_bound_past_the_learners_p
                    make_rollout=lambda aid, crash: None, seed=0, resumed=resumed)
     admitted = 0
     while c.acquire(admitted):
-        assert c.status()["version"] == 17 and c._running[admitted] == 17  # admitted at the resumed version
+        assert c.status()["version"] == 17 and c.ledger.running[admitted] == 17  # admitted at the resumed version
         admitted += 1
     assert admitted == (17 + eta + 1) * r - resumed_admissions(17 * r + 4, 5) == 15  # not (17 + 2 + 1) x 8 = 160
     c.set_version(18)  # the learner trained the backlog and one more version: R more
