@@ -61,7 +61,7 @@ from t1async.learner.metrics import MetricsFile, batch_metrics
 from t1async.learner.step_guard import StepGuard, refuse_in_step
 from t1async.learner.timeline import TIMELINE_FILE, SampledTimelines, VersionTimeline
 from t1async.learner.update import advantage_estimates, policy_lr, train_step
-from t1async.models.families import load_renderer
+from t1async.models.families import load_renderer, sampler_weights
 from t1async.models.logprobs import sampling_semantics
 from t1async.rollout.transcripts import write_transcripts
 from t1async.sampling.sampler_client import SamplerError, post_json, weight_version
@@ -88,7 +88,8 @@ class Learner:
             token under the distribution the samplers report (t1async/models/logprobs.py), so that
             log pi_prox, log pi_theta and the behaviour log mu are of one distribution. None: the
             defaults (temperature 1, no truncation).
-        sampler_backend: ``sampler.backend``; picks the log-prob semantics scored under
+        sampler_backend: ``sampler.backend``; picks the names and layout weights are published in
+            (t1async/models/families.py ``sampler_weights``) and the log-prob semantics scored under
             (t1async.models.logprobs.sampling_semantics: ``embedded`` renormalised over the kept
             top-k/top-p set, ``sglang`` the full tempered softmax).
         seed: seed of the model init (the same init for every ``learner.backend``).
@@ -107,6 +108,7 @@ class Learner:
                  max_context_tokens: int = 0):
         self.generation = generation if generation is not None else GenerationConfig()
         semantics = sampling_semantics(sampler_backend)
+        self._sampler_backend = sampler_backend
         if not self.generation.temperature > 0:
             raise ValueError(f"generation.temperature={self.generation.temperature} cannot be trained on: greedy "
                              "samples have no density (no gradient); use a temperature > 0 (greedy is for t1async eval)")
@@ -542,7 +544,7 @@ class Learner:
         self._weights_published = True
         t0 = time.perf_counter()
         try:
-            self._sync.publish(self.backend.hf_weights(), self.version)
+            self._sync.publish(self._published(), self.version)
         except WeightSyncError as e:
             # failed samplers are out of service (paused, never serving partial weights); carry on
             # while any sampler took the update, or while the launch's pool replaces failed
@@ -552,6 +554,10 @@ class Learner:
             logger.error("weight version {}: {}", self.version, e)
         logger.info("published weight version {} in {:.2f} s (samplers paused {:.2f} s)", self.version,
                     time.perf_counter() - t0, self._sync.last_pause_s)
+
+    def _published(self):
+        """The policy's tensors under the names and layout the samplers load (lazy views, one at a time)."""
+        return sampler_weights(self.model_cfg, self.backend.hf_weights(), self._sampler_backend)
 
     def _serve_joiners(self) -> None:
         """Give new samplers weights while waiting for a batch (see :meth:`set_samplers`): the last
@@ -563,7 +569,7 @@ class Learner:
         if self._weights_published:
             t0 = time.perf_counter()
             try:
-                self._sync.load(self.backend.hf_weights(), self.version, joiners)
+                self._sync.load(self._published(), self.version, joiners)
             except WeightSyncError as e:
                 logger.error("{}", e)
                 return

@@ -31,7 +31,7 @@ from t1async.envs.sandboxes.sandbox import check_sandbox_available
 from t1async.envs.taskio.loading import discover_tasks, task_folders
 from t1async.envs.taskio.task import Task, TaskError
 from t1async.learner.checkpoints import resume_from_nothing, untrusted_checkpoints
-from t1async.models.families import check_model_folder, load_renderer
+from t1async.models.families import check_model_folder, check_sampler_names, load_renderer
 from t1async.models.tokenizer import check_model_vocab
 from t1async.rollout.conversation import template_tool_format
 from t1async.sampling.sglang_server import check_logprob_env
@@ -163,6 +163,7 @@ def check_inputs(cfg: Config) -> list[str]:
         raise ConfigError("sampler.backend=sglang needs sampler.urls (running servers), model.path or sampler.model_path "
                           "(a Hugging Face model folder for the servers launch starts)")
     if cfg.sampler.backend == "sglang":
+        check_sampler_names(cfg.model, "sglang")  # names its loader would skip: servers never updated
         check_sglang_servers_can_start(cfg.sampler)
         check_logprob_env(cfg.generation.temperature)
     check_weight_sync_hosts(cfg)
