@@ -37,8 +37,16 @@ from safetensors.torch import load_file
 
 from t1async.config import ModelConfig
 from t1async.config.model_folder import resolve_model, text_config
-from t1async.models.families import (FAMILIES, SAMPLER_SKIPS, ModelFolderError, build_model, check_sampler_names,
-                                     family, sampler_weights, save_model)
+from t1async.models.families import (
+    FAMILIES,
+    SAMPLER_SKIPS,
+    ModelFolderError,
+    build_model,
+    check_sampler_names,
+    family,
+    sampler_weights,
+    save_model,
+)
 from t1async.models.tokenizer import ChatTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
