@@ -25,7 +25,8 @@ the reference (``learner.kl_coef`` > 0) holds parameters only. tests/test_plan.p
 tensors the learner really allocates.
 
 Activations are an estimate (not a count): per token and decoder layer, every non-expert weight's input and output
-width, the K routed experts' widths, and the float32 router logits and probabilities; the LM head's float32 logits and
+width, the K routed experts' widths, the float32 router logits and probabilities, each norm's float32 input and
+output, the attention kernel's q, k and v; the LM head's float32 logits and
 log-probabilities (per ``learner.max_tokens_per_chunk`` chunk when chunked). With recompute (``max_tokens_per_chunk``
 > 0 and a longer micro-batch: per-layer activation checkpointing) a layer keeps only its input, plus one layer's
 activations while it is recomputed. Each expert-parallel rank forwards 1/P of the rows and sequence/tensor
@@ -150,14 +151,26 @@ def load_model_config(model: str | Path) -> ModelConfig:
     return dataclasses.replace(cfg, path=str(p))
 
 
+_SHAPES: dict[str, list[tuple[str, tuple[int, ...]]]] = {}  # the meta build's shapes, by architecture (one build a process)
+
+
+def _shapes(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+    key = json.dumps({**dataclasses.asdict(cfg), "path": ""}, sort_keys=True, default=str)
+    if key not in _SHAPES:
+        with torch.device("meta"):
+            model = family(cfg).build(cfg)
+        _SHAPES[key] = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    return _SHAPES[key]
+
+
 def model_tensors(cfg: ModelConfig, critic: bool = False) -> list[TensorSpec]:
-    """The family's model built on the meta device (no memory), one :class:`TensorSpec` per parameter; with
-    ``critic`` the value model's (the trunk without the LM head, plus a float32 ``Linear(hidden, 1)``)."""
-    with torch.device("meta"):
-        model = family(cfg).build(cfg)
+    """The family's model built on the meta device (no memory; once per architecture and process), one
+    :class:`TensorSpec` per parameter; with ``critic`` the value model's (the trunk without the LM head, plus a
+    float32 ``Linear(hidden, 1)``)."""
     L = cfg.num_hidden_layers
     out = []
-    for name, p in model.named_parameters():
+    for name, shape in _shapes(cfg):
+        p = torch.empty(shape, device="meta")
         if critic and name.startswith("lm_head."):
             continue
         m = _LAYER.search(name)
@@ -222,8 +235,17 @@ def _activations(specs: list[TensorSpec], cfg: ModelConfig, lay: Layout, stage: 
     L, S = cfg.num_hidden_layers, lay.pipeline
     K, E = cfg.num_experts_per_tok, cfg.num_experts
     per_layer: dict[int, int] = {}
+    qd, kvd = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     for t in specs:
-        if t.stage != "layer" or _stage_of(t, L, S) != stage or not t.width_in:
+        if t.stage != "layer" or _stage_of(t, L, S) != stage:
+            continue
+        if _FP32.search(t.name):  # a norm keeps its float32 input and output at the width it normalises
+            applied = qd if t.name.endswith("q_norm.weight") else kvd if t.name.endswith("k_norm.weight") else t.numel
+            per_layer[t.layer] = per_layer.get(t.layer, 0) + 2 * 4 * applied
+            continue
+        if t.name.endswith("self_attn.q_proj.weight"):  # the attention kernel keeps q, k, v after RoPE
+            per_layer[t.layer] = per_layer.get(t.layer, 0) + width * (qd + 2 * kvd)
+        if not t.width_in:
             continue
         if t.split == "expert":
             experts = t.numel // (t.width_in * t.width_out)  # 1 per-expert tensor, E when fused
@@ -237,6 +259,9 @@ def _activations(specs: list[TensorSpec], cfg: ModelConfig, lay: Layout, stage: 
     layers = list(per_layer.values())
     plain = n * sum(layers)
     recompute = n * (len(layers) * cfg.hidden_size * width + (max(layers) if layers else 0))
+    if stage == S - 1:  # the final norm
+        plain += n * 2 * 4 * cfg.hidden_size
+        recompute += n * 2 * 4 * cfg.hidden_size
     if head and stage == S - 1:
         rows = min(chunk, n * lay.tensor) if chunk else n * lay.tensor
         logits = 2 * 4 * rows * cfg.vocab_size // lay.tensor
