@@ -52,7 +52,16 @@ def test_cluster_yaml_passes_the_launch_preflight_on_a_model_folder(folder, tmp_
     assert (cfg.learner.backend, cfg.sampler.backend, cfg.weight_sync.backend) == ("megatron", "sglang", "nccl")
     assert cfg.model.hidden_size == 32 and tasks and not run_dir.exists()
     raw = yaml.safe_load(CLUSTER.read_text())
-    assert set(raw["model"]) == {"path"} and "model_path" not in raw["sampler"]
+    assert "model" not in raw and "model_path" not in raw["sampler"]  # the folder is the architecture
+
+
+def test_cluster_yaml_without_a_model_folder_is_refused_in_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(PKG), os.environ.get("PYTHONPATH", "")]))
+    write_keys(tmp_path / "keys")
+    with pytest.raises(ConfigError) as e:
+        preflight(str(CLUSTER), ["transport.host=127.0.0.1", "weight_sync.master_address=127.0.0.1",
+                                 f"transport.keys_dir={tmp_path / 'keys'}", f"run.dir={tmp_path / 'run'}"])
+    assert "model.path" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_cluster_yaml_refuses_size_keys_beside_the_folder(folder, tmp_path, monkeypatch):

@@ -16,7 +16,8 @@ import argparse
 import json
 
 from t1async.config import ConfigError, load_config
-from t1async.learner.megatron.plan import GiB, Layout, fitting_layouts, load_model_config, plan_layout, to_json
+from t1async.learner.megatron.plan import (GiB, Layout, fitting_layouts, load_model_config, model_tensors, plan_layout,
+                                          to_json)
 
 __all__ = ["register", "run_plan", "plan_report"]
 
@@ -51,8 +52,6 @@ def plan_report(model: str, overrides: list[str], *, gpus: int = 0, gpu_memory: 
         else Layout()
     tokens = tokens or learner.micro_batch_tokens or mcfg.max_position_embeddings
     plans = plan_layout(mcfg, learner, lay, tokens)
-    from t1async.learner.megatron.plan import model_tensors  # (the same meta build: total parameters)
-
     n_params = sum(t.numel for t in model_tensors(mcfg))
     sg = cfg.sampler
     servers = sg.num_samplers if sg.backend == "sglang" and not sg.urls else 0
