@@ -16,8 +16,7 @@ import argparse
 import json
 
 from t1async.config import ConfigError, load_config
-from t1async.learner.megatron.plan import (GiB, Layout, fitting_layouts, load_model_config, model_tensors, plan_layout,
-                                          to_json)
+from t1async.learner.megatron.plan import GiB, Layout, fitting_layouts, load_model_config, model_tensors, plan_layout, to_json
 
 __all__ = ["register", "run_plan", "plan_report"]
 
