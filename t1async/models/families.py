@@ -236,7 +236,7 @@ nothing and skips without an error. SGLang 0.5.10.post1's ``Qwen3MoeForCausalLM`
 ``Glm4MoeForCausalLM.load_weights`` map routed experts only by per-expert names
 (``experts.{e}.gate_proj.`` ...; ``FusedMoE.make_expert_params_mapping``), so fused
 ``mlp.experts.gate_up_proj`` / ``down_proj`` are skipped; its Qwen3.5 loader maps the fused names too.
-tests/test_sglang_loaders.py holds this table to the pinned wheel's own ``load_weights``."""
+tests/contracts/test_sglang_loaders.py holds this table to the pinned wheel's own ``load_weights``."""
 
 
 def sampler_weights(cfg: ModelConfig, named: Named, sampler_backend: str) -> Iterator[tuple[str, torch.Tensor]]:

@@ -21,7 +21,7 @@ gradients as the parameters (policy, critic); float32 masters of 16-bit paramete
 float32 moments per master element. With P > 1 and ``learner.megatron.distributed_optimizer`` the non-expert
 parameters' masters and moments are ZeRO-1 shards: ceil(n / P) float32 elements per rank (ShardedAdamW, a float32
 copy even for float32 weights). The critic is the policy's trunk with a ``Linear(hidden, 1)`` head (no LM head);
-the reference (``learner.kl_coef`` > 0) holds parameters only. tests/test_plan.py holds these numbers to the
+the reference (``learner.kl_coef`` > 0) holds parameters only. tests/unit/learner/test_plan.py holds these numbers to the
 tensors the learner really allocates.
 
 Activations are an estimate (not a count): per token and decoder layer, every non-expert weight's input and output
@@ -30,7 +30,7 @@ output, the attention kernel's q, k and v; the LM head's float32 logits and
 log-probabilities (per ``learner.max_tokens_per_chunk`` chunk when chunked). With recompute (``max_tokens_per_chunk``
 > 0 and a longer micro-batch: per-layer activation checkpointing) a layer keeps only its input, plus one layer's
 activations while it is recomputed. Each expert-parallel rank forwards 1/P of the rows and sequence/tensor
-parallelism splits them over T. tests/test_plan.py compares it with the tensors a real forward saves for its
+parallelism splits them over T. tests/unit/learner/test_plan.py compares it with the tensors a real forward saves for its
 backward.
 """
 

@@ -3,7 +3,7 @@ cannot silently rot again: the same call ``t1async launch`` makes first (config 
 rules, the cross rules, then every input check), with only the overrides its header tells a user to give
 (the machine's addresses and folders) and a tiny Qwen3-MoE folder written by ``t1async model init`` with a
 real tokenizer. Only what cannot exist here is stood in: the ``sglang`` package the servers would start
-with (tests/fake_sglang_pkg on PYTHONPATH, as tests/test_sglang_launch.py does)."""
+with (tests/fake_sglang_pkg on PYTHONPATH, as tests/contracts/test_sglang_launch.py does)."""
 
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ from t1async.cli import main
 from t1async.config import ConfigError
 from t1async.service.preflight import preflight
 from t1async.transport.keys import write_keys
+from tests.support import REPO, TESTS
 from tools import hf_tokenizers
 
-ROOT = Path(__file__).resolve().parents[1]
-CLUSTER = ROOT / "configs" / "cluster.yaml"
-PKG = Path(__file__).resolve().parent / "fake_sglang_pkg"
+CLUSTER = REPO / "configs" / "cluster.yaml"
+PKG = TESTS / "fake_sglang_pkg"
 SIZES = ["hidden_size=32", "num_hidden_layers=2", "num_attention_heads=2", "num_key_value_heads=1", "head_dim=16",
          "num_experts=4", "num_experts_per_tok=2", "moe_intermediate_size=32"]
 

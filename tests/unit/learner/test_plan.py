@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,11 +17,12 @@ from t1async.config import ConfigError, GenerationConfig, LearnerConfig, ModelCo
 from t1async.learner.backend import ShardedAdamW
 from t1async.learner.megatron.plan import GiB, Layout, check_layout_fits, load_model_config, plan_layout
 from t1async.models.model import Qwen3MoeForCausalLM
+from tests.support import FIXTURES
 
 megatron_backend = pytest.importorskip("t1async.learner.megatron.backend", reason="megatron-core is not installed")
 from t1async.learner.megatron.convert import CRITIC, POLICY, hf_to_megatron, shard_tp  # noqa: E402
 
-REAL = Path(__file__).resolve().parent / "fixtures" / "real_configs"
+REAL = FIXTURES / "real_configs"
 MODEL = ModelConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                     head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
 
@@ -191,7 +191,7 @@ def test_a_layout_that_does_not_fit_or_divide_is_refused_in_one_line():
 
 
 def test_launch_preflight_refuses_a_layout_larger_than_the_stated_gpu_memory(tmp_path, capsys):
-    from tests.test_cli import LOCAL, assert_main_one_line
+    from tests.support.cli import LOCAL, assert_main_one_line
 
     assert_main_one_line(capsys, ["launch", LOCAL, f"run.dir={tmp_path / 'run'}", "learner.backend=megatron",
                                   "learner.megatron.gpu_memory_gib=0.0001"],

@@ -48,8 +48,9 @@ from t1async.models.families import (
     save_model,
 )
 from t1async.models.tokenizer import ChatTokenizer
+from tests.support import REPO
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO
 _spec = importlib.util.spec_from_file_location("sglang_schema", ROOT / "tools" / "sglang_schema.py")
 schema_tool = importlib.util.module_from_spec(_spec)
 sys.modules.setdefault("sglang_schema", schema_tool)
