@@ -36,7 +36,7 @@ from t1async.learner.disk_pause import DiskPause
 from t1async.learner.loop import TrainingLoop
 from t1async.learner.metrics import MetricsFile
 from t1async.learner.publisher import Publisher
-from t1async.models.families import load_renderer
+from t1async.models.families import load_renderer, sampler_weights
 from t1async.models.logprobs import sampling_semantics
 from t1async.transport.delivery import ByteQueue, ReceiveLog
 from t1async.transport.inbox import Inbox
@@ -67,7 +67,8 @@ class Learner:
             token under the distribution the samplers report (t1async/models/logprobs.py), so that
             log pi_prox, log pi_theta and the behaviour log mu are of one distribution. None: the
             defaults (temperature 1, no truncation).
-        sampler_backend: ``sampler.backend``; picks the log-prob semantics scored under
+        sampler_backend: ``sampler.backend``; picks the names and layout weights are published in
+            (t1async/models/families.py ``sampler_weights``) and the log-prob semantics scored under
             (t1async.models.logprobs.sampling_semantics: ``embedded`` renormalised over the kept
             top-k/top-p set, ``sglang`` the full tempered softmax).
         seed: seed of the model init (the same init for every ``learner.backend``).
@@ -117,7 +118,11 @@ class Learner:
         metrics = MetricsFile(self.run_dir / "metrics.jsonl", disk)  # (keeps rows a full disk refused)
         self._stop = threading.Event()  # training stops (stop(), or run() ended)
         pause = DiskPause(disk, self._stop, on_space=metrics.flush)  # a full disk pauses the loop
-        self.publisher = Publisher(make_weight_sync(weight_sync), backend.hf_weights, log, pause)
+
+        def published():  # the policy under the names and layout the samplers load (lazy views, one at a time)
+            return sampler_weights(model_cfg, backend.hf_weights(), sampler_backend)
+
+        self.publisher = Publisher(make_weight_sync(weight_sync), published, log, pause)
         self.loop = TrainingLoop(cfg, model_cfg, backend, publisher=self.publisher, log=log, run_dir=self.run_dir,
                                  quarantine=quarantine, disk=disk, metrics=metrics, pause=pause, stopped=self._stop,
                                  renderer=load_renderer(model_cfg) if cfg.episodes_per_step else None)

@@ -177,6 +177,11 @@ class MegatronConfig(Section):
     bfloat16, AdamW steps float32 master copies of the weights and rounds them into the model
     (t1async.learner.backend.MasterWeightAdamW): stepped in bfloat16 directly, nearly every update at RL
     learning rates would round away."""
+    gpu_memory_gib: float = field(default=0.0, metadata=rule(lambda v: v >= 0, "a number of GiB >= 0 (0: unchecked)"))
+    """GiB of memory of each learner GPU. When set, the launch's pre-flight plans this layout's per-rank memory
+    (parameters, gradients, float32 masters, AdamW moments, activations of one micro-batch; ``t1async plan``,
+    t1async/learner/megatron/plan.py) and refuses, in one line with those numbers and the smallest layouts that
+    fit, one whose largest rank needs more. 0: no check (the CPU default)."""
     device: str = field(default="auto", metadata=rule(
         lambda v: v in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", v) is not None, "'auto', 'cpu', 'cuda' or 'cuda:K'"))
     """``cpu``, ``cuda`` (the current CUDA device), ``cuda:K`` or ``auto`` (cuda when available).

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,7 +59,11 @@ from t1async.models.qwen3_5_moe import hf_convert as qwen35_hf_convert
 from t1async.models.tokenizer import ChatTokenizer
 
 __all__ = ["Family", "FAMILIES", "family", "build_model", "load_model", "save_model", "checkpoint_rounds",
-           "warn_left_out", "check_model_folder", "load_renderer"]
+           "warn_left_out", "check_model_folder", "load_renderer", "SAMPLER_SKIPS", "sampler_weights",
+           "check_sampler_names"]
+
+Named = Iterable[tuple[str, torch.Tensor]]
+"""(name, tensor) pairs, as ``named_parameters()`` yields them."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,9 @@ class Family:
         backends: ``learner.backend`` values that train it.
         init_config: (sizes, renderer) -> the config.json dict of a new random-weight folder
             (``t1async model init``; sizes in the family's config.json names, ``vocab_size`` set).
+        sglang_names: the policy's (module name, tensor) pairs -> the names and layout the family's
+            SGLang loader maps (its checkpoint layout), lazily, as views of the policy's tensors
+            (:func:`sampler_weights`); the embedded sampler loads module names as they are.
     """
 
     model_type: str
@@ -82,6 +89,35 @@ class Family:
     skip: Callable[[ModelConfig, str], bool]
     backends: tuple[str, ...]
     init_config: Callable[[dict, object], dict]
+    sglang_names: Callable[[Named], Iterator[tuple[str, torch.Tensor]]] = iter
+
+
+_FUSED_EXPERTS = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)")
+
+
+def unfuse_experts(named: Named) -> Iterator[tuple[str, torch.Tensor]]:
+    """transformers v5's fused expert parameters as one tensor per expert, the checkpoint layout
+    (the inverse of :func:`t1async.models.hf_folder.fuse_expert`): ``...mlp.experts.gate_up_proj``
+    [E, 2I, H] gives ``...mlp.experts.{e}.gate_proj.weight`` = rows [0, I) of expert e and
+    ``...up_proj.weight`` = rows [I, 2I) (each [I, H]); ``...mlp.experts.down_proj`` [E, H, I] gives
+    ``...mlp.experts.{e}.down_proj.weight`` [H, I]. Every other pair passes as it is.
+
+    Each yielded tensor is a contiguous view of the fused parameter (no copy), so a publish that
+    packs them into buckets holds at most one bucket of extra bytes, never a second policy."""
+    for name, t in named:
+        m = _FUSED_EXPERTS.fullmatch(name)
+        if m is None:
+            yield name, t
+            continue
+        prefix, which = m.group(1), m.group(2)
+        if which == "down_proj":
+            for e in range(t.shape[0]):
+                yield f"{prefix}.{e}.down_proj.weight", t[e]
+            continue
+        rows = t.shape[1] // 2
+        for e in range(t.shape[0]):
+            yield f"{prefix}.{e}.gate_proj.weight", t[e, :rows]
+            yield f"{prefix}.{e}.up_proj.weight", t[e, rows:]
 
 
 def _qwen3_build(cfg: ModelConfig) -> nn.Module:
@@ -184,13 +220,63 @@ def _glm4_init(sizes: dict, renderer) -> dict:
 
 FAMILIES: dict[str, Family] = {
     "glm4_moe": Family("glm4_moe", _built(HFMoeForCausalLM), _glm4_convert, _tied_lm_head, ("torch",),
-                       _glm4_init),
+                       _glm4_init, unfuse_experts),
     "qwen3_5_moe": Family("qwen3_5_moe", _built(Qwen3_5MoeForCausalLM), qwen35_hf_convert, _tied_lm_head,
                           ("torch",), _qwen35_init),
     "qwen3_moe": Family("qwen3_moe", _qwen3_build, _qwen3_convert, _tied_lm_head, ("torch", "megatron"),
                         _qwen3_init),
 }
 """The families t1async implements, by ``model_type``."""
+
+SAMPLER_SKIPS: dict[str, dict[str, re.Pattern]] = {
+    "sglang": {"qwen3_moe": _FUSED_EXPERTS, "glm4_moe": _FUSED_EXPERTS},
+}
+"""Per sampler backend and ``model_type``: the parameter names that backend's weight loader maps to
+nothing and skips without an error. SGLang 0.5.10.post1's ``Qwen3MoeForCausalLM`` and
+``Glm4MoeForCausalLM.load_weights`` map routed experts only by per-expert names
+(``experts.{e}.gate_proj.`` ...; ``FusedMoE.make_expert_params_mapping``), so fused
+``mlp.experts.gate_up_proj`` / ``down_proj`` are skipped; its Qwen3.5 loader maps the fused names too.
+tests/contracts/test_sglang_loaders.py holds this table to the pinned wheel's own ``load_weights``."""
+
+
+def sampler_weights(cfg: ModelConfig, named: Named, sampler_backend: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """The policy's (module name, tensor) pairs as ``sampler_backend`` loads them: the embedded sampler
+    takes module names as they are; SGLang the family's checkpoint names and layout
+    (:attr:`Family.sglang_names`; glm4_moe: one tensor per expert). Lazy: views, one at a time.
+
+    Raises:
+        ModelFolderError: an unknown family or sampler backend.
+    """
+    fam = family(cfg)
+    if sampler_backend == "embedded":
+        return iter(named)
+    if sampler_backend == "sglang":
+        return fam.sglang_names(named)
+    raise ModelFolderError(f"sampler.backend={sampler_backend!r}: use 'embedded' or 'sglang'")
+
+
+def check_sampler_names(cfg: ModelConfig, sampler_backend: str) -> int:
+    """Refuse a family whose published names ``sampler_backend``'s loader would skip (:data:`SAMPLER_SKIPS`):
+    the servers would keep their initial weights while the version moves on. The names come from the model
+    built on the meta device (no memory) through :func:`sampler_weights`, as a publish sends them.
+
+    Returns:
+        how many names a publish sends.
+
+    Raises:
+        ModelFolderError: one line naming the family, the first skipped name and what to do.
+    """
+    skips = SAMPLER_SKIPS.get(sampler_backend, {}).get(cfg.model_type)
+    with torch.device("meta"):
+        meta = family(cfg).build(cfg)
+    names = [n for n, _ in sampler_weights(cfg, meta.named_parameters(), sampler_backend)]
+    bad = [n for n in names if skips is not None and skips.fullmatch(n)]
+    if bad:
+        raise ModelFolderError(f"sampler.backend={sampler_backend} with model_type {cfg.model_type}: its weight loader "
+                               f"skips {len(bad)} of the {len(names)} published names (e.g. {bad[0]}), so the servers "
+                               "would keep their initial weights; use sampler.backend=embedded, or publish this family "
+                               "in its checkpoint layout (Family.sglang_names in t1async/models/families.py)")
+    return len(names)
 
 
 def family(cfg: ModelConfig, backend: str | None = None) -> Family:

@@ -31,7 +31,8 @@ from t1async.envs.sandboxes.sandbox import check_sandbox_available
 from t1async.envs.taskio.loading import discover_tasks, task_folders
 from t1async.envs.taskio.task import Task, TaskError
 from t1async.learner.checkpoints import resume_from_nothing, untrusted_checkpoints
-from t1async.models.families import check_model_folder, load_renderer
+from t1async.learner.megatron.plan import check_layout_fits
+from t1async.models.families import check_model_folder, check_sampler_names, load_renderer
 from t1async.models.tokenizer import check_model_vocab
 from t1async.rollout.conversation import template_tool_format
 from t1async.sampling.sglang_server import check_logprob_env
@@ -136,6 +137,8 @@ def check_inputs(cfg: Config) -> list[str]:
     """
     check_trainable(cfg)
     check_init_checkpoint(cfg.learner.init_checkpoint)
+    if cfg.learner.backend == "megatron" and cfg.learner.megatron.gpu_memory_gib > 0:  # the layout fits its GPUs
+        check_layout_fits(cfg.model, cfg.learner, cfg.learner.megatron.gpu_memory_gib)
     if cfg.model.path:  # the folder's weights, tokenizer, template and size, before anything starts
         facts = check_model_folder(cfg.model, backend=cfg.learner.backend)
         logger.info("model.path={}: {} {:.1f} M parameters, {} tokenizer ids", cfg.model.path, cfg.model.model_type,
@@ -163,6 +166,7 @@ def check_inputs(cfg: Config) -> list[str]:
         raise ConfigError("sampler.backend=sglang needs sampler.urls (running servers), model.path or sampler.model_path "
                           "(a Hugging Face model folder for the servers launch starts)")
     if cfg.sampler.backend == "sglang":
+        check_sampler_names(cfg.model, "sglang")  # names its loader would skip: servers never updated
         check_sglang_servers_can_start(cfg.sampler)
         check_logprob_env(cfg.generation.temperature)
     check_weight_sync_hosts(cfg)
