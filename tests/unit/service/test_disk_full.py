@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-import t1async.learner.loop as learner_mod
 import t1async.fileio as fileio
 import t1async.learner.checkpoints as checkpoints_mod
+import t1async.learner.loop as learner_mod
 import t1async.learner.metrics as metrics_mod
 import t1async.transport.delivery as delivery
 from t1async.actors.learner import Learner
