@@ -56,7 +56,7 @@ def test_sdk_episode_on_a_shipped_task_is_resolved_and_exact(tmp_path, monkeypat
     argv = f"python {REPO / 'tests' / 'support' / 'sdk_agent.py'} {dialect}" + (" --stream" if stream else "")
     cfg = RolloutConfig(agent="external", agent_command=argv, agent_cwd=str(REPO))
     actor = RolloutActor(0, EnvConfig(max_turns=8, tasks=[TASK]), GenerationConfig(max_new_tokens=64), MODEL,
-                         TransportConfig(), ["http://127.0.0.1:9"], "tcp://127.0.0.1:9", rollout_cfg=cfg,
+                         TransportConfig(curve=False), ["http://127.0.0.1:9"], "tcp://127.0.0.1:9", rollout_cfg=cfg,
                          work_root=str(tmp_path / "work"))
     policy = actor.sampler = OraclePolicy(TOK, commands)
     monkeypatch.setenv("SDK_AGENT_LOG", str(log))
@@ -377,7 +377,7 @@ def test_a_named_harness_resolves_a_shipped_task_inside_the_sandbox(tmp_path, na
     cfg = RolloutConfig(agent=name)
     model = ModelConfig(**{**MODEL.__dict__, "max_position_embeddings": 65536})  # (their prompts: ~10k tokens)
     actor = RolloutActor(0, EnvConfig(max_turns=8, tasks=[TASK], network="on"), GenerationConfig(max_new_tokens=64),
-                         model, TransportConfig(), ["http://127.0.0.1:9"], "tcp://127.0.0.1:9", rollout_cfg=cfg,
+                         model, TransportConfig(curve=False), ["http://127.0.0.1:9"], "tcp://127.0.0.1:9", rollout_cfg=cfg,
                          work_root=str(tmp_path / "work"))
     policy = actor.sampler = OraclePolicy(TOK, commands, tool=h.tool[0], argument=h.tool[1])
     try:

@@ -428,7 +428,11 @@ def test_a_stop_whose_final_checkpoint_does_not_fit_says_so_with_exit_status_1(t
             return None
 
     try:
-        wait_for(lambda: (s := status()) and s.get("step", 0) >= 1, 600, "the first step")
+        def first_step():
+            assert p.poll() is None, (tmp_path / "launch.out").read_text()[-2000:]  # (Ray failed to start)
+            return (s := status()) and s.get("step", 0) >= 1
+
+        wait_for(first_step, 600, "the first step")
         free = os.statvfs(mnt).f_bavail * os.statvfs(mnt).f_frsize
         with open(filler, "wb") as f:  # 30 MB left: above the floor, below one checkpoint
             f.write(b"\0" * max(0, free - (30 << 20)))
