@@ -2,7 +2,7 @@
 
 :class:`HFMoeForCausalLM` wraps transformers' own modeling class (built from a config.json dict, or loaded with
 ``transformers.AutoModelForCausalLM.from_pretrained``) and provides the family contract of
-t1async/models/model.py (:class:`~t1async.models.model.MoeCausalLM`): forward over right-padded batches with
+t1async/models/moe.py (:class:`~t1async.models.moe.MoeCausalLM`): forward over right-padded batches with
 routing replay (R3) and the routed experts of every MoE layer, a per-sequence cache for the embedded engine, the
 packed forward, a trunk with ``gradient_checkpointing`` and an ``lm_head``. No transformers code is copied: every
 layer runs as transformers runs it; only each MoE block's router output is read (record) or replaced (replay) by a
