@@ -156,14 +156,17 @@ class ChatTemplateRenderer:
         vocab_size: ``len(tokenizer)`` (added tokens included).
         eos_ids: end-of-turn ids, in the order of ``generation_config.json``'s ``eos_token_id`` (else the
             tokenizer's ``eos_token``).
+        template_kwargs: extra template variables of every rendering (``model.chat_template_kwargs``).
         template_mismatches: turns, counted by :meth:`render_observation` when given the stream, where the
             template's re-render of the whole conversation is not a prefix of the sampled stream.
 
     Construct with :meth:`load`.
     """
 
-    def __init__(self, tokenizer, eos_ids: Sequence[int], path: Path | None = None) -> None:
-        """Wrap a loaded ``transformers`` tokenizer that has a ``chat_template``.
+    def __init__(self, tokenizer, eos_ids: Sequence[int], path: Path | None = None,
+                 template_kwargs: dict | None = None) -> None:
+        """Wrap a loaded ``transformers`` tokenizer that has a ``chat_template``; ``template_kwargs`` are extra
+        variables of every rendering (``model.chat_template_kwargs``, e.g. ``{"enable_thinking": False}``).
 
         Raises:
             TemplateError: no chat template, or no end-of-turn id.
@@ -180,11 +183,12 @@ class ChatTemplateRenderer:
         self.eos_ids = [int(i) for i in eos_ids]
         self._eos_text = [tokenizer.convert_ids_to_tokens(i) for i in self.eos_ids]
         self._added_text = tuple(t.content for t in tokenizer.added_tokens_decoder.values())
+        self.template_kwargs = dict(template_kwargs or {})
         self.template_mismatches = 0
 
     @classmethod
-    def load(cls, path: str | Path) -> "ChatTemplateRenderer":
-        """Load the tokenizer folder ``path``.
+    def load(cls, path: str | Path, template_kwargs: dict | None = None) -> "ChatTemplateRenderer":
+        """Load the tokenizer folder ``path``; ``template_kwargs``: extra variables of every rendering.
 
         Raises:
             TemplateError: ``path`` lacks ``tokenizer.json``, a chat template or an end-of-turn id, or
@@ -209,7 +213,7 @@ class ChatTemplateRenderer:
             eos = [e] if isinstance(e, int) else list(e or [])
         if not eos and tok.eos_token_id is not None:
             eos = [tok.eos_token_id]
-        return cls(tok, eos, path)
+        return cls(tok, eos, path, template_kwargs)
 
     # -- text <-> ids ------------------------------------------------------------------------------------------
 
@@ -340,14 +344,15 @@ class ChatTemplateRenderer:
         return real, replace(outside, holes=False)
 
     def _render(self, messages: list[dict], tools: Sequence[dict], generation_prompt: bool) -> str:
-        """The template's text for ``messages``.
+        """The template's text for ``messages``, with :attr:`template_kwargs` (every rendering goes through here).
 
         Raises:
             TemplateError: the template raised (the message names the template's own complaint).
         """
         try:
             return self.tokenizer.apply_chat_template(messages, tools=[_as_tool(t) for t in tools] or None,
-                                                      add_generation_prompt=generation_prompt, tokenize=False)
+                                                      add_generation_prompt=generation_prompt, tokenize=False,
+                                                      **self.template_kwargs)
         except TemplateError:
             raise
         except Exception as e:  # jinja2's TemplateError and the template's raise_exception
