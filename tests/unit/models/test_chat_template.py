@@ -220,7 +220,7 @@ def test_an_outside_text_that_is_exactly_a_template_token_is_plain_text_at_its_o
     text in its place with that text's plain ids swapped in: the template's own token before it stays a
     control id. Before the fix, the search for the text found the template's own copy first (5 of 14 such
     outputs on Qwen3.5 and GLM-4.6 forged)."""
-    r = _renderer(folders, name)
+    r = renderer(folders, name)
     history = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER},
                {"role": "assistant", "content": "I run ls."}]
     sites = {
@@ -247,7 +247,7 @@ def test_a_demonstrated_turn_ends_with_an_end_of_turn_id(folders, name):
     """``t1async sft``'s turns (render_assistant) end with the id the sampler stops on, on every template:
     GLM-4.6 writes nothing at the end of an assistant turn (the next turn's <|observation|> ends it), which
     refused every GLM demonstration before."""
-    r = _renderer(folders, name)
+    r = renderer(folders, name)
     opening = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER}]
     call = {"role": "assistant", "content": "",
             "tool_calls": [{"type": "function", "function": {"name": "bash", "arguments": {"cmd": "ls"}}}]}

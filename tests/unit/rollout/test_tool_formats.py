@@ -183,7 +183,7 @@ def test_a_value_holding_its_own_closing_tag_parses_back(folders, name):
     """Issue 41 item 13: a value that contains the format's closing tag (Qwen3.5's ``</parameter>``, GLM's
     ``</arg_value>``), as the real template renders it, ends at the closing tag followed by the next
     parameter or the end of the call; before the fix such calls were malformed."""
-    r = _renderer(folders, name)
+    r = renderer(folders, name)
     fmt = detect(r.tokenizer.chat_template)
     close = {"qwen3_coder_xml": "</parameter>", "glm45": "</arg_value>"}[fmt.name]
     opener = {"qwen3_coder_xml": "<parameter=cmd>", "glm45": "<arg_value>"}[fmt.name]

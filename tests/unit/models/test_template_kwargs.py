@@ -15,8 +15,7 @@ from t1async.config import Config, ConfigError, EnvConfig, ModelConfig, load_con
 from t1async.envs.commands.evaluate import policy_model_config
 from t1async.models.families import load_renderer
 from t1async.rollout.conversation import start_conversation
-from t1async.rollout.openai_endpoint import ChatRecorder
-from tools import hf_tokenizers
+from t1async.rollout.endpoint.recorder import ChatRecorder
 
 pytest.importorskip("transformers")
 
@@ -25,12 +24,9 @@ EMPTY_THINK = "<|im_start|>assistant\n<think>\n\n</think>\n\n"  # Qwen3.5's gene
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
+def folder(tmp_path_factory, real_tokenizer_folders):
     """The Qwen3.5 tokenizer folder with a config.json (what resolve_model and a checkpoint folder need)."""
-    try:
-        src = hf_tokenizers.build_folders(["qwen3.5"])["qwen3.5"]
-    except hf_tokenizers.Unavailable as e:
-        pytest.skip(f"real tokenizer folders unavailable: {e}")
+    src = real_tokenizer_folders(["qwen3.5"])["qwen3.5"]
     out = tmp_path_factory.mktemp("q35") / "model"
     shutil.copytree(src, out)
     (out / "config.json").write_text(json.dumps({"model_type": "qwen3_5_moe_text", "vocab_size": 151936}))
