@@ -1,6 +1,7 @@
 """Does RL make the policy better? Warm start, then RL, measured on held-out tasks.
 
-Run: ``t1async bench learning [--minutes 60] [--reward dense|binary|both] [--seeds 0,1] [--out DIR]``.
+Run: ``t1async bench learning [--minutes 60] [--reward dense|binary|both] [--seeds 0,1] [--out DIR]``
+(``--warm-start-only``: steps 1-3 alone, to rank template settings in minutes).
 
 One command, in this order (everything through the product's own commands and code paths):
 
@@ -82,6 +83,9 @@ def parse_args(argv: list[str] | None = None):
                    help="checkpoint folder to start RL from instead of running SFT (e.g. OUT/seed0/sft-checkpoint "
                         "of an earlier run of the same split and config; '{seed}' in it is replaced by each seed, "
                         "e.g. OUT/seed{seed}/sft-checkpoint); the warm start is still evaluated")
+    p.add_argument("--warm-start-only", action="store_true",
+                   help="stop after the warm start's held-out evaluation (no RL): ranks template settings "
+                        "(model.chat_template_kwargs, env.action_format, model.path) in minutes")
     p.add_argument("--out", default="", help="output folder (default runs/bench-learning-<time>)")
     p.add_argument("overrides", nargs="*", default=[], help="key=value overrides of --config, e.g. sft.steps=200")
     args = p.parse_args(argv)
@@ -119,10 +123,14 @@ def instance_hash(task_dir: Path) -> str:
 
 
 def fitting_families(cfg: Config) -> list[str]:
-    """Synth families whose oracle commands all fit ``generation.max_new_tokens`` (checked on 8
-    instances), less the timing families (:data:`~t1async.envs.commands.synth.TIMING_FAMILIES`)."""
+    """Synth families whose demonstrated turns all fit ``generation.max_new_tokens`` (checked on 8 instances),
+    less the timing families (:data:`~t1async.envs.commands.synth.TIMING_FAMILIES`). A turn is measured as
+    ``t1async sft`` writes it (:func:`~t1async.commands.sft.demonstration_turns`: with a model's own template,
+    its generation-prompt remainder and, with ``env.action_format`` tool_call, the call's layout), so no family
+    is kept whose demonstrations SFT would skip as too long."""
     import random
 
+    from t1async.commands.sft import demonstration_turns
     from t1async.envs.commands.synth import FAMILIES, TIMING_FAMILIES, oracle_commands
     from t1async.models.families import load_renderer
 
@@ -134,13 +142,25 @@ def fitting_families(cfg: Config) -> list[str]:
         longest = 0
         for i in range(8):
             spec = make(random.Random(f"fit/{name}/{i}"))
-            longest = max([longest, *(len(tok.encode(c)) + 1 for c in oracle_commands(spec.solution))])
+            turns = demonstration_turns(tok, cfg.env, spec.instruction, oracle_commands(spec.solution))
+            longest = max([longest, *(len(t) for t in turns)])
         if longest <= cfg.generation.max_new_tokens:
             out.append(name)
         else:
-            logger.info("bench learning: family {} left out: an oracle command takes {} tokens > {}", name, longest,
+            logger.info("bench learning: family {} left out: a demonstrated turn takes {} tokens > {}", name, longest,
                         cfg.generation.max_new_tokens)
     return out
+
+
+def prompt_tokens(cfg: Config, tasks: Path) -> dict[str, float]:
+    """Mean and longest episode prompt (system, instruction, generation prompt: tokens) over the task folders in
+    ``tasks``, as the rollout loop renders them (:func:`~t1async.rollout.conversation.start_conversation`)."""
+    from t1async.models.families import load_renderer
+    from t1async.rollout.conversation import start_conversation
+
+    r = load_renderer(cfg.model)
+    n = [len(start_conversation(r, cfg.env, (p / "instruction.md").read_text()).prompt) for p in sorted(tasks.iterdir())]
+    return {"mean": round(sum(n) / len(n), 1), "max": max(n)} if n else {"mean": 0.0, "max": 0}
 
 
 def _signature(task_dir: Path) -> tuple[str, tuple[str, ...]]:
@@ -339,8 +359,9 @@ def main(argv: list[str] | None = None) -> int:
     families = [f for f in args.families.split(",") if f] or fitting_families(cfg)
     split = make_split(out / "tasks", families, args.train_per_family, args.heldout_per_family,
                        args.sft_demos_per_family, cfg, rl_families=args.rl_families)
+    split["prompt_tokens"] = prompt_tokens(cfg, Path(split["dirs"]["heldout"]))
     logger.info("bench learning: split {}", json.dumps({k: v for k, v in split.items() if k != "decontam_note"}))
-    rewards = ["dense", "binary"] if args.reward == "both" else [args.reward]
+    rewards = [] if args.warm_start_only else ["dense", "binary"] if args.reward == "both" else [args.reward]
     runs: dict[str, Any] = {}
     warm: dict[int, Any] = {}
     for seed in args.seed_list:
@@ -384,8 +405,19 @@ def main(argv: list[str] | None = None) -> int:
                          "warm_start_per_family": warm_eval["per_family"],
                          "final_per_family": evals[-1]["per_family"] if evals else warm_eval["per_family"]}
             (out / "result.partial.json").write_text(json.dumps(runs, indent=1))
-    first = [r for r in runs.values() if r["reward"] == rewards[0]]
     mean = lambda xs: round(sum(xs) / len(xs), 4) if xs else 0.0  # noqa: E731
+    if not rewards:  # --warm-start-only
+        result = {"warm_start_resolved": mean([w["heldout"]["resolved_rate"] for w in warm.values()]),
+                  "warm_start_pass_at_k": mean([w["heldout"]["pass_at_k"] for w in warm.values()]),
+                  "sft_token_accuracy": mean([w["sft"]["curve"][-1]["token_accuracy"] for w in warm.values()
+                                              if w["sft"].get("curve")]),
+                  "seeds": args.seed_list, "split": {k: v for k, v in split.items() if k != "dirs"}, "warm_start": warm,
+                  "settings": {"config": args.config, "overrides": args.overrides, "warm_start_only": True},
+                  "out": str(out)}
+        (out / "result.json").write_text(json.dumps(result, indent=1))
+        print(json.dumps(result))
+        return 0
+    first = [r for r in runs.values() if r["reward"] == rewards[0]]
     result = {
         "warm_start_resolved": mean([r["warm_start_resolved"] for r in first]),
         "final_resolved": mean([r["final_resolved"] for r in first]),

@@ -21,8 +21,9 @@ import json
 import sys
 from pathlib import Path
 
-from t1async.config import ConfigError, ModelConfig
+from t1async.config import ConfigError, EnvConfig, ModelConfig
 from t1async.config.model_folder import resolve_model
+from t1async.rollout.conversation import TemplateConversation
 
 __all__ = ["register", "init_folder", "TINY"]
 
@@ -105,6 +106,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     c = msub.add_parser("check", help="check a model folder (config, weights' names and shapes, tokenizer, "
                                       "template, memory) without reading the weights")
     c.add_argument("path", help="model folder")
+    c.add_argument("--chat-template-kwargs", default="{}", metavar="JSON",
+                   help="model.chat_template_kwargs as JSON, e.g. '{\"enable_thinking\": false}': the printed "
+                        "tool_episode is rendered with them")
     c.set_defaults(func=run_check)
 
 
@@ -119,10 +123,43 @@ def run_init(args: argparse.Namespace) -> int:
 
 
 def run_check(args: argparse.Namespace) -> int:
-    """Run ``model check``; prints the facts as one JSON object."""
-    from t1async.models.families import check_model_folder  # (torch, transformers: as in init_folder)
+    """Run ``model check``; prints the facts as one JSON object, with ``tool_episode``: the text of a two-turn
+    tool episode as t1async renders it with ``--chat-template-kwargs`` (:func:`tool_episode`)."""
+    from t1async.models.families import check_model_folder, load_renderer  # (torch, transformers: as in init_folder)
 
-    facts = check_model_folder(resolve_model(ModelConfig(path=args.path)))
-    json.dump({"path": args.path, **facts}, sys.stdout)
+    try:
+        kwargs = json.loads(args.chat_template_kwargs)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--chat-template-kwargs {args.chat_template_kwargs!r} is not JSON ({e}); "
+                          "give an object, e.g. '{\"enable_thinking\": false}'") from None
+    cfg = resolve_model(ModelConfig(path=args.path, chat_template_kwargs=kwargs))
+    cfg.check("model")
+    facts = check_model_folder(cfg)
+    json.dump({"path": args.path, **facts, "chat_template_kwargs": kwargs,
+               "tool_episode": tool_episode(load_renderer(cfg))}, sys.stdout)
     print()
     return 0
+
+
+def tool_episode(renderer) -> str:
+    """The text of a two-turn episode with ``env.action_format`` tool_call, built as ``t1async sft`` builds a
+    demonstration and the rollout loop builds an episode (the same :class:`~t1async.rollout.conversation.
+    TemplateConversation`; the turns are the template's own rendering of each bash call, then the end signal):
+    the prompt with the tool declared, each call, each tool observation, the end signal. Special tokens are
+    written as their strings.
+
+    Raises:
+        TemplateError, ValueError: the template cannot render a tool episode.
+    """
+    from t1async.commands.sft import template_demonstration_turns  # (torch: as in init_folder)
+
+    env_cfg = EnvConfig(action_format="tool_call")
+    instruction, commands, outputs = "Count the files in /app.", ["ls /app", "ls /app | wc -l"], ["a.txt\nb.txt", "2"]
+    conv = TemplateConversation(renderer, env_cfg, instruction)
+    stream = list(conv.prompt)
+    for turn, output in zip(template_demonstration_turns(renderer, env_cfg, instruction, commands), [*outputs, None]):
+        stream += turn
+        action = conv.assistant_turn(turn)
+        if output is not None and not action.end:
+            stream += conv.observation(output, stream)
+    return renderer.decode(stream)

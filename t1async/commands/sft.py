@@ -139,12 +139,7 @@ def demonstration(task: Any, env: Any, cfg: Config, tokenizer: ChatRenderer, *, 
         raise ValueError("no oracle: the solution holds no command")
     if stop_early and len(commands) > 1:
         commands = commands[:-1]
-    fmt = cfg.env.action_format  # the rollout's own format (t1async/rollout/actions.py)
-    if isinstance(tokenizer, ChatTemplateRenderer):  # model.path: each turn as the model's own template writes it
-        turns = template_demonstration_turns(tokenizer, cfg.env, task.instruction, commands)
-    else:
-        turns = [action_turn_ids(tokenizer, c, fmt) for c in commands]
-        turns.append(action_turn_ids(tokenizer, cfg.env.end_signal, "command"))  # the end signal: a plain message
+    turns = demonstration_turns(tokenizer, cfg.env, task.instruction, commands)
     longest = max(len(t) for t in turns)
     if longest > cfg.generation.max_new_tokens:
         raise ValueError(f"command too long: {longest} tokens > generation.max_new_tokens="
@@ -154,6 +149,16 @@ def demonstration(task: Any, env: Any, cfg: Config, tokenizer: ChatRenderer, *, 
     mc = cfg.model
     sampler = ScriptedSampler(turns, num_layers=mc.routed_layers, top_k=mc.num_experts_per_tok)
     return run_episode(task, env, sampler, tokenizer, cfg.env, cfg.generation, mc, actor_id=0)
+
+
+def demonstration_turns(tokenizer: ChatRenderer, env_cfg: Any, instruction: str, commands: list[str]) -> list[list[int]]:
+    """The ids of a demonstration's turns (each command, then the end signal), each ending with its end-of-turn
+    id: on a model's own template :func:`template_demonstration_turns`, on the shipped ChatML
+    :func:`t1async.rollout.actions.action_turn_ids` in ``env.action_format`` (the end signal a plain message)."""
+    if isinstance(tokenizer, ChatTemplateRenderer):  # model.path: each turn as the model's own template writes it
+        return template_demonstration_turns(tokenizer, env_cfg, instruction, commands)
+    turns = [action_turn_ids(tokenizer, c, env_cfg.action_format) for c in commands]
+    return [*turns, action_turn_ids(tokenizer, env_cfg.end_signal, "command")]
 
 
 def template_demonstration_turns(r: ChatTemplateRenderer, env_cfg: Any, instruction: str,

@@ -97,7 +97,8 @@ def model_type_of(d: dict) -> str:
 
 
 def refuse_size_keys(given: list[str]) -> None:
-    """Refuse ``model.*`` keys set in a config layer together with ``model.path``.
+    """Refuse ``model.*`` keys set in a config layer together with ``model.path`` (``chat_template_kwargs`` goes
+    with it).
 
     Args:
         given: the ``model.*`` keys (without the ``model.`` prefix) a file or the command line set.
@@ -105,7 +106,7 @@ def refuse_size_keys(given: list[str]) -> None:
     Raises:
         ConfigError: one line naming the keys.
     """
-    bad = [k for k in given if k not in ("path", "hf_config")]
+    bad = [k for k in given if k not in ("path", "hf_config", "chat_template_kwargs")]
     if bad:
         raise ConfigError(f"model.path takes the architecture from the folder's config.json, so model."
                           f"{', model.'.join(bad)} conflict{'s' if len(bad) == 1 else ''} with it; drop "

@@ -163,6 +163,11 @@ class RayConfig(Section):
     """Rollout actors per Ray CPU at most (a rollout actor mostly waits for its sampler and sandbox)."""
 
 
+RESERVED_TEMPLATE_KWARGS = ("messages", "conversation", "tools", "documents", "add_generation_prompt",
+                            "continue_final_message", "tokenize", "return_dict", "chat_template")
+"""Names of ``apply_chat_template``'s own arguments: never ``model.chat_template_kwargs``."""
+
+
 @dataclass
 class ModelConfig(Section):
     """Policy architecture, with Hugging Face ``Qwen3MoeConfig`` field names.
@@ -182,6 +187,8 @@ class ModelConfig(Section):
                      "between 1 and model.num_experts"),
         section_rule(lambda m: m.num_key_value_heads >= 1 and m.num_attention_heads % m.num_key_value_heads == 0,
                      "num_key_value_heads", "a divisor of model.num_attention_heads"),
+        section_rule(lambda m: not m.chat_template_kwargs or bool(m.path), "chat_template_kwargs",
+                     "empty without model.path (the built-in model's ChatML takes no template arguments)"),
     )
 
     vocab_size: int = 4096
@@ -218,6 +225,17 @@ class ModelConfig(Section):
     """Hugging Face model folder to train ('' = the built-in model above); see ``t1async model init``."""
     hf_config: Dict[str, Any] = field(default_factory=dict)
     """The folder's whole config.json (filled from ``model.path``; not set by hand)."""
+    chat_template_kwargs: Dict[str, Any] = field(default_factory=dict, metadata=rule(
+        lambda v: isinstance(v, dict) and all(isinstance(k, str) for k in v) and not set(v) & set(RESERVED_TEMPLATE_KWARGS),
+        "a mapping of template variable names to values, e.g. {enable_thinking: false} (not "
+        + ", ".join(RESERVED_TEMPLATE_KWARGS) + ": t1async sets those)"))
+    """Variables passed to ``model.path``'s chat template at every rendering, the same way everywhere: the
+    rollout's prompts and observations, ``t1async sft``'s demonstrations, ``t1async eval``'s policy episodes,
+    the OpenAI-compatible endpoint and ``t1async model check`` (one renderer, t1async/models/families.py
+    ``load_renderer``). ``{enable_thinking: false}``: Qwen3's, Qwen3.5's and GLM-4.6's templates open each
+    assistant turn with an empty ``<think></think>`` block in the generation prompt, so the policy answers
+    without reasoning (their default is thinking on: the policy samples the block itself); docs/training.md
+    says which to set per family. Empty (the default) renders as transformers does without arguments."""
 
     @property
     def model_type(self) -> str:

@@ -25,6 +25,9 @@ caller passes the stream to :meth:`ChatTemplateRenderer.render_observation`); th
 from __future__ import annotations
 
 import json
+import re
+import secrets
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol, Sequence, runtime_checkable
 
@@ -37,6 +40,38 @@ _NEUTRAL = "ok"
 """The assistant text rendered in place of a sampled text the template rewrites (trims, splits at
 ``</think>``): what follows an assistant turn does not depend on its text in the templates we know; such a
 turn counts as a template mismatch."""
+
+
+_HOLE = "\u27e6t1async:outside-text-{nonce}-{k}\u27e7"
+"""Rendered in place of the k-th outside text that spells an added token (:meth:`ChatTemplateRenderer._mask`);
+the nonce is drawn per rendering, so no text can spell a hole."""
+_PAD = "\u2003"
+"""Around a hole: an em space, whitespace to ``str.strip`` and Jinja's ``trim`` (a template that trims the
+message text drops it) and written by no template, so the rendering tells whether the text was trimmed."""
+_OUTSIDE_ROLES = ("user", "tool")
+"""Roles whose message texts come from outside the policy: the task's instruction, a command's output, an external
+agent's messages."""
+
+
+@dataclass(frozen=True)
+class _Outside:
+    """The outside texts of one rendering that spell an added token, in message order.
+
+    ``holes``: the rendering holds each as a hole named with ``nonce`` (:meth:`ChatTemplateRenderer._render_outside`);
+    False where the template's output depends on such a text, so the rendering holds the texts themselves and
+    they are found by search (:meth:`ChatTemplateRenderer._encode_found`)."""
+
+    texts: tuple[str, ...] = ()
+    nonce: str = ""
+    holes: bool = True
+
+    def pattern(self) -> re.Pattern:
+        """A hole of this rendering, with the pads the template kept: groups (left pad, k, right pad)."""
+        hole = re.escape(_HOLE.format(nonce=self.nonce, k="K")).replace("K", r"(\d+)")
+        return re.compile(f"({_PAD})?{hole}({_PAD})?")
+
+    def hole(self, k: int) -> str:
+        return _PAD + _HOLE.format(nonce=self.nonce, k=k) + _PAD
 
 
 class TemplateError(ValueError):
@@ -79,6 +114,39 @@ def _as_tool(spec: dict) -> dict:
     return {"type": "function", "function": spec}
 
 
+def _texts(message: dict, roles: Sequence[str]) -> list[str]:
+    """The outside texts of ``message`` if its role is in ``roles``: its string content, and for an assistant
+    message its tool calls' string arguments."""
+    if message.get("role") not in roles:
+        return []
+    out = [message["content"]] if isinstance(message.get("content"), str) else []
+    for call in message.get("tool_calls") or () if message.get("role") == "assistant" else ():
+        args = (call.get("function") or call).get("arguments") if isinstance(call, dict) else None
+        out += [v for v in args.values() if isinstance(v, str)] if isinstance(args, dict) else []
+    return out
+
+
+def _map_texts(message: dict, roles: Sequence[str], f) -> dict:
+    """A copy of ``message`` with ``f`` applied to each of its :func:`_texts`, in the same order."""
+    m = dict(message)
+    if m.get("role") not in roles:
+        return m
+    if isinstance(m.get("content"), str):
+        m["content"] = f(m["content"])
+    if m.get("role") == "assistant" and m.get("tool_calls"):
+        calls = []
+        for call in m["tool_calls"]:
+            if isinstance(call, dict):
+                fn = call.get("function") if isinstance(call.get("function"), dict) else None
+                args = (fn or call).get("arguments")
+                if isinstance(args, dict):
+                    args = {k: f(v) if isinstance(v, str) else v for k, v in args.items()}
+                    call = {**call, "function": {**fn, "arguments": args}} if fn is not None else {**call, "arguments": args}
+            calls.append(call)
+        m["tool_calls"] = calls
+    return m
+
+
 class ChatTemplateRenderer:
     """Episode ids from a Hugging Face tokenizer folder's own chat template.
 
@@ -88,14 +156,17 @@ class ChatTemplateRenderer:
         vocab_size: ``len(tokenizer)`` (added tokens included).
         eos_ids: end-of-turn ids, in the order of ``generation_config.json``'s ``eos_token_id`` (else the
             tokenizer's ``eos_token``).
+        template_kwargs: extra template variables of every rendering (``model.chat_template_kwargs``).
         template_mismatches: turns, counted by :meth:`render_observation` when given the stream, where the
             template's re-render of the whole conversation is not a prefix of the sampled stream.
 
     Construct with :meth:`load`.
     """
 
-    def __init__(self, tokenizer, eos_ids: Sequence[int], path: Path | None = None) -> None:
-        """Wrap a loaded ``transformers`` tokenizer that has a ``chat_template``.
+    def __init__(self, tokenizer, eos_ids: Sequence[int], path: Path | None = None,
+                 template_kwargs: dict | None = None) -> None:
+        """Wrap a loaded ``transformers`` tokenizer that has a ``chat_template``; ``template_kwargs`` are extra
+        variables of every rendering (``model.chat_template_kwargs``, e.g. ``{"enable_thinking": False}``).
 
         Raises:
             TemplateError: no chat template, or no end-of-turn id.
@@ -112,11 +183,12 @@ class ChatTemplateRenderer:
         self.eos_ids = [int(i) for i in eos_ids]
         self._eos_text = [tokenizer.convert_ids_to_tokens(i) for i in self.eos_ids]
         self._added_text = tuple(t.content for t in tokenizer.added_tokens_decoder.values())
+        self.template_kwargs = dict(template_kwargs or {})
         self.template_mismatches = 0
 
     @classmethod
-    def load(cls, path: str | Path) -> "ChatTemplateRenderer":
-        """Load the tokenizer folder ``path``.
+    def load(cls, path: str | Path, template_kwargs: dict | None = None) -> "ChatTemplateRenderer":
+        """Load the tokenizer folder ``path``; ``template_kwargs``: extra variables of every rendering.
 
         Raises:
             TemplateError: ``path`` lacks ``tokenizer.json``, a chat template or an end-of-turn id, or
@@ -141,7 +213,7 @@ class ChatTemplateRenderer:
             eos = [e] if isinstance(e, int) else list(e or [])
         if not eos and tok.eos_token_id is not None:
             eos = [tok.eos_token_id]
-        return cls(tok, eos, path)
+        return cls(tok, eos, path, template_kwargs)
 
     # -- text <-> ids ------------------------------------------------------------------------------------------
 
@@ -173,26 +245,52 @@ class ChatTemplateRenderer:
             raise ValueError(f"token ids {bad[:5]} are outside [0, {self.vocab_size})")
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
-    def _encode_rendered(self, text: str, plain: Sequence[str] = ()) -> list[int]:
+    def _encode_rendered(self, text: str, outside: _Outside | None = None) -> list[int]:
         """Ids of template output: its special tokens (``<|im_start|>``, ``<tool_call>``...) as ids, as a
         template-driven tokenizer reads it (``apply_chat_template(tokenize=True)``).
 
-        ``plain`` are message texts that came from outside (the task's instruction, a command's output), in the
-        order the rendering holds them: one that spells an added token (``<|im_end|>``) is found in ``text``
-        (stripped, as templates trim) and encoded as plain text, so it cannot inject a special id. Texts that
-        spell none are left to the whole-text encoding (identical to transformers').
+        ``outside``: the outside texts of the rendering ``text`` comes from (:meth:`_render_outside`), each a
+        hole in ``text``: each is encoded as plain text at its own hole, so an outside text that spells an added
+        token (``<|im_start|>``, ``<tool_response>``) cannot become that token's id, and the template's own
+        copy of it before the text stays the template's. The text between holes is encoded whole (identical
+        to transformers' encoding of text without outside texts).
+        """
+        if not text:
+            return []
+        if outside is None or not outside.texts:
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if not outside.holes:
+            return self._encode_found(text, outside.texts)
+        ids: list[int] = []
+        for piece, plain in self._pieces(text, outside):
+            ids += self.encode(piece) if plain else self._encode_rendered(piece)
+        return ids
+
+    @staticmethod
+    def _pieces(text: str, outside: _Outside) -> list[tuple[str, bool]]:
+        """``text`` cut at its holes: (template text, False) and (outside text, True) pieces in order, each
+        outside text stripped on a side where the template dropped the hole's pad (it trims message texts)."""
+        out: list[tuple[str, bool]] = []
+        pos = 0
+        for m in outside.pattern().finditer(text):
+            t = outside.texts[int(m.group(2))]
+            t = t if m.group(1) else t.lstrip()
+            t = t if m.group(3) else t.rstrip()
+            out += [(text[pos:m.start()], False), (t, True)]
+            pos = m.end()
+        return out + [(text[pos:], False)]
+
+    def _encode_found(self, text: str, plain: Sequence[str]) -> list[int]:
+        """The fallback of :meth:`_encode_rendered` where a template's output depends on an outside text (so it
+        could not be rendered as a hole): each text (stripped, as templates trim) is searched for in ``text``
+        in order and encoded as plain text where found first.
 
         Raises:
             TemplateError: such a text is not found in the rendering (the template rewrote it).
         """
-        risky = [p.strip() for p in plain if p and any(t in p for t in self._added_text)]
-        if not text:
-            return []
-        if not risky:
-            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
         ids: list[int] = []
         pos = 0
-        for p in risky:
+        for p in (p.strip() for p in plain):
             k = text.find(p, pos)
             if k < 0:
                 raise TemplateError(f"{self.path or 'chat template'}: a message text that spells a special token "
@@ -201,15 +299,60 @@ class ChatTemplateRenderer:
             pos = k + len(p)
         return ids + self._encode_rendered(text[pos:])
 
+    def _outside(self, messages: Sequence[dict], roles: Sequence[str]) -> _Outside:
+        """The texts of ``messages`` of ``roles`` that spell an added token, in message order (an assistant
+        message's string tool-call arguments among them when ``roles`` holds ``assistant``)."""
+        return _Outside(tuple(t for m in messages for t in _texts(m, roles) if self._spells_added(t)),
+                        secrets.token_hex(6))
+
+    def _spells_added(self, text: str) -> bool:
+        return any(t in text for t in self._added_text)
+
+    def _mask(self, messages: Sequence[dict], outside: _Outside, roles: Sequence[str]) -> list[dict]:
+        """``messages`` with each of ``outside``'s texts replaced by its hole (:meth:`_outside`'s order)."""
+        if not outside.holes or not outside.texts:
+            return [dict(m) for m in messages]
+        k = 0
+
+        def hole(t: str) -> str:
+            nonlocal k
+            if not self._spells_added(t):
+                return t
+            k += 1
+            return outside.hole(k - 1)
+
+        return [_map_texts(m, roles, hole) for m in messages]
+
+    def _render_outside(self, messages: Sequence[dict], tools: Sequence[dict], generation_prompt: bool,
+                        roles: Sequence[str] = _OUTSIDE_ROLES) -> tuple[str, _Outside]:
+        """The template's text for ``messages`` with each outside text that spells an added token as a hole,
+        and those texts (for :meth:`_encode_rendered`). Checked: the holes filled give the template's own
+        rendering of ``messages``; where they do not (the template reads the text: Qwen3.5 takes a user text
+        wrapped in ``<tool_response>`` for a tool result), the rendering of ``messages`` itself, its outside
+        texts found by search.
+
+        Raises:
+            TemplateError: the template cannot render them.
+        """
+        outside = self._outside(messages, roles)
+        if not outside.texts:
+            return self._render(messages, tools, generation_prompt), outside
+        text = self._render(self._mask(messages, outside, roles), tools, generation_prompt)
+        real = self._render(messages, tools, generation_prompt)
+        if "".join(p for p, _ in self._pieces(text, outside)) == real:
+            return text, outside
+        return real, replace(outside, holes=False)
+
     def _render(self, messages: list[dict], tools: Sequence[dict], generation_prompt: bool) -> str:
-        """The template's text for ``messages``.
+        """The template's text for ``messages``, with :attr:`template_kwargs` (every rendering goes through here).
 
         Raises:
             TemplateError: the template raised (the message names the template's own complaint).
         """
         try:
             return self.tokenizer.apply_chat_template(messages, tools=[_as_tool(t) for t in tools] or None,
-                                                      add_generation_prompt=generation_prompt, tokenize=False)
+                                                      add_generation_prompt=generation_prompt, tokenize=False,
+                                                      **self.template_kwargs)
         except TemplateError:
             raise
         except Exception as e:  # jinja2's TemplateError and the template's raise_exception
@@ -231,7 +374,7 @@ class ChatTemplateRenderer:
         Raises:
             TemplateError: the template cannot render them.
         """
-        return self._encode_rendered(self._render(self._opening(system, user), tools, True), [user])
+        return self._encode_rendered(*self._render_outside(self._opening(system, user), tools, True))
 
     def render_chat(self, messages: Sequence[dict], tools: Sequence[dict] = ()) -> list[int]:
         """A whole conversation (an OpenAI client's first request) as the template renders it, tools declared
@@ -242,9 +385,7 @@ class ChatTemplateRenderer:
         Raises:
             TemplateError: the template cannot render them.
         """
-        messages = [dict(m) for m in messages]
-        plain = [m["content"] for m in messages if m.get("role") in ("user", "tool") and isinstance(m.get("content"), str)]
-        return self._encode_rendered(self._render(messages, tools, True), plain)
+        return self._encode_rendered(*self._render_outside([dict(m) for m in messages], tools, True))
 
     @staticmethod
     def _opening(system: str, user: str) -> list[dict]:
@@ -301,11 +442,11 @@ class ChatTemplateRenderer:
         content = history[-1].get("content") or ""
         if not isinstance(content, str) or _SENTINEL in content:
             raise TemplateError("the last assistant message's content must be the sampled text (a string)")
-        after = self._render(history + obs, tools, True)
-        rest = self._after_marker(history, content, obs, tools, after)
+        after, outside = self._render_outside(history + obs, tools, True)
+        rest = self._after_marker(history, content, obs, tools, after, outside)
         rewritten = rest is None
         if rewritten:  # the template rewrote the sampled text (trimmed it, split it at </think>): a neutral text
-            rest = self._after_marker(history, _NEUTRAL, obs, tools, None)
+            rest = self._after_marker(history, _NEUTRAL, obs, tools, None, outside)
         if rest is None:
             raise TemplateError(f"{self.path or 'chat template'}: cannot find where the assistant turn ends in the "
                                 "template's rendering (it rewrites the turn's text); this template cannot be appended to")
@@ -315,47 +456,55 @@ class ChatTemplateRenderer:
                                 "(generation_config.json eos_token_id) follows the assistant turn in the rendering")
         pos, s = min(found)
         new = rest[pos + len(s):]
-        ids = self._encode_rendered(new, [m["content"] for m in obs
-                                          if m.get("role") in ("user", "tool") and isinstance(m.get("content"), str)])
+        # found by search (the fallback), only the new messages' texts are in the new text
+        ids = self._encode_rendered(new, outside if outside.holes else self._outside(obs, _OUTSIDE_ROLES))
         if stream is not None and rewritten:
             self.template_mismatches += 1
         elif stream is not None:
-            whole = self._encode_rendered(after, [m["content"] for m in history + obs
-                                                  if m.get("role") in ("user", "tool") and isinstance(m.get("content"), str)])
-            if whole != [*stream, *ids]:
+            if self._encode_rendered(after, outside) != [*stream, *ids]:
                 self.template_mismatches += 1
         return ids
 
     def render_assistant(self, history: Sequence[dict], message: dict, tools: Sequence[dict] = ()) -> list[int]:
         """The ids a model trained on this template samples for assistant ``message`` after ``history``: the
         text the template writes for the message after the generation prompt, up to and including the first
-        end-of-turn token (a demonstration's turn, ``t1async sft``).
+        end-of-turn token (a demonstration's turn, ``t1async sft``). A template that writes no token at the end
+        of an assistant turn (GLM-4.6: the next turn's ``<|observation|>`` ends it) is rendered with the tool
+        message the rollout loop appends next, and the turn ends at that message's end-of-turn token.
+
+        The message's texts (its content, its tool calls' string arguments) are outside text: one that spells
+        an added token stays plain text (:meth:`_encode_rendered`).
 
         Raises:
             TemplateError: the rendering with the message does not extend the generation prompt, or holds no
                 end-of-turn token after it.
         """
         history = [dict(m) for m in history]
-        head = self._render(history, tools, True)
-        full = self._render(history + [dict(message)], tools, False)
-        if not full.startswith(head):
-            raise TemplateError(f"{self.path or 'chat template'}: an assistant message does not extend the generation "
-                                "prompt in this template's rendering")
-        turn = full[len(head):]
-        found = [(turn.find(t), t) for t in self._eos_text if t in turn]
-        if not found:
-            raise TemplateError(f"{self.path or 'chat template'}: no end-of-turn token {self._eos_text} after the "
-                                "assistant message")
-        pos, eos = min(found)
-        content = message.get("content")
-        return self._encode_rendered(turn[:pos + len(eos)], [content] if isinstance(content, str) else [])
+        roles = (*_OUTSIDE_ROLES, "assistant")  # a demonstration's command is outside text too
+        head = None
+        for after in ([], [{"role": "tool", "content": "ok"}]):
+            full, outside = self._render_outside([*history, dict(message), *after], tools, False, roles)
+            head = self._render(self._mask(history, outside, roles), tools, True)
+            if not full.startswith(head):
+                raise TemplateError(f"{self.path or 'chat template'}: an assistant message does not extend the "
+                                    "generation prompt in this template's rendering")
+            turn = full[len(head):]
+            found = [(turn.find(t), t) for t in self._eos_text if t in turn]  # an outside text's copy is a hole
+            if found:
+                pos, eos = min(found)
+                return self._encode_rendered(turn[:pos + len(eos)],
+                                             outside if outside.holes else self._outside([message], roles))
+        raise TemplateError(f"{self.path or 'chat template'}: no end-of-turn token {self._eos_text} after the "
+                            "assistant message")
 
     def _after_marker(self, history: list[dict], content: str, obs: list[dict], tools: Sequence[dict],
-                      after: str | None) -> str | None:
+                      after: str | None, outside: _Outside) -> str | None:
         """The rendering that follows the last assistant message's text when that text is ``content``: the
-        template renders it with a marker appended; None when the marker is lost, or when ``after`` (the
-        rendering of the sampled text) does not end with the same text (the template rewrote the turn)."""
-        marked = self._render(history[:-1] + [{**history[-1], "content": content + _SENTINEL}, *obs], tools, True)
+        template renders it with a marker appended (the outside texts as ``outside``'s holes); None when the
+        marker is lost, or when ``after`` (the rendering of the sampled text) does not end with the same text
+        (the template rewrote the turn)."""
+        marked = self._render(self._mask(history[:-1] + [{**history[-1], "content": content + _SENTINEL}, *obs],
+                                         outside, _OUTSIDE_ROLES), tools, True)
         k = marked.find(_SENTINEL)
         if k < 0:
             return None

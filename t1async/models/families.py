@@ -430,7 +430,9 @@ def check_model_folder(cfg: ModelConfig, *, backend: str | None = None, tokenize
 def load_renderer(cfg: ModelConfig):
     """The run's episode renderer: ``cfg.path``'s own chat template, checked to render a tool prompt and a
     tool observation (:class:`t1async.models.chat_template.ChatTemplateRenderer`), or the shipped ChatML
-    tokenizer (:class:`t1async.models.tokenizer.ChatTokenizer`) for the built-in model.
+    tokenizer (:class:`t1async.models.tokenizer.ChatTokenizer`) for the built-in model. ``cfg.chat_template_kwargs``
+    go to every rendering of the template: every render site (rollout, sft, eval, the endpoint, model check)
+    takes its renderer from here.
 
     Raises:
         ModelFolderError: the folder's tokenizer files are missing or its template cannot render a tool turn.
@@ -438,7 +440,7 @@ def load_renderer(cfg: ModelConfig):
     if not cfg.path:
         return ChatTokenizer.load()
     try:
-        r = ChatTemplateRenderer.load(cfg.path)
+        r = ChatTemplateRenderer.load(cfg.path, cfg.chat_template_kwargs)
         probe = {"name": "bash", "description": "Run a shell command.",
                  "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}
         r.render_prompt("system", "user", [probe])

@@ -268,7 +268,9 @@ def _jinja_string(value) -> str:
 
 
 _FUNCTION = re.compile(r"\s*<function=([^>\n]*)>(.*)</function>\s*", re.S)
-_PARAMETER = re.compile(r"<parameter=([^>\n]*)>\n?(.*?)\n?</parameter>", re.S)
+_PARAMETER = re.compile(r"<parameter=([^>\n]*)>\n?(.*?)\n?</parameter>(?=\s*(?:<parameter=|\Z))", re.S)
+"""One parameter: its value ends at the first ``</parameter>`` followed by the next parameter or the end of the
+call, so a value may hold ``</parameter>`` itself (a command that greps for it)."""
 
 
 class _Qwen3CoderXml(_Tagged):
@@ -306,7 +308,9 @@ class _Qwen3CoderXml(_Tagged):
         return f"{self.open_tag}\n<function={name}>\n{params}</function>\n{self.close_tag}"
 
 
-_GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
+_GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>(?=\s*(?:<arg_key>|\Z))", re.S)
+"""One key/value pair: the value ends at the first ``</arg_value>`` followed by the next key or the end of the
+call, so a value may hold ``</arg_value>`` itself."""
 
 
 class _Glm45(_Tagged):

@@ -126,6 +126,20 @@ def failure_note(row: EvalRow, outputs: list[tuple[str, str]], *, network: str, 
     return "; ".join(notes) or None
 
 
+def policy_model_config(path: Path, cfg: Config) -> ModelConfig:
+    """The model section of a policy checkpoint ``path``: its folder's config.json, with ``cfg.model``'s
+    ``chat_template_kwargs`` (the template renders as in the run that trained it); the built-in model's
+    checkpoint (no tokenizer.json) takes the shipped tokenizer and ChatML.
+
+    Raises:
+        ConfigError: the folder's config.json cannot be read.
+    """
+    model_cfg = resolve_model(ModelConfig(path=str(path), chat_template_kwargs=dict(cfg.model.chat_template_kwargs)))
+    if not (path / "tokenizer.json").is_file() and model_cfg.model_type == "qwen3_moe":
+        model_cfg = replace(model_cfg, path="", hf_config={}, chat_template_kwargs={})
+    return model_cfg
+
+
 class PolicyAgent:
     """A checkpoint served in-process for :func:`~t1async.actors.rollout.run_episode`.
 
@@ -151,10 +165,7 @@ class PolicyAgent:
         self.cfg = config if isinstance(config, Config) else load_config(config)
         stage = "config.json"
         try:  # garbage config.json or weights: a user error, reported in one line
-            self.model_cfg = resolve_model(ModelConfig(path=str(path)))
-            if not (path / "tokenizer.json").is_file() and self.model_cfg.model_type == "qwen3_moe":
-                # the built-in model's checkpoint: the shipped tokenizer and ChatML
-                self.model_cfg = replace(self.model_cfg, path="", hf_config={})
+            self.model_cfg = policy_model_config(path, self.cfg)
             stage = "the weights"
             model = load_model(self.model_cfg, path)
             stage = "the tokenizer"

@@ -116,3 +116,14 @@ def test_training_by_family_splits_a_runs_episodes_by_finish_time_and_family(tmp
     assert first["families"] == {"tar-folder": {"episodes": 1, "resolved_rate": 1.0, "turns_mean": 2.0},
                                  "odd-name": {"episodes": 1, "resolved_rate": 0.0, "turns_mean": 2.0}}
     assert second["families"] == {"grep-count": {"episodes": 2, "resolved_rate": 0.5, "turns_mean": 2.0}}
+
+
+def test_a_family_is_measured_by_its_demonstrated_turns_not_its_bare_commands():
+    """With env.action_format tool_call a demonstrated turn wraps the command in the call's layout; a family
+    whose bare commands fit but whose calls do not was kept, and SFT then skipped all its demonstrations as
+    too long (issue 44: count-matches and json-filter on Qwen3.5's template at 64 tokens)."""
+    b = bench()
+    cfg = load_config(REPO / "configs" / "learning.yaml", ["generation.max_new_tokens=24"])
+    assert "grep-count" in b.fitting_families(cfg)
+    cfg = load_config(REPO / "configs" / "learning.yaml", ["generation.max_new_tokens=24", "env.action_format=tool_call"])
+    assert "grep-count" not in b.fitting_families(cfg)

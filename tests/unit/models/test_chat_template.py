@@ -200,3 +200,58 @@ def test_shipped_chatml_is_qwen3s_template(folders):
     head = tok.render_chat(msgs[:3], [TOOL])[:-cut]  # ends with the assistant turn's <|im_end|>
     assert head[-1] == tok.im_end_id
     assert [*head, *tok.render_continuation(msgs[:3], msgs[3:], [TOOL])] == tok.render_chat(msgs, [TOOL])
+
+
+# the strings the four templates write as their own tokens (those a tokenizer lacks are left out per folder)
+TEMPLATE_TOKENS = ("<|im_start|>", "<|im_end|>", "<tool_response>", "</tool_response>", "<tool_call>", "</tool_call>",
+                   "<think>", "</think>", "<|observation|>", "<|user|>", "<|assistant|>", "<|system|>")
+
+
+def _swap(ids: list[int], old: list[int], new: list[int]) -> list[int]:
+    """``ids`` with the first occurrence of ``old`` replaced by ``new``."""
+    k = next(i for i in range(len(ids) - len(old) + 1) if ids[i:i + len(old)] == old)
+    return ids[:k] + new + ids[k + len(old):]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_an_outside_text_that_is_exactly_a_template_token_is_plain_text_at_its_own_position(folders, name):
+    """Issue 41 item 12: a command whose whole output is ``<|im_start|>`` or ``<tool_response>`` (or an
+    instruction, an endpoint message, a demonstrated command that is exactly one) gives the ids of a harmless
+    text in its place with that text's plain ids swapped in: the template's own token before it stays a
+    control id. Before the fix, the search for the text found the template's own copy first (5 of 14 such
+    outputs on Qwen3.5 and GLM-4.6 forged)."""
+    r = renderer(folders, name)
+    history = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER},
+               {"role": "assistant", "content": "I run ls."}]
+    sites = {
+        "instruction": lambda t: r.render_prompt(SYSTEM, t, [TOOL]),
+        "observation": lambda t: r.render_observation(history, t, [TOOL]),
+        "endpoint user": lambda t: r.render_chat([history[0], {"role": "user", "content": t}], [TOOL]),
+        "endpoint tool": lambda t: r.render_chat([*history, {"role": "tool", "content": t}], [TOOL]),
+        "demonstration": lambda t: r.render_assistant(history[:2], {"role": "assistant", "content": t}, [TOOL]),
+    }
+    added = {t.content for t in r.tokenizer.added_tokens_decoder.values()}
+    stand_in = "QQQQ"
+    forged = []
+    for token in [t for t in TEMPLATE_TOKENS if t in added]:
+        for site, render in sites.items():
+            if site == "demonstration" and "think>" in token:
+                continue  # the templates read an assistant text's <think> block as its reasoning: not text
+            if render(token) != _swap(render(stand_in), r.encode(stand_in), r.encode(token)):
+                forged.append(f"{site} {token}")
+    assert forged == []
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_demonstrated_turn_ends_with_an_end_of_turn_id(folders, name):
+    """``t1async sft``'s turns (render_assistant) end with the id the sampler stops on, on every template:
+    GLM-4.6 writes nothing at the end of an assistant turn (the next turn's <|observation|> ends it), which
+    refused every GLM demonstration before."""
+    r = renderer(folders, name)
+    opening = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER}]
+    call = {"role": "assistant", "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "bash", "arguments": {"cmd": "ls"}}}]}
+    for message in ({"role": "assistant", "content": "ls -la"}, call):
+        ids = r.render_assistant(opening, message, [TOOL])
+        assert ids[-1] in r.end_of_turn_ids and not any(i in r.end_of_turn_ids for i in ids[:-1])
+        assert "ls" in r.decode(ids)

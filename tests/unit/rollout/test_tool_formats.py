@@ -171,3 +171,25 @@ def test_tags_must_be_single_ids():
             chat_template = "<tool_call>\n{\"name\": ..."
     with pytest.raises(ValueError, match="no single added-token id"):
         parse_ids(Plain(), [1, 2, 3])
+
+
+TWO = {"name": "run", "description": "Run a command, with a note.",
+       "parameters": {"type": "object", "required": ["cmd"],
+                      "properties": {"cmd": {"type": "string"}, "note": {"type": "string"}}}}
+
+
+@pytest.mark.parametrize("name", ["qwen3-coder", "qwen3.5", "glm-4.6"])
+def test_a_value_holding_its_own_closing_tag_parses_back(folders, name):
+    """Issue 41 item 13: a value that contains the format's closing tag (Qwen3.5's ``</parameter>``, GLM's
+    ``</arg_value>``), as the real template renders it, ends at the closing tag followed by the next
+    parameter or the end of the call; before the fix such calls were malformed."""
+    r = renderer(folders, name)
+    fmt = detect(r.tokenizer.chat_template)
+    close = {"qwen3_coder_xml": "</parameter>", "glm45": "</arg_value>"}[fmt.name]
+    opener = {"qwen3_coder_xml": "<parameter=cmd>", "glm45": "<arg_value>"}[fmt.name]
+    for arguments in ({"cmd": f"grep -c '{close}' calls.xml"},
+                      {"cmd": f"echo '{close}'\n{close}", "note": f"{close} then {opener}x{close}"},
+                      {"cmd": close, "note": "done"}):
+        turn = _assistant_turn(r, "", "run", arguments, [TWO])
+        assert fmt.parse(turn, [TWO]) == ToolCall("run", arguments), (arguments, fmt.parse(turn, [TWO]))
+        assert parse_ids(r, r._encode_rendered(turn), tools=[TWO]) == ToolCall("run", arguments)
