@@ -127,7 +127,7 @@ def test_a_verifier_layer_that_cannot_be_built_is_the_rows_error(tmp_path):
     (folder / "task.yaml").write_text("instruction: nothing\n")
     (folder / "Dockerfile").write_text("FROM python:3.13-slim\nWORKDIR /app\n")
     (folder / "solution.sh").write_text("true\n")
-    (folder / "run-tests.sh").write_text("apt-get install -y t1async-no-such-debian-package\n"
+    (folder / "run-tests.sh").write_text("set -e\napt-get install -y t1async-no-such-debian-package\n"  # set -e: fatal line
                                          "python3 -m pytest $TEST_DIR/test_outputs.py -rA\n")
     (folder / "tests" / "test_outputs.py").write_text("def test_x():\n    pass\n")
     report = validate_task(load_task(folder), tmp_path / "episodes", sandbox="container")
