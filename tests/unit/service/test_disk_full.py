@@ -346,13 +346,13 @@ def test_a_final_checkpoint_that_does_not_fit_is_reported_in_the_status_and_the_
 
 def _can_mount_tmpfs(where: Path) -> bool:
     where.mkdir(parents=True, exist_ok=True)
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(where)], capture_output=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256m", "tmpfs", str(where)], capture_output=True)
     return r.returncode == 0
 
 
 @pytest.mark.slow
 def test_a_launch_on_a_full_disk_says_degraded_runs_no_step_resumes_when_freed_and_stops(tmp_path):
-    """The real service on a 64 MiB tmpfs: fill it, and ``t1async status`` says ``degraded: disk
+    """The real service on a 256 MiB tmpfs (room for its final checkpoint once freed): fill it, and ``t1async status`` says ``degraded: disk
     full at ...``, no step runs, rollout actors keep their trajectories; free it, and steps resume
     by themselves; ``t1async stop`` ends it with exit status 0 (main: the launch hangs)."""
     from t1async.service.control import ControlError, request
