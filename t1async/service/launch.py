@@ -83,7 +83,13 @@ def launch(config_path: str | None, overrides: list[str] | tuple[str, ...] = ())
                 cfg.sampler.num_samplers, cfg.learner.max_steps or "unlimited (until t1async stop)")
     t_start = time.time()
     reaper = Reaper.start(run_dir)  # cleans up Ray and the sandboxes should this process be killed
-    ctx = init_ray(cfg)
+    try:
+        ctx = init_ray(cfg)
+    except RayStartFailed as e:  # nothing started: no summary.json, one line and exit status 1
+        reaper.done()
+        lock.release()
+        return {"run_dir": str(run_dir), "max_steps": cfg.learner.max_steps, "error": str(e),
+                "ended": "ray_failed_to_start"}
     ray_session = ctx.address_info.get("session_dir")
     ray_local = cfg.ray.address in (None, "", "local")  # a Ray this launch starts (and stops)
     lock.write(ray_session=ray_session, ray_local=ray_local)  # (the reaper removes a local one too)
@@ -199,11 +205,22 @@ def init_ray(cfg: Config, attempts: int = RAY_START_ATTEMPTS) -> Any:
             return ray.init(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=False,
                             log_to_driver=False, logging_level="WARNING")
         except Exception as e:  # Ray raises a bare Exception for this
-            if "timed out during startup" not in str(e) or attempt == attempts:
+            if "timed out during startup" not in str(e):
                 raise
-            logger.warning("Ray's node timed out during start-up (try {} of {}); starting it again", attempt, attempts)
             ray.shutdown()
+            if attempt == attempts:
+                load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+                raise RayStartFailed(
+                    f"Ray's node did not start in {attempts} tries (Ray: the node timed out during start-up); "
+                    f"the machine's load average is {load:.0f} on {os.cpu_count()} CPUs: launch again when the "
+                    f"load is lower, or start Ray yourself (ray start --head) and set ray.address") from None
+            logger.warning("Ray's node timed out during start-up (try {} of {}); starting it again", attempt, attempts)
     raise AssertionError("unreachable")
+
+
+class RayStartFailed(RuntimeError):
+    """A local Ray node did not start in :data:`RAY_START_ATTEMPTS` tries; one line with the
+    machine's load, and what to do."""
 
 
 def fit_to_cluster(cfg: Config) -> Capacity:

@@ -171,7 +171,8 @@ def test_launch_makes_one_preflight_call_that_checks_the_input_and_creates_nothi
 
 def test_a_ray_node_that_times_out_at_start_up_is_started_again_and_other_errors_are_not(monkeypatch):
     """Ray's own start-up wait expires on a loaded machine ("The current node timed out during
-    startup"): the launch tries again (up to RAY_START_ATTEMPTS in all); any other error is raised at once."""
+    startup"): the launch tries again (up to RAY_START_ATTEMPTS in all), then says so in one line
+    (main: Ray's multi-line traceback); any other error is raised at once."""
     from t1async.service import launch as launch_module
 
     calls = []
@@ -187,9 +188,12 @@ def test_a_ray_node_that_times_out_at_start_up_is_started_again_and_other_errors
     cfg = load_config(None)
     assert launch_module.init_ray(cfg) == "ctx" and len(calls) == 3
     calls.clear()
-    with pytest.raises(Exception, match="timed out during startup"):
+    with pytest.raises(launch_module.RayStartFailed) as failed:  # the last try: one line, with the load and what to do
         launch_module.init_ray(cfg, attempts=2)
     assert len(calls) == 2
+    said = str(failed.value)
+    assert "\n" not in said and said.startswith("Ray's node did not start in 2 tries") and "load average" in said
+    assert "ray.address" in said
 
     def broken(**kwargs):
         calls.append(kwargs)
@@ -200,3 +204,26 @@ def test_a_ray_node_that_times_out_at_start_up_is_started_again_and_other_errors
     with pytest.raises(RuntimeError, match="address in use"):
         launch_module.init_ray(cfg)
     assert len(calls) == 1
+
+
+def test_a_ray_node_that_never_starts_ends_the_launch_in_one_line_with_exit_status_1(monkeypatch, tmp_path, capsys):
+    """Every try at starting Ray times out (a machine at load 35 did this): ``t1async launch`` says
+    so in one line with the load and what to do, exits with status 1, and leaves the run folder
+    free for the next launch (main: Ray's traceback)."""
+    from t1async import cli
+    from t1async.service import launch as launch_module
+
+    def timed_out(**kwargs):
+        raise Exception("The current node timed out during startup. This could happen because ...")
+
+    monkeypatch.setattr(launch_module.ray, "init", timed_out)
+    monkeypatch.setattr(launch_module.ray, "shutdown", lambda: None)
+    run_dir = tmp_path / "run"
+    assert cli.main(["launch", LOCAL, f"run.dir={run_dir}"]) == 1
+    err = capsys.readouterr().err
+    said = [x for x in err.splitlines() if x.startswith("t1async: error:")]
+    assert len(said) == 1 and said[0].startswith("t1async: error: Ray's node did not start in 3 tries"), err
+    assert "Traceback" not in err and err.count("timed out during start-up (try") == 2  # (the console's warnings)
+    monkeypatch.setattr(launch_module, "init_ray", lambda cfg: (_ for _ in ()).throw(RuntimeError("second")))
+    with pytest.raises(RuntimeError, match="second"):  # the folder was released: a new launch gets past its claim
+        launch_module.launch(LOCAL, [f"run.dir={run_dir}", "run.overwrite=true"])
