@@ -352,9 +352,10 @@ def _can_mount_tmpfs(where: Path) -> bool:
 
 @pytest.mark.slow
 def test_a_launch_on_a_full_disk_says_degraded_runs_no_step_resumes_when_freed_and_stops(tmp_path):
-    """The real service on a 256 MiB tmpfs (room for its final checkpoint once freed): fill it, and ``t1async status`` says ``degraded: disk
-    full at ...``, no step runs, rollout actors keep their trajectories; free it, and steps resume
-    by themselves; ``t1async stop`` ends it with exit status 0 (main: the launch hangs)."""
+    """The real service on a 256 MiB tmpfs (room for its final checkpoint once freed): fill it, and
+    ``t1async status`` says ``degraded: disk full at ...``, no step runs, rollout actors keep their
+    trajectories; free it, and steps resume by themselves; ``t1async stop`` ends it with exit
+    status 0 (main: the launch hangs)."""
     from t1async.service.control import ControlError, request
     from tests.support.service import CLI, SMALL
 
