@@ -47,6 +47,7 @@ from rich.text import Text
 from t1async.actors import error_line
 from t1async.config import Config, ConfigError, MetricsConfig, from_node
 from t1async.fileio import DiskGuard
+from t1async.learner.metrics import merge_agent_splits
 from t1async.service.capacity import Capacity, scale_refusal
 from t1async.service.control import LIVE_KEYS, live_change_refusal
 from t1async.service.memory import MemoryBackoff, killed_for_memory, node_memory_used, ray_memory_threshold
@@ -626,12 +627,14 @@ def fit_line(fields: list[str], width: int, priority: tuple[int, ...] = LINE_PRI
 
 def trends(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Rates and trends over metrics rows: trajectories/s (last 10 steps), reward and resolved
-    rate of the last 5 steps against the 5 before, time since the last step, staleness."""
+    rate of the last 5 steps against the 5 before, time since the last step, staleness, and the
+    last 10 steps split by agent (``by_agent``: t1async/learner/metrics.py ``merge_agent_splits``)."""
     out: dict[str, Any] = {"trajectories_per_s": None, "reward_recent": None, "reward_before": None,
                            "resolved_recent": None, "resolved_before": None, "since_last_step_s": None,
-                           "staleness_max": None}
+                           "staleness_max": None, "by_agent": {}}
     if not rows:
         return out
+    out["by_agent"] = merge_agent_splits(rows[-10:])
     window = rows[-10:]
     if len(window) >= 2 and window[-1]["time"] > window[0]["time"]:
         n = sum(r["trajectories"] for r in window[1:])

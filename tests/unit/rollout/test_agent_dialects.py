@@ -362,12 +362,14 @@ def test_a_compacted_history_is_a_break_and_both_segments_are_trained_exactly(en
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["codex", "claude-code"])
+@pytest.mark.parametrize("name", ["codex", "claude-code", "mini-swe-agent"])
 def test_a_named_harness_resolves_a_shipped_task_inside_the_sandbox(tmp_path, name):
-    """rollout.agent=codex / claude-code: the real CLI runs inside the episode's bubblewrap sandbox
-    (env.network=on: the loopback of the host), calls its own shell tool with the task's oracle
-    commands (the scripted policy), its commands change the task's files, and the verifier resolves it;
-    the trajectory is exact."""
+    """rollout.agent=codex / claude-code / mini-swe-agent: the real agent runs inside the episode's
+    bubblewrap sandbox (env.network=on: the loopback of the host), calls its own shell tool with the
+    task's oracle commands (the scripted policy; mini-swe-agent then its own submit command, as its config
+    tells the model), its commands change the task's files, and the verifier resolves it; the trajectory
+    is exact and records its agent."""
+    from t1async.rollout import mini_swe_agent
     from t1async.rollout.harnesses import HARNESSES
 
     h = HARNESSES[name]
@@ -376,10 +378,11 @@ def test_a_named_harness_resolves_a_shipped_task_inside_the_sandbox(tmp_path, na
     commands = oracle_commands(REPO / "t1async" / "envs" / "tasks" / TASK)
     cfg = RolloutConfig(agent=name)
     model = ModelConfig(**{**MODEL.__dict__, "max_position_embeddings": 65536})  # (their prompts: ~10k tokens)
-    actor = RolloutActor(0, EnvConfig(max_turns=8, tasks=[TASK], network="on"), GenerationConfig(max_new_tokens=64),
-                         model, TransportConfig(curve=False), ["http://127.0.0.1:9"], "tcp://127.0.0.1:9", rollout_cfg=cfg,
-                         work_root=str(tmp_path / "work"))
-    policy = actor.sampler = OraclePolicy(TOK, commands, tool=h.tool[0], argument=h.tool[1])
+    env_cfg = EnvConfig(max_turns=8, tasks=[TASK], network="on", episode_timeout_s=300)  # (importing litellm: ~1 min here)
+    actor = RolloutActor(0, env_cfg, GenerationConfig(max_new_tokens=64), model, TransportConfig(curve=False),
+                         ["http://127.0.0.1:9"], "tcp://127.0.0.1:9", rollout_cfg=cfg, work_root=str(tmp_path / "work"))
+    final_call = mini_swe_agent.SUBMIT if name == "mini-swe-agent" else None
+    policy = actor.sampler = OraclePolicy(TOK, commands, tool=h.tool[0], argument=h.tool[1], final_call=final_call)
     try:
         [traj] = actor.run_one(TASK)
     finally:
@@ -387,7 +390,7 @@ def test_a_named_harness_resolves_a_shipped_task_inside_the_sandbox(tmp_path, na
         actor.sender.close()
     traj = decode(encode(traj), num_experts=E, num_layers=2, top_k=2)
     assert traj.resolved and traj.passed == traj.total >= 1 and traj.finish_reason == "agent_exit"
-    assert traj.drift_tokens == 0 and len(traj.turn_offsets) == len(commands) + 1
+    assert traj.drift_tokens == 0 and len(traj.turn_offsets) == len(commands) + 1 and traj.agent == name
     assert traj.token_ids.tolist() == policy.calls[-1] + policy.outputs[-1]
 
 
