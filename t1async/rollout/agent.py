@@ -49,7 +49,6 @@ from t1async.sampling.sampler_client import Sampler
 from t1async.trajectory import HISTORY_BREAK, TURN_ABORTED, TURN_LENGTH_CUT, Trajectory
 
 
-
 class HistoryBreak(RuntimeError):
     """The agent broke its history and ``rollout.history_break`` is ``drop``: the episode is not trained."""
 
