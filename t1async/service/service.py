@@ -70,9 +70,9 @@ class LearnerDied(RuntimeError):
 
 
 class MetricsTail:
-    """Reads rows appended to ``metrics.jsonl`` since the last call; sends their numbers (dict
-    fields as ``name/key``) to TensorBoard (``RUN_DIR/tensorboard``) and, with ``metrics.wandb``,
-    Weights & Biases: one point per step across the run's lives (t1async/service/sinks.py).
+    """Reads rows appended to ``metrics.jsonl`` since the last call; sends their numbers (dict fields
+    as ``name/key``, maps in them ``name/key/key``) to TensorBoard (``RUN_DIR/tensorboard``) and, with
+    ``metrics.wandb``, Weights & Biases: one point per step across the run's lives (t1async/service/sinks.py).
 
     Args:
         path: ``RUN_DIR/metrics.jsonl``.
@@ -134,13 +134,13 @@ class MetricsTail:
         if not self.sinks:
             return
         scalars: dict[str, float] = {}
-        for key, value in row.items():
-            if key in TB_SKIP:
-                continue
-            items = value.items() if isinstance(value, dict) else [(None, value)]
-            for sub, v in items:
-                if isinstance(v, (int, float)) and not isinstance(v, bool):
-                    scalars[f"{key}/{sub}" if sub else key] = float(v)
+        pending = [(key, value) for key, value in row.items() if key not in TB_SKIP]
+        while pending:  # nested maps as name/key[/key...] (by_agent/codex/reward_mean)
+            key, value = pending.pop(0)
+            if isinstance(value, dict):
+                pending += [(f"{key}/{sub}", v) for sub, v in value.items()]
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                scalars[key] = float(value)
         for sink in self.sinks:
             sink.write(int(row["step"]), float(row.get("time", time.time())), scalars)
 

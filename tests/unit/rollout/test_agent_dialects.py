@@ -11,6 +11,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import shlex
 import shutil
 import socket
 import subprocess
@@ -398,13 +399,35 @@ def test_an_unknown_or_missing_harness_is_one_line(monkeypatch):
     from t1async.config import ConfigError, load_config
     from t1async.rollout import harnesses
 
-    with pytest.raises(ConfigError, match="'codex' or 'claude-code'"):
+    with pytest.raises(ConfigError, match="'codex', 'claude-code' or 'mini-swe-agent'"):
         load_config(None, ["rollout.agent=aider"])
     assert load_config(None, ["rollout.agent=claude-code"]).rollout.agent == "claude-code"
-    with pytest.raises(ValueError, match="the harnesses are codex, claude-code"):
+    with pytest.raises(ValueError, match="the harnesses are codex, claude-code, mini-swe-agent"):
         harnesses.harness("aider")
     monkeypatch.setattr(harnesses.shutil, "which", lambda name: None)
     with pytest.raises(ValueError, match=r"codex is not installed; install it with: npm install -g @openai/codex@0\.169\.0"):
         harnesses.harness("codex")
     line = harnesses.HARNESSES["claude-code"].command("http://127.0.0.1:1/s/tok", "tok", "it's done")
     assert "ANTHROPIC_BASE_URL=http://127.0.0.1:1/s/tok" in line and "'it'\"'\"'s done'" in line
+    with pytest.raises(ValueError, match=r"mini-swe-agent/bin/mini is not installed; install it with: python3 -m venv "
+                                         r"\S+ && \S+/bin/pip install mini-swe-agent==2\.4\.6$"):
+        harnesses.harness("mini-swe-agent")
+
+
+def test_mini_swe_agent_is_pointed_at_the_session_without_prompts_or_price_table():
+    """The shell line that runs mini-swe-agent: litellm's OpenAI provider at the session's /v1 with the session
+    token as its key, its non-interactive agent, cost tracking off and no price-table download, the task as
+    one argument (checked by splitting the line as the sandbox's bash does)."""
+    from t1async.rollout import harnesses
+
+    line = harnesses.HARNESSES["mini-swe-agent"].command("http://127.0.0.1:1/s/tok", "tok", "it's $HOME; done")
+    words = shlex.split(line.split(" && ", 1)[1].removesuffix(" < /dev/null"))
+    env = dict(w.split("=", 1) for w in words[:words.index(harnesses.mini_swe_agent.BINARY)])
+    argv = words[len(env):]
+    assert env["OPENAI_API_KEY"] == "tok" and env["MSWEA_CONFIGURED"] == "true" and env["HOME"] == harnesses.HOME
+    assert env["MSWEA_COST_TRACKING"] == "ignore_errors" and env["LITELLM_LOCAL_MODEL_COST_MAP"] == "True"
+    assert argv[argv.index("-t") + 1] == "it's $HOME; done" and argv[argv.index("-m") + 1] == "openai/t1async"
+    assert argv[argv.index("--agent-class") + 1] == "default"
+    specs = [argv[i + 1] for i, w in enumerate(argv) if w == "-c"]
+    assert specs[0] == "mini.yaml" and "model.model_kwargs.api_base=http://127.0.0.1:1/s/tok/v1" in specs
+    assert "agent.cost_limit=0" in specs
