@@ -140,8 +140,8 @@ class RolloutActor:
                     if self._audit is not None:
                         self._audit.write(t.trajectory_id + "\n")
                 self.episodes += 1
-                logger.info("rollout {} sent {}: {} tokens, {} turns, {}/{} tests, versions {}, {:.2f} s", self.actor_id,
-                            name, traj.num_tokens, len(traj.turn_offsets), traj.passed, traj.total,
+                logger.info("rollout {} sent {} ({}): {} tokens, {} turns, {}/{} tests, versions {}, {:.2f} s",
+                            self.actor_id, name, traj.agent, traj.num_tokens, len(traj.turn_offsets), traj.passed, traj.total,
                             sorted(set(traj.versions[traj.loss_mask.astype(bool)].tolist())),
                             traj.finished_at - traj.started_at)
                 if self.crash_after and self.episodes >= self.crash_after:
