@@ -28,7 +28,8 @@ from tests.support.trajectories import make_traj
 
 ARRAYS = ("token_ids", "loss_mask", "logprobs", "versions", "turn_offsets", "turn_status", "routed_experts")
 SCALARS = ("trajectory_id", "task", "actor_id", "num_experts", "reward", "passed", "total", "resolved", "finish_reason",
-           "started_at", "finished_at", "verifier_error", "tests", "drift_tokens", "template_mismatches", "agent", "schema_version")
+           "started_at", "finished_at", "verifier_error", "tests", "drift_tokens", "template_mismatches", "agent",
+           "schema_version")
 
 
 def split(frame: bytes) -> tuple[dict, bytes]:
