@@ -333,6 +333,39 @@ def test_claude_code_runs_its_own_tool_call_and_continues_the_exact_stream(endpo
     assert traj.drift_tokens == 0 and traj.token_ids.tolist() == policy.calls[-1] + policy.outputs[-1]
 
 
+@pytest.mark.slow
+def test_mini_swe_agent_ends_on_its_own_when_the_policy_never_calls_its_tool(endpoint, tmp_path):
+    """The real `mini` against a session whose policy only writes text (what a tiny model on CPU does): it
+    answers each with its own format-error message, gives up after three in a row (RepeatedFormatError)
+    and exits 0, so the episode ends without waiting for its budget. mini-swe-agent leaves an answer without
+    a valid tool call out of its history (the next request carries only its format-error message), so each
+    such answer is a history break: three exact one-turn segments, never re-tokenized."""
+    import json as _json
+
+    from t1async.rollout import mini_swe_agent
+
+    if shutil.which(mini_swe_agent.BINARY) is None:
+        pytest.skip(f"mini-swe-agent is not installed: {mini_swe_agent.INSTALL}")
+    text = [*TOK.encode("I am thinking."), TOK.im_end_id]
+    s = _session(endpoint, ScriptedSampler([text] * 5))
+    line = mini_swe_agent.command(f"{endpoint.url}/s/{s.token}", s.token, "Write hello to hello.txt",
+                                  home=str(tmp_path / "home"), model="t1async")
+    out = subprocess.run(["bash", "-c", line], cwd=tmp_path, capture_output=True, text=True, timeout=400)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    saved = _json.loads((tmp_path / "home" / "mini-swe-agent.traj.json").read_text())
+    assert saved["info"]["exit_status"] == "RepeatedFormatError"
+    assert len(s.recorder.records) == 3 and s.recorder.history_breaks == 2 and s.dialects == {"chat": 3}
+    segments = s.recorder.segments()
+    assert [len(seg) for seg in segments] == [1, 1, 1]
+    for k, seg in enumerate(segments):
+        traj = segment_builder(seg, TOK).finish(task="t", actor_id=0, num_experts=SCRIPTED_E, reward=0.0, passed=0,
+                                                total=1, resolved=False, finish_reason="agent_exit")
+        assert traj.drift_tokens == 0 and [traj.token_ids[a:b].tolist() for a, b in traj.turn_offsets.tolist()] == [text]
+        prompt = TOK.decode(seg[0].prompt_ids)  # the task, then (after the first) its format error, not the answer
+        assert "Write hello to hello.txt" in prompt and ("No tool calls found" in prompt) == (k > 0)
+        assert "I am thinking." not in prompt
+
+
 def test_a_compacted_history_is_a_break_and_both_segments_are_trained_exactly(endpoint):
     """A harness that compacts its context (Claude Code and Codex both do) asks the model for a summary,
     then goes on from a history made of that summary: the summary is sampled ids of the first segment
