@@ -39,3 +39,19 @@ def test_the_draw_follows_the_weights_and_repeats_with_the_seed():
     assert [other_actor.draw() for _ in range(100)] != seq[:100]
     assert [other_seed.draw() for _ in range(100)] != seq[:100]
     assert AgentMix("codex", seed=7, actor_id=0).draw() == "codex"
+
+
+def test_a_mix_with_an_agent_beside_builtin_needs_the_tool_call_vocabulary_at_launch():
+    """Preflight: every agent but builtin talks to the endpoint in tool calls (ids 4096..4099), so a mix
+    that holds one is refused on the default 4096-id model, naming the agents; builtin alone is not."""
+    from t1async.service.preflight import check_inputs
+    from tests.support import REPO
+
+    local = str(REPO / "configs" / "local.yaml")
+    with pytest.raises(ConfigError, match=r"model.vocab_size \(rollout.agent codex\)"):
+        check_inputs(load_config(local, ["rollout.agent={builtin: 3, codex: 1}"]))
+    with pytest.raises(ConfigError, match=r"model.vocab_size \(rollout.agent claude-code\)"):  # (a harness alone too)
+        check_inputs(load_config(local, ["rollout.agent=claude-code"]))
+    assert check_inputs(load_config(local, ["rollout.agent={builtin: 3}", "env.tasks=[extract-tarball]"]))
+    assert check_inputs(load_config(local, ["rollout.agent={builtin: 3, codex: 1}", "model.vocab_size=4100",
+                                            "env.tasks=[extract-tarball]"]))
