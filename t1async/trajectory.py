@@ -71,7 +71,10 @@ printed no test summary or could not collect its tests for a module its environm
 t1async/envs/verifier.py; the learner never trains on such a trajectory. A verifier timeout is not
 one: it arrives as reward 0 with the failed test ``verifier_timeout``, as the harnesses score it),
 ``tests`` (list of ``[name: str, passed: bool]``),
-``drift_tokens`` and ``template_mismatches`` (ints >= 0: TITO counters, see t1async/rollout/episode.py).
+``drift_tokens`` and ``template_mismatches`` (ints >= 0: TITO counters, see t1async/rollout/episode.py),
+``agent`` (str, 1-64 printable characters: who drove the episode, a ``rollout.agent`` name such as
+``builtin`` or ``codex``; optional in the header, absent reads as ``builtin``, so frames of senders
+that predate it decode unchanged).
 """
 
 from __future__ import annotations
@@ -97,6 +100,11 @@ MAGIC = b"T1TJ"
 ALIGN = 64
 _PREAMBLE = struct.Struct("<4sI")
 MAX_ID_CHARS = 128
+MAX_AGENT_CHARS = 64
+
+HISTORY_BREAK = "history_break"
+"""``finish_reason`` of an external agent's segment that ended because the agent's next request broke its
+history (t1async/rollout/agent.py); the learner counts them per agent."""
 
 TURN_OK = 0
 """The turn ended normally (a stop id, or text the sampler ended without hitting a limit)."""
@@ -174,6 +182,8 @@ class Trajectory:
     template_mismatches: int = 0
     """Turns where the chat template would render the history differently from the stream
     (the stream wins; counted, see t1async/rollout/episode.py)."""
+    agent: str = "builtin"
+    """Who drove the episode: the ``rollout.agent`` name drawn for it (t1async/rollout/agent_mix.py)."""
     turn_status: np.ndarray | None = None
     """[turns] uint8 code of how each turn ended (:data:`TURN_STATUS`); None: every turn normal."""
     schema_version: int = SCHEMA_VERSION
@@ -272,6 +282,7 @@ class EncodedTrajectory:
         for name in _SCALARS:
             header[name] = getattr(traj, name)
         header["verifier_error"] = traj.verifier_error
+        header["agent"] = traj.agent
         header["tests"] = [[str(n), bool(p)] for n, p in traj.tests]
         self._arrays = _wire_arrays(traj)
         specs, offset = {}, 0
@@ -399,6 +410,9 @@ def decode(frame: bytes | bytearray | memoryview, *, num_experts: int | None = N
     ve = header.get("verifier_error")
     if ve is not None and not isinstance(ve, str):
         raise TrajectoryError("verifier_error", "expected a string or nil")
+    agent = header.get("agent", "builtin")
+    if not isinstance(agent, str):
+        raise TrajectoryError("agent", f"expected str, got {type(agent).__name__}")
     tests = header.get("tests")
     if not isinstance(tests, list) or not all(
         isinstance(t, list) and len(t) == 2 and isinstance(t[0], str) and isinstance(t[1], bool) for t in tests
@@ -408,7 +422,7 @@ def decode(frame: bytes | bytearray | memoryview, *, num_experts: int | None = N
     if not isinstance(specs, dict):
         raise TrajectoryError("arrays", "missing or not a map of array specs")
     arrays = {name: _view_array(specs, name, mv, data_start) for name in _ARRAYS}
-    traj = Trajectory(**kw, **arrays, tests=[(n, p) for n, p in tests], verifier_error=ve,
+    traj = Trajectory(**kw, **arrays, tests=[(n, p) for n, p in tests], verifier_error=ve, agent=agent,
                       schema_version=SCHEMA_VERSION)
     validate(traj, num_experts=num_experts, num_layers=num_layers, top_k=top_k, max_version=max_version)
     return traj
@@ -418,6 +432,8 @@ def _check_scalars(traj: Trajectory) -> None:
     tid = traj.trajectory_id
     if not (isinstance(tid, str) and 0 < len(tid) <= MAX_ID_CHARS and tid.isprintable()):
         raise TrajectoryError("trajectory_id", f"{tid!r} is not 1-{MAX_ID_CHARS} printable characters")
+    if not (isinstance(traj.agent, str) and 0 < len(traj.agent) <= MAX_AGENT_CHARS and traj.agent.isprintable()):
+        raise TrajectoryError("agent", f"{traj.agent!r} is not 1-{MAX_AGENT_CHARS} printable characters")
     for name in ("actor_id", "drift_tokens", "template_mismatches"):
         if getattr(traj, name) < 0:
             raise TrajectoryError(name, f"{getattr(traj, name)} is negative")

@@ -52,4 +52,14 @@ if command -v npm >/dev/null 2>&1; then
 else
   echo "setup: npm not found: the codex and claude harness tests skip"
 fi
+# optional: mini-swe-agent (PyPI) in a venv of its own under /usr/local/lib (every local sandbox sees /usr),
+# made from .venv's Python (the sandbox binds that Python); litellm and the rest stay out of .venv
+MSWEA=/usr/local/lib/t1async-harness/mini-swe-agent
+if [ ! -x "$MSWEA/bin/mini" ]; then
+  echo "setup: installing mini-swe-agent 2.4.6 into $MSWEA (optional)"
+  PIP_SUDO=""; [ "$(id -u)" = 0 ] || PIP_SUDO="sudo"
+  { $PIP_SUDO "$PWD/.venv/bin/python" -m venv "$MSWEA" \
+      && $PIP_SUDO "$MSWEA/bin/pip" install -q --disable-pip-version-check mini-swe-agent==2.4.6 >/dev/null 2>&1; } \
+    || echo "setup: could not install mini-swe-agent: its tests skip"
+fi
 echo "setup: done (.venv/bin/t1async)"

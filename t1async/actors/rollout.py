@@ -1,7 +1,8 @@
 """Rollout role: episodes one after another against a sampler, trajectories streamed to the learner.
 
-The episode itself is :func:`t1async.rollout.episode.run_episode` (or, with ``rollout.agent:
-external``, :func:`t1async.rollout.agent.run_agent_episode`); this role wires it to Ray: it
+The episode itself is :func:`t1async.rollout.episode.run_episode` (or, for an episode whose agent, drawn
+from ``rollout.agent`` by :class:`t1async.rollout.agent_mix.AgentMix`, is not builtin,
+:func:`t1async.rollout.agent.run_agent_episode`); this role wires it to Ray: it
 waits for admission from the controller before each episode (staleness control), runs the episode
 in a fresh sandbox (``t1async.envs``), encodes the trajectory and hands it to its ZeroMQ sender
 (it spools, sends and resends until the learner acknowledges; t1async/transport/transport.py),
@@ -33,6 +34,7 @@ from t1async.envs.taskio.loading import discover_tasks
 from t1async.envs.terminal import TerminalEnv
 from t1async.fileio import claim_folder, dead_owner_folders, free_bytes, is_disk_error
 from t1async.models.families import load_renderer
+from t1async.rollout.agent_mix import AgentMix
 from t1async.rollout.episode import run_episode
 from t1async.rollout.harnesses import HARNESSES, harness
 from t1async.sampling.sampler_client import HttpSampler, RoutedSampler
@@ -59,15 +61,16 @@ class RolloutActor:
             and removes it at shutdown, also when the actor was killed); None: the system temp dir.
         audit_dir: when set, the id of each trajectory is appended to ``audit_dir/sent-<pid>.txt``
             once it is spooled (``t1async soak`` counts from it what was sent); None: no record.
-        rollout_cfg: the ``rollout`` section; with ``agent: external`` an external agent program
-            drives each episode through this actor's OpenAI-compatible endpoint
+        rollout_cfg: the ``rollout`` section; an episode whose agent (``rollout.agent``, one name or a
+            weighted mix drawn per episode) is not builtin is driven through this actor's agent endpoint
             (t1async/rollout/agent.py). None: the builtin loop.
+        seed: ``run.seed``: with the actor's number, it seeds the draw of each episode's agent.
     """
 
     def __init__(self, actor_id: int, env_cfg: EnvConfig, gen_cfg: GenerationConfig, model_cfg: ModelConfig,
                  transport: TransportConfig, sampler_urls: list[str], endpoint: str, *, crash_after_episodes: int = 0,
                  request_timeout_s: float = 300.0, work_root: str | None = None, audit_dir: str | None = None,
-                 rollout_cfg: RolloutConfig | None = None):
+                 rollout_cfg: RolloutConfig | None = None, seed: int = 0):
         self.actor_id = actor_id
         self.env_cfg, self.gen_cfg, self.model_cfg = env_cfg, gen_cfg, model_cfg
         self.tasks = {t.name: t for t in discover_tasks(tasks_dir(env_cfg), env_cfg.tasks, sandbox=env_cfg.sandbox)}
@@ -83,13 +86,15 @@ class RolloutActor:
         self._disk_backoff_s = 0.0  # the current back-off on a full disk (0: none)
         self.workdir, self._workdir_lock = claim_workdir(work_root, actor_id)
         self.rollout_cfg = rollout_cfg or RolloutConfig()
+        self.agents = AgentMix(self.rollout_cfg.agent, seed, actor_id)
         self.endpoint = None
-        if self.rollout_cfg.agent != "builtin":  # external or a named harness (checked installed here)
+        if set(self.agents.names) != {"builtin"}:  # external or a named harness (checked installed here)
             # (fastapi: imported only by the external-agent endpoint, not by the builtin loop)
             from t1async.rollout.endpoint import OpenAIEndpoint
 
-            if self.rollout_cfg.agent in HARNESSES:
-                harness(str(self.rollout_cfg.agent))  # one line naming the install command when missing
+            for name in self.agents.names:
+                if name in HARNESSES:
+                    harness(name)  # one line naming the install command when missing
 
             self.endpoint = OpenAIEndpoint(self.tokenizer)
         self._audit = None
@@ -135,8 +140,8 @@ class RolloutActor:
                     if self._audit is not None:
                         self._audit.write(t.trajectory_id + "\n")
                 self.episodes += 1
-                logger.info("rollout {} sent {}: {} tokens, {} turns, {}/{} tests, versions {}, {:.2f} s", self.actor_id,
-                            name, traj.num_tokens, len(traj.turn_offsets), traj.passed, traj.total,
+                logger.info("rollout {} sent {} ({}): {} tokens, {} turns, {}/{} tests, versions {}, {:.2f} s",
+                            self.actor_id, name, traj.agent, traj.num_tokens, len(traj.turn_offsets), traj.passed, traj.total,
                             sorted(set(traj.versions[traj.loss_mask.astype(bool)].tolist())),
                             traj.finished_at - traj.started_at)
                 if self.crash_after and self.episodes >= self.crash_after:
@@ -188,22 +193,24 @@ class RolloutActor:
             call(controller.trajectory_discarded, f"rejected: {reason}", key)
         self._rejections_reported += len(reasons)
 
-    def run_one(self, task_name: str) -> list[Trajectory]:
-        """Run one episode of the named task in a fresh sandbox and return its trajectories (one,
-        or one per exact segment of an external agent that broke its history)."""
+    def run_one(self, task_name: str, agent: str | None = None) -> list[Trajectory]:
+        """Run one episode of the named task in a fresh sandbox, driven by ``agent`` (None: the next
+        draw of ``rollout.agent``), and return its trajectories (one, or one per exact segment of an
+        external agent that broke its history), each recording its agent."""
         if task_name not in self.tasks:  # the task set was changed live (t1async scale env.tasks=...)
             self.tasks.update({t.name: t for t in discover_tasks(tasks_dir(self.env_cfg), [task_name],
                                                                  sandbox=self.env_cfg.sandbox)})
         task = self.tasks[task_name]
+        agent = self.agents.draw() if agent is None else agent
         self.sampler.begin_episode()
         env = TerminalEnv.from_config(task, self.workdir, self.env_cfg)
         try:
-            if self.endpoint is not None:
+            if agent != "builtin":
                 from t1async.rollout.agent import run_agent_episode  # (fastapi, as OpenAIEndpoint above)
 
                 return run_agent_episode(task, env, self.sampler, self.tokenizer, self.endpoint, self.rollout_cfg,
                                          self.env_cfg, self.gen_cfg, self.model_cfg, self.actor_id,
-                                         self.workdir / "agent-logs")
+                                         self.workdir / "agent-logs", agent=agent)
             return [run_episode(task, env, self.sampler, self.tokenizer, self.env_cfg, self.gen_cfg, self.model_cfg,
                                 self.actor_id)]
         finally:

@@ -57,6 +57,7 @@ from t1async.config.rollout import (
     SamplerConfig,
     SamplerDtype,
     SandboxName,
+    agent_weights,
 )
 from t1async.config.rules import Choice, FieldError, Section, field_rule
 from t1async.config.run import (
@@ -126,6 +127,7 @@ __all__ = [
     "WeightSyncBackend",
     "WeightSyncConfig",
     "WeightSyncMode",
+    "agent_weights",
     "check_trainable",
     "check_values",
     "divisors",

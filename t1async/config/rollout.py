@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from t1async.config.rules import Choice, Section, choice, rule, section_rule
 
@@ -79,6 +81,27 @@ class Agent(Choice):
     """Codex CLI (``codex exec``, OpenAI Responses) inside the episode's sandbox"""
     locals()["claude-code"] = "claude-code"  # (a member's name is its value; this one has a hyphen)
     """Claude Code (``claude -p``, Anthropic Messages) inside the episode's sandbox"""
+    locals()["mini-swe-agent"] = "mini-swe-agent"
+    """mini-swe-agent (``mini``, OpenAI Chat Completions through litellm) inside the episode's sandbox"""
+
+
+def agent_weights(agent: Any) -> dict[str, float]:
+    """``rollout.agent`` as ``{name: weight}``: a single name is ``{name: 1.0}``, a mix is its own
+    mapping (weights as floats; not normalised). The value is assumed valid (:func:`agent_value_ok`)."""
+    if isinstance(agent, str):
+        return {str(agent): 1.0}
+    return {str(k): float(w) for k, w in agent.items()}
+
+
+def agent_value_ok(agent: Any) -> bool:
+    """Whether ``agent`` is a valid ``rollout.agent``: one of :class:`Agent`'s values, or a non-empty
+    mapping of them to finite weights > 0."""
+    if isinstance(agent, str):
+        return agent in Agent.values()
+    if not isinstance(agent, dict) or not agent:
+        return False
+    return all(k in Agent.values() and isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w)
+               and w > 0 for k, w in agent.items())
 
 
 class HistoryBreakAction(Choice):
@@ -292,7 +315,7 @@ class RolloutConfig(Section):
     """Rollout actors: each runs episodes one after another and streams trajectories."""
 
     RULES = (
-        section_rule(lambda c: c.agent != "external" or c.agent_command.strip() != "", "agent_command",
+        section_rule(lambda c: "external" not in agent_weights(c.agent) or c.agent_command.strip() != "", "agent_command",
                      "the agent program to run when rollout.agent=external (e.g. 'python tools/example_agent.py')"),
     )
 
@@ -319,15 +342,19 @@ class RolloutConfig(Section):
     async``); ``learner_version`` is AReaL's rule alone: the fast run ahead and the learner drops
     a slow episode that became too stale (fastest; slow tasks are trained less often than they
     are started). With ``learner.max_staleness=0`` every rule is synchronous RL."""
-    agent: Agent = field(default=Agent.builtin, metadata=choice(
-        Agent, "'builtin' (the rollout loop), 'external' (rollout.agent_command through the agent endpoint), "
-               "'codex' or 'claude-code' (those CLIs inside the sandbox)"))
-    """Who drives an episode: ``builtin`` (the rollout loop of t1async/rollout/episode.py) or ``external``
-    (the program ``agent_command``, talking OpenAI Chat Completions, OpenAI Responses or Anthropic
+    agent: Any = field(default="builtin", metadata=rule(
+        agent_value_ok, "'builtin' (the rollout loop), 'external' (rollout.agent_command through the agent endpoint), "
+                        "'codex', 'claude-code' or 'mini-swe-agent' (those agents inside the sandbox), or a mix of "
+                        "them drawn per episode, each with a weight > 0, e.g. {builtin: 2, codex: 1}"))
+    """Who drives an episode (:class:`Agent`): ``builtin`` (the rollout loop of t1async/rollout/episode.py) or
+    ``external`` (the program ``agent_command``, talking OpenAI Chat Completions, OpenAI Responses or Anthropic
     Messages, streamed or not, to the agent endpoint that records every completion token-exactly;
     t1async/rollout/endpoint/, t1async/rollout/agent.py), or a named harness run inside the episode's
-    sandbox against that endpoint: ``codex`` (``codex exec``) or ``claude-code`` (``claude -p``);
-    t1async/rollout/harnesses.py. Needs
+    sandbox against that endpoint: ``codex`` (``codex exec``), ``claude-code`` (``claude -p``) or
+    ``mini-swe-agent`` (``mini``); t1async/rollout/harnesses.py. A mapping of names to weights mixes them:
+    each episode draws its agent with probability weight / sum of weights (seeded by ``run.seed`` and the
+    rollout actor's number: reproducible), records it in the trajectory (``agent``) and metrics.jsonl
+    splits its rows by it (``by_agent``). Agents other than builtin need
     ``model.vocab_size`` >= 4100 (tool calls use the tool-call special ids)."""
     agent_command: str = ""
     """``rollout.agent: external``: the agent program, split like a shell line (a first word

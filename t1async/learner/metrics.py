@@ -19,7 +19,7 @@ from loguru import logger
 from t1async.config import AbnormalConfig
 from t1async.fileio import DiskGuard, append_whole, replace_file
 from t1async.learner.abnormal import finish_counts, masked_turns, tool_call_counts, turn_counts
-from t1async.trajectory import Trajectory
+from t1async.trajectory import HISTORY_BREAK, Trajectory
 
 
 def batch_metrics(batch: list[Trajectory], stale: list[int], abnormal: AbnormalConfig, *, step: int, version: int,
@@ -63,7 +63,43 @@ def batch_metrics(batch: list[Trajectory], stale: list[int], abnormal: AbnormalC
             [t.logprobs[t.loss_mask.astype(bool)] for t in batch])).size else 0.0,
         "turns_mean": float(np.mean([t.turn_offsets.shape[0] for t in batch])),
         "queue_depth": queue_depth,
+        "by_agent": agent_split(batch),
     }
+
+
+def agent_split(batch: list[Trajectory]) -> dict[str, dict[str, Any]]:
+    """The batch's outcomes per agent that drove its episodes (``Trajectory.agent``: a ``rollout.agent``
+    name), in name order: ``trajectories``, ``reward_mean``, ``resolved_rate``, ``turns_mean`` (sampled
+    turns per trajectory), ``tokens`` (the streams' tokens, all), ``history_breaks`` (segments that ended
+    because the agent broke its history, ``finish_reason`` ``history_break``) and ``template_mismatches``.
+    Agents with no trajectory in the batch are absent."""
+    out: dict[str, dict[str, Any]] = {}
+    for name in sorted({t.agent for t in batch}):
+        ts = [t for t in batch if t.agent == name]
+        out[name] = {"trajectories": len(ts), "reward_mean": float(np.mean([t.reward for t in ts])),
+                     "resolved_rate": float(np.mean([t.resolved for t in ts])),
+                     "turns_mean": float(np.mean([t.turn_offsets.shape[0] for t in ts])),
+                     "tokens": int(sum(t.num_tokens for t in ts)),
+                     "history_breaks": sum(t.finish_reason == HISTORY_BREAK for t in ts),
+                     "template_mismatches": int(sum(t.template_mismatches for t in ts))}
+    return out
+
+
+def merge_agent_splits(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The ``by_agent`` parts of several metrics rows as one (:func:`agent_split`'s keys): counts summed,
+    means weighted by each row's trajectories of that agent. Rows without ``by_agent`` (written before it
+    existed) are skipped."""
+    out: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        for name, a in (row.get("by_agent") or {}).items():
+            m = out.setdefault(name, {"trajectories": 0, "reward_mean": 0.0, "resolved_rate": 0.0, "turns_mean": 0.0,
+                                      "tokens": 0, "history_breaks": 0, "template_mismatches": 0})
+            n, k = m["trajectories"], a["trajectories"]
+            for key in ("reward_mean", "resolved_rate", "turns_mean"):
+                m[key] = (m[key] * n + a[key] * k) / (n + k) if n + k else 0.0
+            for key in ("trajectories", "tokens", "history_breaks", "template_mismatches"):
+                m[key] += a[key]
+    return dict(sorted(out.items()))
 
 
 class MetricsFile:

@@ -46,10 +46,7 @@ from t1async.rollout.env import Env, TaskInfo
 from t1async.rollout.episode import EpisodeBuilder, EpisodeError, context_limit
 from t1async.rollout.harnesses import HARNESSES, Harness, harness
 from t1async.sampling.sampler_client import Sampler
-from t1async.trajectory import TURN_ABORTED, TURN_LENGTH_CUT, Trajectory
-
-HISTORY_BREAK = "history_break"
-"""``finish_reason`` of a segment that ended because the agent's next request broke its history."""
+from t1async.trajectory import HISTORY_BREAK, TURN_ABORTED, TURN_LENGTH_CUT, Trajectory
 
 
 class HistoryBreak(RuntimeError):
@@ -97,10 +94,11 @@ def agent_environment(base_url: str, session_url: str, instruction: str, max_tur
 
 def run_agent_episode(task: TaskInfo, env: Env, sampler: Sampler, tokenizer: ChatTokenizer,
                       endpoint: OpenAIEndpoint, rollout_cfg: RolloutConfig, env_cfg: EnvConfig,
-                      gen_cfg: GenerationConfig, model_cfg: ModelConfig, actor_id: int, log_dir: Path
-                      ) -> list[Trajectory]:
-    """Run one episode of ``task`` driven by ``rollout_cfg.agent_command``; return one trajectory
-    per exact segment (one unless the agent broke its history and ``history_break`` is split).
+                      gen_cfg: GenerationConfig, model_cfg: ModelConfig, actor_id: int, log_dir: Path,
+                      agent: str | None = None) -> list[Trajectory]:
+    """Run one episode of ``task`` driven by ``agent`` (``external``: ``rollout_cfg.agent_command``; or a
+    named harness; None: ``rollout_cfg.agent``, a single name); return one trajectory per exact segment
+    (one unless the agent broke its history and ``history_break`` is split), each with ``agent`` set.
 
     ``finish_reason``: ``end_signal`` (the agent called /done), ``agent_exit`` (it exited),
     ``max_turns``, ``context_full``, ``timeout`` (the smaller of the task's agent timeout and
@@ -121,9 +119,10 @@ def run_agent_episode(task: TaskInfo, env: Env, sampler: Sampler, tokenizer: Cha
     session_url = f"{endpoint.url}/s/{session.token}"
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"agent-{actor_id}.log"
-    if str(rollout_cfg.agent) in HARNESSES:
+    agent = str(rollout_cfg.agent) if agent is None else agent
+    if agent in HARNESSES:
         try:
-            returncode, finish = _run_harness(harness(str(rollout_cfg.agent)), env, session, session_url,
+            returncode, finish = _run_harness(harness(agent), env, session, session_url,
                                               instruction, log_path, started + budget)
         finally:
             endpoint.close_session(session)
@@ -133,8 +132,8 @@ def run_agent_episode(task: TaskInfo, env: Env, sampler: Sampler, tokenizer: Cha
     with session.lock:  # a request still in flight finishes its record first
         segments = session.recorder.segments()
     tail = log_path.read_bytes()[-2000:].decode(errors="replace")
-    logger.info("agent episode of {}: {} completions in {} exact segments ({} history breaks), {} sampler errors, "
-                "ended {}, agent exit status {}", task.name, sum(map(len, segments)), len(segments),
+    logger.info("{} episode of {}: {} completions in {} exact segments ({} history breaks), {} sampler errors, "
+                "ended {}, agent exit status {}", agent, task.name, sum(map(len, segments)), len(segments),
                 session.recorder.history_breaks, session.sampler_errors, finish, returncode)
     if returncode not in (0, None, -signal.SIGKILL):
         logger.warning("agent of {} exited with status {}; output tail:\n{}", task.name, returncode, tail)
@@ -155,7 +154,7 @@ def run_agent_episode(task: TaskInfo, env: Env, sampler: Sampler, tokenizer: Cha
             task=task.name, actor_id=actor_id, num_experts=model_cfg.num_experts, reward=float(verdict.reward),
             passed=verdict.passed, total=verdict.total, resolved=verdict.resolved,
             finish_reason=finish if k == len(segments) - 1 else HISTORY_BREAK,
-            tests=[(t.name, t.passed) for t in verdict.tests], verifier_error=verdict.error,
+            tests=[(t.name, t.passed) for t in verdict.tests], verifier_error=verdict.error, agent=agent,
             started_at=started, finished_at=time.time()))
     return out
 

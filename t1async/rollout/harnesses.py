@@ -12,6 +12,8 @@ one line naming the command that installs it.
 - ``claude-code``: Claude Code 2.1 (npm ``@anthropic-ai/claude-code``), ``claude -p``: Anthropic
   Messages, streamed, through ``ANTHROPIC_BASE_URL``; permissions skipped (``IS_SANDBOX=1``: it refuses
   that as root otherwise).
+- ``mini-swe-agent``: mini-swe-agent 2.4 (PyPI ``mini-swe-agent``, a venv of its own), ``mini``: OpenAI Chat
+  Completions through litellm, one ``bash`` tool; t1async/rollout/mini_swe_agent.py.
 
 The sandbox needs the loopback of the host: ``env.network=on`` (a bubblewrap sandbox without network
 has a loopback of its own).
@@ -22,7 +24,10 @@ from __future__ import annotations
 import shlex
 import shutil
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
+
+from t1async.rollout import mini_swe_agent
 
 HOME = "/tmp/t1async-harness"
 """The harness's home inside the sandbox (its configuration and logs; a tmpfs of the sandbox)."""
@@ -35,9 +40,10 @@ class Harness:
 
     Attributes:
         name: the ``rollout.agent`` value.
-        binary: the executable it needs on PATH (inside the sandbox as on the host: /usr is shared).
+        binary: the executable it needs: a name on PATH or an absolute path (inside the sandbox as on the host:
+            /usr is shared).
         install: the one command that installs it.
-        dialect: the API it speaks (``responses``, ``messages``).
+        dialect: the API it speaks (``chat``, ``responses``, ``messages``).
         tool: its shell tool and that tool's command argument (what a scripted policy calls).
         command: (session URL, session token, instruction) -> the shell line that runs one episode.
     """
@@ -70,6 +76,8 @@ HARNESSES: dict[str, Harness] = {h.name: h for h in (
     Harness("codex", "codex", "npm install -g @openai/codex@0.169.0", "responses", ("exec_command", "cmd"), _codex),
     Harness("claude-code", "claude", "npm install -g @anthropic-ai/claude-code@2.1", "messages", ("Bash", "command"),
             _claude),
+    Harness("mini-swe-agent", mini_swe_agent.BINARY, mini_swe_agent.INSTALL, "chat", mini_swe_agent.TOOL,
+            partial(mini_swe_agent.command, home=HOME, model=MODEL)),
 )}
 """Every named harness by ``rollout.agent`` value."""
 

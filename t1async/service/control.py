@@ -296,6 +296,13 @@ def format_status(st: dict[str, Any]) -> str:
     console = Console(width=110, record=True, file=open("/dev/null", "w"))  # noqa: SIM115 (record only)
     console.print(head)
     console.print(roles)
+    if st.get("by_agent"):  # the last 10 steps' trajectories by the agent that drove them
+        agents = Table("agent", "trajectories", "reward", "resolved", "turns", "tokens", "history breaks",
+                       "template mismatches", title="by agent, last 10 steps")
+        for name, a in st["by_agent"].items():
+            agents.add_row(name, str(a["trajectories"]), f(a["reward_mean"]), f(a["resolved_rate"]), f(a["turns_mean"], 1),
+                           str(a["tokens"]), str(a["history_breaks"]), str(a["template_mismatches"]))
+        console.print(agents)
     return console.export_text()
 
 

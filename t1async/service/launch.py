@@ -390,7 +390,7 @@ def start_controller(cfg: Config, actor: Any, task_names: list[str], urls: list[
                                   crash_after_episodes=crash_after, request_timeout_s=cfg.sampler.request_timeout_s,
                                   work_root=work_root, log_name=f"rollout{actor_id}",
                                   audit_dir=str(Path(cfg.run.dir) / "audit") if cfg.run.audit else None,
-                                  rollout_cfg=cfg.rollout)
+                                  rollout_cfg=cfg.rollout, seed=cfg.run.seed)
 
     controller = actor(Controller, "controller").remote(
         cfg.rollout, task_names, rollouts_per_version=cfg.learner.batch_size * cfg.learner.publish_every,

@@ -26,7 +26,7 @@ from loguru import logger
 
 from t1async import require_extra
 from t1async.actors.rollout import tasks_dir
-from t1async.config import Config, ConfigError, check_trainable, load_config
+from t1async.config import Config, ConfigError, agent_weights, check_trainable, load_config
 from t1async.envs.sandboxes.sandbox import check_sandbox_available
 from t1async.envs.taskio.loading import discover_tasks, task_folders
 from t1async.envs.taskio.task import Task, TaskError
@@ -150,11 +150,12 @@ def check_inputs(cfg: Config) -> list[str]:
                 raise ConfigError(f"env.action_format=tool_call with model.path={cfg.model.path}: {e}") from None
     else:
         check_model_vocab(cfg.model.vocab_size, cfg.env.action_format)
-    if cfg.rollout.agent == "external" and not cfg.model.path:  # ChatML: tool calls with the tool-call ids
-        check_model_vocab(cfg.model.vocab_size, "tool_call", "model.vocab_size (rollout.agent=external)")
-    if cfg.rollout.agent == "external":
+    others = sorted(set(agent_weights(cfg.rollout.agent)) - {"builtin"})  # agents that talk to the endpoint
+    if others and not cfg.model.path:  # ChatML: tool calls with the tool-call ids
+        check_model_vocab(cfg.model.vocab_size, "tool_call", f"model.vocab_size (rollout.agent {', '.join(others)})")
+    if others:
         for module in ("fastapi", "uvicorn"):  # the endpoint's extra, before any process starts
-            require_extra(module, "endpoint", "rollout.agent=external")
+            require_extra(module, "endpoint", f"rollout.agent {', '.join(others)}")
     if cfg.metrics.wandb:  # (its extra, before any process starts)
         require_extra("wandb", "wandb", "metrics.wandb=true")
     tasks = usable_tasks(cfg)

@@ -47,6 +47,7 @@ from rich.text import Text
 from t1async.actors import error_line
 from t1async.config import Config, ConfigError, MetricsConfig, from_node
 from t1async.fileio import DiskGuard
+from t1async.learner.metrics import merge_agent_splits
 from t1async.service.capacity import Capacity, scale_refusal
 from t1async.service.control import LIVE_KEYS, live_change_refusal
 from t1async.service.memory import MemoryBackoff, killed_for_memory, node_memory_used, ray_memory_threshold
@@ -69,9 +70,9 @@ class LearnerDied(RuntimeError):
 
 
 class MetricsTail:
-    """Reads rows appended to ``metrics.jsonl`` since the last call; sends their numbers (dict
-    fields as ``name/key``) to TensorBoard (``RUN_DIR/tensorboard``) and, with ``metrics.wandb``,
-    Weights & Biases: one point per step across the run's lives (t1async/service/sinks.py).
+    """Reads rows appended to ``metrics.jsonl`` since the last call; sends their numbers (dict fields
+    as ``name/key``, maps in them ``name/key/key``) to TensorBoard (``RUN_DIR/tensorboard``) and, with
+    ``metrics.wandb``, Weights & Biases: one point per step across the run's lives (t1async/service/sinks.py).
 
     Args:
         path: ``RUN_DIR/metrics.jsonl``.
@@ -133,13 +134,13 @@ class MetricsTail:
         if not self.sinks:
             return
         scalars: dict[str, float] = {}
-        for key, value in row.items():
-            if key in TB_SKIP:
-                continue
-            items = value.items() if isinstance(value, dict) else [(None, value)]
-            for sub, v in items:
-                if isinstance(v, (int, float)) and not isinstance(v, bool):
-                    scalars[f"{key}/{sub}" if sub else key] = float(v)
+        pending = [(key, value) for key, value in row.items() if key not in TB_SKIP]
+        while pending:  # nested maps as name/key[/key...] (by_agent/codex/reward_mean)
+            key, value = pending.pop(0)
+            if isinstance(value, dict):
+                pending += [(f"{key}/{sub}", v) for sub, v in value.items()]
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                scalars[key] = float(value)
         for sink in self.sinks:
             sink.write(int(row["step"]), float(row.get("time", time.time())), scalars)
 
@@ -626,12 +627,14 @@ def fit_line(fields: list[str], width: int, priority: tuple[int, ...] = LINE_PRI
 
 def trends(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Rates and trends over metrics rows: trajectories/s (last 10 steps), reward and resolved
-    rate of the last 5 steps against the 5 before, time since the last step, staleness."""
+    rate of the last 5 steps against the 5 before, time since the last step, staleness, and the
+    last 10 steps split by agent (``by_agent``: t1async/learner/metrics.py ``merge_agent_splits``)."""
     out: dict[str, Any] = {"trajectories_per_s": None, "reward_recent": None, "reward_before": None,
                            "resolved_recent": None, "resolved_before": None, "since_last_step_s": None,
-                           "staleness_max": None}
+                           "staleness_max": None, "by_agent": {}}
     if not rows:
         return out
+    out["by_agent"] = merge_agent_splits(rows[-10:])
     window = rows[-10:]
     if len(window) >= 2 and window[-1]["time"] > window[0]["time"]:
         n = sum(r["trajectories"] for r in window[1:])

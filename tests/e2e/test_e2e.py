@@ -95,20 +95,30 @@ def test_launch_with_tool_calls(tmp_path):
 
 
 def test_launch_with_an_external_agent(tmp_path):
-    """rollout.agent=external through the whole loop: tools/example_agent.py (the official openai client)
-    drives every episode through the recording endpoint; trajectories arrive exact (drift 0), steps run."""
+    """rollout.agent={builtin: 1, external: 1} through the whole loop: each episode draws its agent (run.seed);
+    tools/example_agent.py (the official openai client) drives the external ones through the recording
+    endpoint; trajectories arrive exact (drift 0) and record their agent, and every metrics row splits the
+    batch by agent. (run.seed=11: each actor's first two draws differ, so 4 trajectories from 2 actors
+    hold both agents whatever the timing.)"""
     run_dir = tmp_path / "run"
-    rows = _two_tool_call_steps(run_dir, "rollout.agent=external",
+    rows = _two_tool_call_steps(run_dir, "rollout.agent={builtin: 1, external: 1}", "run.seed=11",
                                 f"rollout.agent_command=python {REPO / 'tools' / 'example_agent.py'}")
     # the example agent keeps its history append-only and stops after env.max_turns completions
     reasons = {k for r in rows for k in r["finish_reasons"]}
-    assert "history_break" not in reasons and reasons & {"agent_exit", "end_signal"}
+    assert "history_break" not in reasons
+    assert all(sum(a["trajectories"] for a in r["by_agent"].values()) == r["trajectories"] for r in rows)
+    assert {name for r in rows for name in r["by_agent"]} == {"builtin", "external"}
+    for r in rows:
+        for a in r["by_agent"].values():
+            assert a["tokens"] > 0 and a["turns_mean"] >= 1 and a["history_breaks"] == 0
     dumped = sorted((run_dir / "trajectories").glob("*.traj"))
     assert len(dumped) == 2
     for f in dumped:
         t = decode(f.read_bytes())
         prompt = t.token_ids[: t.turn_offsets[0][0]].tolist()
-        assert prompt.count(4096) == 2 and t.drift_tokens == 0  # the agent's bash tool declared with the <tool_call> id
+        assert t.agent in ("builtin", "external") and t.drift_tokens == 0
+        if t.agent == "external":  # the agent's bash tool declared with the <tool_call> id
+            assert prompt.count(4096) == 2 and t.finish_reason in ("agent_exit", "end_signal", "max_turns")
         assert 1 <= len(t.turn_offsets) <= 2 and t.routed_experts.shape == (t.num_tokens - 1, 4, 2)
 
 

@@ -27,7 +27,8 @@ def oracle_commands(task_dir: Path) -> list[str]:
 
 class OraclePolicy:
     """Emits ``commands`` as calls of ``tool`` (its ``argument``: bash's ``command``, Codex's
-    ``exec_command`` ``cmd``), one per turn, then ``final`` as text.
+    ``exec_command`` ``cmd``), one per turn, then ``final`` as text, or, given ``final_call``, that command
+    as one more call (mini-swe-agent ends on its submit command, not on text).
 
     Attributes:
         calls: every request's prompt ids, in order.
@@ -35,8 +36,10 @@ class OraclePolicy:
     """
 
     def __init__(self, tok: ChatTokenizer, commands: list[str], final: str = "The task is done.", tool: str = "bash",
-                 argument: str = "command"):
+                 argument: str = "command", final_call: str | None = None):
         self.tok, self.commands, self.final, self.tool, self.argument = tok, list(commands), final, tool, argument
+        if final_call is not None:
+            self.commands.append(final_call)
         self.calls: list[list[int]] = []
         self.outputs: list[list[int]] = []
 

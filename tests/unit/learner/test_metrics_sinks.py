@@ -9,10 +9,14 @@ import struct
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import tensorboardX.proto.event_pb2  # noqa: F401 (tensorboardX imports torch: at collection, not in a test's time)
 
+from t1async.config import AbnormalConfig
+from t1async.learner.metrics import batch_metrics, merge_agent_splits
 from t1async.service.service import MetricsTail
+from tests.support.trajectories import make_traj
 
 
 def _rows(steps, t0: float) -> list[dict]:
@@ -172,3 +176,45 @@ def test_wandb_offline_writes_a_run_folder_and_a_resumed_launch_appends(tmp_path
     state = json.loads((tmp_path / "wandb" / "t1async.json").read_text())
     assert runs and all(list(r.glob("*.wandb")) for r in runs) and state["step"] == 6
     assert all(r.name.endswith(state["run_id"]) for r in runs)  # one wandb run across both lives
+
+
+def _traj(agent: str, reward: float, turns: int, *, finish: str = "agent_exit", mismatches: int = 0):
+    t = make_traj(T=12)
+    t.agent, t.reward, t.finish_reason, t.template_mismatches = agent, reward, finish, mismatches
+    t.passed = t.total = 3 if reward == 3 else 0
+    t.resolved = reward == 3
+    t.turn_offsets = np.array([[4, 7], [9, 12]][:turns], dtype=np.int32)
+    return t
+
+
+def test_every_metrics_row_splits_the_batch_by_agent_and_tensorboard_gets_it(tmp_path):
+    """metrics.jsonl ``by_agent``: reward, resolved, turns, tokens, history breaks and template mismatches
+    per agent that drove the batch's episodes; merged over rows for the status; in TensorBoard as
+    ``by_agent/NAME/KEY``."""
+    batch = [_traj("builtin", 3.0, 2), _traj("builtin", 0.0, 1, mismatches=2), _traj("codex", 3.0, 2),
+             _traj("codex", 0.0, 2, finish="history_break")]
+    row = batch_metrics(batch, [0] * 4, AbnormalConfig(), step=1, version=1, timeline_version=1,
+                        counters={"trained": 4, "dropped_stale": 0, "rejected": 0, "quarantine_evicted": 0},
+                        dropped={}, rejected_by={}, queue_depth=0)
+    assert row["by_agent"] == {
+        "builtin": {"trajectories": 2, "reward_mean": 1.5, "resolved_rate": 0.5, "turns_mean": 1.5, "tokens": 24,
+                    "history_breaks": 0, "template_mismatches": 2},
+        "codex": {"trajectories": 2, "reward_mean": 1.5, "resolved_rate": 0.5, "turns_mean": 2.0, "tokens": 24,
+                  "history_breaks": 1, "template_mismatches": 0}}
+    # several rows merged (the status's last 10 steps): means weighted by each row's trajectories
+    later = {"by_agent": {"codex": {"trajectories": 1, "reward_mean": 0.0, "resolved_rate": 0.0, "turns_mean": 5.0,
+                                    "tokens": 10, "history_breaks": 2, "template_mismatches": 1}}}
+    merged = merge_agent_splits([row, later, {"step": 0}])  # (a row written before by_agent existed: skipped)
+    assert merged["builtin"] == row["by_agent"]["builtin"]
+    assert merged["codex"] == {"trajectories": 3, "reward_mean": pytest.approx(1.0),
+                               "resolved_rate": pytest.approx(1 / 3), "turns_mean": pytest.approx(3.0), "tokens": 34,
+                               "history_breaks": 3, "template_mismatches": 1}
+    path = tmp_path / "metrics.jsonl"
+    rows = [{**row, "step": s, "time": time.time() - 10 + s, "logprob_diff_mean": 0.0, "tokens_per_s": 1.0}
+            for s in (1, 2)]
+    _write(path, rows)
+    tail = MetricsTail(path, tensorboard=True)
+    tail.poll()
+    tail.close()
+    assert _shown(tmp_path / "tensorboard", "by_agent/codex/history_breaks")[0] == {1: 1.0, 2: 1.0}
+    assert _shown(tmp_path / "tensorboard", "dropped_stale")[0] == {1: 0.0, 2: 0.0}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import shlex
 import shutil
 import socket
 import subprocess
@@ -332,6 +333,39 @@ def test_claude_code_runs_its_own_tool_call_and_continues_the_exact_stream(endpo
     assert traj.drift_tokens == 0 and traj.token_ids.tolist() == policy.calls[-1] + policy.outputs[-1]
 
 
+@pytest.mark.slow
+def test_mini_swe_agent_ends_on_its_own_when_the_policy_never_calls_its_tool(endpoint, tmp_path):
+    """The real `mini` against a session whose policy only writes text (what a tiny model on CPU does): it
+    answers each with its own format-error message, gives up after three in a row (RepeatedFormatError)
+    and exits 0, so the episode ends without waiting for its budget. mini-swe-agent leaves an answer without
+    a valid tool call out of its history (the next request carries only its format-error message), so each
+    such answer is a history break: three exact one-turn segments, never re-tokenized."""
+    import json as _json
+
+    from t1async.rollout import mini_swe_agent
+
+    if shutil.which(mini_swe_agent.BINARY) is None:
+        pytest.skip(f"mini-swe-agent is not installed: {mini_swe_agent.INSTALL}")
+    text = [*TOK.encode("I am thinking."), TOK.im_end_id]
+    s = _session(endpoint, ScriptedSampler([text] * 5))
+    line = mini_swe_agent.command(f"{endpoint.url}/s/{s.token}", s.token, "Write hello to hello.txt",
+                                  home=str(tmp_path / "home"), model="t1async")
+    out = subprocess.run(["bash", "-c", line], cwd=tmp_path, capture_output=True, text=True, timeout=400)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    saved = _json.loads((tmp_path / "home" / "mini-swe-agent.traj.json").read_text())
+    assert saved["info"]["exit_status"] == "RepeatedFormatError"
+    assert len(s.recorder.records) == 3 and s.recorder.history_breaks == 2 and s.dialects == {"chat": 3}
+    segments = s.recorder.segments()
+    assert [len(seg) for seg in segments] == [1, 1, 1]
+    for k, seg in enumerate(segments):
+        traj = segment_builder(seg, TOK).finish(task="t", actor_id=0, num_experts=SCRIPTED_E, reward=0.0, passed=0,
+                                                total=1, resolved=False, finish_reason="agent_exit")
+        assert traj.drift_tokens == 0 and [traj.token_ids[a:b].tolist() for a, b in traj.turn_offsets.tolist()] == [text]
+        prompt = TOK.decode(seg[0].prompt_ids)  # the task, then (after the first) its format error, not the answer
+        assert "Write hello to hello.txt" in prompt and ("No tool calls found" in prompt) == (k > 0)
+        assert "I am thinking." not in prompt
+
+
 def test_a_compacted_history_is_a_break_and_both_segments_are_trained_exactly(endpoint):
     """A harness that compacts its context (Claude Code and Codex both do) asks the model for a summary,
     then goes on from a history made of that summary: the summary is sampled ids of the first segment
@@ -362,12 +396,14 @@ def test_a_compacted_history_is_a_break_and_both_segments_are_trained_exactly(en
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["codex", "claude-code"])
+@pytest.mark.parametrize("name", ["codex", "claude-code", "mini-swe-agent"])
 def test_a_named_harness_resolves_a_shipped_task_inside_the_sandbox(tmp_path, name):
-    """rollout.agent=codex / claude-code: the real CLI runs inside the episode's bubblewrap sandbox
-    (env.network=on: the loopback of the host), calls its own shell tool with the task's oracle
-    commands (the scripted policy), its commands change the task's files, and the verifier resolves it;
-    the trajectory is exact."""
+    """rollout.agent=codex / claude-code / mini-swe-agent: the real agent runs inside the episode's
+    bubblewrap sandbox (env.network=on: the loopback of the host), calls its own shell tool with the
+    task's oracle commands (the scripted policy; mini-swe-agent then its own submit command, as its config
+    tells the model), its commands change the task's files, and the verifier resolves it; the trajectory
+    is exact and records its agent."""
+    from t1async.rollout import mini_swe_agent
     from t1async.rollout.harnesses import HARNESSES
 
     h = HARNESSES[name]
@@ -376,10 +412,11 @@ def test_a_named_harness_resolves_a_shipped_task_inside_the_sandbox(tmp_path, na
     commands = oracle_commands(REPO / "t1async" / "envs" / "tasks" / TASK)
     cfg = RolloutConfig(agent=name)
     model = ModelConfig(**{**MODEL.__dict__, "max_position_embeddings": 65536})  # (their prompts: ~10k tokens)
-    actor = RolloutActor(0, EnvConfig(max_turns=8, tasks=[TASK], network="on"), GenerationConfig(max_new_tokens=64),
-                         model, TransportConfig(curve=False), ["http://127.0.0.1:9"], "tcp://127.0.0.1:9", rollout_cfg=cfg,
-                         work_root=str(tmp_path / "work"))
-    policy = actor.sampler = OraclePolicy(TOK, commands, tool=h.tool[0], argument=h.tool[1])
+    env_cfg = EnvConfig(max_turns=8, tasks=[TASK], network="on", episode_timeout_s=300)  # (importing litellm: ~1 min here)
+    actor = RolloutActor(0, env_cfg, GenerationConfig(max_new_tokens=64), model, TransportConfig(curve=False),
+                         ["http://127.0.0.1:9"], "tcp://127.0.0.1:9", rollout_cfg=cfg, work_root=str(tmp_path / "work"))
+    final_call = mini_swe_agent.SUBMIT if name == "mini-swe-agent" else None
+    policy = actor.sampler = OraclePolicy(TOK, commands, tool=h.tool[0], argument=h.tool[1], final_call=final_call)
     try:
         [traj] = actor.run_one(TASK)
     finally:
@@ -387,7 +424,7 @@ def test_a_named_harness_resolves_a_shipped_task_inside_the_sandbox(tmp_path, na
         actor.sender.close()
     traj = decode(encode(traj), num_experts=E, num_layers=2, top_k=2)
     assert traj.resolved and traj.passed == traj.total >= 1 and traj.finish_reason == "agent_exit"
-    assert traj.drift_tokens == 0 and len(traj.turn_offsets) == len(commands) + 1
+    assert traj.drift_tokens == 0 and len(traj.turn_offsets) == len(commands) + 1 and traj.agent == name
     assert traj.token_ids.tolist() == policy.calls[-1] + policy.outputs[-1]
 
 
@@ -395,13 +432,35 @@ def test_an_unknown_or_missing_harness_is_one_line(monkeypatch):
     from t1async.config import ConfigError, load_config
     from t1async.rollout import harnesses
 
-    with pytest.raises(ConfigError, match="'codex' or 'claude-code'"):
+    with pytest.raises(ConfigError, match="'codex', 'claude-code' or 'mini-swe-agent'"):
         load_config(None, ["rollout.agent=aider"])
     assert load_config(None, ["rollout.agent=claude-code"]).rollout.agent == "claude-code"
-    with pytest.raises(ValueError, match="the harnesses are codex, claude-code"):
+    with pytest.raises(ValueError, match="the harnesses are codex, claude-code, mini-swe-agent"):
         harnesses.harness("aider")
     monkeypatch.setattr(harnesses.shutil, "which", lambda name: None)
     with pytest.raises(ValueError, match=r"codex is not installed; install it with: npm install -g @openai/codex@0\.169\.0"):
         harnesses.harness("codex")
     line = harnesses.HARNESSES["claude-code"].command("http://127.0.0.1:1/s/tok", "tok", "it's done")
     assert "ANTHROPIC_BASE_URL=http://127.0.0.1:1/s/tok" in line and "'it'\"'\"'s done'" in line
+    with pytest.raises(ValueError, match=r"mini-swe-agent/bin/mini is not installed; install it with: python3 -m venv "
+                                         r"\S+ && \S+/bin/pip install mini-swe-agent==2\.4\.6$"):
+        harnesses.harness("mini-swe-agent")
+
+
+def test_mini_swe_agent_is_pointed_at_the_session_without_prompts_or_price_table():
+    """The shell line that runs mini-swe-agent: litellm's OpenAI provider at the session's /v1 with the session
+    token as its key, its non-interactive agent, cost tracking off and no price-table download, the task as
+    one argument (checked by splitting the line as the sandbox's bash does)."""
+    from t1async.rollout import harnesses
+
+    line = harnesses.HARNESSES["mini-swe-agent"].command("http://127.0.0.1:1/s/tok", "tok", "it's $HOME; done")
+    words = shlex.split(line.split(" && ", 1)[1].removesuffix(" < /dev/null"))
+    env = dict(w.split("=", 1) for w in words[:words.index(harnesses.mini_swe_agent.BINARY)])
+    argv = words[len(env):]
+    assert env["OPENAI_API_KEY"] == "tok" and env["MSWEA_CONFIGURED"] == "true" and env["HOME"] == harnesses.HOME
+    assert env["MSWEA_COST_TRACKING"] == "ignore_errors" and env["LITELLM_LOCAL_MODEL_COST_MAP"] == "True"
+    assert argv[argv.index("-t") + 1] == "it's $HOME; done" and argv[argv.index("-m") + 1] == "openai/t1async"
+    assert argv[argv.index("--agent-class") + 1] == "default"
+    specs = [argv[i + 1] for i, w in enumerate(argv) if w == "-c"]
+    assert specs[0] == "mini.yaml" and "model.model_kwargs.api_base=http://127.0.0.1:1/s/tok/v1" in specs
+    assert "agent.cost_limit=0" in specs

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import zmq
@@ -156,6 +157,29 @@ def test_status_shows_rejected_trajectories_by_reason():
                           "rejected_by": {"token_ids": 2, "<frame>": 1}})
     [line] = [x for x in text.splitlines() if x.startswith("rejected")]
     assert line.split(None, 2)[2].strip() == '3 {"token_ids": 2, "<frame>": 1}'
+
+
+def test_status_shows_the_last_steps_by_agent():
+    """``t1async status``: the last 10 metrics rows' ``by_agent`` merged, one table row per agent (and in --json)."""
+    from t1async.service.control import format_status
+    from t1async.service.service import trends
+
+    split = {"builtin": {"trajectories": 3, "reward_mean": 1.0, "resolved_rate": 0.25, "turns_mean": 2.0, "tokens": 90,
+                         "history_breaks": 0, "template_mismatches": 0},
+             "mini-swe-agent": {"trajectories": 1, "reward_mean": 3.0, "resolved_rate": 1.0, "turns_mean": 4.0,
+                                "tokens": 700, "history_breaks": 1, "template_mismatches": 2}}
+    rows = [{"step": s, "version": s, "trajectories": 4, "reward_mean": 1.5, "resolved_rate": 0.4, "staleness_max": 0,
+             "time": time.time() - 20 + s, **({"by_agent": split} if s > 1 else {})} for s in range(1, 13)]
+    status = trends(rows)  # the last 10 rows: 10 with by_agent
+    assert status["by_agent"]["mini-swe-agent"]["trajectories"] == 10 and status["by_agent"]["builtin"]["tokens"] == 900
+    assert json.loads(json.dumps(status))["by_agent"] == status["by_agent"]
+    text = format_status({"run_dir": "/r", "state": "running", "step": 12, "version": 12, **status})
+    cells = {ln.split("│")[1].strip(): [c.strip() for c in ln.split("│")[2:-1]] for ln in text.splitlines()
+             if ln.startswith("│") and ln.split("│")[1].strip() in split}
+    assert cells == {"builtin": ["30", "1.00", "0.25", "2.0", "900", "0", "0"],
+                     "mini-swe-agent": ["10", "3.00", "1.00", "4.0", "7000", "10", "20"]}
+    assert "by agent" not in format_status({"run_dir": "/r", "state": "running", "step": 0, "version": 0,
+                                            **trends([])})
 
 
 # ---- what scale says ------------------------------------------------------------------------

@@ -28,7 +28,8 @@ from tests.support.trajectories import make_traj
 
 ARRAYS = ("token_ids", "loss_mask", "logprobs", "versions", "turn_offsets", "turn_status", "routed_experts")
 SCALARS = ("trajectory_id", "task", "actor_id", "num_experts", "reward", "passed", "total", "resolved", "finish_reason",
-           "started_at", "finished_at", "verifier_error", "tests", "drift_tokens", "template_mismatches", "schema_version")
+           "started_at", "finished_at", "verifier_error", "tests", "drift_tokens", "template_mismatches", "agent",
+           "schema_version")
 
 
 def split(frame: bytes) -> tuple[dict, bytes]:
@@ -160,11 +161,24 @@ def _set_array(header, data, name, values):
     ("drift_tokens", lambda h, d: h.__setitem__("drift_tokens", -1)),
     ("arrays", lambda h, d: h.__setitem__("arrays", [])),
     ("verifier_error", lambda h, d: h.__setitem__("verifier_error", 3)),
+    ("agent", lambda h, d: h.__setitem__("agent", 3)),
+    ("agent", lambda h, d: h.__setitem__("agent", "")),
+    ("agent", lambda h, d: h.__setitem__("agent", "a\nb")),
 ])
 def test_broken_invariants_raise_typed_error_naming_field(field, mutate):
     with pytest.raises(TrajectoryError) as e:
         decode(_mutated(mutate))
     assert e.value.field == field
+
+
+def test_the_agent_travels_and_a_header_without_it_reads_builtin():
+    """``agent`` (who drove the episode) round-trips; a frame from a sender that predates it decodes as builtin."""
+    t = make_traj()
+    t.agent = "mini-swe-agent"
+    assert decode(encode(t)).agent == "mini-swe-agent"
+    header, data = split(encode(t))
+    del header["agent"]
+    assert decode(join(header, data)).agent == "builtin"
 
 
 def test_schema_mismatch_names_both_versions():
