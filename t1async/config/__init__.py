@@ -21,6 +21,7 @@ Source of the merge semantics: OmegaConf 2.x structured configs
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -189,7 +190,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         import yaml  # (yaml: deferred, as omegaconf)
 
         try:
-            layers.append(("command line", OmegaConf.from_dotlist(list(overrides))))
+            layers.append(("command line", OmegaConf.from_dotlist([_choice_word(o) for o in overrides])))
         except (yaml.YAMLError, OmegaConfBaseException) as e:  # a value YAML cannot read, e.g. key={a} b
             raise ConfigError(f"command line: an override is not valid YAML ({str(e).splitlines()[0]}); quote "
                               "the value, e.g. 'rollout.agent_command=\"python tools/example_agent.py\"'") from None
@@ -231,6 +232,16 @@ def from_node(node: Any, source: str = "config") -> Config:
     cfg.model = resolve_model(cfg.model)  # model.path: the architecture from the folder's config.json
     check_values(cfg, source)
     return cfg
+
+
+def _choice_word(override: str) -> str:
+    """``key=value`` with ``value`` quoted when ``key`` is a :class:`Choice` field and ``value`` a bare word,
+    so that YAML 1.1 does not read ``on``/``off``/``yes``/``no`` as booleans (``env.network=on``)."""
+    key, value = override.split("=", 1)
+    f = _field(key.strip())
+    if f is not None and isinstance(f.default, Choice) and re.fullmatch(r"[A-Za-z][\w.-]*", value.strip()):
+        return f'{key}="{value.strip()}"'
+    return override
 
 
 def _choice_refusal(key: str, value: Any) -> FieldError | None:

@@ -201,3 +201,11 @@ def test_a_value_outside_a_choice_is_refused_in_one_line_naming_key_value_and_th
     msg = str(e.value)
     assert msg.startswith(f"command line: {key}='nonsense' is invalid: use ") and "\n" not in msg, msg
     assert all(v in msg for v in kind.values() if not (key.startswith("learner.abnormal.") and v == "mask_turn")), msg
+
+
+@pytest.mark.parametrize("word,expected", [("on", "on"), ("off", "off")])
+def test_on_and_off_on_the_command_line_are_the_choices_not_yaml_booleans(word, expected):
+    """YAML 1.1 reads a bare on/off as a boolean; a Choice field takes the word (env.network=on, as the docs
+    write it for the harnesses); a non-Choice field still reads YAML as before."""
+    cfg = load_config(None, [f"env.network={word}", "env.keep_agent_processes=yes"])
+    assert cfg.env.network == expected and cfg.env.keep_agent_processes is True
