@@ -83,6 +83,8 @@ class Agent(Choice):
     """Claude Code (``claude -p``, Anthropic Messages) inside the episode's sandbox"""
     locals()["mini-swe-agent"] = "mini-swe-agent"
     """mini-swe-agent (``mini``, OpenAI Chat Completions through litellm) inside the episode's sandbox"""
+    terminus = "terminus"
+    """Our Terminus-style tmux harness (keystrokes, OpenAI Chat Completions) inside the episode's sandbox"""
 
 
 def agent_weights(agent: Any) -> dict[str, float]:
@@ -344,14 +346,15 @@ class RolloutConfig(Section):
     are started). With ``learner.max_staleness=0`` every rule is synchronous RL."""
     agent: Any = field(default="builtin", metadata=rule(
         agent_value_ok, "'builtin' (the rollout loop), 'external' (rollout.agent_command through the agent endpoint), "
-                        "'codex', 'claude-code' or 'mini-swe-agent' (those agents inside the sandbox), or a mix of "
-                        "them drawn per episode, each with a weight > 0, e.g. {builtin: 2, codex: 1}"))
+                        "'codex', 'claude-code', 'mini-swe-agent' or 'terminus' (those agents inside the "
+                        "sandbox), or a mix of them drawn per episode, each with a weight > 0, e.g. {builtin: 2, codex: 1}"))
     """Who drives an episode (:class:`Agent`): ``builtin`` (the rollout loop of t1async/rollout/episode.py) or
     ``external`` (the program ``agent_command``, talking OpenAI Chat Completions, OpenAI Responses or Anthropic
     Messages, streamed or not, to the agent endpoint that records every completion token-exactly;
     t1async/rollout/endpoint/, t1async/rollout/agent.py), or a named harness run inside the episode's
-    sandbox against that endpoint: ``codex`` (``codex exec``), ``claude-code`` (``claude -p``) or
-    ``mini-swe-agent`` (``mini``); t1async/rollout/harnesses.py. A mapping of names to weights mixes them:
+    sandbox against that endpoint: ``codex`` (``codex exec``), ``claude-code`` (``claude -p``),
+    ``mini-swe-agent`` (``mini``) or ``terminus`` (keystrokes into tmux, t1async/rollout/terminus.py);
+    t1async/rollout/harnesses.py. A mapping of names to weights mixes them:
     each episode draws its agent with probability weight / sum of weights (seeded by ``run.seed`` and the
     rollout actor's number: reproducible), records it in the trajectory (``agent``) and metrics.jsonl
     splits its rows by it (``by_agent``). Agents other than builtin need

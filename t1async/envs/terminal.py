@@ -317,7 +317,7 @@ class TerminalEnv:
         return self._exec(command, what="agent")
 
     def run_agent(self, command: str, timeout_s: float) -> CommandResult:
-        """Run an agent harness (``rollout.agent`` codex, claude-code) as one command in the episode's shell,
+        """Run a named agent harness (``rollout.agent``, t1async/rollout/harnesses.py) as one command in the episode's shell,
         killed with every process it started after ``timeout_s`` seconds (see :meth:`Sandbox.exec`)."""
         if self.sandbox is None:
             raise SandboxError("no episode: call reset() before run_agent()")

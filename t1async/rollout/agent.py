@@ -35,6 +35,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 from loguru import logger
 
@@ -46,16 +47,19 @@ from t1async.rollout.env import Env, TaskInfo
 from t1async.rollout.episode import EpisodeBuilder, EpisodeError, context_limit
 from t1async.rollout.harnesses import HARNESSES, Harness, harness
 from t1async.sampling.sampler_client import Sampler
-from t1async.trajectory import HISTORY_BREAK, TURN_ABORTED, TURN_LENGTH_CUT, Trajectory
+from t1async.trajectory import HISTORY_BREAK, TOOL_CALL_CODES, TURN_ABORTED, TURN_LENGTH_CUT, TURN_OK, Trajectory
 
 
 class HistoryBreak(RuntimeError):
     """The agent broke its history and ``rollout.history_break`` is ``drop``: the episode is not trained."""
 
 
-def segment_builder(records: list[CompletionRecord], tokenizer: ChatTokenizer) -> EpisodeBuilder:
+def segment_builder(records: list[CompletionRecord], tokenizer: ChatTokenizer,
+                    turn_check: Callable[[str], str | None] | None = None) -> EpisodeBuilder:
     """One segment's records as an episode stream: the first prompt, then per record the ids
     between the stream so far and its prompt (loss mask 0) and its sampled ids (loss mask 1).
+    ``turn_check`` (a harness whose actions are text: :attr:`Harness.turn_check`) marks a turn the
+    endpoint found normal with the tool-call error code of the reason it returns for the turn's text.
 
     Raises:
         ValueError: a record whose prompt does not extend the stream so far, or routed experts
@@ -73,6 +77,9 @@ def segment_builder(records: list[CompletionRecord], tokenizer: ChatTokenizer) -
         ep.add_sampled(r.output_ids, r.logprobs, r.weight_version, r.routed_experts)
         ep.turn_status[-1] = (TURN_ABORTED if r.finish_reason == "abort" or r.client_disconnected else
                               TURN_LENGTH_CUT if r.finish_reason == "length" else r.status)
+        if turn_check is not None and ep.turn_status[-1] == TURN_OK:
+            reason = turn_check(tokenizer.decode(r.output_ids).replace("\x00", ""))
+            ep.turn_status[-1] = TOOL_CALL_CODES[reason] if reason else TURN_OK
         if isinstance(tokenizer, ChatTokenizer):
             ep.template_mismatches += template_renders_differently(tokenizer, r.output_ids, "tool_call")
         else:  # a model folder's template: counted by the recorder when it rendered the record's prompt
@@ -148,8 +155,9 @@ def run_agent_episode(task: TaskInfo, env: Env, sampler: Sampler, tokenizer: Cha
         logger.warning("verifier of {} failed: {}\n--- verifier output (tail) ---\n{}", task.name, verdict.error,
                        verdict.output[-4000:])
     out = []
+    turn_check = getattr(HARNESSES.get(agent), "turn_check", None)  # (terminus: unusable replies)
     for k, records in enumerate(segments):
-        ep = segment_builder(records, tokenizer)
+        ep = segment_builder(records, tokenizer, turn_check)
         out.append(ep.finish(
             task=task.name, actor_id=actor_id, num_experts=model_cfg.num_experts, reward=float(verdict.reward),
             passed=verdict.passed, total=verdict.total, resolved=verdict.resolved,
@@ -196,8 +204,10 @@ def _run_harness(h: Harness, env: Env, session, session_url: str, instruction: s
     thread.start()
     thread.join()
     r = result.get("r")
-    log_path.write_text(getattr(r, "output", "") or repr(result.get("error")))
-    finish = "timeout" if r is not None and r.timed_out else session.ended or "agent_exit"
+    output = getattr(r, "output", "") or ""
+    log_path.write_text(output or repr(result.get("error")))
+    finish = ("timeout" if r is not None and r.timed_out else
+              session.ended or (h.finish(output) if h.finish else None) or "agent_exit")
     session.end(finish)
     return (None if r is None else int(r.exit_code)), finish
 

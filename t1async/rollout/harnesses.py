@@ -14,6 +14,9 @@ one line naming the command that installs it.
   that as root otherwise).
 - ``mini-swe-agent``: mini-swe-agent 2.4 (PyPI ``mini-swe-agent``, a venv of its own), ``mini``: OpenAI Chat
   Completions through litellm, one ``bash`` tool; t1async/rollout/mini_swe_agent.py.
+- ``terminus``: our Terminus-style tmux harness (t1async/rollout/terminus.py, standard library only),
+  shipped into the sandbox as one file and run with its ``python3``: OpenAI Chat Completions; needs
+  tmux (``apt-get install tmux``).
 
 The sandbox needs the loopback of the host: ``env.network=on`` (a bubblewrap sandbox without network
 has a loopback of its own).
@@ -25,9 +28,10 @@ import shlex
 import shutil
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Callable
 
-from t1async.rollout import mini_swe_agent
+from t1async.rollout import mini_swe_agent, terminus
 
 HOME = "/tmp/t1async-harness"
 """The harness's home inside the sandbox (its configuration and logs; a tmpfs of the sandbox)."""
@@ -44,8 +48,12 @@ class Harness:
             /usr is shared).
         install: the one command that installs it.
         dialect: the API it speaks (``chat``, ``responses``, ``messages``).
-        tool: its shell tool and that tool's command argument (what a scripted policy calls).
+        tool: its shell tool and that tool's command argument (what a scripted policy calls; empty: the
+            harness has no tool, its actions are text).
         command: (session URL, session token, instruction) -> the shell line that runs one episode.
+        finish: the harness's output -> its own finish reason (None: the exit or the session's reason).
+        turn_check: a turn's text -> the tool-call error reason it is marked with (None: usable); for a
+            harness whose actions are text, not tool calls the endpoint parses.
     """
 
     name: str
@@ -54,6 +62,8 @@ class Harness:
     dialect: str
     tool: tuple[str, str]
     command: Callable[[str, str, str], str]
+    finish: Callable[[str], str | None] | None = None
+    turn_check: Callable[[str], str | None] | None = None
 
 
 def _codex(session_url: str, token: str, instruction: str) -> str:
@@ -72,12 +82,26 @@ def _claude(session_url: str, token: str, instruction: str) -> str:
             f"IS_SANDBOX=1 {shlex.join(argv)} < /dev/null")
 
 
+def _terminus(session_url: str, token: str, instruction: str) -> str:
+    path = f"{HOME}/terminus.py"
+    argv = ["python3", path, "--base-url", f"{session_url}/v1", "--model", MODEL, "--socket", f"t1async-{token[:16]}",
+            instruction]
+    return (f"mkdir -p {HOME} && cat > {path} <<'T1ASYNC_TERMINUS_EOF'\n{Path(terminus.__file__).read_text()}"
+            f"T1ASYNC_TERMINUS_EOF\nOPENAI_API_KEY={shlex.quote(token)} {shlex.join(argv)} < /dev/null")
+
+
+def _terminus_finish(output: str) -> str | None:
+    ended = (terminus.outcome(output) or {}).get("ended")
+    return ended if ended in ("end_signal", "max_turns", "timeout") else None
+
+
 HARNESSES: dict[str, Harness] = {h.name: h for h in (
     Harness("codex", "codex", "npm install -g @openai/codex@0.169.0", "responses", ("exec_command", "cmd"), _codex),
     Harness("claude-code", "claude", "npm install -g @anthropic-ai/claude-code@2.1", "messages", ("Bash", "command"),
             _claude),
     Harness("mini-swe-agent", mini_swe_agent.BINARY, mini_swe_agent.INSTALL, "chat", mini_swe_agent.TOOL,
             partial(mini_swe_agent.command, home=HOME, model=MODEL)),
+    Harness("terminus", "tmux", terminus.TMUX_INSTALL, "chat", ("", ""), _terminus, _terminus_finish, terminus.turn_problem),
 )}
 """Every named harness by ``rollout.agent`` value."""
 

@@ -9,6 +9,7 @@ stream would show in the trajectory.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -46,14 +47,50 @@ class OraclePolicy:
     def begin_episode(self) -> None:
         """(The rollout actor calls it before each episode.)"""
 
-    def generate(self, input_ids, sampling_params, *, routed_experts_start_len=0):
+    def answer(self) -> list[int]:
+        """The sampled ids of the next turn."""
         if self.commands:
-            out = [*self.tok.render_tool_call(self.tool, {self.argument: self.commands.pop(0)}), self.tok.im_end_id]
-        else:
-            out = [*self.tok.encode(self.final), self.tok.im_end_id]
+            return [*self.tok.render_tool_call(self.tool, {self.argument: self.commands.pop(0)}), self.tok.im_end_id]
+        return [*self.tok.encode(self.final), self.tok.im_end_id]
+
+    def generate(self, input_ids, sampling_params, *, routed_experts_start_len=0):
+        out = self.answer()
         self.calls.append(list(input_ids))
         self.outputs.append(out)
         positions = np.arange(routed_experts_start_len, len(input_ids) + len(out) - 1)
         rows = np.broadcast_to((positions % E)[:, None, None], (positions.size, L, K)).astype(np.int32)
         return SamplerResponse(output_ids=out, logprobs=[-0.5] * len(out), routed_experts=rows, finish_reason="stop",
                                weight_version=7)
+
+
+class TerminusPolicy(OraclePolicy):
+    """The oracle commands in the reply format of the terminus harness (t1async/rollout/terminus.py): one
+    JSON reply per command (its keystrokes end with a newline, a short wait), then ``task_complete`` true
+    twice (the claim and its confirmation), as plain text of the shipped tokenizer."""
+
+    def __init__(self, tok: ChatTokenizer, commands: list[str], duration: float = 0.3):
+        super().__init__(tok, commands)
+        self.duration = duration
+        self.completes = 0
+
+    def answer(self) -> list[int]:
+        if self.commands:
+            reply = {"analysis": "The terminal is ready.", "plan": "Run the next step.",
+                     "commands": [{"keystrokes": self.commands.pop(0) + "\n", "duration": self.duration}],
+                     "task_complete": False}
+        else:
+            self.completes += 1
+            reply = {"analysis": "Every step ran.", "plan": "Finish.", "commands": [], "task_complete": True}
+        return [*self.tok.encode(json.dumps(reply)), self.tok.im_end_id]
+
+
+class TextReplies(OraclePolicy):
+    """Answers the given texts in order (then the last one again), each ended by the end-of-turn id."""
+
+    def __init__(self, tok: ChatTokenizer, texts: list[str]):
+        super().__init__(tok, [])
+        self.texts = list(texts)
+
+    def answer(self) -> list[int]:
+        text = self.texts.pop(0) if len(self.texts) > 1 else self.texts[0]
+        return [*self.tok.encode(text), self.tok.im_end_id]
