@@ -432,10 +432,10 @@ def test_an_unknown_or_missing_harness_is_one_line(monkeypatch):
     from t1async.config import ConfigError, load_config
     from t1async.rollout import harnesses
 
-    with pytest.raises(ConfigError, match="'codex', 'claude-code' or 'mini-swe-agent'"):
+    with pytest.raises(ConfigError, match="'codex', 'claude-code', 'mini-swe-agent' or 'terminus'"):
         load_config(None, ["rollout.agent=aider"])
     assert load_config(None, ["rollout.agent=claude-code"]).rollout.agent == "claude-code"
-    with pytest.raises(ValueError, match="the harnesses are codex, claude-code, mini-swe-agent"):
+    with pytest.raises(ValueError, match="the harnesses are codex, claude-code, mini-swe-agent, terminus"):
         harnesses.harness("aider")
     monkeypatch.setattr(harnesses.shutil, "which", lambda name: None)
     with pytest.raises(ValueError, match=r"codex is not installed; install it with: npm install -g @openai/codex@0\.169\.0"):

@@ -22,7 +22,7 @@ def test_a_weighted_mix_is_a_mapping_of_known_agents_with_weights_above_zero():
             load_config(None, [f"rollout.agent={bad}"])
         msg = str(e.value)
         assert "\n" not in msg and "rollout.agent=" in msg, msg
-        assert "'builtin'" in msg and "'codex', 'claude-code' or 'mini-swe-agent'" in msg and "weight > 0" in msg, msg
+        assert "'builtin'" in msg and "'codex', 'claude-code', 'mini-swe-agent' or 'terminus'" in msg and "weight > 0" in msg, msg
     with pytest.raises(ConfigError, match="rollout.agent_command=''"):  # external in a mix needs its program
         load_config(None, ["rollout.agent={builtin: 1, external: 1}"])
 
