@@ -242,6 +242,7 @@ def test_terminus_resolves_a_shipped_task_through_tmux_keystrokes(tmp_path):
         actor.sender.close()
     traj = decode(encode(traj), num_experts=E, num_layers=2, top_k=2)
     assert traj.resolved and traj.passed == traj.total >= 1 and traj.finish_reason == "end_signal"
+    assert traj.agent == "terminus"  # (metrics.jsonl by_agent splits by it)
     assert traj.drift_tokens == 0 and len(traj.turn_offsets) == len(commands) + 2 == len(policy.outputs)
     assert traj.token_ids.tolist() == policy.calls[-1] + policy.outputs[-1]
     for (s, e), sampled in zip(traj.turn_offsets.tolist(), policy.outputs):
