@@ -26,6 +26,12 @@ _IOV_MAX = 1024  # most buffers one pwritev takes (Linux UIO_MAXIOV)
 DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EIO)
 """errno values that are a fault of the disk, not of the caller: full, over quota, failing."""
 _DISK_MESSAGES = ("No space left on device", "Disk quota exceeded", "Input/output error", "os error 28")
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+_FULL_MESSAGES = ("No space left on device", "Disk quota exceeded", "os error 28")
+NEARLY_FULL_BYTES = 16 << 20
+"""A write that failed with less than this free (or below the floor) failed on a full disk, whatever
+its library said: torch's writer reports ENOSPC as ``RuntimeError: basic_ios::clear: iostream error``
+or ``... unexpected pos N vs M`` (issue 42, a final checkpoint on a 280 MB tmpfs without a floor)."""
 FLOOR_FRACTION = 0.05
 """The free-space floor of :class:`DiskGuard` is at most this fraction of the filesystem's size
 (a 64 MiB filesystem is not paused for good by a 1 GiB floor)."""
@@ -158,6 +164,18 @@ def is_disk_error(exc: BaseException | None) -> bool:
     return False
 
 
+def is_full_error(exc: BaseException | None) -> bool:
+    """Whether ``exc`` (or an exception it was raised from or while handling) says the disk is full
+    or over quota (ENOSPC, EDQUOT, or a library's text saying so), as opposed to failing (EIO)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in _FULL_ERRNOS or any(m in str(exc) for m in _FULL_MESSAGES):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 def free_bytes(path: str | os.PathLike[str]) -> int:
     """Bytes free to an unprivileged writer on the filesystem of ``path`` (or of its nearest
     existing parent: the path may not exist yet)."""
@@ -171,7 +189,7 @@ class DiskGuard:
     """Whether the disk of a run directory can take writes: a free-space floor and the faults seen.
 
     ``check()`` is None while writes may go on; otherwise one line, ``disk full at PATH (N MB
-    free)`` (or ``disk error at PATH ...`` for EIO), and writers pause (the learner stops
+    free)`` (or ``disk I/O error at PATH ...`` for EIO and other failed writes), and writers pause (the learner stops
     ACKing and training; its callers keep what they hold) instead of failing again. It turns None
     again by itself: once free space is back above the floor and, after a fault, at least
     ``retry_s`` seconds later (the write that failed is then tried again; a new failure is a new
@@ -212,17 +230,27 @@ class DiskGuard:
             p = p.parent
         return max(self.reserved, int(min(self.floor_mb * (1 << 20), FLOOR_FRACTION * shutil.disk_usage(p).total)))
 
-    def fault(self, exc: BaseException, where: str | os.PathLike[str]) -> bool:
+    def fault(self, exc: BaseException, where: str | os.PathLike[str], *, writing: bool = False) -> str | None:
         """Record a failed write at ``where`` if ``exc`` is a disk fault (:func:`is_disk_error`,
         or any error while free space is below the floor: a library that does not say why its
-        write failed); returns whether it was one (otherwise the caller re-raises)."""
-        if not is_disk_error(exc) and free_bytes(self.path) >= self.floor_bytes():
-            return False
-        what = "error" if isinstance(exc, OSError) and exc.errno == errno.EIO else "full"
+        write failed); returns its kind, ``full`` or ``error``, or None when it was none (the caller
+        then re-raises).
+
+        ``writing``: ``exc`` came out of writing files under ``where`` (a checkpoint), so every
+        ``OSError`` and ``RuntimeError`` is a fault whatever the floor (torch reports a full disk
+        as ``RuntimeError: basic_ios::clear: iostream error``); judge it before freeing what the
+        failed write took. A fault is ``full`` when the error says so or less than
+        :data:`NEARLY_FULL_BYTES` (or the floor) is free, else ``error`` (an I/O error: EIO, a
+        read-only or vanished folder, a library's write failure on a disk with room)."""
+        free = free_bytes(self.path)
+        low = free < max(self.floor_bytes(), NEARLY_FULL_BYTES)
+        if not (is_disk_error(exc) or free < self.floor_bytes() or (writing and isinstance(exc, (OSError, RuntimeError)))):
+            return None
+        what = "full" if is_full_error(exc) or low else "error"
         with self._lock:
             self._fault = (time.monotonic(), str(where), what)
             self.faults += 1
-        return True
+        return what
 
     def check(self) -> str | None:
         """None while writes may go on, else why not (one line; see the class docstring)."""
@@ -232,7 +260,8 @@ class DiskGuard:
             if fault is not None and time.monotonic() - fault[0] >= self.retry_s and free >= self.floor_bytes():
                 self._fault = fault = None
         if fault is not None:
-            return f"disk {fault[2]} at {fault[1]} ({free / (1 << 20):.0f} MB free)"
+            what = "full" if fault[2] == "full" else "I/O error"
+            return f"disk {what} at {fault[1]} ({free / (1 << 20):.0f} MB free)"
         floor = self.floor_bytes()
         if free < floor:
             why = " (room for the next checkpoint)" if floor == self.reserved else ""

@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 from loguru import logger
 
-from t1async.fileio import DiskGuard, fsync_dir, replace_file
+from t1async.fileio import DiskGuard, free_bytes, fsync_dir, replace_file
 from t1async.learner.backend import LearnerBackend
 from t1async.learner.timeline import VersionTimeline
 from t1async.rollout.task_order import write_task_order
@@ -223,9 +223,12 @@ def write_checkpoint(root: Path, step: int, *, backend: LearnerBackend, consumed
     and raises.
 
     Raises:
-        OSError: ENOSPC when the disk is full or failing (the fault is recorded in ``disk``,
-            judged before the staged folder's space comes back: torch's own error on a full disk
-            says "iostream error", not ENOSPC); any other error as it was raised.
+        OSError: ENOSPC when the disk is full, EIO when a write failed on a disk with room (any
+            ``OSError`` or ``RuntimeError`` of the write, whatever the free-space floor: torch's own
+            error on a full disk says "iostream error" or "unexpected pos", not ENOSPC); the fault is
+            recorded in ``disk`` (:meth:`~t1async.fileio.DiskGuard.fault` with ``writing``), judged
+            before the staged folder's space comes back, and the one-line message names the folder,
+            the error, the bytes written and the free space. Any other error (a bug) as it was raised.
     """
     tmp = staging_dir(root, step)
     try:
@@ -239,11 +242,17 @@ def write_checkpoint(root: Path, step: int, *, backend: LearnerBackend, consumed
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state))
         path = commit(tmp, root / f"step_{step:06d}", fsync=fsync)
     except Exception as e:
-        full = disk.fault(e, root)
+        kind = disk.fault(e, root, writing=True)  # (judged before the staged folder's space comes back)
+        if kind is None:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        free_at, staged = free_bytes(root), checkpoint_bytes(tmp)
         shutil.rmtree(tmp, ignore_errors=True)
-        if full:
-            raise OSError(errno.ENOSPC, f"checkpoint not written: {str(e).splitlines()[0][:200]}") from e
-        raise
+        mb = 1 << 20
+        why = (f"disk {'full' if kind == 'full' else 'I/O error'} writing {tmp.name} under {root}: "
+               f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]} ({staged / mb:.0f} MB written, "
+               f"{free_at / mb:.0f} MB free when it failed, {free_bytes(root) / mb:.0f} MB once removed)")
+        raise OSError(errno.ENOSPC if kind == "full" else errno.EIO, why) from e
     rotate_checkpoints(root, keep_last, keep_every)
     disk.reserve(checkpoint_bytes(path))  # the free-space floor keeps room for the next one
     if note_in is not None:

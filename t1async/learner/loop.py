@@ -249,7 +249,7 @@ class TrainingLoop:
         finally:
             self._metrics.flush()
             if self._saved_step != self.step:
-                self._checkpoint()  # (a full disk: one line; a resume starts from the last one written)
+                self._checkpoint(final=True)  # (any failure: one line; a resume starts from the last one written)
             self._stop.set()
         return self.status()
 
@@ -362,18 +362,25 @@ class TrainingLoop:
                 raise
             logger.error("transcripts of step {} not written: {}", self.step, e)
 
-    def _checkpoint(self) -> bool:
+    def _checkpoint(self, final: bool = False) -> bool:
         """:meth:`save_checkpoint`; on a full or failing disk, one line instead of a crash, and the
         checkpoint is due again after the next step once space is back (a resume meanwhile starts
-        from the last checkpoint written and the receive log: nothing lost). Returns whether it was written."""
+        from the last checkpoint written and the receive log: nothing lost). ``final``: the run's
+        last checkpoint, whose every failure (a bug too, its traceback in the log) is reported in
+        :attr:`checkpoint_failed` instead of raised: the launch then ends with one line and exit
+        status 1, not a Ray traceback. Returns whether it was written."""
         try:
             self.save_checkpoint()
         except Exception as e:
-            if not self.disk.fault(e, self.run_dir / "checkpoints"):
-                raise
+            kind = self.disk.fault(e, self.run_dir / "checkpoints", writing=True)
+            if kind is None:
+                if not final:
+                    raise
+                logger.exception("the final checkpoint of step {} raised", self.step)
             self._checkpoint_due = True
-            self.checkpoint_failed = (f"checkpoint of step {self.step} not written ({str(e).splitlines()[0][:200]}): "
-                                      f"{self.disk.check() or 'disk fault'}")
+            now, text = self.disk.check(), (e.strerror if isinstance(e, OSError) and e.strerror else str(e))
+            self.checkpoint_failed = (f"checkpoint of step {self.step} not written ({(text.splitlines() or [''])[0][:300]})"
+                                      + (f": {now}" if kind and now else f": {type(e).__name__}"))
             logger.error("{}", self.checkpoint_failed)
             return False
         self._checkpoint_due, self.checkpoint_failed = False, None

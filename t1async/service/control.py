@@ -333,18 +333,22 @@ def run_status(args: argparse.Namespace) -> int:
 
 def final_checkpoint_error(summary: dict[str, Any]) -> str | None:
     """One line when a run's summary (``summary.json``) says its final checkpoint was not written
-    (the learner's ``checkpoint_failed``: a full disk), else None."""
+    (the learner's ``checkpoint_failed``: a full disk, ``did not fit``, or an I/O error), else None."""
     why = (summary.get("learner") or {}).get("checkpoint_failed") if isinstance(summary, dict) else None
     if not why:
         return None
-    return (f"the final checkpoint did not fit: {why}; nothing is lost: a resume starts from the last checkpoint "
+    how = "did not fit" if "disk full" in why else "was not written"
+    return (f"the final checkpoint {how}: {why}; nothing is lost: a resume starts from the last checkpoint "
             f"written and the receive log (free space, then t1async launch CONFIG run.dir={summary.get('run_dir')} "
             "learner.resume=true)")
 
 
 def run_stop(args: argparse.Namespace) -> int:
-    """Ask the service to stop and wait (up to 600 s) until it has: 0, or 1 when its final
-    checkpoint was not written (:func:`final_checkpoint_error`, one line) or it is still stopping."""
+    """Ask the service to stop and wait (up to 600 s) until it has: 0, or 1 (one line) when its
+    final checkpoint was not written (:func:`final_checkpoint_error`), the launch ended with an
+    error (``error`` in its summary: the learner died), it wrote no summary (killed), or it is
+    still stopping."""
+    asked_at = time.time()
     request(args.run_dir, {"cmd": "stop", "now": bool(args.now)})
     print(f"t1async: stopping the run in {args.run_dir}" + (" now" if args.now else " after its current step"))
     deadline = time.monotonic() + 600
@@ -353,11 +357,19 @@ def run_stop(args: argparse.Namespace) -> int:
     if is_held(Path(args.run_dir)):
         print("t1async: still stopping after 600 s")
         return 1
+    path = Path(args.run_dir) / "summary.json"
     try:
-        summary = json.loads((Path(args.run_dir) / "summary.json").read_text())
+        summary = json.loads(path.read_text()) if path.stat().st_mtime >= asked_at - 1 else None
     except (OSError, ValueError):
-        summary = {}
+        summary = None
+    if not isinstance(summary, dict):
+        print(f"t1async: error: the service ended without writing {path} (killed, or its disk refused it); see "
+              f"{Path(args.run_dir) / 'logs' / 't1async.log'}", file=sys.stderr)
+        return 1
     error = final_checkpoint_error(summary)
+    if summary.get("error"):
+        print(f"t1async: error: stopped, but {summary['error']}", file=sys.stderr)
+        return 1
     if error:
         print(f"t1async: error: stopped, but {error}", file=sys.stderr)
         return 1

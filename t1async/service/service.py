@@ -336,10 +336,13 @@ class Service:
     # ---- the main loop ------------------------------------------------------------------
     def run(self) -> tuple[dict[str, Any], str]:
         """Run the learner to its end (see the module docstring); returns ``(learner status, how
-        it ended)`` with how = ``done``, ``stopped`` (t1async stop) or ``signal``.
+        it ended)`` with how = ``done``, ``stopped`` (t1async stop) or ``signal``; the status's
+        ``ended_mid_step`` says whether ``stop --now`` (or a second signal) ended the learner inside
+        a step (then the status is only ``step`` and ``ended_mid_step``).
 
         Raises:
-            LearnerDied: it died more than ``run.learner_restarts`` times.
+            LearnerDied: it died more than ``run.learner_restarts`` times, or its run raised (one
+                line; the traceback is in ``logs/learner.log``).
         """
         received: list[int] = []
 
@@ -374,12 +377,13 @@ class Service:
                         learner = self._restart(e)
                         run_ref = learner.run.remote(self.roles["controller"])
                         continue
-                    except ray.exceptions.RayError:  # its run raised: the controller it calls died?
+                    except ray.exceptions.RayError as e:  # its run raised: the controller it calls died?
                         controller_died = self._controller_died(None, wait_s=10)
-                        if controller_died is None or asked:
-                            raise
+                        if controller_died is None or asked:  # (one line, not Ray's traceback; exit status 1)
+                            raise LearnerDied(self._died_line(e, "while stopping" if asked else "in its run")) from None
                     else:
                         how = "signal" if received else "stopped" if self.stop_request else "done"
+                        result.setdefault("ended_mid_step", False)  # (True only from _end_learner_now)
                         if result.get("checkpoint_failed"):  # (launch's caller says so in its exit status too)
                             logger.error("the learner stopped, but its final checkpoint did not fit: {}",
                                          result["checkpoint_failed"])

@@ -450,3 +450,89 @@ def test_a_stop_whose_final_checkpoint_does_not_fit_says_so_with_exit_status_1(t
     assert stop.returncode == 1 and "t1async: error: stopped, but the final checkpoint did not fit" in stop.stderr, stop
     assert rc == 1 and "t1async: error: stopped, but the final checkpoint did not fit" in text, text[-3000:]
     assert "Traceback" not in text
+
+
+def test_a_final_checkpoint_torch_cannot_write_is_classified_whatever_the_floor(tmp_path):
+    """Issue 42 (a fresh user): with ``learner.disk_floor_mb=0`` on a full tmpfs, torch's writer
+    raised ``RuntimeError: basic_ios::clear: iostream error`` (its ENOSPC) out of the final
+    checkpoint: a raw Ray traceback, and ``t1async stop`` said "stopped", rc 0. Here a real tmpfs is
+    filled so that the policy's safetensors fit and torch's optimizers.pt does not: the learner's run
+    ends with ``checkpoint_failed`` naming a full disk, the path and the free space, and raises nothing."""
+    from t1async.service.control import final_checkpoint_error
+
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        learner = _learner(mnt, max_steps=2, checkpoint_every=1, disk_floor_mb=0)
+        tx = ZmqSender(learner.endpoint())
+        try:
+            send_trajectory(tx, synthetic(version=0, seed=1))
+            learner.loop.cfg.max_steps = 1
+            assert learner.run(FakeController())["checkpoint_failed"] is None
+            first = mnt / "checkpoints" / "step_000001"
+            policy = sum(p.stat().st_size for p in first.glob("*.safetensors"))
+            optim = (first / "optimizers.pt").stat().st_size
+            free = os.statvfs(mnt).f_bavail * os.statvfs(mnt).f_frsize
+            with open(mnt / "filler", "wb") as f:  # room for the policy's weights, not for optimizers.pt
+                f.write(b"\0" * max(0, free - policy - optim // 3 - (64 << 10)))
+            learner.loop.cfg.max_steps = 2
+            learner.loop._stop.clear()
+            send_trajectory(tx, synthetic(version=0, seed=2))
+            result = learner.run(FakeController())  # (main: RuntimeError: ... iostream error / unexpected pos)
+        finally:
+            tx.close(flush_timeout_s=0)
+            learner.close()
+        why = result["checkpoint_failed"]
+        assert result["step"] == 2 and why.startswith("checkpoint of step 2 not written (disk full writing .step_000002")
+        assert "RuntimeError" in why and f"at {mnt / 'checkpoints'} (" in why and "MB free" in why, why
+        assert final_checkpoint_error({"run_dir": str(mnt), "learner": result}).startswith(
+            "the final checkpoint did not fit: checkpoint of step 2")
+        assert not list((mnt / "checkpoints").glob(".step_*"))  # the staged folder is gone
+        assert sorted(p.name for p in (mnt / "checkpoints").iterdir()) == ["step_000001"]  # a resume starts there
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def test_every_checkpoint_write_failure_is_a_disk_fault_full_or_io_error_and_a_bug_only_fails_the_final_one(
+        tmp_path, monkeypatch):
+    """A write failure the library does not call ENOSPC: on a disk with room it is an I/O error
+    (the service pauses and retries, as for EIO); a bug (TypeError) in a periodic checkpoint still
+    raises (the learner is restarted), in the final one it is reported, not raised."""
+    free = {"b": 10 << 30}
+    monkeypatch.setattr(fileio, "free_bytes", lambda p: free["b"])
+    monkeypatch.setattr(checkpoints_mod, "free_bytes", lambda p: free["b"])
+    guard = DiskGuard(tmp_path, floor_mb=0)
+    assert guard.fault(RuntimeError("basic_ios::clear: iostream error"), tmp_path) is None  # (not a write)
+    assert guard.fault(RuntimeError("[enforce fail at inline_container.cc:603] . unexpected pos 64 vs 0"),
+                       tmp_path / "ckpt", writing=True) == "error"
+    assert guard.check() == f"disk I/O error at {tmp_path / 'ckpt'} (10240 MB free)"
+    free["b"] = 1 << 20
+    assert guard.fault(RuntimeError("basic_ios::clear: iostream error"), tmp_path, writing=True) == "full"
+    assert guard.fault(TypeError("a bug"), tmp_path, writing=True) is None
+    free["b"] = 10 << 30
+
+    def iostream(*a, **k):
+        raise RuntimeError("basic_ios::clear: iostream error")
+
+    monkeypatch.setattr(checkpoints_mod, "write_consumed", iostream)
+    learner = _learner(tmp_path, max_steps=1, checkpoint_every=0, disk_floor_mb=0)
+    tx = ZmqSender(learner.endpoint())
+    try:
+        send_trajectory(tx, synthetic(version=0, seed=1))
+        result = learner.run(FakeController())
+        assert result["checkpoint_failed"].startswith("checkpoint of step 1 not written (disk I/O error writing .step_")
+        assert result["checkpoint_failed"].endswith(f"disk I/O error at {tmp_path / 'checkpoints'} (10240 MB free)")
+
+        def bug(*a, **k):
+            raise TypeError("a bug")
+
+        monkeypatch.setattr(checkpoints_mod, "write_consumed", bug)
+        with pytest.raises(TypeError):
+            learner.loop._checkpoint()
+        assert not learner.loop._checkpoint(final=True)
+        assert learner.loop.checkpoint_failed == "checkpoint of step 1 not written (a bug): TypeError"
+    finally:
+        tx.close(flush_timeout_s=0)
+        learner.close()
