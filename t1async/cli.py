@@ -8,8 +8,10 @@ Each subcommand is registered by a ``register(subparsers)`` function listed in
 :data:`SUBCOMMANDS` (``"module:function"`` and the command names it adds); ``register`` adds its
 parser and sets ``func`` (``args -> exit status``). Only the module of the command given is
 imported (every one for ``t1async --help`` or an unknown command), so ``status``, ``stop`` and
-``scale`` import neither torch nor Ray: under a second on an idle machine, where importing torch
-alone takes 10-40 s on a busy node (tests/test_cli.py).
+``scale`` import neither torch nor Ray, nor yaml, omegaconf, the config or the environments
+(``status --json`` and ``stop`` not even rich or loguru): a few tenths of a second on an idle
+machine, where importing torch alone takes 10-40 s on a busy node
+(tests/unit/service/test_cli_light.py, ``t1async bench cli-light``).
 
 Bad input (a missing config file, an unknown key, an invalid task folder, a missing sandbox tool)
 prints one line ``t1async: error: ...`` and exits with status 2; no traceback.
@@ -27,11 +29,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 from t1async import MissingExtra
-from t1async.config import ConfigError, load_config
-from t1async.envs.sandboxes.sandbox import SandboxUnavailable
-from t1async.envs.taskio.task import TaskError
-from t1async.service.control import ControlError, final_checkpoint_error
-from t1async.transport.keys import KeysError
 
 SUBCOMMANDS = [
     ("t1async.cli:register_launch", ("launch",)),
@@ -62,6 +59,7 @@ def run_launch(args: argparse.Namespace) -> int:
     """Run ``launch``; 0 when every learner step ran or ``t1async stop`` stopped it, 130 after a
     signal (Ctrl-C, SIGTERM, SIGHUP), 1 if the learner stopped early (starved) or died for good, or
     its final checkpoint did not fit (one line says so)."""
+    from t1async.service.control import final_checkpoint_error  # (yaml: the control module defers it too)
     from t1async.service.launch import launch  # (torch, ray: deferred until the command is known good)
 
     summary = launch(args.config, args.overrides)
@@ -95,6 +93,8 @@ def register_mismatch(sub: argparse._SubParsersAction) -> None:
 
 def run_mismatch(args: argparse.Namespace) -> int:
     """Run :func:`t1async.commands.mismatch.measure` on the config; prints its JSON."""
+    from t1async.config import load_config  # (yaml, omegaconf: deferred, status and stop stay light)
+
     cfg = load_config(args.config, args.overrides)
     from t1async.commands.mismatch import measure  # (torch: imported once the config is known good)
 
@@ -122,6 +122,9 @@ def run_sft(args: argparse.Namespace) -> int:
         TaskError: ``--tasks`` or ``--heldout`` is not a folder, ``--out`` is a file, or the
             demonstrations cannot be built (its ValueError).
     """
+    from t1async.config import load_config  # (yaml, omegaconf: deferred, status and stop stay light)
+    from t1async.envs.taskio.task import TaskError  # (yaml: the task loader's, deferred with it)
+
     cfg = load_config(args.config, args.overrides)
     if not Path(args.tasks).is_dir():
         raise TaskError(f"--tasks {args.tasks} is not a folder; pass a folder of task folders (t1async synth --out ...)")
@@ -224,9 +227,17 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+USER_ERRORS = (("t1async.config.errors", "ConfigError"), ("t1async.envs.taskio.task", "TaskError"),
+               ("t1async.envs.sandboxes.sandbox", "SandboxUnavailable"), ("t1async.transport.keys", "KeysError"),
+               ("t1async.service.control", "ControlError"), ("t1async", "MissingExtra"))
+"""``(module, class)`` of each exception type that means bad input."""
+
+
 def user_errors() -> tuple[type[BaseException], ...]:
-    """Exception types that mean bad input (reported by the CLI in one line, without a traceback)."""
-    return ConfigError, TaskError, SandboxUnavailable, KeysError, ControlError, MissingExtra
+    """Exception types that mean bad input (reported by the CLI in one line, without a traceback):
+    those of :data:`USER_ERRORS` whose module is imported (an error of a module never imported
+    cannot have been raised, so ``t1async status`` imports none of them to report its own)."""
+    return tuple(getattr(sys.modules[m], name) for m, name in USER_ERRORS if m in sys.modules)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -235,12 +246,14 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return int(args.func(args))
-    except user_errors() as e:
-        print(f"t1async: error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("t1async: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        if not isinstance(e, user_errors()):
+            raise
+        print(f"t1async: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

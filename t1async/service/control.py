@@ -29,13 +29,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import yaml
 import zmq
-from loguru import logger
-from rich.console import Console
-from rich.table import Table
 
-from t1async.config import Config
 from t1async.service.rundir import describe_holder, is_held, read_service
 
 LIVE_KEYS = {
@@ -58,6 +53,8 @@ class ControlError(Exception):
 
 def _config_key_error(key: str) -> str | None:
     """Why dotted ``key`` names no setting of :class:`~t1async.config.Config` (None: it names one)."""
+    from t1async.config import Config  # (t1async.config and its yaml: deferred, status and stop stay light)
+
     node: Any = Config()
     parts = key.split(".")
     for i, part in enumerate(parts):
@@ -97,6 +94,8 @@ def parse_changes(pairs: list[str]) -> dict[str, Any]:
     Raises:
         ControlError: not ``key=value``, or a key that cannot change live (with the reason).
     """
+    import yaml  # (yaml: deferred, status and stop stay light)
+
     if not pairs:
         raise ControlError("give at least one key=value, e.g. rollout.num_actors=4")
     out: dict[str, Any] = {}
@@ -194,6 +193,8 @@ class ControlServer:
                 return {"ok": False, "error": f"unknown command {req['cmd']!r}; commands: {', '.join(self.handlers)}"}
             return fn(req)
         except Exception as e:  # a bad request must not end the service
+            from loguru import logger  # (loguru: deferred, the client commands stay light)
+
             self.refused += 1
             if self.refused <= LOG_FIRST or self.refused % LOG_EVERY == 0:  # a flood of garbage: not a line each
                 logger.warning("control request refused ({} so far): {}", self.refused, e)
@@ -220,6 +221,8 @@ class ControlServer:
             except Exception as e:  # never let one message end the thread
                 if self._stop.is_set():
                     return
+                from loguru import logger  # (loguru: deferred, the client commands stay light)
+
                 logger.opt(exception=e).error("control socket: a message could not be answered")
 
     def close(self) -> None:
@@ -261,8 +264,21 @@ def request(run_dir: str | Path, msg: dict[str, Any], timeout_s: float = REQUEST
 
 
 # ---- formatting -----------------------------------------------------------------------------
+def drops_line(st: dict[str, Any]) -> str:
+    """The status table's drop counters: stale drops and, of them, ``stale_restart`` (sampled by an
+    earlier learner life's or a joining sampler's publication: 0 by design, docs/training.md) always
+    shown, every other reason when it is not 0 (``dropped`` by reason, t1async/learner/abnormal.py)."""
+    dropped = dict(st.get("dropped") or {})
+    shown = {"stale": dropped.pop("stale", st.get("dropped_stale", 0)), "stale_restart": st.get("dropped_stale_restart", 0)}
+    shown.update({k: v for k, v in dropped.items() if v})
+    return f"{sum(v for k, v in shown.items() if k != 'stale_restart')} {json.dumps(shown)}"
+
+
 def format_status(st: dict[str, Any]) -> str:
     """A human table of a status reply (rich, rendered to plain text)."""
+    from rich.console import Console  # (rich: deferred to the table, status --json and stop stay light)
+    from rich.table import Table  # (rich)
+
     def f(x: Any, nd: int = 2) -> str:
         return "-" if x is None else f"{x:.{nd}f}" if isinstance(x, float) else str(x)
 
@@ -278,11 +294,12 @@ def format_status(st: dict[str, Any]) -> str:
         ("resolved (recent / before)", f"{f(st.get('resolved_recent'))} / {f(st.get('resolved_before'))}"),
         ("staleness max / bound", f"{st.get('staleness_max')} / {st.get('max_staleness')}"),
         ("queue", st.get("queue_depth")),
-        ("dropped", json.dumps({k: v for k, v in (st.get("dropped") or {}).items() if v}) or "{}"),
+        ("dropped", drops_line(st)),
         ("rejected (quarantined)", f"{st.get('rejected', 0)} {json.dumps(st.get('rejected_by') or {})}"),
         ("refused connections", json.dumps({k: v for k, v in (st.get("refused_handshakes") or {}).items() if v})),
         ("episode failures", json.dumps(st.get("episode_failures") or {})),
         ("restarts", json.dumps(st.get("restarts") or {})),
+        ("memory", (st.get("memory") or {}).get("line", "-")),
     ]
     for k, v in rows:
         head.add_row(k, str(v))

@@ -63,6 +63,9 @@ class MemoryBackoff:
         reduced_to: the rollout actors' target while backing off, None when not.
         memory_kills: roles killed for memory so far (:meth:`role_killed`).
         reason: why it backs off (for status), None when not.
+        last_kill: the last role killed for memory, ``{"role", "step", "time"}`` (the learner's step
+            then, wall-clock seconds), None before any: with the step now, status says that
+            training resumed after it (:func:`memory_line`).
     """
 
     def __init__(self, threshold: float, margin: float = 0.03, calm_s: float = 60.0):
@@ -70,12 +73,15 @@ class MemoryBackoff:
         self.reduced_to: int | None = None
         self.memory_kills = 0
         self.reason: str | None = None
+        self.last_kill: dict[str, object] | None = None
         self._kill_pending = False  # a kill not yet answered by a cut
         self._last_event = -1e18  # last time memory was short, a role was killed for memory, or a cut
 
-    def role_killed(self, role: str, now: float | None = None) -> None:
-        """``role`` died because Ray's memory monitor killed it: the next :meth:`update` cuts."""
+    def role_killed(self, role: str, now: float | None = None, step: int | None = None) -> None:
+        """``role`` died because Ray's memory monitor killed it (at learner step ``step``): the
+        next :meth:`update` cuts."""
         self.memory_kills += 1
+        self.last_kill = {"role": role, "step": step, "time": round(time.time(), 1)}
         self._kill_pending = True
         self._last_event = time.monotonic() if now is None else now
         self.reason = f"Ray's memory monitor killed the {role}"
@@ -111,9 +117,36 @@ class MemoryBackoff:
         return None, None
 
     def status(self) -> dict[str, object]:
-        """``{"short": bool, "reason", "rollout_actors_reduced_to", "memory_kills", "threshold"}`` for status."""
+        """``{"short": bool, "reason", "rollout_actors_reduced_to", "memory_kills", "threshold",
+        "last_kill"}`` for status."""
         return {"short": self.reduced_to is not None, "reason": self.reason, "rollout_actors_reduced_to": self.reduced_to,
-                "memory_kills": self.memory_kills, "threshold": self.threshold}
+                "memory_kills": self.memory_kills, "threshold": self.threshold, "last_kill": self.last_kill}
 
 
-__all__ = ["MemoryBackoff", "killed_for_memory", "node_memory_used", "ray_memory_threshold"]
+def memory_line(memory: dict | None, step: int | None, target: int | None = None) -> str:
+    """``t1async status``'s memory row from :meth:`MemoryBackoff.status` (``memory``), the learner's
+    step now and the operator's rollout actor count ``target``: the last role Ray's memory monitor
+    killed, at which step, whether training resumed since (steps trained after it), and the back-off.
+
+    >>> memory_line({"memory_kills": 1, "threshold": 0.9, "short": True, "rollout_actors_reduced_to": 2,
+    ...              "last_kill": {"role": "learner", "step": 5, "time": 0}}, 8, 4)
+    "1 kill(s) by Ray's memory monitor (threshold 90%): last the learner at step 5, restarted; training resumed (3 steps since); backing off: rollout actors 2 of 4"
+    """
+    m = memory or {}
+    threshold = m.get("threshold")
+    if not m.get("memory_kills"):
+        head = f"no kills by Ray's memory monitor (threshold {threshold:.0%})" if threshold else "no kills"
+    else:
+        last = m.get("last_kill") or {}
+        at = last.get("step")
+        since = (step - at) if isinstance(step, int) and isinstance(at, int) else None
+        resumed = ("training resumed" + (f" ({since} steps since)" if since is not None else "") if since
+                   else "no step trained since yet")
+        head = (f"{m['memory_kills']} kill(s) by Ray's memory monitor (threshold {threshold:.0%}): last the "
+                f"{last.get('role', 'role')} at step {at if at is not None else '?'}, restarted; {resumed}")
+    if m.get("short") and m.get("rollout_actors_reduced_to") is not None:
+        head += f"; backing off: rollout actors {m['rollout_actors_reduced_to']}" + (f" of {target}" if target else "")
+    return head
+
+
+__all__ = ["MemoryBackoff", "killed_for_memory", "memory_line", "node_memory_used", "ray_memory_threshold"]

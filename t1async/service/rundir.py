@@ -33,8 +33,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from t1async.config import ConfigError
 from t1async.fileio import replace_file
+
+
+def _config_error(message: str) -> Exception:
+    """A :class:`~t1async.config.ConfigError` (bad input: one line, exit status 2)."""
+    from t1async.config import ConfigError  # (t1async.config and its yaml: deferred, t1async status stays light)
+
+    return ConfigError(message)
 
 LOCK_FILE = "service.lock"
 SERVICE_FILE = "service.json"
@@ -53,7 +59,7 @@ def resolve_run_dir(template: str) -> Path:
     now = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     others = re.sub(r"\{now\}", "", template)
     if "{" in others or "}" in others:
-        raise ConfigError(f"run.dir={template!r}: the only placeholder is {{now}} (UTC time); "
+        raise _config_error(f"run.dir={template!r}: the only placeholder is {{now}} (UTC time); "
                           "remove the other braces")
     return Path(template.replace("{now}", now)).resolve()
 
@@ -74,12 +80,12 @@ class RunDirLock:
             self.dir.mkdir(parents=True, exist_ok=True)
             self._fd = os.open(self.dir / LOCK_FILE, os.O_CREAT | os.O_RDWR, 0o644)
         except OSError as e:
-            raise ConfigError(f"run.dir {self.dir} cannot be created ({e.strerror}); pick a writable folder") from None
+            raise _config_error(f"run.dir {self.dir} cannot be created ({e.strerror}); pick a writable folder") from None
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             os.close(self._fd)
-            raise ConfigError(f"run.dir {self.dir} is in use by {describe_holder(read_service(self.dir))}; "
+            raise _config_error(f"run.dir {self.dir} is in use by {describe_holder(read_service(self.dir))}; "
                               f"stop it with `t1async stop {self.dir}` or pick another run.dir") from None
         self.previous = read_service(self.dir)  # what a holder that died without cleaning up left (or None)
         self.info: dict[str, Any] = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
@@ -158,7 +164,7 @@ def check_reuse(run_dir: Path, *, resume: bool, overwrite: bool) -> None:
     if what is None or resume:
         return
     if not overwrite:
-        raise ConfigError(f"run.dir {run_dir} holds an earlier run ({what}); resume it with learner.resume=true, "
+        raise _config_error(f"run.dir {run_dir} holds an earlier run ({what}); resume it with learner.resume=true, "
                           "start over with run.overwrite=true (deletes it), or pick another run.dir")
     for name in (*EARLIER_RUN, "logs", "workspaces", "config.yaml"):
         p = Path(run_dir) / name

@@ -50,7 +50,7 @@ from t1async.fileio import DiskGuard
 from t1async.learner.metrics import merge_agent_splits
 from t1async.service.capacity import Capacity, scale_refusal
 from t1async.service.control import LIVE_KEYS, live_change_refusal
-from t1async.service.memory import MemoryBackoff, killed_for_memory, node_memory_used, ray_memory_threshold
+from t1async.service.memory import MemoryBackoff, killed_for_memory, memory_line, node_memory_used, ray_memory_threshold
 from t1async.service.rundir import append_history
 from t1async.service.sampler_pool import Backoff, SamplerPool
 from t1async.service.sinks import TensorBoardSink, WandbSink
@@ -226,6 +226,8 @@ class Service:
             out.update({k: ls[k] for k in ("step", "version", "queue_depth", "dropped", "received", "rejected",
                                            "rejected_by", "quarantine_evicted", "duplicates", "trained",
                                            "max_steps", "ledger", "resumed", "weight_group")})
+            # stale drops, and of them those a learner restart or a joining sampler's publication made (0 by design)
+            out["dropped_stale"], out["dropped_stale_restart"] = ls.get("dropped_stale", 0), ls.get("dropped_stale_restart", 0)
             out["refused_handshakes"] = ls.get("refused_handshakes", {})
             out["disk_paused_s"] = ls.get("disk_paused_s", 0.0)
             if ls.get("disk") and not self.stop_request:  # the learner's pause (its own writes, its view)
@@ -251,6 +253,7 @@ class Service:
                 except Exception:
                     out["samplers"].append({"name": f"sampler{i}", "state": "unreachable"})
         out["memory"] = self.memory.status()
+        out["memory"]["line"] = memory_line(out["memory"], out.get("step"), self.cfg.rollout.num_actors)
         if self.memory.reduced_to is not None and out["state"] == "running":
             out["state"] = (f"degraded: memory short ({self.memory.reason}): rollout actors reduced to "
                             f"{self.memory.reduced_to} of {self.cfg.rollout.num_actors}")
@@ -525,9 +528,14 @@ class Service:
 
     def _memory_kill(self, role: str, err: Exception) -> None:
         if killed_for_memory(err):
-            self.memory.role_killed(role)
+            self.memory.role_killed(role, step=self._last_step())
             logger.warning("Ray's memory monitor killed the {} (node memory short); it is restarted and the service "
                            "backs off (fewer rollout actors) while memory stays short", role)
+
+    def _last_step(self) -> int:
+        """The learner's last step in ``metrics.jsonl`` as last read by the main loop (0 before the
+        first; not polled here: the main loop shows and forwards each new row)."""
+        return int(self.tail.rows[-1].get("step", 0)) if self.tail.rows else 0
 
     def _check_memory(self) -> None:
         """Every 5 s: rollout actors Ray's memory monitor killed (the controller's count), the
@@ -538,7 +546,7 @@ class Service:
         except Exception:
             kills = self._rollout_memory_kills
         if kills > self._rollout_memory_kills:
-            self.memory.role_killed("rollout actor")
+            self.memory.role_killed("rollout actor", step=self._last_step())
             logger.warning("Ray's memory monitor killed {} rollout actor(s) (node memory short); they are replaced "
                            "and the service backs off while memory stays short", kills - self._rollout_memory_kills)
         self._rollout_memory_kills = kills

@@ -44,8 +44,9 @@ CHECKED = ("t1async", "t1async.actors", "t1async.envs")
 """Module prefixes whose imports are checked (every product module)."""
 
 DEFERRABLE = ("torch", "megatron", "transformers", "ray", "omegaconf", "yaml", "matplotlib", "uvicorn", "fastapi",
-              "modal")
-"""Libraries a function-level import may defer: heavy to import (torch, megatron, transformers, ray)
+              "modal", "rich", "loguru")
+"""Libraries a function-level import may defer: heavy to import (torch, megatron, transformers, ray;
+rich and loguru on the path of ``t1async status`` and ``stop``, which must stay light: issue 42)
 or absent where the importing module must still import (optional extras; omegaconf and yaml on a
 GPU box that only runs the Megatron check). Each such import says so in a comment naming the library."""
 
