@@ -325,6 +325,9 @@ def tensor_parallel_choices(m: ModelConfig) -> list[int]:
 _CROSS_RULES: list[tuple[Any, str, Any]] = [
     (lambda c: c.env.max_context_tokens == 0 or c.env.max_context_tokens > c.generation.max_new_tokens,
      "env.max_context_tokens", "0 (the model's context) or more than generation.max_new_tokens"),
+    (lambda c: c.env.max_context_tokens <= c.model.max_position_embeddings, "env.max_context_tokens",
+     lambda c: (f"at most model.max_position_embeddings={c.model.max_position_embeddings} (the model's context: "
+                "the learner refuses a longer trajectory as length), or 0 for the model's context")),
     (lambda c: c.model.num_experts % c.learner.megatron.expert_parallel == 0, "learner.megatron.expert_parallel",
      lambda c: (f"a divisor of model.num_experts={c.model.num_experts}, one of "
                 f"{divisors(c.model.num_experts)} "

@@ -5,13 +5,17 @@ consumed-id ledger, so a resume trains it.
 
 Real launch (Ray, ZeroMQ with the run's CurveZMQ keys, the torch learner). The long step is real: a
 valid trajectory of 16,384 tokens, with ``model.max_position_embeddings=16384`` so that intake takes
-it, sent with the run's own keys as a rollout actor would.
+it, sent with the run's own keys as a rollout actor would. Meanwhile an operator sends one token more
+than the context with ``tools/send_trajectory.py`` (the run's keys, from outside the service): it is
+refused as ``length``, counted, and shown by ``t1async status`` (table and ``--json``) beside the
+drop counters (``dropped_stale_restart``: 0).
 """
 
 from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import time
 
 import pytest
@@ -72,6 +76,13 @@ def test_stop_now_ends_a_learner_stuck_in_a_long_step_and_loses_nothing(tmp_path
         assert (kind, key) == (ACK, b"long-1")
         sock.send_multipart([PROTOCOL, b"short-1", encode(model_trajectory(model, 200, "short-1", seed=1))])
         in_long_step(run_dir)
+        # an operator provokes the length refusal from outside, as docs/operations.md says, and sees it in status
+        sent = subprocess.run([sys.executable, str(REPO / "tools" / "send_trajectory.py"), str(run_dir),
+                               "--tokens", str(LONG + 1), "--id", "too-long-1"], capture_output=True, text=True,
+                              timeout=180, cwd=REPO)
+        table = subprocess.run([*CLI[:3], "status", str(run_dir)], capture_output=True, text=True, timeout=120)
+        seen = json.loads(subprocess.run([*CLI[:3], "status", str(run_dir), "--json"], capture_output=True, text=True,
+                                         timeout=120).stdout)
         t0 = time.monotonic()
         stop = subprocess.run([*CLI[:3], "stop", str(run_dir), "--now"], capture_output=True, text=True, timeout=300)
         rc = proc.wait(timeout=300)
@@ -83,6 +94,13 @@ def test_stop_now_ends_a_learner_stuck_in_a_long_step_and_loses_nothing(tmp_path
             proc.kill()
             proc.wait()
     text = (tmp_path / "launch.out").read_text()
+    got = json.loads(sent.stdout.strip().splitlines()[-1])
+    assert sent.returncode == 0 and got["reply"] == "REJ", (sent.stdout, sent.stderr)
+    assert f"{LONG + 1} tokens, more than the {LONG}" in got["reason"] and got["limit"] == LONG
+    assert seen["rejected_by"] == {"length": 1} and seen["rejected"] == 1, seen  # counted, visible from outside
+    assert seen["dropped_stale_restart"] == 0 and seen["dropped_stale"] == 0  # (issue 42: only in summary.json)
+    assert '{"length": 1}' in table.stdout and '"stale_restart": 0' in table.stdout, table.stdout
+    assert "no kills by Ray's memory monitor" in table.stdout, table.stdout
     print(f"t1async stop --now returned after {took:.1f} s")
     assert stop.returncode == 0 and rc == 0, (stop.stdout, stop.stderr, text[-3000:])
     assert took < 60, f"stop --now waited {took:.0f} s (the step was not ended)"

@@ -209,3 +209,16 @@ def test_on_and_off_on_the_command_line_are_the_choices_not_yaml_booleans(word, 
     write it for the harnesses); a non-Choice field still reads YAML as before."""
     cfg = load_config(None, [f"env.network={word}", "env.keep_agent_processes=yes"])
     assert cfg.env.network == expected and cfg.env.keep_agent_processes is True
+
+
+def test_a_context_bound_past_the_models_context_is_refused_in_one_line():
+    """Issue 42 (a fresh user): ``env.max_context_tokens`` above ``model.max_position_embeddings``
+    was silently capped, so an operator who set it to see long trajectories refused at intake saw
+    episodes end ``context_full`` first; it is refused, naming both numbers."""
+    from t1async.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["env.max_context_tokens=20000", "model.max_position_embeddings=8192"])
+    assert "env.max_context_tokens=20000 is invalid: it must be at most model.max_position_embeddings=8192" in str(e.value)
+    assert "\n" not in str(e.value)
+    assert load_config(None, ["env.max_context_tokens=8192", "model.max_position_embeddings=8192"]).env.max_context_tokens == 8192
