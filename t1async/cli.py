@@ -28,8 +28,6 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from t1async import MissingExtra
-
 SUBCOMMANDS = [
     ("t1async.cli:register_launch", ("launch",)),
     ("t1async.service.control:register", ("status", "stop", "scale")),

@@ -251,8 +251,8 @@ class EnvConfig(Section):
     max_context_tokens: int = field(default=0, metadata=rule(
         lambda v: v >= 0, "an integer >= 0 (0: model.max_position_embeddings)"))
     """Longest episode stream, tokens (0: ``model.max_position_embeddings``; a larger value is
-    refused: the learner's intake refuses a longer trajectory as ``length``). Before each turn the rollout checks that the stream plus
-    ``generation.max_new_tokens`` fits; when it would not, the episode ends there with
+    refused: the learner's intake refuses a longer trajectory as ``length``). Before each turn the
+    rollout checks that the stream plus ``generation.max_new_tokens`` fits; when it would not, the episode ends there with
     ``finish_reason`` ``context_full`` and goes to the verifier as it stands (trained as
     ``learner.abnormal.context_full`` says), never a sampler error or a truncated prompt."""
     episode_timeout_s: float = 120.0

@@ -128,9 +128,6 @@ def memory_line(memory: dict | None, step: int | None, target: int | None = None
     step now and the operator's rollout actor count ``target``: the last role Ray's memory monitor
     killed, at which step, whether training resumed since (steps trained after it), and the back-off.
 
-    >>> memory_line({"memory_kills": 1, "threshold": 0.9, "short": True, "rollout_actors_reduced_to": 2,
-    ...              "last_kill": {"role": "learner", "step": 5, "time": 0}}, 8, 4)
-    "1 kill(s) by Ray's memory monitor (threshold 90%): last the learner at step 5, restarted; training resumed (3 steps since); backing off: rollout actors 2 of 4"
     """
     m = memory or {}
     threshold = m.get("threshold")

@@ -182,6 +182,22 @@ def test_status_shows_the_last_steps_by_agent():
                                             **trends([])})
 
 
+def test_status_shows_every_drop_counter_the_restart_ones_included_and_the_memory_monitors_kills():
+    """Issue 42 (a fresh user): ``dropped_stale_restart`` was only in summary.json; the table showed
+    only the non-zero reasons of ``dropped``, none of them the restart's."""
+    from t1async.service.control import format_status
+
+    text = format_status({"run_dir": "/r", "state": "running", "step": 9, "version": 4,
+                          "dropped": {"stale": 5, "verifier_error": 0, "context_full": 2}, "dropped_stale": 5,
+                          "dropped_stale_restart": 3, "memory": {"line": "1 kill(s) by Ray's memory monitor ..."}})
+    [line] = [x for x in text.splitlines() if x.startswith("dropped")]
+    assert line.split(None, 1)[1].strip() == '7 {"stale": 5, "stale_restart": 3, "context_full": 2}'
+    [line] = [x for x in text.splitlines() if x.startswith("memory")]
+    assert line.split(None, 1)[1].strip() == "1 kill(s) by Ray's memory monitor ..."
+    quiet = format_status({"run_dir": "/r", "state": "running", "step": 1, "version": 0, "dropped": {}})
+    assert '0 {"stale": 0, "stale_restart": 0}' in quiet  # shown when nothing was dropped, too
+
+
 # ---- what scale says ------------------------------------------------------------------------
 def test_scale_of_an_unknown_key_says_it_is_not_a_config_key():
     from t1async.service.control import parse_changes
