@@ -29,7 +29,7 @@ from typing import Any, Callable
 import ray
 from loguru import logger
 
-from t1async.actors import error_line
+from t1async.actors import error_line, killed_for_memory
 from t1async.sampling.sampler_client import SamplerError, SamplerUnavailable, post_json
 
 MAX_BACKOFF_S = 60.0  # longest wait before restarting a role that keeps dying
@@ -108,6 +108,7 @@ class SamplerPool:
         self.slots: list[Slot] = []
         self.target = 0
         self.restarts = 0  # restarts of every sampler, in all (also of places since removed)
+        self.memory_kills = 0  # of their deaths, those Ray's memory monitor caused (the service backs off)
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -291,6 +292,7 @@ class SamplerPool:
                     ray.kill(s.handle, no_restart=True)
                 except Exception:
                     pass
+            self.memory_kills += killed_for_memory(why)
             wait = s.backoff.next_wait(worked=s.requests > 0)
             s.handle = s.url = s.url_ref = s.life_ref = None
             s.requests, s.health_fails, s.error, s.serving_at, s.joined = 0, 0, why, None, None

@@ -194,6 +194,7 @@ class Service:
         self.restart_controller = restart_controller
         self.memory = MemoryBackoff(ray_memory_threshold())  # Ray's memory monitor: back off before it kills again
         self._rollout_memory_kills = 0  # the controller's count seen so far
+        self._sampler_memory_kills = 0  # the sampler pool's count seen so far
         self._actors_unapplied: int | None = None  # a back-off target the controller has not taken yet
         self.restart_learner, self.check_tasks, self.samplers = restart_learner, check_tasks, samplers
         self.restarts = {"learner": 0, "controller": 0}
@@ -550,6 +551,12 @@ class Service:
             logger.warning("Ray's memory monitor killed {} rollout actor(s) (node memory short); they are replaced "
                            "and the service backs off while memory stays short", kills - self._rollout_memory_kills)
         self._rollout_memory_kills = kills
+        sampler_kills = self.samplers.memory_kills if self.samplers is not None else 0
+        if sampler_kills > self._sampler_memory_kills:  # (the pool restarts them; the back-off is ours)
+            self.memory.role_killed("sampler", step=self._last_step())
+            logger.warning("Ray's memory monitor killed {} sampler(s) (node memory short); they are restarted and the "
+                           "service backs off while memory stays short", sampler_kills - self._sampler_memory_kills)
+        self._sampler_memory_kills = sampler_kills
         target, line = self.memory.update(node_memory_used(), self.cfg.rollout.num_actors)
         if line:
             logger.warning("{}", line)
