@@ -132,14 +132,14 @@ def memory_line(memory: dict | None, step: int | None, target: int | None = None
     m = memory or {}
     threshold = m.get("threshold")
     if not m.get("memory_kills"):
-        head = f"no kills by Ray's memory monitor (threshold {threshold:.0%})" if threshold else "no kills"
+        head = f"no role killed by Ray's memory monitor (threshold {threshold:.0%})" if threshold else "no role killed"
     else:
         last = m.get("last_kill") or {}
         at = last.get("step")
         since = (step - at) if isinstance(step, int) and isinstance(at, int) else None
         resumed = ("training resumed" + (f" ({since} steps since)" if since is not None else "") if since
                    else "no step trained since yet")
-        head = (f"{m['memory_kills']} kill(s) by Ray's memory monitor (threshold {threshold:.0%}): last the "
+        head = (f"{m['memory_kills']} role(s) killed by Ray's memory monitor (threshold {threshold:.0%}): last the "
                 f"{last.get('role', 'role')} at step {at if at is not None else '?'}, restarted; {resumed}")
     if m.get("short") and m.get("rollout_actors_reduced_to") is not None:
         head += f"; backing off: rollout actors {m['rollout_actors_reduced_to']}" + (f" of {target}" if target else "")

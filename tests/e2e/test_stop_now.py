@@ -100,7 +100,7 @@ def test_stop_now_ends_a_learner_stuck_in_a_long_step_and_loses_nothing(tmp_path
     assert seen["rejected_by"] == {"length": 1} and seen["rejected"] == 1, seen  # counted, visible from outside
     assert seen["dropped_stale_restart"] == 0 and seen["dropped_stale"] == 0  # (issue 42: only in summary.json)
     assert '{"length": 1}' in table.stdout and '"stale_restart": 0' in table.stdout, table.stdout
-    assert "no kills by Ray's memory monitor" in table.stdout, table.stdout
+    assert "no role killed by Ray's memory monitor" in table.stdout, table.stdout
     print(f"t1async stop --now returned after {took:.1f} s")
     assert stop.returncode == 0 and rc == 0, (stop.stdout, stop.stderr, text[-3000:])
     assert took < 60, f"stop --now waited {took:.0f} s (the step was not ended)"

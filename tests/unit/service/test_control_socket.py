@@ -189,11 +189,11 @@ def test_status_shows_every_drop_counter_the_restart_ones_included_and_the_memor
 
     text = format_status({"run_dir": "/r", "state": "running", "step": 9, "version": 4,
                           "dropped": {"stale": 5, "verifier_error": 0, "context_full": 2}, "dropped_stale": 5,
-                          "dropped_stale_restart": 3, "memory": {"line": "1 kill(s) by Ray's memory monitor ..."}})
+                          "dropped_stale_restart": 3, "memory": {"line": "1 role(s) killed by Ray's memory monitor ..."}})
     [line] = [x for x in text.splitlines() if x.startswith("dropped")]
     assert line.split(None, 1)[1].strip() == '7 {"stale": 5, "stale_restart": 3, "context_full": 2}'
     [line] = [x for x in text.splitlines() if x.startswith("memory")]
-    assert line.split(None, 1)[1].strip() == "1 kill(s) by Ray's memory monitor ..."
+    assert line.split(None, 1)[1].strip() == "1 role(s) killed by Ray's memory monitor ..."
     quiet = format_status({"run_dir": "/r", "state": "running", "step": 1, "version": 0, "dropped": {}})
     assert '0 {"stale": 0, "stale_restart": 0}' in quiet  # shown when nothing was dropped, too
 

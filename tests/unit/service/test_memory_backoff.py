@@ -48,14 +48,14 @@ def test_status_says_which_role_rays_memory_monitor_killed_at_which_step_and_tha
     from t1async.service.memory import memory_line
 
     b = MemoryBackoff(threshold=0.9, margin=0.03, calm_s=60)
-    assert memory_line(b.status(), 3, 4) == "no kills by Ray's memory monitor (threshold 90%)"
+    assert memory_line(b.status(), 3, 4) == "no role killed by Ray's memory monitor (threshold 90%)"
     b.role_killed("learner", now=1, step=5)
     b.update(0.5, 4, now=2)
     st = b.status()
     assert st["last_kill"]["role"] == "learner" and st["last_kill"]["step"] == 5
-    assert memory_line(st, 5, 4) == ("1 kill(s) by Ray's memory monitor (threshold 90%): last the learner at step 5, "
+    assert memory_line(st, 5, 4) == ("1 role(s) killed by Ray's memory monitor (threshold 90%): last the learner at step 5, "
                                      "restarted; no step trained since yet; backing off: rollout actors 2 of 4")
-    assert memory_line(st, 8, 4) == ("1 kill(s) by Ray's memory monitor (threshold 90%): last the learner at step 5, "
+    assert memory_line(st, 8, 4) == ("1 role(s) killed by Ray's memory monitor (threshold 90%): last the learner at step 5, "
                                      "restarted; training resumed (3 steps since); backing off: rollout actors 2 of 4")
     b.update(0.5, 4, now=100)  # calm: the operator's count is back
     assert memory_line(b.status(), 9, 4).endswith("training resumed (4 steps since)")
