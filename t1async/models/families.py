@@ -219,7 +219,7 @@ def _glm4_init(sizes: dict, renderer) -> dict:
 
 
 FAMILIES: dict[str, Family] = {
-    "glm4_moe": Family("glm4_moe", _built(HFMoeForCausalLM), _glm4_convert, _tied_lm_head, ("torch",),
+    "glm4_moe": Family("glm4_moe", _built(HFMoeForCausalLM), _glm4_convert, _tied_lm_head, ("torch", "megatron"),
                        _glm4_init, unfuse_experts),
     "qwen3_5_moe": Family("qwen3_5_moe", _built(Qwen3_5MoeForCausalLM), qwen35_hf_convert, _tied_lm_head,
                           ("torch",), _qwen35_init),

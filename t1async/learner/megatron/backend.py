@@ -91,12 +91,14 @@ import torch.nn.functional as F
 from loguru import logger
 from megatron.core import parallel_state  # noqa: E402  (t1async.learner.megatron.model says what to install if missing)
 from megatron.core.models.gpt.gpt_model import GPTModel  # noqa: E402
+from megatron.core.transformer.moe.moe_utils import group_limited_topk  # noqa: E402
 from megatron.core.transformer.moe.router_replay import RouterReplayAction  # noqa: E402
 from torch import nn
 
 from t1async.config import GenerationConfig, LearnerConfig, MegatronConfig, ModelConfig, tensor_parallel_sizes
 from t1async.learner.backend import AdamWPair, PolicyForward, ShardedAdamW, chunk_size
 from t1async.learner.megatron.convert import CRITIC, POLICY, tp_partition
+from t1async.learner.megatron.families import moe_layer_pattern, to_converter
 from t1async.learner.megatron.grads import clip_global_norm
 from t1async.learner.megatron.model import (  # noqa: F401  (re-exported)
     LayerRecompute,
@@ -260,11 +262,13 @@ class MegatronBackend(MegatronState, AdamWPair):
         cfg, mc = self.cfg, self.cfg.megatron
         lead = self.rank == 0
         hf_policy = load_policy(self.model_cfg, init) if lead else None
-        policy_sd = hf_policy.state_dict() if lead else None
-        critic_sd = ValueModel(hf_policy).state_dict() if lead and cfg.critic else None
+        names = lambda sd: to_converter(self.model_cfg, sd)  # noqa: E731  (a family's fused experts split, views)
+        policy_sd = names(hf_policy.state_dict()) if lead else None
+        critic_sd = names(ValueModel(hf_policy).state_dict()) if lead and cfg.critic else None
         ref_sd = None
         if lead and cfg.kl_coef > 0:
-            ref_sd = load_policy(self.model_cfg, cfg.init_checkpoint).state_dict() if cfg.init_checkpoint else policy_sd
+            ref_sd = (names(load_policy(self.model_cfg, cfg.init_checkpoint).state_dict()) if cfg.init_checkpoint
+                      else policy_sd)
         kw = dict(dtype=self.dtype, device=self.device, dispatcher=mc.dispatcher, ep_rank=self.dp_rank,
                   ep_size=self.expert_parallel, tp_rank=self.tp_rank, tp_size=self.tensor_parallel,
                   pp_rank=self.pp_rank, pp_size=self.pipeline_parallel)
@@ -283,8 +287,10 @@ class MegatronBackend(MegatronState, AdamWPair):
                             or getattr(p, "sequence_parallel", False)):
                         raise RuntimeError(f"Megatron weight {k} is neither split over the tensor-parallel ranks "
                                            "nor marked sequence_parallel: its gradient would not be summed right")
-        self._routers = [layer.mlp.router for layer in self.policy.decoder.layers]  # this stage's layers
-        self._first_layer = self.pp_rank * len(self._routers)
+        # this stage's MoE layers' routers (a family's dense layers have none); replay rows are per MoE layer
+        self._routers = [layer.mlp.router for layer in self.policy.decoder.layers if hasattr(layer.mlp, "router")]
+        per_stage = self.model_cfg.num_hidden_layers // self.pipeline_parallel
+        self._first_layer = sum(moe_layer_pattern(self.model_cfg)[:self.pp_rank * per_stage])
         self._router_inputs: list[torch.Tensor | None] = [None] * len(self._routers)
         for i, r in enumerate(self._routers):
             r.register_forward_pre_hook(lambda mod, args, i=i: self._keep_router_input(i, args[0]))
@@ -526,11 +532,13 @@ class MegatronBackend(MegatronState, AdamWPair):
                     logp, outside = logp[:, :T], outside[:, :T]
             used = own = None
             if routing:
+                K = self.model_cfg.num_experts_per_tok
+                none = torch.zeros(B, Tp, 0, K, dtype=torch.int64, device=self.device)  # (a stage of dense layers)
                 own = torch.stack([self._own_topk(r, x, B, Tp) for r, x in zip(self._routers, self._router_inputs)],
-                                  2)[:, :T]
+                                  2)[:, :T] if self._routers else none[:, :T]
                 if given is None:
                     used = torch.stack([self._tp_tokens(rr.get_recorded_indices()).view(Tp, B, -1).transpose(0, 1)
-                                        for rr in replays], 2)[:, :T]
+                                        for rr in replays], 2)[:, :T] if replays else none[:, :T]
                 else:
                     used = given.to(self.device).long()
         finally:
@@ -544,10 +552,21 @@ class MegatronBackend(MegatronState, AdamWPair):
 
     def _own_topk(self, router: nn.Module, x: torch.Tensor, B: int, T: int) -> torch.Tensor:
         """The router's own top-k [B, T, K] from its input (what it would choose without replay;
-        with sequence parallelism its input is this rank's slice, the top-k rows are gathered)."""
+        with sequence parallelism its input is this rank's slice, the top-k rows are gathered):
+        the top-k of its logits (softmax routers), or of the sigmoid scores plus the expert bias,
+        within the best groups when group-limited (sigmoid routers, megatron-core's
+        ``topk_routing_with_score_function`` and ``group_limited_topk``)."""
         logits = x.reshape(-1, x.shape[-1]).float() @ router.weight.float().t()  # [T * B, E], float32 as it routes
-        top = self._tp_tokens(logits.topk(self.model_cfg.num_experts_per_tok, dim=-1).indices)
-        return top.view(T, B, -1).transpose(0, 1)
+        K, c = self.model_cfg.num_experts_per_tok, router.config
+        scores = logits
+        if c.moe_router_score_function == "sigmoid":
+            scores = logits.sigmoid() + (router.expert_bias if router.expert_bias is not None else 0.0)
+        if c.moe_router_group_topk:
+            idx = group_limited_topk(scores, K, scores.shape[0], scores.shape[1], c.moe_router_num_groups,
+                                     c.moe_router_group_topk)[1]
+        else:
+            idx = scores.topk(K, dim=-1).indices
+        return self._tp_tokens(idx).view(T, B, -1).transpose(0, 1)
 
     def reference_logprobs(self, inp, tgt, score=None) -> torch.Tensor:  # scores every position
         if self.reference is None:

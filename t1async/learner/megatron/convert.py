@@ -51,8 +51,8 @@ import torch
 
 from t1async.config import ModelConfig
 
-__all__ = ["CRITIC", "POLICY", "Layout", "hf_to_megatron", "megatron_to_hf", "merge_tp", "pack_qkv", "shard_tp",
-           "tp_partition", "unpack_qkv"]
+__all__ = ["CRITIC", "POLICY", "Layout", "hf_to_megatron", "layer_ranges", "megatron_to_hf", "merge_tp", "pack_qkv",
+           "shard_tp", "tp_partition", "unpack_qkv"]
 
 
 class Layout:
@@ -108,8 +108,12 @@ def unpack_qkv(qkv: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch
     return q.reshape(-1, H), k.reshape(-1, H), v.reshape(-1, H)
 
 
-def _ranges(cfg: ModelConfig, ep_rank: int, ep_size: int, pp_rank: int, pp_size: int):
-    """(first global layer, layers on this stage, first global expert, experts on this rank)."""
+def layer_ranges(cfg: ModelConfig, ep_rank: int, ep_size: int, pp_rank: int, pp_size: int):
+    """(first global layer, layers on this stage, first global expert, experts on this rank).
+
+    Raises:
+        ValueError: sizes that do not divide the layers or experts, a rank out of range.
+    """
     L, E = cfg.num_hidden_layers, cfg.num_experts
     if L % pp_size or E % ep_size:
         raise ValueError(f"pipeline_parallel={pp_size} must divide num_hidden_layers={L} and "
@@ -138,7 +142,7 @@ def hf_to_megatron(sd: dict[str, torch.Tensor], cfg: ModelConfig, layout: Layout
         KeyError: a weight the mapping needs is missing. ValueError: sizes that do not divide, or a
             tied config whose ``lm_head.weight`` differs from its embedding.
     """
-    first, n_layers, e0, n_exp = _ranges(cfg, ep_rank, ep_size, pp_rank, pp_size)
+    first, n_layers, e0, n_exp = layer_ranges(cfg, ep_rank, ep_size, pp_rank, pp_size)
     t = layout.trunk
     out: dict[str, torch.Tensor] = {}
     if pp_rank == 0:
@@ -189,7 +193,7 @@ def megatron_to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig, layout: Layout
         KeyError: a Megatron name this mapping does not know (e.g. a TE-fused or grouped-GEMM
             layout, biases).
     """
-    first, n_layers, e0, _ = _ranges(cfg, ep_rank, ep_size, pp_rank, pp_size)
+    first, n_layers, e0, _ = layer_ranges(cfg, ep_rank, ep_size, pp_rank, pp_size)
     t = layout.trunk
     back = {b: a for a, b in _SAME.items()}
     head = {b: a for a, b in layout.head.items()}
@@ -226,6 +230,7 @@ def megatron_to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig, layout: Layout
 
 _TP_SUFFIX = {  # Megatron weight suffix -> (dim split over TP ranks, gated: gate and up halves split apart)
     "self_attention.linear_qkv.weight": (0, False),
+    "self_attention.linear_qkv.bias": (0, False),  # (glm4_moe's attention_bias: the weight's rows)
     "self_attention.linear_proj.weight": (1, False),
     "linear_fc1.weight": (0, True),
     "linear_fc2.weight": (1, False),

@@ -45,7 +45,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from t1async.config import ModelConfig
-from t1async.learner.megatron.convert import CRITIC, POLICY, hf_to_megatron, shard_tp
+from t1async.learner.megatron.convert import CRITIC, POLICY, shard_tp
+from t1async.learner.megatron.families import hf_to_megatron, megatron_family
 from t1async.learner.rl import fill_padding_routes
 
 try:
@@ -67,7 +68,7 @@ except ImportError as e:  # the optional extra
     raise ImportError(f"learner.backend=megatron needs megatron-core: pip install 't1async[megatron]' ({e})") from None
 
 __all__ = ["LMHead", "LayerRecompute", "Norm", "SdpaAttention", "ValueHead", "build_gpt", "init_megatron",
-           "load_megatron", "replay_rows", "transformer_config"]
+           "load_megatron", "megatron_tensors", "replay_rows", "transformer_config"]
 
 
 def init_megatron(device: torch.device, seed: int = 0, *, expert_parallel: int = 1, tensor_parallel: int = 1,
@@ -119,19 +120,20 @@ def init_megatron(device: torch.device, seed: int = 0, *, expert_parallel: int =
 def transformer_config(cfg: ModelConfig, *, replay: bool, dtype: torch.dtype, device: torch.device,
                        dispatcher: str = "auto", expert_parallel: int = 1, tensor_parallel: int = 1,
                        pipeline_parallel: int = 1) -> TransformerConfig:
-    """Megatron's TransformerConfig for the HF Qwen3-MoE architecture ``cfg`` (the parallel sizes
-    must match Megatron's initialised groups).
+    """Megatron's TransformerConfig for the HF Qwen3-MoE architecture ``cfg``, or another family's
+    (t1async/learner/megatron/families/: its ``config_overrides``; the parallel sizes must match
+    Megatron's initialised groups).
     ``tensor_parallel`` > 1 turns on sequence parallelism, which megatron-core requires for MoE
     with tensor parallelism (experts are split over the tensor-parallel ranks too).
 
     Raises:
-        ValueError: ``alltoall`` asked for on CPU.
+        ValueError: ``alltoall`` asked for on CPU; a family setting megatron-core cannot express.
     """
     if dispatcher == "auto":
         dispatcher = "alltoall" if device.type == "cuda" else "allgather"
     if dispatcher == "alltoall" and device.type != "cuda":
         raise ValueError("learner.megatron.dispatcher=alltoall needs CUDA; use allgather on CPU")
-    return TransformerConfig(
+    kw = dict(
         num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
         num_query_groups=cfg.num_key_value_heads, kv_channels=cfg.head_dim, ffn_hidden_size=cfg.moe_intermediate_size,
         moe_ffn_hidden_size=cfg.moe_intermediate_size, num_moe_experts=cfg.num_experts,
@@ -146,6 +148,8 @@ def transformer_config(cfg: ModelConfig, *, replay: bool, dtype: torch.dtype, de
         expert_model_parallel_size=expert_parallel, tensor_model_parallel_size=tensor_parallel,
         sequence_parallel=tensor_parallel > 1, pipeline_model_parallel_size=pipeline_parallel,
         pipeline_dtype=dtype)
+    fam = megatron_family(cfg)
+    return TransformerConfig(**{**kw, **(fam.config_overrides(cfg) if fam is not None else {})})
 
 
 class ValueHead(nn.Module):
@@ -303,16 +307,22 @@ def build_gpt(cfg: ModelConfig, hf: dict[str, torch.Tensor], *, critic: bool = F
     """
     tc = transformer_config(cfg, replay=replay, dtype=dtype, device=device, dispatcher=dispatcher,
                             expert_parallel=ep_size, tensor_parallel=tp_size, pipeline_parallel=pp_size)
-    layer = get_gpt_layer_local_spec(num_experts=cfg.num_experts, moe_grouped_gemm=False, qk_layernorm=True,
-                                     normalization="RMSNorm")
-    layer.submodules.self_attention.submodules.core_attention = SdpaAttention
-    block = TransformerBlockSubmodules(layer_specs=[layer] * (cfg.num_hidden_layers // pp_size), layer_norm=Norm)
+    fam = megatron_family(cfg)
+    if fam is None:
+        layer = get_gpt_layer_local_spec(num_experts=cfg.num_experts, moe_grouped_gemm=False, qk_layernorm=True,
+                                         normalization="RMSNorm")
+        block = TransformerBlockSubmodules(layer_specs=[layer] * (cfg.num_hidden_layers // pp_size), layer_norm=Norm)
+    else:  # megatron-core's own block spec of the family's layers on this stage (dense and MoE)
+        block = fam.block_spec(tc, pp_rank)
+        block.layer_norm = Norm
+    for layer in block.layer_specs:
+        layer.submodules.self_attention.submodules.core_attention = SdpaAttention
     _with_norm(block, Norm)
     last = pp_rank == pp_size - 1
     model = GPTModel(tc, block, vocab_size=cfg.vocab_size, max_sequence_length=cfg.max_position_embeddings,
                      position_embedding_type="rope", rotary_base=cfg.rope_theta,
                      share_embeddings_and_output_weights=cfg.tie_word_embeddings and not critic,
-                     pre_process=pp_rank == 0, post_process=last)
+                     pre_process=pp_rank == 0, post_process=last, **(fam.gpt_kwargs(cfg) if fam is not None else {}))
     if critic and last:
         model.output_layer = ValueHead(cfg.hidden_size, device, sequence_parallel=tp_size > 1)
     elif last:
@@ -405,13 +415,22 @@ class LayerRecompute:
         return run
 
 
+def megatron_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s parameters and the state buffers a checkpoint carries (the sigmoid routers' ``expert_bias``,
+    GLM's score-correction bias: a buffer, no gradient), by Megatron name."""
+    out = dict(model.named_parameters())
+    out.update((n, b) for n, b in model.named_buffers() if n.endswith(".router.expert_bias"))
+    return out
+
+
 def load_megatron(model: nn.Module, sd: dict[str, torch.Tensor]) -> None:
-    """Copy Megatron-named tensors into ``model``'s parameters (cast to their dtype).
+    """Copy Megatron-named tensors into ``model``'s parameters and checkpointed buffers (:func:`megatron_tensors`;
+    cast to their dtype).
 
     Raises:
         RuntimeError: a parameter without a tensor, or a tensor without a parameter.
     """
-    params = dict(model.named_parameters())
+    params = megatron_tensors(model)
     if set(params) != set(sd):
         raise RuntimeError(f"Megatron weights: missing {sorted(set(params) - set(sd))[:5]}, "
                            f"unexpected {sorted(set(sd) - set(params))[:5]}")

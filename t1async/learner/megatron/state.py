@@ -17,8 +17,16 @@ from loguru import logger
 from torch import nn
 
 from t1async.learner.backend import ONE_PROCESS
-from t1async.learner.megatron.convert import CRITIC, POLICY, hf_to_megatron, megatron_to_hf, merge_tp, shard_tp, tp_partition
-from t1async.learner.megatron.model import load_megatron
+from t1async.learner.megatron.convert import CRITIC, POLICY, merge_tp, shard_tp, tp_partition
+from t1async.learner.megatron.families import (
+    from_converter,
+    hf_to_megatron,
+    megatron_family,
+    megatron_to_hf,
+    to_converter,
+)
+from t1async.learner.megatron.model import load_megatron, megatron_tensors
+from t1async.models.families import save_model
 from t1async.learner.megatron.ranks import from_bytes, gather_bytes, gather_tensors, scatter_bytes, to_bytes
 from t1async.models.model import save_hf
 from t1async.weights.buckets import is_expert
@@ -38,13 +46,19 @@ class MegatronState:
 
     # ---- weights and checkpoints ----------------------------------------------------------
     def megatron_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """This rank's Megatron-named parameters of ``model`` (detached, its own experts only)."""
-        return {n: p.detach() for n, p in model.named_parameters()}
+        """This rank's Megatron-named parameters of ``model`` and the buffers checkpoints carry (a sigmoid router's
+        ``expert_bias``; t1async/learner/megatron/model.py :func:`megatron_tensors`), detached, its own experts only."""
+        return {n: p.detach() for n, p in megatron_tensors(model).items()}
 
     def _gather_hf(self, role: str) -> dict[str, torch.Tensor] | None:
-        """The whole ``role`` model (policy or critic) in HF layout on rank 0, every rank's experts,
+        """The whole ``role`` model (policy or critic) in HF layout on rank 0 (the torch model's names:
+        t1async/learner/megatron/families/ :func:`from_converter`), every rank's experts,
         tensor-parallel slices (:func:`merge_tp`) and pipeline stages gathered there; None on
         followers."""
+        hf = self._gather_converter_names(role)
+        return None if hf is None else from_converter(self.model_cfg, hf)
+
+    def _gather_converter_names(self, role: str) -> dict[str, torch.Tensor] | None:
         model, layout = (self.policy, POLICY) if role == "policy" else (self.critic, CRITIC)
         local = self.megatron_state(model)
         n, tp, pp = self.expert_parallel, self.tensor_parallel, self.pipeline_parallel
@@ -77,7 +91,9 @@ class MegatronState:
         return {k: v.contiguous() for k, v in self._call("gather_hf", "policy").items()}
 
     def hf_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
-        return self.hf_state().items()
+        """The policy's parameters under their HF names, as the torch backend publishes them: buffers (GLM's
+        ``e_score_correction_bias``, never trained) are in checkpoints (:meth:`hf_state`), not in the publish."""
+        return [(k, v) for k, v in self.hf_state().items() if not k.endswith("e_score_correction_bias")]
 
     def critic_hf_state(self) -> dict[str, torch.Tensor]:
         """The critic under its HF names (``backbone.*``, ``head.*``), gathered as :meth:`hf_state`."""
@@ -87,7 +103,12 @@ class MegatronState:
         """One HF checkpoint (every rank's experts, slices and stages gathered): config.json +
         model.safetensors, critic.safetensors, optimizers.pt (rank 0's optimiser state) and, with
         N ranks, optimizers-rank{r}.pt for ranks r = 1..N-1 (rank 0 writes them all)."""
-        save_hf(folder, self.model_cfg, {k: v.cpu() for k, v in self.hf_state().items()})
+        state = {k: v.cpu() for k, v in self.hf_state().items()}
+        if megatron_family(self.model_cfg) is None:
+            save_hf(folder, self.model_cfg, state)
+        else:  # the torch learner's checkpoint: model.path's layout (MTP layers carried through), else transformers'
+            save_model(folder, self.model_cfg, state if self.model_cfg.path else to_converter(self.model_cfg, state),
+                       max_shard_bytes=self.cfg.checkpoint_shard_mb * 10**6)
         self._save_state(folder, self.critic_hf_state() if self.critic is not None else None)
         if self.world > 1:
             self._call("save_optimizers", folder=folder)
@@ -148,7 +169,7 @@ class MegatronState:
 
     def _load_hf(self, role: str, sd: dict[str, torch.Tensor] | None = None) -> None:
         model, layout = (self.policy, POLICY) if role == "policy" else (self.critic, CRITIC)
-        sd = self._share(sd)
+        sd = self._share(None if sd is None else to_converter(self.model_cfg, sd))
         load_megatron(model, shard_tp(hf_to_megatron(sd, self.model_cfg, layout, ep_rank=self.dp_rank,
                                                      ep_size=self.expert_parallel, pp_rank=self.pp_rank,
                                                      pp_size=self.pipeline_parallel), layout, self.tp_rank,
