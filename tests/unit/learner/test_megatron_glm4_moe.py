@@ -1,0 +1,273 @@
+"""glm4_moe (GLM-4.5/4.6) on the megatron learner, built from megatron-core's own modules
+(t1async/learner/megatron/families/glm4_moe.py), against the torch learner (transformers' own Glm4MoeForCausalLM)
+on a tiny folder saved by transformers itself: the weight converter (bitwise, both ways, every rank layout),
+log-probs and routing with and without replay, the expert-bias buffer, one learner step, checkpoints, the memory
+plan, and what megatron-core cannot express."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from test_learner import assert_same_metrics, weight_gap
+
+from t1async.config import GenerationConfig, LearnerConfig, ModelConfig, TransportConfig, WeightSyncConfig
+from t1async.config.model_folder import resolve_model
+from t1async.learner.megatron.convert import CRITIC, POLICY, merge_tp, pack_qkv, shard_tp
+from t1async.learner.rl import routing_differs
+from t1async.learner.torch_backend import TorchBackend, ValueModel
+from t1async.models.families import load_model
+from t1async.models.hf_folder import weight_specs
+from tests.support.glm4 import glm4_folder
+
+warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
+pytest.importorskip("transformers")
+megatron_backend = pytest.importorskip("t1async.learner.megatron.backend", reason="megatron-core is not installed")
+from t1async.learner.megatron.families import glm4_moe  # noqa: E402
+from t1async.learner.megatron.families import from_converter, hf_to_megatron, megatron_to_hf, to_converter  # noqa: E402
+from t1async.learner.megatron.plan import Layout, plan_layout  # noqa: E402
+
+MegatronBackend = megatron_backend.MegatronBackend
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """``name -> folder``: ``glm`` (GLM4_TINY), ``no_qk_norm`` (GLM-4.5-Air's attention: no q/k norms),
+    ``ungrouped`` (the same weights, n_group 1: the control that group-limited routing acts)."""
+    root = tmp_path_factory.mktemp("glm4")
+    return {"glm": glm4_folder(root / "glm"), "no_qk_norm": glm4_folder(root / "noqk", use_qk_norm=False),
+            "ungrouped": glm4_folder(root / "ungrouped", n_group=1, topk_group=1)}
+
+
+def _cfg(folder) -> ModelConfig:
+    return resolve_model(ModelConfig(path=str(folder)))
+
+
+def _rows(B: int, T: int, cfg: ModelConfig, seed: int = 0) -> torch.Tensor:
+    """[B, T, L_moe, K] distinct expert ids per row (as a sampler records; GLM's dense first layers have none)."""
+    g = torch.Generator().manual_seed(seed)
+    L = len(glm4_moe.moe_layer_pattern(cfg)) - glm4_moe.settings(cfg)["first_dense"]
+    rows = torch.stack([torch.randperm(cfg.num_experts, generator=g)[:cfg.num_experts_per_tok]
+                        for _ in range(B * T * L)])
+    return rows.view(B, T, L, cfg.num_experts_per_tok)
+
+
+# ----------------------------------------------------------------------------- converter
+
+
+@pytest.mark.parametrize("ep,pp", [(1, 1), (2, 1), (1, 2), (4, 2)])
+def test_glm4_converter_round_trip_is_bitwise_across_expert_and_pipeline_ranks(folders, ep, pp):
+    """Policy and critic in the torch model's names (fused experts, the expert-bias buffer) -> every (expert,
+    pipeline) rank's Megatron tensors -> back: bit for bit, the same names; the dense first layer has a dense MLP
+    and no router, each MoE layer its router, expert bias and shared expert."""
+    cfg = _cfg(folders["glm"])
+    policy = load_model(cfg)
+    for layout, sd in ((POLICY, policy.state_dict()), (CRITIC, ValueModel(policy).state_dict())):
+        torch.manual_seed(1)
+        sd = {k: torch.randn_like(v) for k, v in sd.items()}
+        back: dict[str, torch.Tensor] = {}
+        for pr in range(pp):
+            for er in range(ep):
+                mg = hf_to_megatron(to_converter(cfg, sd), cfg, layout, ep_rank=er, ep_size=ep, pp_rank=pr, pp_size=pp)
+                if pr == 0:
+                    assert "decoder.layers.0.mlp.linear_fc1.weight" in mg and not any(
+                        k.startswith("decoder.layers.0.mlp.router") for k in mg)
+                    assert {"decoder.layers.1.mlp.router.expert_bias", "decoder.layers.1.mlp.shared_experts.linear_fc1"
+                            ".weight", "decoder.layers.1.self_attention.linear_qkv.bias"} <= set(mg)
+                assert sum(".local_experts." in k and k.endswith("fc2.weight") for k in mg) == (
+                    sum(glm4_moe.moe_layer_pattern(cfg)[pr * 4 // pp:(pr + 1) * 4 // pp]) * 8 // ep)
+                for k, v in megatron_to_hf(mg, cfg, layout, ep_rank=er, ep_size=ep, pp_rank=pr, pp_size=pp).items():
+                    assert k not in back or torch.equal(back[k], v)  # shared weights identical on every EP rank
+                    back[k] = v
+        out = from_converter(cfg, back)
+        assert out.keys() == sd.keys() and all(torch.equal(out[k], sd[k]) for k in sd), layout.trunk
+
+
+def test_glm4_tensor_parallel_slices_merge_back_bitwise_and_the_qkv_bias_follows_the_weights_rows(folders):
+    """shard_tp / merge_tp over 2 ranks round-trip GLM's Megatron tensors (qkv bias, dense and shared MLPs
+    included); and the packed bias lines up with the packed weight: Megatron's ``x W^T + b`` is the packing of
+    transformers' q, k, v projections."""
+    cfg = _cfg(folders["glm"])
+    sd = to_converter(cfg, load_model(cfg).state_dict())
+    mg = hf_to_megatron(sd, cfg)
+    parts = [shard_tp(mg, POLICY, r, 2) for r in range(2)]
+    assert parts[0]["decoder.layers.0.self_attention.linear_qkv.bias"].shape[0] == (4 + 2 * 2) * 16 // 2
+    merged = merge_tp(parts, POLICY)
+    assert merged.keys() == mg.keys() and all(torch.equal(merged[k], mg[k]) for k in mg)
+    x = torch.randn(5, cfg.hidden_size)
+    p = "model.layers.1.self_attn."
+    want = pack_qkv(*(F.linear(x, sd[f"{p}{n}_proj.weight"], sd[f"{p}{n}_proj.bias"]).t() for n in "qkv"), cfg).t()
+    got = F.linear(x, mg["decoder.layers.1.self_attention.linear_qkv.weight"],
+                   mg["decoder.layers.1.self_attention.linear_qkv.bias"])
+    assert torch.allclose(got, want, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- parity
+
+
+def _backends(cfg: ModelConfig, generation=GenerationConfig()):
+    """Both backends from the same folder; the critic head made non-zero (the same in both)."""
+    lc = LearnerConfig()
+    torch.manual_seed(0)
+    tb = TorchBackend(lc, cfg, generation)
+    with torch.no_grad():
+        tb.critic.head.weight.normal_(0.0, 0.5)
+        tb.critic.head.bias.fill_(0.3)
+    mb = MegatronBackend(lc, cfg, generation)
+    mb._load_hf("critic", tb.critic.state_dict())
+    return tb, mb
+
+
+@pytest.mark.parametrize("which", ["glm", "no_qk_norm"])
+def test_glm4_log_probs_routing_and_values_equal_the_torch_learner_and_transformers(folders, which):
+    """Own routing and replay: log-probs within float32 noise of the torch learner's and of transformers' own
+    forward (the same weights, loaded from the folder by each); the routing each records is the same set of
+    experts; replay uses exactly the sampler's rows; the critic's values agree."""
+    cfg = _cfg(folders[which])
+    tb, mb = _backends(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (2, 25), generator=torch.Generator().manual_seed(3))
+    inp, tgt = ids[:, :-1], ids[:, 1:]
+    replay = _rows(2, 24, cfg, seed=5)
+    with torch.no_grad():
+        hf = tb.policy.hf(inp).logits.float().log_softmax(-1).gather(-1, tgt[..., None])[..., 0]  # transformers alone
+    out = {}
+    for rep in (None, replay):
+        a = tb.policy_logprobs(inp, tgt, rep, grad=False, routing=True)
+        b = mb.policy_logprobs(inp, tgt, rep, grad=False, routing=True)
+        diff = float((a.logp - b.logp).abs().max())
+        print(f"{which} replay={rep is not None}: log-prob max|diff| megatron vs torch {diff:.2e}"
+              + ("" if rep is not None else f", vs transformers {float((hf - b.logp).abs().max()):.2e}"))
+        assert diff < 1e-5 and torch.equal(a.outside, b.outside)
+        assert b.routed_experts.shape == (2, 24, 3, 2)
+        assert not routing_differs(a.routed_experts, b.routed_experts).any()
+        assert not routing_differs(a.router_experts, b.router_experts).any()
+        out[rep is not None] = b
+    assert float((hf - out[False].logp).abs().max()) < 1e-5
+    assert torch.equal(out[True].routed_experts, replay)  # routing diff 0 against the sampler's rows
+    assert routing_differs(out[True].router_experts, replay).any()  # the control: replay overrode the router
+    assert float((out[True].logp - out[False].logp).abs().max()) > 1e-3  # and changed the log-probs
+    va, vb = tb.values(inp, grad=False), mb.values(inp, grad=False)
+    print(f"{which}: values max|diff| {float((va - vb).abs().max()):.2e}")
+    assert float(va.abs().min()) > 0 and float((va - vb).abs().max()) < 1e-5
+
+
+def test_glm4_group_limit_and_expert_bias_decide_routing_so_the_parity_above_tests_them(folders):
+    """The controls of the parity test: on the same weights, dropping the group limit (n_group 1) or zeroing the
+    score-correction bias changes which experts the router picks, so equal routing above needs both right."""
+    ids = torch.randint(0, 256, (2, 25), generator=torch.Generator().manual_seed(3))[:, :-1]
+    lc = LearnerConfig(critic=False)
+    grouped = TorchBackend(lc, _cfg(folders["glm"]), GenerationConfig())
+    ungrouped = TorchBackend(lc, _cfg(folders["ungrouped"]), GenerationConfig())
+    a = grouped.policy_logprobs(ids, ids, None, grad=False, routing=True).router_experts
+    assert routing_differs(a, ungrouped.policy_logprobs(ids, ids, None, grad=False, routing=True).router_experts).any()
+    with torch.no_grad():
+        for n, b in grouped.policy.named_buffers():
+            if n.endswith("e_score_correction_bias"):
+                assert float(b.abs().max()) > 0
+                b.zero_()
+    assert routing_differs(a, grouped.policy_logprobs(ids, ids, None, grad=False, routing=True).router_experts).any()
+
+
+def _learner(tmp_path, backend: str, cfg: ModelConfig, **kw):
+    from t1async.actors.learner import Learner
+
+    lc = LearnerConfig(batch_size=2, lr=1e-3, backend=backend, routing_replay=True, episodes_per_step=0, **kw)  # (no tokenizer)
+    return Learner(lc, cfg, TransportConfig(curve=False), WeightSyncConfig(), str(tmp_path / f"{backend}-run"), seed=0)
+
+
+def _batch(cfg: ModelConfig):
+    from test_learner import synthetic
+
+    batch = [synthetic(0, 1, reward=2.0), synthetic(0, 2, reward=0.0)]
+    for i, t in enumerate(batch):
+        t.routed_experts = _rows(1, t.routed_experts.shape[0], cfg, seed=i)[0].numpy().astype(np.uint8)
+        t.num_experts = cfg.num_experts
+    return batch
+
+
+def _bias(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in sd.items() if k.endswith("e_score_correction_bias")}
+
+
+def test_glm4_one_learner_step_matches_the_torch_backend_and_keeps_the_expert_bias(folders, tmp_path):
+    """One learner update with replay on both backends from the same folder: the same metrics (routing diff 0),
+    parameters after the AdamW step within 1e-5 relative, the expert-bias buffer unchanged on both (it has no
+    gradient; megatron-core moves it only in finalize_model_grads, which the learner does not call). The megatron
+    checkpoint is the torch learner's: the folder's names and layout, loaded back bitwise by the torch model."""
+    cfg = _cfg(folders["glm"])
+    given = _bias(load_model(cfg).state_dict())
+    out = {}
+    for backend in ("torch", "megatron"):
+        learner = _learner(tmp_path, backend, cfg)
+        try:
+            b = learner.backend
+            before = {k: v.detach().clone() for k, v in b.hf_weights()}
+            metrics = learner.loop._train_step(_batch(cfg))
+            state = b.hf_state() if backend == "megatron" else b.policy.state_dict()
+            out[backend] = metrics, {k: v.detach().clone() for k, v in b.hf_weights()}, _bias(state)
+            if backend == "megatron":
+                b.save(tmp_path / "ckpt")
+                saved = load_model(cfg, tmp_path / "ckpt").state_dict()
+                assert all(torch.equal(saved[k], v.cpu()) for k, v in state.items())
+                assert weight_specs(tmp_path / "ckpt").keys() == weight_specs(cfg.path).keys()
+        finally:
+            learner.close()
+    (mt, wt, bt), (mm, wm, bm) = out["torch"], out["megatron"]
+    assert_same_metrics(mt, mm)
+    assert mm["routing_diff_frac"] == mt["routing_diff_frac"] == 0
+    assert wm.keys() == wt.keys() and not any(k.endswith("e_score_correction_bias") for k in wm)
+    rel, moved = weight_gap(wt, wm, before)
+    print(f"glm4_moe: params after one step, max over tensors of |torch - megatron| / |torch| = {rel:.2e}; "
+          f"smallest relative move {moved:.2e}")
+    assert rel < 1e-5 and moved > 1e-4  # every tensor moved (the routers, weights of std 1, by 8.6e-4 of their norm)
+    assert bt.keys() == bm.keys() == given.keys() and len(given) == 3
+    assert all(torch.equal(bt[k], given[k]) and torch.equal(bm[k].cpu(), given[k]) for k in given)
+
+
+def test_glm4_settings_megatron_core_cannot_express_are_refused_in_one_line(tmp_path):
+    """norm_topk_prob false (megatron-core's sigmoid router always normalises top-k > 1) and a group limit whose
+    top-k // topk_group is not 2 (it ranks groups by that many scores, GLM by 2): one line naming the setting and
+    the megatron-core source line, before any model is built."""
+    for kw, words in (({"norm_topk_prob": False}, "moe_utils.py:724"),
+                      ({"n_group": 4, "topk_group": 2, "num_experts_per_tok": 2}, "moe_utils.py:553")):
+        cfg = _cfg(glm4_folder(tmp_path / str(len(kw)), **kw))
+        with pytest.raises(ValueError, match=words) as e:
+            megatron_backend.transformer_config(cfg, replay=True, dtype=torch.float32, device=torch.device("cpu"))
+        assert "\n" not in str(e.value) and "learner.backend=torch" in str(e.value)
+
+
+# ----------------------------------------------------------------------------- memory plan
+
+
+def test_glm4_planned_bytes_equal_what_the_megatron_learner_allocates(folders):
+    """t1async plan counts glm4_moe as the learner allocates it: one rank (the backend itself: policy, critic and
+    reference parameters), and every rank of multi-rank layouts (the converter's shards, bfloat16, norms float32)."""
+    cfg = _cfg(folders["glm"])
+    lc = LearnerConfig(backend="megatron", kl_coef=0.1,
+                       megatron=dataclasses.replace(LearnerConfig().megatron, device="cpu"))
+    b = MegatronBackend(lc, cfg, GenerationConfig())
+    try:
+        plan = plan_layout(cfg, lc, Layout())[0]
+        for name, model in (("policy", b.policy), ("critic", b.critic), ("reference", b.reference)):
+            assert getattr(plan, name).params == sum(p.numel() * p.element_size() for p in model.parameters()), name
+        critic = ValueModel(load_model(cfg)).state_dict()
+    finally:
+        b.close()
+    policy = load_model(cfg).state_dict()
+    lc = dataclasses.replace(lc, megatron=dataclasses.replace(lc.megatron, dtype="bfloat16"))
+    for lay in (Layout(2, 1, 1), Layout(1, 2, 1), Layout(1, 1, 2), Layout(2, 2, 2)):
+        plans = plan_layout(cfg, lc, lay)
+        for pp in range(lay.pipeline):
+            for ep in range(lay.expert):
+                for tp in range(lay.tensor):
+                    for which, sd, layout in (("policy", policy, POLICY), ("critic", critic, CRITIC)):
+                        part = shard_tp(hf_to_megatron(to_converter(cfg, sd), cfg, layout, ep_rank=ep,
+                                                       ep_size=lay.expert, pp_rank=pp, pp_size=lay.pipeline),
+                                        layout, tp, lay.tensor)
+                        got = sum(t.numel() * (4 if "norm" in k or (k.startswith("output_layer") and which == "critic")
+                                               else 2) for k, t in part.items() if not k.endswith("expert_bias"))
+                        assert getattr(plans[pp], which).params == got, (str(lay), which, pp, ep, tp)
