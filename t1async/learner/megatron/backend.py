@@ -289,8 +289,9 @@ class MegatronBackend(MegatronState, AdamWPair):
                                            "nor marked sequence_parallel: its gradient would not be summed right")
         # this stage's MoE layers' routers (a family's dense layers have none); replay rows are per MoE layer
         self._routers = [layer.mlp.router for layer in self.policy.decoder.layers if hasattr(layer.mlp, "router")]
-        per_stage = self.model_cfg.num_hidden_layers // self.pipeline_parallel
-        self._first_layer = sum(moe_layer_pattern(self.model_cfg)[:self.pp_rank * per_stage])
+        per_stage, pattern = self.model_cfg.num_hidden_layers // self.pipeline_parallel, moe_layer_pattern(self.model_cfg)
+        self._first_layer = sum(pattern[:self.pp_rank * per_stage])
+        self._stage_moe = [sum(pattern[s * per_stage:(s + 1) * per_stage]) for s in range(self.pipeline_parallel)]
         self._router_inputs: list[torch.Tensor | None] = [None] * len(self._routers)
         for i, r in enumerate(self._routers):
             r.register_forward_pre_hook(lambda mod, args, i=i: self._keep_router_input(i, args[0]))
@@ -374,7 +375,8 @@ class MegatronBackend(MegatronState, AdamWPair):
         last = self.pipeline_parallel - 1
         rows = lambda p, stage: torch.cat([p[self._rank_at(0, d, stage)]  # noqa: E731
                                            for d in range(self.expert_parallel)])[:batch]
-        full = iter([(torch.cat([rows(p, st) for st in range(last + 1)], 2) if stg else rows(p, last)).to(t.dtype)
+        full = iter([(torch.cat([rows(p, st)[:, :, :self._stage_moe[st]] for st in range(last + 1)], 2) if stg
+                      else rows(p, last)).to(t.dtype)
                      for p, t, stg in zip(parts, present, staged)])
         out = [None if t is None else next(full) for t in tensors]
         if grad:  # (a pipeline's rank 0 holds a placeholder: the last stage's output has the graph)
@@ -547,6 +549,10 @@ class MegatronBackend(MegatronState, AdamWPair):
             for rr in replays:
                 rr.clear_indices()
                 rr.clear_router_replay_action()
+        if self.pipeline_parallel > 1 and routing:  # every stage sends as many MoE layers (a family's dense layers
+            most = max(self._stage_moe)  # leave stages unequal): padded here, cut back by _gather_rows
+            used, own = (t if t is None or given is not None and t is used else
+                         F.pad(t, (0, 0, 0, most - t.shape[2])) for t in (used, own))
         out = self._gather_rows([logp, outside, used, own], batch, grad, staged=(False, False, given is None, True))
         return PolicyForward(*out) if out[0] is not None else None
 

@@ -271,3 +271,60 @@ def test_glm4_planned_bytes_equal_what_the_megatron_learner_allocates(folders):
                         got = sum(t.numel() * (4 if "norm" in k or (k.startswith("output_layer") and which == "critic")
                                                else 2) for k, t in part.items() if not k.endswith("expert_bias"))
                         assert getattr(plans[pp], which).params == got, (str(lay), which, pp, ep, tp)
+
+
+# ----------------------------------------------------------------------------- several ranks (Ray, gloo)
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """A local Ray (the follower ranks are Ray actors), shut down after this module's tests."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,ep,pp", [(1, 2, 1), (2, 1, 1), (1, 1, 2)])
+def test_glm4_two_rank_learner_step_matches_the_torch_backend(folders, tmp_path, local_ray, tp, ep, pp):
+    """tests/unit/learner/test_megatron.py's two-rank parity for glm4_moe: expert parallelism (4 of the 8 experts
+    per rank, the shared expert and the dense layer replicated), tensor parallelism (qkv bias, dense and shared
+    MLPs split, sequence parallelism) or pipeline parallelism (stage 0: the dense layer and MoE layer 1; stage 1:
+    MoE layers 2 and 3, its routers replaying rows 1 and 2). Log-probs with replay and with the routers' own
+    choice within 1e-5 of the torch learner's, the same routing, the same metrics, parameters after the step
+    within 1e-5 relative, the gathered checkpoint state (expert bias included) the torch learner's names."""
+    cfg = _cfg(folders["glm"])
+    out = {}
+    for backend, (t_, e_, p_) in (("torch", (1, 1, 1)), ("megatron", (tp, ep, pp))):
+        mc = dataclasses.replace(LearnerConfig().megatron, expert_parallel=e_, tensor_parallel=t_,
+                                 pipeline_parallel=p_, timeout_s=60.0)
+        learner = _learner(tmp_path, backend, cfg, megatron=mc)
+        try:
+            b = learner.backend
+            before = {k: v.detach().clone() for k, v in b.hf_weights()}
+            t = _batch(cfg)[0]
+            ids = torch.from_numpy(t.token_ids.astype(np.int64))[None]
+            replay = torch.from_numpy(t.routed_experts.astype(np.int64))[None]
+            fwd = b.policy_logprobs(ids[:, :-1], ids[:, 1:], replay, grad=False, routing=True)
+            free = b.policy_logprobs(ids[:, :-1], ids[:, 1:], None, grad=False, routing=True)
+            metrics = learner.loop._train_step(_batch(cfg))
+            state = b.hf_state() if backend == "megatron" else b.policy.state_dict()
+            out[backend] = fwd, free, metrics, {k: v.detach().clone() for k, v in b.hf_weights()}, state
+        finally:
+            learner.close()
+    (ft, freet, mt, wt, st), (fm, freem, mm, wm, sm) = out["torch"], out["megatron"]
+    lp, lp_free = float((ft.logp - fm.logp).abs().max()), float((freet.logp - freem.logp).abs().max())
+    print(f"glm4_moe TP={tp} EP={ep} PP={pp} vs torch: log-prob max|diff| {lp:.2e} (replay), {lp_free:.2e} (own routing)")
+    assert lp < 1e-5 and lp_free < 1e-5 and torch.equal(ft.outside, fm.outside)
+    assert torch.equal(fm.routed_experts, replay)
+    assert not routing_differs(freet.routed_experts, freem.routed_experts).any()
+    assert not routing_differs(ft.router_experts, fm.router_experts).any()
+    assert_same_metrics(mt, mm)
+    assert mm["routing_diff_frac"] == mt["routing_diff_frac"] == 0
+    assert wm.keys() == wt.keys() and sm.keys() == st.keys()
+    assert all(torch.equal(sm[k].cpu(), st[k]) for k in st if k.endswith("e_score_correction_bias"))
+    rel, moved = weight_gap(wt, wm, before)
+    print(f"glm4_moe TP={tp} EP={ep} PP={pp}: params after one step, max over tensors of |torch - megatron| / |torch| "
+          f"= {rel:.2e}; smallest relative move {moved:.2e}")
+    assert rel < 1e-5 and moved > 1e-4
