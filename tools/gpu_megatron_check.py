@@ -12,6 +12,10 @@ or OmegaConf. Three parts, each recorded even if another fails, written as one J
    difference to the torch backend in bf16 (same weights).
 3. ``bench``: ``t1async bench learner --model mid --batch 4 --seq 2048`` (both backends, replay
    on): tokens/s and MFU against 989.4 TFLOP/s bf16 dense.
+4. ``parity_fp32_glm4``: the tiny glm4_moe folder of tests/unit/learner/test_megatron_glm4_moe.py (saved by
+   transformers' ``save_pretrained``; needs transformers, recorded as skipped without it) in float32 on the GPU,
+   torch vs megatron backend (t1async/learner/megatron/families/glm4_moe.py): log-prob and value max|diff| with
+   and without replay, whether both route to the same expert sets, and whether replay used the given rows.
 """
 
 from __future__ import annotations
@@ -67,6 +71,46 @@ def parity_fp32(dev: torch.device) -> dict:
     return out
 
 
+def parity_fp32_glm4(dev: torch.device) -> dict:
+    import tempfile
+
+    try:
+        import transformers  # noqa: F401  (the torch learner's glm4_moe is transformers' own modeling)
+    except ImportError as e:
+        return {"skipped": f"transformers is not installed ({e})"}
+    from t1async.config.model_folder import resolve_model
+    from t1async.learner.megatron.backend import MegatronBackend
+    from t1async.learner.torch_backend import TorchBackend
+    from tests.support.glm4 import glm4_folder
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = resolve_model(ModelConfig(path=str(glm4_folder(Path(tmp) / "glm"))))
+        lc = LearnerConfig()
+        torch.manual_seed(0)
+        tb = TorchBackend(lc, cfg, GenerationConfig(), device=dev)
+        with torch.no_grad():
+            tb.critic.head.weight.normal_(0.0, 0.5)
+        mb = MegatronBackend(lc, cfg, GenerationConfig(), device=dev, dtype=torch.float32)
+        mb._load_hf("critic", tb.critic.state_dict())
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (2, 65), generator=g).to(dev)
+    inp, tgt = ids[:, :-1], ids[:, 1:]
+    L = sum(mb._stage_moe)
+    replay = torch.stack([torch.randperm(cfg.num_experts, generator=g)[:cfg.num_experts_per_tok]
+                          for _ in range(2 * 64 * L)]).view(2, 64, L, -1).to(dev)
+    out = {}
+    for name, rep in (("no_replay", None), ("replay", replay)):
+        a = tb.policy_logprobs(inp, tgt, rep, grad=False, routing=True)
+        m = mb.policy_logprobs(inp, tgt, rep, grad=False, routing=True)
+        out[f"logprob_max_abs_diff_{name}"] = float((a.logp - m.logp).abs().max())
+        out[f"same_expert_sets_{name}"] = not bool(routing_differs(a.routed_experts, m.routed_experts).any())
+    out["replay_used_given_rows"] = bool(torch.equal(m.routed_experts, replay))
+    out["value_max_abs_diff"] = float((tb.values(inp, grad=False) - mb.values(inp, grad=False)).abs().max())
+    out["ok"] = (all(v < 1e-5 for k, v in out.items() if "diff" in k)
+                 and all(v for k, v in out.items() if k.startswith(("same_", "replay_used"))))
+    return out
+
+
 def learner_step_bf16(dev: torch.device) -> dict:
     model = bench_learner.MODELS["mid"]
     cfg = LearnerConfig(lr=1e-5, critic_lr=1e-5)
@@ -116,7 +160,8 @@ def main() -> int:
         res["megatron_core"] = f"import failed: {e}"
     parts = {"parity_fp32": lambda: parity_fp32(dev), "learner_step_bf16": lambda: learner_step_bf16(dev),
              "bench": lambda: bench_learner.main(["--model", "mid", "--batch", "4", "--seq", "2048",
-                                                  "--steps", str(args.bench_steps), "--warmup", "2"])}
+                                                  "--steps", str(args.bench_steps), "--warmup", "2"]),
+             "parity_fp32_glm4": lambda: parity_fp32_glm4(dev)}
     for name, fn in parts.items():
         t0 = time.perf_counter()
         try:
