@@ -91,7 +91,6 @@ import torch.nn.functional as F
 from loguru import logger
 from megatron.core import parallel_state  # noqa: E402  (t1async.learner.megatron.model says what to install if missing)
 from megatron.core.models.gpt.gpt_model import GPTModel  # noqa: E402
-from megatron.core.transformer.moe.moe_utils import group_limited_topk  # noqa: E402
 from megatron.core.transformer.moe.router_replay import RouterReplayAction  # noqa: E402
 from torch import nn
 
@@ -106,6 +105,7 @@ from t1async.learner.megatron.model import (  # noqa: F401  (re-exported)
     init_megatron,
     load_megatron,
     replay_rows,
+    router_topk,
     transformer_config,
 )
 from t1async.learner.megatron.ranks import (
@@ -559,20 +559,8 @@ class MegatronBackend(MegatronState, AdamWPair):
     def _own_topk(self, router: nn.Module, x: torch.Tensor, B: int, T: int) -> torch.Tensor:
         """The router's own top-k [B, T, K] from its input (what it would choose without replay;
         with sequence parallelism its input is this rank's slice, the top-k rows are gathered):
-        the top-k of its logits (softmax routers), or of the sigmoid scores plus the expert bias,
-        within the best groups when group-limited (sigmoid routers, megatron-core's
-        ``topk_routing_with_score_function`` and ``group_limited_topk``)."""
-        logits = x.reshape(-1, x.shape[-1]).float() @ router.weight.float().t()  # [T * B, E], float32 as it routes
-        K, c = self.model_cfg.num_experts_per_tok, router.config
-        scores = logits
-        if c.moe_router_score_function == "sigmoid":
-            scores = logits.sigmoid() + (router.expert_bias if router.expert_bias is not None else 0.0)
-        if c.moe_router_group_topk:
-            idx = group_limited_topk(scores, K, scores.shape[0], scores.shape[1], c.moe_router_num_groups,
-                                     c.moe_router_group_topk)[1]
-        else:
-            idx = scores.topk(K, dim=-1).indices
-        return self._tp_tokens(idx).view(T, B, -1).transpose(0, 1)
+        :func:`t1async.learner.megatron.model.router_topk`."""
+        return self._tp_tokens(router_topk(router, x)).view(T, B, -1).transpose(0, 1)
 
     def reference_logprobs(self, inp, tgt, score=None) -> torch.Tensor:  # scores every position
         if self.reference is None:

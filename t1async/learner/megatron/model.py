@@ -59,6 +59,7 @@ try:
     )
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe.moe_utils import group_limited_topk
     from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
@@ -68,7 +69,7 @@ except ImportError as e:  # the optional extra
     raise ImportError(f"learner.backend=megatron needs megatron-core: pip install 't1async[megatron]' ({e})") from None
 
 __all__ = ["LMHead", "LayerRecompute", "Norm", "SdpaAttention", "ValueHead", "build_gpt", "init_megatron",
-           "load_megatron", "megatron_tensors", "replay_rows", "transformer_config"]
+           "load_megatron", "megatron_tensors", "replay_rows", "router_topk", "transformer_config"]
 
 
 def init_megatron(device: torch.device, seed: int = 0, *, expert_parallel: int = 1, tensor_parallel: int = 1,
@@ -437,6 +438,22 @@ def load_megatron(model: nn.Module, sd: dict[str, torch.Tensor]) -> None:
     with torch.no_grad():
         for n, p in params.items():
             p.copy_(sd[n])
+
+
+def router_topk(router: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A megatron-core ``TopKRouter``'s own choice for its input ``x`` ``[..., H]``: int64 ``[N, K]`` expert ids
+    (N tokens, best first), what it picks without replay, in float32 as it routes: the top-k of its logits
+    (softmax routers: the softmax keeps their order), or of the sigmoid scores plus its ``expert_bias``, within
+    its best groups when group-limited (megatron-core 0.16.1 ``topk_routing_with_score_function`` and
+    ``group_limited_topk``, transformer/moe/moe_utils.py)."""
+    c = router.config
+    scores = x.reshape(-1, x.shape[-1]).float() @ router.weight.float().t()  # [N, E]
+    if c.moe_router_score_function == "sigmoid":
+        scores = scores.sigmoid() + (router.expert_bias if router.expert_bias is not None else 0.0)
+    if c.moe_router_group_topk:
+        return group_limited_topk(scores, c.moe_router_topk, scores.shape[0], scores.shape[1], c.moe_router_num_groups,
+                                  c.moe_router_group_topk)[1]
+    return scores.topk(c.moe_router_topk, dim=-1).indices
 
 
 def replay_rows(routed: torch.Tensor, num_experts: int, lengths: torch.Tensor | None = None,
