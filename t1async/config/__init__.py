@@ -304,9 +304,13 @@ def _load_yaml(p: Path) -> Any:
 
 def tensor_parallel_sizes(m: ModelConfig) -> dict[str, int]:
     """The sizes ``learner.megatron.tensor_parallel`` must divide: Megatron splits the heads and
-    query groups, the vocabulary and each expert's MLP width over the tensor-parallel ranks."""
-    return {"num_attention_heads": m.num_attention_heads, "num_key_value_heads": m.num_key_value_heads,
-            "vocab_size": m.vocab_size, "moe_intermediate_size": m.moe_intermediate_size}
+    query groups, the vocabulary and each expert's MLP width over the tensor-parallel ranks, and
+    the width of a family's dense MLP layers (glm4_moe's first ``first_k_dense_replace`` layers)."""
+    out = {"num_attention_heads": m.num_attention_heads, "num_key_value_heads": m.num_key_value_heads,
+           "vocab_size": m.vocab_size, "moe_intermediate_size": m.moe_intermediate_size}
+    if m.model_type == "glm4_moe" and int((m.hf_config or {}).get("first_k_dense_replace") or 0) > 0:
+        out["intermediate_size"] = int(m.hf_config["intermediate_size"])
+    return out
 
 
 def divisors(n: int) -> list[int]:

@@ -240,6 +240,16 @@ def test_glm4_settings_megatron_core_cannot_express_are_refused_in_one_line(tmp_
         assert "\n" not in str(e.value) and "learner.backend=torch" in str(e.value)
 
 
+def test_glm4_tensor_parallel_that_does_not_divide_the_dense_layers_width_is_refused_before_ranks_start(tmp_path):
+    """tensor_parallel=2 with a dense first layer of width 51 (its gate and up halves would split unevenly): one line
+    naming intermediate_size, before any rank starts (no Ray here)."""
+    cfg = _cfg(glm4_folder(tmp_path / "odd", intermediate_size=51))
+    lc = LearnerConfig(megatron=dataclasses.replace(LearnerConfig().megatron, tensor_parallel=2))
+    with pytest.raises(ValueError, match="'intermediate_size': 51") as e:
+        MegatronBackend(lc, cfg, GenerationConfig())
+    assert "\n" not in str(e.value) and "tensor_parallel=2" in str(e.value)
+
+
 # ----------------------------------------------------------------------------- memory plan
 
 
