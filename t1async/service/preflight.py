@@ -31,6 +31,7 @@ from t1async.envs.sandboxes.sandbox import check_sandbox_available
 from t1async.envs.taskio.loading import discover_tasks, task_folders
 from t1async.envs.taskio.task import Task, TaskError
 from t1async.learner.checkpoints import resume_from_nothing, untrusted_checkpoints
+from t1async.learner.megatron.families import check_family
 from t1async.learner.megatron.plan import check_layout_fits
 from t1async.models.families import check_model_folder, check_sampler_names, load_renderer
 from t1async.models.tokenizer import check_model_vocab
@@ -139,6 +140,11 @@ def check_inputs(cfg: Config) -> list[str]:
     check_init_checkpoint(cfg.learner.init_checkpoint)
     if cfg.learner.backend == "megatron" and cfg.learner.megatron.gpu_memory_gib > 0:  # the layout fits its GPUs
         check_layout_fits(cfg.model, cfg.learner, cfg.learner.megatron.gpu_memory_gib)
+    if cfg.learner.backend == "megatron" and cfg.model.path:  # a family setting megatron-core cannot express
+        try:
+            check_family(cfg.model)
+        except ValueError as e:
+            raise ConfigError(f"learner.backend=megatron with model.path={cfg.model.path}: {e}") from None
     if cfg.model.path:  # the folder's weights, tokenizer, template and size, before anything starts
         facts = check_model_folder(cfg.model, backend=cfg.learner.backend)
         logger.info("model.path={}: {} {:.1f} M parameters, {} tokenizer ids", cfg.model.path, cfg.model.model_type,

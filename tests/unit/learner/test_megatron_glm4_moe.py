@@ -262,7 +262,7 @@ def test_glm4_one_learner_step_matches_the_torch_backend_and_keeps_the_expert_bi
     assert all(torch.equal(bt[k], given[k]) and torch.equal(bm[k].cpu(), given[k]) for k in given)
 
 
-def test_glm4_settings_megatron_core_cannot_express_are_refused_in_one_line(tmp_path):
+def test_glm4_settings_megatron_core_cannot_express_are_refused_in_one_line(tmp_path, capsys):
     """norm_topk_prob false (megatron-core's sigmoid router always normalises top-k > 1) and a group limit whose
     top-k // topk_group is not 2 (it ranks groups by that many scores, GLM by 2): one line naming the setting and
     the megatron-core source line, before any model is built."""
@@ -272,6 +272,13 @@ def test_glm4_settings_megatron_core_cannot_express_are_refused_in_one_line(tmp_
         with pytest.raises(ValueError, match=words) as e:
             megatron_backend.transformer_config(cfg, replay=True, dtype=torch.float32, device=torch.device("cpu"))
         assert "\n" not in str(e.value) and "learner.backend=torch" in str(e.value)
+    # and the launch refuses it before anything starts (no run directory made)
+    from tests.support.cli import LOCAL, assert_main_one_line
+
+    capsys.readouterr()  # (transformers' save_pretrained progress bars)
+    assert_main_one_line(capsys, ["launch", LOCAL, f"run.dir={tmp_path / 'run'}", "learner.backend=megatron",
+                                  f"model.path={tmp_path / '1'}"], "learner.backend=megatron", "moe_utils.py:724")
+    assert not (tmp_path / "run").exists()
 
 
 def test_glm4_tensor_parallel_that_does_not_divide_the_dense_layers_width_is_refused_before_ranks_start(tmp_path):

@@ -25,7 +25,7 @@ from t1async.learner.megatron import convert
 from t1async.learner.megatron.convert import POLICY, Layout
 from t1async.learner.megatron.families import glm4_moe
 
-__all__ = ["MEGATRON_FAMILIES", "from_converter", "hf_to_megatron", "megatron_family", "megatron_to_hf",
+__all__ = ["MEGATRON_FAMILIES", "check_family", "from_converter", "hf_to_megatron", "megatron_family", "megatron_to_hf",
            "moe_layer_pattern", "to_converter"]
 
 MEGATRON_FAMILIES: dict[str, ModuleType] = {"glm4_moe": glm4_moe}
@@ -35,6 +35,18 @@ MEGATRON_FAMILIES: dict[str, ModuleType] = {"glm4_moe": glm4_moe}
 def megatron_family(cfg: ModelConfig) -> ModuleType | None:
     """The family module of ``cfg.model_type``, or None for the built-in qwen3_moe path."""
     return MEGATRON_FAMILIES.get(cfg.model_type)
+
+
+def check_family(cfg: ModelConfig) -> None:
+    """Refuse, before any process starts, a model whose family settings megatron-core cannot express (the
+    family's ``config_overrides``; needs no megatron-core).
+
+    Raises:
+        ValueError: one line naming the setting, the megatron-core source line and what to do.
+    """
+    fam = megatron_family(cfg)
+    if fam is not None:
+        fam.config_overrides(cfg)
 
 
 def moe_layer_pattern(cfg: ModelConfig) -> list[int]:
