@@ -26,8 +26,8 @@ from t1async.learner.megatron.families import (
     to_converter,
 )
 from t1async.learner.megatron.model import load_megatron, megatron_tensors
-from t1async.models.families import save_model
 from t1async.learner.megatron.ranks import from_bytes, gather_bytes, gather_tensors, scatter_bytes, to_bytes
+from t1async.models.families import save_model
 from t1async.models.model import save_hf
 from t1async.weights.buckets import is_expert
 

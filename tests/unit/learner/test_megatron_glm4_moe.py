@@ -27,8 +27,13 @@ from tests.support.glm4 import glm4_folder
 warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
 pytest.importorskip("transformers")
 megatron_backend = pytest.importorskip("t1async.learner.megatron.backend", reason="megatron-core is not installed")
-from t1async.learner.megatron.families import glm4_moe  # noqa: E402
-from t1async.learner.megatron.families import from_converter, hf_to_megatron, megatron_to_hf, to_converter  # noqa: E402
+from t1async.learner.megatron.families import (  # noqa: E402
+    from_converter,
+    glm4_moe,  # noqa: E402
+    hf_to_megatron,
+    megatron_to_hf,
+    to_converter,
+)
 from t1async.learner.megatron.plan import Layout, plan_layout  # noqa: E402
 
 MegatronBackend = megatron_backend.MegatronBackend
