@@ -286,6 +286,22 @@ def test_glm4_settings_megatron_core_cannot_express_are_refused_in_one_line(tmp_
     assert not (tmp_path / "run").exists()
 
 
+def test_glm4_5_air_real_config_maps_onto_megatron_cores_transformer_config():
+    """The shipped GLM-4.5-Air config.json (tests/fixtures/real_configs/) through the mapping: megatron-core's own
+    TransformerConfig accepts it (its __post_init__ checks run) with GLM's values; no weights are built."""
+    from t1async.learner.megatron.plan import load_model_config
+    from tests.support import FIXTURES
+
+    cfg = load_model_config(FIXTURES / "real_configs" / "glm-4.5-air.json")
+    tc = megatron_backend.transformer_config(cfg, replay=True, dtype=torch.bfloat16, device=torch.device("cpu"))
+    assert tc.moe_layer_freq == [0] + [1] * 45 and tc.num_layers == 46 and tc.ffn_hidden_size == 10944
+    assert (tc.moe_ffn_hidden_size, tc.moe_shared_expert_intermediate_size, tc.num_moe_experts) == (1408, 1408, 128)
+    assert (tc.moe_router_score_function, tc.moe_router_enable_expert_bias, tc.moe_router_topk) == ("sigmoid", True, 8)
+    assert tc.moe_router_group_topk is None and tc.moe_router_topk_scaling_factor == 1.0
+    assert tc.add_qkv_bias and not tc.qk_layernorm and (tc.num_query_groups, tc.kv_channels) == (8, 128)
+    assert glm4_moe.gpt_kwargs(cfg) == {"rotary_percent": 0.5}
+
+
 def test_glm4_tensor_parallel_that_does_not_divide_the_dense_layers_width_is_refused_before_ranks_start(tmp_path):
     """tensor_parallel=2 with a dense first layer of width 51 (its gate and up halves would split unevenly): one line
     naming intermediate_size, before any rank starts (no Ray here)."""
