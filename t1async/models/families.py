@@ -376,15 +376,16 @@ def save_model(out: str | Path, cfg: ModelConfig, weights: nn.Module | dict[str,
     return save_hf(out, cfg, weights, max_shard_bytes=max_shard_bytes)
 
 
-def checkpoint_rounds(cfg: ModelConfig, model: nn.Module) -> bool:
-    """Whether :func:`save_model` writes some of ``model``'s parameters in a narrower dtype than the model holds them
-    in (a float32 learner of a bfloat16 folder): the caller then keeps its own weights too (the torch learner: in
-    its optimiser state), so that a resume restores them exactly."""
+def checkpoint_rounds(cfg: ModelConfig, model: nn.Module | Iterable[torch.Tensor]) -> bool:
+    """Whether :func:`save_model` writes some of ``model``'s parameters (or these tensors) in a narrower dtype than
+    they are held in (a float32 learner of a bfloat16 folder): the caller then keeps its own weights too (in its
+    optimiser state), so that a resume restores them exactly."""
     source = _weights_source(cfg)
     if source is None:
         return False
     sizes = [d.itemsize for _, d, _ in weight_specs(source).values() if d.is_floating_point]
-    return bool(sizes) and any(p.dtype.itemsize > min(sizes) for p in model.parameters() if p.is_floating_point())
+    tensors = model.parameters() if isinstance(model, nn.Module) else model
+    return bool(sizes) and any(p.dtype.itemsize > min(sizes) for p in tensors if p.is_floating_point())
 
 
 def _parameters(model: nn.Module) -> int:

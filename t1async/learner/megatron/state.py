@@ -27,7 +27,7 @@ from t1async.learner.megatron.families import (
 )
 from t1async.learner.megatron.model import load_megatron, megatron_tensors
 from t1async.learner.megatron.ranks import from_bytes, gather_bytes, gather_tensors, scatter_bytes, to_bytes
-from t1async.models.families import save_model
+from t1async.models.families import checkpoint_rounds, save_model
 from t1async.models.model import save_hf
 from t1async.weights.buckets import is_expert
 
@@ -93,7 +93,12 @@ class MegatronState:
     def hf_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
         """The policy's parameters under their HF names, as the torch backend publishes them: buffers (GLM's
         ``e_score_correction_bias``, never trained) are in checkpoints (:meth:`hf_state`), not in the publish."""
-        return [(k, v) for k, v in self.hf_state().items() if not k.endswith("e_score_correction_bias")]
+        return self.published(self.hf_state())
+
+    @staticmethod
+    def published(state: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+        """The parameters of an HF state dict (:meth:`hf_state`): its buffers (``e_score_correction_bias``) left out."""
+        return [(k, v) for k, v in state.items() if not k.endswith("e_score_correction_bias")]
 
     def critic_hf_state(self) -> dict[str, torch.Tensor]:
         """The critic under its HF names (``backbone.*``, ``head.*``), gathered as :meth:`hf_state`."""
@@ -104,12 +109,15 @@ class MegatronState:
         model.safetensors, critic.safetensors, optimizers.pt (rank 0's optimiser state) and, with
         N ranks, optimizers-rank{r}.pt for ranks r = 1..N-1 (rank 0 writes them all)."""
         state = {k: v.cpu() for k, v in self.hf_state().items()}
+        masters = None
         if megatron_family(self.model_cfg) is None:
             save_hf(folder, self.model_cfg, state)
         else:  # the torch learner's checkpoint: model.path's layout (MTP layers carried through), else transformers'
             save_model(folder, self.model_cfg, state if self.model_cfg.path else to_converter(self.model_cfg, state),
                        max_shard_bytes=self.cfg.checkpoint_shard_mb * 10**6)
-        self._save_state(folder, self.critic_hf_state() if self.critic is not None else None)
+            if checkpoint_rounds(self.model_cfg, state.values()):  # (a float32 learner of a bfloat16 folder)
+                masters = dict(self.published(state))  # the exact parameters (as the torch learner keeps them)
+        self._save_state(folder, self.critic_hf_state() if self.critic is not None else None, masters)
         if self.world > 1:
             self._call("save_optimizers", folder=folder)
 
@@ -132,12 +140,20 @@ class MegatronState:
         return (old if not path.exists() and old.exists() and only_ep else path).read_bytes()
 
     def load_state(self, folder: Path) -> bool:
-        """Restore the critic and every rank's optimisers. Returns False (optimisers start fresh,
+        """Restore the critic, the policy's exact weights where the checkpoint's folder holds them rounded
+        (``policy_masters``, written by :meth:`save`), and every rank's optimisers. Returns False (optimisers start fresh,
         logged) when the checkpoint's optimisers are another backend's or another parallel
         layout's (:meth:`parallel_sizes`), or a rank's file is missing."""
         saved = self._critic_file(folder)
         if saved is not None and self.critic is not None:
             self._call("load_hf", "critic", sd=saved)
+        masters = torch.load(folder / "optimizers.pt", weights_only=True).get("policy_masters")
+        if masters is not None:  # (save: the folder holds them rounded; either backend's: the same parameter names)
+            now = self.hf_state()
+            if masters.keys() != dict(self.published(now)).keys():
+                raise ValueError(f"{folder}/optimizers.pt: its policy_masters do not match this policy's parameters; "
+                                 "the checkpoint comes from another model")
+            self._call("load_hf", "policy", sd={**now, **masters})
         blobs = None
         if self.world > 1:
             try:

@@ -400,3 +400,28 @@ def test_glm4_two_rank_learner_step_matches_the_torch_backend(folders, tmp_path,
     print(f"glm4_moe TP={tp} EP={ep} PP={pp}: params after one step, max over tensors of |torch - megatron| / |torch| "
           f"= {rel:.2e}; smallest relative move {moved:.2e}")
     assert rel < 1e-5 and moved > 1e-4
+
+
+def test_glm4_float32_megatron_checkpoint_of_a_bfloat16_folder_resumes_its_exact_weights(tmp_path):
+    """A bfloat16 folder (as GLM releases are) trained by the float32 megatron learner: the checkpoint's folder holds
+    the weights rounded to bfloat16 (the folder's layout and dtype, as the torch learner writes it) and optimizers.pt
+    the exact float32 parameters (``policy_masters``), which a resume, on either backend, restores bit for bit."""
+    from tests.support.glm4 import glm4_model
+
+    glm4_model().to(torch.bfloat16).save_pretrained(str(tmp_path / "bf16"))
+    cfg = _cfg(tmp_path / "bf16")
+    b = MegatronBackend(LearnerConfig(), cfg, GenerationConfig())
+    with torch.no_grad():
+        for p in b.policy.parameters():  # weights no bfloat16 number holds
+            p.add_(1e-4 * torch.randn_like(p))
+    want = {k: v.clone() for k, v in b.hf_weights()}
+    b.save(tmp_path / "ckpt")
+    assert weight_specs(tmp_path / "ckpt")["model.embed_tokens.weight"][1] == torch.bfloat16
+    resumed = MegatronBackend(LearnerConfig(), cfg, GenerationConfig(), init=tmp_path / "ckpt")
+    rounded = dict(resumed.hf_weights())
+    assert any(not torch.equal(rounded[k], v) for k, v in want.items())  # the control: the folder alone rounds
+    resumed.load_state(tmp_path / "ckpt")
+    assert all(torch.equal(v, want[k]) for k, v in resumed.hf_weights())
+    tb = TorchBackend(LearnerConfig(), cfg, GenerationConfig(), init=str(tmp_path / "ckpt"))
+    tb.load_state(tmp_path / "ckpt")
+    assert all(torch.equal(p, want[k]) for k, p in tb.policy.named_parameters())
