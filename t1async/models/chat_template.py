@@ -31,6 +31,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol, Sequence, runtime_checkable
 
+from t1async.models.tokenizer import checked_ids
+
 __all__ = ["ChatRenderer", "ChatTemplateRenderer", "TemplateError"]
 
 
@@ -239,11 +241,7 @@ class ChatTemplateRenderer:
         Raises:
             ValueError: an id outside [0, vocab_size).
         """
-        ids = [int(i) for i in ids]
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
-        if bad:
-            raise ValueError(f"token ids {bad[:5]} are outside [0, {self.vocab_size})")
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
+        return self.tokenizer.decode(checked_ids(ids, self.vocab_size), skip_special_tokens=False)
 
     def _encode_rendered(self, text: str, outside: _Outside | None = None) -> list[int]:
         """Ids of template output: its special tokens (``<|im_start|>``, ``<tool_call>``...) as ids, as a

@@ -437,14 +437,7 @@ class HFMoeForCausalLM(MoeCausalLM):
         Raises:
             ValueError: ``input_ids`` not 1-D, a length < 1, lengths not summing to N, a cache listed twice.
         """
-        if input_ids.dim() != 1:
-            raise ValueError(f"input_ids must be [N], got shape {tuple(input_ids.shape)}")
-        lengths = [int(n) for n in segments.lengths]
-        if len(lengths) != len(segments.caches) or any(n < 1 for n in lengths) or sum(lengths) != input_ids.shape[0]:
-            raise ValueError(f"segments.lengths {lengths} must be >= 1 each, one per cache, and sum to "
-                             f"{input_ids.shape[0]} tokens")
-        if len({id(c) for c in segments.caches}) != len(segments.caches):
-            raise ValueError("a cache appears twice in one packed forward")
+        lengths = segments.checked_lengths(input_ids)
         logits, routed, a = [], [], 0
         for cache, n in zip(segments.caches, lengths):
             out = self.forward(input_ids[a:a + n][None], kv_cache=cache, return_routing=True, logits_to_keep=1)

@@ -89,6 +89,26 @@ class PackedSegments:
     caches: list[KVCache]
     lengths: list[int]
 
+    def checked_lengths(self, input_ids: torch.Tensor) -> list[int]:
+        """The lengths as ints, once ``input_ids`` is checked to be the packed row they split.
+
+        Args:
+            input_ids: [N] the sequences' new tokens concatenated.
+
+        Raises:
+            ValueError: ``input_ids`` not 1-D, a length < 1, not one length per cache, lengths not
+                summing to N, or a cache listed twice.
+        """
+        if input_ids.dim() != 1:
+            raise ValueError(f"input_ids must be [N], got shape {tuple(input_ids.shape)}")
+        lengths = [int(n) for n in self.lengths]
+        if len(lengths) != len(self.caches) or any(n < 1 for n in lengths) or sum(lengths) != input_ids.shape[0]:
+            raise ValueError(f"segments.lengths {lengths} must be >= 1 each, one per cache, and sum to "
+                             f"{input_ids.shape[0]} tokens")
+        if len({id(c) for c in self.caches}) != len(self.caches):
+            raise ValueError("a KV cache appears twice in one packed forward")
+        return lengths
+
 
 # ----------------------------------------------------------------------------- layers
 
@@ -257,14 +277,7 @@ class MoeCausalLM(nn.Module):
             ValueError: ``input_ids`` not 1-D, a length < 1, lengths not summing to N, or a cache
                 listed twice.
         """
-        if input_ids.dim() != 1:
-            raise ValueError(f"input_ids must be [N], got shape {tuple(input_ids.shape)}")
-        lengths = [int(n) for n in segments.lengths]
-        if len(lengths) != len(segments.caches) or any(n < 1 for n in lengths) or sum(lengths) != input_ids.shape[0]:
-            raise ValueError(f"segments.lengths {lengths} must be >= 1 each, one per cache, and sum to "
-                             f"{input_ids.shape[0]} tokens")
-        if len({id(c) for c in segments.caches}) != len(segments.caches):
-            raise ValueError("a KV cache appears twice in one packed forward")
+        lengths = segments.checked_lengths(input_ids)
         pos = torch.cat([torch.arange(c.seq_len, c.seq_len + n) for c, n in zip(segments.caches, lengths)])
         hidden, routing, _ = self.model(input_ids[None], pos[None].to(input_ids.device), None,
                                         PackedSegments(list(segments.caches), lengths), own_topk=False)

@@ -54,6 +54,7 @@ from t1async.models.model import (
     MoeDecoderLayer,
     MoeDecoderTrunk,
     PackedSegments,
+    Qwen3MoeMLP,
     _apply_rope,
     save_hf,
     swiglu,
@@ -419,14 +420,8 @@ def _invariant_sigmoid(x: torch.Tensor) -> torch.Tensor:
     return torch.sigmoid(x.double()).to(x.dtype)
 
 
-class SwiGLU(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` (the shared expert)."""
-
-    def __init__(self, hidden: int, inter: int) -> None:
-        super().__init__()
-        self.gate_proj = Linear(hidden, inter, bias=False)
-        self.up_proj = Linear(hidden, inter, bias=False)
-        self.down_proj = Linear(inter, hidden, bias=False)
+class SwiGLU(Qwen3MoeMLP):
+    """``down(silu(gate(x)) * up(x))`` (the shared expert): an expert's projections, its own forward."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return swiglu(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)

@@ -55,6 +55,19 @@ ACTION_FORMATS = ("command", "tool_call")
 """Values of ``env.action_format`` (see t1async/rollout/actions.py)."""
 
 
+def checked_ids(ids: Sequence[int], vocab_size: int) -> list[int]:
+    """``ids`` as a list of ints, each checked to lie in [0, vocab_size) (what a decode may be given).
+
+    Raises:
+        ValueError: an id outside [0, vocab_size) (the first five named).
+    """
+    ids = [int(i) for i in ids]
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise ValueError(f"token ids {bad[:5]} are outside [0, {vocab_size})")
+    return ids
+
+
 def required_vocab_size(tokenizer: "ChatTokenizer", action_format: str) -> int:
     """Rows the model's embedding needs for episodes of ``action_format``: the ids below the
     tool tokens for ``command`` (they never enter its stream), the whole vocabulary for ``tool_call``.
@@ -172,11 +185,7 @@ class ChatTokenizer:
         Raises:
             ValueError: an id outside [0, vocab_size).
         """
-        ids = [int(i) for i in ids]
-        bad = [i for i in ids if not 0 <= i < self.vocab_size]
-        if bad:
-            raise ValueError(f"token ids {bad[:5]} are outside [0, {self.vocab_size})")
-        return self._tok.decode(ids, skip_special_tokens=False)
+        return self._tok.decode(checked_ids(ids, self.vocab_size), skip_special_tokens=False)
 
     def render_turn(self, role: str, content: str) -> list[int]:
         """``<|im_start|>{role}\\n{content}<|im_end|>`` as ids (no trailing newline).

@@ -273,6 +273,30 @@ _PARAMETER = re.compile(r"<parameter=([^>\n]*)>\n?(.*?)\n?</parameter>(?=\s*(?:<
 call, so a value may hold ``</parameter>`` itself (a command that greps for it)."""
 
 
+def _key_value_arguments(pattern: re.Pattern, body: str, tools: Sequence[dict], name: str, json_only: bool,
+                         layout: str) -> dict | ToolCallProblem:
+    """The arguments of one call written as consecutive key/value matches of ``pattern`` (group 1 the key,
+    group 2 the value), each converted to the schema's type (:func:`_convert`); ``layout`` names the pair's
+    form in the problem a stray text after the pairs gives. A key given twice or a bad conversion is
+    ``bad_arguments``, text after the pairs ``bad_json``."""
+    arguments: dict = {}
+    pos = 0
+    for p in pattern.finditer(body):
+        if body[pos:p.start()].strip():
+            break
+        key = p.group(1).strip()
+        if key in arguments:
+            return ToolCallProblem("bad_arguments", f"the argument {key} is given twice.")
+        ok, value = _convert(key, p.group(2), tools, name, json_only=json_only)
+        if not ok:
+            return ToolCallProblem("bad_arguments", value)
+        arguments[key] = value
+        pos = p.end()
+    if body[pos:].strip():
+        return ToolCallProblem("bad_json", f"{body[pos:].strip()[:60]!r} in the call is not {layout}.")
+    return arguments
+
+
 class _Qwen3CoderXml(_Tagged):
     name = "qwen3_coder_xml"
 
@@ -284,23 +308,9 @@ class _Qwen3CoderXml(_Tagged):
         if m is None:
             return ToolCallProblem("bad_json", "the call is not <function=NAME> ... </function> inside the tags.")
         name, body = m.group(1).strip(), m.group(2)
-        arguments: dict = {}
-        pos = 0
-        for p in _PARAMETER.finditer(body):
-            if body[pos:p.start()].strip():
-                break
-            key = p.group(1).strip()
-            if key in arguments:
-                return ToolCallProblem("bad_arguments", f"the argument {key} is given twice.")
-            ok, value = _convert(key, p.group(2), tools, name, json_only=False)
-            if not ok:
-                return ToolCallProblem("bad_arguments", value)
-            arguments[key] = value
-            pos = p.end()
-        if body[pos:].strip():
-            return ToolCallProblem("bad_json", f"{body[pos:].strip()[:60]!r} in the call is not "
-                                               "<parameter=KEY>\\nVALUE\\n</parameter>.")
-        return check_call(name, arguments, tools)
+        arguments = _key_value_arguments(_PARAMETER, body, tools, name, json_only=False,
+                                         layout="<parameter=KEY>\\nVALUE\\n</parameter>")
+        return arguments if isinstance(arguments, ToolCallProblem) else check_call(name, arguments, tools)
 
     def example(self, name: str, arguments: dict) -> str:
         """Qwen3-Coder's (and Qwen3.5's) rendering of one call, tags included."""
@@ -325,23 +335,9 @@ class _Glm45(_Tagged):
         if not name or "<" in name or "\n" in name:
             return ToolCallProblem("bad_json", "the call does not start with the function's name "
                                                "(<tool_call>NAME then <arg_key>/<arg_value> pairs).")
-        arguments: dict = {}
-        pos = 0
-        for p in _GLM_ARG.finditer(body):
-            if body[pos:p.start()].strip():
-                break
-            key = p.group(1).strip()
-            if key in arguments:
-                return ToolCallProblem("bad_arguments", f"the argument {key} is given twice.")
-            ok, value = _convert(key, p.group(2), tools, name, json_only=True)
-            if not ok:
-                return ToolCallProblem("bad_arguments", value)
-            arguments[key] = value
-            pos = p.end()
-        if body[pos:].strip():
-            return ToolCallProblem("bad_json", f"{body[pos:].strip()[:60]!r} in the call is not an "
-                                               "<arg_key>K</arg_key><arg_value>V</arg_value> pair.")
-        return check_call(name, arguments, tools)
+        arguments = _key_value_arguments(_GLM_ARG, body, tools, name, json_only=True,
+                                         layout="an <arg_key>K</arg_key><arg_value>V</arg_value> pair")
+        return arguments if isinstance(arguments, ToolCallProblem) else check_call(name, arguments, tools)
 
     def example(self, name: str, arguments: dict) -> str:
         """GLM-4.5/4.6's rendering of one call (a non-string value through ``tojson(ensure_ascii=False)``)."""
