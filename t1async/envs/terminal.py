@@ -418,7 +418,7 @@ class TerminalEnv:
         run_script = f"bash /tests/{shlex.quote(script)} > /logs/verifier/{output_name} 2>&1"
         cd = f"cd {shlex.quote(self.workdir)}"
         # An agent-planted /app/pytest.py cannot replace pytest: the adapted test script imports
-        # pytest with the working folder off sys.path (t1async/envs/taskio/adapt.py PYTEST_RUNNER). The script's
+        # pytest with the working folder off sys.path (t1async/envs/taskio/pytest_runner.py PYTEST_RUNNER). The script's
         # environment is otherwise the harness's (no PYTHONSAFEPATH: `python /app/tool.py` run by
         # a test must import its sibling modules, as under the harness).
         if task.run_tests_in_same_shell:

@@ -20,8 +20,10 @@ classified:
 * **network use** (``curl``, ``wget``, ``git clone``, a URL) at build or test time: refused
   unless the task allows internet access.
 
-Everything else runs as written. The result is stored on the task: :attr:`Task.steps` (RUN steps
-rewritten or dropped), :attr:`Task.local_test_script` and :attr:`Task.local_refusal`.
+Everything else runs as written. The package checks (and :class:`VerifierNeeds`, :class:`Refusal`) are
+:mod:`t1async.envs.taskio.packages`; the runner's rewriting is :mod:`t1async.envs.taskio.pytest_runner`;
+this module reads scripts command by command and plans each flavour. The result is stored on the task:
+:attr:`Task.steps` (RUN steps rewritten or dropped), :attr:`Task.local_test_script` and :attr:`Task.local_refusal`.
 Terminal-Bench's harness-only packages (:data:`HARNESS_PACKAGES`) are not needed here.
 
 **Missing Terminal-Bench 1 helpers.** TB1 test scripts ``source $TEST_DIR/setup-uv-pytest.sh``
@@ -44,29 +46,25 @@ was built). Stored in :attr:`Task.container_test_script` and :attr:`Task.verifie
 
 from __future__ import annotations
 
-import functools
-import importlib.metadata
 import re
-import shutil
-import subprocess
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
-from packaging.requirements import InvalidRequirement, Requirement
-
+from .packages import (
+    HARNESS_PACKAGES,
+    OTHER_PACKAGE_MANAGERS,
+    REPORT_PLUGINS,
+    Refusal,
+    VerifierNeeds,
+    host_has_deb,
+    host_python_lacks,
+    is_runner,
+    pip_requirements,
+    requirement_name,
+)
+from .pytest_runner import CONTAINER_PYTHON, pytest_command, runner_command
 from .shell_words import Command, parse_command, split_commands
 from .task import DockerStep, Task, test_script_text
-
-HARNESS_PACKAGES = frozenset({"tmux", "asciinema"})
-"""Debian packages Terminal-Bench images install for its own harness (tmux sessions, recordings)."""
-
-RUNNER_PACKAGES = frozenset({"pytest", "uv"})
-"""Test-runner packages: the host's own are used, whatever version a script pins."""
-
-REPORT_PLUGINS = ("pytest-json-ctrf", "pytest-json-report")
-"""Report-only pytest plugins: when absent, their options are dropped from the pytest command."""
-
-OTHER_PACKAGE_MANAGERS = ("apk", "yum", "dnf", "zypper", "pacman", "conda", "mamba", "brew", "snap")
 
 _NETWORK_WORDS = ("curl", "wget", "ssh", "scp", "rsync", "nc", "ncat", "telnet", "ftp")
 _URL = re.compile(r"\b(https?|ftp|git)://")
@@ -76,112 +74,10 @@ _KEYWORDS = re.compile(r"\s*(?:(?:if|elif|while|until|then|else|do|!|\{|\()\s+)*
 TB1_HELPERS = ("setup-uv-pytest.sh", "run-uv-pytest.sh")
 """Terminal-Bench 1 harness scripts that test scripts call but task folders usually lack."""
 
-CONTAINER_PYTHON = "${T1ASYNC_VERIFIER_PYTHON:-python3}"
-"""The Python a container's adapted test script runs pytest with (the verifier layer's when built)."""
-
-PYTEST_RUNNER = ("-c 'import os, sys; here = sys.path.pop(0) if sys.path and sys.path[0] in (\"\", os.getcwd()) "
-                 "else None; import pytest; sys.path[:0] = [] if here is None else [here]; sys.argv[0] = \"pytest\"; "
-                 "raise SystemExit(getattr(pytest, \"console_main\", pytest.main)())'")
-"""What follows the Python in an adapted pytest command, in place of ``-m pytest``: pytest is
-imported with the working folder off ``sys.path`` (so an agent-planted ``/app/pytest.py``,
-``_pytest/`` or ``pluggy.py`` cannot stand in for it), then the folder goes back, so the tests
-see what ``python -m pytest`` gives them (``import solution`` from ``/app``), and processes they
-start get an unchanged environment (``python /app/tool.py`` imports its sibling modules)."""
-
-
-def pytest_command(python: str) -> str:
-    """The adapted pytest invocation for ``python`` (see :data:`PYTEST_RUNNER`); arguments follow."""
-    return f"{python} {PYTEST_RUNNER}"
-
-
-class Refusal(Exception):
-    """Raised inside the planner with the reason the local backend refuses the task."""
-
-
-@dataclass
-class VerifierNeeds:
-    """What a test script would install at test time (container flavour; see the module docstring).
-
-    Attributes:
-        debs: Debian packages (apt-get install) of lines whose failure would stop the script
-            (``set -e`` in effect, the line unguarded).
-        optional_debs: the packages of each ``apt-get install`` line whose failure the script
-            survives (no ``set -e``, or guarded by ``||``, ``&&`` or a condition), one tuple a
-            line: a pin the archive no longer has (``jq=1.6-2.1``) fails that line only, and the
-            tests then use what the image has, as under the harness.
-        requirements: Python requirements (pip, uv pip install, uv add, uvx --with), report-only
-            plugins left out.
-        present: paths, relative to tests/, of the files the task's tests/ folder holds (a TB1
-            helper among them is adapted, not supplied; see :func:`adapt_tests`).
-    """
-
-    debs: list[str] = field(default_factory=list)
-    optional_debs: list[tuple[str, ...]] = field(default_factory=list)
-    requirements: list[str] = field(default_factory=list)
-    present: frozenset[str] = frozenset()
-
-
-@functools.lru_cache(maxsize=512)
-def host_has_deb(package: str) -> bool:
-    """Whether the Debian package ``package`` (``name[:arch][=version]``, version ignored) is
-    installed on the host (``dpkg-query``); False without dpkg."""
-    name = package.split("=", 1)[0].split(":", 1)[0]
-    dpkg_query = shutil.which("dpkg-query") or "/usr/bin/dpkg-query"  # the host's packages, whatever PATH says
-    try:
-        out = subprocess.run([dpkg_query, "-W", "-f=${Status}", name], capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return out.returncode == 0 and out.stdout.strip().endswith("install ok installed")
-
-
-@functools.lru_cache(maxsize=512)
-def host_python_lacks(requirement: str, runner: bool = False) -> str | None:
-    """Why the sandbox's Python (the host's, the one running t1async) does not satisfy
-    ``requirement`` (a PEP 508 string), or None when it does. With ``runner``, a test-runner
-    package only needs to be present (its version pin is ignored)."""
-    try:
-        req = Requirement(requirement)
-    except InvalidRequirement:
-        return f"{requirement!r} (not a package requirement t1async can check)"
-    try:
-        version = importlib.metadata.version(req.name)
-    except importlib.metadata.PackageNotFoundError:
-        return f"{req.name} (not installed)"
-    if runner or not req.specifier or req.specifier.contains(version, prereleases=True):
-        return None
-    return f"{req}: the host has {version}"
-
-
 def _words(command: str) -> list[str]:
     """The words of ``command``'s first pipeline stage (see :func:`~t1async.envs.taskio.shell_words.parse_command`):
     quotes removed; assignments, redirections and wrappers such as ``sudo`` left out."""
     return list(parse_command(command).first.words)
-
-
-def _pip_requirements(words: list[str]) -> list[str]:
-    """Requirement strings after ``install`` in a pip command (options and their values skipped)."""
-    takes_value = {"-r", "--requirement", "-c", "--constraint", "-i", "--index-url", "--extra-index-url",
-                   "-f", "--find-links", "--python", "-p", "--target", "-t", "--prefix", "--root"}
-    reqs, skip = [], False
-    after = words[words.index("install") + 1:]
-    for word in after:
-        if skip:
-            skip = False
-            continue
-        if word in takes_value:
-            if word in ("-r", "--requirement"):
-                raise Refusal("pip install -r <file>: requirements files are not read by the local sandbox")
-            skip = True
-            continue
-        if word.startswith("-"):
-            if word.startswith(("-e", "--editable")):
-                raise Refusal(f"pip install {word}: installing a local project is not reproduced locally")
-            continue
-        if word == "." or word.startswith(("./", "/", "../")) or "$" in word or "`" in word:
-            raise Refusal(f"pip install {word}: a local path or a variable, not a requirement t1async can "
-                          "install ahead of time")
-        reqs.append(word)
-    return reqs
 
 
 def classify(command: str, *, test_script: bool, allow_internet: bool, collect: VerifierNeeds | None = None,
@@ -233,8 +129,8 @@ def classify(command: str, *, test_script: bool, allow_internet: bool, collect: 
            or (head == "uv" and words[1:3] == ["pip", "install"]))
     uv_add = head == "uv" and words[1:2] == ["add"]
     if (pip and "install" in words) or uv_add:
-        reqs = _pip_requirements(words) if not uv_add else [w for w in words[2:] if not w.startswith("-")]
-        lacking = [why for r in reqs if (why := host_python_lacks(r, runner=_is_runner(r, test_script)))]
+        reqs = pip_requirements(words) if not uv_add else [w for w in words[2:] if not w.startswith("-")]
+        lacking = [why for r in reqs if (why := host_python_lacks(r, runner=is_runner(r, test_script)))]
         lacking = [w for w in lacking if not (test_script and w.split()[0].split(":")[0] in REPORT_PLUGINS)]
         if lacking:
             raise Refusal(f"needs Python packages the host lacks: {'; '.join(lacking)} (`{command.strip()[:160]}`)")
@@ -247,7 +143,7 @@ def classify(command: str, *, test_script: bool, allow_internet: bool, collect: 
             return "true"
         if head == "uv" and len(words) > 1 and words[1] in ("venv", "init", "sync", "lock"):
             return "true"
-        runner = _pytest_command(command)
+        runner = runner_command(command)
         if runner is not None:
             return runner
     if test_script and (words[1:3] == ["-m", "venv"] and head.startswith("python") or head == "virtualenv"):
@@ -339,10 +235,10 @@ def _classify_container(command: str, words: list[str], head: str, text: str, co
            or (head == "uv" and words[1:3] == ["pip", "install"]))
     if (pip and "install" in words) or (head == "uv" and words[1:2] == ["add"]):
         try:
-            reqs = _pip_requirements(words) if pip else [w for w in words[2:] if not w.startswith("-")]
+            reqs = pip_requirements(words) if pip else [w for w in words[2:] if not w.startswith("-")]
         except Refusal:
             return None  # a requirements file or a local project: run it as written
-        collect.requirements += [r for r in reqs if _name(r) not in REPORT_PLUGINS]
+        collect.requirements += [r for r in reqs if requirement_name(r) not in REPORT_PLUGINS]
         return "true"
     if "astral.sh/uv" in text or re.search(r"\buv/[^ ]*install\.sh", text):
         return "true"
@@ -351,127 +247,7 @@ def _classify_container(command: str, words: list[str], head: str, text: str, co
         return "true"
     if head == "uv" and len(words) > 1 and words[1] in ("venv", "init", "sync", "lock"):
         return "true"
-    return _pytest_command(command, collect=collect)
-
-
-def _name(requirement: str) -> str:
-    return re.split(r"[<>=!~\[; ]", requirement, maxsplit=1)[0].lower()
-
-
-def _is_runner(requirement: str, test_script: bool) -> bool:
-    name = re.split(r"[<>=!~\[; ]", requirement, maxsplit=1)[0].lower()
-    return test_script and (name in RUNNER_PACKAGES or name.startswith("pytest"))
-
-
-_PLUGIN_OPTIONS = {
-    "pytest-json-ctrf": re.compile(r"\s--ctrf(?:=\S+|\s+\S+)"),
-    "pytest-json-report": re.compile(r"\s--json-report-file(?:=\S+|\s+\S+)|\s--json-report\b"),
-}
-_UV_VALUE_OPTIONS = ("-w", "--with", "--from", "-p", "--python", "--directory", "--project", "--index-url",
-                     "--with-requirements", "--extra-index-url")
-_PYTEST_WORD = re.compile(r"^(?:\S*/)?pytest(?:[<>=!~]=?\S*)?$")
-
-
-def _raw_words(text: str) -> list[tuple[str, int]]:
-    """(word, end offset) of each unquoted-whitespace-separated word of ``text`` (quotes kept)."""
-    words, start, quote, i = [], None, "", 0
-    while i < len(text):
-        ch = text[i]
-        if quote:
-            if ch == quote:
-                quote = ""
-        elif ch in "'\"":
-            quote = ch
-            start = i if start is None else start
-        elif ch.isspace():
-            if start is not None:
-                words.append((text[start:i], i))
-                start = None
-        else:
-            start = i if start is None else start
-        i += 1
-    if start is not None:
-        words.append((text[start:], len(text)))
-    return words
-
-
-def _collect_withs(withs: list[str], collect: VerifierNeeds | None) -> None:
-    """Record ``uv run --with`` requirements (container) or check them on the host (local).
-
-    Raises:
-        Refusal: (local) the host lacks one.
-    """
-    for req in withs:
-        name = _name(req)
-        if collect is not None:
-            if name not in REPORT_PLUGINS:
-                collect.requirements.append(req)
-        elif name not in REPORT_PLUGINS and (why := host_python_lacks(req, runner=_is_runner(req, True))):
-            raise Refusal(f"the test runner needs Python packages the host lacks: {why}")
-
-
-def _pytest_command(command: str, collect: VerifierNeeds | None = None) -> str | None:
-    """``python3 PYTEST_RUNNER ARGS`` (:func:`pytest_command`) for a pytest invocation through
-    uv/uvx/pytest/python -m pytest, ARGS kept as written (expansions intact), ``-rA`` added when
-    missing, options of absent report plugins dropped. None if ``command`` is not one.
-    With ``collect`` (container flavour): ``--with`` requirements are recorded there, report
-    plugin options always dropped, and the Python is :data:`CONTAINER_PYTHON`."""
-    text = command.strip()
-    words = _raw_words(text)
-    if not words:
-        return None
-    head = words[0][0].rsplit("/", 1)[-1]
-    index = None
-    if head in ("uvx", "uv"):
-        i = 1
-        if head == "uv":
-            if [w for w, _ in words[1:3]] == ["tool", "run"]:
-                i = 3
-            elif words[1:2] and words[1][0] == "run":
-                i = 2
-            else:
-                return None
-        withs = []
-        while i < len(words):
-            word = words[i][0]
-            if _PYTEST_WORD.match(word):
-                index = i
-                break
-            if word in _UV_VALUE_OPTIONS:
-                if word in ("-w", "--with", "--from") and i + 1 < len(words):
-                    withs.append(words[i + 1][0].strip("'\""))
-                i += 2
-                continue
-            if not word.startswith("-"):
-                if head != "uv":
-                    return None  # uvx runs another tool: as written
-                # `uv run CMD ARGS`: CMD in the verifier environment (python: its Python)
-                _collect_withs(withs, collect)
-                python = CONTAINER_PYTHON if collect is not None else "python3"
-                rest = text[words[i - 1][1]:].lstrip()
-                if re.match(r"^python3?(?:\.\d+)?$", word):
-                    rest = "python3" + rest[len(word):]
-                    return _pytest_command(rest, collect) or (python + rest[len("python3"):])
-                return rest
-            i += 1
-        _collect_withs(withs, collect)
-    elif _PYTEST_WORD.match(words[0][0]):
-        index = 0
-    elif re.match(r"^python3?(?:\.\d+)?$", head) and [w for w, _ in words[1:3]] == ["-m", "pytest"]:
-        index = 2
-    if index is None:
-        return None
-    rest = text[words[index][1]:]
-    changed = True  # `python -m pytest` as written would import a pytest.py from the working folder
-    for package, pattern in _PLUGIN_OPTIONS.items():
-        if pattern.search(rest) and (collect is not None or host_python_lacks(package) is not None):
-            rest = pattern.sub("", rest)
-            changed = True
-    if not re.search(r"(?:^|\s)-r\w*A", rest):
-        rest = " -rA" + rest
-        changed = True
-    python = CONTAINER_PYTHON if collect is not None else "python3"
-    return pytest_command(python) + rest if changed else None
+    return runner_command(command, collect=collect)
 
 
 def _commands(text: str) -> Iterator[tuple[str, int, int, int]]:

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from t1async.envs.taskio.adapt import Refusal, adapt_script, classify, pytest_command, split_commands
+from t1async.envs.taskio.adapt import adapt_script, classify
 from t1async.envs.taskio.loading import load_task
+from t1async.envs.taskio.packages import Refusal
+from t1async.envs.taskio.pytest_runner import pytest_command
+from t1async.envs.taskio.shell_words import split_commands
 from t1async.envs.taskio.task import TaskError
 from t1async.envs.terminal import TerminalEnv, validate_task
 from tests.support import FIXTURES

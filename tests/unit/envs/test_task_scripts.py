@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from t1async.envs.taskio.adapt import CONTAINER_PYTHON, Refusal, VerifierNeeds, adapt_script, invoked_test_files, pytest_command
+from t1async.envs.taskio.adapt import adapt_script, invoked_test_files
 from t1async.envs.taskio.loading import load_task
+from t1async.envs.taskio.packages import Refusal, VerifierNeeds
+from t1async.envs.taskio.pytest_runner import CONTAINER_PYTHON, pytest_command
 from t1async.envs.taskio.shell_words import parse_command, split_commands
 from t1async.envs.terminal import validate_task
 from tests.support import FIXTURES
