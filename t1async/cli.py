@@ -39,7 +39,7 @@ SUBCOMMANDS = [
     ("t1async.cli:register_sft", ("sft",)),
     ("t1async.commands.model:register", ("model",)),  # model init, model check
     ("t1async.commands.plan:register", ("plan",)),  # plan: memory per GPU of a learner layout
-    ("t1async.envs.commands.cli:register", ("eval", "images", "synth", "decontam")),
+    ("t1async.commands.env_cli:register", ("eval", "images", "synth", "decontam")),
 ]
 """``("module:register_function", command names it adds)``: the module is imported only when one of
 its commands is run (or for ``--help``)."""

@@ -104,7 +104,7 @@ MAX_AGENT_CHARS = 64
 
 HISTORY_BREAK = "history_break"
 """``finish_reason`` of an external agent's segment that ended because the agent's next request broke its
-history (t1async/rollout/agent.py); the learner counts them per agent."""
+history (t1async/rollout/endpoint/agent.py); the learner counts them per agent."""
 
 TURN_OK = 0
 """The turn ended normally (a stop id, or text the sampler ended without hitting a limit)."""

@@ -3,7 +3,7 @@
 Run: ``t1async bench async [--seeds 0] [--steps 10] [--batch 8] [--actors 8] [--bounds 1,2,4]
 [--rules oldest_episode,learner_version,learner_wait] [--out DIR] [key=value ...]``. Prints ONE JSON object.
 
-Workload: ``--tasks`` instances of the ``slow-build`` synth family (t1async/envs/commands/synth.py: every
+Workload: ``--tasks`` instances of the ``slow-build`` synth family (t1async/commands/synth.py: every
 verifier sleeps a lognormal time drawn per task, median 1.5 s, p99 about 30 s, Terminal-Bench
 scaled down about 30x), the same for every run. Each run is the real system, ``t1async launch
 configs/local.yaml`` as a subprocess, with the same model, seed, task set, rollout actors,
@@ -198,7 +198,7 @@ def mean_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from t1async.envs.commands.synth import synthesize
+    from t1async.commands.synth import synthesize
 
     args = parse_args(argv)
     out = Path(args.out or REPO / "runs" / f"bench-async-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}")

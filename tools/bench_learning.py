@@ -124,14 +124,14 @@ def instance_hash(task_dir: Path) -> str:
 
 def fitting_families(cfg: Config) -> list[str]:
     """Synth families whose demonstrated turns all fit ``generation.max_new_tokens`` (checked on 8 instances),
-    less the timing families (:data:`~t1async.envs.commands.synth.TIMING_FAMILIES`). A turn is measured as
+    less the timing families (:data:`~t1async.commands.synth.TIMING_FAMILIES`). A turn is measured as
     ``t1async sft`` writes it (:func:`~t1async.commands.sft.demonstration_turns`: with a model's own template,
     its generation-prompt remainder and, with ``env.action_format`` tool_call, the call's layout), so no family
     is kept whose demonstrations SFT would skip as too long."""
     import random
 
     from t1async.commands.sft import demonstration_turns
-    from t1async.envs.commands.synth import FAMILIES, TIMING_FAMILIES, oracle_commands
+    from t1async.commands.synth import FAMILIES, TIMING_FAMILIES, oracle_commands
     from t1async.models.families import load_renderer
 
     tok = load_renderer(cfg.model)  # model.path's tokenizer, or the shipped one
@@ -165,7 +165,7 @@ def prompt_tokens(cfg: Config, tasks: Path) -> dict[str, float]:
 
 def _signature(task_dir: Path) -> tuple[str, tuple[str, ...]]:
     """(instruction text, oracle commands) of a synthesized task."""
-    from t1async.envs.commands.synth import oracle_commands
+    from t1async.commands.synth import oracle_commands
 
     return ((task_dir / "instruction.md").read_text().strip(),
             tuple(oracle_commands((task_dir / "solution" / "solve.sh").read_text())))
@@ -191,9 +191,9 @@ def make_split(root: Path, families: list[str], n_train: int, n_heldout: int, n_
     tasks) gets fewer or none, and is reported. ``t1async decontam``'s n-gram report is included as
     measured: instances of one family share its instruction templates and command shapes.
     """
+    from t1async.commands.decontam import decontaminate
     from t1async.commands.sft import synth_family
-    from t1async.envs.commands.decontam import decontaminate
-    from t1async.envs.commands.synth import synthesize
+    from t1async.commands.synth import synthesize
 
     train, heldout, sft, pool = root / "train", root / "heldout", root / "sft", root / "pool"
     rl = root / "rl"

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import yaml
 
-from t1async.envs.commands.evaluate import evaluate
+from t1async.commands.evaluate import evaluate
 from t1async.envs.taskio.loading import load_task, task_folders
 
 UNREACHABLE = (

@@ -104,7 +104,7 @@ class Controller:
 
     def episode_finished(self, actor_id: int, trajectory_id: str, extra_ids: list[str] | tuple[str, ...] = ()) -> None:
         """The actor's running episode became trajectory ``trajectory_id`` (called before it is
-        sent); ``extra_ids``: more segments of the same episode (t1async/rollout/agent.py), each
+        sent); ``extra_ids``: more segments of the same episode (t1async/rollout/endpoint/agent.py), each
         with an admission slot of its own."""
         self._locked(self.ledger.finished, actor_id, trajectory_id, extra_ids)
 

@@ -2,7 +2,7 @@
 
 The episode itself is :func:`t1async.rollout.episode.run_episode` (or, for an episode whose agent, drawn
 from ``rollout.agent`` by :class:`t1async.rollout.agent_mix.AgentMix`, is not builtin,
-:func:`t1async.rollout.agent.run_agent_episode`); this role wires it to Ray: it
+:func:`t1async.rollout.endpoint.agent.run_agent_episode`); this role wires it to Ray: it
 waits for admission from the controller before each episode (staleness control), runs the episode
 in a fresh sandbox (``t1async.envs``), encodes the trajectory and hands it to its ZeroMQ sender
 (it spools, sends and resends until the learner acknowledges; t1async/transport/transport.py),
@@ -63,7 +63,7 @@ class RolloutActor:
             once it is spooled (``t1async soak`` counts from it what was sent); None: no record.
         rollout_cfg: the ``rollout`` section; an episode whose agent (``rollout.agent``, one name or a
             weighted mix drawn per episode) is not builtin is driven through this actor's agent endpoint
-            (t1async/rollout/agent.py). None: the builtin loop.
+            (t1async/rollout/endpoint/agent.py). None: the builtin loop.
         seed: ``run.seed``: with the actor's number, it seeds the draw of each episode's agent.
     """
 
@@ -206,7 +206,7 @@ class RolloutActor:
         env = TerminalEnv.from_config(task, self.workdir, self.env_cfg)
         try:
             if agent != "builtin":
-                from t1async.rollout.agent import run_agent_episode  # (fastapi, as OpenAIEndpoint above)
+                from t1async.rollout.endpoint.agent import run_agent_episode  # (fastapi, as OpenAIEndpoint above)
 
                 return run_agent_episode(task, env, self.sampler, self.tokenizer, self.endpoint, self.rollout_cfg,
                                          self.env_cfg, self.gen_cfg, self.model_cfg, self.actor_id,

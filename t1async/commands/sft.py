@@ -44,9 +44,9 @@ import torch
 import torch.nn.functional as F
 from loguru import logger
 
+from t1async.commands.evaluate import evaluate, summary
+from t1async.commands.synth import oracle_commands
 from t1async.config import Config, SftConfig
-from t1async.envs.commands.evaluate import evaluate, summary
-from t1async.envs.commands.synth import oracle_commands
 from t1async.envs.protocol import SandboxError
 from t1async.envs.taskio.loading import discover_tasks
 from t1async.envs.terminal import TerminalEnv
@@ -347,11 +347,11 @@ def evaluate_policy(checkpoint: str | Path, tasks_dir: str | Path, cfg: Config, 
     """Resolved rate of ``policy:checkpoint`` on ``tasks_dir`` (``samples`` episodes per task, pass
     k sampling with seed ``run.seed + 1000 k``).
 
-    Uses ``t1async eval``'s own path (:func:`t1async.envs.commands.evaluate.evaluate`), with the config's
+    Uses ``t1async eval``'s own path (:func:`t1async.commands.evaluate.evaluate`), with the config's
     env, generation and sampler sections.
 
     Returns:
-        :func:`t1async.envs.commands.evaluate.summary` over all episodes, plus ``samples`` and
+        :func:`t1async.commands.evaluate.summary` over all episodes, plus ``samples`` and
         :func:`breakdown`'s ``pass_at_k`` (the share of tasks at least one of the ``samples``
         episodes resolved: about what sharpening the policy toward its own best samples can reach,
         Chen et al. 2021's pass@k with k = n) and ``per_family``.
@@ -373,7 +373,7 @@ def synth_family(task: str) -> str:
 
 
 def breakdown(rows: list[Any]) -> dict[str, Any]:
-    """``{"pass_at_k", "per_family"}`` of eval rows (:class:`t1async.envs.commands.evaluate.EvalRow`, several
+    """``{"pass_at_k", "per_family"}`` of eval rows (:class:`t1async.commands.evaluate.EvalRow`, several
     per task): the share of tasks with at least one resolved row, and family -> resolved rate of
     its rows, the family being the task name less its two trailing ``-seed-index`` parts (as
     ``t1async synth`` names tasks; other names count as their own family)."""

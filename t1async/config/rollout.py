@@ -351,7 +351,7 @@ class RolloutConfig(Section):
     """Who drives an episode (:class:`Agent`): ``builtin`` (the rollout loop of t1async/rollout/episode.py) or
     ``external`` (the program ``agent_command``, talking OpenAI Chat Completions, OpenAI Responses or Anthropic
     Messages, streamed or not, to the agent endpoint that records every completion token-exactly;
-    t1async/rollout/endpoint/, t1async/rollout/agent.py), or a named harness run inside the episode's
+    t1async/rollout/endpoint/, t1async/rollout/endpoint/agent.py), or a named harness run inside the episode's
     sandbox against that endpoint: ``codex`` (``codex exec``), ``claude-code`` (``claude -p``),
     ``mini-swe-agent`` (``mini``) or ``terminus`` (keystrokes into tmux, t1async/rollout/terminus.py);
     t1async/rollout/harnesses.py. A mapping of names to weights mixes them:

@@ -1,6 +1,6 @@
 """What an episode needs of a task and its sandboxed shell: the ``Env`` and ``TaskInfo`` protocols.
 
-The episode loop (:mod:`t1async.rollout.episode`, :mod:`t1async.rollout.agent`) is written against
+The episode loop (:mod:`t1async.rollout.episode`, :mod:`t1async.rollout.endpoint.agent`) is written against
 these; ``t1async.envs.terminal.TerminalEnv`` and ``t1async.envs.taskio.task.Task`` satisfy them, and the
 Ray role (``t1async/actors/rollout.py``) or a command wires the real ones in. Tests may pass any object
 with these members.

@@ -44,7 +44,7 @@ refused by a sandbox limit) is recorded in ``turn_status`` (codes in t1async/tra
 learner decides what to train of it (``learner.abnormal``). The rollout actor waits for admission from
 the controller before each episode (staleness control) and stops when admission says so. With
 ``rollout.agent: external`` an agent program drives the episode instead, through this actor's
-OpenAI-compatible endpoint, and the trajectory is built from its records (t1async/rollout/agent.py).
+OpenAI-compatible endpoint, and the trajectory is built from its records (t1async/rollout/endpoint/agent.py).
 """
 
 from __future__ import annotations

@@ -1,47 +1,30 @@
-"""Dependency direction: a layer table, no import circles, function-level imports only to defer a library.
+"""Dependency direction: a layer table, no import circles, no folders importing each other, function-level
+imports only to defer a library, modules of a readable size.
 
 The product's modules (everything under ``t1async/``) are read with ``ast``
-(tools/import_graph.py: every import, at module level and inside functions) and each import must
-go to the same layer or one below it in :data:`LAYERS`. No allow-list: a module belongs to the
+(tests/support/import_graph.py: every import, at module level and inside functions) and each import must
+go to the same layer or one below it in its :data:`LAYERS`. No allow-list: a module belongs to the
 layer of the longest prefix that names it, and an upward import fails whatever module makes it.
 Only the service and command wings (and the CLI above them) may import the Ray roles
 (``t1async.actors``); the roles and those wings may import the environments (``t1async.envs``);
 nothing below them may, so every library wing stays usable in one process (tests) and on a
 cluster alike.
 
-``t1async/envs/`` has its own wings in the table: the sandbox protocol at its bottom, then task I/O,
-images, the sandbox backends and the episode's environment; its commands (eval, synth, decontam)
-sit with the other commands, which may import the Ray roles.
+``t1async/envs/`` has its own wings in the table: the sandbox contract at its bottom, then task I/O,
+images, the sandbox backends and the episode's environment; the commands that drive them (eval, synth,
+decontam) sit with the other commands in ``t1async/commands/``, which may import the Ray roles.
+``python tools/import_graph.py`` prints the same counts.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import sys
+import functools
 
 import pytest
 
 from tests.support import REPO
-
-LAYERS: list[tuple[str, ...]] = [
-    ("t1async.config", "t1async.trajectory", "t1async.fileio"),  # the bottom: config, the wire types, file helpers
-    ("t1async.models",),  # the policy, tokenizer, log-prob maths
-    ("t1async.transport",),  # ZeroMQ, spool, receive log, ledger, the learner's inbox, keys
-    ("t1async.weights", "t1async.sampling"),  # weight sync; the sampler engine, clients, SGLang server
-    ("t1async.learner", "t1async.rollout"),  # the update step, estimators, losses, backends; the episode loop, admission
-    ("t1async.envs.protocol",),  # the sandbox protocol and its specs (what a task and a backend share)
-    ("t1async.envs.taskio",),  # task folders, Dockerfile and compose parsing, per-sandbox plans
-    ("t1async.envs.images",),  # container engine, task images, stand-ins
-    ("t1async.envs.sandboxes",),  # the sandbox backends and their registry
-    ("t1async.envs",),  # an episode's environment (terminal), the verifier
-    ("t1async.actors",),  # the Ray roles: wire a library object to Ray
-    ("t1async.service", "t1async.commands", "t1async.envs.commands"),  # launch, supervision; the other commands
-    ("t1async.cli",),  # the console script
-]
-"""Layers, lowest first: a module may import its own layer and those below it, never one above."""
-
-CHECKED = ("t1async", "t1async.actors", "t1async.envs")
-"""Module prefixes whose imports are checked (every product module)."""
+from tests.support import import_graph as ig
+from tests.support.import_graph import folder_pairs, layer_of, upward_imports
 
 DEFERRABLE = ("torch", "megatron", "transformers", "ray", "omegaconf", "yaml", "matplotlib", "uvicorn", "fastapi",
               "modal", "rich", "loguru")
@@ -51,38 +34,20 @@ or absent where the importing module must still import (optional extras; omegaco
 GPU box that only runs the Megatron check). Each such import says so in a comment naming the library."""
 
 
+@functools.cache
+def _built() -> ig.Graph:
+    return ig.build()
+
+
 def _graph():
-    spec = importlib.util.spec_from_file_location("import_graph", REPO / "tools" / "import_graph.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["import_graph"] = mod
-    spec.loader.exec_module(mod)
-    return mod, mod.build()
-
-
-def layer_of(module: str, layers: list[tuple[str, ...]] = LAYERS) -> int | None:
-    """Index in ``layers`` of the longest prefix naming ``module`` (None: not in the table)."""
-    best: tuple[int, int] | None = None
-    for i, names in enumerate(layers):
-        for name in names:
-            if (module == name or module.startswith(name + ".")) and (best is None or len(name) > best[1]):
-                best = (i, len(name))
-    return None if best is None else best[0]
+    """The import graph, read once per session; a copy, so a test may add edges to it."""
+    g = _built()
+    return ig, ig.Graph(modules=dict(g.modules), edges=list(g.edges), external=list(g.external))
 
 
 def checked(module: str) -> bool:
-    return layer_of(module, [CHECKED]) is not None
-
-
-def upward_imports(graph, layers: list[tuple[str, ...]] = LAYERS) -> list[str]:
-    """``source -> target`` for every import of a checked module into a higher layer."""
-    out = []
-    for e in graph.edges:
-        if not checked(e.source):
-            continue
-        src, dst = layer_of(e.source, layers), layer_of(e.target, layers)
-        if dst is not None and src is not None and dst > src:
-            out.append(f"{e.source} -> {e.target} (line {e.line}{', in a function' if e.in_function else ''})")
-    return out
+    """A product module (every module of the graph is one: ``t1async`` and below)."""
+    return module == "t1async" or module.startswith("t1async.")
 
 
 def test_every_product_module_has_a_layer():
@@ -144,3 +109,58 @@ def test_every_ray_role_stays_thin():
     assert len(roles) >= 5  # __init__, controller, learner, rollout, sampler: the folder was found
     long = {p.name: n for p in roles if (n := len(p.read_text().splitlines())) > ROLE_MAX_LINES}
     assert long == {}, f"Ray roles over {ROLE_MAX_LINES} lines (move what is not wiring into its wing): {long}"
+
+
+def test_no_two_folders_import_each_other():
+    """Each folder (package) of ``t1async/`` imports only folders that never import it back: a package's own
+    modules sit either below its sub-folders or above them, never both (issue 45)."""
+    _, graph = _graph()
+    assert folder_pairs(graph) == []
+
+
+def test_the_folder_check_fails_on_a_back_arrow():
+    """The check sees two folders importing each other: a learner module importing the service that
+    imports the learner, and a task-I/O module importing the environment built on task I/O."""
+    _, graph = _graph()
+    graph.edges.append(ig.Import("t1async.learner.loop", "t1async.service.launch", 1, True, "import"))
+    graph.edges.append(ig.Import("t1async.envs.taskio.task", "t1async.envs.terminal", 1, False, "import"))
+    assert folder_pairs(graph) == [("t1async.envs", "t1async.envs.taskio"), ("t1async.learner", "t1async.service")]
+
+
+def test_import_graph_cli_prints_zero_circles_upward_imports_and_folder_pairs():
+    """``python tools/import_graph.py --check``: the counts the house is judged by, from the thin CLI."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, str(REPO / "tools" / "import_graph.py"), "--check"], capture_output=True,
+                         text=True, cwd="/", timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert "circles: 0" in lines and "folder pairs importing each other: 0" in lines
+    assert any(line.startswith("upward imports: 0 ") for line in lines)
+
+
+MODULE_MAX_LINES = 700
+"""A product module longer than this mixes concerns; split it along them (issue 45)."""
+
+
+def test_no_product_module_exceeds_700_lines():
+    _, graph = _graph()
+    assert len(graph.modules) > 100  # the product's modules were found
+    long = {str(p.relative_to(REPO)): n for p in graph.modules.values()
+            if (n := len(p.read_text().splitlines())) > MODULE_MAX_LINES}
+    assert long == {}, f"product modules over {MODULE_MAX_LINES} lines (split along their concerns): {long}"
+
+
+def test_tests_do_not_import_tools_scripts():
+    """What a test needs from a ``tools/`` script lives in the package or in ``tests/support/``; a test of a
+    script runs it (``python tools/NAME.py``) or, for its own functions, loads it by path through
+    ``tests/support/tools.py`` (issue 45). Neither ``tools`` as a package nor ``tools/`` on ``sys.path``."""
+    import re
+
+    pattern = re.compile(r"^\s*(?:from tools\b|import tools\b)|sys\.path\.insert\([^)]*[\"']tools[\"']"
+                         r"|spec_from_file_location\([^)]*[\"']tools[\"']", re.M)
+    tests = sorted((REPO / "tests").rglob("*.py"))
+    assert len(tests) > 50  # the rooms were found
+    bad = [str(p.relative_to(REPO)) for p in tests if p.name != "tools.py" and pattern.search(p.read_text())]
+    assert bad == []

@@ -3,7 +3,7 @@ call the model makes through the episode's sandbox route, sends the results back
 shape, and posts done when a turn has no tool call.
 
 Usage: ``python tests/support/sdk_agent.py {chat,responses,messages} [--stream]``. Environment: what
-t1async/rollout/agent.py sets (OPENAI_BASE_URL, ANTHROPIC_BASE_URL, T1ASYNC_SANDBOX_URL, ...), and
+t1async/rollout/endpoint/agent.py sets (OPENAI_BASE_URL, ANTHROPIC_BASE_URL, T1ASYNC_SANDBOX_URL, ...), and
 ``SDK_AGENT_LOG``: a JSON-lines file where each round trip is written as the SDK saw it
 (``{"calls": [[id, name, arguments]], "text": ...}``), for the tests to check.
 """

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from t1async.envs.commands.synth import TaskFiles, write_task
+from t1async.commands.synth import TaskFiles, write_task
 
 
 def note_task(root: Path, name: str, solution: str = "cat note.txt\necho done > out.txt\n") -> Path:

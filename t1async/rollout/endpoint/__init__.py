@@ -1,7 +1,7 @@
 """The agent endpoint: OpenAI Chat Completions, OpenAI Responses and Anthropic Messages, streamed and
 not, in front of a sampler, behind one recorder that keeps every completion token-exactly.
 
-An agent program or a named harness (``rollout.agent``; t1async/rollout/agent.py) drives an episode
+An agent program or a named harness (``rollout.agent``; t1async/rollout/endpoint/agent.py) drives an episode
 through it the way it would talk to its usual API. One module per concern:
 
 - recorder.py: the neutral conversation (Chat Completions messages), the exact prompt of each

@@ -23,7 +23,7 @@ when the turn did not end with it) + the new messages rendered on their own. Any
 (edited, truncated, re-ordered, a retry, a second conversation, a harness's compacted summary) is a
 *history break*: it is counted, rendered from scratch and starts a new segment; each segment's
 records extend one another exactly, so each segment is one exact trajectory
-(t1async/rollout/agent.py builds them). Nothing sampled is ever re-tokenized.
+(t1async/rollout/endpoint/agent.py builds them). Nothing sampled is ever re-tokenized.
 """
 
 from __future__ import annotations
@@ -227,7 +227,7 @@ class CompletionRecord:
             the prompt was rendered; t1async/models/chat_template.py), else 0.
         client_disconnected: the client closed a streamed answer before its last event: the turn was
             sampled and is kept, but the client never got all of it (its tool calls were not run), so the
-            trajectory marks it ``aborted`` (t1async/rollout/agent.py :func:`segment_builder`).
+            trajectory marks it ``aborted`` (t1async/rollout/endpoint/agent.py :func:`segment_builder`).
     """
 
     segment: int

@@ -83,8 +83,8 @@ def test_cli_refuses_bad_folders_in_one_line(args, message):
 
 
 def test_breakdown_counts_a_task_once_for_pass_at_k_and_groups_synth_families():
+    from t1async.commands.evaluate import EvalRow
     from t1async.commands.sft import breakdown
-    from t1async.envs.commands.evaluate import EvalRow
 
     def row(task, resolved):
         return EvalRow(task=task, passed=int(resolved), total=1, resolved=resolved, seconds=0.1, error=None)

@@ -22,16 +22,18 @@ from pathlib import Path
 
 import pytest
 
+from t1async.commands.evaluate import choose_sandbox, short_error
 from t1async.config import ContainerConfig
-from t1async.envs.commands.evaluate import choose_sandbox, short_error
 from t1async.envs.images.engine import Engine, context_hash, resolve_engine
 from t1async.envs.images.stand_ins import normalise, qualified, stand_in_for
 from t1async.envs.images.task_images import ensure_task_image
 from t1async.envs.protocol import SandboxLimits, SandboxSpec
 from t1async.envs.sandboxes.container import ContainerSandbox, remove_orphan_containers
-from t1async.envs.taskio.adapt import CONTAINER_PYTHON, VerifierNeeds, adapt_script, pytest_command
+from t1async.envs.taskio.adapt import adapt_script
 from t1async.envs.taskio.dockerfile import expand_heredocs, from_images, rewrite_from
 from t1async.envs.taskio.loading import load_task
+from t1async.envs.taskio.packages import VerifierNeeds
+from t1async.envs.taskio.pytest_runner import CONTAINER_PYTHON, pytest_command
 from t1async.envs.taskio.task import TaskError
 from t1async.envs.terminal import TerminalEnv, validate_task
 from tests.support import FIXTURES, REPO

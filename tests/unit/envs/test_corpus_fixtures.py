@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from t1async.envs.commands.evaluate import run_task
+from t1async.commands.evaluate import run_task
 from t1async.envs.taskio.adapt import survivable_commands
 from t1async.envs.taskio.loading import load_task
 from t1async.envs.taskio.task import TaskError, TaskRefused

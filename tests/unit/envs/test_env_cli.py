@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from t1async.cli import main
-from t1async.envs.commands.synth import FAMILIES
+from t1async.commands.synth import FAMILIES
 from tests.support import FIXTURES
 
 FIXTURES = FIXTURES

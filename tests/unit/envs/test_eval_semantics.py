@@ -25,8 +25,8 @@ import socket
 import pytest
 
 from t1async.cli import main
+from t1async.commands.evaluate import run_task
 from t1async.config import Config, ConfigError, check_values
-from t1async.envs.commands.evaluate import run_task
 from t1async.envs.taskio.loading import load_task, reads_keystrokes
 from t1async.envs.taskio.task import TaskRefused
 from t1async.envs.terminal import TerminalEnv, network_allowed

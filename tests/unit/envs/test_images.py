@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from t1async.envs.commands import cli as envs_cli
+from t1async.commands import env_cli as envs_cli
 from t1async.envs.images import stand_ins
 from t1async.envs.images.engine import BuildError, resolve_engine, summarise_build_failure
 from t1async.envs.images.stand_ins import chain, normalise, qualified, rootfs_tag, stand_in_for

@@ -87,7 +87,7 @@ def test_keep_agent_processes_leaves_a_server_the_agent_started_alive_for_the_ve
     killed first, and the same tests fail."""
     import textwrap
 
-    from t1async.envs.commands.synth import TaskFiles, write_task
+    from t1async.commands.synth import TaskFiles, write_task
 
     tests = textwrap.dedent('''
         from pathlib import Path

@@ -1,4 +1,4 @@
-"""Synthesized task families (t1async/envs/commands/synth.py): oracle command splitting, learnability bounds of the
+"""Synthesized task families (t1async/commands/synth.py): oracle command splitting, learnability bounds of the
 oracle lines, determinism, and per-command episodes in the real local sandbox (dense reward)."""
 
 import filecmp
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from t1async.envs.commands.synth import FAMILIES, WORDS, oracle_commands, synthesize
+from t1async.commands.synth import FAMILIES, WORDS, oracle_commands, synthesize
 from t1async.envs.sandboxes.sandbox import SandboxUnavailable, check_sandbox_available
 from t1async.envs.taskio.loading import load_task
 from t1async.envs.terminal import TerminalEnv
@@ -155,7 +155,7 @@ def _drawn_seconds(task_dir: Path) -> tuple[float, float]:
 
 
 def test_slow_build_times_are_heavy_tailed_and_scaled_down(tmp_path):
-    from t1async.envs.commands.synth import SLOW_BUILD_MAX_S, SLOW_VERIFIER_MAX_S
+    from t1async.commands.synth import SLOW_BUILD_MAX_S, SLOW_VERIFIER_MAX_S
 
     draws = [_drawn_seconds(p) for p in synthesize("slow-build", 300, tmp_path / "a", seed=0)]
     verifier = sorted(v for v, _ in draws)

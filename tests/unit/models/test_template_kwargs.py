@@ -9,10 +9,10 @@ import shutil
 
 import pytest
 
+from t1async.commands.evaluate import policy_model_config
 from t1async.commands.model import tool_episode
 from t1async.commands.sft import demonstration_turns
 from t1async.config import Config, ConfigError, EnvConfig, ModelConfig, load_config
-from t1async.envs.commands.evaluate import policy_model_config
 from t1async.models.families import load_renderer
 from t1async.rollout.conversation import start_conversation
 from t1async.rollout.endpoint.recorder import ChatRecorder

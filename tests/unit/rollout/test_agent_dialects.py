@@ -27,8 +27,8 @@ import pytest
 from t1async.actors.rollout import RolloutActor
 from t1async.config import EnvConfig, GenerationConfig, ModelConfig, RolloutConfig, TransportConfig
 from t1async.models.tokenizer import ChatTokenizer
-from t1async.rollout.agent import segment_builder
 from t1async.rollout.endpoint import AgentEndpoint, SessionLimits
+from t1async.rollout.endpoint.agent import segment_builder
 from t1async.trajectory import TURN_ABORTED, decode, encode
 from tests.support.episode_fakes import E as SCRIPTED_E
 from tests.support.episode_fakes import ScriptedSampler

@@ -18,7 +18,7 @@ import pytest
 from t1async.actors.rollout import RolloutActor
 from t1async.config import EnvConfig, GenerationConfig, ModelConfig, RolloutConfig, TransportConfig
 from t1async.models.tokenizer import ChatTokenizer
-from t1async.rollout.agent import HISTORY_BREAK, HistoryBreak, run_agent_episode, segment_builder
+from t1async.rollout.endpoint.agent import HISTORY_BREAK, HistoryBreak, run_agent_episode, segment_builder
 from t1async.rollout.endpoint import OpenAIEndpoint, SessionLimits, template_message
 from t1async.sampling.sampler_client import HttpSampler
 from t1async.trajectory import TOOL_CALL_ERRORS, decode, encode

@@ -14,8 +14,8 @@ import openai
 import pytest
 
 from t1async.models.chat_template import ChatTemplateRenderer
-from t1async.rollout.agent import segment_builder
 from t1async.rollout.endpoint import OpenAIEndpoint, SessionLimits
+from t1async.rollout.endpoint.agent import segment_builder
 from tests.support.episode_fakes import FakeEnv, ScriptedSampler
 from tools import hf_tokenizers
 

@@ -82,7 +82,7 @@ def test_yaml_whose_top_level_is_a_list_is_refused(tmp_path):
 
 
 def test_greedy_generation_is_refused_for_training_but_allowed_for_eval(tmp_path):
-    from t1async.envs.commands.evaluate import PolicyAgent
+    from t1async.commands.evaluate import PolicyAgent
     from t1async.models.model import Qwen3MoeForCausalLM
     from t1async.service.preflight import check_inputs
 

@@ -1,7 +1,7 @@
 """Environment subcommands of the ``t1async`` CLI: ``eval``, ``synth``, ``decontam``.
 
-Registered by :func:`register` (one entry in :data:`t1async.cli.SUBCOMMANDS`); the core package
-reaches the environment layer only through this registrar (see tests/house/test_architecture.py).
+Registered by :func:`register` (one entry in :data:`t1async.cli.SUBCOMMANDS`); like every command it sits
+above the environments it drives (``t1async.envs``; the layer table in tests/house/test_architecture.py).
 
     t1async eval --tasks DIR --agent oracle|noop|policy:CHECKPOINT [--concurrency N] [--out FILE.json]
                  [--sandbox auto|local|container|modal] [--config YAML] [--logs DIR]
@@ -33,18 +33,17 @@ from typing import Callable
 
 from loguru import logger
 
+from t1async.commands.decontam import check_drop_folders, decontaminate, format_report
+from t1async.commands.evaluate import choose_sandbox, evaluate, format_table, is_task_folder, report_json
+from t1async.commands.synth import synthesize
 from t1async.config import load_config
-
-from ..images.engine import resolve_engine
-from ..images.stand_ins import DEFAULT_BOOTSTRAP_TAGS, bootstrap
-from ..protocol import SandboxError
-from ..taskio.dockerfile import from_images
-from ..taskio.loading import load_task, task_folders
-from ..taskio.task import TaskError
-from ..terminal import validate_task
-from .decontam import check_drop_folders, decontaminate, format_report
-from .evaluate import choose_sandbox, evaluate, format_table, is_task_folder, report_json
-from .synth import synthesize
+from t1async.envs.images.engine import resolve_engine
+from t1async.envs.images.stand_ins import DEFAULT_BOOTSTRAP_TAGS, bootstrap
+from t1async.envs.protocol import SandboxError
+from t1async.envs.taskio.dockerfile import from_images
+from t1async.envs.taskio.loading import load_task, task_folders
+from t1async.envs.taskio.task import TaskError
+from t1async.envs.terminal import validate_task
 
 EVAL_EPILOG = ("exit status: 0 when every task ran (resolved or not), 1 when any task errored (see the error "
                "column), 2 for bad input")
@@ -138,7 +137,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_guard(run_images))
 
     p = sub.add_parser("synth", help="generate training tasks from a parametrized family", epilog=SYNTH_EPILOG)
-    p.add_argument("--family", required=True, help="task family (see t1async.envs.commands.synth.FAMILIES)")
+    p.add_argument("--family", required=True, help="task family (see t1async.commands.synth.FAMILIES)")
     p.add_argument("--n", type=int, required=True, help="number of tasks")
     p.add_argument("--out", required=True, help="folder to write the task folders into")
     p.add_argument("--seed", type=int, default=0, help="seed (the same seed gives the same tasks)")

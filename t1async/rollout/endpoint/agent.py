@@ -42,7 +42,9 @@ from loguru import logger
 from t1async.config import EnvConfig, GenerationConfig, ModelConfig, RolloutConfig
 from t1async.models.tokenizer import ChatTokenizer
 from t1async.rollout.conversation import template_renders_differently
-from t1async.rollout.endpoint import CompletionRecord, OpenAIEndpoint, SessionLimits
+from t1async.rollout.endpoint.recorder import CompletionRecord
+from t1async.rollout.endpoint.server import OpenAIEndpoint
+from t1async.rollout.endpoint.session import SessionLimits
 from t1async.rollout.env import Env, TaskInfo
 from t1async.rollout.episode import EpisodeBuilder, EpisodeError, context_limit
 from t1async.rollout.harnesses import HARNESSES, Harness, harness

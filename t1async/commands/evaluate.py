@@ -37,16 +37,15 @@ from typing import Any, Callable
 
 from t1async.config import Config, ConfigError, ModelConfig, load_config
 from t1async.config.model_folder import resolve_model
+from t1async.envs.images.engine import resolve_engine
+from t1async.envs.protocol import SandboxError, SandboxUnavailable
+from t1async.envs.sandboxes.sandbox import SANDBOXES, check_sandbox_available
+from t1async.envs.taskio.loading import load_task, task_folders
+from t1async.envs.taskio.task import LAYOUT_HINT, Task, TaskError
+from t1async.envs.terminal import DEFAULT_LIMITS, NETWORK_MODES, TerminalEnv, task_limits
 from t1async.models.tokenizer import check_model_vocab
 from t1async.rollout.episode import run_episode
 from t1async.sampling.sampler_client import HttpSampler
-
-from ..images.engine import resolve_engine
-from ..protocol import SandboxError, SandboxUnavailable
-from ..sandboxes.sandbox import SANDBOXES, check_sandbox_available
-from ..taskio.loading import load_task, task_folders
-from ..taskio.task import LAYOUT_HINT, Task, TaskError
-from ..terminal import DEFAULT_LIMITS, NETWORK_MODES, TerminalEnv, task_limits
 
 
 @dataclass
@@ -276,7 +275,7 @@ def choose_sandbox(requested: str, tasks_dir: str | Path, config: Any = None) ->
     usable, else ``local``."""
     if requested != "auto":
         return requested, ""
-    tree = Path(__file__).resolve().parents[3]  # the checkout (t1async/envs/commands/ -> envs/ -> t1async/ -> the checkout)
+    tree = Path(__file__).resolve().parents[2]  # the checkout (t1async/commands/ -> t1async/ -> the checkout)
     path = Path(tasks_dir).resolve()
     if path == tree or tree in path.parents:
         return "local", ""

@@ -418,7 +418,7 @@ def slow_build(rng: random.Random) -> TaskFiles:
         import time
         from pathlib import Path
 
-        time.sleep({verifier_s})  # this test suite's running time, drawn for this task (t1async/envs/commands/synth.py slow_build)
+        time.sleep({verifier_s})  # this test suite's running time, drawn for this task (t1async/commands/synth.py slow_build)
 
         def test_output_exists():
             assert Path("/app/{out}").is_file()

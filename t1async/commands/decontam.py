@@ -30,8 +30,8 @@ from pathlib import Path
 
 from loguru import logger
 
-from ..taskio.loading import load_task, task_folders
-from ..taskio.task import Task, TaskError
+from t1async.envs.taskio.loading import load_task, task_folders
+from t1async.envs.taskio.task import Task, TaskError
 
 _TOKEN = re.compile(r"[a-z0-9_]+")
 
