@@ -43,8 +43,12 @@ the receive log before it ACKs them (``transport.log_group_messages``, default 6
 trajectory (``log_group_messages=1``, the receive path before group commit), right after, and
 prints ``group_commit_speedup`` (saturated ingest, grouped / per trajectory).
 
+Check mode (``--messages M``): every actor sends exactly M trajectories in one closed-loop phase, no
+clock; only the counts (sent, delivered, lost, duplicated, unACKed) are meaningful (the test of this bench
+runs it so).
+
 Usage: ``t1async bench fanin [--actors 16,128,512] [--seconds 8] [--tokens 4096] [--procs 4]
-[--shape 4,2,8] [--log-fsync always] [--group 64] [--compare-group-at 128]``.
+[--shape 4,2,8] [--log-fsync always] [--group 64] [--compare-group-at 128] [--messages M]``.
 """
 
 from __future__ import annotations
@@ -316,6 +320,9 @@ def main() -> None:
     p.add_argument("--group", type=at_least_one, default=64, help="learner transport.log_group_messages")
     p.add_argument("--compare-group-at", type=int, default=128,
                    help="also run this actor count with a receive-log flush per trajectory (0: skip)")
+    p.add_argument("--messages", type=at_least_one, default=None,
+                   help="check mode: every actor sends exactly this many (one closed-loop phase, no timing; "
+                        "only the counts are meaningful)")
     p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
@@ -333,11 +340,12 @@ def main() -> None:
         p.error(f"--shape {args.shape!r}: give layers,top_k,experts (integers >= 1, top_k <= experts), e.g. 48,8,128")
     resource.setrlimit(resource.RLIMIT_NOFILE, (resource.getrlimit(resource.RLIMIT_NOFILE)[1],) * 2)
     kw = dict(seconds=args.seconds, warmup_s=args.warmup_s, tokens=args.tokens, procs=args.procs, depth=args.depth,
-              paced_frac=args.paced_frac, log_fsync=args.log_fsync, rcvhwm=args.rcvhwm, shape=shape)
+              paced_frac=args.paced_frac, log_fsync=args.log_fsync, rcvhwm=args.rcvhwm, shape=shape,
+              messages=args.messages)
     runs = []
     for n in counts:
         runs.append(run_fanin(n, group=args.group, **kw))
-        if n == args.compare_group_at and args.group > 1 and args.log_fsync == "always":
+        if n == args.compare_group_at and args.group > 1 and args.log_fsync == "always" and args.messages is None:
             # the same N at once with a flush per trajectory (the receive path before group commit)
             single = run_fanin(n, group=1, **kw)
             runs[-1]["per_trajectory_flush"] = {"saturated": single["saturated"], "lost": single["lost"],

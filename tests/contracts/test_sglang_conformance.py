@@ -1,26 +1,21 @@
 """The committed SGLang fixture (tests/fixtures/sglang_schema.json) is exactly what the pinned release's own
 source says, and t1async's protocol code stays inside it.
 
-The pinned wheel is downloaded with pip into the cache folder (tools/sglang_schema.py); the test
+The pinned wheel is downloaded with pip into the cache folder (tests/support/sglang_schema.py); the test
 skips, saying why, only when the package index cannot be reached.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.support import REPO
+from tests.support import sglang_schema as schema_tool
 
 ROOT = REPO
-_spec = importlib.util.spec_from_file_location("sglang_schema", ROOT / "tools" / "sglang_schema.py")
-schema_tool = importlib.util.module_from_spec(_spec)
-sys.modules["sglang_schema"] = schema_tool
-_spec.loader.exec_module(schema_tool)
 
 FIXTURE = schema_tool.load_fixture()
 

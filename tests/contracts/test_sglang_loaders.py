@@ -2,7 +2,7 @@
 maps, for every family: run the wheel's loader over what we publish and fail on any name it skips.
 
 SGLang cannot be imported here (its model files need CUDA-only packages), so the test reads the pinned
-wheel itself (downloaded by ``pip download --no-deps``, tools/sglang_schema.py, cached outside the
+wheel itself (downloaded by ``pip download --no-deps``, tests/support/sglang_schema.py, cached outside the
 repository; skipped with the reason when the index cannot be reached) and executes, unchanged, the
 ``load_weights`` method of the class our config.json names in ``architectures`` (plus the two helpers it
 calls, ``FusedMoE.make_expert_params_mapping`` and ``get_layer_id``, also taken from the wheel). Only
@@ -20,11 +20,9 @@ the checkpoint's too).
 from __future__ import annotations
 
 import ast
-import importlib.util
 import json
 import logging
 import re
-import sys
 import textwrap
 import typing
 import zipfile
@@ -49,12 +47,9 @@ from t1async.models.families import (
 )
 from t1async.models.tokenizer import ChatTokenizer
 from tests.support import REPO
+from tests.support import sglang_schema as schema_tool
 
 ROOT = REPO
-_spec = importlib.util.spec_from_file_location("sglang_schema", ROOT / "tools" / "sglang_schema.py")
-schema_tool = importlib.util.module_from_spec(_spec)
-sys.modules.setdefault("sglang_schema", schema_tool)
-_spec.loader.exec_module(schema_tool)
 
 SIZES = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
              num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)

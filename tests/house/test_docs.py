@@ -21,8 +21,16 @@ SETUP_AND_RUN = "bash tools/setup.sh && .venv/bin/t1async launch configs/local.y
 SETUP_AND_TEST = "bash tools/setup.sh && .venv/bin/python -m pytest -q"
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 
-sys.path.insert(0, str(ROOT / "tools"))
-import gen_config_docs  # noqa: E402  (tools/ is no package)
+GEN_CONFIG_DOCS = ROOT / "tools" / "gen_config_docs.py"
+
+
+def generated_config_page(root: Path) -> str:
+    """The page ``python tools/gen_config_docs.py --root ROOT`` writes for the config sources under ``root``."""
+    out = root / "generated-configuration.md"
+    run = subprocess.run([sys.executable, str(GEN_CONFIG_DOCS), "--root", str(root), "--out", str(out)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    return out.read_text()
 
 
 def pages() -> list[Path]:
@@ -143,7 +151,7 @@ class LearnerConfig:
 class Config:
     learner: LearnerConfig = field(default_factory=LearnerConfig)
 ''')
-    page = gen_config_docs.generate(tmp_path)
+    page = generated_config_page(tmp_path)
     assert "## learner\n" in page and "## learner.inner\n" in page
     assert "- `learner.lr` (`float`, default `1e-4`): Learning rate." in page
     assert "- `learner.advantage` (`Advantage`, default `group`): Estimator." in page
@@ -198,7 +206,7 @@ class LearnerConfig:
 class Config:
     learner: LearnerConfig = field(default_factory=LearnerConfig)
 ''')
-    page = gen_config_docs.generate(tmp_path)
+    page = generated_config_page(tmp_path)
     assert "- `learner.reward` (`Reward`, default `binary`): The reward.\n" \
            "  Values (`Reward`): `dense` (Tests passed), `binary`." in page
     assert "- `learner.steps` (`int`, default `3`): Steps.\n  Valid: an integer >= 0 (0: `forever`)." in page

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 
@@ -10,13 +9,11 @@ import pytest
 
 from t1async.config import load_config
 from tests.support import REPO
+from tests.support.tools import load_tool
 
 
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_learning", REPO / "tools" / "bench_learning.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("bench_learning")
 
 
 def test_heldout_shares_no_instruction_command_sequence_or_files_with_training(tmp_path):
@@ -88,7 +85,7 @@ def test_warm_start_per_seed_names_the_missing_checkpoint(tmp_path):
     assert r.returncode == 2 and str(tmp_path / "seed1" / "sft-checkpoint") in r.stderr and r.stderr.count("\n") == 1
 
 
-def test_training_by_family_splits_a_runs_episodes_by_finish_time_and_family(tmp_path, capsys):
+def test_training_by_family_splits_a_runs_episodes_by_finish_time_and_family(tmp_path):
     """tools/training_by_family.py: the receive log's episodes, ordered by finish time, in equal parts;
     per synth family the resolved rate and the turns (every assistant turn)."""
     import dataclasses
@@ -98,9 +95,6 @@ def test_training_by_family_splits_a_runs_episodes_by_finish_time_and_family(tmp
     from t1async.transport.delivery import ReceiveLog
     from tests.support.trajectories import make_traj
 
-    spec = importlib.util.spec_from_file_location("training_by_family", REPO / "tools" / "training_by_family.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
     log = ReceiveLog(tmp_path / "run" / "receive_log", fsync="never", reset=True)
     base = make_traj()  # two assistant turns
     episodes = [("grep-count-1000-0001", False, 4.0), ("grep-count-1000-0002", True, 3.0),
@@ -111,8 +105,10 @@ def test_training_by_family_splits_a_runs_episodes_by_finish_time_and_family(tmp
                                 trajectory_id=f"id-{i}")
         log.append(t.trajectory_id, encode(t))
     log.close()
-    assert tool.main([str(tmp_path / "run"), "--parts", "2"]) == 0
-    first, second = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    out = subprocess.run([sys.executable, str(REPO / "tools" / "training_by_family.py"), str(tmp_path / "run"),
+                          "--parts", "2"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    first, second = [json.loads(line) for line in out.stdout.splitlines()]
     assert first["families"] == {"tar-folder": {"episodes": 1, "resolved_rate": 1.0, "turns_mean": 2.0},
                                  "odd-name": {"episodes": 1, "resolved_rate": 0.0, "turns_mean": 2.0}}
     assert second["families"] == {"grep-count": {"episodes": 2, "resolved_rate": 0.5, "turns_mean": 2.0}}

@@ -3,15 +3,13 @@ docs/terminal-bench.md is made of them)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
-from tests.support import FIXTURES, REPO
+from tests.support import FIXTURES
+from tests.support.tools import load_tool
 
-_SPEC = importlib.util.spec_from_file_location("bench_tb_corpus", REPO / "tools" / "bench_tb_corpus.py")
-corpus = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(corpus)
+corpus = load_tool("bench_tb_corpus")
 
 
 def _tb1(root: Path, name: str, tags: list[str], solution: str) -> Path:

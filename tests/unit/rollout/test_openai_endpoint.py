@@ -18,14 +18,14 @@ import pytest
 from t1async.actors.rollout import RolloutActor
 from t1async.config import EnvConfig, GenerationConfig, ModelConfig, RolloutConfig, TransportConfig
 from t1async.models.tokenizer import ChatTokenizer
-from t1async.rollout.endpoint.agent import HISTORY_BREAK, HistoryBreak, run_agent_episode, segment_builder
 from t1async.rollout.endpoint import OpenAIEndpoint, SessionLimits, template_message
+from t1async.rollout.endpoint.agent import HISTORY_BREAK, HistoryBreak, run_agent_episode, segment_builder
 from t1async.sampling.sampler_client import HttpSampler
 from t1async.trajectory import TOOL_CALL_ERRORS, decode, encode
 from tests.support import REPO
 from tests.support.episode_fakes import E, FakeEnv, ScriptedSampler
 from tests.support.policies import serve_random_policy
-from tools.example_agent import post
+from tests.support.sdk_agent import post
 
 TOK = ChatTokenizer.load()
 MODEL = ModelConfig(vocab_size=4100, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
@@ -217,7 +217,7 @@ def test_external_episode_splits_or_drops_on_a_history_break(endpoint, tmp_path,
 
 SOLVER = """
 import os, openai
-from tools.example_agent import post
+from tests.support.sdk_agent import post
 m = [{"role": "user", "content": os.environ["T1ASYNC_INSTRUCTION"]}]
 openai.OpenAI(max_retries=0).chat.completions.create(model="t1async", messages=m)
 out = post(os.environ["T1ASYNC_SANDBOX_URL"] + "/exec", {"command": "echo hello > /app/hello.txt; cat /app/hello.txt"})

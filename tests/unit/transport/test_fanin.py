@@ -1,9 +1,11 @@
 """Fan-in: many real senders into one real Learner receive path lose and duplicate nothing
-(tools/bench_fanin.py's core, run small), and ``ZmqSender(on_ack=...)`` reports each ACK/REJ once."""
+(``t1async bench fanin --messages``, run small), and ``ZmqSender(on_ack=...)`` reports each ACK/REJ once."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -13,14 +15,15 @@ import pytest
 
 from t1async.transport.transport import ZmqReceiver, ZmqSender
 from tests.support import REPO
-
-sys.path.insert(0, str(REPO / "tools"))
-from bench_fanin import run_fanin  # noqa: E402
-from bench_transport import make  # noqa: E402
+from tests.support.trajectories import model_trajectory
 
 
 def test_fanin_core_counts_every_message_once(tmp_path):
-    out = run_fanin(8, procs=2, messages=5, depth=2, log_fsync="never", workdir=str(tmp_path))
+    bench = subprocess.run([sys.executable, str(REPO / "tools" / "bench_fanin.py"), "--actors", "8", "--procs", "2",
+                            "--messages", "5", "--depth", "2", "--log-fsync", "never"], capture_output=True, text=True,
+                           timeout=300, env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert bench.returncode == 0, bench.stderr[-2000:]
+    (out,) = json.loads(bench.stdout)["runs"]
     assert out["sent"] == 8 * 5  # every logical actor sent its share
     assert out["delivered"] == 40 and out["lost"] == 0 and out["duplicated"] == 0 and out["unknown"] == 0
     assert out["unacked"] == 0 and out["all_flushed"]
@@ -131,9 +134,8 @@ def test_learner_acks_a_burst_after_one_flush_never_before(tmp_path, monkeypatch
     acked: dict[str, float] = {}
     senders = [ZmqSender(learner.endpoint(), spool_dir=str(tmp_path / "spool"),
                          on_ack=lambda k, ok, r: acked.setdefault(k, time.monotonic())) for _ in range(3)]
-    traj = make(512, 4, 2, 8)
+    traj = model_trajectory(ModelConfig(), 512, "first")
     traj.versions = np.where(traj.loss_mask == 1, 0, -1).astype(np.int32)
-    traj.token_ids %= 4096
     try:
         keys = []
         for i in range(30):
