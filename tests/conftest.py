@@ -30,10 +30,10 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def real_tokenizer_folders():
     """``build(names) -> {name: folder}``: real tokenizers with their chat templates, converted once
-    per machine from the registry package (tools/hf_tokenizers.py; cached outside the repo). Skips the
+    per machine from the registry package (t1async/models/hf_tokenizers.py; cached outside the repo). Skips the
     test, with the reason, where the package cannot be fetched or transformers is missing."""
     pytest.importorskip("transformers")
-    from tools import hf_tokenizers
+    from t1async.models import hf_tokenizers
 
     def build(names):
         try:

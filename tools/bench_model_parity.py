@@ -6,7 +6,7 @@
 For each family and each weight scale (``--init-std``: the folder's ``initializer_range``, the std of every
 projection and embedding weight; 0.02 gives a tiny model a near-uniform next-token distribution, larger values
 the peaked one of a trained model, ``entropy_mean``): a tiny random model folder with a real tokenizer
-(``t1async model init`` on a folder from tools/hf_tokenizers.py), then, float32 on CPU:
+(``t1async model init`` on a folder from t1async/models/hf_tokenizers.py), then, float32 on CPU:
 
 - ``logprob_vs_transformers``: max |log-softmax difference| between the learner's policy (the family's class,
   as the torch learner builds it) and ``transformers.AutoModelForCausalLM`` on the same folder, over a
@@ -113,8 +113,8 @@ def main() -> None:
 
     sys.path.insert(0, str(REPO))
     from t1async.commands.model import init_folder
+    from t1async.models import hf_tokenizers
     from t1async.models.families import FAMILIES
-    from tools import hf_tokenizers
 
     families = args.families or sorted(FAMILIES)
     folders = hf_tokenizers.build_folders(sorted({TOKENIZER[f] for f in families}))

@@ -76,7 +76,7 @@ def test_tempered_nucleus_sampling_is_scored_under_the_same_processing():
 def test_model_path_qwen3_5_moe_folder_tito_and_replay_agree(tmp_path):
     """model.path on a tiny random qwen3_5_moe folder (real Qwen3.5 tokenizer and template): the embedded
     sampler and the learner, both built by families.load_model at float32, agree on every sampled token."""
-    from tools import hf_tokenizers
+    from t1async.models import hf_tokenizers
 
     try:
         tok = hf_tokenizers.build_folders(["qwen3.5"])["qwen3.5"]

@@ -1,5 +1,5 @@
 """The model's own chat template as the episode layout (t1async/models/chat_template.py), on real tokenizer
-folders built offline by tools/hf_tokenizers.py (the Qwen2/Qwen3 vocabulary and the templates of Qwen3,
+folders built offline by t1async/models/hf_tokenizers.py (the Qwen2/Qwen3 vocabulary and the templates of Qwen3,
 Qwen3-Coder, Qwen3.5 and GLM-4.6). Skipped, with the reason, where the source archive cannot be had."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import json
 
 import pytest
 
+from t1async.models import hf_tokenizers
 from t1async.models.chat_template import ChatRenderer, ChatTemplateRenderer, TemplateError
 from t1async.models.tokenizer import ChatTokenizer
 from tests.support.templates import renderer
-from tools import hf_tokenizers
 
 pytest.importorskip("transformers")
 

@@ -3,7 +3,7 @@ t1async/commands/model.py), and a rollout episode on the model's own chat templa
 (t1async/rollout/conversation.py).
 
 Real tokenizer folders (the Qwen2/Qwen3 vocabulary of 151,936 ids and the Qwen3 template) come from
-tools/hf_tokenizers.py, built offline; the tests that need them skip with the reason where the source
+t1async/models/hf_tokenizers.py, built offline; the tests that need them skip with the reason where the source
 archive cannot be had. transformers (a test extra) is the reference that loads what we write.
 """
 
@@ -23,12 +23,12 @@ from t1async.cli import main
 from t1async.config import ConfigError, EnvConfig, GenerationConfig, ModelConfig, load_config
 from t1async.config.model_folder import resolve_model
 from t1async.envs.protocol import CommandResult
+from t1async.models import hf_tokenizers
 from t1async.models.chat_template import ChatTemplateRenderer
 from t1async.models.families import check_model_folder, load_model, load_renderer, save_model
 from t1async.models.hf_folder import ModelFolderError, check_memory
 from t1async.rollout.episode import run_episode
 from t1async.sampling.sampler_client import SamplerResponse
-from tools import hf_tokenizers
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,6 +1,6 @@
 """``model.chat_template_kwargs`` (issue 44): the same template variables at every render site (rollout, sft,
 eval, the OpenAI-compatible endpoint, ``t1async model check``), on the real Qwen3.5 template (built offline by
-tools/hf_tokenizers.py; skipped, with the reason, where it cannot be had)."""
+t1async/models/hf_tokenizers.py; skipped, with the reason, where it cannot be had)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The OpenAI-compatible endpoint on a model folder's own chat template (issue 28), with the official ``openai``
-client as the caller and real Qwen3 / Qwen3-Coder tokenizer folders (tools/hf_tokenizers.py).
+client as the caller and real Qwen3 / Qwen3-Coder tokenizer folders (t1async/models/hf_tokenizers.py).
 
 Real: the endpoint, the client, the tokenizers and templates (transformers' ``apply_chat_template`` is the
 reference), the recorder. Faked: the sampler (tests/unit/rollout/test_tito.py's ScriptedSampler answers scripted ids: random
@@ -13,11 +13,11 @@ import json
 import openai
 import pytest
 
+from t1async.models import hf_tokenizers
 from t1async.models.chat_template import ChatTemplateRenderer
 from t1async.rollout.endpoint import OpenAIEndpoint, SessionLimits
 from t1async.rollout.endpoint.agent import segment_builder
 from tests.support.episode_fakes import FakeEnv, ScriptedSampler
-from tools import hf_tokenizers
 
 BASH = {"type": "function", "function": {"name": "bash", "description": "run a command",
                                          "parameters": {"type": "object", "properties": {"command": {"type": "string"}},

@@ -1,6 +1,6 @@
 """Tool calls in the model's own format (t1async/rollout/tool_formats.py), checked against what the real chat
 templates of Qwen3, Qwen3-Coder, Qwen3.5 and GLM-4.6 render (tokenizer folders built offline by
-tools/hf_tokenizers.py; skipped, with the reason, where the source archive cannot be had)."""
+t1async/models/hf_tokenizers.py; skipped, with the reason, where the source archive cannot be had)."""
 
 from __future__ import annotations
 

@@ -15,10 +15,10 @@ import yaml
 
 from t1async.cli import main
 from t1async.config import ConfigError
+from t1async.models import hf_tokenizers
 from t1async.service.preflight import preflight
 from t1async.transport.keys import write_keys
 from tests.support import REPO, TESTS
-from tools import hf_tokenizers
 
 CLUSTER = REPO / "configs" / "cluster.yaml"
 PKG = TESTS / "fake_sglang_pkg"
