@@ -3,6 +3,7 @@
     python tools/import_graph.py            # circles, upward imports, folder pairs, then counts
     python tools/import_graph.py --list     # also every function-level import, one a line
     python tools/import_graph.py --check    # exit status 1 when any of the three is not empty
+    python tools/import_graph.py --root DIR # another checkout's t1async/ (a worktree of an older commit)
 
 A thin CLI over ``tests/support/import_graph.py`` (the graph and the layer table the architecture test
 asserts on; one copy of each).

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-ROOTS = {"t1async": REPO / "t1async"}
+ROOTS = ("t1async",)
+"""The top folders of product modules in a checkout."""
 SKIP_PARTS = {"tasks", "assets", "__pycache__"}
 
 LAYERS: list[tuple[str, ...]] = [
@@ -71,10 +72,11 @@ class Graph:
         return adj
 
 
-def module_files() -> dict[str, Path]:
-    """Dotted module name -> file, for every product module (packages as their ``__init__``)."""
+def module_files(checkout: Path = REPO) -> dict[str, Path]:
+    """Dotted module name -> file, for every product module of ``checkout`` (packages as their ``__init__``)."""
     out: dict[str, Path] = {}
-    for prefix, root in ROOTS.items():
+    for prefix in ROOTS:
+        root = checkout / prefix
         for path in sorted(root.rglob("*.py")):
             rel = path.relative_to(root)
             if SKIP_PARTS & set(rel.parts[:-1]):
@@ -106,9 +108,10 @@ def _walk(node: ast.AST, in_function: bool = False):
         yield from _walk(child, inner)
 
 
-def build() -> Graph:
-    """Parse every product module; resolve its imports to product modules or library names."""
-    g = Graph(modules=module_files())
+def build(checkout: Path = REPO) -> Graph:
+    """Parse every product module of ``checkout`` (default this one); resolve its imports to product modules or
+    library names."""
+    g = Graph(modules=module_files(checkout))
     for name, path in g.modules.items():
         is_pkg = path.name == "__init__.py"
         package = name if is_pkg else name.rsplit(".", 1)[0]
@@ -229,10 +232,12 @@ def folder_pairs(graph: Graph) -> list[tuple[str, str]]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--list", action="store_true", help="print every function-level import")
+    ap.add_argument("--root", type=Path, default=REPO, help="the checkout whose t1async/ to read (default this one)")
     ap.add_argument("--check", action="store_true",
                     help="exit 1 when there is a circle, an upward import or a pair of folders importing each other")
     a = ap.parse_args(argv)
-    g = build()
+    g = build(a.root)
+    root = a.root.resolve()
     adj = g.adjacency()
     circles = components(adj)
     for comp in circles:
@@ -245,14 +250,14 @@ def main(argv: list[str] | None = None) -> int:
     stmts = {(e.source, e.line) for e in fn_internal + fn_external}
     if a.list:
         for e in sorted(fn_internal + fn_external, key=lambda e: (e.source, e.line)):
-            print(f"  {g.modules[e.source].relative_to(REPO)}:{e.line}: {e.text}")
+            print(f"  {g.modules[e.source].relative_to(root)}:{e.line}: {e.text}")
     per_folder: dict[str, int] = {}
     for name, path in g.modules.items():
-        folder = str(path.parent.relative_to(REPO))
+        folder = str(path.parent.relative_to(root))
         per_folder[folder] = per_folder.get(folder, 0) + 1
     largest = max(g.modules.values(), key=lambda p: len(p.read_text().splitlines()))
     print(f"modules: {len(g.modules)} ({', '.join(f'{k}: {v}' for k, v in sorted(per_folder.items()))})")
-    print(f"largest: {largest.relative_to(REPO)} ({len(largest.read_text().splitlines())} lines)")
+    print(f"largest: {largest.relative_to(root)} ({len(largest.read_text().splitlines())} lines)")
     upward, pairs = upward_imports(g), folder_pairs(g)
     for line in upward:
         print("upward import:", line)
