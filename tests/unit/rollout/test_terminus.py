@@ -25,8 +25,8 @@ from t1async.actors.rollout import RolloutActor
 from t1async.config import EnvConfig, GenerationConfig, ModelConfig, RolloutConfig, TransportConfig
 from t1async.models.tokenizer import ChatTokenizer
 from t1async.rollout import harnesses, terminus
-from t1async.rollout.endpoint.agent import segment_builder
 from t1async.rollout.endpoint import AgentEndpoint, SessionLimits
+from t1async.rollout.endpoint.agent import segment_builder
 from t1async.rollout.terminus import ReplyError, parse_reply, truncate
 from t1async.trajectory import TOOL_CALL_CODES, TURN_STATUS, decode, encode
 from tests.support.oracle_policy import E, TerminusPolicy, TextReplies, oracle_commands
