@@ -112,19 +112,20 @@ def test_every_ray_role_stays_thin():
 
 
 def test_no_two_folders_import_each_other():
-    """Each folder (package) of ``t1async/`` imports only folders that never import it back: a package's own
-    modules sit either below its sub-folders or above them, never both (issue 45)."""
+    """No two folders of ``t1async/`` (wings, or sub-wings side by side) import each other (issue 45). A
+    package and its own sub-folder are left to the layer table and the circle check, module by module
+    (``python tools/import_graph.py`` lists those pairs too)."""
     _, graph = _graph()
     assert folder_pairs(graph) == []
 
 
 def test_the_folder_check_fails_on_a_back_arrow():
     """The check sees two folders importing each other: a learner module importing the service that
-    imports the learner, and a task-I/O module importing the environment built on task I/O."""
+    imports the learner, and a task-I/O module importing the container images built on task I/O."""
     _, graph = _graph()
     graph.edges.append(ig.Import("t1async.learner.loop", "t1async.service.launch", 1, True, "import"))
-    graph.edges.append(ig.Import("t1async.envs.taskio.task", "t1async.envs.terminal", 1, False, "import"))
-    assert folder_pairs(graph) == [("t1async.envs", "t1async.envs.taskio"), ("t1async.learner", "t1async.service")]
+    graph.edges.append(ig.Import("t1async.envs.taskio.task", "t1async.envs.images.engine", 1, False, "import"))
+    assert folder_pairs(graph) == [("t1async.envs.images", "t1async.envs.taskio"), ("t1async.learner", "t1async.service")]
 
 
 def test_import_graph_cli_prints_zero_circles_upward_imports_and_folder_pairs():
@@ -136,7 +137,7 @@ def test_import_graph_cli_prints_zero_circles_upward_imports_and_folder_pairs():
                          text=True, cwd="/", timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     lines = out.stdout.splitlines()
-    assert "circles: 0" in lines and "folder pairs importing each other: 0" in lines
+    assert "circles: 0" in lines and any(line.startswith("folder pairs importing each other: 0 ") for line in lines)
     assert any(line.startswith("upward imports: 0 ") for line in lines)
 
 

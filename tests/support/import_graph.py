@@ -217,16 +217,25 @@ def folder_of(graph: Graph, module: str) -> str:
     return module if graph.modules[module].name == "__init__.py" else module.rsplit(".", 1)[0]
 
 
-def folder_pairs(graph: Graph) -> list[tuple[str, str]]:
+def _nested(a: str, b: str) -> bool:
+    """Whether one folder is inside the other (a package and one of its own sub-folders)."""
+    return a.startswith(b + ".") or b.startswith(a + ".")
+
+
+def folder_pairs(graph: Graph, nested: bool = False) -> list[tuple[str, str]]:
     """Pairs of folders that import each other (an edge each way between their modules), sorted.
-    The top folder ``t1async`` is left out: its modules sit at both ends of the layer table (the wire
-    types at the bottom, the console script at the top), which :func:`upward_imports` checks one by one."""
+
+    By default only folders neither of which lies inside the other (two wings, two sub-wings); with
+    ``nested`` only a package and its own sub-folder importing each other (a package whose top modules sit
+    both below and above its sub-folder: the layer table and the circle check govern those module by
+    module). The top folder ``t1async`` is left out: its modules sit at both ends of the layer table (the
+    wire types at the bottom, the console script at the top), which :func:`upward_imports` checks one by one."""
     pairs: set[tuple[str, str]] = set()
     for e in graph.edges:
         a, b = folder_of(graph, e.source), folder_of(graph, e.target)
         if a != b and "t1async" not in (a, b):
             pairs.add((a, b))
-    return sorted((a, b) for a, b in pairs if a < b and (b, a) in pairs)
+    return sorted((a, b) for a, b in pairs if a < b and (b, a) in pairs and _nested(a, b) == nested)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -258,14 +267,16 @@ def main(argv: list[str] | None = None) -> int:
     largest = max(g.modules.values(), key=lambda p: len(p.read_text().splitlines()))
     print(f"modules: {len(g.modules)} ({', '.join(f'{k}: {v}' for k, v in sorted(per_folder.items()))})")
     print(f"largest: {largest.relative_to(root)} ({len(largest.read_text().splitlines())} lines)")
-    upward, pairs = upward_imports(g), folder_pairs(g)
+    upward, pairs, nested = upward_imports(g), folder_pairs(g), folder_pairs(g, nested=True)
     for line in upward:
         print("upward import:", line)
     for low, high in pairs:
         print("folders importing each other:", low, "<->", high)
+    for low, high in nested:
+        print("a package and its sub-folder importing each other:", low, "<->", high)
     print(f"circles: {len(circles)}")
     print(f"upward imports: {len(upward)} (layer table: LAYERS in tests/support/import_graph.py)")
-    print(f"folder pairs importing each other: {len(pairs)}")
+    print(f"folder pairs importing each other: {len(pairs)} (and a package with its own sub-folder: {len(nested)})")
     print(f"function-level import statements: {len(stmts)} "
           f"(edges to t1async modules: {len(fn_internal)}, to libraries: {len(fn_external)}"
           + (f"; {', '.join(f'{k} {v}' for k, v in sorted(by_lib.items(), key=lambda kv: -kv[1]))}" if by_lib else "")
