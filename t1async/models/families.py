@@ -222,7 +222,7 @@ FAMILIES: dict[str, Family] = {
     "glm4_moe": Family("glm4_moe", _built(HFMoeForCausalLM), _glm4_convert, _tied_lm_head, ("torch",),
                        _glm4_init, unfuse_experts),
     "qwen3_5_moe": Family("qwen3_5_moe", _built(Qwen3_5MoeForCausalLM), qwen35_hf_convert, _tied_lm_head,
-                          ("torch",), _qwen35_init),
+                          ("torch", "megatron"), _qwen35_init),
     "qwen3_moe": Family("qwen3_moe", _qwen3_build, _qwen3_convert, _tied_lm_head, ("torch", "megatron"),
                         _qwen3_init),
 }

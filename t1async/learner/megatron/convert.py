@@ -50,9 +50,10 @@ import re
 import torch
 
 from t1async.config import ModelConfig
+from t1async.learner.megatron.families import qwen3_5_moe as q35
 
-__all__ = ["CRITIC", "POLICY", "Layout", "hf_to_megatron", "megatron_to_hf", "merge_tp", "pack_qkv", "shard_tp",
-           "tp_partition", "unpack_qkv"]
+__all__ = ["CRITIC", "POLICY", "Layout", "hf_to_megatron", "join_hf", "megatron_to_hf", "merge_tp", "pack_qkv",
+           "shard_tp", "tp_partition", "unpack_qkv"]
 
 
 class Layout:
@@ -140,11 +141,15 @@ def hf_to_megatron(sd: dict[str, torch.Tensor], cfg: ModelConfig, layout: Layout
     """
     first, n_layers, e0, n_exp = _ranges(cfg, ep_rank, ep_size, pp_rank, pp_size)
     t = layout.trunk
+    fam = _family(cfg)
     out: dict[str, torch.Tensor] = {}
     if pp_rank == 0:
         out["embedding.word_embeddings.weight"] = sd[f"{t}embed_tokens.weight"]
     for j in range(n_layers):
         src, dst = f"{t}layers.{first + j}.", f"decoder.layers.{j}."
+        if fam is not None:  # the family's own layer (t1async/learner/megatron/families/)
+            q35.hf_layer_to_megatron(sd, src, dst, fam, e0, n_exp, out)
+            continue
         for a, b in _SAME.items():
             out[dst + b] = sd[src + a]
         out[dst + "self_attention.linear_qkv.weight"] = pack_qkv(
@@ -172,6 +177,19 @@ def hf_to_megatron(sd: dict[str, torch.Tensor], cfg: ModelConfig, layout: Layout
     return out
 
 
+def _family(cfg: ModelConfig):
+    """The text config of a family with its own layers (qwen3_5_moe), None for qwen3_moe's layout."""
+    return q35.text_config(cfg) if cfg.model_type == "qwen3_5_moe" else None
+
+
+def join_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The union of every rank's :func:`megatron_to_hf` -> the family's model's own names (qwen3_5_moe: routed
+    experts stacked into its fused 3D tensors, t1async/learner/megatron/families/qwen3_5_moe.py); ``sd`` as it
+    is for qwen3_moe."""
+    fam = _family(cfg)
+    return sd if fam is None else q35.join_hf(sd, fam)
+
+
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight")
 
@@ -191,6 +209,7 @@ def megatron_to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig, layout: Layout
     """
     first, n_layers, e0, _ = _ranges(cfg, ep_rank, ep_size, pp_rank, pp_size)
     t = layout.trunk
+    fam = _family(cfg)
     back = {b: a for a, b in _SAME.items()}
     head = {b: a for a, b in layout.head.items()}
     inter = cfg.moe_intermediate_size
@@ -205,7 +224,10 @@ def megatron_to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig, layout: Layout
         elif (m := _LAYER.fullmatch(name)) is not None and int(m.group(1)) < n_layers:
             i, rest = first + int(m.group(1)), m.group(2)
             src = f"{t}layers.{i}."
-            if rest in back:
+            if fam is not None:
+                if not q35.megatron_layer_to_hf(rest, w, src, fam, e0, out):
+                    raise KeyError(f"no HF name for Megatron weight {name!r}")
+            elif rest in back:
                 out[src + back[rest]] = w
             elif rest == "self_attention.linear_qkv.weight":
                 q, k, v = unpack_qkv(w, cfg)
@@ -232,10 +254,16 @@ _TP_SUFFIX = {  # Megatron weight suffix -> (dim split over TP ranks, gated: gat
 }
 
 
-def tp_partition(name: str, layout: Layout = POLICY) -> tuple[int, bool] | None:
+def tp_partition(name: str, layout: Layout = POLICY,
+                 cfg: ModelConfig | None = None) -> tuple[int, bool | tuple[int, ...]] | None:
     """How megatron-core's tensor parallelism splits Megatron weight ``name``: ``(dim, gated)``
-    (``gated``: the rows are [gate; up] and each half is split on its own), or None when every
-    TP rank holds it whole (norms, routers, the critic's head)."""
+    (``gated``: the rows are [gate; up] and each half is split on its own; a tuple of sizes: those
+    row sections of the whole tensor are each split on their own), or None when every TP rank
+    holds it whole (norms, routers, the critic's head). ``cfg``: the architecture, for a family
+    with its own split weights (qwen3_5_moe's Gated DeltaNet); None: qwen3_moe's names only."""
+    fam = _family(cfg) if cfg is not None else None
+    if fam is not None and (how := q35.tp_split(name, fam)) is not None:
+        return how[0], how[1] or False
     if name == "embedding.word_embeddings.weight" or (name == "output_layer.weight" and layout is POLICY):
         return 0, False
     for suffix, how in _TP_SUFFIX.items():
@@ -244,8 +272,18 @@ def tp_partition(name: str, layout: Layout = POLICY) -> tuple[int, bool] | None:
     return None
 
 
-def shard_tp(sd: dict[str, torch.Tensor], layout: Layout, tp_rank: int, tp_size: int) -> dict[str, torch.Tensor]:
-    """TP rank ``tp_rank``'s part of one (expert, pipeline) rank's Megatron state dict ``sd``.
+def _parts(w: torch.Tensor, dim: int, gated: bool | tuple[int, ...], ranks: int = 1) -> tuple[torch.Tensor, ...]:
+    """The row sections of ``w`` split on their own (:func:`tp_partition`); ``ranks``: ``w`` is one of that
+    many equal slices (section sizes divided by it)."""
+    if isinstance(gated, tuple):
+        return w.split([n // ranks for n in gated], dim)
+    return w.chunk(2, dim) if gated else (w,)
+
+
+def shard_tp(sd: dict[str, torch.Tensor], layout: Layout, tp_rank: int, tp_size: int,
+             cfg: ModelConfig | None = None) -> dict[str, torch.Tensor]:
+    """TP rank ``tp_rank``'s part of one (expert, pipeline) rank's Megatron state dict ``sd``
+    (``cfg``: the architecture, see :func:`tp_partition`).
 
     Returns:
         The same names; split tensors are contiguous copies of rank ``tp_rank``'s slice
@@ -259,12 +297,12 @@ def shard_tp(sd: dict[str, torch.Tensor], layout: Layout, tp_rank: int, tp_size:
         raise ValueError(f"tp_rank {tp_rank} out of range for tensor_parallel={tp_size}")
     out = {}
     for name, w in sd.items():
-        how = tp_partition(name, layout)
+        how = tp_partition(name, layout, cfg)
         if how is None or tp_size == 1:
             out[name] = w
             continue
         dim, gated = how
-        halves = w.chunk(2, dim) if gated else (w,)
+        halves = _parts(w, dim, gated)
         for h in halves:
             if h.shape[dim] % tp_size:
                 raise ValueError(f"tensor_parallel={tp_size} must divide dimension {dim} ({h.shape[dim]}) of "
@@ -273,7 +311,7 @@ def shard_tp(sd: dict[str, torch.Tensor], layout: Layout, tp_rank: int, tp_size:
     return out
 
 
-def merge_tp(parts: list[dict[str, torch.Tensor]], layout: Layout) -> dict[str, torch.Tensor]:
+def merge_tp(parts: list[dict[str, torch.Tensor]], layout: Layout, cfg: ModelConfig | None = None) -> dict[str, torch.Tensor]:
     """Inverse of :func:`shard_tp`: every TP rank's state dict (list index = TP rank) -> the
     whole one, bit for bit; whole tensors are taken from TP rank 0.
 
@@ -285,14 +323,11 @@ def merge_tp(parts: list[dict[str, torch.Tensor]], layout: Layout) -> dict[str, 
         raise ValueError("merge_tp: the tensor-parallel ranks hold different weight names")
     out = {}
     for name in names:
-        how = tp_partition(name, layout)
+        how = tp_partition(name, layout, cfg)
         if how is None or len(parts) == 1:
             out[name] = parts[0][name]
             continue
         dim, gated = how
-        if gated:
-            halves = [p[name].chunk(2, dim) for p in parts]
-            out[name] = torch.cat([torch.cat([h[0] for h in halves], dim), torch.cat([h[1] for h in halves], dim)], dim)
-        else:
-            out[name] = torch.cat([p[name] for p in parts], dim)
+        secs = [_parts(p[name], dim, gated, len(parts)) for p in parts]
+        out[name] = torch.cat([torch.cat([s[i] for s in secs], dim) for i in range(len(secs[0]))], dim)
     return out

@@ -17,7 +17,16 @@ from loguru import logger
 from torch import nn
 
 from t1async.learner.backend import ONE_PROCESS
-from t1async.learner.megatron.convert import CRITIC, POLICY, hf_to_megatron, megatron_to_hf, merge_tp, shard_tp, tp_partition
+from t1async.learner.megatron.convert import (
+    CRITIC,
+    POLICY,
+    hf_to_megatron,
+    join_hf,
+    megatron_to_hf,
+    merge_tp,
+    shard_tp,
+    tp_partition,
+)
 from t1async.learner.megatron.model import load_megatron
 from t1async.learner.megatron.ranks import from_bytes, gather_bytes, gather_tensors, scatter_bytes, to_bytes
 from t1async.models.model import save_hf
@@ -49,9 +58,9 @@ class MegatronState:
         local = self.megatron_state(model)
         n, tp, pp = self.expert_parallel, self.tensor_parallel, self.pipeline_parallel
         if self.world == 1:
-            return megatron_to_hf(local, self.model_cfg, layout)
+            return join_hf(megatron_to_hf(local, self.model_cfg, layout), self.model_cfg)
         if pp == 1:  # what rank 0 lacks: the other ranks' experts and slices (whole weights are the same everywhere)
-            names = [k for k in local if is_expert(k) or (tp > 1 and tp_partition(k, layout) is not None)]
+            names = [k for k in local if is_expert(k) or (tp > 1 and tp_partition(k, layout, self.model_cfg) is not None)]
             parts = gather_tensors(self._ranks, [local[k] for k in names])
             if self.rank != 0:
                 return None
@@ -64,12 +73,12 @@ class MegatronState:
         out: dict[str, torch.Tensor] = {}
         for stage in range(pp):
             for e in range(n):  # expert-parallel rank e of this stage: its tp ranks' slices merged
-                merged = merge_tp([states[self._rank_at(t, e, stage)] for t in range(tp)], layout)
+                merged = merge_tp([states[self._rank_at(t, e, stage)] for t in range(tp)], layout, self.model_cfg)
                 if e > 0:
                     merged = {k: v for k, v in merged.items() if is_expert(k)}
                 out.update(megatron_to_hf(merged, self.model_cfg, layout, ep_rank=e, ep_size=n, pp_rank=stage,
                                           pp_size=pp))
-        return out
+        return join_hf(out, self.model_cfg)
 
     def hf_state(self) -> dict[str, torch.Tensor]:
         """The policy under its HF names (contiguous tensors on rank 0's device; with expert
@@ -152,4 +161,4 @@ class MegatronState:
         load_megatron(model, shard_tp(hf_to_megatron(sd, self.model_cfg, layout, ep_rank=self.dp_rank,
                                                      ep_size=self.expert_parallel, pp_rank=self.pp_rank,
                                                      pp_size=self.pipeline_parallel), layout, self.tp_rank,
-                                      self.tensor_parallel))
+                                      self.tensor_parallel, self.model_cfg))
