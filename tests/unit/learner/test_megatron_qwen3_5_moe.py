@@ -259,3 +259,25 @@ def test_one_learner_step_matches_the_torch_backend(model, tmp_path):
     print(f"params after one step, max over tensors of |torch - megatron| / |torch| = {rel:.2e}; smallest relative "
           f"move of a matrix {moved:.2e}; grad_norm torch {mt['grad_norm']:.6g} megatron {mm['grad_norm']:.6g}")
     assert rel < 5e-5 and moved > 1e-3
+
+
+def test_checkpoint_is_the_familys_hugging_face_folder_and_the_torch_backend_resumes_it(model, tmp_path):
+    """The megatron backend's checkpoint of moved weights: our torch model's loader reads it as the backend holds
+    it (every tensor bitwise, the routed experts fused back), and the torch backend resumes policy and critic."""
+    mb = MegatronBackend(LearnerConfig(), model, GenerationConfig())
+    try:
+        with torch.no_grad():  # weights the model folder does not hold
+            for p in (*mb.policy.parameters(), *mb.critic.parameters()):
+                p.add_(0.01 * torch.randn_like(p))
+        ckpt = tmp_path / "ckpt"
+        mb.save(ckpt)
+        hf, critic = mb.hf_state(), mb.critic_hf_state()
+    finally:
+        mb.close()
+    loaded = Qwen3_5MoeForCausalLM.from_pretrained(ckpt)
+    assert dict(loaded.named_parameters()).keys() == hf.keys()
+    assert all(torch.equal(p, hf[n]) for n, p in loaded.named_parameters())
+    tb = TorchBackend(LearnerConfig(), model, GenerationConfig(), ckpt)
+    assert tb.load_state(ckpt) is False  # another backend's optimiser layout: fresh optimisers
+    assert all(torch.equal(p, hf[n]) for n, p in tb.policy.named_parameters())
+    assert all(torch.equal(p, critic[n]) for n, p in tb.critic.named_parameters())
