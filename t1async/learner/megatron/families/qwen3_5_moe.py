@@ -70,6 +70,7 @@ tensors by :func:`join_hf` once every rank's are gathered.
 
 from __future__ import annotations
 
+import copy
 import re
 from typing import Any
 
@@ -138,13 +139,11 @@ def layer_specs(tc, attention_layer, norm: type, plain_norm: type, first: int, c
         tc: the TransformerConfig (:func:`config_fields` in it). attention_layer: the full-attention layer spec.
         norm: the zero-centred norm (the layer's and q/k norms); plain_norm: GatedDeltaNet's ``out_norm``.
     """
-    import copy
-
-    # megatron: deferred (megatron-core is an optional extra; this module's weight names need none of it)
+    # megatron (deferred on each line: megatron-core is an optional extra; the weight names need none of it)
     from megatron.core.models.gpt.experimental_attention_variant_module_specs import get_linear_attention_pattern
-    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules  # megatron
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear  # megatron
+    from megatron.core.transformer.spec_utils import ModuleSpec  # megatron
 
     linear = copy.deepcopy(attention_layer)
     linear.submodules.self_attention = ModuleSpec(
@@ -163,9 +162,9 @@ def shim_gated_delta_net() -> None:
     docstring): fla's ``l2norm`` and ``chunk_gated_delta_rule`` become :func:`_fla_l2norm` and
     :func:`chunk_gated_delta_rule`, and the ``jit_fuser`` (``torch.compile``) methods of GatedDeltaNet and
     Attention run as plain functions. Nothing is changed when fla is installed."""
-    # megatron: deferred (megatron-core is an optional extra; this module's weight names need none of it)
+    # megatron (deferred: megatron-core is an optional extra; the weight names need none of it)
     from megatron.core.ssm import gated_delta_net as gdn
-    from megatron.core.transformer.attention import Attention
+    from megatron.core.transformer.attention import Attention  # megatron
 
     if gdn.HAVE_FLA and not _SHIMMED:  # the real kernels are installed
         return
