@@ -282,3 +282,19 @@ def test_checkpoint_is_the_familys_hugging_face_folder_and_the_torch_backend_res
     assert tb.load_state(ckpt) is False  # another backend's optimiser layout: fresh optimisers
     assert all(torch.equal(p, hf[n]) for n, p in tb.policy.named_parameters())
     assert all(torch.equal(p, critic[n]) for n, p in tb.critic.named_parameters())
+
+
+def test_tensor_parallel_sizes_count_the_gated_delta_net_heads_and_a_bad_size_is_refused_in_one_line(model):
+    """learner.megatron.tensor_parallel must also divide the linear-attention key and value heads (megatron-core's
+    TransformerConfig asserts it) and the shared expert's width: the config's choices and the backend say so."""
+    import dataclasses
+
+    from t1async.config import tensor_parallel_choices, tensor_parallel_sizes
+
+    sizes = tensor_parallel_sizes(model)
+    assert sizes["linear_num_key_heads"] == 2 and sizes["shared_expert_intermediate_size"] == 48
+    odd = dataclasses.replace(model, hf_config={**model.hf_config, "linear_num_key_heads": 1})
+    assert tensor_parallel_choices(model) == [1, 2] and tensor_parallel_choices(odd) == [1]
+    lc = LearnerConfig(megatron=dataclasses.replace(LearnerConfig().megatron, tensor_parallel=2))
+    with pytest.raises(ValueError, match="tensor_parallel=2 must divide .*'linear_num_key_heads': 1"):
+        MegatronBackend(lc, odd, GenerationConfig())
