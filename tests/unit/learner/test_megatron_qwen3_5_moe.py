@@ -172,9 +172,9 @@ def test_cpu_stand_in_equals_megatron_cores_own_torch_delta_rule():
 # ----------------------------------------------------------------------------- parity
 
 
-def _backends(model):
+def _backends(model, kl_coef: float = 0.0):
     """Both backends on the folder's weights (the critic head made non-zero, the same in both)."""
-    cfg = LearnerConfig()
+    cfg = LearnerConfig(kl_coef=kl_coef)
     torch.manual_seed(0)
     tb = TorchBackend(cfg, model, GenerationConfig())
     with torch.no_grad():
@@ -298,3 +298,22 @@ def test_tensor_parallel_sizes_count_the_gated_delta_net_heads_and_a_bad_size_is
     lc = LearnerConfig(megatron=dataclasses.replace(LearnerConfig().megatron, tensor_parallel=2))
     with pytest.raises(ValueError, match="tensor_parallel=2 must divide .*'linear_num_key_heads': 1"):
         MegatronBackend(lc, odd, GenerationConfig())
+
+
+def test_kl_reference_matches_the_torch_backends_and_stays_when_the_policy_moves(model):
+    """learner.kl_coef > 0: the megatron reference (the folder's weights, converted as the policy's) scores tokens as
+    the torch backend's reference does; moving the policy leaves it where it was."""
+    tb, mb = _backends(model, kl_coef=0.1)
+    try:
+        ids = torch.randint(0, model.vocab_size, (2, 40), generator=torch.Generator().manual_seed(6))
+        ref = tb.reference_logprobs(ids, ids)
+        diff = float((ref - mb.reference_logprobs(ids, ids)).abs().max())
+        print(f"reference log-prob max|diff| {diff:.2e}")
+        assert diff < 1e-5
+        with torch.no_grad():
+            for p in mb.policy.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        assert float((ref - mb.reference_logprobs(ids, ids)).abs().max()) < 1e-5
+        assert float((ref - mb.policy_logprobs(ids, ids, None, grad=False, routing=False).logp).abs().max()) > 1e-3
+    finally:
+        mb.close()
