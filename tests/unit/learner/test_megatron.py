@@ -859,8 +859,9 @@ def test_both_backends_score_sglang_tokens_as_sglang_reports_them():
                 assert float((backend.reference_logprobs(inp, tgt) - want_ref).abs().max()) < 1e-5
 
 
-@pytest.mark.parametrize("tp,ep,pp", [(1, 1, 1), (2, 1, 1), (1, 2, 2)])
-def test_megatron_long_sequences_recompute_layers_and_chunk_the_lm_head_exactly(local_ray, tp, ep, pp):
+@pytest.mark.parametrize("tp,ep,pp,family", [(1, 1, 1, "qwen3_moe"), (2, 1, 1, "qwen3_moe"), (1, 2, 2, "qwen3_moe"),
+                                              (1, 1, 1, "qwen3_5_moe")])
+def test_megatron_long_sequences_recompute_layers_and_chunk_the_lm_head_exactly(local_ray, request, tp, ep, pp, family):
     """``learner.max_tokens_per_chunk=8`` on 39-position sequences, at temperature 0.7 and top-p 0.9,
     on one process, tensor_parallel=2 and expert_parallel=2 x pipeline_parallel=2: the megatron
     backend runs its LM head and log-probs a chunk at a time and recomputes every decoder layer in
@@ -868,14 +869,16 @@ def test_megatron_long_sequences_recompute_layers_and_chunk_the_lm_head_exactly(
     there. Against chunk 0 (one pass, every activation kept): the same log-probs and outside flags,
     the same routing when the router's own choice is RECORDed, and the same gradients of every
     weight of rank 0's policy and critic; autograd saved under a third of the bytes in the policy's
-    forward on rank 0 (the control that the layers were recomputed at all)."""
-    ids = torch.randint(0, MODEL.vocab_size, (2, 40), generator=torch.Generator().manual_seed(3))
-    inp, tgt, replay = ids[:, :-1], ids[:, 1:], _distinct_rows(2, 39, seed=4)
+    forward on rank 0 (the control that the layers were recomputed at all). qwen3_5_moe on one process: its
+    Gated DeltaNet layers recomputed as well."""
+    model = MODEL if family == "qwen3_moe" else request.getfixturevalue("qwen35")
+    ids = torch.randint(0, model.vocab_size, (2, 40), generator=torch.Generator().manual_seed(3))
+    inp, tgt, replay = ids[:, :-1], ids[:, 1:], _distinct_rows(2, 39, model, seed=4)
     out = {}
     for chunk in (0, 8):
         cfg = LearnerConfig(max_tokens_per_chunk=chunk, megatron=_ep(ep, tp, pp))
         torch.manual_seed(0)
-        mb = MegatronBackend(cfg, MODEL, GenerationConfig(temperature=0.7, top_p=0.9))
+        mb = MegatronBackend(cfg, model, GenerationConfig(temperature=0.7, top_p=0.9))
         try:
             with torch.no_grad():
                 mb.critic.output_layer.weight.normal_() if pp == 1 else None  # (rank 0 holds the critic's head)
@@ -893,7 +896,7 @@ def test_megatron_long_sequences_recompute_layers_and_chunk_the_lm_head_exactly(
     for own in (False, True):
         (f0, s0, g0), (f8, s8, g8) = out[0][own], out[8][own]
         gap = max(float((g0[k] - g8[k]).norm() / g0[k].norm().clamp(min=1e-12)) for k in g0)
-        print(f"TP={tp} EP={ep} PP={pp} {'own routing' if own else 'replay'}: recompute + chunks vs one pass: "
+        print(f"{family} TP={tp} EP={ep} PP={pp} {'own routing' if own else 'replay'}: recompute + chunks vs one pass: "
               f"log-prob max|diff| {float((f0.logp - f8.logp).abs().max()):.2e}; gradients, max over tensors of "
               f"relative difference {gap:.2e}; saved for the backward {s8} vs {s0} bytes")
         assert float((f0.logp - f8.logp).abs().max()) < 1e-6 and torch.equal(f0.outside, f8.outside)
