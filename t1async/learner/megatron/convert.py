@@ -5,6 +5,10 @@ Checkpoints and the weight broadcast always use the Hugging Face names of t1asyn
 (t1async/learner/megatron/backend.py) keeps its weights in Megatron's layout and converts at the edges.
 This module needs no megatron-core: the layouts are plain tensor reshuffles, tested bitwise.
 
+The table below is qwen3_moe's. A family with its own layers (``qwen3_5_moe``: Gated DeltaNet, gated attention,
+gated shared expert, fused routed experts) maps its decoder layers and its tensor-parallel split with the rules of
+t1async/learner/megatron/families/ (dispatched by ``cfg.model_type``); embedding, final norm and heads are shared.
+
 Mapping (one decoder layer i, global index; written from megatron-core 0.16.1's local layer spec,
 ``get_gpt_layer_local_spec``, and the HF ``Qwen3MoeForCausalLM`` module tree):
 

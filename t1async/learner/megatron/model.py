@@ -128,7 +128,9 @@ def transformer_config(cfg: ModelConfig, *, replay: bool, dtype: torch.dtype, de
                        dispatcher: str = "auto", expert_parallel: int = 1, tensor_parallel: int = 1,
                        pipeline_parallel: int = 1) -> TransformerConfig:
     """Megatron's TransformerConfig for the HF Qwen3-MoE architecture ``cfg`` (the parallel sizes
-    must match Megatron's initialised groups).
+    must match Megatron's initialised groups); for ``qwen3_5_moe`` with its family's fields
+    (t1async/learner/megatron/families/qwen3_5_moe.py ``config_fields``: Gated DeltaNet, output gate,
+    zero-centred norms, gated shared expert).
     ``tensor_parallel`` > 1 turns on sequence parallelism, which megatron-core requires for MoE
     with tensor parallelism (experts are split over the tensor-parallel ranks too).
 
@@ -329,7 +331,9 @@ def build_gpt(cfg: ModelConfig, hf: dict[str, torch.Tensor], *, critic: bool = F
     initialised).
 
     The layer spec is megatron-core's local one (``get_gpt_layer_local_spec``) with its norms
-    replaced by :class:`Norm`, the same RMSNorm that also runs under sequence parallelism.
+    replaced by :class:`Norm`, the same RMSNorm that also runs under sequence parallelism; for
+    ``qwen3_5_moe`` the family's per-layer specs (megatron-core's GatedDeltaNet where ``layer_types``
+    says linear attention) and RoPE on ``partial_rotary_factor`` of each head.
 
     Raises:
         RuntimeError: the converted weights do not cover the model's parameters exactly.
