@@ -84,7 +84,8 @@ def test_converter_round_trip_is_bitwise_on_every_expert_pipeline_and_tensor_ran
 
 def test_converter_layouts_are_megatron_cores(model):
     """The gated attention's linear_qkv is group-major [q heads; gate heads; k; v] (megatron's
-    get_query_key_value_tensors with output_gate); in_proj is [qkv; z; b; a]; routed experts from the fused tensors;
+    get_query_key_value_tensors with output_gate); in_proj is [qkv; z; b; a]; routed experts from the fused tensors
+    (or one tensor per expert, as released checkpoints name them: the same Megatron tensors);
     the shared expert's fc1 is [gate; up] and its gate is gate_weight; and under TP=2 rank r holds
     [q_r, k_r, v_r, z_r, b_r, a_r] of in_proj, [q_r, k_r, v_r] of conv1d and its value heads of A_log and dt_bias."""
     c = text_config(model)
@@ -102,6 +103,15 @@ def test_converter_layouts_are_megatron_cores(model):
         assert torch.equal(rows[2 * per * hd:(2 * per + 1) * hd], k[g * hd:(g + 1) * hd])
         assert torch.equal(rows[(2 * per + 1) * hd:], v[g * hd:(g + 1) * hd])
     assert torch.equal(qkv, pack_gated_qkv(hf["model.layers.3.self_attn.q_proj.weight"], k, v, c))
+    per_expert = {k: v for k, v in hf.items() if ".mlp.experts." not in k}  # a released checkpoint's expert names
+    for i in range(model.num_hidden_layers):
+        gu, dn = hf[f"model.layers.{i}.mlp.experts.gate_up_proj"], hf[f"model.layers.{i}.mlp.experts.down_proj"]
+        for e in range(c.num_experts):
+            x = f"model.layers.{i}.mlp.experts.{e}."
+            per_expert[x + "gate_proj.weight"], per_expert[x + "up_proj.weight"] = gu[e].chunk(2)
+            per_expert[x + "down_proj.weight"] = dn[e]
+    again = hf_to_megatron(per_expert, model, ep_rank=1, ep_size=2)
+    assert again.keys() == mg.keys() and all(torch.equal(again[k], mg[k]) for k in mg)
     la = "model.layers.0.linear_attn."
     assert torch.equal(mg["decoder.layers.0.self_attention.in_proj.weight"],
                        torch.cat([hf[la + f"in_proj_{n}.weight"] for n in ("qkv", "z", "b", "a")]))
