@@ -41,11 +41,11 @@ def perturb(model: torch.nn.Module, seed: int = 0) -> None:
                 p.copy_(0.04 * r)
 
 
-def qwen35_folder(path: Path, seed: int = 0) -> ModelConfig:
-    """Write the tiny model (:data:`TINY_QWEN35`, :func:`perturb` ed) into folder ``path``; returns its resolved
-    :class:`ModelConfig` (``model.path`` = the folder)."""
+def qwen35_folder(path: Path, seed: int = 0, **keys) -> ModelConfig:
+    """Write the tiny model (:data:`TINY_QWEN35` updated with ``keys``, :func:`perturb` ed) into folder ``path``;
+    returns its resolved :class:`ModelConfig` (``model.path`` = the folder)."""
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config_to_hf(config_from_hf(TINY_QWEN35))))
+    (path / "config.json").write_text(json.dumps(config_to_hf(config_from_hf({**TINY_QWEN35, **keys}))))
     cfg = resolve_model(ModelConfig(path=str(path)))
     torch.manual_seed(seed)
     model = Qwen3_5MoeForCausalLM(cfg)

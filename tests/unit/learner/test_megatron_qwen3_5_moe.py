@@ -327,3 +327,19 @@ def test_kl_reference_matches_the_torch_backends_and_stays_when_the_policy_moves
         assert float((ref - mb.policy_logprobs(ids, ids, None, grad=False, routing=False).logp).abs().max()) > 1e-3
     finally:
         mb.close()
+
+
+def test_a_tied_head_reads_the_embedding_and_scores_as_the_torch_model(tmp_path):
+    """tie_word_embeddings: the megatron policy has no output_layer weight of its own (megatron-core's
+    share_embeddings_and_output_weights), scores as the torch backend, and writes back no lm_head.weight."""
+    tied = qwen35_folder(tmp_path / "tied", tie_word_embeddings=True)
+    tb, mb = _backends(tied)
+    try:
+        assert "output_layer.weight" not in dict(mb.policy.named_parameters())
+        ids = torch.randint(0, tied.vocab_size, (2, 40), generator=torch.Generator().manual_seed(2))
+        a = tb.policy_logprobs(ids, ids, None, grad=False, routing=True)
+        b = mb.policy_logprobs(ids, ids, None, grad=False, routing=True)
+        assert float((a.logp - b.logp).abs().max()) < 1e-5 and torch.equal(a.routed_experts, b.routed_experts)
+        assert "lm_head.weight" not in mb.hf_state()
+    finally:
+        mb.close()
