@@ -23,7 +23,7 @@ What megatron-core builds (facts read from its 0.16.1 sources):
 Not expressible as megatron-core 0.16.1 has it, and what is built instead (exact):
 
 - ``get_transformer_block_with_experimental_attention_variant_spec`` asserts ``transformer_impl ==
-  'transformer_engine'`` (megatron/core/models/gpt/experimental_attention_variant_module_specs.py:300,
+  'transformer_engine'`` (megatron/core/models/gpt/experimental_attention_variant_module_specs.py:356,
   ``_get_backend_spec_provider``), and its Gated DeltaNet spec fuses the input norm into ``in_proj``
   (``column_parallel_layer_norm_linear``, a TE module). :func:`layer_specs` builds the same layers from the local
   spec's modules: the input norm as its own module, ``in_proj`` a plain ``ColumnParallelLinear``.
@@ -33,7 +33,7 @@ Not expressible as megatron-core 0.16.1 has it, and what is built instead (exact
   flag, megatron would make ``out_norm`` zero-centred too, unlike the checkpoint's; here it stays plain.
 
 On CPU (no CUDA): ``GatedDeltaNet.__init__`` raises ImportError without flash-linear-attention
-(megatron/core/ssm/gated_delta_net.py:104) and its forward calls fla's ``chunk_gated_delta_rule`` and ``l2norm``
+(megatron/core/ssm/gated_delta_net.py:103) and its forward calls fla's ``chunk_gated_delta_rule`` and ``l2norm``
 (triton). :func:`shim_gated_delta_net` (called by :func:`t1async.learner.megatron.model.init_megatron`, only when
 CUDA is absent) puts :func:`t1async.models.qwen3_5_moe.delta_rule`, the torch model's own chunkwise gated delta rule,
 behind fla's interface; ``causal_conv1d`` is already optional there (megatron falls back to ``nn.Conv1d``).
