@@ -345,7 +345,7 @@ def build_gpt(cfg: ModelConfig, hf: dict[str, torch.Tensor], *, critic: bool = F
     layer.submodules.self_attention.submodules.core_attention = SdpaAttention
     count = cfg.num_hidden_layers // pp_size
     hybrid = cfg.model_type == "qwen3_5_moe"
-    specs = q35.layer_specs(tc, layer, Norm, PlainNorm, pp_rank * count, count) if hybrid else [layer] * count
+    specs = q35.layer_specs(tc, layer, PlainNorm, pp_rank * count, count) if hybrid else [layer] * count
     block = TransformerBlockSubmodules(layer_specs=specs, layer_norm=Norm)
     _with_norm(block, Norm)
     last = pp_rank == pp_size - 1

@@ -130,14 +130,15 @@ def rotary_percent(cfg: ModelConfig) -> float:
     return (int(c.head_dim * c.partial_rotary_factor) // 2 * 2) / c.head_dim
 
 
-def layer_specs(tc, attention_layer, norm: type, plain_norm: type, first: int, count: int) -> list:
+def layer_specs(tc, attention_layer, plain_norm: type, first: int, count: int) -> list:
     """The ModuleSpecs of global layers ``first .. first + count - 1``: ``attention_layer`` (the local
     spec's layer, gated attention, :class:`SdpaAttention`) where megatron's ``get_linear_attention_pattern``
     says 0, the same layer with megatron's GatedDeltaNet as its ``self_attention`` where it says 1.
 
     Args:
-        tc: the TransformerConfig (:func:`config_fields` in it). attention_layer: the full-attention layer spec.
-        norm: the zero-centred norm (the layer's and q/k norms); plain_norm: GatedDeltaNet's ``out_norm``.
+        tc: the TransformerConfig (:func:`config_fields` in it). attention_layer: the full-attention layer spec
+            (its norms, zero-centred by ``tc``, are the linear-attention layer's too); plain_norm: GatedDeltaNet's
+            ``out_norm``. first, count: this pipeline stage's layers.
     """
     # megatron (deferred on each line: megatron-core is an optional extra; the weight names need none of it)
     from megatron.core.models.gpt.experimental_attention_variant_module_specs import get_linear_attention_pattern
