@@ -554,7 +554,7 @@ def _ep(n: int = 2, tp: int = 1, pp: int = 1):
                                timeout_s=60.0)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", pytest.param("qwen3_5_moe", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("tp,ep,pp", [(1, 2, 1), (2, 1, 1), (1, 1, 2)])
 def test_two_rank_learner_step_matches_the_torch_backend(tmp_path, local_ray, request, tp, ep, pp, family):
     """learner.megatron.expert_parallel=2, tensor_parallel=2 (with sequence parallelism) or
@@ -625,7 +625,8 @@ def _varied_batch(model: ModelConfig = MODEL):
 
 
 @pytest.mark.parametrize("mbt,tp,ep,pp,family", [(0, 1, 2, 1, "qwen3_moe"), (4096, 2, 2, 1, "qwen3_moe"),
-                                                 (4096, 1, 2, 2, "qwen3_moe"), (4096, 2, 2, 1, "qwen3_5_moe")])
+                                                 (4096, 1, 2, 2, "qwen3_moe"),
+                                                 pytest.param(4096, 2, 2, 1, "qwen3_5_moe", marks=pytest.mark.slow)])
 def test_multi_rank_data_parallel_split_of_varied_lengths_matches_the_torch_backend(tmp_path, local_ray, request, mbt,
                                                                                      tp, ep, pp, family):
     """Five trajectories of 8 to 40 tokens, replay and a KL penalty on, over expert_parallel=2,
@@ -866,7 +867,7 @@ def test_both_backends_score_sglang_tokens_as_sglang_reports_them():
 
 
 @pytest.mark.parametrize("tp,ep,pp,family", [(1, 1, 1, "qwen3_moe"), (2, 1, 1, "qwen3_moe"), (1, 2, 2, "qwen3_moe"),
-                                              (1, 1, 1, "qwen3_5_moe")])
+                                              pytest.param(1, 1, 1, "qwen3_5_moe", marks=pytest.mark.slow)])
 def test_megatron_long_sequences_recompute_layers_and_chunk_the_lm_head_exactly(local_ray, request, tp, ep, pp, family):
     """``learner.max_tokens_per_chunk=8`` on 39-position sequences, at temperature 0.7 and top-p 0.9,
     on one process, tensor_parallel=2 and expert_parallel=2 x pipeline_parallel=2: the megatron
