@@ -1,7 +1,7 @@
 """One-shot GPU check of the Megatron learner backend (run by tools/gpu_megatron_check.sh).
 
 Needs only torch (CUDA), numpy, safetensors and megatron-core 0.16.1: no tokenizer, Ray, ZeroMQ
-or OmegaConf. Three parts, each recorded even if another fails, written as one JSON object:
+or OmegaConf. Five parts, each recorded even if another fails, written as one JSON object:
 
 1. ``parity_fp32``: the small test model (tests/unit/learner/test_megatron.py's) in float32 on the GPU, torch vs
    megatron backend from the same weights: log-prob and value max|diff| with and without replay,
@@ -16,6 +16,11 @@ or OmegaConf. Three parts, each recorded even if another fails, written as one J
    transformers' ``save_pretrained``; needs transformers, recorded as skipped without it) in float32 on the GPU,
    torch vs megatron backend (t1async/learner/megatron/families/glm4_moe.py): log-prob and value max|diff| with
    and without replay, whether both route to the same expert sets, and whether replay used the given rows.
+5. ``qwen3_5_moe_parity_fp32``: the tiny qwen3_5_moe folder (tests/support/qwen3_5_moe.py: 3 Gated DeltaNet + 1 gated
+   attention layer) in float32 on the GPU, torch vs megatron backend (megatron-core's GatedDeltaNet with
+   flash-linear-attention's kernels: its wheel must be in .whl/ too, else the part records megatron's ImportError):
+   log-prob max|diff| with and without replay, RECORD vs the torch model's routing, values, and one learner RL step's
+   loss and gradient norm on both.
 """
 
 from __future__ import annotations
@@ -142,6 +147,37 @@ def learner_step_bf16(dev: torch.device) -> dict:
     return out
 
 
+def qwen3_5_moe_parity_fp32(dev: torch.device) -> dict:
+    import tempfile
+
+    from t1async.learner.megatron.backend import MegatronBackend
+    from t1async.learner.torch_backend import TorchBackend
+    from tests.support.qwen3_5_moe import qwen35_folder
+
+    model = qwen35_folder(Path(tempfile.mkdtemp()) / "q35")
+    cfg = LearnerConfig()
+    torch.manual_seed(0)
+    tb = TorchBackend(cfg, model, GenerationConfig(), device=dev)
+    with torch.no_grad():
+        tb.critic.head.weight.normal_(0.0, 0.5)
+    mb = MegatronBackend(cfg, model, GenerationConfig(), device=dev, dtype=torch.float32)
+    mb._load_hf("critic", tb.critic.state_dict())
+    b = bench_learner.make_batch(model, 2, 256, dev)
+    out = {}
+    for name, rep in (("no_replay", None), ("replay", b["replay"])):
+        a = tb.policy_logprobs(b["inp"], b["tgt"], rep, grad=False, routing=True)
+        m = mb.policy_logprobs(b["inp"], b["tgt"], rep, grad=False, routing=True)
+        out[f"logprob_max_abs_diff_{name}"] = float((a.logp - m.logp).abs().max())
+        out[f"routing_equal_{name}"] = bool(torch.equal(a.routed_experts, m.routed_experts))
+    out["record_equals_torch_routing"] = out.pop("routing_equal_no_replay")
+    out["value_max_abs_diff"] = float((tb.values(b["inp"], grad=False) - mb.values(b["inp"], grad=False)).abs().max())
+    for name, backend in (("torch", tb), ("megatron", mb)):
+        step = bench_learner.rl_step(backend, b, cfg, replay=True)
+        out[f"step_{name}"] = {k: v for k, v in step.items() if isinstance(v, (int, float))}
+    out["ok"] = all(v < 1e-4 for k, v in out.items() if "diff" in k) and out["record_equals_torch_routing"]
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="JSON file to write")
@@ -161,7 +197,8 @@ def main() -> int:
     parts = {"parity_fp32": lambda: parity_fp32(dev), "learner_step_bf16": lambda: learner_step_bf16(dev),
              "bench": lambda: bench_learner.main(["--model", "mid", "--batch", "4", "--seq", "2048",
                                                   "--steps", str(args.bench_steps), "--warmup", "2"]),
-             "parity_fp32_glm4": lambda: parity_fp32_glm4(dev)}
+             "parity_fp32_glm4": lambda: parity_fp32_glm4(dev),
+             "qwen3_5_moe_parity_fp32": lambda: qwen3_5_moe_parity_fp32(dev)}
     for name, fn in parts.items():
         t0 = time.perf_counter()
         try:

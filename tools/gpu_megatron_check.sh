@@ -5,6 +5,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 #       --python-version 3.12 --platform manylinux_2_28_x86_64 -d .whl
 #   (optional, for the glm4_moe part: transformers' wheel beside it, e.g.
 #    pip download transformers==5.25.0 --no-deps --only-binary=:all: -d .whl, plus its own missing dependencies)
+#   pip download flash-linear-attention --no-deps -d .whl   # qwen3_5_moe's GatedDeltaNet kernels (triton)
 #   bash tools/gpu_megatron_check.sh
 # Prints one JSON line per part and writes them all to $OUT/gpu_megatron_check.json (+ .log);
 # about 2-3 minutes, bounded at 270 s. What it runs: tools/gpu_megatron_check.py's docstring.

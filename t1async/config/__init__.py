@@ -43,7 +43,7 @@ from t1async.config.learner import (
     SftConfig,
     TrainDtype,
 )
-from t1async.config.model_folder import MODEL_TYPES, refuse_size_keys, resolve_model
+from t1async.config.model_folder import MODEL_TYPES, decoder_config, refuse_size_keys, resolve_model
 from t1async.config.rollout import (
     ActionFormat,
     Admission,
@@ -302,14 +302,23 @@ def _load_yaml(p: Path) -> Any:
         raise ConfigError(f"config file {p}: {str(e).splitlines()[0]}") from None
 
 
+_TP_FAMILY_SIZES = {"qwen3_5_moe": ("linear_num_key_heads", "linear_num_value_heads", "shared_expert_intermediate_size")}
+"""Per ``model_type``: its config.json sizes megatron also splits over the tensor-parallel ranks (Qwen3.5's Gated
+DeltaNet heads, megatron-core's TransformerConfig asserts them; its shared expert's width)."""
+
+
 def tensor_parallel_sizes(m: ModelConfig) -> dict[str, int]:
     """The sizes ``learner.megatron.tensor_parallel`` must divide: Megatron splits the heads and
     query groups, the vocabulary and each expert's MLP width over the tensor-parallel ranks, and
-    the width of a family's dense MLP layers (glm4_moe's first ``first_k_dense_replace`` layers)."""
+    the width of a family's dense MLP layers (glm4_moe's first ``first_k_dense_replace`` layers) and a family's
+    own split sizes its config.json states (:data:`_TP_FAMILY_SIZES`)."""
     out = {"num_attention_heads": m.num_attention_heads, "num_key_value_heads": m.num_key_value_heads,
            "vocab_size": m.vocab_size, "moe_intermediate_size": m.moe_intermediate_size}
     if m.model_type == "glm4_moe" and int((m.hf_config or {}).get("first_k_dense_replace") or 0) > 0:
         out["intermediate_size"] = int(m.hf_config["intermediate_size"])
+    if m.hf_config and m.model_type in _TP_FAMILY_SIZES:
+        d = decoder_config(m.hf_config)
+        out.update({k: int(d[k]) for k in _TP_FAMILY_SIZES[m.model_type] if d.get(k) is not None})
     return out
 
 

@@ -33,7 +33,8 @@ __all__ = ["MODEL_TYPES", "SIZE_KEYS", "FIELD_NAMES", "decoder_config", "model_t
 
 MODEL_TYPES = {
     "qwen3_moe": "Qwen3-MoE (t1async/models/model.py; torch and megatron learners)",
-    "qwen3_5_moe": "Qwen3.5-MoE text decoder, Gated DeltaNet + gated attention (t1async/models/qwen3_5_moe.py; torch learner)",
+    "qwen3_5_moe": ("Qwen3.5-MoE text decoder, Gated DeltaNet + gated attention (t1async/models/qwen3_5_moe.py; "
+                    "torch and megatron learners)"),
     "glm4_moe": ("GLM-4.5/4.6, transformers' own modeling with a routing-replay hook (t1async/models/hf_generic.py; "
                  "torch and megatron learners)"),
 }

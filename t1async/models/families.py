@@ -60,7 +60,7 @@ from t1async.models.tokenizer import ChatTokenizer
 
 __all__ = ["Family", "FAMILIES", "family", "build_model", "load_model", "save_model", "checkpoint_rounds",
            "warn_left_out", "check_model_folder", "load_renderer", "SAMPLER_SKIPS", "sampler_weights",
-           "check_sampler_names"]
+           "check_sampler_names", "fuse_experts", "unfuse_experts"]
 
 Named = Iterable[tuple[str, torch.Tensor]]
 """(name, tensor) pairs, as ``named_parameters()`` yields them."""
@@ -118,6 +118,35 @@ def unfuse_experts(named: Named) -> Iterator[tuple[str, torch.Tensor]]:
         for e in range(t.shape[0]):
             yield f"{prefix}.{e}.gate_proj.weight", t[e, :rows]
             yield f"{prefix}.{e}.up_proj.weight", t[e, rows:]
+
+
+_PER_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+
+
+def fuse_experts(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`unfuse_experts` on a whole state dict: one tensor per expert stacked into
+    ``...mlp.experts.gate_up_proj`` [E, 2I, H] (gate rows, then up rows) and ``...down_proj`` [E, H, I], bit for
+    bit; other names as they are, in order.
+
+    Raises:
+        ValueError: a layer's experts are not numbered 0 .. E-1, or one lacks a projection.
+    """
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for name, t in sd.items():
+        m = _PER_EXPERT.fullmatch(name)
+        if m is None:
+            out[name] = t
+        else:
+            experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = t
+    for prefix, by_e in experts.items():
+        ids = sorted(by_e)
+        if ids != list(range(len(ids))) or any(len(p) != 3 for p in by_e.values()):
+            raise ValueError(f"{prefix}: experts {ids} are not 0..{len(ids) - 1}, each with gate, up and down "
+                             "projections")
+        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([by_e[e]["gate_proj"], by_e[e]["up_proj"]]) for e in ids])
+        out[f"{prefix}.down_proj"] = torch.stack([by_e[e]["down_proj"] for e in ids])
+    return out
 
 
 def _qwen3_build(cfg: ModelConfig) -> nn.Module:
@@ -222,7 +251,7 @@ FAMILIES: dict[str, Family] = {
     "glm4_moe": Family("glm4_moe", _built(HFMoeForCausalLM), _glm4_convert, _tied_lm_head, ("torch", "megatron"),
                        _glm4_init, unfuse_experts),
     "qwen3_5_moe": Family("qwen3_5_moe", _built(Qwen3_5MoeForCausalLM), qwen35_hf_convert, _tied_lm_head,
-                          ("torch",), _qwen35_init),
+                          ("torch", "megatron"), _qwen35_init),
     "qwen3_moe": Family("qwen3_moe", _qwen3_build, _qwen3_convert, _tied_lm_head, ("torch", "megatron"),
                         _qwen3_init),
 }

@@ -60,7 +60,8 @@ from t1async.models.model import (
     swiglu,
 )
 
-__all__ = ["Qwen3_5MoeForCausalLM", "Qwen35TextConfig", "HybridCache", "config_from_hf", "config_to_hf", "CHUNK"]
+__all__ = ["Qwen3_5MoeForCausalLM", "Qwen35TextConfig", "HybridCache", "config_from_hf", "config_to_hf", "CHUNK",
+           "delta_rule", "text_config"]
 
 CHUNK = 64
 """Tokens per chunk of the chunkwise delta rule (the reference's default)."""
@@ -148,6 +149,28 @@ def config_from_hf(d: dict) -> Qwen35TextConfig:
                          "linear_num_value_heads")
     if not 1 <= c.num_experts_per_tok <= c.num_experts:
         raise ValueError(f"num_experts_per_tok={c.num_experts_per_tok} must be in [1, num_experts={c.num_experts}]")
+    return c
+
+
+def text_config(cfg: ModelConfig) -> Qwen35TextConfig:
+    """The Qwen3.5 text decoder of a run's :class:`ModelConfig`: :func:`config_from_hf` of ``cfg.hf_config`` (a
+    folder's config.json), of ``cfg``'s size fields when ``hf_config`` is empty.
+
+    Raises:
+        ValueError: a config this implementation cannot run (:func:`config_from_hf`), or size fields of ``cfg``
+            that disagree with its ``hf_config`` (build it with :func:`t1async.config.model_folder.resolve_model`).
+    """
+    c = config_from_hf(cfg.hf_config) if cfg.hf_config else config_from_hf(
+        {k: getattr(cfg, k) for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                                      "num_key_value_heads", "head_dim", "num_experts", "num_experts_per_tok",
+                                      "moe_intermediate_size", "rms_norm_eps", "rope_theta",
+                                      "max_position_embeddings", "tie_word_embeddings", "initializer_range")})
+    for k in _SHARED:  # the rest of t1async (engine, replay checks, routed-experts rows) reads cfg's
+        if getattr(cfg, k) != getattr(c, k):
+            raise ValueError(f"model.{k}={getattr(cfg, k)!r} but the Qwen3.5 text config has {k}="
+                             f"{getattr(c, k)!r} (transformers' default where config.json omits it); build the "
+                             "ModelConfig with t1async.config.model_folder.resolve_model from a config.json that "
+                             f"states {k}")
     return c
 
 
@@ -554,18 +577,7 @@ class Qwen3_5MoeForCausalLM(MoeCausalLM):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.config = config_from_hf(cfg.hf_config) if cfg.hf_config else config_from_hf(
-            {k: getattr(cfg, k) for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                                          "num_key_value_heads", "head_dim", "num_experts", "num_experts_per_tok",
-                                          "moe_intermediate_size", "rms_norm_eps", "rope_theta",
-                                          "max_position_embeddings", "tie_word_embeddings", "initializer_range")})
-        c = self.config
-        for k in _SHARED:  # the rest of t1async (engine, replay checks, routed-experts rows) reads cfg's
-            if getattr(cfg, k) != getattr(c, k):
-                raise ValueError(f"model.{k}={getattr(cfg, k)!r} but the Qwen3.5 text config has {k}="
-                                 f"{getattr(c, k)!r} (transformers' default where config.json omits it); build the "
-                                 "ModelConfig with t1async.config.model_folder.resolve_model from a config.json that "
-                                 f"states {k}")
+        self.config = c = text_config(cfg)
         self.model = Qwen3_5MoeTextModel(c)
         self.lm_head = Linear(c.hidden_size, c.vocab_size, bias=False)
         std = c.initializer_range

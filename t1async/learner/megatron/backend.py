@@ -96,8 +96,8 @@ from torch import nn
 
 from t1async.config import GenerationConfig, LearnerConfig, MegatronConfig, ModelConfig, tensor_parallel_sizes
 from t1async.learner.backend import AdamWPair, PolicyForward, ShardedAdamW, chunk_size
-from t1async.learner.megatron.convert import CRITIC, POLICY, tp_partition
-from t1async.learner.megatron.families import moe_layer_pattern, to_converter
+from t1async.learner.megatron.convert import CRITIC, POLICY
+from t1async.learner.megatron.families import family_tp_sizes, moe_layer_pattern, to_converter, tp_partition
 from t1async.learner.megatron.grads import clip_global_norm
 from t1async.learner.megatron.model import (  # noqa: F401  (re-exported)
     LayerRecompute,
@@ -192,7 +192,7 @@ class MegatronBackend(MegatronState, AdamWPair):
         if ep < 1 or model_cfg.num_experts % ep:
             raise ValueError(f"learner.megatron.expert_parallel={ep} must divide model.num_experts="
                              f"{model_cfg.num_experts}")
-        split = tensor_parallel_sizes(model_cfg)
+        split = {**tensor_parallel_sizes(model_cfg), **family_tp_sizes(model_cfg)}
         if tp < 1 or any(v % tp for v in split.values()):
             raise ValueError(f"learner.megatron.tensor_parallel={tp} must divide each of {split}")
         self.cfg, self.generation, self.model_cfg, self.semantics = cfg, generation, model_cfg, semantics
@@ -283,7 +283,7 @@ class MegatronBackend(MegatronState, AdamWPair):
         if self.tensor_parallel > 1:  # _clip sums a gradient over the ranks by what the weight is: check each is known
             for model, layout in ((self.policy, POLICY), (self.critic, CRITIC)):
                 for k, p in model.named_parameters() if model is not None else ():
-                    if not (is_expert(k) or tp_partition(k, layout) is not None
+                    if not (is_expert(k) or tp_partition(k, layout, self.model_cfg) is not None
                             or getattr(p, "sequence_parallel", False)):
                         raise RuntimeError(f"Megatron weight {k} is neither split over the tensor-parallel ranks "
                                            "nor marked sequence_parallel: its gradient would not be summed right")

@@ -5,6 +5,10 @@ Checkpoints and the weight broadcast always use the Hugging Face names of t1asyn
 (t1async/learner/megatron/backend.py) keeps its weights in Megatron's layout and converts at the edges.
 This module needs no megatron-core: the layouts are plain tensor reshuffles, tested bitwise.
 
+The table below is qwen3_moe's. Other families (t1async/learner/megatron/families/: glm4_moe, qwen3_5_moe) map
+their decoder layers with their own modules, built on the helpers here, and qwen3_5_moe adds its tensor-parallel
+rules (``split`` of :func:`tp_partition`); the registry there dispatches by ``cfg.model_type``.
+
 Mapping (one decoder layer i, global index; written from megatron-core 0.16.1's local layer spec,
 ``get_gpt_layer_local_spec``, and the HF ``Qwen3MoeForCausalLM`` module tree):
 
@@ -46,13 +50,14 @@ scalar ``head.weight`` [1, H] / ``head.bias`` [1]; in Megatron it is a GPTModel 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import torch
 
 from t1async.config import ModelConfig
 
 __all__ = ["CRITIC", "POLICY", "Layout", "hf_to_megatron", "layer_ranges", "megatron_to_hf", "merge_tp", "pack_qkv",
-           "shard_tp", "tp_partition", "unpack_qkv"]
+           "shard_tp", "LayerToHf", "LayerToMegatron", "TpSplit", "tp_partition", "unpack_qkv"]
 
 
 class Layout:
@@ -123,8 +128,17 @@ def layer_ranges(cfg: ModelConfig, ep_rank: int, ep_size: int, pp_rank: int, pp_
     return pp_rank * (L // pp_size), L // pp_size, ep_rank * (E // ep_size), E // ep_size
 
 
+LayerToMegatron = Callable[[dict, str, str, int, int, dict], None]
+"""A family's decoder-layer mapping: (HF state dict, HF layer prefix, Megatron layer prefix, first global expert,
+experts on this rank, the output dict to fill)."""
+LayerToHf = Callable[[str, torch.Tensor, str, int, dict], bool]
+"""Its inverse, one Megatron weight at a time: (name after ``decoder.layers.{j}.``, tensor, HF layer prefix, first
+global expert, the output dict to fill) -> False for a name it does not know."""
+
+
 def hf_to_megatron(sd: dict[str, torch.Tensor], cfg: ModelConfig, layout: Layout = POLICY, *, ep_rank: int = 0,
-                   ep_size: int = 1, pp_rank: int = 0, pp_size: int = 1) -> dict[str, torch.Tensor]:
+                   ep_size: int = 1, pp_rank: int = 0, pp_size: int = 1,
+                   layer: LayerToMegatron | None = None) -> dict[str, torch.Tensor]:
     """The Megatron state dict of one (expert, pipeline) rank, from a full HF state dict.
 
     Args:
@@ -134,6 +148,8 @@ def hf_to_megatron(sd: dict[str, torch.Tensor], cfg: ModelConfig, layout: Layout
             ``share_embeddings_and_output_weights``: the LM head reads the embedding).
         cfg: the architecture. layout: :data:`POLICY` or :data:`CRITIC`.
         ep_rank, ep_size, pp_rank, pp_size: this rank's place (sizes must divide E and L).
+        layer: a family's own decoder-layer mapping (qwen3_5_moe's, t1async/learner/megatron/families/), the
+            table above when None; embedding, final norm and heads are mapped here either way.
 
     Returns:
         Megatron names -> tensors (views or concatenations of ``sd``'s, same dtype).
@@ -149,6 +165,9 @@ def hf_to_megatron(sd: dict[str, torch.Tensor], cfg: ModelConfig, layout: Layout
         out["embedding.word_embeddings.weight"] = sd[f"{t}embed_tokens.weight"]
     for j in range(n_layers):
         src, dst = f"{t}layers.{first + j}.", f"decoder.layers.{j}."
+        if layer is not None:
+            layer(sd, src, dst, e0, n_exp, out)
+            continue
         for a, b in _SAME.items():
             out[dst + b] = sd[src + a]
         out[dst + "self_attention.linear_qkv.weight"] = pack_qkv(
@@ -181,8 +200,10 @@ _EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weig
 
 
 def megatron_to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig, layout: Layout = POLICY, *, ep_rank: int = 0,
-                   ep_size: int = 1, pp_rank: int = 0, pp_size: int = 1) -> dict[str, torch.Tensor]:
-    """The HF tensors one (expert, pipeline) rank holds, from its Megatron state dict.
+                   ep_size: int = 1, pp_rank: int = 0, pp_size: int = 1,
+                   layer: LayerToHf | None = None) -> dict[str, torch.Tensor]:
+    """The HF tensors one (expert, pipeline) rank holds, from its Megatron state dict (``layer``: a family's own
+    decoder-layer mapping, :data:`LayerToHf`; the table above when None).
 
     Inverse of :func:`hf_to_megatron`: the union over every rank of the results is the full HF
     state dict, bit for bit (expert weights appear on their EP rank only; attention, norms and
@@ -209,7 +230,10 @@ def megatron_to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig, layout: Layout
         elif (m := _LAYER.fullmatch(name)) is not None and int(m.group(1)) < n_layers:
             i, rest = first + int(m.group(1)), m.group(2)
             src = f"{t}layers.{i}."
-            if rest in back:
+            if layer is not None:
+                if not layer(rest, w, src, e0, out):
+                    raise KeyError(f"no HF name for Megatron weight {name!r}")
+            elif rest in back:
                 out[src + back[rest]] = w
             elif rest == "self_attention.linear_qkv.weight":
                 q, k, v = unpack_qkv(w, cfg)
@@ -237,10 +261,19 @@ _TP_SUFFIX = {  # Megatron weight suffix -> (dim split over TP ranks, gated: gat
 }
 
 
-def tp_partition(name: str, layout: Layout = POLICY) -> tuple[int, bool] | None:
+TpSplit = Callable[[str], "tuple[int, bool | tuple[int, ...]] | None"]
+"""A family's own tensor-parallel rule (t1async/learner/megatron/families/ ``tp_split``): a Megatron weight name ->
+its split as :func:`tp_partition` returns it, or None to leave the name to the rules here."""
+
+
+def tp_partition(name: str, layout: Layout = POLICY, split: TpSplit | None = None) -> tuple[int, bool | tuple[int, ...]] | None:
     """How megatron-core's tensor parallelism splits Megatron weight ``name``: ``(dim, gated)``
-    (``gated``: the rows are [gate; up] and each half is split on its own), or None when every
-    TP rank holds it whole (norms, routers, the critic's head)."""
+    (``gated``: the rows are [gate; up] and each half is split on its own; a tuple of sizes: those
+    row sections of the whole tensor are each split on their own), or None when every TP rank
+    holds it whole (norms, routers, the critic's head). ``split``: a family's own rule, asked first
+    (qwen3_5_moe's Gated DeltaNet; t1async/learner/megatron/families/ passes it by ``model_type``)."""
+    if split is not None and (how := split(name)) is not None:
+        return how
     if name == "embedding.word_embeddings.weight" or (name == "output_layer.weight" and layout is POLICY):
         return 0, False
     for suffix, how in _TP_SUFFIX.items():
@@ -249,27 +282,37 @@ def tp_partition(name: str, layout: Layout = POLICY) -> tuple[int, bool] | None:
     return None
 
 
-def shard_tp(sd: dict[str, torch.Tensor], layout: Layout, tp_rank: int, tp_size: int) -> dict[str, torch.Tensor]:
-    """TP rank ``tp_rank``'s part of one (expert, pipeline) rank's Megatron state dict ``sd``.
+def _parts(w: torch.Tensor, dim: int, gated: bool | tuple[int, ...], ranks: int = 1) -> tuple[torch.Tensor, ...]:
+    """The row sections of ``w`` split on their own (:func:`tp_partition`); ``ranks``: ``w`` is one of that
+    many equal slices (section sizes divided by it)."""
+    if isinstance(gated, tuple):
+        return w.split([n // ranks for n in gated], dim)
+    return w.chunk(2, dim) if gated else (w,)
+
+
+def shard_tp(sd: dict[str, torch.Tensor], layout: Layout, tp_rank: int, tp_size: int,
+             split: TpSplit | None = None) -> dict[str, torch.Tensor]:
+    """TP rank ``tp_rank``'s part of one (expert, pipeline) rank's Megatron state dict ``sd``
+    (``split``: a family's own rule, see :func:`tp_partition`).
 
     Returns:
         The same names; split tensors are contiguous copies of rank ``tp_rank``'s slice
         (:func:`tp_partition`), whole ones are ``sd``'s own.
 
     Raises:
-        ValueError: ``tp_rank`` out of range, or a split dimension (of each gated half) that
-            ``tp_size`` does not divide.
+        ValueError: ``tp_rank`` out of range, or a split dimension (of each gated half or row
+            section) that ``tp_size`` does not divide.
     """
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank {tp_rank} out of range for tensor_parallel={tp_size}")
     out = {}
     for name, w in sd.items():
-        how = tp_partition(name, layout)
+        how = tp_partition(name, layout, split)
         if how is None or tp_size == 1:
             out[name] = w
             continue
         dim, gated = how
-        halves = w.chunk(2, dim) if gated else (w,)
+        halves = _parts(w, dim, gated)
         for h in halves:
             if h.shape[dim] % tp_size:
                 raise ValueError(f"tensor_parallel={tp_size} must divide dimension {dim} ({h.shape[dim]}) of "
@@ -278,7 +321,8 @@ def shard_tp(sd: dict[str, torch.Tensor], layout: Layout, tp_rank: int, tp_size:
     return out
 
 
-def merge_tp(parts: list[dict[str, torch.Tensor]], layout: Layout) -> dict[str, torch.Tensor]:
+def merge_tp(parts: list[dict[str, torch.Tensor]], layout: Layout,
+             split: TpSplit | None = None) -> dict[str, torch.Tensor]:
     """Inverse of :func:`shard_tp`: every TP rank's state dict (list index = TP rank) -> the
     whole one, bit for bit; whole tensors are taken from TP rank 0.
 
@@ -290,14 +334,11 @@ def merge_tp(parts: list[dict[str, torch.Tensor]], layout: Layout) -> dict[str, 
         raise ValueError("merge_tp: the tensor-parallel ranks hold different weight names")
     out = {}
     for name in names:
-        how = tp_partition(name, layout)
+        how = tp_partition(name, layout, split)
         if how is None or len(parts) == 1:
             out[name] = parts[0][name]
             continue
         dim, gated = how
-        if gated:
-            halves = [p[name].chunk(2, dim) for p in parts]
-            out[name] = torch.cat([torch.cat([h[0] for h in halves], dim), torch.cat([h[1] for h in halves], dim)], dim)
-        else:
-            out[name] = torch.cat([p[name] for p in parts], dim)
+        secs = [_parts(p[name], dim, gated, len(parts)) for p in parts]
+        out[name] = torch.cat([torch.cat([s[i] for s in secs], dim) for i in range(len(secs[0]))], dim)
     return out

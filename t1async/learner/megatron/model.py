@@ -20,10 +20,16 @@ The Hugging Face <-> Megatron weight layouts are t1async/learner/megatron/conver
 
 Initial weights are t1async/models/model.py's (same seed, same numbers as the torch backend), converted.
 
-On CPU megatron-core 0.16.1 runs with three shims, applied only when CUDA is absent:
+On CPU megatron-core 0.16.1 runs with four shims, applied only when CUDA is absent:
 ``torch.cuda.current_device`` returns the CPU device (routers move their weight to it), an
-inference RNG tracker (no CUDA RNG), and ``moe_utils.te_general_gemm = None`` (it is otherwise
-called without Transformer Engine). The ``alltoall`` dispatcher needs CUDA.
+inference RNG tracker (no CUDA RNG), ``moe_utils.te_general_gemm = None`` (it is otherwise
+called without Transformer Engine), and GatedDeltaNet's flash-linear-attention kernels replaced by
+the torch model's delta rule (``shim_gated_delta_net`` in t1async/learner/megatron/families/qwen3_5_moe.py).
+The ``alltoall`` dispatcher needs CUDA.
+
+Families with their own layers (qwen3_5_moe: Gated DeltaNet and gated attention, zero-centred norms,
+a gated shared expert) take their config fields, layer specs and weight names from
+t1async/learner/megatron/families/.
 
 Under tensor parallelism (sequence parallelism on) the norms are :class:`Norm`, megatron's
 local-spec RMSNorm allowed to run on a slice of the sequence; the policy's and reference's
@@ -45,8 +51,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from t1async.config import ModelConfig
-from t1async.learner.megatron.convert import CRITIC, POLICY, shard_tp
-from t1async.learner.megatron.families import hf_to_megatron, megatron_family
+from t1async.learner.megatron.convert import CRITIC, POLICY
+from t1async.learner.megatron.families import hf_to_megatron, megatron_family, shard_tp
+from t1async.learner.megatron.families import qwen3_5_moe as q35
 from t1async.learner.rl import fill_padding_routes
 
 try:
@@ -68,7 +75,7 @@ try:
 except ImportError as e:  # the optional extra
     raise ImportError(f"learner.backend=megatron needs megatron-core: pip install 't1async[megatron]' ({e})") from None
 
-__all__ = ["LMHead", "LayerRecompute", "Norm", "SdpaAttention", "ValueHead", "build_gpt", "init_megatron",
+__all__ = ["LMHead", "LayerRecompute", "Norm", "PlainNorm", "SdpaAttention", "ValueHead", "build_gpt", "init_megatron",
            "load_megatron", "megatron_tensors", "replay_rows", "router_topk", "transformer_config"]
 
 
@@ -90,6 +97,7 @@ def init_megatron(device: torch.device, seed: int = 0, *, expert_parallel: int =
     """
     if device.type == "cpu" and not torch.cuda.is_available():
         torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+        q35.shim_gated_delta_net()  # flash-linear-attention's kernels -> the torch model's delta rule
     if not hasattr(moe_utils, "te_general_gemm"):  # no Transformer Engine: the router's GEMM is torch's
         moe_utils.te_general_gemm = None  # (measured on an H200: NameError there too, not only on CPU)
     if expert_parallel == 1 and tensor_parallel == 1 and pipeline_parallel == 1:
@@ -212,13 +220,35 @@ class Norm(nn.RMSNorm):
     the same module and numbers) that also runs under sequence parallelism, which megatron-core
     0.16.1's wrapper refuses. A norm is per token, so it runs unchanged on a rank's slice of the
     sequence; its weight's gradient then holds that slice's share and is marked
-    ``sequence_parallel`` (summed over the tensor-parallel ranks, as Megatron's TE norm is)."""
+    ``sequence_parallel`` (summed over the tensor-parallel ranks, as Megatron's TE norm is).
+
+    With ``config.layernorm_zero_centered_gamma`` (which the wrapper refuses too) the weight is an
+    offset from one, as Transformer Engine's ``zero_centered_gamma``: ``x_hat * (1 + w)``, computed
+    in float32 and cast back (transformers' Qwen3.5 RMSNorm, the same operations in the same order)."""
+
+    zero_centered_gamma: bool | None = None  # None: the config's
 
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: object):
         if config.normalization != "RMSNorm":
             raise ValueError(f"t1async's Megatron spec has RMSNorm only, got {config.normalization}")
         super().__init__(hidden_size, eps=eps)
         self.weight.sequence_parallel = config.sequence_parallel
+        if self.zero_centered_gamma is None:
+            self.zero_centered_gamma = config.layernorm_zero_centered_gamma
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.zero_centered_gamma:
+            return super().forward(x)
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).type_as(x)
+
+
+class PlainNorm(Norm):
+    """:class:`Norm` with a weight that is the scale itself whatever ``layernorm_zero_centered_gamma``
+    says (``w * x_hat``): GatedDeltaNet's ``out_norm``, as the Qwen3.5 checkpoint's gated norm."""
+
+    zero_centered_gamma = False
 
 
 class SdpaAttention(nn.Module):
@@ -301,7 +331,9 @@ def build_gpt(cfg: ModelConfig, hf: dict[str, torch.Tensor], *, critic: bool = F
     initialised).
 
     The layer spec is megatron-core's local one (``get_gpt_layer_local_spec``) with its norms
-    replaced by :class:`Norm`, the same RMSNorm that also runs under sequence parallelism.
+    replaced by :class:`Norm`, the same RMSNorm that also runs under sequence parallelism; for
+    ``qwen3_5_moe`` the family's per-layer specs (megatron-core's GatedDeltaNet where ``layer_types``
+    says linear attention) and RoPE on ``partial_rotary_factor`` of each head.
 
     Raises:
         RuntimeError: the converted weights do not cover the model's parameters exactly.
@@ -313,17 +345,21 @@ def build_gpt(cfg: ModelConfig, hf: dict[str, torch.Tensor], *, critic: bool = F
         layer = get_gpt_layer_local_spec(num_experts=cfg.num_experts, moe_grouped_gemm=False, qk_layernorm=True,
                                          normalization="RMSNorm")
         block = TransformerBlockSubmodules(layer_specs=[layer] * (cfg.num_hidden_layers // pp_size), layer_norm=Norm)
-    else:  # megatron-core's own block spec of the family's layers on this stage (dense and MoE)
+    else:  # megatron-core's own block spec of the family's layers on this stage (dense and MoE, attention variants)
         block = fam.block_spec(tc, pp_rank)
         block.layer_norm = Norm
     for layer in block.layer_specs:
-        layer.submodules.self_attention.submodules.core_attention = SdpaAttention
+        sub = layer.submodules.self_attention.submodules
+        if hasattr(sub, "core_attention"):
+            sub.core_attention = SdpaAttention
+        if hasattr(sub, "out_norm"):  # qwen3_5_moe's Gated DeltaNet: a plain RMSNorm whatever the config says
+            sub.out_norm = PlainNorm
     _with_norm(block, Norm)
     last = pp_rank == pp_size - 1
     model = GPTModel(tc, block, vocab_size=cfg.vocab_size, max_sequence_length=cfg.max_position_embeddings,
-                     position_embedding_type="rope", rotary_base=cfg.rope_theta,
-                     share_embeddings_and_output_weights=cfg.tie_word_embeddings and not critic,
-                     pre_process=pp_rank == 0, post_process=last, **(fam.gpt_kwargs(cfg) if fam is not None else {}))
+                     position_embedding_type="rope", share_embeddings_and_output_weights=cfg.tie_word_embeddings and not critic,
+                     pre_process=pp_rank == 0, post_process=last,
+                     **{"rotary_base": cfg.rope_theta, **(fam.gpt_kwargs(cfg) if fam is not None else {})})
     if critic and last:
         model.output_layer = ValueHead(cfg.hidden_size, device, sequence_parallel=tp_size > 1)
     elif last:
@@ -332,7 +368,7 @@ def build_gpt(cfg: ModelConfig, hf: dict[str, torch.Tensor], *, critic: bool = F
     RouterReplay.clear_global_router_replay_instances()  # each router keeps its own; no process-wide list
     layout = CRITIC if critic else POLICY
     load_megatron(model, shard_tp(hf_to_megatron(hf, cfg, layout, ep_rank=ep_rank, ep_size=ep_size, pp_rank=pp_rank,
-                                                 pp_size=pp_size), layout, tp_rank, tp_size))
+                                                 pp_size=pp_size), layout, tp_rank, tp_size, cfg))
     return model
 
 

@@ -17,13 +17,17 @@ from loguru import logger
 from torch import nn
 
 from t1async.learner.backend import ONE_PROCESS
-from t1async.learner.megatron.convert import CRITIC, POLICY, merge_tp, shard_tp, tp_partition
+from t1async.learner.megatron.convert import CRITIC, POLICY
 from t1async.learner.megatron.families import (
+    checkpoint_state,
     from_converter,
     hf_to_megatron,
     megatron_family,
     megatron_to_hf,
+    merge_tp,
+    shard_tp,
     to_converter,
+    tp_partition,
 )
 from t1async.learner.megatron.model import load_megatron, megatron_tensors
 from t1async.learner.megatron.ranks import from_bytes, gather_bytes, gather_tensors, scatter_bytes, to_bytes
@@ -65,7 +69,7 @@ class MegatronState:
         if self.world == 1:
             return megatron_to_hf(local, self.model_cfg, layout)
         if pp == 1:  # what rank 0 lacks: the other ranks' experts and slices (whole weights are the same everywhere)
-            names = [k for k in local if is_expert(k) or (tp > 1 and tp_partition(k, layout) is not None)]
+            names = [k for k in local if is_expert(k) or (tp > 1 and tp_partition(k, layout, self.model_cfg) is not None)]
             parts = gather_tensors(self._ranks, [local[k] for k in names])
             if self.rank != 0:
                 return None
@@ -78,7 +82,7 @@ class MegatronState:
         out: dict[str, torch.Tensor] = {}
         for stage in range(pp):
             for e in range(n):  # expert-parallel rank e of this stage: its tp ranks' slices merged
-                merged = merge_tp([states[self._rank_at(t, e, stage)] for t in range(tp)], layout)
+                merged = merge_tp([states[self._rank_at(t, e, stage)] for t in range(tp)], layout, self.model_cfg)
                 if e > 0:
                     merged = {k: v for k, v in merged.items() if is_expert(k)}
                 out.update(megatron_to_hf(merged, self.model_cfg, layout, ep_rank=e, ep_size=n, pp_rank=stage,
@@ -113,7 +117,7 @@ class MegatronState:
         if megatron_family(self.model_cfg) is None:
             save_hf(folder, self.model_cfg, state)
         else:  # the torch learner's checkpoint: model.path's layout (MTP layers carried through), else transformers'
-            save_model(folder, self.model_cfg, state if self.model_cfg.path else to_converter(self.model_cfg, state),
+            save_model(folder, self.model_cfg, state if self.model_cfg.path else checkpoint_state(self.model_cfg, state),
                        max_shard_bytes=self.cfg.checkpoint_shard_mb * 10**6)
             if checkpoint_rounds(self.model_cfg, state.values()):  # (a float32 learner of a bfloat16 folder)
                 masters = dict(self.published(state))  # the exact parameters (as the torch learner keeps them)
@@ -189,4 +193,4 @@ class MegatronState:
         load_megatron(model, shard_tp(hf_to_megatron(sd, self.model_cfg, layout, ep_rank=self.dp_rank,
                                                      ep_size=self.expert_parallel, pp_rank=self.pp_rank,
                                                      pp_size=self.pipeline_parallel), layout, self.tp_rank,
-                                      self.tensor_parallel))
+                                      self.tensor_parallel, self.model_cfg))

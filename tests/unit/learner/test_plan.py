@@ -20,6 +20,7 @@ from t1async.models.model import Qwen3MoeForCausalLM
 from tests.support import FIXTURES
 
 megatron_backend = pytest.importorskip("t1async.learner.megatron.backend", reason="megatron-core is not installed")
+from t1async.learner.megatron import families  # noqa: E402
 from t1async.learner.megatron.convert import CRITIC, POLICY, hf_to_megatron, shard_tp  # noqa: E402
 
 REAL = FIXTURES / "real_configs"
@@ -83,6 +84,43 @@ def test_planned_parameters_equal_the_learners_shards_on_every_layout(lay):
                     got = sum(t.numel() * (4 if "norm" in k or k.startswith("output_layer") and which == "critic"
                                            else 2) for k, t in part.items())
                     assert getattr(plans[pp], which).params == got, (str(lay), which, pp, ep, tp)
+
+
+def test_qwen3_5_moe_planned_bytes_equal_the_megatron_learners_on_one_rank_and_its_shards_on_every_layout(tmp_path):
+    """The tiny qwen3_5_moe folder (Gated DeltaNet and gated attention layers, gated shared experts): the plan's
+    parameter bytes equal what the one-rank megatron learner allocates (megatron-core's GatedDeltaNet, attention
+    and shared experts, bfloat16 with float32 norms) for policy, critic and reference, and on every layout (EP x TP
+    x PP) each rank's share as the learner's converter cuts it: the layers counted on their stage, the Gated DeltaNet
+    weights split over TP as megatron splits them."""
+    from t1async.learner.torch_backend import ValueModel
+    from t1async.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
+    from tests.support.qwen3_5_moe import qwen35_folder
+
+    warnings.filterwarnings("ignore")
+    cfg = qwen35_folder(tmp_path / "q35")
+    lc = _learner("bfloat16", critic=True)
+    b = megatron_backend.MegatronBackend(lc, cfg, GenerationConfig())
+    try:
+        plan = plan_layout(cfg, lc, Layout())[0]
+        for name, model in (("policy", b.policy), ("critic", b.critic), ("reference", b.reference)):
+            assert getattr(plan, name).params == _bytes(model.parameters()), name
+    finally:
+        b.close()
+    torch.manual_seed(0)
+    policy = Qwen3_5MoeForCausalLM(cfg)
+    hf, critic = policy.state_dict(), ValueModel(policy).state_dict()
+    for lay in (Layout(2, 1, 1), Layout(1, 2, 1), Layout(1, 1, 2), Layout(2, 2, 2), Layout(1, 4, 4)):
+        plans = plan_layout(cfg, lc, lay)
+        for pp in range(lay.pipeline):
+            for ep in range(lay.expert):
+                for tp in range(lay.tensor):
+                    for which, sd, layout in (("policy", hf, POLICY), ("critic", critic, CRITIC)):
+                        mg = families.hf_to_megatron(families.to_converter(cfg, sd), cfg, layout, ep_rank=ep,
+                                                     ep_size=lay.expert, pp_rank=pp, pp_size=lay.pipeline)
+                        part = families.shard_tp(mg, layout, tp, lay.tensor, cfg)
+                        got = sum(t.numel() * (4 if "norm" in k or k.startswith("output_layer") and which == "critic"
+                                               else 2) for k, t in part.items())
+                        assert getattr(plans[pp], which).params == got, (str(lay), which, pp, ep, tp)
 
 
 def test_planned_zero1_optimiser_bytes_equal_sharded_adamw():

@@ -20,16 +20,11 @@ from t1async.models.hf_folder import ModelFolderError
 from t1async.models.model import PackedSegments
 from t1async.models.qwen3_5_moe import HybridCache, Qwen3_5MoeForCausalLM, config_from_hf, config_to_hf
 from t1async.sampling.engine import Engine, SamplingParams
+from tests.support.qwen3_5_moe import TINY_QWEN35
 
 transformers = pytest.importorskip("transformers")
 
-TINY = dict(vocab_size=512, hidden_size=64, num_hidden_layers=4,
-            layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
-            linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
-            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
-            rope_parameters={"rope_type": "default", "rope_theta": 5000.0, "partial_rotary_factor": 0.25},
-            max_position_embeddings=1024)
+TINY = TINY_QWEN35
 L, K = 4, 2
 
 

@@ -75,11 +75,11 @@ import torch
 
 from t1async.config import ModelConfig
 from t1async.learner.megatron.convert import POLICY, Layout, layer_ranges, pack_qkv, unpack_qkv
-from t1async.models.families import unfuse_experts
+from t1async.models.families import fuse_experts, unfuse_experts
 from t1async.models.hf_generic import config_from_hf
 
-__all__ = ["block_spec", "config_overrides", "from_converter", "gpt_kwargs", "hf_to_megatron", "megatron_to_hf",
-           "moe_layer_pattern", "to_converter"]
+__all__ = ["block_spec", "checkpoint_state", "config_overrides", "from_converter", "gpt_kwargs", "hf_to_megatron",
+           "megatron_to_hf", "moe_layer_pattern", "to_converter"]
 
 _ATTN = {  # HF suffix -> Megatron suffix, every layer
     "input_layernorm.weight": "input_layernorm.weight",
@@ -177,8 +177,6 @@ def block_spec(tc, pp_rank: int):
 # ----------------------------------------------------------------------------- weights
 
 
-_FUSED = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)")
-_PER_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 
 
 def to_converter(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -188,22 +186,19 @@ def to_converter(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def from_converter(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Inverse of :func:`to_converter`: per-expert tensors stacked into ``gate_up_proj`` [E, 2I, H] (gate rows,
-    then up rows) and ``down_proj`` [E, H, I], bit for bit; other names as they are, in order."""
-    out: dict[str, torch.Tensor] = {}
-    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
-    for name, t in sd.items():
-        m = _PER_EXPERT.fullmatch(name)
-        if m is None:
-            out[name] = t
-        else:
-            experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = t
-    for prefix, by_e in experts.items():
-        ids = sorted(by_e)
-        if ids != list(range(len(ids))):
-            raise ValueError(f"{prefix}: experts {ids} are not 0..{len(ids) - 1}")
-        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([by_e[e]["gate_proj"], by_e[e]["up_proj"]]) for e in ids])
-        out[f"{prefix}.down_proj"] = torch.stack([by_e[e]["down_proj"] for e in ids])
-    return out
+    then up rows) and ``down_proj`` [E, H, I], bit for bit (:func:`t1async.models.families.fuse_experts`); other
+    names as they are, in order.
+
+    Raises:
+        ValueError: a layer's experts are not numbered 0 .. E-1.
+    """
+    return fuse_experts(sd)
+
+
+def checkpoint_state(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The torch model's state dict as its checkpoint holds it without a source folder: one tensor per expert
+    (transformers' layout, ``HFMoeForCausalLM.checkpoint_state_dict``), i.e. :func:`to_converter`'s names."""
+    return to_converter(sd)
 
 
 def _pack_bias(sd, src: str, cfg: ModelConfig) -> torch.Tensor:
