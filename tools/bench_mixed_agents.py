@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -44,6 +45,10 @@ from t1async.rollout.harnesses import HARNESSES, harness
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "local.yaml"
 DEFAULT_AGENTS = "builtin=1,codex=1,claude-code=1,terminus=1"
+# t1async/actors/rollout.py: "rollout 0 sent TASK (AGENT): ..."; t1async/rollout/agent.py, one line per harness
+# episode: "AGENT episode of TASK: N completions in ... ended REASON, agent exit status S"
+SENT = re.compile(r"rollout \d+ sent \S+ \(([^)]+)\):")
+ENDED = re.compile(r" - (\S+) episode of \S+: .* ended (\S+), agent exit status")
 
 
 def parse_agents(text: str) -> dict[str, float]:
@@ -110,6 +115,24 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def episode_lines(lines: list[str]) -> dict[str, dict[str, Any]]:
+    """Per agent, from the rollout actors' log lines: ``sent`` (trajectories sent to the learner) and,
+    for a harness, ``ended`` (its episodes by the reason they ended, sent or not: an episode whose
+    agent asked for no completion fails and sends nothing) and ``failed`` (ended minus sent)."""
+    out: dict[str, dict[str, Any]] = {}
+    for line in lines:
+        if m := SENT.search(line):
+            out.setdefault(m[1], {"sent": 0})["sent"] += 1
+        elif m := ENDED.search(line):
+            ended = out.setdefault(m[1], {"sent": 0}).setdefault("ended", {})
+            ended[m[2]] = ended.get(m[2], 0) + 1
+    for a in out.values():
+        if "ended" in a:
+            a["ended"] = dict(sorted(a["ended"].items()))
+            a["failed"] = max(sum(a["ended"].values()) - a["sent"], 0)
+    return dict(sorted(out.items()))
+
+
 def _add(into: dict[str, int], counts: dict[str, Any] | None) -> None:
     for k, v in (counts or {}).items():
         if isinstance(v, (int, float)):
@@ -117,7 +140,8 @@ def _add(into: dict[str, int], counts: dict[str, Any] | None) -> None:
 
 
 def summarise(rows: list[dict[str, Any]], start_time: float, summary: dict[str, Any] | None = None,
-              load: list[float] | None = None, cpus: int | None = None) -> dict[str, Any]:
+              load: list[float] | None = None, cpus: int | None = None,
+              log_lines: list[str] | None = None) -> dict[str, Any]:
     """The bench's figures from a run's ``metrics.jsonl`` rows.
 
     Args:
@@ -128,6 +152,8 @@ def summarise(rows: list[dict[str, Any]], start_time: float, summary: dict[str, 
         summary: the run's ``summary.json`` (passed through), or None.
         load: 1-minute load averages sampled during the run.
         cpus: the machine's CPU count (reported beside the load).
+        log_lines: the rollout actors' log lines (:func:`episode_lines`: ``sent``, ``ended``, ``failed``
+            join each agent's figures; ``failed_episodes`` counts them all, from ``summary``).
 
     Returns:
         ``minutes`` (launch to last row), ``steps``, ``trajectories``, ``agents`` (per agent:
@@ -142,6 +168,8 @@ def summarise(rows: list[dict[str, Any]], start_time: float, summary: dict[str, 
         a = {"episodes": m.pop("trajectories"), **m}
         a["episodes_per_min"] = round(a["episodes"] / minutes, 3) if minutes else 0.0
         agents[name] = a
+    for name, e in episode_lines(log_lines or []).items():
+        agents.setdefault(name, {"episodes": 0, "episodes_per_min": 0.0}).update(e)
     for row in rows:  # a per-agent finish split, when the rows carry one
         for name, part in (row.get("by_agent") or {}).items():
             if isinstance(part.get("finish_reasons"), dict):
@@ -159,6 +187,7 @@ def summarise(rows: list[dict[str, Any]], start_time: float, summary: dict[str, 
         "finish_reasons": dict(sorted(finish.items())),
         "tool_call_errors": dict(sorted(tool_errors.items())),
         "drift_tokens": sum(int(r.get("drift_tokens", 0)) for r in rows),
+        "failed_episodes": ((summary or {}).get("controller") or {}).get("failed_episodes"),
         "load_average": {"mean": round(sum(load) / len(load), 2) if load else None,
                          "max": round(max(load), 2) if load else None, "samples": len(load or []), "cpus": cpus},
         "summary": summary,
@@ -203,7 +232,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 proc.wait()
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
-    result = summarise(read_rows(run_dir / "metrics.jsonl"), start, summary, load, os.cpu_count())
+    lines = [x for log in sorted((run_dir / "logs").glob("rollout*.log")) for x in log.read_text().splitlines()]
+    result = summarise(read_rows(run_dir / "metrics.jsonl"), start, summary, load, os.cpu_count(), lines)
     return {"minutes_asked": args.minutes, "mix": mix, "skipped": sorted(skipped), "run_dir": str(run_dir),
             "exit_status": proc.returncode, **result}
 

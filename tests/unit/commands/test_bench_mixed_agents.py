@@ -84,3 +84,28 @@ def test_agents_parse_and_a_harness_not_installed_is_skipped_naming_its_install(
     assert keep == {"builtin": 1.0}
     assert "npm install -g @openai/codex" in skipped["codex"]
     assert "tmux" in skipped["terminus"] and "install" in skipped["terminus"]
+
+
+# lines as the rollout actors log them (t1async/actors/rollout.py, t1async/rollout/agent.py; loguru's format)
+LOG = """\
+2026-12-07 18:38:18.606 | INFO     | t1async.rollout.agent:run_agent_episode:142 - codex episode of lock-down-secrets: \
+0 completions in 0 exact segments (0 history breaks), 0 sampler errors, ended context_full, agent exit status 1
+2026-12-07 18:38:18.610 | ERROR    | t1async.actors.rollout:run:129 - rollout 0 episode of lock-down-secrets failed
+2026-12-07 18:38:24.651 | INFO     | t1async.rollout.agent:run_agent_episode:142 - terminus episode of top-client-ips: \
+3 completions in 1 exact segments (0 history breaks), 0 sampler errors, ended max_turns, agent exit status 0
+2026-12-07 18:38:25.777 | INFO     | t1async.actors.rollout:run:143 - rollout 0 sent top-client-ips (terminus): \
+829 tokens, 3 turns, 0/4 tests, versions [0], 3.22 s
+2026-12-07 18:38:26.000 | INFO     | t1async.actors.rollout:run:143 - rollout 1 sent zip-find-token (builtin): \
+300 tokens, 3 turns, 0/4 tests, versions [0], 2.00 s
+"""
+
+
+def test_episodes_that_sent_nothing_are_counted_per_agent_from_the_rollout_logs():
+    rows = [_row(1, [_traj("terminus", 0.0, 2, "max_turns"), _traj("builtin", 0.0, 2, "max_turns")], 70.0)]
+    out = bench.summarise(rows, 10.0, summary={"controller": {"failed_episodes": 1}}, log_lines=LOG.splitlines())
+    assert out["failed_episodes"] == 1
+    assert out["agents"]["codex"] == {"episodes": 0, "episodes_per_min": 0.0, "sent": 0, "ended": {"context_full": 1},
+                                      "failed": 1}
+    assert out["agents"]["terminus"]["sent"] == 1 and out["agents"]["terminus"]["ended"] == {"max_turns": 1}
+    assert out["agents"]["terminus"]["failed"] == 0 and out["agents"]["terminus"]["episodes"] == 1
+    assert out["agents"]["builtin"]["sent"] == 1 and "ended" not in out["agents"]["builtin"]
