@@ -6,10 +6,13 @@ Run: ``t1async bench mixed-agents [--minutes 20] [--agents builtin=1,codex=1,cla
 Launches the real service, ``t1async launch configs/local.yaml`` as a subprocess, with
 ``rollout.agent={NAME: WEIGHT, ...}`` (each episode draws its agent; docs/environments.md, "Mixing
 agents in one run"), ``env.network=on`` (the harnesses reach the rollout's endpoint over loopback),
-``model.vocab_size=4100`` (the tool-call vocabulary the harness dialects need) and
-``learner.max_steps=0`` (run until stopped); extra ``key=value`` arguments are passed on. After
-``--minutes`` minutes (counted from the launch) it stops the service with ``t1async stop RUN_DIR`` and
-summarises what the run left on disk (:func:`summarise`):
+``model.vocab_size=4100`` (the tool-call vocabulary the harness dialects need),
+``model.max_position_embeddings=65536`` (Claude Code's first request is about 27k tokens and Codex's
+about 9k: at the default 8192 every such episode ends ``context_full`` before its first completion and
+sends nothing) and ``learner.max_steps=0`` (run until stopped); extra ``key=value`` arguments are passed on. After
+``--minutes`` minutes (counted from the launch) it stops the service with ``t1async stop --now RUN_DIR``
+(running episodes are not waited for: a harness episode on a loaded CPU can take minutes; nothing
+finished is lost) and summarises what the run left on disk (:func:`summarise`):
 
 - per agent, from the ``by_agent`` part of every ``metrics.jsonl`` row (t1async/learner/metrics.py):
   ``episodes`` (trajectories trained), ``episodes_per_min`` (over the minutes from the launch to the
@@ -205,7 +208,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     run_dir.mkdir(parents=True, exist_ok=True)
     agent = "{" + ", ".join(f"{k}: {v:g}" for k, v in mix.items()) + "}"
     cmd = [sys.executable, "-m", "t1async.cli", "launch", str(CONFIG), f"rollout.agent={agent}", "env.network=on",
-           "model.vocab_size=4100", "learner.max_steps=0", f"run.dir={run_dir}", *args.overrides]
+           "model.vocab_size=4100", "model.max_position_embeddings=65536", "learner.max_steps=0", f"run.dir={run_dir}", *args.overrides]
     print(f"bench mixed-agents: launching {' '.join(cmd[2:])} for {args.minutes:g} min", file=sys.stderr)
     start = time.time()
     load: list[float] = []
@@ -220,8 +223,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 print(f"bench mixed-agents: the service ended early (exit {proc.returncode}); see "
                       f"{run_dir / 'launch.out'}", file=sys.stderr)
             else:
-                print("bench mixed-agents: stopping (t1async stop)", file=sys.stderr)
-                subprocess.run([sys.executable, "-m", "t1async.cli", "stop", str(run_dir)], cwd=REPO,
+                print("bench mixed-agents: stopping (t1async stop --now)", file=sys.stderr)
+                subprocess.run([sys.executable, "-m", "t1async.cli", "stop", "--now", str(run_dir)], cwd=REPO,
                                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, timeout=120, check=False)
                 proc.wait(timeout=300)
         except subprocess.TimeoutExpired:
