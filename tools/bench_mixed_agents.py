@@ -208,7 +208,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     run_dir.mkdir(parents=True, exist_ok=True)
     agent = "{" + ", ".join(f"{k}: {v:g}" for k, v in mix.items()) + "}"
     cmd = [sys.executable, "-m", "t1async.cli", "launch", str(CONFIG), f"rollout.agent={agent}", "env.network=on",
-           "model.vocab_size=4100", "model.max_position_embeddings=65536", "learner.max_steps=0", f"run.dir={run_dir}", *args.overrides]
+           "model.vocab_size=4100", "model.max_position_embeddings=65536", "learner.max_steps=0", f"run.dir={run_dir}",
+           *args.overrides]
     print(f"bench mixed-agents: launching {' '.join(cmd[2:])} for {args.minutes:g} min", file=sys.stderr)
     start = time.time()
     load: list[float] = []
