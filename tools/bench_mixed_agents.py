@@ -144,7 +144,7 @@ def _add(into: dict[str, int], counts: dict[str, Any] | None) -> None:
 
 def summarise(rows: list[dict[str, Any]], start_time: float, summary: dict[str, Any] | None = None,
               load: list[float] | None = None, cpus: int | None = None,
-              log_lines: list[str] | None = None) -> dict[str, Any]:
+              log_lines: list[str] | None = None, end_time: float | None = None) -> dict[str, Any]:
     """The bench's figures from a run's ``metrics.jsonl`` rows.
 
     Args:
@@ -157,12 +157,16 @@ def summarise(rows: list[dict[str, Any]], start_time: float, summary: dict[str, 
         cpus: the machine's CPU count (reported beside the load).
         log_lines: the rollout actors' log lines (:func:`episode_lines`: ``sent``, ``ended``, ``failed``
             join each agent's figures; ``failed_episodes`` counts them all, from ``summary``).
+        end_time: when the service was stopped, Unix seconds: ``sent_per_min`` counts from ``start_time`` to
+            it (None: to the last row's ``time``). A learner slower than the rollouts trains fewer than are sent.
 
     Returns:
         ``minutes`` (launch to last row), ``steps``, ``trajectories``, ``agents`` (per agent:
         :func:`~t1async.learner.metrics.merge_agent_splits`'s keys with ``trajectories`` named
         ``episodes``, plus ``episodes_per_min`` and ``finish_reasons`` when rows split them per agent),
-        ``finish_reasons``, ``tool_call_errors``, ``drift_tokens``, ``load_average``, ``summary``.
+        ``finish_reasons``, ``tool_call_errors``, ``drift_tokens``, ``dropped`` (trajectories the learner
+        dropped, by reason: the last row's cumulative counts, or ``summary``'s), ``failed_episodes``,
+        ``load_average``, ``summary``.
     """
     times = [r["time"] for r in rows if isinstance(r.get("time"), (int, float))]
     minutes = max((max(times) - start_time) / 60.0, 0.0) if times else 0.0
@@ -171,8 +175,10 @@ def summarise(rows: list[dict[str, Any]], start_time: float, summary: dict[str, 
         a = {"episodes": m.pop("trajectories"), **m}
         a["episodes_per_min"] = round(a["episodes"] / minutes, 3) if minutes else 0.0
         agents[name] = a
+    wall = max(((end_time if end_time is not None else start_time + minutes * 60) - start_time) / 60.0, 0.0)
     for name, e in episode_lines(log_lines or []).items():
-        agents.setdefault(name, {"episodes": 0, "episodes_per_min": 0.0}).update(e)
+        a = agents.setdefault(name, {"episodes": 0, "episodes_per_min": 0.0})
+        a.update(e, sent_per_min=round(e["sent"] / wall, 3) if wall else 0.0)
     for row in rows:  # a per-agent finish split, when the rows carry one
         for name, part in (row.get("by_agent") or {}).items():
             if isinstance(part.get("finish_reasons"), dict):
@@ -190,6 +196,7 @@ def summarise(rows: list[dict[str, Any]], start_time: float, summary: dict[str, 
         "finish_reasons": dict(sorted(finish.items())),
         "tool_call_errors": dict(sorted(tool_errors.items())),
         "drift_tokens": sum(int(r.get("drift_tokens", 0)) for r in rows),
+        "dropped": (summary or {}).get("dropped") or (rows[-1].get("dropped") if rows else None),
         "failed_episodes": ((summary or {}).get("controller") or {}).get("failed_episodes"),
         "load_average": {"mean": round(sum(load) / len(load), 2) if load else None,
                          "max": round(max(load), 2) if load else None, "samples": len(load or []), "cpus": cpus},
@@ -213,6 +220,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print(f"bench mixed-agents: launching {' '.join(cmd[2:])} for {args.minutes:g} min", file=sys.stderr)
     start = time.time()
     load: list[float] = []
+    stopped: float | None = None
     with open(run_dir / "launch.out", "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
         try:
@@ -220,6 +228,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             while time.monotonic() < end and proc.poll() is None:
                 load.append(os.getloadavg()[0])
                 time.sleep(min(10.0, max(end - time.monotonic(), 0.0)))
+            stopped = time.time()
             if proc.poll() is not None:
                 print(f"bench mixed-agents: the service ended early (exit {proc.returncode}); see "
                       f"{run_dir / 'launch.out'}", file=sys.stderr)
@@ -237,7 +246,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
     lines = [x for log in sorted((run_dir / "logs").glob("rollout*.log")) for x in log.read_text().splitlines()]
-    result = summarise(read_rows(run_dir / "metrics.jsonl"), start, summary, load, os.cpu_count(), lines)
+    result = summarise(read_rows(run_dir / "metrics.jsonl"), start, summary, load, os.cpu_count(), lines, stopped)
     return {"minutes_asked": args.minutes, "mix": mix, "skipped": sorted(skipped), "run_dir": str(run_dir),
             "exit_status": proc.returncode, **result}
 

@@ -64,6 +64,7 @@ def test_the_summary_counts_episodes_rates_and_history_breaks_per_agent(tmp_path
     assert out["drift_tokens"] == 0
     assert out["load_average"] == {"mean": 3.0, "max": 4.0, "samples": 2, "cpus": 2}
     assert out["summary"] == {"steps": 3}
+    assert out["dropped"] == rows[-1]["dropped"]  # the learner's cumulative counts when no summary has them
 
 
 def test_drift_is_summed_and_an_empty_run_summarises_to_zeros():
@@ -102,10 +103,13 @@ LOG = """\
 
 def test_episodes_that_sent_nothing_are_counted_per_agent_from_the_rollout_logs():
     rows = [_row(1, [_traj("terminus", 0.0, 2, "max_turns"), _traj("builtin", 0.0, 2, "max_turns")], 70.0)]
-    out = bench.summarise(rows, 10.0, summary={"controller": {"failed_episodes": 1}}, log_lines=LOG.splitlines())
-    assert out["failed_episodes"] == 1
+    out = bench.summarise(rows, 10.0, summary={"controller": {"failed_episodes": 1}, "dropped": {"aborted": 2}},
+                          log_lines=LOG.splitlines(), end_time=130.0)
+    assert out["failed_episodes"] == 1 and out["dropped"] == {"aborted": 2}
     assert out["agents"]["codex"] == {"episodes": 0, "episodes_per_min": 0.0, "sent": 0, "ended": {"context_full": 1},
-                                      "failed": 1}
+                                      "failed": 1, "sent_per_min": 0.0}
+    assert out["agents"]["builtin"]["sent_per_min"] == 0.5  # 1 sent in the 2 minutes to the stop
+    assert out["agents"]["builtin"]["episodes_per_min"] == 1.0  # 1 trained in the minute to the last row
     assert out["agents"]["terminus"]["sent"] == 1 and out["agents"]["terminus"]["ended"] == {"max_turns": 1}
     assert out["agents"]["terminus"]["failed"] == 0 and out["agents"]["terminus"]["episodes"] == 1
     assert out["agents"]["builtin"]["sent"] == 1 and "ended" not in out["agents"]["builtin"]
