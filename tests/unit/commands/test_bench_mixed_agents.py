@@ -4,7 +4,6 @@ its --agents parsing and the skipping of a harness that is not installed."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 
 import numpy as np
@@ -12,12 +11,10 @@ import pytest
 
 from t1async.config import AbnormalConfig
 from t1async.learner.metrics import batch_metrics
-from tests.support import REPO
+from tests.support.tools import load_tool
 from tests.support.trajectories import make_traj
 
-_SPEC = importlib.util.spec_from_file_location("bench_mixed_agents", REPO / "tools" / "bench_mixed_agents.py")
-bench = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(bench)
+bench = load_tool("bench_mixed_agents")
 
 
 def _traj(agent: str, reward: float, turns: int, finish: str, *, mismatches: int = 0, drift: int = 0):
