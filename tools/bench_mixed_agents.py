@@ -210,7 +210,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for line in skipped.values():
         print(f"bench mixed-agents: skipping: {line}", file=sys.stderr)
     if not mix:
-        raise SystemExit("bench mixed-agents: no agent of --agents is installed; install one of the commands above")
+        print("bench mixed-agents: no agent of --agents is installed; install one with the commands above", file=sys.stderr)
+        raise SystemExit(1)
     run_dir = (args.out or REPO / "runs" / f"mixed-agents-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     agent = "{" + ", ".join(f"{k}: {v:g}" for k, v in mix.items()) + "}"
