@@ -203,7 +203,8 @@ class DiskGuard:
     Args:
         path: the folder watched (the run directory).
         floor_mb: pause below this many MiB free, or below :data:`FLOOR_FRACTION` of the
-            filesystem's size if that is less; 0: no floor (only faults pause).
+            filesystem's size if that is less; 0: no configured floor (the next checkpoint's room,
+            :meth:`reserve`, and faults still pause).
         retry_s: how long a fault pauses at least, seconds.
     """
 
@@ -224,7 +225,7 @@ class DiskGuard:
         """The floor in bytes (see the class docstring): the larger of the configured floor and
         :attr:`reserved`."""
         if self.floor_mb <= 0:
-            return 0  # (no floor at all: only faults pause)
+            return self.reserved  # (no configured floor: room for the next checkpoint only, and faults)
         p = self.path.absolute()
         while not p.exists() and p != p.parent:
             p = p.parent

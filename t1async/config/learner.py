@@ -324,13 +324,16 @@ class LearnerConfig(Section):
     """Longest wait for one batch before the learner reports it is starved and stops; under
     ``rollout.admission: learner_wait`` also the longest it holds a publish for a slow episode
     (it then publishes anyway, logged, and drops what that makes too stale)."""
-    disk_floor_mb: float = field(default=1024.0, metadata=rule(lambda v: v >= 0, "MiB of free space >= 0 (0: no floor)"))
+    disk_floor_mb: float = field(default=1024.0, metadata=rule(
+        lambda v: v >= 0, "MiB of free space >= 0 (0: no floor of its own)"))
     """Free-space floor of the run directory's filesystem, MiB: below it (or below 5 % of the
     filesystem's size, if that is less) the learner pauses intake and training before the disk is
     full: it stops ACKing (rollout actors keep their trajectories in their spools), runs no step,
     and ``t1async status`` says ``degraded: disk full at PATH (N MB free)``; it resumes by itself
     once space is back. A write that fails on a full or failing disk (ENOSPC, EDQUOT, EIO) pauses
-    it the same way, at any floor (t1async/fileio.py ``DiskGuard``). 0: no floor."""
+    it the same way, at any floor (t1async/fileio.py ``DiskGuard``). Once a checkpoint was written,
+    the floor is at least 1.1 times its size, whatever this says (the next one must fit: no
+    pause-resume flapping while every checkpoint fails). 0: no floor of its own."""
     micro_batch_tokens: int = field(default=4096, metadata=rule(
         lambda v: v >= 0, "an integer >= 0 (0: one trajectory per micro-batch)"))
     """Trajectories trained in one padded forward and backward, up to this many positions

@@ -394,8 +394,21 @@ def run_stop(args: argparse.Namespace) -> int:
     return 0
 
 
+SCALE_TIMEOUT_S = 90.0
+"""How long ``t1async scale`` waits for the service's answer: applying a change waits on the
+controller, which on a loaded node starting many actors took over 15 s (the change was applied
+after the command had said it failed)."""
+
+
 def run_scale(args: argparse.Namespace) -> int:
-    reply = request(args.run_dir, {"cmd": "scale", "changes": parse_changes(args.changes), "force": bool(args.force)})
+    msg = {"cmd": "scale", "changes": parse_changes(args.changes), "force": bool(args.force)}
+    try:
+        reply = request(args.run_dir, msg, timeout_s=SCALE_TIMEOUT_S)
+    except ControlError as e:
+        if "did not answer within" not in str(e):
+            raise
+        raise ControlError(f"{e}: the change may still be applied; see t1async status {args.run_dir} before "
+                           "trying again") from None
     for key, value in reply.get("applied", {}).items():
         print(f"t1async: {key}={json.dumps(value)}")
     return 0

@@ -137,8 +137,8 @@ def memory_line(memory: dict | None, step: int | None, target: int | None = None
         last = m.get("last_kill") or {}
         at = last.get("step")
         since = (step - at) if isinstance(step, int) and isinstance(at, int) else None
-        resumed = ("training resumed" + (f" ({since} steps since)" if since is not None else "") if since
-                   else "no step trained since yet")
+        resumed = (f"training resumed ({since} steps since)" if since is not None and since > 0
+                   else "no step trained since yet")  # (a learner back on an older checkpoint is below ``at``)
         head = (f"{m['memory_kills']} role(s) killed by Ray's memory monitor (threshold {threshold:.0%}): last the "
                 f"{last.get('role', 'role')} at step {at if at is not None else '?'}, restarted; {resumed}")
     if m.get("short") and m.get("rollout_actors_reduced_to") is not None:

@@ -303,3 +303,32 @@ def test_status_json_keeps_the_controllers_actors_detail(tmp_path, monkeypatch):
                                   restart_learner=lambda: None, check_tasks=lambda names: None)
     st = json.loads(json.dumps(service.status(), default=str))
     assert st["controller"]["actors_detail"] == detail and st["actors"] == detail
+
+
+def test_a_scale_the_service_is_slow_to_apply_is_waited_for_or_said_to_be_maybe_applied(tmp_path, monkeypatch, capsys):
+    """A fresh operator's ``scale --force`` to 18 actors at load 51: the command said "did not
+    answer within 15 s" (exit 2) and the change was applied 16 s later. ``scale`` now waits
+    :data:`SCALE_TIMEOUT_S`, and past it says the change may still be applied and where to look."""
+    from t1async import cli
+    from t1async.service import control
+
+    def slow_scale(req):
+        time.sleep(1.0)  # (the controller starting actors on a loaded node)
+        return {"ok": True, "applied": req["changes"]}
+
+    server = ControlServer("127.0.0.1", {"scale": slow_scale})
+    lock = RunDirLock(tmp_path)
+    lock.write(control=server.address)
+    try:
+        monkeypatch.setattr(control, "SCALE_TIMEOUT_S", 0.3)
+        assert cli.main(["scale", str(tmp_path), "rollout.num_actors=3"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and "did not answer within" in err
+        assert err.endswith(f"the change may still be applied; see t1async status {tmp_path} before trying again")
+        time.sleep(1.5)  # (the server finishes the first request)
+        monkeypatch.setattr(control, "SCALE_TIMEOUT_S", 10.0)
+        assert cli.main(["scale", str(tmp_path), "rollout.num_actors=3"]) == 0
+        assert capsys.readouterr().out.strip() == "t1async: rollout.num_actors=3"
+    finally:
+        server.close()
+        lock.release()

@@ -316,6 +316,22 @@ def test_the_floor_keeps_room_for_the_next_checkpoint_by_its_measured_size(tmp_p
         again.close()
 
 
+def test_with_no_floor_of_its_own_the_guard_still_keeps_room_for_the_next_checkpoint(tmp_path, monkeypatch):
+    """``learner.disk_floor_mb=0`` (a fresh operator's try): the guard has no floor until a
+    checkpoint is measured, then pauses below 1.1 times it, steadily (main: floor 0 whatever was
+    measured, so the service flapped every ~15 s and trained on while every checkpoint failed)."""
+    free = {"b": 60 << 20}
+    monkeypatch.setattr(fileio, "free_bytes", lambda p: free["b"])
+    guard = fileio.DiskGuard(tmp_path, floor_mb=0)
+    assert guard.floor_bytes() == 0 and guard.check() is None  # nothing measured: no floor
+    guard.reserve(95 << 20)  # a checkpoint of 95 MB was written
+    assert guard.floor_bytes() == int((95 << 20) * fileio.RESERVE_MARGIN)
+    for _ in range(3):  # the same answer every time: paused, not flapping
+        assert guard.check().startswith(f"disk full at {tmp_path} (60 MB free, below the floor of 104 MB")
+    free["b"] = 200 << 20
+    assert guard.check() is None  # room for the next checkpoint: writes go on
+
+
 def test_a_final_checkpoint_that_does_not_fit_is_reported_in_the_status_and_the_exit_status(tmp_path, monkeypatch):
     """Issue 42: ``stop`` said "done" and exit status 0 although its final checkpoint failed."""
     import t1async.cli as cli
@@ -489,6 +505,8 @@ def test_a_final_checkpoint_torch_cannot_write_is_classified_whatever_the_floor(
                 f.write(b"\0" * max(0, free - policy - optim // 3 - (64 << 10)))
             learner.loop.cfg.max_steps = 2
             learner.loop._stop.clear()
+            learner.disk.reserve(0)  # no checkpoint measured yet (a run's first one on a full disk): the guard
+            # does not pause, so the write is tried and fails in torch's writer
             send_trajectory(tx, synthetic(version=0, seed=2))
             result = learner.run(FakeController())  # (main: RuntimeError: ... iostream error / unexpected pos)
         finally:

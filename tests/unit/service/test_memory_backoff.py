@@ -55,6 +55,8 @@ def test_status_says_which_role_rays_memory_monitor_killed_at_which_step_and_tha
     assert st["last_kill"]["role"] == "learner" and st["last_kill"]["step"] == 5
     assert memory_line(st, 5, 4) == ("1 role(s) killed by Ray's memory monitor (threshold 90%): last the learner at step 5, "
                                      "restarted; no step trained since yet; backing off: rollout actors 2 of 4")
+    assert memory_line(st, 4, 4).endswith("no step trained since yet; backing off: rollout actors 2 of 4")  # (a learner
+    # back on its step-4 checkpoint after the kill at step 5: a fresh operator saw "training resumed (-1 steps since)")
     assert memory_line(st, 8, 4) == ("1 role(s) killed by Ray's memory monitor (threshold 90%): last the learner at step 5, "
                                      "restarted; training resumed (3 steps since); backing off: rollout actors 2 of 4")
     b.update(0.5, 4, now=100)  # calm: the operator's count is back
