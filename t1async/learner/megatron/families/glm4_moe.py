@@ -68,12 +68,14 @@ The torch model's own names hold the routed experts fused (transformers v5: ``ml
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 
 import torch
 
 from t1async.config import ModelConfig
+from t1async.learner.megatron import convert
 from t1async.learner.megatron.convert import POLICY, Layout, layer_ranges, pack_qkv, unpack_qkv
 from t1async.models.families import fuse_experts, unfuse_experts
 from t1async.models.hf_generic import config_from_hf
@@ -251,51 +253,42 @@ def hf_to_megatron(sd: dict[str, torch.Tensor], cfg: ModelConfig, layout: Layout
     return out
 
 
-_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight")
+
+
+def _layer_to_hf(cfg: ModelConfig, rest: str, w: torch.Tensor, src: str, e0: int, out: dict[str, torch.Tensor]) -> bool:
+    """Megatron weight ``rest`` (its name after ``decoder.layers.{j}.``) of HF layer prefix ``src`` into ``out``
+    (convert.py's :data:`LayerToHf` for this family; experts under per-expert names). False: a name it does not know."""
+    back = {b: a for a, b in {**_ATTN, **_QK_NORM, **_MOE, **_DENSE}.items()}
+    fc1 = {b: a for a, b in _FC1.items()}
+    if rest in back:
+        out[src + back[rest]] = w
+    elif rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+        kind = rest.rsplit(".", 1)[1]
+        parts = unpack_qkv(w if kind == "weight" else w[:, None], cfg)
+        for p, x in zip("qkv", parts):
+            out[f"{src}self_attn.{p}_proj.{kind}"] = x if kind == "weight" else x[:, 0]
+    elif rest in fc1:
+        out[f"{src}{fc1[rest]}gate_proj.weight"], out[f"{src}{fc1[rest]}up_proj.weight"] = w.chunk(2)
+    elif (x := _EXPERT.fullmatch(rest)) is not None:
+        e = f"{src}mlp.experts.{e0 + int(x.group(1))}."
+        if x.group(2) == "linear_fc1":
+            out[e + "gate_proj.weight"], out[e + "up_proj.weight"] = w.chunk(2)
+        else:
+            out[e + "down_proj.weight"] = w
+    else:
+        return False
+    return True
 
 
 def megatron_to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig, layout: Layout = POLICY, *, ep_rank: int = 0,
                    ep_size: int = 1, pp_rank: int = 0, pp_size: int = 1) -> dict[str, torch.Tensor]:
     """Inverse of :func:`hf_to_megatron`: the HF tensors (per-expert names) one (expert, pipeline) rank holds,
-    views into ``sd``; the union over every rank is the full HF state dict, bit for bit.
+    views into ``sd``; the union over every rank is the full HF state dict, bit for bit (convert.py's loop
+    with this family's layers, :func:`_layer_to_hf`).
 
     Raises:
         KeyError: a Megatron name this mapping does not know.
     """
-    first, n_layers, e0, _ = layer_ranges(cfg, ep_rank, ep_size, pp_rank, pp_size)
-    t = layout.trunk
-    back = {b: a for a, b in {**_ATTN, **_QK_NORM, **_MOE, **_DENSE}.items()}
-    head = {b: a for a, b in layout.head.items()}
-    fc1 = {b: a for a, b in _FC1.items()}
-    out: dict[str, torch.Tensor] = {}
-    for name, w in sd.items():
-        if name == "embedding.word_embeddings.weight":
-            out[f"{t}embed_tokens.weight"] = w
-        elif name == "decoder.final_layernorm.weight":
-            out[f"{t}norm.weight"] = w
-        elif name in head:
-            out[head[name]] = w
-        elif (m := _LAYER.fullmatch(name)) is not None and int(m.group(1)) < n_layers:
-            src, rest = f"{t}layers.{first + int(m.group(1))}.", m.group(2)
-            if rest in back:
-                out[src + back[rest]] = w
-            elif rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
-                kind = rest.rsplit(".", 1)[1]
-                parts = unpack_qkv(w if kind == "weight" else w[:, None], cfg)
-                for p, x in zip("qkv", parts):
-                    out[f"{src}self_attn.{p}_proj.{kind}"] = x if kind == "weight" else x[:, 0]
-            elif rest in fc1:
-                gate, up = w.chunk(2)
-                out[f"{src}{fc1[rest]}gate_proj.weight"], out[f"{src}{fc1[rest]}up_proj.weight"] = gate, up
-            elif (x := _EXPERT.fullmatch(rest)) is not None:
-                e = f"{src}mlp.experts.{e0 + int(x.group(1))}."
-                if x.group(2) == "linear_fc1":
-                    out[e + "gate_proj.weight"], out[e + "up_proj.weight"] = w.chunk(2)
-                else:
-                    out[e + "down_proj.weight"] = w
-            else:
-                raise KeyError(f"no HF name for Megatron weight {name!r}")
-        else:
-            raise KeyError(f"no HF name for Megatron weight {name!r}")
-    return out
+    return convert.megatron_to_hf(sd, cfg, layout, ep_rank=ep_rank, ep_size=ep_size, pp_rank=pp_rank,
+                                  pp_size=pp_size, layer=functools.partial(_layer_to_hf, cfg))
