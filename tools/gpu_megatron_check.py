@@ -47,6 +47,20 @@ SMALL = ModelConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_att
                     head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, rope_theta=5000.0)
 
 
+def _forward_parity(tb, mb, b: dict) -> dict:
+    """Log-probs (own routing and replayed), the routers' own choice and the critic's values of the torch
+    backend ``tb`` against the megatron one ``mb`` on ``bench_learner.make_batch``'s batch ``b``."""
+    out = {}
+    for name, rep in (("no_replay", None), ("replay", b["replay"])):
+        a = tb.policy_logprobs(b["inp"], b["tgt"], rep, grad=False, routing=True)
+        m = mb.policy_logprobs(b["inp"], b["tgt"], rep, grad=False, routing=True)
+        out[f"logprob_max_abs_diff_{name}"] = float((a.logp - m.logp).abs().max())
+        out[f"routing_equal_{name}"] = bool(torch.equal(a.routed_experts, m.routed_experts))
+    out["record_equals_torch_routing"] = out.pop("routing_equal_no_replay")
+    out["value_max_abs_diff"] = float((tb.values(b["inp"], grad=False) - mb.values(b["inp"], grad=False)).abs().max())
+    return out
+
+
 def parity_fp32(dev: torch.device) -> dict:
     from t1async.learner.megatron.backend import MegatronBackend, load_megatron
     from t1async.learner.megatron.convert import CRITIC, hf_to_megatron
@@ -64,14 +78,7 @@ def parity_fp32(dev: torch.device) -> dict:
     load_megatron(mb.policy, hf_to_megatron(tb.policy.state_dict(), SMALL))
     load_megatron(mb.critic, hf_to_megatron(tb.critic.state_dict(), SMALL, CRITIC))
     b = bench_learner.make_batch(SMALL, 2, 64, dev)
-    out = {}
-    for name, rep in (("no_replay", None), ("replay", b["replay"])):
-        a = tb.policy_logprobs(b["inp"], b["tgt"], rep, grad=False, routing=True)
-        m = mb.policy_logprobs(b["inp"], b["tgt"], rep, grad=False, routing=True)
-        out[f"logprob_max_abs_diff_{name}"] = float((a.logp - m.logp).abs().max())
-        out[f"routing_equal_{name}"] = bool(torch.equal(a.routed_experts, m.routed_experts))
-    out["record_equals_torch_routing"] = out.pop("routing_equal_no_replay")
-    out["value_max_abs_diff"] = float((tb.values(b["inp"], grad=False) - mb.values(b["inp"], grad=False)).abs().max())
+    out = _forward_parity(tb, mb, b)
     out["ok"] = all(v < 1e-5 for k, v in out.items() if "diff" in k) and out["record_equals_torch_routing"]
     return out
 
@@ -163,14 +170,7 @@ def qwen3_5_moe_parity_fp32(dev: torch.device) -> dict:
     mb = MegatronBackend(cfg, model, GenerationConfig(), device=dev, dtype=torch.float32)
     mb._load_hf("critic", tb.critic.state_dict())
     b = bench_learner.make_batch(model, 2, 256, dev)
-    out = {}
-    for name, rep in (("no_replay", None), ("replay", b["replay"])):
-        a = tb.policy_logprobs(b["inp"], b["tgt"], rep, grad=False, routing=True)
-        m = mb.policy_logprobs(b["inp"], b["tgt"], rep, grad=False, routing=True)
-        out[f"logprob_max_abs_diff_{name}"] = float((a.logp - m.logp).abs().max())
-        out[f"routing_equal_{name}"] = bool(torch.equal(a.routed_experts, m.routed_experts))
-    out["record_equals_torch_routing"] = out.pop("routing_equal_no_replay")
-    out["value_max_abs_diff"] = float((tb.values(b["inp"], grad=False) - mb.values(b["inp"], grad=False)).abs().max())
+    out = _forward_parity(tb, mb, b)
     for name, backend in (("torch", tb), ("megatron", mb)):
         step = bench_learner.rl_step(backend, b, cfg, replay=True)
         out[f"step_{name}"] = {k: v for k, v in step.items() if isinstance(v, (int, float))}
