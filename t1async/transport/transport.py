@@ -424,7 +424,8 @@ class ZmqReceiver:
         endpoint: the address actually bound (with the chosen port), for senders to connect to.
         refused_handshakes: with ``curve``, connections refused before any message: ``auth`` (a key the
             ZAP handler does not accept), ``protocol`` and ``other`` (no CurveZMQ handshake at all: a
-            plain or forged sender; libzmq reports it as ``other``, no detail); counted from the
+            plain or forged sender; libzmq reports it as ``protocol`` or as ``other``, no detail, depending
+            on which side notices the mechanism mismatch first); counted from the
             socket's monitor as :meth:`recv` runs (the learner's status shows them as
             ``refused_handshakes``), the first ones and then every 100th logged.
 

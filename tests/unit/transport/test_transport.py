@@ -243,9 +243,14 @@ def test_a_receiver_counts_the_connections_it_refuses(tmp_path):
         plain.send("forged-1", b"x" * 100)
         intruder.send("forged-2", b"x" * 100)
         deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and not (rx.refused_handshakes["auth"] and rx.refused_handshakes["other"]):
+        # libzmq reports the plain sender's mechanism mismatch as ``protocol`` or as ``other`` (no detail),
+        # depending on which side notices first; either way it is one refused handshake beside the key's.
+        def counted():
+            n = rx.refused_handshakes
+            return n["auth"] >= 1 and n["protocol"] + n["other"] >= 1 and sum(n.values()) >= 2
+        while time.monotonic() < deadline and not counted():
             assert rx.recv(0.2) is None  # nothing of theirs arrives
-        assert rx.refused_handshakes["auth"] >= 1 and rx.refused_handshakes["other"] >= 1, rx.refused_handshakes
+        assert counted(), rx.refused_handshakes
     finally:
         plain.close(flush_timeout_s=0)
         intruder.close(flush_timeout_s=0)
