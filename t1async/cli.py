@@ -149,9 +149,14 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_bench)
 
 
-def run_bench(args: argparse.Namespace) -> int:
-    """Run ``tools/bench_NAME.py`` as ``__main__`` with ``args``; its exit status is returned."""
-    tools = Path(__file__).resolve().parents[1] / "tools"
+def run_bench(args: argparse.Namespace, tools: Path | None = None) -> int:
+    """Run ``tools/bench_NAME.py`` as ``__main__`` with ``args``; its exit status is returned.
+
+    As the interpreter does for a script: ``sys.exit("message")`` prints the message on stderr and gives
+    status 1, ``sys.exit(N)`` gives N. ``tools``: the folder of the benchmarks (default: the source
+    checkout's tools/).
+    """
+    tools = tools or Path(__file__).resolve().parents[1] / "tools"
     script = tools / f"bench_{args.name.replace('-', '_')}.py"  # long-horizon -> bench_long_horizon.py
     if not script.is_file():
         known = (sorted(p.stem.removeprefix("bench_").replace("_", "-") for p in tools.glob("bench_*.py"))
@@ -163,7 +168,10 @@ def run_bench(args: argparse.Namespace) -> int:
     try:
         runpy.run_path(str(script), run_name="__main__")
     except SystemExit as e:
-        return int(e.code or 0) if not isinstance(e.code, str) else 1
+        if e.code is None or isinstance(e.code, int):
+            return e.code or 0
+        print(e.code, file=sys.stderr)
+        return 1
     return 0
 
 

@@ -194,6 +194,20 @@ def test_decontam_refuses_bad_input_and_reports_unreadable(tmp_path, capsys):
     assert "1 when a training task is flagged and not dropped" in " ".join(capsys.readouterr().out.split())
 
 
+def test_a_bench_that_exits_with_a_message_prints_it_with_status_1(tmp_path, capsys):
+    """``sys.exit("why")`` in a benchmark reaches the user (it was swallowed: status 1 and no word)."""
+    import argparse
+
+    from t1async.cli import run_bench
+
+    (tmp_path / "bench_says_why.py").write_text("import sys\nsys.exit('the policy could not be packed')\n")
+    (tmp_path / "bench_code.py").write_text("import sys\nsys.exit(3)\n")
+    assert run_bench(argparse.Namespace(name="says-why", args=[]), tools=tmp_path) == 1
+    assert capsys.readouterr().err.strip() == "the policy could not be packed"
+    assert run_bench(argparse.Namespace(name="code", args=[]), tools=tmp_path) == 3
+    assert capsys.readouterr().err == ""
+
+
 def test_bench_sandbox_refuses_bad_counts_and_targets_the_fair_figure(capsys):
     for args in (["--commands", "0"], ["--commands", "-5"], ["--episodes", "0"]):
         assert main(["bench", "sandbox", *args]) == 2
