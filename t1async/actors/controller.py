@@ -112,12 +112,14 @@ class Controller:
         """The learner trained on these trajectories: they no longer hold admission back."""
         self._locked(self.ledger.consumed, trajectory_ids)
 
-    def episode_failed(self, actor_id: int, reason: str) -> None:
+    def episode_failed(self, actor_id: int, reason: str, agent: str = "builtin") -> None:
         """An admitted episode produced no trajectory: count it and return its admission slot.
         ``reason``: ``"<ExceptionType>: message"`` (t1async/rollout/episode.py), also counted by its key,
-        the text before the first colon, in :meth:`status` ``episode_failures`` (and so in summary.json)."""
-        self._locked(self.ledger.failed, actor_id, reason)
-        logger.warning("rollout {} lost an episode: {}", actor_id, reason)
+        the text before the first colon, in :meth:`status` ``episode_failures`` (and so in summary.json);
+        ``agent``: the agent drawn for the episode (``rollout.agent``), counted in
+        ``episode_failures_by_agent``."""
+        self._locked(self.ledger.failed, actor_id, reason, agent)
+        logger.warning("rollout {} lost an episode ({}): {}", actor_id, agent, reason)
 
     def trajectory_discarded(self, reason: str, trajectory_id: str | None = None) -> None:
         """A trajectory was dropped (too stale: the learner says so) or rejected (invalid: its rollout

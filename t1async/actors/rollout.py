@@ -108,7 +108,7 @@ class RolloutActor:
         Consumes admissions from ``controller.acquire(actor_id)`` (a task name, ``""`` = wait and
         ask again, None = stop); produces one ZeroMQ frame per finished episode. An episode that
         fails (sampler or sandbox error) is logged, counted and reported with
-        ``controller.episode_failed``, and each trajectory the learner rejects (REJ) with
+        ``controller.episode_failed`` (with the agent drawn for it), and each trajectory the learner rejects (REJ) with
         ``controller.trajectory_discarded``, so that its admission slot is returned. A finished
         episode's trajectory id is told to ``controller.episode_finished`` before it is sent.
         """
@@ -122,12 +122,13 @@ class RolloutActor:
                     break
                 if name == "":
                     continue
+                agent = self.agents.draw()
                 try:
-                    trajs = self.run_one(name)
+                    trajs = self.run_one(name, agent)
                 except Exception as e:  # one bad episode must not end the actor
                     self.failed += 1
-                    logger.opt(exception=e).error("rollout {} episode of {} failed", self.actor_id, name)
-                    call(controller.episode_failed, self.actor_id, f"{type(e).__name__}: {e}")
+                    logger.opt(exception=e).error("rollout {} episode of {} ({}) failed", self.actor_id, name, agent)
+                    call(controller.episode_failed, self.actor_id, f"{type(e).__name__}: {e}", agent)
                     if self._disk_fault(e):
                         self._back_off(f"episode of {name} failed on the disk")
                     continue

@@ -35,7 +35,8 @@ class AdmissionLedger:
         version: the learner's timeline version admission follows.
         started: episodes admitted and not returned (a failed episode or a discarded trajectory
             returns its slot; extra segments of one episode take one each).
-        failed_episodes, failures: episodes that produced no trajectory, in all and by reason key.
+        failed_episodes, failures, failures_by_agent: episodes that produced no trajectory, in all, by
+            reason key and by the agent drawn for them.
         discarded: trajectories dropped or rejected.
         running: actor id -> admission version of its running episode.
         pending: trajectory id -> admission version, until consumed or discarded.
@@ -49,6 +50,7 @@ class AdmissionLedger:
         self.started = resumed_admissions(resumed["trained"], resumed["to_replay"]) if resumed else 0
         self.failed_episodes = 0
         self.failures: dict[str, int] = {}
+        self.failures_by_agent: dict[str, int] = {}
         self.discarded = 0
         self.running: dict[int, int] = {}
         self.pending: dict[str, int] = {}
@@ -57,10 +59,12 @@ class AdmissionLedger:
 
     def status(self) -> dict[str, object]:
         """``max_staleness``, ``started``, ``version``, ``oldest_version``, ``running`` and
-        ``pending`` (counts), ``failed_episodes``, ``episode_failures`` (by reason key), ``discarded``."""
+        ``pending`` (counts), ``failed_episodes``, ``episode_failures`` (by reason key),
+        ``episode_failures_by_agent``, ``discarded``."""
         return {"max_staleness": self.max_staleness, "started": self.started, "version": self.version,
                 "oldest_version": self.oldest_version(), "running": len(self.running), "pending": len(self.pending),
                 "failed_episodes": self.failed_episodes, "episode_failures": dict(self.failures),
+                "episode_failures_by_agent": dict(self.failures_by_agent),
                 "discarded": self.discarded}
 
     def admit(self, actor_id: int) -> bool:
@@ -118,14 +122,16 @@ class AdmissionLedger:
         for tid in trajectory_ids:
             self.pending.pop(tid, None)
 
-    def failed(self, actor_id: int, reason: str) -> None:
+    def failed(self, actor_id: int, reason: str, agent: str = "builtin") -> None:
         """An admitted episode produced no trajectory: return its slot; count it by ``reason``'s
-        key, the text before the first colon (``SandboxError``, ``TaskError``...)."""
+        key, the text before the first colon (``SandboxError``, ``TaskError``...), and by ``agent``
+        (the ``rollout.agent`` name drawn for it)."""
         key = reason.split(":", 1)[0].strip()[:60] or "unknown"
         self.running.pop(actor_id, None)
         self.started -= 1
         self.failed_episodes += 1
         self.failures[key] = self.failures.get(key, 0) + 1
+        self.failures_by_agent[agent] = self.failures_by_agent.get(agent, 0) + 1
 
     def discard(self, trajectory_id: str | None) -> None:
         """A trajectory was dropped or rejected: return its slot."""

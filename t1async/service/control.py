@@ -297,7 +297,8 @@ def format_status(st: dict[str, Any]) -> str:
         ("dropped", drops_line(st)),
         ("rejected (quarantined)", f"{st.get('rejected', 0)} {json.dumps(st.get('rejected_by') or {})}"),
         ("refused connections", json.dumps({k: v for k, v in (st.get("refused_handshakes") or {}).items() if v})),
-        ("episode failures", json.dumps(st.get("episode_failures") or {})),
+        ("episode failures", json.dumps(st.get("episode_failures") or {})
+         + (f" by agent {json.dumps(st['episode_failures_by_agent'])}" if st.get("episode_failures_by_agent") else "")),
         ("restarts", json.dumps(st.get("restarts") or {})),
         ("memory", (st.get("memory") or {}).get("line", "-")),
     ]

@@ -239,6 +239,7 @@ class Service:
             cs = ray.get(self.roles["controller"].status.remote(), timeout=10)
             out["actors"] = cs["actors_detail"]  # (also left in "controller", where the controller reports it)
             out["episode_failures"] = cs.get("episode_failures")
+            out["episode_failures_by_agent"] = cs.get("episode_failures_by_agent")
             out["controller"] = cs
         except Exception as e:
             out["controller_error"] = str(e).splitlines()[0] if str(e) else type(e).__name__

@@ -45,6 +45,17 @@ def test_failed_episodes_are_counted_by_reason_key():
     st = c.status()
     assert st["failed_episodes"] == 3 and st["episode_failures"] == {"SandboxError": 2, "TaskError": 1}
     assert st["started"] == 0  # every slot returned
+    assert st["episode_failures_by_agent"] == {"builtin": 3}  # (a caller that names no agent: the builtin loop)
+
+
+def test_failed_episodes_are_counted_by_the_agent_drawn_for_them():
+    """A harness episode that fails before its first completion (context_full, a harness that exits) sends
+    no trajectory, so no metrics row's ``by_agent`` counts it: the controller does, per agent."""
+    c = make(batch=10, eta=0)
+    for agent in ("codex", "claude-code", "codex"):
+        assert c.acquire(0)
+        c.episode_failed(0, "AgentError: the harness's first request does not fit the context", agent)
+    assert c.status()["episode_failures_by_agent"] == {"codex": 2, "claude-code": 1}
 
 
 def test_discarded_trajectory_returns_its_slot():

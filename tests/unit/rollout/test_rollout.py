@@ -108,8 +108,8 @@ def test_rollout_actor_streams_over_zeromq(sampler_url, tmp_path):
             self.left -= 1
             return "create-hello-file" if self.left >= 0 else None
 
-        def episode_failed(self, actor_id, reason):
-            raise AssertionError(reason)
+        def episode_failed(self, actor_id, reason, agent):
+            raise AssertionError(f"{agent}: {reason}")
 
         def trajectory_discarded(self, reason, trajectory_id):
             self.discarded.append(reason)

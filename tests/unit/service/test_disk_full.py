@@ -24,6 +24,7 @@ from t1async.actors.learner import Learner
 from t1async.actors.rollout import RolloutActor
 from t1async.config import LearnerConfig, TransportConfig, WeightSyncConfig
 from t1async.fileio import DiskGuard, append_whole
+from t1async.rollout.agent_mix import AgentMix
 from t1async.transport.transport import SenderStats, ZmqSender
 from tests.support.learner_fakes import MODEL, FakeController, send_trajectory, synthetic
 
@@ -228,14 +229,15 @@ def test_receive_log_and_quarantine_refused_by_the_disk_leave_the_inbox_serving(
 
 class _Controller:
     def __init__(self, n: int):
-        self.left, self.failures = n, []
+        self.left, self.failures, self.agents = n, [], []
 
     def acquire(self, actor_id):
         self.left -= 1
         return "task" if self.left >= 0 else None
 
-    def episode_failed(self, actor_id, reason):
+    def episode_failed(self, actor_id, reason, agent):
         self.failures.append(reason)
+        self.agents.append(agent)
 
 
 class _Sender:
@@ -260,6 +262,7 @@ def _actor(tmp_path) -> RolloutActor:
     actor.workdir = tmp_path / "work"
     actor.workdir.mkdir()
     actor.sampler = type("S", (), {"rerouted": 0})()
+    actor.agents = AgentMix("builtin", 0, 0)
     return actor
 
 
@@ -271,13 +274,14 @@ def test_rollout_actor_backs_off_on_episodes_that_fail_on_the_disk_and_keeps_a_f
     monkeypatch.setattr(rollout_mod.time, "sleep", sleeps.append)
     actor = _actor(tmp_path)
 
-    def run_one(name):
+    def run_one(name, agent=None):
         raise OSError(errno.ENOSPC, "No space left on device", str(actor.workdir / "app"))
 
     actor.run_one = run_one
     ctl = _Controller(5)
     assert actor.run(ctl)["failed"] == 5
     assert sleeps == [1.0, 2.0, 4.0, 8.0, 16.0] and len(ctl.failures) == 5  # (main: no pause: 235 in 3 minutes)
+    assert set(ctl.agents) == {"builtin"}
 
     sleeps.clear()
     actor = _actor(tmp_path / "again") if (tmp_path / "again").mkdir() is None else None
