@@ -114,10 +114,8 @@ class Controller:
 
     def episode_failed(self, actor_id: int, reason: str, agent: str = "builtin") -> None:
         """An admitted episode produced no trajectory: count it and return its admission slot.
-        ``reason``: ``"<ExceptionType>: message"`` (t1async/rollout/episode.py), also counted by its key,
-        the text before the first colon, in :meth:`status` ``episode_failures`` (and so in summary.json);
-        ``agent``: the agent drawn for the episode (``rollout.agent``), counted in
-        ``episode_failures_by_agent``."""
+        ``reason``: ``"<ExceptionType>: message"`` (t1async/rollout/episode.py), counted by its key (the text
+        before the first colon) and ``agent`` (drawn for it) in :meth:`status` (and so in summary.json)."""
         self._locked(self.ledger.failed, actor_id, reason, agent)
         logger.warning("rollout {} lost an episode ({}): {}", actor_id, agent, reason)
 
