@@ -30,14 +30,13 @@ from t1async.actors import call
 from t1async.config import EnvConfig, GenerationConfig, ModelConfig, RolloutConfig, TransportConfig
 from t1async.envs.sandboxes.container import remove_orphan_containers
 from t1async.envs.sandboxes.limits import unmount_all_under
-from t1async.envs.sandboxes.loopback_relay import check_relay_possible
 from t1async.envs.taskio.loading import discover_tasks
 from t1async.envs.terminal import TerminalEnv
 from t1async.fileio import claim_folder, dead_owner_folders, free_bytes, is_disk_error
 from t1async.models.families import load_renderer
 from t1async.rollout.agent_mix import AgentMix
 from t1async.rollout.episode import run_episode
-from t1async.rollout.harnesses import HARNESSES, container_plan, harness
+from t1async.rollout.harnesses import HARNESSES, check_sandbox, harness
 from t1async.sampling.sampler_client import HttpSampler, RoutedSampler
 from t1async.trajectory import EncodedTrajectory, Trajectory
 from t1async.transport.transport import TrajectorySender, ZmqSender
@@ -96,7 +95,7 @@ class RolloutActor:
             for name in self.agents.names:
                 if name in HARNESSES:
                     harness(name)  # one line naming the install command when missing
-                    check_harness_sandbox(name, env_cfg.sandbox)
+                    check_sandbox(name, env_cfg.sandbox)  # one line when it cannot run in that sandbox kind
 
             self.endpoint = OpenAIEndpoint(self.tokenizer)
         self._audit = None
@@ -218,25 +217,6 @@ class RolloutActor:
                                 self.actor_id)]
         finally:
             env.close()
-
-
-def check_harness_sandbox(name: str, sandbox: str) -> None:
-    """Refuse, in one line, a named harness that cannot run in the ``sandbox`` backend: in ``container``, an
-    install that cannot be lent to it (:func:`~t1async.rollout.harnesses.container_plan`) or an endpoint that
-    cannot be served inside it (:func:`~t1async.envs.sandboxes.loopback_relay.check_relay_possible`); ``modal``
-    (neither the host's install nor the actor's loopback reaches a Modal sandbox).
-
-    Raises:
-        ValueError: the reason and what to do.
-    """
-    if sandbox == "modal":
-        raise ValueError(f"rollout.agent={name} cannot run in env.sandbox=modal: the harness's install and the rollout "
-                         "actor's endpoint (its loopback) do not reach a Modal sandbox; use env.sandbox=container or local")
-    if sandbox == "container":
-        container_plan(name)
-        why = check_relay_possible()
-        if why:
-            raise ValueError(f"rollout.agent={name} in env.sandbox=container: {why}")
 
 
 def claim_workdir(work_root: str | Path | None, actor_id: int) -> tuple[Path, int]:

@@ -18,8 +18,8 @@ one line naming the command that installs it.
   shipped into the sandbox as one file and run with its ``python3``: OpenAI Chat Completions; needs
   tmux (``apt-get install tmux``).
 
-The sandbox needs the loopback of the host: ``env.network=on`` (a bubblewrap sandbox without network
-has a loopback of its own).
+A bubblewrap sandbox needs the loopback of the host: ``env.network=on`` (one without network has a
+loopback of its own).
 
 In a ``container`` sandbox (:func:`container_plan`) the harness borrows its install from the host, bound
 read-only under :data:`BORROWED` (codex: the node binary and its npm package; claude-code: its npm package, a
@@ -32,6 +32,7 @@ prelude makes the command find it. The endpoint's port is served on the containe
 from __future__ import annotations
 
 import functools
+import os
 import shlex
 import shutil
 import subprocess
@@ -241,3 +242,24 @@ def in_container(plan: ContainerPlan, command: str) -> str:
     """``command`` (a harness's shell line) run after ``plan``'s prelude, in a subshell of its own (nothing it
     defines stays in the episode's shell)."""
     return f"(\n{plan.prelude}\n{command}\n)" if plan.prelude else command
+
+
+def check_sandbox(name: str, sandbox: str) -> None:
+    """Refuse, in one line, the installed harness ``name`` where it cannot run in the ``sandbox`` backend
+    (``env.sandbox``): in ``container``, an install that cannot be lent (:func:`container_plan`) or a process
+    that cannot serve the endpoint inside the container's network namespace (not root:
+    t1async/envs/sandboxes/loopback_relay.py needs CAP_SYS_ADMIN and a rootful engine); ``modal`` (neither the
+    host's install nor the rollout actor's loopback reaches a Modal sandbox). ``local`` needs nothing more.
+
+    Raises:
+        ValueError: the reason and what to do.
+    """
+    if sandbox == "modal":
+        raise ValueError(f"rollout.agent={name} cannot run in env.sandbox=modal: the harness's install and the rollout "
+                         "actor's endpoint (its loopback) do not reach a Modal sandbox; use env.sandbox=container or local")
+    if sandbox == "container":
+        container_plan(name)
+        if os.geteuid() != 0:
+            raise ValueError(f"rollout.agent={name} in env.sandbox=container: entering the container's network namespace "
+                             "to serve the endpoint there needs root (CAP_SYS_ADMIN) and a rootful engine; run the "
+                             "rollout actors as root, or use env.sandbox=local (bubblewrap) with env.network=on")

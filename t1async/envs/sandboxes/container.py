@@ -30,7 +30,10 @@ Lifecycle:
   process limits apply to each), its name mapped to
   127.0.0.1 in the agent's ``/etc/hosts``; when the agent's service ``depends_on`` one with
   ``condition: service_healthy``, start waits for its health check (run inside it) to pass.
-* :meth:`close`: ``<engine> rm -f`` (the sidecars, then the container and every process in it).
+* A named harness (:attr:`SandboxSpec.host_mounts`, ``host_ports``): its host install bound read-only
+  (``-v HOST:INSIDE:ro``), and the rollout actor's endpoint port served on the container's own loopback
+  by :class:`~t1async.envs.sandboxes.loopback_relay.LoopbackRelay` (the container's network is unchanged).
+* :meth:`close`: the relay, then ``<engine> rm -f`` (the sidecars, then the container and every process in it).
 
 What the agent sees is what the task's author built: any path writable, the image's tools and
 users. ``/app``, ``/tests`` and ``/logs`` are created at start; the tests are copied in only at

@@ -9,7 +9,8 @@ byte, to ``127.0.0.1:PORT`` of the host. So the harness uses the same URL as in 
 container gains exactly that one port and nothing else (no route, no DNS, no other host port).
 
 Needs ``CAP_SYS_ADMIN`` over the container's network namespace: t1async as host root with a rootful engine
-(this machine). :func:`check_relay_possible` says in one line why not otherwise.
+(this machine); the rollout actor refuses a harness in a container otherwise, at start
+(t1async/rollout/harnesses.py ``check_sandbox``).
 """
 
 from __future__ import annotations
@@ -29,16 +30,6 @@ CLONE_NEWNET = 0x40000000
 
 CHUNK = 65536
 """Bytes read per ``recv`` by a relay pump."""
-
-
-def check_relay_possible() -> str:
-    """"" when this process can enter another network namespace (root: ``CAP_SYS_ADMIN``), else one line
-    naming why not and what to do."""
-    if not hasattr(os, "geteuid") or os.geteuid() != 0:
-        return ("entering the container's network namespace to serve the endpoint there needs root (CAP_SYS_ADMIN) and "
-                "a rootful engine; run the rollout actors as root, or use env.sandbox=local (bubblewrap) with "
-                "env.network=on")
-    return ""
 
 
 def _setns(path: str) -> None:
@@ -83,7 +74,7 @@ def listen_in_namespace(netns: str, port: int, host: str = "127.0.0.1") -> socke
     thread.join()
     if "socket" not in made:
         raise SandboxError(f"could not serve {host}:{port} inside the network namespace {netns}: {made.get('error')}; "
-                           f"{check_relay_possible() or 'is the container still running?'}")
+                           "it needs root (CAP_SYS_ADMIN) and a rootful engine; is the container still running?")
     return made["socket"]
 
 

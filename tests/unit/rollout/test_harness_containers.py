@@ -20,9 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from t1async.actors.rollout import RolloutActor, check_harness_sandbox
+from t1async.actors.rollout import RolloutActor
 from t1async.config import EnvConfig, GenerationConfig, ModelConfig, RolloutConfig, TransportConfig
-from t1async.envs.sandboxes import loopback_relay
 from t1async.envs.sandboxes.loopback_relay import LoopbackRelay
 from t1async.models.tokenizer import ChatTokenizer
 from t1async.rollout import harnesses, mini_swe_agent
@@ -154,12 +153,12 @@ def test_a_harness_that_cannot_reach_a_container_or_modal_is_refused_in_one_line
         pytest.skip("no harness is installed")
     with pytest.raises(ValueError, match=rf"^rollout.agent={name} cannot run in env.sandbox=modal: .*use "
                                          r"env.sandbox=container or local$"):
-        check_harness_sandbox(name, "modal")
-    check_harness_sandbox(name, "local")
-    monkeypatch.setattr(loopback_relay.os, "geteuid", lambda: 1000)
+        harnesses.check_sandbox(name, "modal")
+    harnesses.check_sandbox(name, "local")
+    monkeypatch.setattr(harnesses.os, "geteuid", lambda: 1000)
     with pytest.raises(ValueError, match=rf"^rollout.agent={name} in env.sandbox=container: entering the container's "
                                          r"network namespace .* needs root .*env.sandbox=local"):
-        check_harness_sandbox(name, "container")
+        harnesses.check_sandbox(name, "container")
     with pytest.raises(ValueError, match="needs root"):
         RolloutActor(0, EnvConfig(tasks=[TASK], sandbox="container"), GenerationConfig(), MODEL,
                      TransportConfig(curve=False), ["http://127.0.0.1:9"], "tcp://127.0.0.1:9",
