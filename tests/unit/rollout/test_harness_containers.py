@@ -23,6 +23,7 @@ import pytest
 from t1async.actors.rollout import RolloutActor
 from t1async.config import EnvConfig, GenerationConfig, ModelConfig, RolloutConfig, TransportConfig
 from t1async.envs.sandboxes.loopback_relay import LoopbackRelay
+from t1async.envs.terminal import TerminalEnv
 from t1async.models.tokenizer import ChatTokenizer
 from t1async.rollout import harnesses, mini_swe_agent
 from t1async.trajectory import decode, encode
@@ -48,11 +49,12 @@ def image():
 @pytest.mark.container
 @pytest.mark.skipif(not ROOT, reason="serving the endpoint inside a container's network namespace needs root")
 @pytest.mark.parametrize("name", ["codex", "claude-code", "mini-swe-agent", "terminus"])
-def test_a_named_harness_resolves_a_shipped_task_inside_a_container(tmp_path, image, name):
+def test_a_named_harness_resolves_a_shipped_task_inside_a_container(tmp_path, monkeypatch, image, name):
     """rollout.agent=<name>, env.sandbox=container: the harness runs inside the task's container (its install
     borrowed read-only, the endpoint's port relayed into the container's loopback), runs the task's oracle
-    commands through its own tool (terminus: as keystrokes into tmux, the host's tmux when the image has none),
-    and the task's verifier resolves it; the trajectory is exact (drift 0) and records its agent."""
+    commands through its own tool (terminus: as keystrokes into tmux, the host's tmux: the image has none),
+    and the task's verifier resolves it; the trajectory is exact (drift 0) and records its agent. The
+    container's network stayed the task's (only ``lo``)."""
     h = harnesses.HARNESSES[name]
     if shutil.which(h.binary) is None:
         pytest.skip(f"{h.binary} is not installed: {h.install}")
@@ -61,6 +63,15 @@ def test_a_named_harness_resolves_a_shipped_task_inside_a_container(tmp_path, im
     actor = RolloutActor(0, env_cfg, GenerationConfig(max_new_tokens=256), MODEL, TransportConfig(curve=False),
                          ["http://127.0.0.1:9"], "tcp://127.0.0.1:9", rollout_cfg=RolloutConfig(agent=name),
                          work_root=str(tmp_path / "work"))
+    seen: dict[str, str] = {}
+    verify = TerminalEnv.verify
+
+    def look_then_verify(env):  # the container as the harness left it, before the verifier
+        seen["net"] = env.sandbox.exec("tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' '").output.split()
+        seen["tmux"] = env.sandbox.exec("command -v tmux; ls /tmp/t1async-harness/bin 2>/dev/null").output.split()
+        return verify(env)
+
+    monkeypatch.setattr(TerminalEnv, "verify", look_then_verify)
     if name == "terminus":
         policy = actor.sampler = TerminusPolicy(TOK, commands)
     else:
@@ -78,6 +89,9 @@ def test_a_named_harness_resolves_a_shipped_task_inside_a_container(tmp_path, im
     assert traj.drift_tokens == 0 and traj.agent == name
     assert len(traj.turn_offsets) == len(commands) + (2 if name == "terminus" else 1)
     assert traj.token_ids.tolist() == policy.calls[-1] + policy.outputs[-1]
+    assert seen["net"] == ["lo"]  # --network=none kept: the endpoint came through the relay
+    if name == "terminus":  # the image has no tmux: the wrapper of the host's ran it
+        assert seen["tmux"] == ["tmux"]
 
 
 # ---------------------------------------------------------------- the relay, without an engine
