@@ -245,15 +245,17 @@ def in_container(plan: ContainerPlan, command: str) -> str:
 
 
 def check_sandbox(name: str, sandbox: str) -> None:
-    """Refuse, in one line, the installed harness ``name`` where it cannot run in the ``sandbox`` backend
-    (``env.sandbox``): in ``container``, an install that cannot be lent (:func:`container_plan`) or a process
-    that cannot serve the endpoint inside the container's network namespace (not root:
-    t1async/envs/sandboxes/loopback_relay.py needs CAP_SYS_ADMIN and a rootful engine); ``modal`` (neither the
-    host's install nor the rollout actor's loopback reaches a Modal sandbox). ``local`` needs nothing more.
+    """Refuse, in one line, the harness ``name`` when it is not installed (:func:`harness`: its install command), or
+    where it cannot run in the ``sandbox`` backend (``env.sandbox``): in ``container``, an install that cannot be
+    lent (:func:`container_plan`) or a process that cannot serve the endpoint inside the container's network
+    namespace (not root: t1async/envs/sandboxes/loopback_relay.py needs CAP_SYS_ADMIN and a rootful engine);
+    ``modal`` (neither the host's install nor the rollout actor's loopback reaches a Modal sandbox). ``local``
+    needs nothing more.
 
     Raises:
         ValueError: the reason and what to do.
     """
+    harness(name)
     if sandbox == "modal":
         raise ValueError(f"rollout.agent={name} cannot run in env.sandbox=modal: the harness's install and the rollout "
                          "actor's endpoint (its loopback) do not reach a Modal sandbox; use env.sandbox=container or local")
