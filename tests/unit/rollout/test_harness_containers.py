@@ -135,7 +135,7 @@ def test_the_relay_serves_one_host_port_inside_a_namespace_without_network(tmp_p
 
         def fetch(p: int) -> str:
             done = subprocess.run(["nsenter", f"--net={netns}", "python3", "-c", FETCH, f"http://127.0.0.1:{p}/x"],
-                                  capture_output=True, text=True, timeout=60)
+                                  capture_output=True, text=True, timeout=180)
             return done.stdout.strip()
 
         assert fetch(port).startswith("refused")  # nothing there before the relay
