@@ -211,6 +211,11 @@ def host_libraries(binary: Path) -> tuple[str, list[tuple[str, Path]]]:
     return loader, out
 
 
+NO_PYTHON = ("terminus: the image has no python3 to run the harness with; add to the task's Dockerfile: "
+             "RUN apt-get update && apt-get install -y python3")
+"""What the terminus prelude says (exit status 127) in a container whose image has no ``python3``."""
+
+
 def _tmux_plan(h: Harness) -> ContainerPlan:
     """terminus: the image's tmux when it has one; else the host's tmux run by the image's loader with the
     host libraries it needs beyond glibc (libevent, libutempter, libtinfo) as its library path, so nothing
@@ -220,7 +225,8 @@ def _tmux_plan(h: Harness) -> ContainerPlan:
     loader, libs = host_libraries(tmux)
     mounts = [(str(tmux), f"{BORROWED}/tmux/tmux")] + [(str(path), f"{BORROWED}/tmux/lib/{name}") for name, path in libs]
     wrapper = (f'#!/bin/sh\nexec {loader} --library-path {BORROWED}/tmux/lib {BORROWED}/tmux/tmux "$@"\n')
-    prelude = (f"if ! command -v tmux >/dev/null 2>&1; then mkdir -p {HOME}/bin && printf {shlex.quote(wrapper)} > "
+    prelude = (f"command -v python3 >/dev/null 2>&1 || {{ echo {shlex.quote(NO_PYTHON)}; exit 127; }}\n"
+               f"if ! command -v tmux >/dev/null 2>&1; then mkdir -p {HOME}/bin && printf {shlex.quote(wrapper)} > "
                f"{HOME}/bin/tmux && chmod +x {HOME}/bin/tmux && export PATH={HOME}/bin:$PATH; fi")
     return ContainerPlan(tuple(mounts), prelude)
 

@@ -197,3 +197,15 @@ def test_mini_swe_agent_on_the_system_python_is_refused_for_containers(monkeypat
             harnesses.container_plan("mini-swe-agent")
     finally:
         harnesses.container_plan.cache_clear()
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+def test_terminus_in_an_image_without_python3_says_what_to_add_in_one_line(tmp_path):
+    """The terminus prelude in a container whose image has no python3 (here: a bash whose PATH has none) prints
+    one line naming the Dockerfile line to add and exits 127 before the harness starts."""
+    plan = harnesses.container_plan("terminus")
+    line = harnesses.in_container(plan, "echo the-harness-ran")
+    done = subprocess.run(["/bin/bash", "-c", line], env={"PATH": str(tmp_path)}, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 127 and done.stdout.splitlines() == [harnesses.NO_PYTHON]
+    assert "apt-get install -y python3" in harnesses.NO_PYTHON
