@@ -36,7 +36,7 @@ from t1async.fileio import claim_folder, dead_owner_folders, free_bytes, is_disk
 from t1async.models.families import load_renderer
 from t1async.rollout.agent_mix import AgentMix
 from t1async.rollout.episode import run_episode
-from t1async.rollout.harnesses import HARNESSES, harness
+from t1async.rollout.harnesses import HARNESSES, check_sandbox
 from t1async.sampling.sampler_client import HttpSampler, RoutedSampler
 from t1async.trajectory import EncodedTrajectory, Trajectory
 from t1async.transport.transport import TrajectorySender, ZmqSender
@@ -94,7 +94,7 @@ class RolloutActor:
 
             for name in self.agents.names:
                 if name in HARNESSES:
-                    harness(name)  # one line naming the install command when missing
+                    check_sandbox(name, env_cfg.sandbox)  # one line: not installed (its install), or not in that sandbox
 
             self.endpoint = OpenAIEndpoint(self.tokenizer)
         self._audit = None

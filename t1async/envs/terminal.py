@@ -187,6 +187,8 @@ class TerminalEnv:
         """The shell's starting folder: the Dockerfile's last WORKDIR (set by reset())."""
         self.env: dict[str, str] = {}
         """The shell's starting environment (the sandbox's plus the task's ENV), set by reset()."""
+        self.host_mounts: tuple[tuple[str, str], ...] = ()
+        self.host_ports: tuple[int, ...] = ()
 
     @classmethod
     def from_config(cls, task: Task, root: Path, env_cfg) -> TerminalEnv:
@@ -198,6 +200,17 @@ class TerminalEnv:
                    max_output_bytes=env_cfg.max_output_bytes, verifier_timeout_s=env_cfg.verifier_timeout_s or None,
                    limits=task_limits(task, base), container=env_cfg.container,
                    keep_agent_processes=env_cfg.keep_agent_processes, network=getattr(env_cfg, "network", "task"))
+
+    @property
+    def lends_host(self) -> bool:
+        """Whether this backend runs a named harness with what it borrows of the host (:meth:`lend_host`):
+        ``container``. ``local`` (bubblewrap) shares the host's ``/usr`` and Python already."""
+        return bool(getattr(SANDBOXES[self.sandbox_name], "lends_host", False))
+
+    def lend_host(self, mounts: tuple[tuple[str, str], ...], ports: tuple[int, ...]) -> None:
+        """From the next :meth:`reset` on, bind ``mounts`` ((host path, path inside) pairs) read-only into the
+        sandbox and serve the host loopback ``ports`` on its loopback (see :class:`SandboxSpec`)."""
+        self.host_mounts, self.host_ports = tuple(mounts), tuple(ports)
 
     @property
     def workspace(self) -> Path:
@@ -241,7 +254,7 @@ class TerminalEnv:
             limits=self.limits, workdir=workdir if not builds else "/app", dockerfile=self.task.dockerfile,
             context_dir=self.task.context_dir, docker_image=self.task.docker_image, name=self.task.name,
             container=self.container, log_dir=self.log_dir, writable=self._writable(builds),
-            services=tuple(self.task.services),
+            services=tuple(self.task.services), host_mounts=self.host_mounts, host_ports=self.host_ports,
         )
         needs = self.task.verifier_needs
         if builds and needs is not None:

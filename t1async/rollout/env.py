@@ -62,7 +62,11 @@ class Env(Protocol):
         the episode's time budget: its own commands then reach the task's files."""
 
     def close(self) -> None:
-        """Remove the sandbox."""
+        """Remove the sandbox.
+
+        An Env whose sandbox does not see the host's files (``container``) may also have ``lends_host`` (True) and
+        ``lend_host(mounts, ports)``, called before :meth:`reset` for a named harness (see
+        ``t1async.envs.terminal.TerminalEnv.lend_host``); the episode code looks for them with ``getattr``."""
 
 
 class TaskInfo(Protocol):

@@ -156,6 +156,12 @@ class SandboxSpec:
         services: the task's extra compose services (:class:`ServiceSpec`), started beside the
             agent's container by the ``container`` backend (the ``local`` backend refuses such
             tasks).
+        host_mounts: (host path, path inside) pairs the ``container`` backend binds read-only: what a named
+            harness borrows of the host (t1async/rollout/harnesses.py :func:`container_plan`). Other backends
+            ignore it (bubblewrap shares ``/usr`` and the Python already).
+        host_ports: host loopback TCP ports the ``container`` backend serves on the container's own loopback
+            at the same numbers (:mod:`t1async.envs.sandboxes.loopback_relay`): the rollout actor's agent
+            endpoint, for a named harness. The container's network is otherwise unchanged.
     """
 
     episode_dir: Path
@@ -176,6 +182,8 @@ class SandboxSpec:
     verifier_requirements: tuple[str, ...] | None = None
     verifier_optional_debs: tuple[tuple[str, ...], ...] = ()
     services: tuple[ServiceSpec, ...] = ()
+    host_mounts: tuple[tuple[str, str], ...] = ()
+    host_ports: tuple[int, ...] = ()
 
 
 @runtime_checkable

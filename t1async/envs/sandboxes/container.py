@@ -30,7 +30,10 @@ Lifecycle:
   process limits apply to each), its name mapped to
   127.0.0.1 in the agent's ``/etc/hosts``; when the agent's service ``depends_on`` one with
   ``condition: service_healthy``, start waits for its health check (run inside it) to pass.
-* :meth:`close`: ``<engine> rm -f`` (the sidecars, then the container and every process in it).
+* A named harness (:attr:`SandboxSpec.host_mounts`, ``host_ports``): its host install bound read-only
+  (``-v HOST:INSIDE:ro``), and the rollout actor's endpoint port served on the container's own loopback
+  by :class:`~t1async.envs.sandboxes.loopback_relay.LoopbackRelay` (the container's network is unchanged).
+* :meth:`close`: the relay, then ``<engine> rm -f`` (the sidecars, then the container and every process in it).
 
 What the agent sees is what the task's author built: any path writable, the image's tools and
 users. ``/app``, ``/tests`` and ``/logs`` are created at start; the tests are copied in only at
@@ -60,6 +63,7 @@ from ..images.engine import ENGINE_CWD, BuildError, Engine, ca_mounts, resolve_e
 from ..images.task_images import ensure_task_image, ensure_verifier_image
 from ..protocol import CommandResult, SandboxError, SandboxSpec, ServiceSpec, split_root
 from .limits import LimitGroup
+from .loopback_relay import LoopbackRelay
 from .shell_io import (
     EOF,
     KILL_SCRIPT,
@@ -177,6 +181,8 @@ class ContainerSandbox:
     """
 
     builds_image = True
+    lends_host = True
+    """It binds :attr:`SandboxSpec.host_mounts` and relays :attr:`SandboxSpec.host_ports` (a named harness)."""
     verifier_layer = True
     """The episode code stages the container flavour of the test script (see :mod:`t1async.envs.taskio.adapt`)."""
 
@@ -204,6 +210,9 @@ class ContainerSandbox:
         self._service_images: list[str] = []
         self._services: list[str] = []
         """Names of the running sidecar containers (removed before the main one)."""
+        self._pid = ""
+        """Host pid of the container's main process (after start)."""
+        self._relay: LoopbackRelay | None = None
 
     @classmethod
     def from_spec(cls, spec: SandboxSpec) -> ContainerSandbox:
@@ -274,10 +283,18 @@ class ContainerSandbox:
             args += ["--ulimit", f"fsize={size}:{size}"]
         if limits.cpu_time_s:
             args += ["--ulimit", f"cpu={int(limits.cpu_time_s)}:{int(limits.cpu_time_s) + 1}"]
+        for host, inside in spec.host_mounts:
+            args += ["-v", f"{host}:{inside}:ro"]
         args += ["--entrypoint", "/bin/sh", self.image, "-c", KEEPER]
         self.engine.run(*args, timeout_s=self.cfg.start_timeout_s)
         self.timings["run"] = time.monotonic() - started
         self._watch_cgroups()
+        if spec.host_ports:
+            if not self._pid.isdigit():
+                raise SandboxError(f"container {self.name}: its main process is not visible from here "
+                                   f"(inspect gave {self._pid!r}): cannot serve the agent endpoint inside it")
+            self._relay = LoopbackRelay(f"/proc/{self._pid}/ns/net", spec.host_ports)
+            self._relay.start()
         self._exec_simple(["sh", "-c", "mkdir -p /app /tests /logs/verifier"], user="0")
 
     def _run_services(self) -> None:
@@ -336,7 +353,7 @@ class ContainerSandbox:
         """Find the container's pids/memory cgroup v1 folders on the host, for refusal notes."""
         assert self.engine is not None
         out = self.engine.run("inspect", "--format", "{{.State.Pid}}", self.name, check=False, timeout_s=30)
-        pid = out.stdout.decode().strip()
+        pid = self._pid = out.stdout.decode().strip()
         groups: dict[str, Path] = {}
         try:
             lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
@@ -406,8 +423,11 @@ class ContainerSandbox:
         close_pipes(proc)
 
     def close(self) -> None:
-        """Remove the container (every process in it) and stop the shell's client. Idempotent."""
+        """Remove the container (every process in it), its endpoint relay, and stop the shell's client. Idempotent."""
         self._stop_shell()
+        relay, self._relay = self._relay, None
+        if relay is not None:
+            relay.close()
         name, self.name = self.name, ""
         services, self._services = self._services, []
         if self.engine is None:
@@ -434,7 +454,9 @@ class ContainerSandbox:
         return {"processes": f"{engine} --pids-limit (cgroup pids)", "memory": f"{engine} --memory (cgroup memory)",
                 "cpu": f"{engine} --cpus (cgroup cpu quota)", "cpu_time": "RLIMIT_CPU (--ulimit cpu)",
                 "file_size": "RLIMIT_FSIZE (--ulimit fsize)", "disk": "RLIMIT_FSIZE only",
-                "network": "none" if not self.spec.allow_network else "engine default"}
+                "network": ("none" if not self.spec.allow_network else "engine default")
+                + (f" + host loopback port(s) {', '.join(map(str, self.spec.host_ports))} relayed"
+                   if self.spec.host_ports else "")}
 
     # ----------------------------------------------------------------------------- commands
 

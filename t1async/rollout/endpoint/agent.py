@@ -36,6 +36,7 @@ import threading
 import time
 from pathlib import Path
 from typing import Callable
+from urllib.parse import urlsplit
 
 from loguru import logger
 
@@ -47,7 +48,7 @@ from t1async.rollout.endpoint.server import OpenAIEndpoint
 from t1async.rollout.endpoint.session import SessionLimits
 from t1async.rollout.env import Env, TaskInfo
 from t1async.rollout.episode import EpisodeBuilder, EpisodeError, context_limit
-from t1async.rollout.harnesses import HARNESSES, Harness, harness
+from t1async.rollout.harnesses import HARNESSES, ContainerPlan, Harness, container_plan, harness, in_container
 from t1async.sampling.sampler_client import Sampler
 from t1async.trajectory import HISTORY_BREAK, TOOL_CALL_CODES, TURN_ABORTED, TURN_LENGTH_CUT, TURN_OK, Trajectory
 
@@ -119,6 +120,11 @@ def run_agent_episode(task: TaskInfo, env: Env, sampler: Sampler, tokenizer: Cha
         SandboxError: the sandbox could not start.
     """
     started = time.time()
+    agent = str(rollout_cfg.agent) if agent is None else agent
+    plan = None
+    if agent in HARNESSES and getattr(env, "lends_host", False):  # a container: the install and the endpoint lent
+        plan = container_plan(agent)
+        env.lend_host(plan.mounts, (int(urlsplit(endpoint.url).port or 0),))
     instruction = env.reset()
     budget = min(task.agent_timeout_s, env_cfg.episode_timeout_s)
     params = {"max_new_tokens": gen_cfg.max_new_tokens, "temperature": gen_cfg.temperature, "top_p": gen_cfg.top_p,
@@ -128,11 +134,10 @@ def run_agent_episode(task: TaskInfo, env: Env, sampler: Sampler, tokenizer: Cha
     session_url = f"{endpoint.url}/s/{session.token}"
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"agent-{actor_id}.log"
-    agent = str(rollout_cfg.agent) if agent is None else agent
     if agent in HARNESSES:
         try:
             returncode, finish = _run_harness(harness(agent), env, session, session_url,
-                                              instruction, log_path, started + budget)
+                                              instruction, log_path, started + budget, plan)
         finally:
             endpoint.close_session(session)
     else:
@@ -189,15 +194,17 @@ def _run_program(rollout_cfg: RolloutConfig, endpoint: OpenAIEndpoint, session, 
 
 
 def _run_harness(h: Harness, env: Env, session, session_url: str, instruction: str, log_path: Path,
-                 deadline: float) -> tuple[int | None, str]:
+                 deadline: float, plan: ContainerPlan | None = None) -> tuple[int | None, str]:
     """A named harness as one command inside the episode's sandbox (:meth:`Env.run_agent`, killed with
-    its processes at the deadline): (exit status, finish reason: ``agent_exit``, ``timeout``, or how the
-    session ended). The session is closed only after the harness command returned."""
+    its processes at the deadline; in a container, after ``plan``'s prelude): (exit status, finish reason:
+    ``agent_exit``, ``timeout``, or how the session ended). The session is closed only after the harness
+    command returned."""
     result: dict = {}
+    command = h.command(session_url, session.token, instruction)
 
     def run() -> None:
         try:
-            result["r"] = env.run_agent(h.command(session_url, session.token, instruction),
+            result["r"] = env.run_agent(in_container(plan, command) if plan is not None else command,
                                         max(1.0, deadline - time.time()))
         except Exception as e:  # the sandbox failed: the episode ends, its reason kept
             result["error"] = e
