@@ -17,7 +17,6 @@ from loguru import logger
 from torch import nn
 
 from t1async.learner.backend import ONE_PROCESS
-from t1async.learner.megatron.convert import CRITIC, POLICY
 from t1async.learner.megatron.families import (
     checkpoint_state,
     from_converter,
@@ -29,6 +28,7 @@ from t1async.learner.megatron.families import (
     to_converter,
     tp_partition,
 )
+from t1async.learner.megatron.families.convert import CRITIC, POLICY
 from t1async.learner.megatron.model import load_megatron, megatron_tensors
 from t1async.learner.megatron.ranks import from_bytes, gather_bytes, gather_tensors, scatter_bytes, to_bytes
 from t1async.models.families import checkpoint_rounds, save_model

@@ -15,7 +15,7 @@ import torch
 from test_learner import assert_same_metrics, weight_gap
 
 from t1async.config import GenerationConfig, LearnerConfig, ModelConfig, TransportConfig, WeightSyncConfig
-from t1async.learner.megatron.convert import CRITIC, POLICY, hf_to_megatron, megatron_to_hf, merge_tp, pack_qkv, shard_tp
+from t1async.learner.megatron.families.convert import CRITIC, POLICY, hf_to_megatron, megatron_to_hf, merge_tp, pack_qkv, shard_tp
 from t1async.learner.rl import routing_differs
 from t1async.learner.torch_backend import TorchBackend, ValueModel
 from t1async.models.logprobs import EMBEDDED, SGLANG, token_logprobs
