@@ -4,8 +4,9 @@ and chat template as ``model.path``, the megatron learner on two gloo ranks (exp
 behind SGLang's HTTP protocol, tcp + CurveZMQ; then a resume of its checkpoint on one rank. Only the GPU-only
 values of the file are swapped for CPU ones (tools/bench_cluster_rehearsal.py ``CPU``); the rest is as shipped.
 
-Measured on the shared 2-core machine at load 8-9: about 290 s (Ray nodes 60 s, run 1 125 s, run 2 105 s), over
-the 120 s a slow test should take; where the time goes is in docs/gpu.md."""
+Measured on the shared 2-core machine: about 290 s at load 8-9 (Ray nodes 60 s, run 1 125 s, run 2 105 s), 474-618 s
+at load 12-15, over the 120 s a slow test should take; where the time goes is in docs/gpu.md. Its timeouts (600 s
+per phase, 1800 s in all) leave x3 of the first figure."""
 
 from __future__ import annotations
 
