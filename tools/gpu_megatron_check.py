@@ -63,7 +63,7 @@ def _forward_parity(tb, mb, b: dict) -> dict:
 
 def parity_fp32(dev: torch.device) -> dict:
     from t1async.learner.megatron.backend import MegatronBackend, load_megatron
-    from t1async.learner.megatron.convert import CRITIC, hf_to_megatron
+    from t1async.learner.megatron.families.convert import CRITIC, hf_to_megatron
     from t1async.learner.torch_backend import TorchBackend
 
     cfg = LearnerConfig()

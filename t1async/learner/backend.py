@@ -207,6 +207,14 @@ class MasterWeightAdamW:
         return sd
 
     @torch.no_grad()
+    def sync_from_params(self) -> None:
+        """The float32 masters set to the parameters' values: after weights were loaded into the model behind the
+        optimiser's back (a checkpoint's critic, exact policy weights), so that the next step moves the loaded
+        weights instead of writing the masters of the weights before the load back into the model."""
+        for i in self._low:
+            self.masters[i].copy_(self.params[i])
+
+    @torch.no_grad()
     def load_state_dict(self, sd: dict) -> None:
         """AdamW's state, and the masters from ``sd["master_weights"]`` (else from the parameters).
 
@@ -286,6 +294,16 @@ class ShardedAdamW:
         for p in self.replicated:
             p.copy_(full[at:at + p.numel()].view_as(p))
             at += p.numel()
+
+    @torch.no_grad()
+    def sync_from_params(self) -> None:
+        """This rank's float32 shard (and the own weights' masters) set to the weights' values: see
+        :meth:`MasterWeightAdamW.sync_from_params` (without it the next step all-gathers the shard of the weights
+        before a load into every rank's weights)."""
+        self.own.sync_from_params()
+        if self.replicated:
+            lo = self.rank * self.per
+            self.shard.copy_(self._flat([p.detach() for p in self.replicated])[lo:lo + self.per])
 
     def state_dict(self) -> dict:
         return {"own": self.own.state_dict(), "shard": self.opt.state_dict(), "master_shard": self.shard.detach().clone(),

@@ -118,7 +118,8 @@ class TrainingLoop:
         version = timeline_version = 0
         if path is not None:
             if not self.backend.load_state(path):
-                logger.warning("{}/optimizers.pt was written by another learner backend: optimisers start fresh", path)
+                logger.warning("{}/optimizers.pt holds another learner backend's or another parallel layout's optimiser "
+                               "state: the weights resume, the optimisers start fresh", path)
             st = read_trainer_state(path, pub.timeline, publish_every=self.cfg.publish_every)
             self.step, version, timeline_version = st.step, st.version, st.timeline_version
             self._consumed, self._task_rewards = st.consumed, st.group_rewards

@@ -282,4 +282,7 @@ class TorchBackend(AdamWPair):
             with torch.no_grad():
                 for name, p in params.items():
                     p.copy_(masters[name])
+        for o in (self.policy_opt, self.critic_opt):  # (weights loaded behind them: their float32 copies follow)
+            if o is not None:
+                o.sync_from_params()
         return self._load_optimizers(folder, opt)

@@ -119,6 +119,15 @@ def test_no_two_folders_import_each_other():
     assert folder_pairs(graph) == []
 
 
+def test_the_megatron_learner_and_its_families_folder_import_one_way():
+    """t1async/learner/megatron/families/ (every family's weight layouts, convert.py's qwen3_moe tables among them)
+    imports nothing of the learner package above it; the learner imports the families (issue 40: convert.py and
+    families/ imported each other)."""
+    _, graph = _graph()
+    nested = folder_pairs(graph, nested=True)
+    assert ("t1async.learner.megatron", "t1async.learner.megatron.families") not in nested, nested
+
+
 def test_the_folder_check_fails_on_a_back_arrow():
     """The check sees two folders importing each other: a learner module importing the service that
     imports the learner, and a task-I/O module importing the container images built on task I/O."""

@@ -2,7 +2,7 @@
 
 The interface is t1async/learner/backend.py; the models are built by t1async/learner/megatron/model.py (layer spec,
 routing replay, heads, CPU shims), their Hugging Face <-> Megatron weight layouts are
-t1async/learner/megatron/convert.py, the processes of a multi-rank backend t1async/learner/megatron/ranks.py.
+t1async/learner/megatron/families/convert.py, the processes of a multi-rank backend t1async/learner/megatron/ranks.py.
 AdamW (float32 masters for 16-bit weights) and global-norm clipping are shared with the torch
 backend (t1async/learner/backend.py); with several data-parallel ranks the replicated weights'
 optimiser state is sharded (t1async/learner/backend.py ``ShardedAdamW``, ``learner.megatron.distributed_optimizer``).
@@ -14,7 +14,7 @@ the learner is rank 0; it starts ranks 1..N-1 as Ray actors, all join one torch.
 (gloo on CPU, nccl on CUDA) and Megatron's groups (T, S, expert_model_parallel_size=P; rank =
 tp_rank + T dp_rank + T P pp_rank), and each builds its GPTModels with its stage's L/S layers, its
 own E/P experts per MoE layer and its own 1/T slices (weights sent from rank 0, sliced by
-t1async/learner/megatron/convert.py). Every call is announced by rank 0 and run by every rank. Across the
+t1async/learner/megatron/families/convert.py). Every call is announced by rank 0 and run by every rank. Across the
 P expert-parallel ranks the data is split (data parallelism, as Megatron lays out EP within DP);
 the T tensor-parallel ranks and the S stages of one of them work on the same rows, while the
 learner's loop and the LearnerBackend interface stay as with one process.
@@ -96,8 +96,8 @@ from torch import nn
 
 from t1async.config import GenerationConfig, LearnerConfig, MegatronConfig, ModelConfig, tensor_parallel_sizes
 from t1async.learner.backend import AdamWPair, PolicyForward, ShardedAdamW, chunk_size
-from t1async.learner.megatron.convert import CRITIC, POLICY
 from t1async.learner.megatron.families import family_tp_sizes, moe_layer_pattern, to_converter, tp_partition
+from t1async.learner.megatron.families.convert import CRITIC, POLICY
 from t1async.learner.megatron.grads import clip_global_norm
 from t1async.learner.megatron.model import (  # noqa: F401  (re-exported)
     LayerRecompute,

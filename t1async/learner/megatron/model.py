@@ -1,7 +1,7 @@
 """Megatron-core 0.16.1 GPTModels for the ``megatron`` learner backend (t1async/learner/megatron/backend.py):
 the process set-up, the config, the layer spec, the heads, weight loading and replay rows.
 
-The Hugging Face <-> Megatron weight layouts are t1async/learner/megatron/convert.py. What it builds
+The Hugging Face <-> Megatron weight layouts are t1async/learner/megatron/families/convert.py. What it builds
 (facts in docs/gpu.md, read from megatron-core 0.16.1's sources):
 
 - the local layer spec (``get_gpt_layer_local_spec``, no Transformer Engine) with its core
@@ -51,9 +51,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from t1async.config import ModelConfig
-from t1async.learner.megatron.convert import CRITIC, POLICY
 from t1async.learner.megatron.families import hf_to_megatron, megatron_family, shard_tp
 from t1async.learner.megatron.families import qwen3_5_moe as q35
+from t1async.learner.megatron.families.convert import CRITIC, POLICY
 from t1async.learner.rl import fill_padding_routes
 
 try:

@@ -17,7 +17,6 @@ from loguru import logger
 from torch import nn
 
 from t1async.learner.backend import ONE_PROCESS
-from t1async.learner.megatron.convert import CRITIC, POLICY
 from t1async.learner.megatron.families import (
     checkpoint_state,
     from_converter,
@@ -29,6 +28,7 @@ from t1async.learner.megatron.families import (
     to_converter,
     tp_partition,
 )
+from t1async.learner.megatron.families.convert import CRITIC, POLICY
 from t1async.learner.megatron.model import load_megatron, megatron_tensors
 from t1async.learner.megatron.ranks import from_bytes, gather_bytes, gather_tensors, scatter_bytes, to_bytes
 from t1async.models.families import checkpoint_rounds, save_model
@@ -54,17 +54,20 @@ class MegatronState:
         ``expert_bias``; t1async/learner/megatron/model.py :func:`megatron_tensors`), detached, its own experts only."""
         return {n: p.detach() for n, p in megatron_tensors(model).items()}
 
-    def _gather_hf(self, role: str) -> dict[str, torch.Tensor] | None:
+    def _gather_hf(self, role: str, grads: bool = False) -> dict[str, torch.Tensor] | None:
         """The whole ``role`` model (policy or critic) in HF layout on rank 0 (the torch model's names:
         t1async/learner/megatron/families/ :func:`from_converter`), every rank's experts,
         tensor-parallel slices (:func:`merge_tp`) and pipeline stages gathered there; None on
-        followers."""
-        hf = self._gather_converter_names(role)
+        followers. ``grads``: the parameters' gradients instead (zeros where none), laid out as the weights."""
+        hf = self._gather_converter_names(role, grads)
         return None if hf is None else from_converter(self.model_cfg, hf)
 
-    def _gather_converter_names(self, role: str) -> dict[str, torch.Tensor] | None:
+    def _gather_converter_names(self, role: str, grads: bool = False) -> dict[str, torch.Tensor] | None:
         model, layout = (self.policy, POLICY) if role == "policy" else (self.critic, CRITIC)
         local = self.megatron_state(model)
+        if grads:
+            local = {k: (torch.zeros_like(v) if getattr(v, "grad", None) is None else v.grad.detach())
+                     for k, v in megatron_tensors(model).items()}
         n, tp, pp = self.expert_parallel, self.tensor_parallel, self.pipeline_parallel
         if self.world == 1:
             return megatron_to_hf(local, self.model_cfg, layout)
@@ -98,6 +101,12 @@ class MegatronState:
         """The policy's parameters under their HF names, as the torch backend publishes them: buffers (GLM's
         ``e_score_correction_bias``, never trained) are in checkpoints (:meth:`hf_state`), not in the publish."""
         return self.published(self.hf_state())
+
+    def hf_grads(self) -> dict[str, torch.Tensor]:
+        """The policy's gradients under the HF names of :meth:`hf_weights` (gathered as :meth:`hf_state`; zeros for a
+        parameter without one). Whole only after :meth:`step`'s clip has summed them over the ranks (read them then);
+        for parity checks (``t1async bench megatron-parity``)."""
+        return dict(self.published({k: v.contiguous() for k, v in self._call("gather_hf", "policy", True).items()}))
 
     @staticmethod
     def published(state: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
@@ -194,3 +203,6 @@ class MegatronState:
                                                      ep_size=self.expert_parallel, pp_rank=self.pp_rank,
                                                      pp_size=self.pipeline_parallel), layout, self.tp_rank,
                                       self.tensor_parallel, self.model_cfg))
+        opt = getattr(self, "policy_opt" if role == "policy" else "critic_opt", None)
+        if opt is not None:  # (a load after the optimisers were built: their float32 copies follow the weights)
+            opt.sync_from_params()

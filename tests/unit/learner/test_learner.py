@@ -852,6 +852,32 @@ def test_learner_wait_holds_the_publish_for_a_slow_episode_instead_of_dropping_i
         sampler.shutdown()
 
 
+def test_a_bfloat16_resume_with_fresh_optimisers_keeps_the_checkpoints_critic(tmp_path):
+    """The torch learner in bfloat16 resuming a checkpoint whose optimiser state it cannot take (another backend's):
+    the critic it loads after building its optimisers survives the next step (learning rate 0 for the policy, zero
+    gradients for the critic: no move) bit for bit; the float32 masters used to keep the critic of before the load and
+    the step rounded them back into it."""
+    from t1async.learner.torch_backend import TorchBackend
+
+    cfg = LearnerConfig()
+    torch.manual_seed(0)
+    first = TorchBackend(cfg, MODEL, GenerationConfig(), dtype=torch.bfloat16)
+    with torch.no_grad():
+        for p in first.critic.parameters():
+            p.add_(0.5)
+    first.save(tmp_path / "ckpt")
+    opt = torch.load(tmp_path / "ckpt" / "optimizers.pt", weights_only=True)
+    torch.save({**opt, "backend": "megatron"}, tmp_path / "ckpt" / "optimizers.pt")
+    torch.manual_seed(1)
+    second = TorchBackend(cfg, MODEL, GenerationConfig(), tmp_path / "ckpt", dtype=torch.bfloat16)
+    assert second.load_state(tmp_path / "ckpt") is False  # another backend's optimisers: fresh ones
+    want = {k: v.detach().clone() for k, v in first.critic.named_parameters()}
+    assert all(torch.equal(p, want[k]) for k, p in second.critic.named_parameters())
+    second.zero_grad()
+    second.step(policy=True, policy_lr=0.0)
+    assert all(torch.equal(p, want[k]) for k, p in second.critic.named_parameters())
+
+
 def test_16_bit_parameters_are_stepped_through_float32_master_weights():
     """bfloat16 parameters under AdamW at an RL learning rate: plain AdamW on them loses almost
     every update to rounding (the bug this optimiser fixes); MasterWeightAdamW's float32 masters

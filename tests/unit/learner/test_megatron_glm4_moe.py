@@ -17,7 +17,7 @@ from test_learner import assert_same_metrics, weight_gap
 
 from t1async.config import GenerationConfig, LearnerConfig, ModelConfig, TransportConfig, WeightSyncConfig
 from t1async.config.model_folder import resolve_model
-from t1async.learner.megatron.convert import CRITIC, POLICY, merge_tp, pack_qkv, shard_tp
+from t1async.learner.megatron.families.convert import CRITIC, POLICY, merge_tp, pack_qkv, shard_tp
 from t1async.learner.rl import routing_differs
 from t1async.learner.torch_backend import TorchBackend, ValueModel
 from t1async.models.families import load_model

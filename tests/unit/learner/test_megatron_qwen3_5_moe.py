@@ -14,7 +14,6 @@ import torch
 from test_learner import assert_same_metrics, weight_gap
 
 from t1async.config import GenerationConfig, LearnerConfig, TransportConfig, WeightSyncConfig
-from t1async.learner.megatron.convert import CRITIC, POLICY
 from t1async.learner.megatron.families import (
     from_converter,
     hf_to_megatron,
@@ -23,6 +22,7 @@ from t1async.learner.megatron.families import (
     shard_tp,
     to_converter,
 )
+from t1async.learner.megatron.families.convert import CRITIC, POLICY
 from t1async.learner.megatron.families.qwen3_5_moe import pack_gated_qkv
 from t1async.learner.rl import routing_differs
 from t1async.learner.torch_backend import TorchBackend, ValueModel

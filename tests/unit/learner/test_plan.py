@@ -21,7 +21,7 @@ from tests.support import FIXTURES
 
 megatron_backend = pytest.importorskip("t1async.learner.megatron.backend", reason="megatron-core is not installed")
 from t1async.learner.megatron import families  # noqa: E402
-from t1async.learner.megatron.convert import CRITIC, POLICY, hf_to_megatron, shard_tp  # noqa: E402
+from t1async.learner.megatron.families.convert import CRITIC, POLICY, hf_to_megatron, shard_tp  # noqa: E402
 
 REAL = FIXTURES / "real_configs"
 MODEL = ModelConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

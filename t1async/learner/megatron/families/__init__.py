@@ -1,7 +1,9 @@
 """Model families on the megatron learner beyond qwen3_moe: one module per ``model_type`` with what differs.
 
 ``qwen3_moe`` is the built-in path of t1async/learner/megatron/model.py (config, local layer spec) and
-convert.py (weights). Another family is a module here, registered in :data:`MEGATRON_FAMILIES`, providing:
+convert.py here (weights; the other families reuse its tables and tensor-parallel rules). This folder imports
+nothing of t1async/learner/megatron/ above it (the learner imports it, never the reverse). Another family is a
+module here, registered in :data:`MEGATRON_FAMILIES`, providing:
 
 - ``config_overrides(cfg) -> dict``: ``TransformerConfig`` keyword arguments over the built-in ones (refusing, in
   one ValueError line, what megatron-core cannot express); ``gpt_kwargs(cfg) -> dict``: ``GPTModel`` keyword
@@ -12,7 +14,7 @@ convert.py (weights). Another family is a module here, registered in :data:`MEGA
   expert parallelism use (per-expert names: ``...mlp.experts.{e}....``); ``checkpoint_state(sd)``: the torch
   model's state dict as the torch learner writes it without a source folder (its ``checkpoint_state_dict``);
 - optionally ``tp_split(cfg)``: the family's own tensor-parallel rule, a function of a Megatron weight name
-  (convert.py's :func:`~t1async.learner.megatron.convert.tp_partition` form, None to leave the name to convert.py's
+  (convert.py's :func:`~t1async.learner.megatron.families.convert.tp_partition` form, None to leave the name to convert.py's
   rules), and
   ``tp_sizes(cfg) -> dict``: the family's sizes ``learner.megatron.tensor_parallel`` must also divide.
 
@@ -26,9 +28,8 @@ from types import ModuleType
 import torch
 
 from t1async.config import ModelConfig
-from t1async.learner.megatron import convert
-from t1async.learner.megatron.convert import POLICY, Layout, TpSplit
-from t1async.learner.megatron.families import glm4_moe, qwen3_5_moe
+from t1async.learner.megatron.families import convert, glm4_moe, qwen3_5_moe
+from t1async.learner.megatron.families.convert import POLICY, Layout, TpSplit
 
 __all__ = ["MEGATRON_FAMILIES", "check_family", "checkpoint_state", "family_tp_sizes", "from_converter",
            "hf_to_megatron", "megatron_family", "megatron_to_hf", "merge_tp", "moe_layer_pattern", "shard_tp",
@@ -63,7 +64,7 @@ def moe_layer_pattern(cfg: ModelConfig) -> list[int]:
 
 def hf_to_megatron(sd: dict[str, torch.Tensor], cfg: ModelConfig, layout: Layout = POLICY,
                    **ranks: int) -> dict[str, torch.Tensor]:
-    """:func:`t1async.learner.megatron.convert.hf_to_megatron` of ``cfg``'s family (``ranks``: ep_rank, ep_size,
+    """:func:`t1async.learner.megatron.families.convert.hf_to_megatron` of ``cfg``'s family (``ranks``: ep_rank, ep_size,
     pp_rank, pp_size); ``sd`` in the converter's names (:func:`to_converter`)."""
     fam = megatron_family(cfg)
     return (fam.hf_to_megatron if fam is not None else convert.hf_to_megatron)(sd, cfg, layout, **ranks)
@@ -71,7 +72,7 @@ def hf_to_megatron(sd: dict[str, torch.Tensor], cfg: ModelConfig, layout: Layout
 
 def megatron_to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig, layout: Layout = POLICY,
                    **ranks: int) -> dict[str, torch.Tensor]:
-    """:func:`t1async.learner.megatron.convert.megatron_to_hf` of ``cfg``'s family (converter names out)."""
+    """:func:`t1async.learner.megatron.families.convert.megatron_to_hf` of ``cfg``'s family (converter names out)."""
     fam = megatron_family(cfg)
     return (fam.megatron_to_hf if fam is not None else convert.megatron_to_hf)(sd, cfg, layout, **ranks)
 
@@ -102,14 +103,14 @@ def _tp_split(cfg: ModelConfig | None) -> TpSplit | None:
 
 
 def tp_partition(name: str, layout: Layout = POLICY, cfg: ModelConfig | None = None):
-    """:func:`t1async.learner.megatron.convert.tp_partition` with ``cfg``'s family's own rule (``cfg`` None:
+    """:func:`t1async.learner.megatron.families.convert.tp_partition` with ``cfg``'s family's own rule (``cfg`` None:
     qwen3_moe's names only)."""
     return convert.tp_partition(name, layout, _tp_split(cfg))
 
 
 def shard_tp(sd: dict[str, torch.Tensor], layout: Layout, tp_rank: int, tp_size: int,
              cfg: ModelConfig | None = None) -> dict[str, torch.Tensor]:
-    """:func:`t1async.learner.megatron.convert.shard_tp` with ``cfg``'s family's own rule (see :func:`tp_partition`).
+    """:func:`t1async.learner.megatron.families.convert.shard_tp` with ``cfg``'s family's own rule (see :func:`tp_partition`).
 
     Raises:
         ValueError: as convert.py's (a rank out of range, a split size that does not divide).
@@ -119,7 +120,7 @@ def shard_tp(sd: dict[str, torch.Tensor], layout: Layout, tp_rank: int, tp_size:
 
 def merge_tp(parts: list[dict[str, torch.Tensor]], layout: Layout,
              cfg: ModelConfig | None = None) -> dict[str, torch.Tensor]:
-    """:func:`t1async.learner.megatron.convert.merge_tp` with ``cfg``'s family's own rule (see :func:`tp_partition`).
+    """:func:`t1async.learner.megatron.families.convert.merge_tp` with ``cfg``'s family's own rule (see :func:`tp_partition`).
 
     Raises:
         ValueError: the ranks hold different weight names.

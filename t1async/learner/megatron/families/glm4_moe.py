@@ -46,7 +46,7 @@ What megatron-core 0.16.1 cannot express, refused in one line by :func:`config_o
 - a ``rope_type`` other than ``default``, an activation other than SiLU.
 
 Weight names (one decoder layer i, Megatron prefix ``decoder.layers.{i - stage offset}.``; the projections,
-norms and experts as for qwen3_moe, t1async/learner/megatron/convert.py):
+norms and experts as for qwen3_moe, t1async/learner/megatron/families/convert.py):
 
 =============================================  ==================================================
 HF (per-expert checkpoint layout)              Megatron
@@ -75,8 +75,8 @@ import re
 import torch
 
 from t1async.config import ModelConfig
-from t1async.learner.megatron import convert
-from t1async.learner.megatron.convert import POLICY, Layout, layer_ranges, pack_qkv, unpack_qkv
+from t1async.learner.megatron.families import convert
+from t1async.learner.megatron.families.convert import POLICY, Layout, layer_ranges, pack_qkv, unpack_qkv
 from t1async.models.families import fuse_experts, unfuse_experts
 from t1async.models.hf_generic import config_from_hf
 
@@ -212,7 +212,7 @@ def hf_to_megatron(sd: dict[str, torch.Tensor], cfg: ModelConfig, layout: Layout
                    ep_size: int = 1, pp_rank: int = 0, pp_size: int = 1) -> dict[str, torch.Tensor]:
     """The Megatron state dict (parameters and the routers' ``expert_bias``) of one (expert, pipeline) rank from a
     full HF state dict in per-expert names (:func:`to_converter`); as
-    :func:`t1async.learner.megatron.convert.hf_to_megatron` for qwen3_moe, with GLM's dense layers, shared experts,
+    :func:`t1async.learner.megatron.families.convert.hf_to_megatron` for qwen3_moe, with GLM's dense layers, shared experts,
     qkv biases and expert bias (module docstring).
 
     Raises:

@@ -41,7 +41,7 @@ GatedDeltaNet's and attention's ``jit_fuser`` methods (``torch.compile`` in mega
 compiles C++ per shape) run uncompiled there. On a GPU nothing is shimmed: fla's kernels run.
 
 HF <-> Megatron names of layer i (``model.layers.{i}.`` / ``decoder.layers.{i - pp_offset}.``), beyond qwen3_moe's
-embedding, norms, router, head (t1async/learner/megatron/convert.py):
+embedding, norms, router, head (t1async/learner/megatron/families/convert.py):
 
 ==============================================  ================================================================
 HF (transformers ``Qwen3_5MoeForCausalLM``)     Megatron
@@ -83,8 +83,8 @@ from typing import Any
 import torch
 
 from t1async.config import ModelConfig
-from t1async.learner.megatron import convert
-from t1async.learner.megatron.convert import POLICY, Layout, TpSplit
+from t1async.learner.megatron.families import convert
+from t1async.learner.megatron.families.convert import POLICY, Layout, TpSplit
 from t1async.models.families import fuse_experts, unfuse_experts
 from t1async.models.qwen3_5_moe import Qwen35TextConfig, _l2norm, delta_rule, text_config
 
@@ -376,7 +376,7 @@ def checkpoint_state(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def hf_to_megatron(sd: dict[str, torch.Tensor], cfg: ModelConfig, layout: Layout = POLICY, *, ep_rank: int = 0,
                    ep_size: int = 1, pp_rank: int = 0, pp_size: int = 1) -> dict[str, torch.Tensor]:
-    """:func:`t1async.learner.megatron.convert.hf_to_megatron` with this family's layers
+    """:func:`t1async.learner.megatron.families.convert.hf_to_megatron` with this family's layers
     (:func:`hf_layer_to_megatron`: fused or per-expert routed experts alike).
 
     Raises:
@@ -404,7 +404,7 @@ def megatron_to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig, layout: Layout
 def tp_split(cfg: ModelConfig) -> TpSplit:
     """How tensor parallelism splits the family's own Megatron weights: a function of a weight name giving
     (dim, row sections each split on their own over the ranks, or False for one section) as
-    :func:`t1async.learner.megatron.convert.tp_partition` returns it, or None when the name is not one of the
+    :func:`t1async.learner.megatron.families.convert.tp_partition` returns it, or None when the name is not one of the
     family's split weights (qwen3_moe's rules then apply: ``linear_qkv``, ``linear_proj``, the MLPs, the
     vocabulary)."""
     return functools.partial(_tp_split, sections=_sections(text_config(cfg)))
