@@ -4,7 +4,8 @@
            a resume's run directory, init checkpoint, tokenizer, tasks, sandbox, port, keys) -> run directory
            (locked, never mixed with an earlier run) -> reaper -> Ray -> counts within the cluster's
            capacity (t1async/service/capacity.py)
-           -> samplers (HTTP, SGLang protocol) -> learner (ZeroMQ ROUTER, weight group, version 0)
+           -> samplers (HTTP, SGLang protocol) and, started alongside them, the learner (ZeroMQ ROUTER;
+              it joins the samplers' weight group once they serve: version 0)
            -> controller (admission, supervision, sampler routing) -> rollout actors (episodes -> ZeroMQ
               DEALER, ACKed) -> sampler pool (live sampler count, sampler restarts)
            -> service: control socket (status/stop/scale), learner restarts, status line, TensorBoard;
@@ -99,11 +100,8 @@ def launch(config_path: str | None, overrides: list[str] | tuple[str, ...] = ())
     roles: dict[str, Any] = {}
     control = pool = None
     try:
-        roles["samplers"], urls = start_samplers(cfg, actor, run_dir)
-        if cfg.sampler.backend == "sglang":  # processes, not Ray actors: stopped below
-            roles["sglang_servers"], roles["samplers"] = roles["samplers"], []
-        try:
-            roles["learner"], endpoint = start_learner(cfg, actor, run_dir, urls)  # publishes weight version 0
+        try:  # the learner starts alongside the samplers and publishes weight version 0 once they serve
+            roles["learner"], endpoint, urls = start_samplers_and_learner(cfg, actor, run_dir, roles)
         except LearnerStartFailed as e:
             summary["error"], summary["ended"] = str(e), "learner_failed_to_start"
             return summary
@@ -281,6 +279,38 @@ def saved_task_order(checkpoint: str | None) -> dict[str, Any] | None:
     return state
 
 
+def start_samplers_and_learner(cfg: Config, actor: Any, run_dir: Path, roles: dict[str, Any]) -> tuple[Any, str, list[str]]:
+    """The samplers and the learner, started side by side: embedded samplers and the learner actor
+    are created together (the learner builds its models while the samplers build theirs), then the
+    learner joins the samplers' weight group once they serve (:func:`join_learner`: weight version
+    0). SGLang servers (``sampler.backend=sglang``, processes) are started first, as before, the
+    learner after them. Fills ``roles`` with the samplers once they serve (``samplers``;
+    ``sglang_servers`` too for SGLang), so that launch's shutdown stops them should the learner fail.
+
+    Returns:
+        The learner's handle, its ZeroMQ endpoint, the samplers' URLs.
+
+    Raises:
+        LearnerStartFailed: as :func:`start_learner`.
+    """
+    if cfg.sampler.backend == "sglang":  # processes, not Ray actors: launch stops them
+        roles["sglang_servers"], urls = start_samplers(cfg, actor, run_dir)
+        roles["samplers"] = []
+        learner, endpoint = start_learner(cfg, actor, run_dir, urls)
+        return learner, endpoint, urls
+    samplers = [start_sampler(cfg, actor, i) for i in range(cfg.sampler.num_samplers)]
+    learner = create_learner(cfg, actor, run_dir)  # not waited for: it starts while the samplers do
+    logger.info("learner started alongside {} sampler(s)", len(samplers))
+    try:
+        urls = ray.get([s.url.remote() for s in samplers])
+    except BaseException:
+        _try(lambda: ray.kill(learner))  # (a sampler failed to start: launch raises Ray's error, as before)
+        raise
+    roles["samplers"] = samplers
+    logger.info("samplers serving: {}", ", ".join(urls))
+    return learner, join_learner(learner, urls, run_dir), urls
+
+
 def start_samplers(cfg: Config, actor: Any, run_dir: Path | None = None) -> tuple[list[Any], list[str]]:
     """M samplers (no weights until the learner publishes) and their URLs: embedded engines in Ray
     actors, or for ``sampler.backend=sglang`` SGLang servers (t1async/sampling/sglang_server.py: started
@@ -337,10 +367,26 @@ def start_learner(cfg: Config, actor: Any, run_dir: Path, urls: list[str]) -> tu
         LearnerStartFailed: any failure of the actor meanwhile, in one line (:func:`error_line`;
             the traceback is in ``RUN_DIR/logs/learner.log``), never Ray's multi-line error.
     """
-    learner = actor(Learner, "learner").remote(cfg.learner, cfg.model, cfg.transport, cfg.weight_sync, str(run_dir),
-                                               generation=cfg.generation, seed=cfg.run.seed,
-                                               torch_threads=cfg.run.torch_threads, sampler_backend=cfg.sampler.backend,
-                                               max_context_tokens=cfg.env.max_context_tokens)
+    learner = create_learner(cfg, actor, run_dir)
+    return learner, join_learner(learner, urls, run_dir)
+
+
+def create_learner(cfg: Config, actor: Any, run_dir: Path) -> Any:
+    """The learner actor, created and not waited for (its ``__init__`` runs in its own process);
+    :func:`join_learner` waits for it."""
+    return actor(Learner, "learner").remote(cfg.learner, cfg.model, cfg.transport, cfg.weight_sync, str(run_dir),
+                                            generation=cfg.generation, seed=cfg.run.seed,
+                                            torch_threads=cfg.run.torch_threads, sampler_backend=cfg.sampler.backend,
+                                            max_context_tokens=cfg.env.max_context_tokens)
+
+
+def join_learner(learner: Any, urls: list[str], run_dir: Path) -> str:
+    """Wait for ``learner`` (:func:`create_learner`) to start, join it to every sampler's weight
+    group with version 0 published; its ZeroMQ endpoint.
+
+    Raises:
+        LearnerStartFailed: as :func:`start_learner` (the actor is killed).
+    """
     try:
         endpoint = ray.get(learner.endpoint.remote())
         ray.get(learner.connect_samplers.remote(urls))
@@ -348,7 +394,7 @@ def start_learner(cfg: Config, actor: Any, run_dir: Path, urls: list[str]) -> tu
         _try(lambda: ray.kill(learner))
         raise LearnerStartFailed(f"the learner failed to start: {error_line(e)} (traceback in "
                                  f"{run_dir}/logs/learner.log)") from None
-    return learner, endpoint
+    return endpoint
 
 
 def restart_learner(cfg: Config, actor: Any, run_dir: Path, urls: list[str], endpoint: str) -> Any:

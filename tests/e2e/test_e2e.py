@@ -55,6 +55,9 @@ def test_launch_runs_the_whole_loop(tmp_path):
     # the injected crash was logged and the actor replaced; the run still finished
     assert summary["controller"]["crashes"] >= 1
     assert "crashed" in (run_dir / "logs" / "controller.log").read_text()
+    # the learner was started alongside the samplers, before they served (launch's start order)
+    log = (run_dir / "logs" / "t1async.log").read_text()
+    assert log.index("learner started alongside 2 sampler(s)") < log.index("samplers serving: http://"), log[-3000:]
     # trajectories crossed ZeroMQ intact, with routed experts [T-1, layers, top_k]
     dumped = sorted((run_dir / "trajectories").glob("*.traj"))
     assert len(dumped) == 3
