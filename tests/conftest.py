@@ -14,8 +14,18 @@ from __future__ import annotations
 import pytest
 
 
+RAY_FIXTURES = frozenset({"local_ray"})
+"""Fixtures that start a Ray of their own (the megatron learner's follower ranks are Ray actors): a test
+that uses one is ``slow`` by the marker's rule, wherever it lives."""
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
 def pytest_collection_modifyitems(config, items):
-    """Skip ``gpu`` tests where torch sees no CUDA device (the reason says so)."""
+    """Mark ``slow`` the tests that start Ray through a fixture (:data:`RAY_FIXTURES`); skip ``gpu`` tests
+    where torch sees no CUDA device (the reason says so)."""
+    for item in items:
+        if RAY_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
     gpu = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu:
         return
