@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import pytest
 
-
 RAY_FIXTURES = frozenset({"local_ray"})
 """Fixtures that start a Ray of their own (the megatron learner's follower ranks are Ray actors): a test
 that uses one is ``slow`` by the marker's rule, wherever it lives."""

@@ -36,6 +36,7 @@ from t1async.learner.megatron.plan import check_layout_fits
 from t1async.models.families import check_model_folder, check_sampler_names, load_renderer
 from t1async.models.tokenizer import check_model_vocab
 from t1async.rollout.conversation import template_tool_format
+from t1async.rollout.harnesses import HARNESSES, check_sandbox
 from t1async.sampling.sglang_server import check_logprob_env
 from t1async.service.rundir import earlier_run, history_overrides, resolve_run_dir
 from t1async.transport.keys import client_keys, server_keys
@@ -162,6 +163,7 @@ def check_inputs(cfg: Config) -> list[str]:
     if others:
         for module in ("fastapi", "uvicorn"):  # the endpoint's extra, before any process starts
             require_extra(module, "endpoint", f"rollout.agent {', '.join(others)}")
+    check_harnesses([a for a in others if a in HARNESSES], cfg.env.sandbox, str(cfg.env.network))
     if cfg.metrics.wandb:  # (its extra, before any process starts)
         require_extra("wandb", "wandb", "metrics.wandb=true")
     tasks = usable_tasks(cfg)
@@ -186,6 +188,28 @@ def check_inputs(cfg: Config) -> list[str]:
                        "metrics.jsonl); set rollout.group_size=4 or so", cfg.rollout.group_size)
     check_transport_auth(cfg)
     return [t.name for t in tasks]
+
+
+def check_harnesses(names: list[str], sandbox: str, network: str) -> None:
+    """Refuse, before any process starts, named harnesses (``rollout.agent``) that could not run one episode: not
+    installed, or not in this ``env.sandbox`` (:func:`~t1async.rollout.harnesses.check_sandbox`), or in a
+    bubblewrap sandbox without ``env.network=on`` (the harness reaches the rollout actor's endpoint on the host's
+    loopback; a sandbox without network has a loopback of its own). Without this the rollout actors refused to
+    start, or every episode failed with "connection refused", and the launch printed nothing about it.
+
+    Raises:
+        ConfigError: one line naming the harness, what is wrong and what to do.
+    """
+    for name in names:
+        try:
+            check_sandbox(name, sandbox)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    if names and sandbox == "local" and network != "on":
+        raise ConfigError(f"rollout.agent {', '.join(names)} with env.sandbox=local and env.network={network}: a "
+                          "harness reaches the rollout actor's endpoint on the host's loopback, which a bubblewrap "
+                          "sandbox has only with network; add env.network=on (or use env.sandbox=container, which "
+                          "keeps the task's network)")
 
 
 def usable_tasks(cfg: Config) -> list[Task]:

@@ -4,11 +4,13 @@ in tests/unit/learner/test_metrics_sinks.py and tests/unit/service/test_control_
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 
 import pytest
 
 from t1async.config import ConfigError, load_config
+from t1async.rollout import harnesses
 from t1async.rollout.agent_mix import AgentMix
 
 
@@ -41,7 +43,7 @@ def test_the_draw_follows_the_weights_and_repeats_with_the_seed():
     assert AgentMix("codex", seed=7, actor_id=0).draw() == "codex"
 
 
-def test_a_mix_with_an_agent_beside_builtin_needs_the_tool_call_vocabulary_at_launch():
+def test_a_mix_with_an_agent_beside_builtin_needs_the_tool_call_vocabulary_at_launch(monkeypatch):
     """Preflight: every agent but builtin talks to the endpoint in tool calls (ids 4096..4099), so a mix
     that holds one is refused on the default 4096-id model, naming the agents; builtin alone is not."""
     from t1async.service.preflight import check_inputs
@@ -53,5 +55,27 @@ def test_a_mix_with_an_agent_beside_builtin_needs_the_tool_call_vocabulary_at_la
     with pytest.raises(ConfigError, match=r"model.vocab_size \(rollout.agent claude-code\)"):  # (a harness alone too)
         check_inputs(load_config(local, ["rollout.agent=claude-code"]))
     assert check_inputs(load_config(local, ["rollout.agent={builtin: 3}", "env.tasks=[extract-tarball]"]))
+    monkeypatch.setattr(harnesses.shutil, "which", lambda name: f"/usr/bin/{name}")  # (installed or not here)
     assert check_inputs(load_config(local, ["rollout.agent={builtin: 3, codex: 1}", "model.vocab_size=4100",
-                                            "env.tasks=[extract-tarball]"]))
+                                            "env.network=on", "env.tasks=[extract-tarball]"]))
+
+
+def test_a_harness_that_could_not_run_an_episode_is_refused_at_launch_in_one_line(monkeypatch):
+    """Issue 43, tried as a new user: a harness with env.sandbox=modal made every rollout actor fail its start
+    and be restarted without end (27 restarts in 3 minutes, nothing on the console); one in a bubblewrap
+    sandbox without network failed 227 episodes in 2 minutes with "connection refused". Both, and a harness
+    not installed, are now refused before any process starts."""
+    from t1async.service.preflight import check_harnesses
+
+    installed = {"codex"}
+    monkeypatch.setattr(harnesses.shutil, "which", lambda name: f"/usr/bin/{name}" if name in installed else None)
+    for names, sandbox, network, expected in (
+            (["codex"], "modal", "on", "cannot run in env.sandbox=modal"),
+            (["codex"], "local", "task", "add env.network=on"),
+            (["codex"], "local", "off", "add env.network=on"),
+            (["claude-code"], "local", "on", "claude is not installed; install it with: npm install -g")):
+        with pytest.raises(ConfigError, match=re.escape(expected)) as e:
+            check_harnesses(names, sandbox, network)
+        assert "\n" not in str(e.value) and names[0] in str(e.value)
+    check_harnesses(["codex"], "local", "on")  # installed, with the host's loopback: runs
+    check_harnesses([], "local", "off")  # builtin and external need neither
