@@ -368,8 +368,8 @@ class RolloutConfig(Section):
     """Working folder of the agent program (empty: the folder ``t1async launch`` ran in)."""
     history_break: HistoryBreakAction = field(default=HistoryBreakAction.split, metadata=choice(
         HistoryBreakAction, "'split' (exact segments) or 'drop' (the episode)"))
-    """``rollout.agent: external``, when the agent re-sends a history that does not continue the
-    previous completion (edited, truncated, re-ordered): ``split`` (each exact segment becomes its
-    own trajectory with the episode's reward; earlier segments end with ``finish_reason``
+    """An agent on the endpoint (``rollout.agent: external`` or a named harness), when it re-sends a
+    history that does not continue the previous completion (edited, truncated, re-ordered): ``split``
+    (each exact segment becomes its own trajectory with the episode's reward; earlier segments end with ``finish_reason``
     ``history_break``) or ``drop`` (the episode is not trained; counted as a failed episode
     ``HistoryBreak``). Never re-tokenized either way."""
