@@ -69,6 +69,8 @@ class Harness:
         finish: the harness's output -> its own finish reason (None: the exit or the session's reason).
         turn_check: a turn's text -> the tool-call error reason it is marked with (None: usable); for a
             harness whose actions are text, not tool calls the endpoint parses.
+        first_request_tokens: about how many tokens its first request holds (its system prompt and tool
+            declarations, measured on the pinned version: docs/results/2026-12-07-mixed-agents.md); 0: small.
     """
 
     name: str
@@ -79,6 +81,7 @@ class Harness:
     command: Callable[[str, str, str], str]
     finish: Callable[[str], str | None] | None = None
     turn_check: Callable[[str], str | None] | None = None
+    first_request_tokens: int = 0
 
 
 def _codex(session_url: str, token: str, instruction: str) -> str:
@@ -111,9 +114,10 @@ def _terminus_finish(output: str) -> str | None:
 
 
 HARNESSES: dict[str, Harness] = {h.name: h for h in (
-    Harness("codex", "codex", "npm install -g @openai/codex@0.169.0", "responses", ("exec_command", "cmd"), _codex),
+    Harness("codex", "codex", "npm install -g @openai/codex@0.169.0", "responses", ("exec_command", "cmd"), _codex,
+            first_request_tokens=9_000),
     Harness("claude-code", "claude", "npm install -g @anthropic-ai/claude-code@2.1", "messages", ("Bash", "command"),
-            _claude),
+            _claude, first_request_tokens=27_000),
     Harness("mini-swe-agent", mini_swe_agent.BINARY, mini_swe_agent.INSTALL, "chat", mini_swe_agent.TOOL,
             partial(mini_swe_agent.command, home=HOME, model=MODEL)),
     Harness("terminus", "tmux", terminus.TMUX_INSTALL, "chat", ("", ""), _terminus, _terminus_finish, terminus.turn_problem),

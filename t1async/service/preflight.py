@@ -36,6 +36,7 @@ from t1async.learner.megatron.plan import check_layout_fits
 from t1async.models.families import check_model_folder, check_sampler_names, load_renderer
 from t1async.models.tokenizer import check_model_vocab
 from t1async.rollout.conversation import template_tool_format
+from t1async.rollout.episode import context_limit
 from t1async.rollout.harnesses import HARNESSES, check_sandbox
 from t1async.sampling.sglang_server import check_logprob_env
 from t1async.service.rundir import earlier_run, history_overrides, resolve_run_dir
@@ -163,7 +164,8 @@ def check_inputs(cfg: Config) -> list[str]:
     if others:
         for module in ("fastapi", "uvicorn"):  # the endpoint's extra, before any process starts
             require_extra(module, "endpoint", f"rollout.agent {', '.join(others)}")
-    check_harnesses([a for a in others if a in HARNESSES], cfg.env.sandbox, str(cfg.env.network))
+    check_harnesses([a for a in others if a in HARNESSES], cfg.env.sandbox, str(cfg.env.network),
+                    0 if cfg.model.path else context_limit(cfg.env, cfg.model))
     if cfg.metrics.wandb:  # (its extra, before any process starts)
         require_extra("wandb", "wandb", "metrics.wandb=true")
     tasks = usable_tasks(cfg)
@@ -190,12 +192,15 @@ def check_inputs(cfg: Config) -> list[str]:
     return [t.name for t in tasks]
 
 
-def check_harnesses(names: list[str], sandbox: str, network: str) -> None:
+def check_harnesses(names: list[str], sandbox: str, network: str, context: int = 0) -> list[str]:
     """Refuse, before any process starts, named harnesses (``rollout.agent``) that could not run one episode: not
     installed, or not in this ``env.sandbox`` (:func:`~t1async.rollout.harnesses.check_sandbox`), or in a
     bubblewrap sandbox without ``env.network=on`` (the harness reaches the rollout actor's endpoint on the host's
     loopback; a sandbox without network has a loopback of its own). Without this the rollout actors refused to
     start, or every episode failed with "connection refused", and the launch printed nothing about it.
+
+    A harness whose first request is larger than ``context`` (tokens; 0: unknown) would end every episode
+    ``context_full`` before its first completion: that is warned, one line per harness, and returned.
 
     Raises:
         ConfigError: one line naming the harness, what is wrong and what to do.
@@ -210,6 +215,13 @@ def check_harnesses(names: list[str], sandbox: str, network: str) -> None:
                           "harness reaches the rollout actor's endpoint on the host's loopback, which a bubblewrap "
                           "sandbox has only with network; add env.network=on (or use env.sandbox=container, which "
                           "keeps the task's network)")
+    warnings = [f"rollout.agent {name}: its first request holds about {HARNESSES[name].first_request_tokens:,} tokens "
+                f"and this run's context is {context:,}: every {name} episode will end context_full before its first "
+                "completion; raise model.max_position_embeddings (e.g. 65536)"
+                for name in names if context and HARNESSES[name].first_request_tokens > context]
+    for line in warnings:
+        logger.warning(line)
+    return warnings
 
 
 def usable_tasks(cfg: Config) -> list[Task]:

@@ -39,7 +39,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("t1async.envs",),  # an episode's environment (terminal), the verifier
     ("t1async.actors",),  # the Ray roles: wire a library object to Ray
     ("t1async.service", "t1async.commands"),  # launch, supervision; the other commands (eval, synth, sft, ...)
-    ("t1async.cli",),  # the console script
+    ("t1async.cli", "t1async.__main__"),  # the console script; python -m t1async
 ]
 """Layers, lowest first: a module may import its own layer and those below it, never one above.
 A module belongs to the layer of the longest prefix that names it."""

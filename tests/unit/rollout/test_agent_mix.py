@@ -77,5 +77,9 @@ def test_a_harness_that_could_not_run_an_episode_is_refused_at_launch_in_one_lin
         with pytest.raises(ConfigError, match=re.escape(expected)) as e:
             check_harnesses(names, sandbox, network)
         assert "\n" not in str(e.value) and names[0] in str(e.value)
-    check_harnesses(["codex"], "local", "on")  # installed, with the host's loopback: runs
+    assert check_harnesses(["codex"], "local", "on") == []  # installed, with the host's loopback: runs
     check_harnesses([], "local", "off")  # builtin and external need neither
+    # at the CPU default context (8,192) every codex episode ended context_full (a fresh user: 7 of 7): warned
+    [line] = check_harnesses(["codex"], "local", "on", context=8192)
+    assert "context_full" in line and "8,192" in line and "model.max_position_embeddings" in line
+    assert check_harnesses(["codex"], "local", "on", context=65536) == []

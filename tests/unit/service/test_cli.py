@@ -147,3 +147,15 @@ def test_overrides_may_follow_the_options(capsys):
         assert e.value.code == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "unrecognized arguments" in err, err
+
+
+def test_python_dash_m_t1async_is_the_t1async_command():
+    """``python -m t1async`` (a fresh user's first try without the script on PATH) ran nothing:
+    "No module named t1async.__main__"."""
+    out = subprocess.run([sys.executable, "-m", "t1async", "status", "/nonexistent-run"], capture_output=True,
+                         text=True, timeout=120, cwd=REPO)
+    direct = subprocess.run([sys.executable, "-m", "t1async.cli", "status", "/nonexistent-run"], capture_output=True,
+                            text=True, timeout=120, cwd=REPO)
+    assert "No module named" not in out.stderr
+    assert (out.returncode, out.stdout, out.stderr) == (direct.returncode, direct.stdout, direct.stderr)
+    assert out.returncode != 0 and out.stderr.strip()  # the same one-line refusal as the command's
