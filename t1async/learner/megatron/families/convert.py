@@ -199,6 +199,22 @@ _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight")
 
 
+def routed_expert_to_hf(rest: str, w: torch.Tensor, src: str, e0: int, out: dict[str, torch.Tensor]) -> bool:
+    """Put a routed expert's Megatron weight (``rest``: ``mlp.experts.local_experts.<j>.linear_fc1|2.weight``
+    of the layer whose HF prefix is ``src``) into ``out`` under its HF names: expert ``e0 + j``'s
+    ``gate_proj`` and ``up_proj`` (the halves of ``linear_fc1``'s rows, views) or ``down_proj``. Returns
+    whether ``rest`` was a routed expert's weight (every family's layer mapping shares this)."""
+    x = _EXPERT.fullmatch(rest)
+    if x is None:
+        return False
+    e = f"{src}mlp.experts.{e0 + int(x.group(1))}."
+    if x.group(2) == "linear_fc1":
+        out[e + "gate_proj.weight"], out[e + "up_proj.weight"] = w.chunk(2)
+    else:
+        out[e + "down_proj.weight"] = w
+    return True
+
+
 def megatron_to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig, layout: Layout = POLICY, *, ep_rank: int = 0,
                    ep_size: int = 1, pp_rank: int = 0, pp_size: int = 1,
                    layer: LayerToHf | None = None) -> dict[str, torch.Tensor]:
@@ -218,7 +234,6 @@ def megatron_to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig, layout: Layout
     t = layout.trunk
     back = {b: a for a, b in _SAME.items()}
     head = {b: a for a, b in layout.head.items()}
-    inter = cfg.moe_intermediate_size
     out: dict[str, torch.Tensor] = {}
     for name, w in sd.items():
         if name == "embedding.word_embeddings.weight":
@@ -239,13 +254,7 @@ def megatron_to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig, layout: Layout
                 q, k, v = unpack_qkv(w, cfg)
                 out[src + "self_attn.q_proj.weight"], out[src + "self_attn.k_proj.weight"] = q, k
                 out[src + "self_attn.v_proj.weight"] = v
-            elif (x := _EXPERT.fullmatch(rest)) is not None:
-                e = f"{src}mlp.experts.{e0 + int(x.group(1))}."
-                if x.group(2) == "linear_fc1":
-                    out[e + "gate_proj.weight"], out[e + "up_proj.weight"] = w[:inter], w[inter:]
-                else:
-                    out[e + "down_proj.weight"] = w
-            else:
+            elif not routed_expert_to_hf(rest, w, src, e0, out):
                 raise KeyError(f"no HF name for Megatron weight {name!r}")
         else:
             raise KeyError(f"no HF name for Megatron weight {name!r}")

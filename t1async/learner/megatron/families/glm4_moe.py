@@ -70,7 +70,6 @@ from __future__ import annotations
 
 import functools
 import json
-import re
 
 import torch
 
@@ -253,7 +252,6 @@ def hf_to_megatron(sd: dict[str, torch.Tensor], cfg: ModelConfig, layout: Layout
     return out
 
 
-_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight")
 
 
 def _layer_to_hf(cfg: ModelConfig, rest: str, w: torch.Tensor, src: str, e0: int, out: dict[str, torch.Tensor]) -> bool:
@@ -270,14 +268,8 @@ def _layer_to_hf(cfg: ModelConfig, rest: str, w: torch.Tensor, src: str, e0: int
             out[f"{src}self_attn.{p}_proj.{kind}"] = x if kind == "weight" else x[:, 0]
     elif rest in fc1:
         out[f"{src}{fc1[rest]}gate_proj.weight"], out[f"{src}{fc1[rest]}up_proj.weight"] = w.chunk(2)
-    elif (x := _EXPERT.fullmatch(rest)) is not None:
-        e = f"{src}mlp.experts.{e0 + int(x.group(1))}."
-        if x.group(2) == "linear_fc1":
-            out[e + "gate_proj.weight"], out[e + "up_proj.weight"] = w.chunk(2)
-        else:
-            out[e + "down_proj.weight"] = w
     else:
-        return False
+        return convert.routed_expert_to_hf(rest, w, src, e0, out)
     return True
 
 

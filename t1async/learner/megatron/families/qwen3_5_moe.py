@@ -77,7 +77,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import re
 from typing import Any
 
 import torch
@@ -110,7 +109,6 @@ _SAME = {  # per-layer names that only change their prefix (HF suffix -> Megatro
 }
 _BACK = {b: a for a, b in _SAME.items()}
 _IN_PROJ = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
-_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight")
 
 
 # ----------------------------------------------------------------------------- megatron-core config and spec
@@ -334,14 +332,8 @@ def megatron_layer_to_hf(rest: str, w: torch.Tensor, src: str, c: Qwen35TextConf
         out[src + "self_attn.v_proj.weight"] = v
     elif rest == "mlp.shared_experts.linear_fc1.weight":
         out[src + "mlp.shared_expert.gate_proj.weight"], out[src + "mlp.shared_expert.up_proj.weight"] = w.chunk(2)
-    elif (x := _EXPERT.fullmatch(rest)) is not None:
-        e = f"{src}mlp.experts.{e0 + int(x.group(1))}."
-        if x.group(2) == "linear_fc1":
-            out[e + "gate_proj.weight"], out[e + "up_proj.weight"] = w.chunk(2)
-        else:
-            out[e + "down_proj.weight"] = w
     else:
-        return False
+        return convert.routed_expert_to_hf(rest, w, src, e0, out)
     return True
 
 
