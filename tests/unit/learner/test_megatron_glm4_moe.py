@@ -48,6 +48,13 @@ def folders(tmp_path_factory):
             "ungrouped": glm4_folder(root / "ungrouped", n_group=1, topk_group=1)}
 
 
+GAP_TOL = 5e-5
+"""Largest relative gap between the torch and megatron backends' weights after one AdamW step. Float summation
+order differs between the two and between CPUs' kernels: 1.42e-5 on an AVX-512 host (2026-12-08), under 1e-5 on the
+hosts before it; Adam's first step is about lr * sign(grad), so a gradient entry near 0 moves its weight a whole
+step either way. The smallest move is 8.6e-4, 17x above this bound (the qwen3_5_moe parity uses the same)."""
+
+
 def _cfg(folder) -> ModelConfig:
     return resolve_model(ModelConfig(path=str(folder)))
 
@@ -262,7 +269,8 @@ def test_glm4_one_learner_step_matches_the_torch_backend_and_keeps_the_expert_bi
     rel, moved = weight_gap(wt, wm, before)
     print(f"glm4_moe: params after one step, max over tensors of |torch - megatron| / |torch| = {rel:.2e}; "
           f"smallest relative move {moved:.2e}")
-    assert rel < 1e-5 and moved > 1e-4  # every tensor moved (the routers, weights of std 1, by 8.6e-4 of their norm)
+    # every tensor moved (the routers, weights of std 1, by 8.6e-4 of their norm), both backends alike to GAP_TOL
+    assert rel < GAP_TOL and moved > 1e-4
     assert bt.keys() == bm.keys() == given.keys() and len(given) == 3
     assert all(torch.equal(bt[k], given[k]) and torch.equal(bm[k].cpu(), given[k]) for k in given)
 
@@ -399,7 +407,7 @@ def test_glm4_two_rank_learner_step_matches_the_torch_backend(folders, tmp_path,
     rel, moved = weight_gap(wt, wm, before)
     print(f"glm4_moe TP={tp} EP={ep} PP={pp}: params after one step, max over tensors of |torch - megatron| / |torch| "
           f"= {rel:.2e}; smallest relative move {moved:.2e}")
-    assert rel < 1e-5 and moved > 1e-4
+    assert rel < GAP_TOL and moved > 1e-4
 
 
 def test_glm4_float32_megatron_checkpoint_of_a_bfloat16_folder_resumes_its_exact_weights(tmp_path):
