@@ -87,6 +87,7 @@ def test_timeout_kills_the_process_tree(box):
     assert box.exec("echo still here").output.endswith("still here\n")
 
 
+@pytest.mark.slow
 def test_stuck_shell_is_replaced(box):
     result = box.exec("while :; do :; done", timeout_s=0.5)
     assert result.timed_out and "new shell was started" in result.output

@@ -87,6 +87,7 @@ def mode(request):
     return request.param
 
 
+@pytest.mark.slow
 def test_publish_in_buckets_then_generate_real_shapes(backend, mode):
     model = policy()
     sync = make_sync(mode, timeout_s=30, bucket_mb=0.05)  # ~50 KiB buckets: several per publish
@@ -129,6 +130,7 @@ def test_retired_weight_version_route_and_plain_text_flush(backend):
     assert "flushed" in flush_cache(backend.url).lower()
 
 
+@pytest.mark.slow
 def test_flush_cache_is_refused_while_a_request_runs(backend):
     model = policy()
     sync = DistributedWeightSync("gloo", timeout_s=30)
@@ -156,6 +158,7 @@ def test_flush_cache_is_refused_while_a_request_runs(backend):
         sync.close()
 
 
+@pytest.mark.slow
 def test_pause_holds_new_requests_until_continue(backend, mode):
     sync = make_sync(mode, timeout_s=30)
     sync.connect([backend.url])
@@ -175,6 +178,7 @@ def test_pause_holds_new_requests_until_continue(backend, mode):
         sync.close()
 
 
+@pytest.mark.slow
 def test_pause_abort_ends_a_running_sglang_request_and_the_client_resends_it():
     fake = make_fake(token_delay_s=0.02)
     try:
@@ -195,6 +199,7 @@ def test_pause_abort_ends_a_running_sglang_request_and_the_client_resends_it():
         fake.shutdown()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", [None, "minus_one", "out_of_range"])
 def test_missing_or_bad_routing_is_an_error_naming_the_server_flag(fault):
     fake = make_fake(enable_return_routed_experts=fault is not None, routing_fault=fault)
@@ -222,6 +227,7 @@ def test_fake_rejects_unknown_and_missing_fields_like_the_release_schema():
         fake.shutdown()
 
 
+@pytest.mark.slow
 def test_tp2_server_joins_with_sglang_recipe_next_to_tp1_and_embedded():
     """World = 1 learner + 2 (a TP=2 server: two processes joining with torch's own helper, ranks
     rank_offset + tp_rank) + 1 (TP=1 server) + 1 (embedded sampler): one gloo group, one publish."""
@@ -320,6 +326,7 @@ def test_tensor_publish_is_bitwise_and_the_sampler_generates_with_those_weights(
         emb.shutdown()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["shape", "name", "dtype"])
 def test_tensor_payload_with_a_bad_tensor_is_refused_naming_it_and_nothing_is_swapped(fault):
     """A bucket holding a tensor of the wrong shape, an unknown name or a non-float dtype: the
@@ -363,6 +370,7 @@ def test_tensor_payload_with_a_bad_tensor_is_refused_naming_it_and_nothing_is_sw
         fake.shutdown()
 
 
+@pytest.mark.slow
 def test_tensor_bodies_match_the_pinned_release_and_every_tp_rank_decodes_its_entry():
     """The fake records each /update_weights_from_tensor body: exactly the five fields t1async sends,
     all fields of the release's dataclass (required ones present), one serialized entry per TP rank

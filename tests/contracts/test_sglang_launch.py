@@ -35,6 +35,7 @@ def test_launch_starts_one_server_per_sampler_with_routing_on_and_stops_them(tmp
     assert all(p.poll() is not None for p in procs)
 
 
+@pytest.mark.slow
 def test_attach_waits_for_health_and_names_the_dead_server():
     fake = FakeSGLangServer(num_layers=2, top_k=2, num_experts=4, vocab_size=512)
     try:

@@ -16,6 +16,7 @@ def bench():
     return load_tool("bench_learning")
 
 
+@pytest.mark.slow
 def test_heldout_shares_no_instruction_command_sequence_or_files_with_training(tmp_path):
     b = bench()
     cfg = load_config(REPO / "configs" / "learning.yaml")
@@ -37,6 +38,7 @@ def test_heldout_shares_no_instruction_command_sequence_or_files_with_training(t
     assert split["heldout_per_family"]["grep-count"] == 3 and split["heldout"] == len(heldout)
 
 
+@pytest.mark.slow
 def test_rl_trains_only_on_measured_families_unless_asked_for_all(tmp_path):
     """--rl-families measured: RL's tasks are the families with held-out instances (make-executable
     has none); SFT still demonstrates every family."""
@@ -58,6 +60,7 @@ def test_families_whose_commands_do_not_fit_are_left_out():
     assert "slow-build" not in fit  # fits, but a timing family (t1async bench async) is left out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, message", [
     (["--seeds", "a,b"], "--seeds must be comma-separated integers"),
     (["--minutes", "0"], "--minutes and --eval-every must be positive"),

@@ -73,6 +73,7 @@ def test_tempered_nucleus_sampling_is_scored_under_the_same_processing():
         measure(load_config(CONFIG, [*TINY, "generation.temperature=0"]))
 
 
+@pytest.mark.slow
 def test_model_path_qwen3_5_moe_folder_tito_and_replay_agree(tmp_path):
     """model.path on a tiny random qwen3_5_moe folder (real Qwen3.5 tokenizer and template): the embedded
     sampler and the learner, both built by families.load_model at float32, agree on every sampled token."""

@@ -55,6 +55,7 @@ def test_unusable_demonstrations_are_skipped_and_counted(tmp_path):
     assert demos.skipped["wrong"].startswith("oracle unresolved: 1/2")
 
 
+@pytest.mark.slow
 def test_sft_fits_the_demonstrations_and_the_checkpoint_replays_them(tmp_path):
     root = tmp_path / "tasks"
     note_task(root, "note")

@@ -18,6 +18,7 @@ from tests.support.container_support import base_image
 CORPUS = FIXTURES / "corpus"
 
 
+@pytest.mark.slow
 def test_a_verifier_timeout_is_the_agents_failure_trained_as_reward_0(tmp_path):
     """Item 5: the tests wait for what the agent never made; the harness stops them at
     ``[verifier] timeout_sec`` and scores a failure. The episode gets reward 0 and no

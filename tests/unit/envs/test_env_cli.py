@@ -64,6 +64,7 @@ def test_eval_policy_runs_real_episodes(tmp_path, capsys):
     assert main(["eval", "--tasks", str(tasks), "--agent", f"policy:{tmp_path / 'missing'}"]) == 2
 
 
+@pytest.mark.slow
 def test_synth_every_family_validates(tmp_path, capsys):
     assert len(FAMILIES) >= 9
     for family in FAMILIES:

@@ -261,6 +261,7 @@ def test_validation_flags_a_noop_that_resolves(tmp_path):
     assert report.error is None and report.noop.resolved and not report.ok
 
 
+@pytest.mark.slow
 def test_verify_survives_a_shell_the_agent_broke(tmp_path):
     task = load_task(FIXTURES / "count-words")
     with TerminalEnv(task, root=tmp_path, command_timeout_s=1.0, verifier_timeout_s=20) as env:

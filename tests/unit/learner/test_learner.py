@@ -788,6 +788,7 @@ def test_a_resumed_learner_keeps_the_group_advantage_window(tmp_path):
         again.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rule", ["learner_wait", "learner_version"])
 def test_learner_wait_holds_the_publish_for_a_slow_episode_instead_of_dropping_it(tmp_path, rule):
     """Batch 1, bound 1, the real controller. A slow episode S starts at version 0 beside fast

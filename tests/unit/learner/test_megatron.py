@@ -463,6 +463,7 @@ def _ep_worker(rank: int, port: int, hf: dict, ids: torch.Tensor, replay: torch.
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_two_process_expert_parallel_gloo_matches_the_torch_model(tmp_path):
     """expert_parallel=2 over gloo on CPU: each process holds 2 of the 4 experts (the converter's
     EP offsets, on Megatron's real expert numbering); logits with and without replay and the
@@ -507,6 +508,7 @@ def test_megatron_sizes_that_do_not_divide_are_refused_with_the_reason():
         MegatronBackend(cfg, dataclasses.replace(MODEL, tie_word_embeddings=True), GenerationConfig())
 
 
+@pytest.mark.slow
 def test_bench_learner_reports_both_backends_on_the_same_step(capsys):
     from t1async.cli import main
 

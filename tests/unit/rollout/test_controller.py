@@ -98,6 +98,7 @@ def admission_bench() -> dict:
     return json.loads(out.stdout)
 
 
+@pytest.mark.slow
 def test_slow_tasks_keep_their_share_of_training(admission_bench):
     """3 fast tasks and one slow one (a long verifier), staleness bound 1: each task's share of the
     trajectories trained stays within 5 points of its share of the episodes started, with no
@@ -265,6 +266,7 @@ def test_every_admission_rule_is_a_config_value():
         load_config(None, ["rollout.admission=nope"])
 
 
+@pytest.mark.slow
 def test_a_controller_of_a_resumed_run_admits_only_the_bound_past_the_learners_position():
     """Issue 42 item 4: a resumed launch's new controller counted admissions from 0 while the learner
     resumed at timeline version 17, so (17 + 2 + 1) x R episodes were admitted at once at the old

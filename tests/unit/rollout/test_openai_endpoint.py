@@ -226,6 +226,7 @@ post(os.environ["T1ASYNC_DONE_URL"], {})
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("agent", ["example", "solver"])
 def test_rollout_actor_runs_an_external_agent_in_a_real_sandbox(sampler_url, tmp_path, agent):
     """RolloutActor with rollout.agent=external, a bubblewrap sandbox and the real sampler: the shipped
@@ -272,6 +273,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.slow
 def test_an_agent_that_overruns_the_time_budget_is_killed_and_its_episode_kept(endpoint, tmp_path):
     """The budget leaves room for `import openai` on a loaded machine (the agent must get its one
     request in before it hangs)."""

@@ -44,6 +44,7 @@ def _call_ids(r: ChatTemplateRenderer, command: str) -> list[int]:
     return [*r._encode_rendered("Running it.\n" + fmt.example("bash", {"command": command})), r.eos_ids[0]]
 
 
+@pytest.mark.slow
 def test_template_prompt_continuation_and_tool_calls(renderer):
     r = renderer
     turns = [_call_ids(r, "touch a"), [*r.encode("Done."), r.eos_ids[0]]]

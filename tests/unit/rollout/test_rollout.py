@@ -96,6 +96,7 @@ def test_episode_stream_is_exact_and_aligned(sampler_url, tmp_path):
     assert d.token_ids.tolist() == ids and d.actor_id == 7
 
 
+@pytest.mark.slow
 def test_rollout_actor_streams_over_zeromq(sampler_url, tmp_path):
     rx = ZmqReceiver("tcp://127.0.0.1:*")
 

@@ -141,6 +141,7 @@ def test_an_unusable_reply_is_an_error_observation_and_the_episode_goes_on(endpo
     assert traj.drift_tokens == 0
 
 
+@pytest.mark.slow
 @needs_tmux
 def test_a_key_name_presses_that_key_and_a_cleared_screen_is_shown_whole(endpoint, tmp_path):
     sampler = TextReplies(TOK, [_reply("sleep 30\n", duration=0.5), _reply("C-c", duration=0.5),
@@ -155,6 +156,7 @@ def test_a_key_name_presses_that_key_and_a_cleared_screen_is_shown_whole(endpoin
     assert seen[2].split("\n")[2:4] == ["Current terminal screen:", "after-clear"]  # (after the role line)
 
 
+@pytest.mark.slow
 @needs_tmux
 def test_a_shell_that_exits_is_replaced_and_the_model_told(endpoint, tmp_path):
     sampler = TextReplies(TOK, [_reply("exit\n", duration=0.5), _reply("echo back-$((1+1))\n", duration=1.0),
@@ -184,6 +186,7 @@ def test_a_claim_not_confirmed_in_the_next_reply_goes_on_and_the_turn_budget_end
     assert terminus.outcome(out.stdout)["ended"] == "timeout" and time.time() - started < 15
 
 
+@pytest.mark.slow
 @needs_tmux
 def test_a_long_output_is_cut_with_a_marker(endpoint, tmp_path):
     sampler = TextReplies(TOK, [_reply("seq 1 5000\n", duration=1.5), _reply(complete=True), _reply(complete=True)])
@@ -227,6 +230,7 @@ def _actor(tmp_path, **env):
                         work_root=str(tmp_path / "work"))
 
 
+@pytest.mark.slow
 @needs_tmux
 def test_terminus_resolves_a_shipped_task_through_tmux_keystrokes(tmp_path):
     """rollout.agent=terminus: the program runs inside the episode's bubblewrap sandbox, types the task's

@@ -45,6 +45,7 @@ def _machine(tmp_path: Path, folder: Path) -> list[str]:
             f"run.dir={tmp_path / 'run'}"]
 
 
+@pytest.mark.slow
 def test_cluster_yaml_passes_the_launch_preflight_on_a_model_folder(folder, tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(PKG), os.environ.get("PYTHONPATH", "")]))
     cfg, run_dir, tasks = preflight(str(CLUSTER), _machine(tmp_path, folder))

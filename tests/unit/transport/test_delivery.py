@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import msgpack
+import pytest
 import zmq
 
 from t1async.actors.learner import Learner
@@ -79,6 +80,7 @@ def fuzz_corpus(n_invalid: int, seed: int = 0) -> tuple[list[bytes], collections
     return invalid, fields, valid
 
 
+@pytest.mark.slow
 def test_fuzz_decoder_and_live_learner_socket(tmp_path):
     invalid, fields, valid = fuzz_corpus(10_000)
     assert len(invalid) == 10_000 and len(fields) >= 10  # many different fields were hit
@@ -169,6 +171,7 @@ def _steps(run_dir: Path) -> list[int]:
     return [json.loads(x)["step"] for x in path.read_text().splitlines()] if path.exists() else []
 
 
+@pytest.mark.slow
 def test_sigkill_learner_and_resume_trains_every_trajectory_exactly_once(tmp_path):
     run_dir = tmp_path / "run"
     with socket.socket() as s:

@@ -18,6 +18,7 @@ from tests.support import REPO
 from tests.support.trajectories import model_trajectory
 
 
+@pytest.mark.slow
 def test_fanin_core_counts_every_message_once(tmp_path):
     bench = subprocess.run([sys.executable, str(REPO / "tools" / "bench_fanin.py"), "--actors", "8", "--procs", "2",
                             "--messages", "5", "--depth", "2", "--log-fsync", "never"], capture_output=True, text=True,
