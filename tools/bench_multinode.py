@@ -96,6 +96,10 @@ def node_processes(pgid: int) -> set[int]:
     return found
 
 
+REJOIN_AFTER_S = 60.0
+"""How long a worker node whose ``ray start`` gave up may take to join before it is started again."""
+
+
 @dataclass
 class Node:
     """One ``ray start`` of a :class:`LocalCluster`."""
@@ -144,7 +148,9 @@ class LocalCluster:
         (``ray.init``); returns once Ray's node table has every node alive.
 
         A ``ray start`` that gives up (it waits a fixed 30 s for its raylet to register, which a
-        loaded 2-core machine can exceed) is not fatal by itself: its raylet goes on and registers.
+        loaded 2-core machine can exceed) is not fatal by itself: its raylet usually goes on and registers.
+        A worker node whose ``ray start`` gave up and that has not joined :data:`REJOIN_AFTER_S` later is
+        killed and started again, up to twice (seen once in a test run at load 30: the node never joined).
 
         Raises:
             RuntimeError: a node was not alive within ``timeout_s`` (the tail of its ``ray start`` output).
@@ -154,7 +160,11 @@ class LocalCluster:
         deadline = time.monotonic() + timeout_s
         head, *workers = self.nodes
         self._wait([self._start(head, ["--head", f"--port={self.port}", "--include-dashboard=false"])], deadline)
-        self._wait([self._start(n, [f"--address={self.address}"]) for n in workers], deadline)
+        worker_args = [f"--address={self.address}"]
+        started = {n.name: self._start(n, worker_args) for n in workers}
+        self._wait(list(started.values()), deadline)
+        gave_up = {name: time.monotonic() for name, proc in started.items() if proc.returncode not in (0, None)}
+        restarts = dict.fromkeys(gave_up, 0)
         ray.init(address=self.address, log_to_driver=False, logging_level="WARNING")
         while True:
             alive = {self.name_of(n) for n in ray.nodes() if n["Alive"]}
@@ -164,11 +174,21 @@ class LocalCluster:
             if time.monotonic() > deadline:
                 tail = (self.root / f"{missing[0].name}.out").read_text()[-1500:]
                 raise RuntimeError(f"Ray node {missing[0].name} did not join within {timeout_s:.0f} s: {tail}")
+            for node in missing:
+                since = gave_up.get(node.name)
+                if since is None or time.monotonic() - since < REJOIN_AFTER_S or restarts[node.name] >= 2:
+                    continue
+                self.kill(node.name)
+                restarts[node.name] += 1
+                node.temp_dir = self.root / f"{node.name}-{restarts[node.name]}"
+                proc = self._start(node, worker_args)
+                self._wait([proc], deadline)
+                gave_up[node.name] = time.monotonic()  # (the next restart, if any, waits again)
             time.sleep(0.5)
 
     def _start(self, node: Node, args: list[str]) -> subprocess.Popen:
         node.temp_dir.mkdir(parents=True)
-        out = open(self.root / f"{node.name}.out", "w")  # noqa: SIM115
+        out = open(self.root / f"{node.name}.out", "a")  # noqa: SIM115 (a restart appends)
         proc = subprocess.Popen([RAY_CLI, "start", *args, f"--temp-dir={node.temp_dir}", "--node-ip-address=127.0.0.1",
                                  f"--num-cpus={self.num_cpus}", f"--resources={json.dumps(node.resources)}",
                                  "--disable-usage-stats"], env=self.env, stdout=out, stderr=subprocess.STDOUT,
