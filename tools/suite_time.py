@@ -51,7 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--marker-expr", default="", help="keep only the tests pytest -m EXPR selects here")
     p.add_argument("--top", type=int, default=25, help="how many of the slowest tests and files to print")
     args = p.parse_args(argv)
-    rows = read_junit(args.junit)
+    try:
+        rows = read_junit(args.junit)
+    except (OSError, ET.ParseError) as e:
+        p.error(f"{args.junit} is not a readable junit XML file ({e}); write one with pytest --junitxml=FILE")
     if args.marker_expr:
         keep = selected_ids(args.marker_expr)
         rows = [r for r in rows if r[1] in keep]
