@@ -5,7 +5,8 @@ real and only the edges faked), ``contracts/`` (one behaviour suite run against 
 ``e2e/`` (real launches). Fakes of the edges that cannot run here, and builders of small real inputs,
 live in ``tests/support/`` and are imported by name; the ones many rooms need are fixtures here.
 
-Markers (pyproject.toml): ``slow`` (starts Ray or a real launch, builds a wheel), ``container``
+Markers (pyproject.toml): ``slow`` (starts Ray or a real launch, builds a wheel, or takes over about 4 s on 2
+cores), ``container``
 (runs podman), ``gpu`` (needs a CUDA device: skipped here with the reason).
 """
 

@@ -61,17 +61,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"-m {args.marker_expr!r}: {len(keep)} tests collected here, {len(rows)} of them in the junit file")
     rows.sort(reverse=True)
     total = sum(t for t, _ in rows)
-    print(f"{len(rows)} tests, {total:.0f} s summed")
+    print(f"{len(rows)} tests, {total:.0f} s summed (with -n 2 two tests run at once: about twice the wall clock)")
     for limit in (30, 10, 5, 3, 2, 1):
         over = [t for t, _ in rows if t > limit]
         print(f"  over {limit:>2} s: {len(over):4d} tests, {sum(over):6.0f} s; the rest {total - sum(over):6.0f} s")
-    print(f"the {args.top} slowest tests:")
+    print(f"the {min(args.top, len(rows))} slowest tests:")
     for t, nid in rows[:args.top]:
         print(f"{t:8.1f}  {nid}")
     files = collections.Counter()
     for t, nid in rows:
         files[nid.split("::")[0]] += t
-    print(f"the {args.top} slowest files:")
+    print(f"the {min(args.top, len(files))} slowest files:")
     for f, t in files.most_common(args.top):
         print(f"{t:8.1f}  {f}")
     return 0
