@@ -50,6 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("tasks", type=Path, help="a bench learning split: the folder holding sft/ and heldout/")
     p.add_argument("--model", default="", help="model folder whose tokenizer to use (default: the built-in one)")
     args = p.parse_args(argv)
+    lacking = [d for d in ("sft", "heldout") if not (args.tasks / d).is_dir()]
+    if lacking:
+        p.error(f"{args.tasks} has no {' or '.join(f'{d}/' for d in lacking)}: pass a bench learning split, "
+                "the tasks/ folder of t1async bench learning's --out")
     if args.model:
         from transformers import AutoTokenizer
 

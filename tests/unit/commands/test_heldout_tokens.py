@@ -37,3 +37,12 @@ def test_the_command_prints_one_json_object_with_the_built_in_tokenizer(tmp_path
     got = json.loads(out)
     assert got["tokenizer"] == "built-in" and got["heldout_tasks"] == 1 and got["command_tokens"] > 0
     assert 0 <= got["tokens_no_demonstration_holds"] <= got["command_tokens"]
+
+
+def test_a_folder_that_is_not_a_split_is_one_line(tmp_path):
+    (tmp_path / "sft").mkdir()
+    r = subprocess.run([sys.executable, "tools/heldout_tokens.py", str(tmp_path)], cwd=REPO, capture_output=True,
+                       text=True)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.splitlines()[-1].endswith(f"{tmp_path} has no heldout/: pass a bench learning split, the tasks/ "
+                                              "folder of t1async bench learning's --out")

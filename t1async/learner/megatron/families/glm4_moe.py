@@ -252,8 +252,6 @@ def hf_to_megatron(sd: dict[str, torch.Tensor], cfg: ModelConfig, layout: Layout
     return out
 
 
-
-
 def _layer_to_hf(cfg: ModelConfig, rest: str, w: torch.Tensor, src: str, e0: int, out: dict[str, torch.Tensor]) -> bool:
     """Megatron weight ``rest`` (its name after ``decoder.layers.{j}.``) of HF layer prefix ``src`` into ``out``
     (convert.py's :data:`LayerToHf` for this family; experts under per-expert names). False: a name it does not know."""
